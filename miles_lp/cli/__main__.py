@@ -1,0 +1,5 @@
+import sys
+
+from miles_lp.cli import main
+
+sys.exit(main())
