@@ -1,0 +1,41 @@
+"""``miles-lp bench NAME``: benchmarks, measured side by side with their anchor and reported as ratios.
+
+Each benchmark lives in ``miles_lp.bench.<name>`` with ``HELP``, ``add_arguments(p)`` and ``run(args)``.
+Speed and memory targets live here, never in unit tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+HELP = "run a benchmark (plan, convert, linear, quantize) and report ratios against its anchor"
+DESCRIPTION = HELP + """
+
+benchmarks:
+  plan       compile the precision plan for the full DeepSeek-V3 name set; per-tensor lookup cost
+  convert    convert a synthetic ~2 GB checkpoint; GB/s vs a plain copy of the same files; peak RSS
+  linear     QuantLinear forward+backward per backward mode vs bf16 F.linear (GPU)
+  quantize   codec throughput: the reference (eager and compiled) vs torchao's to_mx
+"""
+
+BENCHES = ["plan", "convert", "linear", "quantize"]
+
+
+def add_arguments(p) -> None:
+    sub = p.add_subparsers(dest="bench", metavar="NAME", required=True)
+    for name in BENCHES:
+        try:
+            module = importlib.import_module(f"miles_lp.bench.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"miles_lp.bench.{name}":
+                continue
+            raise
+        bp = sub.add_parser(name, help=module.HELP, description=getattr(module, "DESCRIPTION", module.HELP),
+                            formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+        module.add_arguments(bp)
+        bp.set_defaults(_bench_run=module.run)
+
+
+def run(args) -> int:
+    return int(args._bench_run(args) or 0)

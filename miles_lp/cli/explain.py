@@ -1,0 +1,45 @@
+"""`miles-lp explain`: which tensor gets which format, and which rule decided."""
+
+from __future__ import annotations
+
+HELP = "show the precision plan of a recipe on a model: formats per layer range and role, totals, warnings"
+DESCRIPTION = """\
+Compile the recipe's `precision:` section against a model and print, grouped by contiguous layer range and
+role, each tensor group's format and the rule that decided it; totals of parameters and bytes per format with
+the compression ratio; and warnings (rules that match nothing, rules shadowed by an earlier rule).
+
+  miles-lp explain recipes/deepseek_v3_mxfp8.yaml --model tests/fixtures/deepseek_v3_config.json
+  miles-lp explain recipes/qwen3_moe_mxfp8_nvfp4_experts.yaml --model /tmp/tiny --json
+
+--model is a directory holding config.json (names and shapes come from its safetensors headers when
+present, else from the config) or a config.json path.
+"""
+
+
+def add_arguments(p) -> None:
+    p.add_argument("recipe", help="recipe YAML with a `precision:` section")
+    p.add_argument("--model", required=True, help="model directory (config.json [+ *.safetensors]) or config.json")
+    p.add_argument("--json", action="store_true", help="print the machine-readable report")
+    p.add_argument("--mtp", action="store_true",
+                   help="include DeepSeek multi-token-prediction layers when synthesizing names from a config")
+    p.add_argument("--save-plan", metavar="PATH", help="also write plan.json to PATH")
+
+
+def run(args) -> int:
+    import json
+    from pathlib import Path
+
+    from miles_lp.policy import compile_plan, load_policy
+    from miles_lp.policy.explain import explain_plan, format_explain, load_model_layout
+
+    policy = load_policy(args.recipe)
+    layout, tensors, source = load_model_layout(args.model, include_mtp=args.mtp)
+    plan = compile_plan(policy, layout, tensors)
+    report = explain_plan(plan)
+    if args.save_plan:
+        Path(args.save_plan).write_text(plan.to_json())
+    if args.json:
+        print(json.dumps(report, indent=1, sort_keys=True))
+    else:
+        print(format_explain(report, source))
+    return 0

@@ -1,0 +1,150 @@
+"""How each consumer reads a precision config: its own matching semantics, re-implemented (not copied).
+
+Every emitter in `miles_lp.policy.emit` is checked by re-reading its output with these functions and
+comparing the resulting set of quantized tensors with the plan. Sources read for each rule are cited.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Iterable, Mapping, Sequence
+
+#: SGLang / vLLM fused linear modules and their checkpoint shards (``packed_modules_mapping`` of the model
+#: classes; SGLang's ``_FALLBACK_FUSED_SHARDS`` in layers/quantization/utils.py for qkv/gate_up; DeepSeek's
+#: ``fused_qkv_a_proj_with_mqa`` in SGLang models/deepseek_v2.py).
+PACKED_MODULES: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "fused_qkv_a_proj_with_mqa": ("q_a_proj", "kv_a_proj_with_mqa"),
+}
+
+
+class FusedShardMismatch(ValueError):
+    """A consumer found some but not all shards of a fused module skipped (it raises too)."""
+
+
+# ---- SGLang: modules_to_not_convert (mxfp8 / fp8 configs) ---------------------------------------------
+def sglang_module_path_match(ignored: str, prefix: str) -> bool:
+    """SGLang ``_module_path_match`` (python/sglang/srt/layers/quantization/utils.py, PR #23467).
+
+    Matches on dotted-path boundaries: equal, a parent path (``model.layers.3.`` skips everything below), or
+    a run of whole components inside the path. ``mlp.gate`` never matches ``mlp.gate_up_proj``.
+    """
+    ignored, prefix = ignored.rstrip("."), prefix.rstrip(".")
+    if ignored == prefix or prefix.startswith(ignored + "."):
+        return True
+    return f".{ignored}." in f".{prefix}."
+
+
+def sglang_is_layer_skipped(prefix: str, ignored: Sequence[str],
+                            fused_mapping: Mapping[str, Sequence[str]] = PACKED_MODULES) -> bool:
+    """SGLang ``is_layer_skipped`` (layers/quantization/utils.py): a fused module is skipped iff its shards
+    are; shards that disagree raise (``FusedShardMismatch`` here). A FusedMoE prefix (``...mlp.experts``) is
+    also skipped when an ignored entry containing ``experts`` contains the prefix as a substring.
+    """
+    proj = prefix.split(".")[-1]
+    if proj in fused_mapping:
+        verdicts = {any(sglang_module_path_match(i, prefix[: -len(proj)] + shard) for i in ignored)
+                    for shard in fused_mapping[proj]}
+        if len(verdicts) > 1:
+            raise FusedShardMismatch(f"Detected some but not all shards of {prefix} are quantized")
+        return verdicts.pop()
+    skipped = any(sglang_module_path_match(i, prefix) for i in ignored)
+    if "gate_up_proj" in prefix:
+        g, u = prefix.replace("gate_up_proj", "gate_proj"), prefix.replace("gate_up_proj", "up_proj")
+        skipped = skipped or (g in ignored and u in ignored)
+    elif "experts" in prefix:
+        skipped = skipped or any(prefix in i for i in ignored if "experts" in i)
+    return skipped
+
+
+# ---- ModelOpt exclude lists ---------------------------------------------------------------------------
+def _vllm_exact_is_layer_skipped(prefix: str, ignored: Sequence[str],
+                                 fused_mapping: Mapping[str, Sequence[str]]) -> bool:
+    """vLLM ``is_layer_skipped`` (model_executor/layers/quantization/utils/quant_utils.py): exact names,
+    fused modules expanded to shards, shards must agree."""
+    proj = prefix.split(".")[-1]
+    if proj in fused_mapping:
+        verdicts = {(prefix[: -len(proj)] + shard) in ignored for shard in fused_mapping[proj]}
+        if len(verdicts) > 1:
+            raise FusedShardMismatch(f"Detected some but not all shards of {prefix} are quantized")
+        return verdicts.pop()
+    return prefix in ignored
+
+
+def vllm_modelopt_is_layer_excluded(prefix: str, exclude: Sequence[str],
+                                    fused_mapping: Mapping[str, Sequence[str]] = PACKED_MODULES) -> bool:
+    """vLLM ``ModelOptQuantConfigBase.is_layer_excluded`` (model_executor/layers/quantization/modelopt.py):
+    exact match with fused shards, then SUBSTRING match (legacy ModelOpt < 0.39 exports), then ``fnmatch``
+    wildcards. The substring step is why exclude entries must be full module paths that are not a prefix of
+    another module's name (``mlp.gate`` would exclude ``mlp.gate_up_proj``).
+    """
+    if not exclude:
+        return False
+    if _vllm_exact_is_layer_skipped(prefix, exclude, fused_mapping):
+        return True
+    if any(e != prefix and e in prefix for e in exclude):
+        return True
+    return any(fnmatch.fnmatch(prefix, e) for e in exclude)
+
+
+def sglang_modelopt_is_layer_excluded(prefix: str, exclude: Sequence[str],
+                                      fused_mapping: Mapping[str, Sequence[str]] = PACKED_MODULES) -> bool:
+    """SGLang ModelOpt FP4 ``get_quant_method``: ``is_layer_skipped(prefix, exclude)`` or ``is_layer_excluded``,
+    whose patterns are regexes built as ``.`` -> ``\\.`` and ``*`` -> ``.*`` with ``re.fullmatch``."""
+    if sglang_is_layer_skipped(prefix, exclude, fused_mapping):
+        return True
+    for pattern in exclude:
+        if re.fullmatch(pattern.replace(".", r"\.").replace("*", ".*"), prefix):
+            return True
+    return False
+
+
+# ---- SGLang modelopt_mixed: quantized_layers ------------------------------------------------------------
+def modelopt_mixed_layer_algo(shard_modules: Iterable[str], quantized_layers: Mapping[str, Mapping]) -> str | None:
+    """MIXED_PRECISION (SGLang ``modelopt_mixed``; CONTRACT 4): a module is quantized with the algo listed for
+    its exact name; a fused module looks up each shard (and a FusedMoE each expert projection) and all must
+    agree; unlisted stays BF16. Returns the algo or None (BF16)."""
+    algos = set()
+    for shard in shard_modules:
+        cfg = quantized_layers.get(shard)
+        algos.add(None if cfg is None else str(cfg.get("quant_algo")).upper())
+    if len(algos) > 1:
+        raise FusedShardMismatch(f"shards disagree: {sorted(map(str, algos))}")
+    return algos.pop() if algos else None
+
+
+# ---- compressed-tensors ------------------------------------------------------------------------------------
+def ct_match_name(name: str, target: str, fused: Mapping[str, Sequence[str]] | None = None) -> bool:
+    """compressed-tensors ``match_name`` (compressed_tensors/utils/match.py, v0.20): ``re:`` targets use
+    ``re.match`` (anchored at the start only), other targets must equal the name; a fused name matches when
+    ANY of its shards matches."""
+    if fused is not None:
+        for suffix, shards in fused.items():
+            if name.endswith(suffix):
+                base = name[: -len(suffix)]
+                return any(ct_match_name(base + s, target) for s in shards)
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == name
+
+
+def ct_is_match(name: str, is_linear: bool, targets: Sequence[str], ignore: Sequence[str],
+                fused: Mapping[str, Sequence[str]] | None = None) -> bool:
+    """compressed-tensors ``is_match``: a target or ignore entry matches the name or the module class name
+    (``Linear`` matches every linear layer)."""
+    def hit(t: str) -> bool:
+        return ct_match_name(name, t, fused) or (is_linear and t == "Linear")
+    return any(hit(t) for t in targets) and not any(hit(t) for t in ignore)
+
+
+# ---- Megatron-Core -------------------------------------------------------------------------------------------
+def megatron_is_first_last_bf16_layer(layer_no: int, num_layers: int, first_last_layers_bf16: bool,
+                                      num_layers_at_start_in_bf16: int, num_layers_at_end_in_bf16: int) -> bool:
+    """Megatron-Core ``is_first_last_bf16_layer`` (megatron/core/fp8_utils.py): ``layer_no`` is the 0-based
+    global decoder layer; the whole TransformerLayer (attention, MLP, MoE experts, shared experts) runs
+    outside the FP8/FP4 autocast context when it is True. Routers are not TE linears and never quantized."""
+    start = num_layers_at_start_in_bf16 if first_last_layers_bf16 else 0
+    end = num_layers_at_end_in_bf16 if first_last_layers_bf16 else 0
+    return layer_no >= 0 and first_last_layers_bf16 and (layer_no < start or layer_no >= num_layers - end)

@@ -1,0 +1,338 @@
+"""Emit every consumer's config from one `PrecisionPlan`, and prove it by re-reading.
+
+Each emitter builds the consumer's config, then re-reads it with the consumer's own matching semantics
+(`miles_lp.policy.consumers`) and checks that the consumer would quantize exactly the tensors the plan
+quantizes. When the consumer cannot say what the plan says (q_proj quantized but k_proj not while the engine
+fuses qkv; a per-layer pattern Megatron's first/last flags cannot express), it raises `ConfigError` naming
+the tensors and the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import Counter
+from typing import Any
+
+from miles_lp.errors import ConfigError
+from miles_lp.formats.spec import BackwardMode, Format
+from miles_lp.policy import consumers as C
+from miles_lp.policy.plan import PlanEntry, PrecisionPlan
+from miles_lp.policy.roles import QUANTIZABLE_ROLES
+
+
+@dataclasses.dataclass
+class EngineModule:
+    """One module SGLang/vLLM builds: a (fused) linear or a FusedMoE holding many checkpoint tensors."""
+
+    name: str  # e.g. model.layers.3.self_attn.qkv_proj | model.layers.3.mlp.experts
+    moe: bool
+    layer: int | None
+    shards: list[str] = dataclasses.field(default_factory=list)  # HF module names (no .weight)
+    entries: list[PlanEntry] = dataclasses.field(default_factory=list)
+
+    @property
+    def format(self) -> Format:
+        return self.entries[0].format
+
+
+def engine_modules(plan: PrecisionPlan, engine: str = "SGLang/vLLM") -> dict[str, EngineModule]:
+    """Group the plan's linear weights into the engine's modules; refuse a plan that splits a fused module."""
+    layout = plan.layout
+    if layout is None:
+        raise ConfigError("emitters need the plan's layout (compile_plan attaches it; pass layout= to from_json)")
+    mods: dict[str, EngineModule] = {}
+    for name, e in plan.entries.items():
+        info = layout.describe(name)
+        if info.engine_module is None:
+            if e.format.quantized:
+                raise ConfigError(f"{engine} cannot serve '{name}' ({e.role.value}) quantized: it builds it as an "
+                                  f"unquantized module (plan rule {e.rule})")
+            continue
+        m = mods.get(info.engine_module)
+        if m is None:
+            m = mods[info.engine_module] = EngineModule(info.engine_module, info.role.value == "routed_experts",
+                                                        info.layer)
+        m.shards.append(name.rsplit(".", 1)[0])
+        m.entries.append(e)
+    for m in mods.values():
+        fmts = {(e.format, e.activation_scale) for e in m.entries}
+        if len(fmts) > 1:
+            by = {}
+            for e in m.entries:
+                by.setdefault((e.format.value, e.activation_scale), e)
+            detail = "; ".join(f"'{e.name}' is {f}{'/' + a if a else ''} ({e.rule})" for (f, a), e in by.items())
+            raise ConfigError(f"{engine} runs '{m.name}' as one {'FusedMoE' if m.moe else 'fused GEMM'} but the "
+                              f"plan splits it: {detail}. Give all of its tensors one format.")
+    return mods
+
+
+def _single_format(plan: PrecisionPlan, allowed: tuple[Format, ...], who: str) -> Format:
+    fmts = {e.format for e in plan.entries.values() if e.format.quantized}
+    bad = fmts - set(allowed)
+    if bad or len(fmts) != 1:
+        raise ConfigError(f"{who} holds one format ({'/'.join(f.value for f in allowed)}); the plan has "
+                          f"{sorted(f.value for f in fmts) or 'none'}: use modelopt_mixed_config or "
+                          "compressed_tensors_config for mixed plans")
+    return fmts.pop()
+
+
+def _check(expected: dict[str, bool], got: dict[str, bool], who: str) -> None:
+    wrong = [n for n in expected if expected[n] != got[n]]
+    if wrong:
+        raise ConfigError(f"{who} would read the emitted config differently from the plan for {len(wrong)} "
+                          f"module(s), e.g. " + ", ".join(f"{n} (plan: {'quantized' if expected[n] else 'bf16'})"
+                                                          for n in wrong[:5]))
+
+
+def _not_converted(plan: PrecisionPlan, mods: dict[str, EngineModule], whole_layers: bool) -> list[str]:
+    """BF16 engine modules as checkpoint-shard paths (plus lm_head, embeddings, routers)."""
+    out = ["lm_head", "model.embed_tokens"]
+    by_layer: dict[int | None, list[EngineModule]] = {}
+    for m in mods.values():
+        by_layer.setdefault(m.layer, []).append(m)
+    for layer in sorted(by_layer, key=lambda x: -1 if x is None else x):
+        ms = by_layer[layer]
+        if whole_layers and layer is not None and all(not m.format.quantized for m in ms):
+            out.append(f"model.layers.{layer}.")
+            continue
+        for m in sorted(ms, key=lambda m: m.name):
+            if not m.format.quantized:
+                out += [m.name] if m.moe else sorted(set(m.shards))
+    layout = plan.layout
+    for name, e in plan.entries.items():  # routers/gates: engines never quantize them; list them as exports do
+        if e.role.value in ("router", "shared_expert_gate") and not (
+                whole_layers and e.layer is not None and f"model.layers.{e.layer}." in out):
+            out.append(layout.describe(name).canonical.rsplit(".", 1)[0])
+    return list(dict.fromkeys(out))
+
+
+# ---- SGLang mxfp8 --------------------------------------------------------------------------------------------
+def sglang_config(plan: PrecisionPlan) -> dict[str, Any]:
+    """SGLang native MXFP8 ``quantization_config`` (CONTRACT 4), re-read with SGLang ``is_layer_skipped``."""
+    _single_format(plan, (Format.MXFP8,), "SGLang 'mxfp8'")
+    mods = engine_modules(plan, "SGLang")
+    skip = _not_converted(plan, mods, whole_layers=True)
+    cfg = {"quant_method": "mxfp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [1, 32],
+           "scale_fmt": "ue8m0", "modules_to_not_convert": skip}
+    got = {}
+    for m in mods.values():
+        got[m.name] = not C.sglang_is_layer_skipped(m.name, skip)
+    _check({m.name: m.format.quantized for m in mods.values()}, got, "SGLang mxfp8")
+    return cfg
+
+
+# ---- ModelOpt NVFP4 (and vLLM modelopt MXFP8) ------------------------------------------------------------------
+def _modelopt_exclude(plan: PrecisionPlan, mods: dict[str, EngineModule], algo: str) -> list[str]:
+    exclude = _not_converted(plan, mods, whole_layers=False)
+    expected = {m.name: m.format.quantized for m in mods.values()}
+    for who, fn in (("vLLM modelopt", C.vllm_modelopt_is_layer_excluded),
+                    ("SGLang modelopt", C.sglang_modelopt_is_layer_excluded)):
+        try:
+            got = {m.name: not fn(m.name, exclude) for m in mods.values()}
+        except C.FusedShardMismatch as exc:
+            raise ConfigError(f"{who} ({algo}): {exc}") from None
+        _check(expected, got, f"{who} ({algo})")
+    return exclude
+
+
+def modelopt_config(plan: PrecisionPlan) -> dict[str, Any]:
+    """ModelOpt NVFP4 ``quantization_config`` (``quant_method: modelopt``, ``ignore``)."""
+    _single_format(plan, (Format.NVFP4,), "ModelOpt NVFP4")
+    mods = engine_modules(plan, "ModelOpt consumers")
+    return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+            "ignore": _modelopt_exclude(plan, mods, "NVFP4"), "kv_cache_scheme": None}
+
+
+def hf_quant_config(plan: PrecisionPlan) -> dict[str, Any]:
+    """The older ModelOpt ``hf_quant_config.json`` form (``quantization.exclude_modules``)."""
+    cfg = modelopt_config(plan)
+    return {"producer": {"name": "miles-lp"},
+            "quantization": {"quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
+                             "exclude_modules": cfg["ignore"]}}
+
+
+def vllm_config(plan: PrecisionPlan) -> dict[str, Any]:
+    """vLLM ModelOpt config (``modelopt_mxfp8`` for MXFP8 plans, ``modelopt_fp4`` for NVFP4 plans)."""
+    fmt = _single_format(plan, (Format.MXFP8, Format.NVFP4), "vLLM modelopt")
+    algo = "MXFP8" if fmt is Format.MXFP8 else "NVFP4"
+    mods = engine_modules(plan, "vLLM")
+    return {"quant_method": "modelopt", "quant_algo": algo, "group_size": 32 if algo == "MXFP8" else 16,
+            "ignore": _modelopt_exclude(plan, mods, algo)}
+
+
+# ---- SGLang modelopt_mixed -----------------------------------------------------------------------------------
+_MIXED_ALGO = {Format.MXFP8: ("MXFP8", 32), Format.NVFP4: ("NVFP4", 16), Format.FP8_TENSOR: ("FP8", None),
+               Format.FP8_BLOCK: ("FP8_BLOCK_SCALES", 128)}
+
+
+def modelopt_mixed_config(plan: PrecisionPlan) -> dict[str, Any]:
+    """SGLang ``modelopt_mixed``: ``quant_algo: MIXED_PRECISION`` + per-module ``quantized_layers``."""
+    mods = engine_modules(plan, "SGLang modelopt_mixed")
+    layers: dict[str, dict[str, Any]] = {}
+    for m in mods.values():
+        if m.format.quantized:
+            algo, gs = _MIXED_ALGO[m.format]
+            for shard in m.shards:
+                layers[shard] = {"quant_algo": algo} | ({"group_size": gs} if gs else {})
+    expected, got = {}, {}
+    for m in mods.values():
+        expected[m.name] = _MIXED_ALGO[m.format][0] if m.format.quantized else None
+        try:
+            got[m.name] = C.modelopt_mixed_layer_algo(m.shards, layers)
+        except C.FusedShardMismatch as exc:
+            raise ConfigError(f"SGLang modelopt_mixed: {m.name}: {exc}") from None
+    wrong = [n for n in expected if expected[n] != got[n]]
+    if wrong:
+        raise ConfigError(f"SGLang modelopt_mixed re-read differs for {wrong[:5]}")
+    return {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None,
+            "quantized_layers": dict(sorted(layers.items()))}
+
+
+# ---- compressed-tensors ----------------------------------------------------------------------------------------
+def _ct_scheme(fmt: Format, entry: PlanEntry) -> dict[str, Any]:
+    if fmt is Format.MXFP8:
+        w = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True,
+             "dynamic": False, "scale_dtype": "uint8"}
+        return {"weights": w, "input_activations": dict(w, dynamic=True), "format": "mxfp8-quantized"}
+    if fmt is Format.NVFP4:
+        w = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True,
+             "dynamic": False}
+        act = dict(w, dynamic="local" if entry.activation_scale == "tensor" else True,
+                   strategy="tensor_group" if entry.activation_scale == "tensor" else "token")
+        return {"weights": w, "input_activations": act, "format": "nvfp4-pack-quantized"}
+    if fmt is Format.FP8_BLOCK:
+        w = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128], "symmetric": True}
+        return {"weights": w, "input_activations": {"num_bits": 8, "type": "float", "strategy": "group",
+                                                    "group_size": 128, "dynamic": True}, "format": "float-quantized"}
+    w = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True}
+    return {"weights": w, "input_activations": dict(w, dynamic=True), "format": "float-quantized"}
+
+
+def compressed_tensors_config(plan: PrecisionPlan) -> dict[str, Any]:
+    """compressed-tensors ``quantization_config``: one config group per (format, activation scope); targets are
+    exact module names, one ``re:`` pattern per FusedMoE layer; ``ignore`` lists the BF16 modules."""
+    mods = engine_modules(plan, "compressed-tensors consumers (vLLM/SGLang)")
+    keys = sorted({(m.format.value, m.entries[0].activation_scale or "") for m in mods.values()
+                   if m.format.quantized})
+    groups: dict[str, dict[str, Any]] = {}
+    key_of: dict[tuple[str, str], str] = {}
+    for i, key in enumerate(keys):
+        first = next(m for m in mods.values() if (m.format.value, m.entries[0].activation_scale or "") == key)
+        key_of[key] = f"group_{i}"
+        groups[f"group_{i}"] = {"targets": [], **_ct_scheme(first.format, first.entries[0])}
+    for m in sorted(mods.values(), key=lambda m: m.name):
+        if not m.format.quantized:
+            continue
+        g = groups[key_of[(m.format.value, m.entries[0].activation_scale or "")]]
+        if m.moe:
+            projs = sorted({s.rsplit(".", 1)[1] for s in m.shards})
+            g["targets"].append(f"re:{re.escape(m.name)}\\.\\d+\\.({'|'.join(projs)})$")
+        else:
+            g["targets"] += sorted(set(m.shards))
+    ignore = _not_converted(plan, mods, whole_layers=False)
+    fmt_names = {g["format"] for g in groups.values()}
+    cfg = {"quant_method": "compressed-tensors", "format": fmt_names.pop() if len(fmt_names) == 1 else
+           "mixed-precision", "config_groups": groups, "ignore": ignore}
+    # re-read: the group whose targets match every shard (vLLM checks shards of fused modules agree)
+    for m in mods.values():
+        found = set()
+        for shard in m.shards:
+            hits = [gname for gname, g in groups.items() if C.ct_is_match(shard, False, g["targets"], ignore)]
+            if len(hits) > 1:
+                raise ConfigError(f"compressed-tensors: {shard} matches several config groups {hits}")
+            found.add(hits[0] if hits else None)
+        if len(found) > 1:
+            raise ConfigError(f"compressed-tensors: shards of {m.name} resolve to different groups {found}")
+        want = key_of.get((m.format.value, m.entries[0].activation_scale or "")) if m.format.quantized else None
+        if found.pop() != want:
+            raise ConfigError(f"compressed-tensors re-read differs from the plan for {m.name}")
+    return cfg
+
+
+# ---- Megatron-Core / TE ---------------------------------------------------------------------------------------
+_MEGATRON_RECIPE = {Format.MXFP8: {"fp8": "e4m3", "fp8_recipe": "mxfp8"},
+                    Format.FP8_BLOCK: {"fp8": "e4m3", "fp8_recipe": "blockwise"},
+                    Format.FP8_TENSOR: {"fp8": "e4m3", "fp8_recipe": "tensorwise"},
+                    Format.NVFP4: {"fp4": "e2m1", "fp4_recipe": "nvfp4"}}
+
+
+def megatron_overrides(plan: PrecisionPlan) -> dict[str, Format]:
+    """Tensors whose format differs from what stock Megatron-Core would run given `megatron_kwargs`:
+    the per-module overrides miles-lp's Megatron backend applies (canonical name -> format)."""
+    return _megatron(plan)[1]
+
+
+def megatron_kwargs(plan: PrecisionPlan, *, strict: bool = True) -> dict[str, Any]:
+    """``TransformerConfig`` keyword arguments. ``strict``: stock Megatron semantics must reproduce the plan
+    exactly (else `ConfigError` naming the tensors); ``strict=False`` allows per-module overrides
+    (`megatron_overrides`) for miles-lp's backend to apply."""
+    kwargs, overrides = _megatron(plan)
+    if strict and overrides:
+        sample = list(overrides.items())[:8]
+        raise ConfigError(
+            f"Megatron-Core's TransformerConfig cannot express {len(overrides)} tensor(s) of this plan: inside a "
+            f"low-precision layer it runs every TE linear in {kwargs.get('fp8_recipe') or kwargs.get('fp4_recipe')}"
+            ", e.g. " + ", ".join(f"{n} -> {f.value}" for n, f in sample) +
+            ". Use megatron_kwargs(plan, strict=False) with megatron_overrides(plan) (miles-lp backend).")
+    return kwargs
+
+
+def _megatron(plan: PrecisionPlan) -> tuple[dict[str, Any], dict[str, Format]]:
+    L = plan.num_layers
+    linear = [e for e in plan.entries.values() if e.role in QUANTIZABLE_ROLES and e.layer is not None
+              and e.layer < L]
+    weight = Counter()
+    for e in linear:
+        if e.format.quantized:
+            n = 1
+            for d in e.shape:
+                n *= d
+            weight[e.format] += n
+    if not weight:
+        raise ConfigError("the plan quantizes no decoder-layer linear: nothing for Megatron to run in low precision")
+    base = weight.most_common(1)[0][0]
+    low = sorted({e.layer for e in linear if e.format.quantized})
+    bf16_layers = [i for i in range(L) if i not in set(low)]
+    start = 0
+    while start < L and start in bf16_layers:
+        start += 1
+    end = 0
+    while end < L - start and (L - 1 - end) in bf16_layers:
+        end += 1
+    middle = [i for i in bf16_layers if start <= i < L - end]
+    if middle:
+        raise ConfigError(f"Megatron's first/last flags cannot say this plan: decoder layers {middle} are all bf16 "
+                          f"but lie between low-precision layers (num_layers_at_start_in_bf16={start}, "
+                          f"num_layers_at_end_in_bf16={end} cover only the ends)")
+    kwargs: dict[str, Any] = dict(_MEGATRON_RECIPE[base])
+    kwargs.update(first_last_layers_bf16=bool(start or end), num_layers_at_start_in_bf16=start,
+                  num_layers_at_end_in_bf16=end)
+    overrides: dict[str, Format] = {}
+    for e in linear:
+        in_bf16 = C.megatron_is_first_last_bf16_layer(e.layer, L, kwargs["first_last_layers_bf16"], start, end)
+        stock = Format.BF16 if in_bf16 else base
+        if stock is not e.format:
+            overrides[e.name] = e.format
+    return kwargs, overrides
+
+
+def te_env(plan: PrecisionPlan) -> dict[str, str]:
+    """Transformer Engine environment for the learner (CONTRACT 7): ``NVTE_BACKWARD_OVERRIDE`` and row-scaled
+    (per-token) NVFP4 activations. Both are process-global, so the plan must use one value for each."""
+    q = [e for e in plan.entries.values() if e.format.quantized]
+    modes = {e.backward for e in q}
+    if len(modes) > 1:
+        raise ConfigError(f"TE's NVTE_BACKWARD_OVERRIDE is global; the plan mixes backward modes "
+                          f"{sorted(m.value for m in modes)}")
+    env: dict[str, str] = {}
+    mode = modes.pop() if modes else None
+    if mode in (BackwardMode.HIGH_PRECISION, BackwardMode.DEQUANTIZED):
+        env["NVTE_BACKWARD_OVERRIDE"] = mode.value
+    scopes = {e.activation_scale for e in q if e.format is Format.NVFP4}
+    if len(scopes) > 1:
+        raise ConfigError("TE's NVTE_NVFP4_ROW_SCALED_ACTIVATION is global; the plan mixes per-token and "
+                          "per-tensor NVFP4 activation scales")
+    if scopes:
+        env["NVTE_NVFP4_ROW_SCALED_ACTIVATION"] = "1" if scopes.pop() == "token" else "0"
+    return env

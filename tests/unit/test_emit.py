@@ -1,0 +1,154 @@
+"""Emitters: each consumer config re-read with the consumer's own matching semantics gives the plan's layer set."""
+
+import pytest
+
+from miles_lp.checkpoint.tiny import ARCHS, tiny_config
+from miles_lp.config import Where
+from miles_lp.errors import ConfigError
+from miles_lp.formats.spec import Format
+from miles_lp.policy import compile_plan, emit, get_layout, parse_policy, policy_from_flags
+from miles_lp.policy import consumers as C
+
+MOE = [a for a in ARCHS if a in ("qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral")]
+
+
+def _plan(arch, mapping):
+    return compile_plan(parse_policy(mapping, Where("t.yaml", "precision")), get_layout(tiny_config(arch).to_dict()))
+
+
+def _quantized_modules(plan):
+    return {m.name for m in emit.engine_modules(plan).values() if m.format.quantized}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sglang_mxfp8_roundtrip(arch):
+    plan = compile_plan(policy_from_flags("mxfp8", 1, 1), get_layout(tiny_config(arch).to_dict()))
+    cfg = emit.sglang_config(plan)
+    mods = emit.engine_modules(plan)
+    got = {n for n in mods if not C.sglang_is_layer_skipped(n, cfg["modules_to_not_convert"])}
+    assert got == _quantized_modules(plan) and got
+    assert "model.layers.0." in cfg["modules_to_not_convert"] and "lm_head" in cfg["modules_to_not_convert"]
+    # vLLM modelopt_mxfp8 and compressed-tensors agree too
+    v = emit.vllm_config(plan)
+    assert {n for n in mods if not C.vllm_modelopt_is_layer_excluded(n, v["ignore"])} == got
+    emit.compressed_tensors_config(plan)
+    emit.modelopt_mixed_config(plan)
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_nvfp4_experts_roundtrip(arch):
+    plan = _plan(arch, {"default": "bf16", "rules": [{"role": "routed_experts", "format": "nvfp4"}]})
+    mods = emit.engine_modules(plan)
+    cfg = emit.modelopt_config(plan)
+    for fn in (C.vllm_modelopt_is_layer_excluded, C.sglang_modelopt_is_layer_excluded):
+        assert {n for n in mods if not fn(n, cfg["ignore"])} == _quantized_modules(plan)
+    assert emit.hf_quant_config(plan)["quantization"]["exclude_modules"] == cfg["ignore"]
+    assert all(n.endswith(".experts") for n in _quantized_modules(plan))
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_mixed_roundtrip(arch):
+    plan = _plan(arch, {"default": "mxfp8", "rules": [{"layers": "last 1", "format": "bf16"},
+                                                      {"role": "routed_experts", "format": "nvfp4"}]})
+    mixed = emit.modelopt_mixed_config(plan)
+    mods = emit.engine_modules(plan)
+    for m in mods.values():
+        algo = C.modelopt_mixed_layer_algo(m.shards, mixed["quantized_layers"])
+        assert algo == ({"mxfp8": "MXFP8", "nvfp4": "NVFP4"}.get(m.format.value)), m.name
+    ct = emit.compressed_tensors_config(plan)
+    assert ct["format"] == "mixed-precision" and len(ct["config_groups"]) == 2
+    for m in mods.values():
+        hits = {g for g, spec in ct["config_groups"].items() for s in m.shards
+                if C.ct_is_match(s, False, spec["targets"], ct["ignore"])}
+        assert bool(hits) == m.format.quantized, m.name
+    with pytest.raises(ConfigError, match="one format"):
+        emit.sglang_config(plan)
+    with pytest.raises(ConfigError, match="cannot express"):
+        emit.megatron_kwargs(plan)
+    kw = emit.megatron_kwargs(plan, strict=False)  # base = the format holding most parameters (the experts)
+    base = Format.NVFP4 if kw.get("fp4_recipe") == "nvfp4" else Format.MXFP8
+    assert kw["num_layers_at_end_in_bf16"] == 1
+    overrides = emit.megatron_overrides(plan)
+    assert overrides and set(overrides.values()) == {Format.MXFP8, Format.NVFP4} - {base}
+    assert all(plan.entry(n).format is f for n, f in overrides.items())
+    assert emit.te_env(plan) == {"NVTE_BACKWARD_OVERRIDE": "dequantized", "NVTE_NVFP4_ROW_SCALED_ACTIVATION": "1"}
+
+
+def test_split_fused_qkv_is_rejected_naming_tensors():
+    plan = _plan("qwen3", {"default": "mxfp8", "rules": [{"match": "*.k_proj", "format": "bf16"}]})
+    for fn in (emit.sglang_config, emit.vllm_config, emit.compressed_tensors_config, emit.modelopt_mixed_config):
+        with pytest.raises(ConfigError, match=r"qkv_proj.*k_proj.weight' is bf16 \(rules\[0\]\)"):
+            fn(plan)
+    with pytest.raises(ConfigError, match="cannot express"):
+        emit.megatron_kwargs(plan)
+
+
+def test_split_mla_fused_qkv_a_is_rejected():
+    plan = _plan("deepseek_v3", {"default": "mxfp8", "rules": [{"role": "mla_q_a", "format": "bf16"}]})
+    with pytest.raises(ConfigError, match="fused_qkv_a_proj_with_mqa"):
+        emit.sglang_config(plan)
+
+
+def test_split_experts_of_one_layer_is_rejected():
+    plan = _plan("qwen3_moe", {"default": "mxfp8", "rules": [{"match": "*.experts.0.*", "format": "bf16"}]})
+    with pytest.raises(ConfigError, match="FusedMoE"):
+        emit.sglang_config(plan)
+
+
+def test_megatron_first_last_and_middle():
+    layout = get_layout(tiny_config("llama", num_layers=6).to_dict())
+    plan = compile_plan(policy_from_flags("mxfp8", 2, 1), layout)
+    kw = emit.megatron_kwargs(plan)
+    assert kw == {"fp8": "e4m3", "fp8_recipe": "mxfp8", "first_last_layers_bf16": True,
+                  "num_layers_at_start_in_bf16": 2, "num_layers_at_end_in_bf16": 1}
+    for e in plan.entries.values():
+        if e.role.value in ("attention_qkv", "dense_mlp") and e.layer is not None:
+            assert C.megatron_is_first_last_bf16_layer(e.layer, 6, True, 2, 1) == (not e.format.quantized)
+    mid = compile_plan(parse_policy({"default": "mxfp8", "rules": [{"layers": [3], "format": "bf16"}]}, Where("x")),
+                       layout)
+    with pytest.raises(ConfigError, match=r"first/last.*layers \[3\]"):
+        emit.megatron_kwargs(mid)
+
+
+def test_deepseek_recipe_needs_overrides_for_kv_b():
+    plan = _plan("deepseek_v3", {"default": "mxfp8", "rules": [{"role": "mla_kv_b", "format": "bf16"}]})
+    assert emit.sglang_config(plan)["modules_to_not_convert"]
+    kw = emit.megatron_kwargs(plan, strict=False)
+    assert kw["first_last_layers_bf16"] is False
+    assert all("kv_b_proj" in n for n in emit.megatron_overrides(plan))
+
+
+def test_te_env_high_precision_and_mixed_backward():
+    plan = _plan("qwen3", {"default": "mxfp8", "backward": "high_precision"})
+    assert emit.te_env(plan) == {"NVTE_BACKWARD_OVERRIDE": "high_precision"}
+    assert emit.te_env(_plan("qwen3", {"default": "mxfp8", "backward": "quantized"})) == {}
+    mixed = _plan("qwen3", {"default": "mxfp8", "rules": [{"role": "dense_mlp", "format": "mxfp8",
+                                                          "backward": "quantized"}]})
+    with pytest.raises(ConfigError, match="NVTE_BACKWARD_OVERRIDE is global"):
+        emit.te_env(mixed)
+
+
+def test_consumer_semantics_traps():
+    # SGLang dot-boundary: `mlp.gate` does not skip `mlp.gate_up_proj` (it did by substring before PR #23467)
+    assert not C.sglang_module_path_match("model.layers.1.mlp.gate", "model.layers.1.mlp.gate_up_proj")
+    assert C.sglang_module_path_match("model.layers.1.", "model.layers.1.self_attn.qkv_proj")
+    assert not C.sglang_module_path_match("model.layers.1.", "model.layers.10.self_attn.qkv_proj")
+    # vLLM modelopt keeps a substring fallback: a short exclude entry over-matches
+    assert C.vllm_modelopt_is_layer_excluded("model.layers.1.mlp.gate_up_proj", ["mlp.gate"])
+    # compressed-tensors re: is re.match (prefix-anchored), plain targets are exact
+    assert C.ct_match_name("model.layers.1.mlp.gate_up_proj", "re:model.layers.1.mlp.gate")
+    assert not C.ct_match_name("model.layers.1.mlp.gate_up_proj", "model.layers.1.mlp.gate")
+    with pytest.raises(C.FusedShardMismatch):
+        C.sglang_is_layer_skipped("model.layers.0.self_attn.qkv_proj", ["model.layers.0.self_attn.k_proj"])
+
+
+def test_compressed_tensors_matches_installed_package():
+    """Our re-implementation agrees with the installed compressed-tensors `match_name`."""
+    ct = pytest.importorskip("compressed_tensors.utils.match")
+    names = ["model.layers.1.mlp.gate_up_proj", "model.layers.1.mlp.gate", "model.layers.10.self_attn.q_proj"]
+    targets = ["re:model.layers.1.mlp.gate", "model.layers.1.mlp.gate", "re:.*q_proj$", "re:model\\.layers\\.1\\."]
+    fused = {"gate_up_proj": ["gate_proj", "up_proj"]}
+    for n in names:
+        for t in targets:
+            assert C.ct_match_name(n, t) == ct.match_name(n, t)
+            assert C.ct_match_name(n, t, fused) == ct.match_name(n, t, fused)
