@@ -1,0 +1,170 @@
+"""`miles-lp bench convert`: conversion throughput vs a plain copy of the same files, and peak memory.
+
+Builds a synthetic Qwen3-MoE-shaped bf16 checkpoint (real HF tensor names, so the policy applies; several
+shards of ``--shard-mb``), then in the same run: copies it (``shutil.copytree``) and converts it
+(``--format`` / ``--target``, default mxfp8 for SGLang) in a child process whose peak RSS is read with
+``os.wait4``. Targets (issue 4): conversion input GB/s >= 0.5x the copy's; peak RSS < 3x the largest shard.
+Both read the input from the page cache (it was just written) and both are timed until their output is on
+disk (``os.sync``), so the ratio compares like with like.
+"""
+
+from __future__ import annotations
+
+HELP = "time `convert` on a synthetic ~2 GB Qwen3-MoE checkpoint against a plain copy; peak RSS vs shard"
+DESCRIPTION = __doc__
+
+_HWM = """
+def _hwm():  # peak RSS of this process (VmHWM). ru_maxrss would include the parent's RSS at fork
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return -1
+"""
+_CHILD = _HWM + """
+import json, os, sys, time
+from miles_lp.cli.convert import policy_for_format
+from miles_lp.checkpoint.convert import convert_checkpoint
+src, out, fmt, target, shard = sys.argv[1:6]
+t0 = time.perf_counter()
+s = convert_checkpoint(src, out, policy_for_format(fmt), target=target, progress=False,
+                       max_shard_bytes=int(shard) or None, log=lambda m: None)
+os.sync()
+s.seconds = time.perf_counter() - t0  # with the output on disk, as the copy's time
+print(json.dumps({"seconds": s.seconds, "bytes_in": s.bytes_in, "bytes_out": s.bytes_out,
+                  "weights": s.weights_by_format, "hwm": _hwm()}))
+"""
+_BASELINE = _HWM + """
+import json, torch, safetensors.torch, miles_lp.checkpoint.convert, miles_lp.policy, miles_lp.formats, tqdm
+print(json.dumps({"hwm": _hwm()}))
+"""
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--size-gb", type=float, default=2.0, help="synthetic checkpoint size (default 2.0)")
+    p.add_argument("--shard-mb", type=float, default=500, help="input shard size in MB (default 500)")
+    p.add_argument("--format", default="mxfp8", choices=("mxfp8", "nvfp4-experts", "mxfp8+nvfp4-experts"))
+    p.add_argument("--target", default="sglang", choices=("sglang", "vllm", "compressed-tensors"))
+    p.add_argument("--workdir", default=None, help="where to build the checkpoint (default: a temp dir)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON too")
+
+
+def synth_config(size_bytes: float) -> dict:
+    """A Qwen3-MoE config (hidden 2048, 16 experts of 768) with as many layers as fill ``size_bytes``."""
+    hidden, inter, experts, vocab, heads, kv, hd = 2048, 768, 16, 32000, 32, 4, 128
+    per_layer = 2 * (2 * heads * hd * hidden + 2 * kv * hd * hidden + experts * (3 * inter * hidden + hidden))
+    layers = max(1, round((size_bytes - 4 * vocab * hidden) / per_layer))
+    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": hidden,
+            "intermediate_size": 6144, "moe_intermediate_size": inter, "num_experts": experts,
+            "num_experts_per_tok": 4, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv, "head_dim": hd, "vocab_size": vocab, "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "norm_topk_prob": True, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+            "max_position_embeddings": 4096, "torch_dtype": "bfloat16", "rope_theta": 1e6}
+
+
+def synth_tensors(c: dict):
+    """(name, shape) in the order HF checkpoints store them."""
+    h, hd = c["hidden_size"], c["head_dim"]
+    yield "model.embed_tokens.weight", (c["vocab_size"], h)
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        yield p + "input_layernorm.weight", (h,)
+        yield p + "post_attention_layernorm.weight", (h,)
+        yield p + "self_attn.q_proj.weight", (c["num_attention_heads"] * hd, h)
+        yield p + "self_attn.k_proj.weight", (c["num_key_value_heads"] * hd, h)
+        yield p + "self_attn.v_proj.weight", (c["num_key_value_heads"] * hd, h)
+        yield p + "self_attn.o_proj.weight", (h, c["num_attention_heads"] * hd)
+        yield p + "self_attn.q_norm.weight", (hd,)
+        yield p + "self_attn.k_norm.weight", (hd,)
+        yield p + "mlp.gate.weight", (c["num_experts"], h)
+        for e in range(c["num_experts"]):
+            q = f"{p}mlp.experts.{e}."
+            yield q + "gate_proj.weight", (c["moe_intermediate_size"], h)
+            yield q + "up_proj.weight", (c["moe_intermediate_size"], h)
+            yield q + "down_proj.weight", (h, c["moe_intermediate_size"])
+    yield "model.norm.weight", (h,)
+    yield "lm_head.weight", (c["vocab_size"], h)
+
+
+def build(root, size_gb: float, shard_mb: float):
+    import json
+
+    import torch
+
+    from miles_lp.checkpoint.safetensors_io import ShardWriter
+
+    cfg = synth_config(size_gb * 1e9)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(cfg, indent=2))
+    g = torch.Generator().manual_seed(0)
+    w = ShardWriter(root, int(shard_mb * 1e6))
+    for name, shape in synth_tensors(cfg):
+        w.add(name, (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16))
+    w.finish()
+    return cfg
+
+
+def _run_child(code: str, *argv: str) -> dict:
+    """``python -c code argv...`` in a child; its last stdout line as JSON."""
+    import json
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True)
+    if res.returncode:
+        raise RuntimeError(f"child failed ({res.returncode}):\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def run(args) -> int:
+    import json
+    import os
+    import shutil
+    import tempfile
+    import time
+    from pathlib import Path
+
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="miles-lp-bench-convert-"))
+    src, cp, out = work / "src", work / "copy", work / "out"
+    try:
+        t0 = time.perf_counter()
+        cfg = build(src, args.size_gb, args.shard_mb)
+        build_s = time.perf_counter() - t0
+        files = [p for p in src.iterdir() if p.is_file()]
+        total = sum(p.stat().st_size for p in files)
+        shards = [p.stat().st_size for p in src.glob("*.safetensors")]
+        largest = max(shards)
+        os.sync()  # flush the build's dirty pages so that neither timing pays for them
+        t0 = time.perf_counter()
+        shutil.copytree(src, cp)
+        os.sync()
+        copy_s = time.perf_counter() - t0
+        shutil.rmtree(cp)
+        base_rss = _run_child(_BASELINE)["hwm"]
+        res = _run_child(_CHILD, str(src), str(out), args.format, args.target, "0")
+        rss = res["hwm"]
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    copy_gbs = total / 1e9 / copy_s
+    conv_gbs = res["bytes_in"] / 1e9 / res["seconds"]
+    ratio = conv_gbs / copy_gbs
+    rss_ratio = rss / largest
+    rows = [
+        ("checkpoint", f"{total / 1e9:.2f} GB, {len(shards)} shards, {cfg['num_hidden_layers']} layers (built in {build_s:.1f} s)"),
+        ("copy (shutil.copytree)", f"{copy_s:.2f} s  {copy_gbs:.3f} GB/s"),
+        (f"convert ({args.format}, {args.target})", f"{res['seconds']:.2f} s  {conv_gbs:.3f} GB/s of input; "
+                                                     f"out {res['bytes_out'] / 1e9:.2f} GB; {res['weights']}"),
+        ("throughput ratio convert/copy", f"{ratio:.2f}  (target >= 0.5: {'PASS' if ratio >= 0.5 else 'MISS'})"),
+        ("peak RSS (convert child)", f"{rss / 1e9:.2f} GB (import-only baseline {base_rss / 1e9:.2f} GB; "
+                                     f"above it {(rss - base_rss) / 1e9:.2f} GB = {(rss - base_rss) / largest:.2f}x "
+                                     "the largest shard)"),
+        ("largest input shard", f"{largest / 1e9:.2f} GB"),
+        ("peak RSS / largest shard", f"{rss_ratio:.2f}  (target < 3: {'PASS' if rss_ratio < 3 else 'MISS'})"),
+    ]
+    w = max(len(k) for k, _ in rows)
+    print("\n".join(f"{k:<{w}}  {v}" for k, v in rows))
+    if args.json:
+        print(json.dumps({"bytes": total, "copy_s": copy_s, "convert_s": res["seconds"], "copy_gbs": copy_gbs,
+                          "convert_gbs": conv_gbs, "ratio": ratio, "peak_rss": rss, "baseline_rss": base_rss,
+                          "largest_shard": largest, "rss_ratio": rss_ratio}))
+    return 0

@@ -1,0 +1,133 @@
+"""All-or-nothing output folders.
+
+``atomic_output_dir(out, overwrite)`` yields a temporary sibling ``.<name>.miles-lp-tmp-<pid>`` to write
+into, and renames it to ``out`` only when the body finished without an exception. On any exception
+(KeyboardInterrupt included) the temporary folder is removed. A run killed hard (SIGKILL, power loss) leaves
+its temporary folder behind; the next run on the same ``out`` removes it (unless the process that made it is
+still alive). With ``overwrite=True`` an existing ``out`` is replaced only after the new one is complete:
+it is moved aside, the new folder is renamed in, then the old one is deleted.
+
+Disk-full, permission and read-only errors become ``CheckpointError`` with a message that says where and
+what to do; nothing half-written remains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+from miles_lp.errors import CheckpointError
+
+TMP_TAG = ".miles-lp-tmp-"
+OLD_TAG = ".miles-lp-old-"
+
+_ENV_ERRNOS = {
+    errno.ENOSPC: "no space left on the device; free space or choose another output folder",
+    errno.EDQUOT: "disk quota exceeded; free space or choose another output folder",
+    errno.EACCES: "permission denied; choose a folder you can write to or fix its permissions",
+    errno.EPERM: "operation not permitted; choose a folder you can write to or fix its permissions",
+    errno.EROFS: "read-only file system; choose another output folder",
+}
+
+
+def tmp_name(out: Path, pid: int | None = None) -> Path:
+    return out.parent / f".{out.name}{TMP_TAG}{os.getpid() if pid is None else pid}"
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # ours, from an earlier (failed) attempt in this process
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temps(out: Path) -> list[Path]:
+    """Remove temporary/old siblings of ``out`` left by killed runs (whose process is gone)."""
+    removed = []
+    if not out.parent.is_dir():
+        return removed
+    for tag in (TMP_TAG, OLD_TAG):
+        for p in out.parent.glob(f".{out.name}{tag}*"):
+            pid_s = p.name.rsplit("-", 1)[-1]
+            if pid_s.isdigit() and _pid_alive(int(pid_s)):
+                continue
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def env_error(exc: OSError, what: str) -> CheckpointError | None:
+    """A ``CheckpointError`` for disk-full / permission errors, ``None`` for others."""
+    hint = _ENV_ERRNOS.get(exc.errno)
+    if hint is None and isinstance(exc, PermissionError):
+        hint = _ENV_ERRNOS[errno.EACCES]
+    if hint is None:
+        return None
+    where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+    return CheckpointError(f"cannot write {what}{where}: {exc.strerror or exc}: {hint}. "
+                           "Nothing was written.")
+
+
+def check_output_target(out: str | Path, overwrite: bool) -> Path:
+    """Fail early (before any work) when ``out`` exists and ``overwrite`` is off, or is a file."""
+    out = Path(out).absolute()
+    if out.exists() or out.is_symlink():
+        if not out.is_dir():
+            raise CheckpointError(f"output {out} exists and is not a folder; choose another --output")
+        if not overwrite:
+            raise CheckpointError(f"output folder {out} already exists; pass --overwrite to replace it "
+                                  "(it is replaced only after the new checkpoint is complete)")
+    return out
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    out = check_output_target(out, overwrite)
+    remove_stale_temps(out)
+    tmp = tmp_name(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise env_error(exc, f"output folder {out}") or exc from None
+    try:
+        yield tmp
+        _commit(tmp, out, overwrite)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        err = env_error(exc, f"output folder {out}")
+        if err is None:
+            raise
+        raise err from exc
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _commit(tmp: Path, out: Path, overwrite: bool) -> None:
+    if out.exists():
+        if not overwrite:  # appeared while we were converting
+            raise CheckpointError(f"output folder {out} appeared during the run; pass --overwrite to replace "
+                                  "it. Nothing was written.")
+        old = out.parent / f".{out.name}{OLD_TAG}{os.getpid()}"
+        os.replace(out, old)
+        try:
+            os.replace(tmp, out)
+        except BaseException:
+            os.replace(old, out)  # put the previous checkpoint back
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)

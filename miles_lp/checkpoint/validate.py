@@ -1,0 +1,108 @@
+"""Dry validation pass over an input checkpoint: folder, config, every shard header, the index, dtypes.
+
+Runs before any byte of output is written (STYLE: "a dry validation pass over all shards"). Reads headers
+only; non-finite values are checked while converting (they need the data).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+from miles_lp.checkpoint.safetensors_io import FLOAT_DTYPES, CheckpointFiles, TensorHeader, open_checkpoint
+from miles_lp.errors import CheckpointError
+
+FP8_BLOCK = 128
+SCALE_INV_SUFFIX = "_scale_inv"  # DeepSeek-V3 block-FP8: "<m>.weight" + "<m>.weight_scale_inv"
+COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                "generation_config.json", "added_tokens.json", "vocab.json", "merges.txt")
+COPIED_GLOBS = ("chat_template*",)
+
+
+@dataclasses.dataclass
+class SourceCheckpoint:
+    """A validated input checkpoint."""
+
+    root: Path
+    config: dict
+    files: CheckpointFiles
+    fp8_scale_of: dict[str, str]  # block-FP8 weight name -> its weight_scale_inv name
+    logical: dict[str, tuple[int, ...]]  # what the model holds: every tensor but the FP8 scale_inv ones
+
+    @property
+    def tensors(self) -> dict[str, TensorHeader]:
+        return self.files.tensors
+
+    @property
+    def is_fp8_block(self) -> bool:
+        return bool(self.fp8_scale_of)
+
+    def copied_files(self) -> list[Path]:
+        found = [self.root / n for n in COPIED_FILES if (self.root / n).is_file()]
+        for pattern in COPIED_GLOBS:
+            found += sorted(p for p in self.root.glob(pattern) if p.is_file())
+        return found
+
+
+def read_config(root: str | Path) -> dict:
+    root = Path(root)
+    if not root.exists():
+        raise CheckpointError(f"input folder {root} does not exist; pass the folder of a Hugging Face "
+                              "checkpoint to --hf-checkpoint")
+    if not root.is_dir():
+        raise CheckpointError(f"input {root} is not a folder; pass the folder of a Hugging Face checkpoint")
+    path = root / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{root} has no config.json; pass the folder of a Hugging Face checkpoint "
+                              "(config.json + *.safetensors)")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise CheckpointError(f"{path}: no 'model_type'; cannot tell the architecture")
+    return config
+
+
+def validate_source(root: str | Path) -> SourceCheckpoint:
+    """Check the folder, config.json, every shard header and the index; classify block-FP8 weights."""
+    root = Path(root)
+    config = read_config(root)
+    qc = config.get("quantization_config")
+    if qc is not None:
+        method = qc.get("quant_method") if isinstance(qc, dict) else None
+        block = qc.get("weight_block_size") if isinstance(qc, dict) else None
+        if method != "fp8" or list(block or []) != [FP8_BLOCK, FP8_BLOCK]:
+            raise CheckpointError(
+                f"{root / 'config.json'}: the input is already quantized (quant_method={method!r}, "
+                f"weight_block_size={block!r}); convert from the BF16/FP16/FP32 checkpoint or a DeepSeek-style "
+                "block-FP8 one (quant_method 'fp8', weight_block_size [128, 128])")
+    files = open_checkpoint(root)
+    fp8_scale_of: dict[str, str] = {}
+    scale_names: set[str] = set()
+    for name, h in files.tensors.items():
+        if h.dtype in FLOAT_DTYPES or name.endswith(SCALE_INV_SUFFIX):
+            continue
+        if h.dtype == "F8_E4M3":
+            sname = name + SCALE_INV_SUFFIX
+            s = files.tensors.get(sname)
+            if s is None:
+                raise CheckpointError(f"FP8 tensor '{name}' ({h.file.name}) has no '{sname}': only DeepSeek-style "
+                                      "block-FP8 inputs (128x128 blocks with weight_scale_inv) are supported")
+            if len(h.shape) != 2:
+                raise CheckpointError(f"FP8 tensor '{name}' must be 2-D, got {list(h.shape)}")
+            want = tuple(math.ceil(d / FP8_BLOCK) for d in h.shape)
+            if s.shape != want or s.dtype not in FLOAT_DTYPES:
+                raise CheckpointError(f"'{sname}' is {s.dtype} {list(s.shape)}; a 128x128 block scale of "
+                                      f"{list(h.shape)} must be a float {list(want)}")
+            fp8_scale_of[name] = sname
+            scale_names.add(sname)
+        # other dtypes (integer buffers) are copied as they are
+    stray = [n for n in files.tensors if n.endswith(SCALE_INV_SUFFIX) and n not in scale_names]
+    if stray:
+        raise CheckpointError(f"'{stray[0]}' has no FP8 weight next to it ('{stray[0][:-len(SCALE_INV_SUFFIX)]}' "
+                              "is missing or not float8_e4m3fn); the checkpoint is inconsistent")
+    logical = {n: h.shape for n, h in files.tensors.items() if n not in scale_names}
+    return SourceCheckpoint(root, config, files, fp8_scale_of, logical)

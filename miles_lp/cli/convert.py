@@ -1,0 +1,117 @@
+"""``miles-lp convert``: a Hugging Face checkpoint -> a quantized checkpoint an engine loads."""
+
+from __future__ import annotations
+
+import re
+
+HELP = "convert a HF checkpoint to MXFP8 / NVFP4 for SGLang, vLLM or compressed-tensors (streaming, atomic)"
+DESCRIPTION = HELP + """
+
+The precision policy comes from a recipe (--recipe R.yaml, its `precision:` section) or from flags
+(--format plus the BF16 exceptions); the two are exclusive. The effective plan's summary is printed
+before any work. The output folder appears only when complete; an existing one is replaced only with
+--overwrite. Inputs: bf16 / fp16 / fp32, or DeepSeek-style block-FP8 (weight_scale_inv 128x128, decoded
+exactly and re-quantized). Check the result with `miles-lp verify OUT --source IN`.
+
+formats:
+  mxfp8                  every linear layer MXFP8 (E4M3 + E8M0 per 32)
+  nvfp4-experts          MoE expert GEMMs NVFP4, the rest BF16
+  mxfp8+nvfp4-experts    experts NVFP4, other linear layers MXFP8
+targets (CONTRACT 4):
+  sglang                 `mxfp8` config / ModelOpt NVFP4 (+ hf_quant_config.json) / modelopt_mixed
+  vllm                   modelopt_mxfp8 / modelopt names (MXFP8 scale named weight_scale)
+  compressed-tensors     config_groups (mxfp8-quantized, nvfp4-pack-quantized)
+"""
+
+FORMATS = ("mxfp8", "nvfp4-experts", "mxfp8+nvfp4-experts")
+TARGETS = ("sglang", "vllm", "compressed-tensors")
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """'500MB' -> 500_000_000 (decimal units as Hugging Face; KiB/MiB/GiB binary)."""
+    from miles_lp.errors import ConfigError
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", text, flags=re.IGNORECASE)
+    if not m or float(m.group(1)) <= 0:
+        raise ConfigError(f"--max-shard-size: cannot read '{text}'; use e.g. 500MB, 5GB or 2GiB")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--hf-checkpoint", required=True, metavar="IN", help="input HF checkpoint folder")
+    p.add_argument("--output", required=True, metavar="OUT", help="output folder (written atomically)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--recipe", metavar="R.yaml", help="recipe whose `precision:` section is the policy")
+    src.add_argument("--format", choices=FORMATS, help="build the policy from flags: which tensors get which format")
+    p.add_argument("--num-layers-at-start-in-bf16", type=int, default=0, metavar="N",
+                   help="keep the first N decoder layers BF16 (with --format)")
+    p.add_argument("--num-layers-at-end-in-bf16", type=int, default=0, metavar="N",
+                   help="keep the last N decoder layers BF16 (with --format)")
+    p.add_argument("--bf16-pattern", "--extra-high-precision-layers-hf", dest="bf16_patterns", action="append",
+                   default=[], metavar="PAT",
+                   help="keep tensors matching PAT BF16 (repeatable; with --format). PAT is a glob or re: regex "
+                        "over the WHOLE tensor or module name (Miles' substrings: write '*SUBSTR*'). "
+                        "--extra-high-precision-layers-hf is Miles' name for the same option")
+    p.add_argument("--target", choices=TARGETS, default="sglang", help="engine naming and config (default sglang)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to quantize (default cpu)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT once the new one is complete")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="convert tensors holding NaN/inf instead of refusing (they are listed)")
+    p.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                   help="output shard size limit, e.g. 2GB (default: the largest input shard)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def build_policy(args):
+    """The policy from --recipe or from the flags (never both)."""
+    from miles_lp.errors import ConfigError
+    from miles_lp.policy import load_policy
+
+    if args.recipe:
+        given = [flag for flag, value in (("--num-layers-at-start-in-bf16", args.num_layers_at_start_in_bf16),
+                                          ("--num-layers-at-end-in-bf16", args.num_layers_at_end_in_bf16),
+                                          ("--bf16-pattern", args.bf16_patterns)) if value]
+        if given:
+            raise ConfigError(f"{given[0]} builds a policy from flags and cannot be combined with --recipe; "
+                              "put the exception in the recipe's precision: section instead")
+        return load_policy(args.recipe, section="precision")
+    for flag, value in (("--num-layers-at-start-in-bf16", args.num_layers_at_start_in_bf16),
+                        ("--num-layers-at-end-in-bf16", args.num_layers_at_end_in_bf16)):
+        if value < 0:
+            raise ConfigError(f"{flag} must be >= 0, got {value}")
+    return policy_for_format(args.format, args.num_layers_at_start_in_bf16, args.num_layers_at_end_in_bf16,
+                             tuple(args.bf16_patterns))
+
+
+def policy_for_format(fmt: str, start_bf16: int = 0, end_bf16: int = 0, bf16_patterns: tuple[str, ...] = ()):
+    """--format as a policy. ``mxfp8`` is ``policy_from_flags``; the expert formats add one rule
+    ``{role: experts, format: nvfp4}`` after the BF16 exceptions (first match wins), on a BF16 or MXFP8 default."""
+    from miles_lp.config import Where
+    from miles_lp.policy import parse_policy, policy_from_flags
+
+    if fmt == "mxfp8":
+        return policy_from_flags("mxfp8", start_bf16=start_bf16, end_bf16=end_bf16, bf16_patterns=bf16_patterns)
+    rules: list[dict] = []
+    if start_bf16:
+        rules.append({"layers": f"first {start_bf16}", "format": "bf16"})
+    if end_bf16:
+        rules.append({"layers": f"last {end_bf16}", "format": "bf16"})
+    rules += [{"match": p, "format": "bf16"} for p in bf16_patterns]
+    rules.append({"role": "experts", "format": "nvfp4"})
+    default = "bf16" if fmt == "nvfp4-experts" else "mxfp8"
+    return parse_policy({"default": default, "rules": rules}, Where("<flags>", "precision"))
+
+
+def run(args) -> int:
+    from miles_lp.checkpoint.convert import convert_checkpoint
+
+    policy = build_policy(args)
+    max_shard = parse_size(args.max_shard_size) if args.max_shard_size else None
+    summary = convert_checkpoint(args.hf_checkpoint, args.output, policy, target=args.target, device=args.device,
+                                 overwrite=args.overwrite, allow_nonfinite=args.allow_nonfinite,
+                                 max_shard_bytes=max_shard, progress=not args.no_progress)
+    print("converted:")
+    print(summary.table())
+    print(f"next: miles-lp verify {summary.out} --source {args.hf_checkpoint}")
+    return 0

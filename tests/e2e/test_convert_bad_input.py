@@ -1,0 +1,234 @@
+"""Bad input to `miles-lp convert`: a clear message, exit code 2, no OUT and no temporary folder left."""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from miles_lp.checkpoint.safetensors_io import INDEX_NAME
+from miles_lp.checkpoint.tiny import make_tiny_model
+from miles_lp.cli import main
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return make_tiny_model("qwen3", tmp_path_factory.mktemp("base") / "m", seed=2, max_shard_size="150KB")
+
+
+@pytest.fixture
+def src(base, tmp_path):
+    p = tmp_path / "src"
+    shutil.copytree(base, p)
+    return p
+
+
+def run(capsys, src, out, *flags):
+    rc = main(["convert", "--hf-checkpoint", str(src), "--output", str(out), "--no-progress",
+               *(flags or ("--format", "mxfp8"))])
+    return rc, capsys.readouterr().err
+
+
+def nothing_left(out):
+    assert not out.exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}")]
+
+
+def _shards(src):
+    return sorted(src.glob("*.safetensors"))
+
+
+def test_missing_folder(capsys, tmp_path):
+    rc, err = run(capsys, tmp_path / "nope", tmp_path / "out")
+    assert rc == 2 and "does not exist" in err
+    nothing_left(tmp_path / "out")
+
+
+def test_missing_config(capsys, src, tmp_path):
+    (src / "config.json").unlink()
+    rc, err = run(capsys, src, tmp_path / "out")
+    assert rc == 2 and "has no config.json" in err
+    nothing_left(tmp_path / "out")
+
+
+def test_unknown_architecture(capsys, src, tmp_path):
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["model_type"] = "gpt_neox"
+    (src / "config.json").write_text(json.dumps(cfg))
+    rc, err = run(capsys, src, tmp_path / "out")
+    assert rc == 2 and "no layout for model_type 'gpt_neox'" in err and "qwen3_moe" in err and "Adding one" in err
+    nothing_left(tmp_path / "out")
+
+
+def test_truncated_shard(capsys, src, tmp_path):
+    shard = _shards(src)[-1]
+    shard.write_bytes(shard.read_bytes()[:-1000])
+    rc, err = run(capsys, src, tmp_path / "out")
+    assert rc == 2 and shard.name in err and "truncated" in err
+    nothing_left(tmp_path / "out")
+
+
+def test_corrupt_header(capsys, src, tmp_path):
+    shard = _shards(src)[0]
+    data = bytearray(shard.read_bytes())
+    data[8:12] = b"#!?x"
+    shard.write_bytes(bytes(data))
+    rc, err = run(capsys, src, tmp_path / "out")
+    assert rc == 2 and shard.name in err and "not valid JSON" in err
+    nothing_left(tmp_path / "out")
+
+
+def test_index_naming_missing_tensor(capsys, src, tmp_path):
+    idx = json.loads((src / INDEX_NAME).read_text())
+    idx["weight_map"]["model.layers.9.mlp.down_proj.weight"] = _shards(src)[0].name
+    (src / INDEX_NAME).write_text(json.dumps(idx))
+    rc, err = run(capsys, src, tmp_path / "out")
+    assert rc == 2 and "names tensor 'model.layers.9.mlp.down_proj.weight'" in err
+    nothing_left(tmp_path / "out")
+
+
+def _poison(src, name, value):
+    for shard in _shards(src):
+        t = load_file(shard)
+        if name in t:
+            t[name] = t[name].clone()
+            t[name].view(-1)[5] = value
+            save_file(t, str(shard), metadata={"format": "pt"})
+            return
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nonfinite_weight(capsys, src, tmp_path, value):
+    name = "model.layers.2.mlp.up_proj.weight"
+    _poison(src, name, value)
+    out = tmp_path / "out"
+    rc, err = run(capsys, src, out)
+    assert rc == 2 and f"tensor '{name}' has 1 non-finite values" in err and "--allow-nonfinite" in err
+    nothing_left(out)
+    with pytest.warns(UserWarning, match=name):
+        rc, err = run(capsys, src, out, "--format", "mxfp8", "--allow-nonfinite")
+    assert rc == 0 and out.exists()
+    assert json.loads((out / "miles_lp_plan.json").read_text())["nonfinite_allowed"] == [name]
+
+
+def test_unaligned_shape(capsys, tmp_path):
+    """K not a multiple of 32: refused by default naming the tensors; on_unaligned: keep_bf16 keeps them."""
+    import transformers
+
+    cfg = transformers.Qwen3Config(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                   num_hidden_layers=2, intermediate_size=80, head_dim=32,
+                                   tie_word_embeddings=False)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    out = tmp_path / "out"
+    rc, err = run(capsys, src, out)
+    assert rc == 2 and "model.layers.0.mlp.down_proj.weight [64, 80]" in err and "keep_bf16" in err
+    nothing_left(out)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("precision:\n  default: mxfp8\n  on_unaligned: keep_bf16\n")
+    rc, err = run(capsys, src, out, "--recipe", str(recipe))
+    assert rc == 0 and "unaligned tensor(s) kept bf16" in err and "down_proj" in err
+    shutil.rmtree(out)
+
+
+@pytest.mark.parametrize("exc,match", [
+    (OSError(errno.ENOSPC, "No space left on device"), "no space left on the device"),
+    (PermissionError(errno.EACCES, "Permission denied"), "permission denied"),
+])
+def test_disk_full_or_permission_denied(capsys, src, tmp_path, monkeypatch, exc, match):
+    """Root ignores chmod, so the writer is made to fail the way a full disk / denied write fails."""
+    import miles_lp.checkpoint.safetensors_io as io
+
+    calls = []
+
+    def failing_save(tensors, path, metadata=None):
+        calls.append(path)
+        if len(calls) == 2:  # the first shard was written: fail mid-way
+            raise exc
+        from safetensors.torch import save_file as real
+
+        real(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(io.ShardWriter, "flush", _flush_with(failing_save))
+    out = tmp_path / "out"
+    rc, err = run(capsys, src, out, "--format", "mxfp8", "--max-shard-size", "60KB")
+    assert rc == 2 and match in err and "Nothing was written" in err
+    assert len(calls) == 2
+    nothing_left(out)
+
+
+def _flush_with(save):
+    from miles_lp.checkpoint.safetensors_io import ShardWriter
+
+    real = ShardWriter.flush
+
+    def flush(self):
+        self._save = save
+        return real(self)
+
+    return flush
+
+
+def test_existing_output_and_overwrite(capsys, src, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep").write_text("x")
+    rc, err = run(capsys, src, out)
+    assert rc == 2 and "already exists; pass --overwrite" in err and (out / "keep").exists()
+    rc, err = run(capsys, src, out, "--format", "mxfp8", "--overwrite")
+    assert rc == 0 and not (out / "keep").exists() and (out / "miles_lp_plan.json").exists()
+
+
+def test_interrupted_run_leaves_nothing(capsys, src, tmp_path, monkeypatch):
+    import miles_lp.checkpoint.convert as conv
+
+    real = conv.quantize
+    n = []
+
+    def interrupt(*a, **k):
+        n.append(1)
+        if len(n) == 5:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(conv, "quantize", interrupt)
+    out = tmp_path / "out"
+    rc, err = run(capsys, src, out)
+    assert rc == 130 and "interrupted" in err
+    nothing_left(out)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--format", "mxfp8", "--num-layers-at-start-in-bf", "1"], "unrecognized arguments"),  # no abbreviations
+    (["--format", "mxfp8", "--targte", "vllm"], "unrecognized arguments"),
+    (["--format", "mxfp9"], "invalid choice"),
+    (["--format", "mxfp8", "--recipe", "r.yaml"], "not allowed with argument"),
+    ([], "one of the arguments --recipe --format is required"),
+])
+def test_cli_typos_are_errors(capsys, src, tmp_path, argv, match):
+    with pytest.raises(SystemExit) as e:
+        main(["convert", "--hf-checkpoint", str(src), "--output", str(tmp_path / "out"), *argv])
+    assert e.value.code == 2 and match in capsys.readouterr().err
+    nothing_left(tmp_path / "out")
+
+
+def test_recipe_with_flag_exceptions_refused(capsys, src, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("precision:\n  default: mxfp8\n")
+    rc, err = run(capsys, src, tmp_path / "out", "--recipe", str(recipe), "--bf16-pattern", "*.o_proj")
+    assert rc == 2 and "--bf16-pattern builds a policy from flags and cannot be combined with --recipe" in err
+
+
+@pytest.mark.parametrize("target,match", [("vllm", "vLLM modelopt holds one format"),
+                                          ("sglang", "SGLang modelopt_mixed cannot run mxfp8 modules")])
+def test_mixed_without_emitter(capsys, tmp_path, target, match):
+    src = make_tiny_model("qwen3_moe", tmp_path / "moe", seed=0)
+    rc, err = run(capsys, src, tmp_path / "out", "--format", "mxfp8+nvfp4-experts", "--target", target)
+    assert rc == 2 and match in err
+    nothing_left(tmp_path / "out")
