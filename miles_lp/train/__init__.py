@@ -1,0 +1,30 @@
+"""The learner: quantized linears with selectable backward, the embedded trainer, the Megatron backend.
+
+    from miles_lp.train import QuantLinear, QuantExperts, quantized_linear, learner_weights
+    from miles_lp.train import EmbeddedTrainer, TrainConfig, load_train_config
+
+See docs/training.md.
+"""
+
+from miles_lp.train.config import MegatronSection, TrainConfig, load_train_config, parse_train_config
+from miles_lp.train.quant_linear import (
+    LinearRecipe,
+    QuantExperts,
+    QuantLinear,
+    WeightGrid,
+    learner_weights,
+    quantized_linear,
+)
+
+
+def __getattr__(name: str):  # the trainer pulls in transformers: import it on first use
+    if name in ("EmbeddedTrainer", "apply_plan"):
+        from miles_lp.train import embedded
+
+        return getattr(embedded, name)
+    raise AttributeError(name)
+
+
+__all__ = ["EmbeddedTrainer", "LinearRecipe", "MegatronSection", "QuantExperts", "QuantLinear", "TrainConfig",
+           "WeightGrid", "apply_plan", "learner_weights", "load_train_config", "parse_train_config",
+           "quantized_linear"]

@@ -1,0 +1,102 @@
+"""The recipe's ``train:`` section: optimizer, batching, seed, master weights and the backend.
+
+Parsed like the precision policy (``miles_lp.config.parse_dataclass``): unknown keys are refused with a
+close-match suggestion and the YAML ``file:line``; values are never rewritten (the padding multiple a
+plan implies, e.g. 32 tokens under MXFP8, is derived by the trainer, not stored here).
+
+    train:
+      backend: embedded          # embedded (transformers model, CPU or one GPU) | megatron
+      lr: 1.0e-6
+      betas: [0.9, 0.98]
+      weight_decay: 0.01
+      grad_clip: 1.0             # max global grad norm; null disables clipping
+      micro_batch_tokens: 8192   # token budget of one micro-batch (after padding)
+      seed: 1234
+      master_dtype: fp32         # fp32 | bf16: dtype of the parameters the optimizer updates
+      megatron: {tp: 2, pp: 1, ep: 1}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Literal
+
+from miles_lp.config import Where, load_yaml, parse_dataclass
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronSection:
+    """Parallel sizes and layer implementation for the Megatron-Core backend."""
+
+    tp: int = 1  # tensor model parallel size
+    pp: int = 1  # pipeline model parallel size
+    ep: int = 1  # expert model parallel size
+    etp: int | None = None  # expert tensor parallel size (None: Megatron's default, = tp)
+    sequence_parallel: bool = False
+    # local: Megatron's own linears with miles-lp QuantLinear GEMMs (any GPU, every format);
+    # transformer_engine: TE layers configured from the plan (Blackwell + TE only).
+    impl: Literal["local", "transformer_engine"] = "local"
+
+    def _validate(self, where: Where) -> None:
+        for key in ("tp", "pp", "ep"):
+            if getattr(self, key) < 1:
+                raise where.child(key).error(f"must be >= 1, got {getattr(self, key)}")
+        if self.etp is not None and self.etp < 1:
+            raise where.child("etp").error(f"must be >= 1 or null, got {self.etp}")
+        if self.sequence_parallel and self.tp == 1:
+            raise where.child("sequence_parallel").error("needs tp > 1; set tp or drop sequence_parallel")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimizer (AdamW), batching and determinism of the learner."""
+
+    backend: Literal["embedded", "megatron"] = "embedded"
+    lr: float = 1e-6
+    betas: tuple[float, ...] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float | None = 1.0
+    micro_batch_tokens: int = 8192
+    seed: int = 0
+    master_dtype: Literal["fp32", "bf16"] = "fp32"
+    device: str = "auto"  # embedded backend: auto (cuda if available) | cpu | cuda | cuda:N
+    megatron: MegatronSection = dataclasses.field(default_factory=MegatronSection)
+
+    def _validate(self, where: Where) -> None:
+        if not self.lr > 0:
+            raise where.child("lr").error(f"must be > 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise where.child("betas").error(f"must be two numbers in [0, 1), got {list(self.betas)}")
+        if not self.eps > 0:
+            raise where.child("eps").error(f"must be > 0, got {self.eps}")
+        if self.weight_decay < 0:
+            raise where.child("weight_decay").error(f"must be >= 0, got {self.weight_decay}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise where.child("grad_clip").error(
+                f"must be > 0 (or null to disable clipping), got {self.grad_clip}")
+        if self.micro_batch_tokens < 1:
+            raise where.child("micro_batch_tokens").error(f"must be >= 1, got {self.micro_batch_tokens}")
+        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise where.child("device").error(f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+
+    @property
+    def torch_master_dtype(self):
+        import torch
+
+        return {"fp32": torch.float32, "bf16": torch.bfloat16}[self.master_dtype]
+
+
+def parse_train_config(mapping: Any, where: Where | None = None) -> TrainConfig:
+    """Build a ``TrainConfig`` from the mapping under ``train:`` (``None`` gives the defaults)."""
+    return parse_dataclass(TrainConfig, mapping, where or Where("<train>", "train"))
+
+
+def load_train_config(path: str | Path, section: str = "train") -> TrainConfig:
+    """Read the ``section`` of a recipe YAML file (missing section: defaults)."""
+    doc = load_yaml(path)
+    data = doc.data or {}
+    if not isinstance(data, dict):
+        raise doc.where().error(f"expected a mapping at the top of the recipe, got {type(data).__name__}")
+    return parse_train_config(data.get(section), doc.where(section))

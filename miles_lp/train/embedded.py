@@ -1,0 +1,372 @@
+"""The embedded trainer: a transformers model, the precision plan applied by module swap, AdamW.
+
+The default learner backend (CPU or one GPU). One page of straight-line code:
+
+    trainer = EmbeddedTrainer("/tmp/tiny", plan, TrainConfig(lr=1e-5, micro_batch_tokens=4096))
+    lp, ent = trainer.logprobs([seq0, seq1])            # per sequence: log p(token_t | <t), entropy, [L-1]
+    stats = trainer.train_step(samples, loss_fn)        # micro-batches by token budget, grad accumulation
+    for name, q in trainer.learner_weights(): ...       # the forward grid, for the weight sync
+
+``apply_plan`` swaps every ``nn.Linear`` whose plan entry is quantized for a ``QuantLinear`` (parameters
+shared, names unchanged) and every transformers-5 fused experts module (``gate_up_proj [E, 2I, H]``,
+``down_proj [E, H, I]``) for a ``QuantExperts``.
+
+Sequences are packed into one row (``position_ids`` restart per sequence; transformers 5 derives the
+block-diagonal causal mask from them) and padded with one filler segment to a multiple of 32 tokens when the
+plan has MXFP8 tensors (MXFP8 quantizes backward operands along tokens in blocks of 32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from miles_lp.errors import ConfigError
+from miles_lp.formats.spec import MXFP8_BLOCK, Format
+from miles_lp.train.config import TrainConfig
+from miles_lp.train.quant_linear import LinearRecipe, QuantExperts, QuantLinear, learner_weights
+
+# ---------------------------------------------------------------------------------------------------------
+# Applying the plan
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class SwapReport:
+    """What ``apply_plan`` did: module names per outcome (C1: the layer set the learner runs quantized)."""
+
+    quantized: dict[str, str] = dataclasses.field(default_factory=dict)  # module -> "mxfp8/dequantized"
+    bf16: list[str] = dataclasses.field(default_factory=list)
+    unplanned: list[str] = dataclasses.field(default_factory=list)  # linears the plan does not list
+    quantized_names: set[str] = dataclasses.field(default_factory=set)  # canonical names run quantized
+
+    def check_complete(self, plan) -> None:
+        """Every tensor the plan quantizes is run quantized by some module (else ``ConfigError``)."""
+        missing = sorted(set(plan.quantized()) - self.quantized_names)
+        if missing:
+            raise ConfigError(f"the plan quantizes {len(missing)} tensor(s) that no module of the model runs "
+                              f"quantized, e.g. {missing[:5]}; is the plan compiled for this model?")
+
+
+def _is_fused_experts(module: torch.nn.Module) -> bool:
+    gu, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (isinstance(gu, torch.nn.Parameter) and gu.dim() == 3 and isinstance(down, torch.nn.Parameter)
+            and down.dim() == 3)
+
+
+def _uniform_recipe(entries: Sequence[Any], what: str) -> LinearRecipe | None:
+    keys = {(e.format, e.backward, e.activation_scale, e.block_2d) for e in entries}
+    if len(keys) != 1:
+        raise ConfigError(
+            f"{what}: transformers-5 fused experts hold every expert in one tensor, so the plan must give all of "
+            f"its members one format/backward/activation scale; got {len(keys)} different settings "
+            f"(e.g. {entries[0].name}: {entries[0].format.value}). Make the rule uniform over experts or use "
+            "the Megatron backend (per-expert linears)")
+    return LinearRecipe.from_entry(entries[0], name=what)
+
+
+def _set_child(root: torch.nn.Module, dotted: str, new: torch.nn.Module) -> None:
+    parent_name, _, child = dotted.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, new)
+
+
+def apply_plan(model: torch.nn.Module, plan, layout=None) -> SwapReport:
+    """Swap the model's linears and fused experts for quantized ones, as ``plan`` says. In place."""
+    if layout is None:
+        layout = plan.layout
+    if layout is None:
+        from miles_lp.policy import get_layout
+
+        layout = get_layout(model.config)
+
+    def entries_of(param_name: str) -> tuple:
+        if param_name in plan.entries:
+            return (plan.entries[param_name],)
+        return tuple(plan.entries[m] for m in layout.describe(param_name).members if m in plan.entries)
+
+    report = SwapReport()
+    by_canonical: dict[str, QuantLinear] = {}
+    for name, module in list(model.named_modules()):
+        if isinstance(module, torch.nn.Linear) and not isinstance(module, QuantLinear):
+            entries = entries_of(f"{name}.weight")
+            if not entries:
+                report.unplanned.append(name)
+                continue
+            (entry,) = entries
+            recipe = LinearRecipe.from_entry(entry, name=entry.name)
+            if recipe is None:
+                report.bf16.append(name)
+                continue
+            ql = QuantLinear.from_linear(module, recipe, canonical=entry.name)
+            _set_child(model, name, ql)
+            by_canonical[entry.name] = ql
+            report.quantized[name] = f"{recipe.format.value}/{recipe.backward.value}"
+            report.quantized_names.add(entry.name)
+        elif _is_fused_experts(module):
+            gu = entries_of(f"{name}.gate_up_proj")
+            dn = entries_of(f"{name}.down_proj")
+            if not gu or not dn:
+                report.unplanned.append(name)
+                continue
+            r_gu = _uniform_recipe(gu, f"{name}.gate_up_proj")
+            r_dn = _uniform_recipe(dn, f"{name}.down_proj")
+            if r_gu is None and r_dn is None:
+                report.bf16.append(name)
+                continue
+            qe = QuantExperts(module, r_gu, r_dn, [e.name for e in gu], [e.name for e in dn])
+            _set_child(model, name, qe)
+            report.quantized[name] = qe.extra_repr()
+            for recipe, entries in ((r_gu, gu), (r_dn, dn)):
+                if recipe is not None:
+                    report.quantized_names.update(e.name for e in entries)
+    # NVFP4 gate/up in separate modules: one global scale over both (CONTRACT 2, SwiGLU).
+    for members in plan.groups.values():
+        mods = [by_canonical[m] for m in members if m in by_canonical]
+        if len(mods) < 2:
+            continue
+        if len({(m.recipe.format, m.recipe.block_2d) for m in mods}) != 1:
+            raise ConfigError(f"joint-scale group {members} mixes formats; gate and up must share one")
+        if mods[0].recipe.format is Format.NVFP4:
+            for m in mods:
+                m.grid.amax_partners = [o.weight for o in mods if o is not m]
+    return report
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Packing and micro-batching
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Pack:
+    """Sequences packed into one row: ``input_ids``/``position_ids`` ``[1, T]`` (T padded)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    offsets: list[int]  # start of each sequence in the row
+    lengths: list[int]
+    indices: list[int]  # the sequences' indices in the caller's batch
+
+    @property
+    def tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+
+def pad_multiple_for(plan) -> int:
+    """32 when the plan has any MXFP8 tensor (token-dim blocks of the backward operands), else 1."""
+    if plan is not None and any(e.format is Format.MXFP8 for e in plan.entries.values()):
+        return MXFP8_BLOCK
+    return 1
+
+
+def pack_sequences(seqs: Sequence[torch.Tensor], indices: Sequence[int], multiple: int, pad_id: int = 0) -> Pack:
+    lengths = [int(s.numel()) for s in seqs]
+    total = sum(lengths)
+    padded = math.ceil(total / multiple) * multiple if multiple > 1 else total
+    ids = torch.full((padded,), pad_id, dtype=torch.long)
+    pos = torch.empty(padded, dtype=torch.long)
+    offsets, o = [], 0
+    for s, n in zip(seqs, lengths, strict=True):
+        ids[o:o + n] = s.long()
+        pos[o:o + n] = torch.arange(n)
+        offsets.append(o)
+        o += n
+    pos[o:] = torch.arange(padded - o)  # the filler is its own segment (positions restart at 0)
+    return Pack(ids[None], pos[None], offsets, lengths, list(indices))
+
+
+def split_by_token_budget(lengths: Sequence[int], budget: int, multiple: int) -> list[list[int]]:
+    """Greedy, order-preserving micro-batches whose padded token count stays within ``budget``.
+
+    A sequence longer than the budget gets a micro-batch of its own.
+    """
+    groups: list[list[int]] = []
+    cur: list[int] = []
+    cur_tokens = 0
+    for i, n in enumerate(lengths):
+        grown = math.ceil((cur_tokens + n) / multiple) * multiple
+        if cur and grown > budget:
+            groups.append(cur)
+            cur, cur_tokens = [], 0
+        cur.append(i)
+        cur_tokens += n
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Log-probs, entropy and losses
+# ---------------------------------------------------------------------------------------------------------
+
+
+def token_logprobs_and_entropy(logits: torch.Tensor, pack: Pack) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per sequence: log p(x_t | x_<t) for t = 1..L-1 and the entropy of that distribution (fp32)."""
+    logp = F.log_softmax(logits[0].float(), dim=-1)  # [T, V]
+    lps, ents = [], []
+    for o, n in zip(pack.offsets, pack.lengths, strict=True):
+        rows = logp[o:o + n - 1]  # predictions for tokens o+1 .. o+n-1
+        targets = pack.input_ids[0, o + 1:o + n].to(rows.device)
+        lps.append(rows.gather(-1, targets[:, None])[:, 0])
+        ents.append(-(rows.exp() * rows).sum(-1))
+    return lps, ents
+
+
+#: loss_fn(logprobs, entropy, samples, totals) -> scalar. ``logprobs``/``entropy``: one [L-1] tensor per
+#: sample of the micro-batch; ``samples``: those samples (dicts); ``totals``: {"tokens": loss tokens of the
+#: whole step, "sequences": samples of the whole step}. Normalize by the totals: the step's gradient is
+#: then the sum over micro-batches and does not depend on how the batch was split.
+LossFn = Callable[[list[torch.Tensor], list[torch.Tensor], list[Mapping[str, Any]], Mapping[str, int]], torch.Tensor]
+
+
+def _loss_mask(sample: Mapping[str, Any]) -> torch.Tensor:
+    n = int(sample["tokens"].numel()) - 1
+    m = sample.get("loss_mask")
+    return torch.ones(n) if m is None else torch.as_tensor(m, dtype=torch.float32)
+
+
+def nll_loss(logprobs, entropy, samples, totals) -> torch.Tensor:
+    """Token-mean negative log-likelihood over ``loss_mask`` (SFT; also a smoke-test loss)."""
+    total = sum(-(lp * _loss_mask(s).to(lp.device)).sum() for lp, s in zip(logprobs, samples, strict=True))
+    return total / max(1, totals["tokens"])
+
+
+def policy_gradient_loss(logprobs, entropy, samples, totals, clip: float = 0.2) -> torch.Tensor:
+    """PPO/GRPO clipped surrogate, token mean. Samples carry ``advantages`` and ``old_logprobs`` ([L-1])."""
+    total = 0.0
+    for lp, s in zip(logprobs, samples, strict=True):
+        adv = torch.as_tensor(s["advantages"], dtype=torch.float32, device=lp.device)
+        old = torch.as_tensor(s["old_logprobs"], dtype=torch.float32, device=lp.device)
+        ratio = torch.exp(lp - old)
+        surr = torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+        total = total - (surr * _loss_mask(s).to(lp.device)).sum()
+    return total / max(1, totals["tokens"])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The trainer
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec)
+
+
+class EmbeddedTrainer:
+    """A transformers causal LM under a precision plan, trained with AdamW (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module | str | Path, plan=None, config: TrainConfig | None = None):
+        self.config = config or TrainConfig()
+        cfg = self.config
+        torch.manual_seed(cfg.seed)
+        self.device = _resolve_device(cfg.device)
+        dtype = cfg.torch_master_dtype
+        if isinstance(model, str | Path):
+            import transformers
+
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype)
+        self.model = model.to(device=self.device, dtype=dtype)
+        self.model.train()
+        if plan is not None and not hasattr(plan, "entries"):  # a PrecisionPolicy: compile it for this model
+            from miles_lp.policy import compile_plan, get_layout
+
+            layout = get_layout(self.model.config)
+            shapes = {n: tuple(p.shape) for n, p in self.model.state_dict().items()}
+            plan = compile_plan(plan, layout, _canonical_shapes(layout, shapes))
+        self.plan = plan
+        self.swap = apply_plan(self.model, plan) if plan is not None else SwapReport()
+        if plan is not None:
+            self.swap.check_complete(plan)
+        self.pad_multiple = pad_multiple_for(plan)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                                           weight_decay=cfg.weight_decay, foreach=False)
+        self.step = 0
+
+    # ---- forward ------------------------------------------------------------------------------------
+    def _forward(self, pack: Pack) -> torch.Tensor:
+        out = self.model(input_ids=pack.input_ids.to(self.device), position_ids=pack.position_ids.to(self.device),
+                         use_cache=False)
+        return out.logits
+
+    def micro_batches(self, seqs: Sequence[torch.Tensor]) -> list[Pack]:
+        groups = split_by_token_budget([int(s.numel()) for s in seqs], self.config.micro_batch_tokens,
+                                       self.pad_multiple)
+        return [pack_sequences([seqs[i] for i in g], g, self.pad_multiple) for g in groups]
+
+    @torch.no_grad()
+    def logprobs(self, batch: Sequence[torch.Tensor | Mapping[str, Any]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per sequence (in order): log-probs of tokens 1..L-1 and entropies, fp32 on CPU."""
+        seqs = [b["tokens"] if isinstance(b, Mapping) else b for b in batch]
+        lps: list[torch.Tensor | None] = [None] * len(seqs)
+        ents: list[torch.Tensor | None] = [None] * len(seqs)
+        for pack in self.micro_batches(seqs):
+            lp, ent = token_logprobs_and_entropy(self._forward(pack), pack)
+            for i, a, b in zip(pack.indices, lp, ent, strict=True):
+                lps[i], ents[i] = a.cpu(), b.cpu()
+        return lps, ents  # type: ignore[return-value]
+
+    # ---- one optimizer step -------------------------------------------------------------------------
+    def accumulate_grads(self, samples: Sequence[Mapping[str, Any]], loss_fn: LossFn = nll_loss
+                         ) -> tuple[float, list[Pack]]:
+        """Forward/backward every micro-batch of ``samples``, accumulating ``.grad``. Returns (loss, packs)."""
+        seqs = [s["tokens"] for s in samples]
+        totals = {"tokens": int(sum(float(_loss_mask(s).sum()) for s in samples)), "sequences": len(samples)}
+        loss_sum, packs = 0.0, self.micro_batches(seqs)
+        for pack in packs:
+            lp, ent = token_logprobs_and_entropy(self._forward(pack), pack)
+            loss = loss_fn(lp, ent, [samples[i] for i in pack.indices], totals)
+            loss.backward()
+            loss_sum += float(loss.detach())
+        return loss_sum, packs
+
+    def train_step(self, samples: Sequence[Mapping[str, Any]], loss_fn: LossFn = nll_loss) -> dict[str, Any]:
+        """Forward/backward over micro-batches (token budget), clip, AdamW step. Returns step statistics.
+
+        A non-finite gradient norm skips the optimizer step (reported as ``skipped``).
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, packs = self.accumulate_grads(samples, loss_fn)
+        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if self.config.grad_clip is not None:
+            norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip))
+        else:
+            norm = float(torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in params])))
+        finite = math.isfinite(norm)
+        if finite:
+            self.optimizer.step()
+            self.step += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": loss_sum, "grad_norm": norm, "finite": finite, "skipped": not finite,
+                "micro_batches": len(packs), "tokens": sum(int(s["tokens"].numel()) for s in samples),
+                "padded_tokens": sum(p.tokens for p in packs), "step": self.step}
+
+    # ---- export -------------------------------------------------------------------------------------
+    def learner_weights(self) -> Iterator[tuple[str, Any]]:
+        """``(canonical name, quantized tensor)``: the grid the next forward computes with."""
+        return learner_weights(self.model)
+
+
+def _canonical_shapes(layout, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """In-memory parameter shapes -> canonical HF names (fused experts expand to per-expert shapes)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in shapes.items():
+        info = layout.describe(name)
+        if info.kind == "fused" and len(shape) == 3:
+            e, n, k = shape
+            per = n // (len(info.members) // e)
+            for m in info.members:
+                out[m] = (per, k)
+        else:
+            for m in info.members:
+                out.setdefault(m, tuple(shape))
+    return out

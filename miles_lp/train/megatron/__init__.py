@@ -1,0 +1,20 @@
+"""The Megatron-Core learner backend (extra ``megatron``).
+
+* ``model``: build a Megatron GPT/MoE model for an HF config (local layer spec) and load HF weights;
+* ``layers``: Megatron's parallel linears with miles-lp's quantized GEMM, the plan attached per module,
+  ``learner_weights``;
+* ``te``: the Transformer Engine configuration a plan implies (Blackwell + TE only; thin).
+
+Importing ``miles_lp.train.megatron.layers`` / ``.model`` needs megatron-core; this package itself does not.
+"""
+
+from __future__ import annotations
+
+
+def megatron_available() -> str | None:
+    """``None`` if megatron-core imports, else the reason (for ``BackendUnavailable`` messages)."""
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as exc:
+        return f"megatron-core is not installed ({exc}); pip install 'miles-lp[megatron]'"
+    return None

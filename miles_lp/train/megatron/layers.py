@@ -1,0 +1,206 @@
+"""Adapter: Megatron-Core's parallel linears with miles-lp's quantized GEMM (path (a), any GPU, any format).
+
+Why an adapter: Megatron's ``ColumnParallelLinear`` / ``RowParallelLinear`` run their GEMM through the
+overridable method ``_forward_impl``; the subclasses here override only that method (the tensor-parallel
+communication around it stays Megatron's), and ``quant_layer_spec`` substitutes them in Megatron's own
+local layer spec (no monkey-patching of library code). A layer without a plan entry, or with a BF16
+entry, runs Megatron's original GEMM.
+
+Plan entries: a Megatron weight name is described by the policy layout
+(``decoder.layers.3.self_attention.linear_qkv.weight`` -> members q, k, v;
+``...mlp.experts.local_experts.5.linear_fc1.weight`` -> gate and up of expert 5, after mapping the local
+expert index to the global one under expert parallelism). All members of a fused weight must share one
+format. NVFP4 under tensor parallelism: the weight's global amax is all-reduced (MAX) over the layer's
+tensor-parallel group, so the global scale equals the unsharded tensor's (gate and up of fc1 included).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from miles_lp.errors import ConfigError
+from miles_lp.formats.spec import Format
+from miles_lp.train.quant_linear import LinearRecipe, WeightGrid, quantized_linear, select_rows, weight_amax
+
+
+class _QuantParallelMixin:
+    """Shared state of the quantized parallel linears: recipe, per-step grid, canonical member names."""
+
+    is_quantized_module = True
+    recipe: LinearRecipe | None = None
+    grid: WeightGrid | None = None
+    members: tuple[str, ...] = ()
+    export_rows: list[tuple[str, torch.Tensor]] | None = None  # canonical name -> row index into the weight
+
+    def set_recipe(self, recipe: LinearRecipe | None, members: tuple[str, ...] = ()) -> None:
+        self.recipe = recipe
+        self.members = members
+        self.grid = WeightGrid(recipe) if recipe is not None else None
+        if recipe is not None and recipe.format is Format.NVFP4 and self._tp_world() > 1:
+            group = self.tp_group
+
+            def amax_all_reduce(w: torch.Tensor) -> torch.Tensor:
+                a = weight_amax(w).reshape(())
+                torch.distributed.all_reduce(a, op=torch.distributed.ReduceOp.MAX, group=group)
+                return a
+
+            self.grid.amax_fn = amax_all_reduce
+
+    def _tp_world(self) -> int:
+        group = getattr(self, "tp_group", None)
+        if group is None or not torch.distributed.is_initialized():
+            return 1
+        return torch.distributed.get_world_size(group)
+
+    def _quant_forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False,
+                            allreduce_dgrad=False, sequence_parallel=False, grad_output_buffer=None,
+                            wgrad_deferral_limit=None, tp_group=None, **_unused):
+        if gradient_accumulation_fusion:
+            raise ConfigError("Megatron's gradient_accumulation_fusion writes wgrad into main_grad with fused "
+                              "kernels that bypass QuantLinear; set gradient_accumulation_fusion=False")
+        if sequence_parallel:
+            input = gather_from_sequence_parallel_region(input, group=tp_group)  # AG fwd, RS bwd
+        elif allreduce_dgrad:
+            input = copy_to_tensor_model_parallel_region(input, group=tp_group)  # identity fwd, AR bwd
+        return quantized_linear(input, weight, self.recipe, bias, grid=self.grid)
+
+    def learner_weights(self) -> Iterator[tuple[str, Any]]:
+        if self.grid is None:
+            return
+        if self._tp_world() > 1:
+            raise ConfigError(f"learner_weights of a tensor-parallel Megatron layer ({self.members[0]}...) needs "
+                              "a gather of the shards; export from tp=1 or gather the rowwise grids first")
+        q = self.grid.rowwise(self.weight)
+        for name, rows in self.export_rows or [(self.members[0], None)]:
+            yield name, q if rows is None else select_rows(q, rows)
+
+
+class QuantColumnParallelLinear(_QuantParallelMixin, ColumnParallelLinear):
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        if self.recipe is None:
+            return super()._forward_impl(input, weight, *args, **kwargs)
+        return self._quant_forward_impl(input, weight, *args, **kwargs)
+
+
+class QuantRowParallelLinear(_QuantParallelMixin, RowParallelLinear):
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        if self.recipe is None:
+            return super()._forward_impl(input, weight, *args, **kwargs)
+        return self._quant_forward_impl(input, weight, *args, **kwargs)
+
+
+class TorchGatingTopKRouter(TopKRouter):
+    """``TopKRouter`` whose gating GEMM is a plain ``F.linear`` (same math, router dtype honoured).
+
+    Why: in megatron-core 0.15.3-0.16.1 ``RouterGatingLinearFunction`` tests ``te_general_gemm is not None``,
+    a name that is only bound when Transformer Engine imports, so every MoE forward without TE raises
+    ``NameError``. The router stays high precision (CONTRACT 7).
+    """
+
+    def gating(self, input: torch.Tensor) -> torch.Tensor:
+        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return torch.nn.functional.linear(input.to(dtype), self.weight.to(device=input.device, dtype=dtype), bias)
+
+
+_SWAP_QUANT = {ColumnParallelLinear: QuantColumnParallelLinear, RowParallelLinear: QuantRowParallelLinear}
+_SWAP_ALWAYS = {TopKRouter: TorchGatingTopKRouter}
+
+
+def quant_layer_spec(spec: Any, quantized: bool = True) -> Any:
+    """A copy of a Megatron layer spec with miles-lp's classes substituted.
+
+    ``quantized``: local parallel linears -> their quantized subclasses. Always: ``TopKRouter`` ->
+    ``TorchGatingTopKRouter`` (see its docstring).
+    """
+    if isinstance(spec, type):
+        spec = _SWAP_ALWAYS.get(spec, spec)
+        return _SWAP_QUANT.get(spec, spec) if quantized else spec
+    if isinstance(spec, ModuleSpec):
+        new = copy.copy(spec)
+        new.module = quant_layer_spec(spec.module, quantized)
+        new.submodules = quant_layer_spec(spec.submodules, quantized)
+        return new
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        return dataclasses.replace(spec, **{f.name: quant_layer_spec(getattr(spec, f.name), quantized)
+                                            for f in dataclasses.fields(spec) if f.init})
+    if isinstance(spec, list | tuple):
+        return type(spec)(quant_layer_spec(s, quantized) for s in spec)
+    return spec
+
+
+def _global_expert_name(name: str, module: Any) -> str:
+    """``local_experts.{l}`` -> ``local_experts.{global}`` under expert parallelism."""
+    if ".local_experts." not in name:
+        return name
+    from megatron.core import parallel_state
+
+    head, tail = name.split(".local_experts.", 1)
+    local, rest = tail.split(".", 1)
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    per_rank = module.config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
+    return f"{head}.local_experts.{ep_rank * per_rank + int(local)}.{rest}"
+
+
+def _qkv_rows(config: Any, members: tuple[str, ...]) -> list[tuple[str, torch.Tensor]]:
+    """Row indices of q, k, v inside Megatron's interleaved ``linear_qkv`` (per query group: q heads, k, v)."""
+    ng, nh, hn = config.num_query_groups, config.num_attention_heads, config.kv_channels
+    per = nh // ng
+    block = (per + 2) * hn
+    q = torch.cat([torch.arange(g * block, g * block + per * hn) for g in range(ng)])
+    k = torch.cat([torch.arange(g * block + per * hn, g * block + (per + 1) * hn) for g in range(ng)])
+    v = torch.cat([torch.arange(g * block + (per + 1) * hn, (g + 1) * block) for g in range(ng)])
+    return list(zip(members, (q, k, v), strict=True))
+
+
+def attach_plan(model: torch.nn.Module, plan, layout) -> dict[str, str]:
+    """Give every quantized parallel linear of ``model`` its recipe from ``plan``. Returns name -> recipe text.
+
+    ``layout`` is the policy layout of the HF model the Megatron model was built from.
+    """
+    report: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, _QuantParallelMixin):
+            continue
+        pname = _global_expert_name(f"{name}.weight", module)
+        while pname.startswith("module."):
+            pname = pname[len("module."):]
+        members = layout.describe(pname).members
+        entries = [plan.entries[m] for m in members if m in plan.entries]
+        if len(entries) != len(members) or not entries:
+            raise ConfigError(f"{pname}: the plan has no entry for {sorted(set(members) - set(plan.entries))}; "
+                              "compile the plan for the HF model this Megatron model was built from")
+        keys = {(e.format, e.backward, e.activation_scale, e.block_2d) for e in entries}
+        if len(keys) != 1:
+            raise ConfigError(f"{pname} fuses {list(members)}, which the plan gives different formats or "
+                              "backward modes; one fused GEMM runs one format: make the rule agree")
+        recipe = LinearRecipe.from_entry(entries[0], name=pname)
+        module.set_recipe(recipe, tuple(members))
+        if recipe is None:
+            continue
+        if len(members) == 3 and pname.endswith("linear_qkv.weight"):
+            module.export_rows = _qkv_rows(module.config, tuple(members))
+        elif len(members) == 2:  # fc1 = [gate; up]
+            half = module.weight.shape[0] // 2
+            module.export_rows = [(members[0], torch.arange(0, half)), (members[1], torch.arange(half, 2 * half))]
+        report[pname] = f"{recipe.format.value}/{recipe.backward.value}"
+    return report
+
+
+def learner_weights(model: torch.nn.Module) -> Iterator[tuple[str, Any]]:
+    """``(canonical HF name, quantized tensor)`` of every quantized Megatron linear (tp=1)."""
+    for module in model.modules():
+        if isinstance(module, _QuantParallelMixin):
+            yield from module.learner_weights()

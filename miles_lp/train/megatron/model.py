@@ -1,0 +1,215 @@
+"""Build a Megatron-Core GPT / MoE model for a Hugging Face config and load the HF weights into it.
+
+Supported layouts: ``llama``, ``qwen2``, ``qwen3`` (dense) and ``qwen3_moe``, ``mixtral`` (every layer MoE).
+Qwen2-MoE (sigmoid-gated shared expert) and DeepSeek-V3 (MLA) are refused with ``LayoutError``.
+
+Weight conversion (HF -> Megatron), per tensor-parallel rank:
+
+* ``linear_qkv`` rows are interleaved per query group, the layout ``SelfAttention.
+  get_query_key_value_tensors`` splits: for each group g, ``[q heads of g (np/ng * hn) | k_g (hn) | v_g (hn)]``;
+  tensor parallelism gives each rank ng/tp whole groups.
+* ``linear_fc1`` = ``[gate; up]`` (Megatron's SwiGLU chunks fc1's output in two, silu on the first); each
+  rank holds ``[gate shard; up shard]``.
+* ``linear_proj`` / ``linear_fc2`` are split along K (columns); embedding and output layer along the vocab.
+* transformers-5 experts ``gate_up_proj [E, 2I, H]`` (gate rows first) and ``down_proj [E, H, I]`` map to
+  ``mlp.experts.local_experts.{e}.linear_fc1/fc2`` (SequentialMLP; local index = global - ep_rank * E/ep).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from miles_lp.errors import LayoutError
+
+SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    return cfg.get(key, default) if isinstance(cfg, Mapping) else getattr(cfg, key, default)
+
+
+def _rope_theta(cfg: Any) -> float:
+    theta = _get(cfg, "rope_theta")
+    if theta is None:
+        theta = (_get(cfg, "rope_parameters") or {}).get("rope_theta", 10000.0)
+    return float(theta)
+
+
+def _num_experts(cfg: Any) -> int:
+    return int(_get(cfg, "num_experts") or _get(cfg, "num_local_experts") or 0)
+
+
+def transformer_config_kwargs(hf_config: Any, *, tp: int = 1, ep: int = 1, etp: int | None = None,
+                              sequence_parallel: bool = False, params_dtype=torch.float32) -> dict[str, Any]:
+    """``TransformerConfig`` keyword arguments that reproduce the HF model (local, non-TE layers)."""
+    mt = _get(hf_config, "model_type")
+    if mt not in SUPPORTED:
+        raise LayoutError(f"the Megatron backend builds {', '.join(SUPPORTED)}; got model_type '{mt}' "
+                          "(use the embedded backend for it)")
+    heads = int(_get(hf_config, "num_attention_heads"))
+    hidden = int(_get(hf_config, "hidden_size"))
+    kw: dict[str, Any] = dict(
+        num_layers=int(_get(hf_config, "num_hidden_layers")), hidden_size=hidden, num_attention_heads=heads,
+        num_query_groups=int(_get(hf_config, "num_key_value_heads") or heads),
+        kv_channels=int(_get(hf_config, "head_dim") or hidden // heads),
+        ffn_hidden_size=int(_get(hf_config, "intermediate_size")),
+        normalization="RMSNorm", layernorm_epsilon=float(_get(hf_config, "rms_norm_eps", 1e-6)),
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        add_qkv_bias=bool(mt == "qwen2" or _get(hf_config, "attention_bias", False)),
+        qk_layernorm=mt in ("qwen3", "qwen3_moe"),
+        hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
+        use_cpu_initialization=True, perform_initialization=False,
+        persist_layer_norm=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
+        expert_model_parallel_size=ep,
+    )
+    if etp is not None:
+        kw["expert_tensor_parallel_size"] = etp
+    n_exp = _num_experts(hf_config)
+    if n_exp:
+        if mt == "qwen3_moe":
+            step = int(_get(hf_config, "decoder_sparse_step", 1) or 1)
+            dense = list(_get(hf_config, "mlp_only_layers", []) or [])
+            if step != 1 or dense:
+                raise LayoutError("the Megatron backend builds MoE models whose every layer is MoE "
+                                  f"(decoder_sparse_step=1, mlp_only_layers=[]); got {step}, {dense}")
+        moe_i = _get(hf_config, "moe_intermediate_size") or _get(hf_config, "intermediate_size")
+        kw.update(num_moe_experts=n_exp, moe_router_topk=int(_get(hf_config, "num_experts_per_tok")),
+                  moe_ffn_hidden_size=int(moe_i), moe_grouped_gemm=False,
+                  moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
+                  moe_aux_loss_coeff=0.0, moe_router_score_function="softmax",
+                  moe_router_dtype="fp32",
+                  # norm_topk_prob: softmax over the top-k logits == renormalized top-k of the full softmax
+                  moe_router_pre_softmax=not bool(_get(hf_config, "norm_topk_prob", True) or mt == "mixtral"))
+    return kw
+
+
+def build_gpt_model(hf_config: Any, *, quantized: bool = True, tp: int = 1, ep: int = 1, etp: int | None = None,
+                    sequence_parallel: bool = False, params_dtype=torch.float32, device=None):
+    """A Megatron ``GPTModel`` with the local layer spec (``quantized``: miles-lp's parallel linears).
+
+    Model-parallel state must be initialized (``parallel_state.initialize_model_parallel``) first.
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    from miles_lp.train.megatron.layers import quant_layer_spec
+
+    kw = transformer_config_kwargs(hf_config, tp=tp, ep=ep, etp=etp, sequence_parallel=sequence_parallel,
+                                   params_dtype=params_dtype)
+    config = TransformerConfig(**kw)
+    n_exp = kw.get("num_moe_experts")
+    spec = get_gpt_layer_local_spec(num_experts=n_exp, moe_grouped_gemm=False, qk_layernorm=kw["qk_layernorm"],
+                                    normalization="RMSNorm")
+    spec = quant_layer_spec(spec, quantized=quantized)
+    model = GPTModel(config, spec, vocab_size=int(_get(hf_config, "vocab_size")),
+                     max_sequence_length=int(_get(hf_config, "max_position_embeddings")),
+                     position_embedding_type="rope", rotary_base=_rope_theta(hf_config),
+                     share_embeddings_and_output_weights=bool(_get(hf_config, "tie_word_embeddings", False)))
+    if device is not None:
+        model = model.to(device)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------
+# HF -> Megatron weights
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _shard(t: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    if size == 1:
+        return t
+    if t.shape[dim] % size:
+        raise LayoutError(f"cannot split dim {dim} of shape {tuple(t.shape)} over {size} tensor-parallel ranks")
+    return t.chunk(size, dim=dim)[rank]
+
+
+def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_groups: int,
+                   tp_rank: int = 0, tp_size: int = 1) -> torch.Tensor:
+    """HF q/k/v (``[nh*hn, ...]``, ``[ng*hn, ...]``) -> this rank's Megatron ``linear_qkv`` rows."""
+    ng = num_query_groups
+    hn = k.shape[0] // ng
+    rest = q.shape[1:]
+    qg = q.reshape(ng, -1, *rest)  # [ng, nh/ng*hn, ...]
+    kg, vg = k.reshape(ng, hn, *rest), v.reshape(ng, hn, *rest)
+    fused = torch.cat([qg, kg, vg], dim=1)  # [ng, (nh/ng + 2)*hn, ...]
+    return _shard(fused, 0, tp_rank, tp_size).reshape(-1, *rest)
+
+
+def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp_rank: int = 0, tp_size: int = 1,
+                   ep_rank: int = 0, ep_size: int = 1, etp_rank: int = 0, etp_size: int = 1
+                   ) -> dict[str, torch.Tensor]:
+    """This rank's Megatron state dict from a transformers-5 in-memory HF state dict."""
+    L = int(_get(hf_config, "num_hidden_layers"))
+    ng = int(_get(hf_config, "num_key_value_heads") or _get(hf_config, "num_attention_heads"))
+    n_exp = _num_experts(hf_config)
+    out: dict[str, torch.Tensor] = {
+        "embedding.word_embeddings.weight": _shard(hf_state["model.embed_tokens.weight"], 0, tp_rank, tp_size),
+        "decoder.final_layernorm.weight": hf_state["model.norm.weight"],
+    }
+    if not _get(hf_config, "tie_word_embeddings", False):
+        out["output_layer.weight"] = _shard(hf_state["lm_head.weight"], 0, tp_rank, tp_size)
+    for i in range(L):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out[m + "input_layernorm.weight"] = hf_state[h + "input_layernorm.weight"]
+        out[m + "pre_mlp_layernorm.weight"] = hf_state[h + "post_attention_layernorm.weight"]
+        a = h + "self_attn."
+        out[m + "self_attention.linear_qkv.weight"] = interleave_qkv(
+            hf_state[a + "q_proj.weight"], hf_state[a + "k_proj.weight"], hf_state[a + "v_proj.weight"], ng,
+            tp_rank, tp_size)
+        if a + "q_proj.bias" in hf_state:
+            out[m + "self_attention.linear_qkv.bias"] = interleave_qkv(
+                hf_state[a + "q_proj.bias"], hf_state[a + "k_proj.bias"], hf_state[a + "v_proj.bias"], ng,
+                tp_rank, tp_size)
+        out[m + "self_attention.linear_proj.weight"] = _shard(hf_state[a + "o_proj.weight"], 1, tp_rank, tp_size)
+        if a + "q_norm.weight" in hf_state:
+            out[m + "self_attention.q_layernorm.weight"] = hf_state[a + "q_norm.weight"]
+            out[m + "self_attention.k_layernorm.weight"] = hf_state[a + "k_norm.weight"]
+        if n_exp:
+            out[m + "mlp.router.weight"] = hf_state[h + "mlp.gate.weight"]
+            gate_up, down = hf_state[h + "mlp.experts.gate_up_proj"], hf_state[h + "mlp.experts.down_proj"]
+            inter = gate_up.shape[1] // 2
+            per_rank = n_exp // ep_size
+            for le in range(per_rank):
+                e = ep_rank * per_rank + le
+                gate, up = gate_up[e, :inter], gate_up[e, inter:]
+                x = f"{m}mlp.experts.local_experts.{le}."
+                out[x + "linear_fc1.weight"] = torch.cat(
+                    [_shard(gate, 0, etp_rank, etp_size), _shard(up, 0, etp_rank, etp_size)])
+                out[x + "linear_fc2.weight"] = _shard(down[e], 1, etp_rank, etp_size)
+        else:
+            out[m + "mlp.linear_fc1.weight"] = torch.cat(
+                [_shard(hf_state[h + "mlp.gate_proj.weight"], 0, tp_rank, tp_size),
+                 _shard(hf_state[h + "mlp.up_proj.weight"], 0, tp_rank, tp_size)])
+            out[m + "mlp.linear_fc2.weight"] = _shard(hf_state[h + "mlp.down_proj.weight"], 1, tp_rank, tp_size)
+    return out
+
+
+def load_hf_weights(model: torch.nn.Module, hf_state: Mapping[str, torch.Tensor], hf_config: Any) -> None:
+    """Copy HF weights into ``model`` (this rank's shards). Every Megatron parameter must be written."""
+    from megatron.core import parallel_state as ps
+
+    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    ep_rank, ep_size = ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
+    etp_rank, etp_size = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+    state = hf_to_megatron(hf_state, hf_config, tp_rank=tp_rank, tp_size=tp_size, ep_rank=ep_rank,
+                           ep_size=ep_size, etp_rank=etp_rank, etp_size=etp_size)
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(state))
+    extra = sorted(set(state) - set(params))
+    if missing or extra:
+        raise LayoutError(f"HF -> Megatron name map mismatch: Megatron parameters not written {missing[:6]}, "
+                          f"converted tensors without a parameter {extra[:6]}")
+    with torch.no_grad():
+        for name, p in params.items():
+            src = state[name]
+            if tuple(src.shape) != tuple(p.shape):
+                raise LayoutError(f"{name}: converted shape {tuple(src.shape)} != Megatron {tuple(p.shape)}")
+            p.copy_(src.to(device=p.device, dtype=p.dtype))

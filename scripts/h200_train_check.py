@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""H200 smoke test of the Megatron-Core backend with miles-lp QuantLinear (path (a)); prints what ran.
+
+One GPU:   python scripts/h200_train_check.py
+Two GPUs:  torchrun --nproc-per-node 2 scripts/h200_train_check.py --tp 2
+
+Per model (tiny qwen3 dense, tiny qwen3_moe; random weights built in memory from miles_lp.checkpoint.tiny):
+1. conversion check: Megatron with BF16 layers vs the HF model, fp32, same tokens: max |logits diff|;
+2. per case (MXFP8 everything x 3 backward modes; NVFP4 routed experts x 2 backward modes): build, load the
+   HF weights, attach the plan, loss before, backward, grads finite, AdamW step, loss after on the same batch;
+   at tp=1 also check that learner_weights() bytes equal quantize_* of the updated master weights.
+Lines starting with ``RAN`` summarize each case; the exit code is 1 if any case failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import traceback
+import warnings
+
+warnings.filterwarnings("ignore")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+CASES = [("mxfp8", "high_precision"), ("mxfp8", "dequantized"), ("mxfp8", "quantized"),
+         ("nvfp4-experts", "high_precision"), ("nvfp4-experts", "dequantized")]
+
+
+def policy_for(case: str, backward: str):
+    from miles_lp.config import Where
+    from miles_lp.policy import parse_policy
+
+    if case == "mxfp8":
+        raw = {"default": "mxfp8", "backward": backward}
+    else:
+        raw = {"default": "bf16", "backward": backward, "rules": [{"role": "routed_experts", "format": "nvfp4"}]}
+    return parse_policy(raw, Where("<h200_train_check>", "precision"))
+
+
+def log(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def lm_loss(model, ids, pos) -> torch.Tensor:
+    logits = model(ids, pos, attention_mask=None)  # [b, s, V/tp]
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    labels = ids[:, 1:].transpose(0, 1).contiguous()  # [s-1, b]
+    lg = logits[:, :-1].transpose(0, 1).contiguous().float()
+    return vocab_parallel_cross_entropy(lg, labels).mean()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tp", type=int, default=int(os.environ.get("WORLD_SIZE", "1")))
+    ap.add_argument("--archs", default="qwen3,qwen3_moe")
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    args = ap.parse_args()
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29561")
+    if not torch.cuda.is_available():
+        print("h200_train_check: CUDA is required", file=sys.stderr)
+        return 2
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
+    model_parallel_cuda_manual_seed(1234)
+    import megatron.core
+    import transformers
+
+    from miles_lp import formats
+    from miles_lp.checkpoint.tiny import tiny_config
+    from miles_lp.policy import compile_plan, get_layout
+    from miles_lp.train.megatron.layers import attach_plan, learner_weights
+    from miles_lp.train.megatron.model import build_gpt_model, load_hf_weights
+
+    log(f"h200_train_check: torch {torch.__version__}, megatron-core {megatron.core.__version__}, "
+        f"transformers {transformers.__version__}, device {torch.cuda.get_device_name()}, world {world}, "
+        f"tp {args.tp}")
+    failures = 0
+    dev = torch.device("cuda")
+    for arch in args.archs.split(","):
+        cfg = tiny_config(arch, num_layers=2)
+        torch.manual_seed(0)
+        hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        hf_state = hf.state_dict()
+        layout = get_layout(cfg)
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g).to(dev)
+        pos = torch.arange(args.seq, device=dev)[None].expand(args.batch, -1)
+        sp = args.tp > 1 and bool(getattr(cfg, "num_experts", 0))  # MoE + TP: Megatron wants SP
+
+        # 1. conversion check in fp32, BF16 layers (no plan attached)
+        try:
+            meg = build_gpt_model(cfg, quantized=False, tp=args.tp, sequence_parallel=sp, device=dev)
+            load_hf_weights(meg, hf_state, cfg)
+            with torch.no_grad():
+                ml = meg(ids, pos, attention_mask=None).float()
+                if args.tp > 1:
+                    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+                    ml = gather_from_tensor_model_parallel_region(ml)
+                hl = hf.to(dev)(input_ids=ids, position_ids=pos).logits.float()
+                hf.cpu()
+            diff = float((ml - hl).abs().max())
+            ok = diff < 1e-3
+            failures += not ok
+            log(f"RAN conversion model={arch} tp={args.tp} sp={sp} dtype=fp32 max|logits(megatron)-logits(hf)|="
+                f"{diff:.3e} {'OK' if ok else 'FAIL'}")
+            del meg
+        except Exception:
+            failures += 1
+            log(f"RAN conversion model={arch} tp={args.tp} FAILED\n{traceback.format_exc()}")
+
+        # 2. quantized cases, bf16 params (bf16 GEMMs on the dequantized operands)
+        for case, backward in CASES:
+            if case == "nvfp4-experts" and not getattr(cfg, "num_experts", 0):
+                continue
+            try:
+                plan = compile_plan(policy_for(case, backward), layout)
+                meg = build_gpt_model(cfg, quantized=True, tp=args.tp, sequence_parallel=sp,
+                                      params_dtype=torch.bfloat16, device=dev)
+                load_hf_weights(meg, hf_state, cfg)
+                report = attach_plan(meg, plan, layout)
+                n_q = len(report)
+                opt = torch.optim.AdamW(meg.parameters(), lr=args.lr)
+                loss0 = lm_loss(meg, ids, pos)
+                loss0.backward()
+                grads = [p.grad for p in meg.parameters() if p.grad is not None]
+                finite = all(bool(torch.isfinite(gr).all()) for gr in grads)
+                opt.step()
+                opt.zero_grad()
+                with torch.no_grad():
+                    loss1 = lm_loss(meg, ids, pos)
+                bytes_ok = "n/a(tp>1)"
+                if args.tp == 1:
+                    lw = dict(learner_weights(meg))
+                    params = dict(meg.named_parameters())
+                    checks = []
+                    w = params["decoder.layers.0.self_attention.linear_proj.weight"]
+                    if "model.layers.0.self_attn.o_proj.weight" in lw:
+                        ref = formats.quantize_mxfp8(w.detach())
+                        got = lw["model.layers.0.self_attn.o_proj.weight"]
+                        checks.append(torch.equal(got.data.view(torch.uint8), ref.data.view(torch.uint8))
+                                      and torch.equal(got.scale, ref.scale))
+                    e_name = "model.layers.0.mlp.experts.1.gate_proj.weight"
+                    if case == "nvfp4-experts" and e_name in lw:
+                        fc1 = params["decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"].detach()
+                        half = fc1.shape[0] // 2
+                        rg, ru = formats.quantize_nvfp4_pair(fc1[:half], fc1[half:])
+                        got_g = lw[e_name]
+                        got_u = lw["model.layers.0.mlp.experts.1.up_proj.weight"]
+                        checks.append(torch.equal(got_g.data, rg.data) and torch.equal(got_u.data, ru.data)
+                                      and torch.equal(got_g.scale.view(torch.uint8), rg.scale.view(torch.uint8))
+                                      and torch.equal(got_g.global_scale, rg.global_scale))
+                    bytes_ok = str(all(checks) and bool(checks))
+                ok = finite and math.isfinite(float(loss1)) and float(loss1) < float(loss0) and bytes_ok != "False"
+                failures += not ok
+                log(f"RAN model={arch} tp={args.tp} sp={sp} format={case} backward={backward} "
+                    f"quantized_linears={n_q} params=bf16 loss_before={float(loss0):.4f} "
+                    f"loss_after={float(loss1):.4f} grads_finite={finite} learner_weights_bytes_equal={bytes_ok} "
+                    f"{'OK' if ok else 'FAIL'}")
+                del meg, opt
+            except Exception:
+                failures += 1
+                log(f"RAN model={arch} tp={args.tp} format={case} backward={backward} FAILED\n"
+                    f"{traceback.format_exc()}")
+    log(f"h200_train_check: {failures} failure(s)")
+    dist.destroy_process_group()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

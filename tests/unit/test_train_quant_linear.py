@@ -1,0 +1,310 @@
+"""QuantLinear / QuantExperts: forward grid, gradients per backward mode, weight cache, saved memory.
+
+The references are written independently with plain autograd on the codecs' own quantize/dequantize:
+straight-through terms pick which operands each backward GEMM sees (CPU, fp32 GEMMs on bf16-exact values).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from miles_lp import formats
+from miles_lp.errors import ConfigError
+from miles_lp.formats.spec import BackwardMode, Format
+from miles_lp.train.memory import SavedTensors
+from miles_lp.train.quant_linear import (
+    LinearRecipe,
+    QuantExperts,
+    QuantLinear,
+    learner_weights,
+    quantized_linear,
+)
+
+HP, DEQ, QNT = BackwardMode.HIGH_PRECISION, BackwardMode.DEQUANTIZED, BackwardMode.QUANTIZED
+
+
+def deq(q):
+    return q.dequantize(torch.float32)
+
+
+def q_x(x, fmt, scope="token"):
+    if fmt is Format.MXFP8:
+        return formats.quantize_mxfp8(x, axis=-1)
+    return formats.quantize_nvfp4(x, scale_scope="row" if scope == "token" else "tensor")
+
+
+def q_w(w, fmt):
+    if fmt is Format.MXFP8:
+        return formats.quantize_mxfp8(w, axis=-1)
+    return formats.quantize_nvfp4(w, scale_scope="tensor")
+
+
+class GradQ(torch.autograd.Function):
+    """Identity forward; backward replaces the gradient by deq(quantize_mxfp8(g, axis))."""
+
+    @staticmethod
+    def forward(ctx, t, axis):
+        ctx.axis = axis
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return deq_padded(g, ctx.axis), None
+
+
+def deq_padded(t, axis):
+    """deq(quantize_mxfp8(t, axis)); columnwise: tokens zero-padded to a multiple of 32, then cut back."""
+    if axis == -1:
+        return deq(formats.quantize_mxfp8(t, axis=-1))
+    m = t.shape[0]
+    return deq(formats.quantize_mxfp8(F.pad(t, (0, 0, 0, (-m) % 32)), axis=-2))[:m]
+
+
+def reference(x, w, fmt, mode, scope="token"):
+    """Forward value deq(q(x)) @ deq(q(w)).T; gradients as ``mode`` prescribes, by plain autograd."""
+    xq, wq = deq(q_x(x.detach(), fmt, scope)), deq(q_w(w.detach(), fmt))
+    value = xq @ wq.T
+    if mode is HP:
+        exact = x @ w.T
+        return exact + (value - exact).detach()
+    if mode is DEQ:
+        x_st = x + (xq - x).detach()
+        w_st = w + (wq - w).detach()
+        return x_st @ w_st.T
+    w_col = deq(formats.quantize_mxfp8(w.detach(), axis=-2))
+    x_col = deq_padded(x.detach(), -2)
+    out1 = GradQ.apply(x @ w_col.T, -1)  # dx = deq(q_row(dy)) @ deq(q_col(w))
+    out2 = GradQ.apply(x_col @ w.T, -2)  # dw = deq(q_col(dy)).T @ deq(q_col(x))
+    return value.detach() + (out1 - out1.detach()) + (out2 - out2.detach())
+
+
+def _data(m=64, k=96, n=128, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype).requires_grad_()
+    dy = torch.randn(m, n, generator=g).to(dtype)
+    return x, w, dy
+
+
+CASES = [(Format.MXFP8, HP), (Format.MXFP8, DEQ), (Format.MXFP8, QNT), (Format.NVFP4, HP), (Format.NVFP4, DEQ)]
+
+
+@pytest.mark.parametrize("fmt,mode", CASES, ids=lambda v: str(v))
+def test_dense_forward_and_grads_match_reference(fmt, mode):
+    x, w, dy = _data()
+    recipe = LinearRecipe(fmt, mode, "token" if fmt is Format.NVFP4 else None)
+    y = quantized_linear(x, w, recipe)
+    y.backward(dy)
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    y_ref = reference(x, w, fmt, mode)
+    y_ref.backward(dy)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gx, x.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gw, w.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", [Format.MXFP8, Format.NVFP4])
+def test_forward_equals_dequantize_then_matmul_bf16_input(fmt):
+    x, w, _ = _data(dtype=torch.bfloat16)
+    y = quantized_linear(x, w, LinearRecipe(fmt, DEQ, "token" if fmt is Format.NVFP4 else None))
+    ref = (deq(q_x(x.detach(), fmt)) @ deq(q_w(w.detach(), fmt)).T).to(torch.bfloat16)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+
+
+def test_nvfp4_per_tensor_activation_scope():
+    x, w, _ = _data()
+    y = quantized_linear(x, w, LinearRecipe(Format.NVFP4, HP, "tensor"))
+    ref = deq(q_x(x.detach(), Format.NVFP4, "tensor")) @ deq(q_w(w.detach(), Format.NVFP4)).T
+    torch.testing.assert_close(y, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_nvfp4_quantized_backward_is_refused():
+    with pytest.raises(ConfigError, match=r"experts\.0\.gate_proj.*NVFP4.*high_precision"):
+        LinearRecipe(Format.NVFP4, QNT, "token", name="model.layers.0.mlp.experts.0.gate_proj.weight")
+
+
+def test_untrainable_format_is_refused():
+    with pytest.raises(ConfigError, match="fp8_block cannot be trained"):
+        LinearRecipe(Format.FP8_BLOCK, DEQ)
+
+
+def test_quantized_mode_pads_tokens_to_block():
+    """M = 40 tokens: the wgrad operands are zero-padded to 64, equal to padding the batch with zeros."""
+    x, w, dy = _data(m=40)
+    recipe = LinearRecipe(Format.MXFP8, QNT)
+    quantized_linear(x, w, recipe).backward(dy)
+    xp = F.pad(x.detach(), (0, 0, 0, 24)).requires_grad_()
+    wp = w.detach().clone().requires_grad_()
+    quantized_linear(xp, wp, recipe).backward(F.pad(dy, (0, 0, 0, 24)))
+    torch.testing.assert_close(w.grad, wp.grad, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, xp.grad[:40], rtol=0, atol=0)
+
+
+def test_bias_gradient():
+    x, w, dy = _data()
+    b = torch.randn(w.shape[0], requires_grad=True)
+    y = quantized_linear(x, w, LinearRecipe(Format.MXFP8, DEQ), bias=b)
+    y.backward(dy)
+    torch.testing.assert_close(b.grad, dy.sum(0))
+
+
+# ---- weight cache and learner_weights ------------------------------------------------------------------
+
+
+def test_weight_quantized_once_per_step_and_exported_bytes_equal_codec():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 96, bias=False)
+    ql = QuantLinear.from_linear(lin, LinearRecipe(Format.MXFP8, DEQ), canonical="model.layers.0.mlp.up_proj.weight")
+    opt = torch.optim.SGD(ql.parameters(), lr=0.1)
+    x = torch.randn(32, 64)
+    for _ in range(3):  # three micro-batches, one step
+        ql(x).sum().backward()
+    assert ql.grid.quantize_calls == 1
+    (name, q), = list(learner_weights(ql))
+    assert name == "model.layers.0.mlp.up_proj.weight"
+    assert ql.grid.quantize_calls == 1  # export read the forward's cache
+    opt.step()
+    (_, q2), = list(learner_weights(ql))
+    assert ql.grid.quantize_calls == 2
+    ref = formats.quantize_mxfp8(lin.weight.detach(), axis=-1)
+    assert torch.equal(q2.data.view(torch.uint8), ref.data.view(torch.uint8))
+    assert torch.equal(q2.scale, ref.scale)
+    assert not torch.equal(q.data.view(torch.uint8), q2.data.view(torch.uint8))
+    ql(x)  # the forward after the step uses the exported grid, no re-quantization
+    assert ql.grid.quantize_calls == 2
+
+
+class _FakeExperts(torch.nn.Module):
+    """The attributes transformers-5 fused experts carry (gate_up_proj [E, 2I, H], down_proj [E, H, I])."""
+
+    def __init__(self, e=4, h=64, i=32, seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(e, 2 * i, h, generator=g) * 0.1)
+        self.down_proj = torch.nn.Parameter(torch.randn(e, h, i, generator=g) * 0.1)
+        self.act_fn = F.silu
+
+    def forward(self, hidden, top_k_index, top_k_weights):  # the eager transformers-5 loop, plain linears
+        out = torch.zeros_like(hidden)
+        for e in range(self.gate_up_proj.shape[0]):
+            tok, pos = torch.where(top_k_index == e)
+            if tok.numel() == 0:
+                continue
+            gate, up = F.linear(hidden[tok], self.gate_up_proj[e]).chunk(2, -1)
+            h = F.linear(self.act_fn(gate) * up, self.down_proj[e]) * top_k_weights[tok, pos, None]
+            out.index_add_(0, tok, h)
+        return out
+
+
+def _members(e=4):
+    pre = "model.layers.1.mlp.experts"
+    gu = tuple(f"{pre}.{k}.{p}.weight" for k in range(e) for p in ("gate_proj", "up_proj"))
+    return gu, tuple(f"{pre}.{k}.down_proj.weight" for k in range(e))
+
+
+def _routing(t=48, e=4, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(t)])
+    w = torch.softmax(torch.randn(t, 2, generator=g), -1)
+    return idx, w
+
+
+@pytest.mark.parametrize("fmt,mode", CASES, ids=lambda v: str(v))
+def test_experts_forward_and_grads_match_reference(fmt, mode):
+    ref_mod, q_mod_src = _FakeExperts(), _FakeExperts()
+    recipe = LinearRecipe(fmt, mode, "token" if fmt is Format.NVFP4 else None)
+    qe = QuantExperts(q_mod_src, recipe, recipe, *_members())
+    hidden = torch.randn(48, 64, requires_grad=True)
+    h_ref = hidden.detach().clone().requires_grad_()
+    idx, rw = _routing()
+    dy = torch.randn(48, 64)
+    qe(hidden, idx, rw).backward(dy)
+
+    # Reference: the same loop, each expert's linear replaced by the per-expert reference
+    # (NVFP4: gate and up quantized as a pair, one global scale per expert).
+    out = torch.zeros_like(h_ref)
+    for e in range(4):
+        tok, pos = torch.where(idx == e)
+        gu = ref_mod.gate_up_proj[e]
+        gate, up = _ref_gate_up(h_ref[tok], gu, fmt, mode).chunk(2, -1)
+        h = reference(F.silu(gate) * up, ref_mod.down_proj[e], fmt, mode) * rw[tok, pos, None]
+        out.index_add_(0, tok, h)
+    out.backward(dy)
+    torch.testing.assert_close(hidden.grad, h_ref.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q_mod_src.gate_up_proj.grad, ref_mod.gate_up_proj.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(q_mod_src.down_proj.grad, ref_mod.down_proj.grad, rtol=1e-5, atol=1e-5)
+
+
+def _ref_gate_up(x, gu, fmt, mode):
+    if fmt is Format.MXFP8 or mode is QNT:
+        return reference(x, gu, fmt, mode)
+    inter = gu.shape[0] // 2
+    qg, qu = formats.quantize_nvfp4_pair(gu[:inter].detach(), gu[inter:].detach())
+    wq = torch.cat([deq(qg), deq(qu)])
+    xq = deq(q_x(x.detach(), fmt))
+    if mode is HP:
+        exact = x @ gu.T
+        return exact + (xq @ wq.T - exact).detach()
+    return (x + (xq - x).detach()) @ (gu + (wq - gu).detach()).T
+
+
+@pytest.mark.parametrize("fmt", [Format.MXFP8, Format.NVFP4])
+def test_experts_learner_weights_equal_codec_per_expert(fmt):
+    src = _FakeExperts()
+    recipe = LinearRecipe(fmt, DEQ, "token" if fmt is Format.NVFP4 else None)
+    qe = QuantExperts(src, recipe, recipe, *_members())
+    qe(torch.randn(48, 64), *_routing())
+    out = dict(learner_weights(qe))
+    gu_names, down_names = _members()
+    assert list(out) == list(gu_names) + list(down_names)
+    assert qe.gate_up_grid.quantize_calls == 1
+    inter = 32
+    for e in range(4):
+        gate, up = src.gate_up_proj[e, :inter].detach(), src.gate_up_proj[e, inter:].detach()
+        if fmt is Format.MXFP8:
+            refs = [formats.quantize_mxfp8(gate), formats.quantize_mxfp8(up)]
+        else:
+            refs = list(formats.quantize_nvfp4_pair(gate, up))
+        refs.append(q_w(src.down_proj[e].detach(), fmt))
+        for name, ref in zip((gu_names[2 * e], gu_names[2 * e + 1], down_names[e]), refs, strict=True):
+            got = out[name]
+            assert type(got) is type(ref)
+            for key, t in ref.components().items():
+                g = got.components()[key]
+                assert g.shape == t.shape, (name, key)
+                assert torch.equal(g.view(torch.uint8) if g.dtype.is_floating_point and g.element_size() == 1
+                                   else g, t.view(torch.uint8) if t.dtype.is_floating_point and t.element_size() == 1
+                                   else t), (name, key)
+
+
+# ---- saved-for-backward memory ---------------------------------------------------------------------------
+
+
+def saved_bytes(mode, fmt=Format.MXFP8, m=256, k=512, n=512, master=torch.bfloat16):
+    x = torch.randn(m, k, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(n, k, dtype=master) * 0.05)
+    ql = QuantLinear.from_linear(torch.nn.Linear(k, n, bias=False), LinearRecipe(fmt, mode), "w")
+    ql.weight = w
+    with SavedTensors() as saved:
+        y = ql(x)
+    y.sum().backward()  # the saved tensors are usable
+    return saved
+
+
+def test_saved_bytes_per_mode():
+    m, k, n = 256, 512, 512
+    hp, dq, qn = (saved_bytes(mode, m=m, k=k, n=n) for mode in (HP, DEQ, QNT))
+    x_bf16, w_bf16 = m * k * 2, n * k * 2
+    assert hp.bytes == x_bf16 + w_bf16  # the original operands
+    # dequantized: 1 byte per element + one E8M0 byte per 32, for x and w (rowwise only)
+    assert dq.bytes == (m * k + n * k) * (1 + 1 / 32)
+    assert qn.bytes == (m * k + n * k) * (1 + 1 / 32)  # columnwise copies instead of rowwise
+    assert dq.bytes / hp.bytes == pytest.approx(0.515625)
+    # Activations only (the weight and its per-step grid live anyway): x bf16 vs x in MXFP8.
+    assert hp.bytes - w_bf16 == x_bf16
+    nv = saved_bytes(DEQ, Format.NVFP4, m=m, k=k, n=n)
+    assert nv.bytes < dq.bytes / 1.8  # 4-bit payload + E4M3 scale per 16 + per-token fp32 scales
