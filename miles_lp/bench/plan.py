@@ -1,6 +1,7 @@
 """`miles-lp bench plan`: compile time of the full DeepSeek-V3 plan and per-tensor lookup cost.
 
-Targets (issue 3): compile under 1 s, lookup under 1 microsecond per tensor. The anchor is a plain dict lookup
+Targets (issue 3): compile under 1 s, lookup under 1 microsecond per tensor, for canonical names
+(``entry`` / ``format_for``) and for Megatron / fused names (``entries_for_any`` / ``format_for_any``, memoised). The anchor is a plain dict lookup
 of the same names, so the ratio says what the plan's lookup adds over the floor.
 """
 
@@ -57,16 +58,41 @@ def run(args) -> int:
     fmt_ns = per_lookup(plan.format_for)
     plain = {n: e.format for n, e in plan.entries.items()}
     dict_ns = per_lookup(plain.__getitem__)
-    meg = [f"decoder.layers.{i}.mlp.experts.linear_fc1.weight{e}" for i in range(3, 61) for e in range(0, 256, 8)]
+    # Megatron-Core names (experts, fused qkv, fc1) and transformers-5 fused expert names: the first lookup of a
+    # name goes through the layout (cold), later ones hit the plan's memo (warm; the steady state of a trainer
+    # that converts the same parameters every step).
+    meg = [f"decoder.layers.{i}.mlp.experts.linear_fc1.weight{e}" for i in range(3, 61) for e in range(256)]
+    meg += [f"decoder.layers.{i}.self_attention.linear_q_down_proj.weight" for i in range(61)]
+    meg += [f"decoder.layers.{i}.mlp.linear_fc1.weight" for i in range(3)]
+    meg += [f"model.layers.{i}.mlp.experts.gate_up_proj" for i in range(3, 61)]
     t0 = time.perf_counter()
     for n in meg:
         plan.entries_for_any(n)
-    any_ns = (time.perf_counter() - t0) / len(meg) * 1e9
+    any_cold_ns = (time.perf_counter() - t0) / len(meg) * 1e9
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for n in meg:
+            plan.entries_for_any(n)
+        best = min(best, time.perf_counter() - t0)
+    any_ns = best / len(meg) * 1e9
+    for n in meg[:1000]:
+        plan.format_for_any(n)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for n in meg[:1000]:
+            plan.format_for_any(n)
+        best = min(best, time.perf_counter() - t0)
+    any_fmt_ns = best / 1000 * 1e9
     res = {"tensors": len(names), "compile_s_median": _median(compile_s), "compile_s_all": compile_s,
            "to_json_s": json_s, "plan_json_bytes": len(text), "lookup_entry_ns": entry_ns,
-           "lookup_format_ns": fmt_ns, "dict_anchor_ns": dict_ns, "megatron_name_lookup_ns": any_ns}
+           "lookup_format_ns": fmt_ns, "dict_anchor_ns": dict_ns, "any_names": len(meg),
+           "megatron_name_lookup_cold_ns": any_cold_ns, "megatron_name_lookup_ns": any_ns,
+           "format_for_any_ns": any_fmt_ns}
     res["compile_pass"] = res["compile_s_median"] < 1.0
     res["lookup_pass"] = entry_ns < 1000.0
+    res["any_lookup_pass"] = any_ns < 1000.0 and any_fmt_ns < 1000.0
     if args.json:
         print(json.dumps(res, indent=1))
         return 0
@@ -77,6 +103,8 @@ def run(args) -> int:
     print(f"plan.entry(name)   {entry_ns:8.1f} ns/lookup  target < 1000 ns  {ok[res['lookup_pass']]}  "
           f"(dict anchor {dict_ns:.1f} ns, ratio {entry_ns / dict_ns:.2f}x)")
     print(f"plan.format_for    {fmt_ns:8.1f} ns/lookup")
-    print(f"entries_for_any    {any_ns:8.1f} ns/lookup (Megatron expert names, through the layout)")
+    print(f"entries_for_any    {any_ns:8.1f} ns/lookup  target < 1000 ns  {ok[res['any_lookup_pass']]}  "
+          f"({len(meg)} Megatron / fused names, memoised; first lookup through the layout {any_cold_ns:.0f} ns)")
+    print(f"format_for_any     {any_fmt_ns:8.1f} ns/lookup  target < 1000 ns")
     print(f"plan.to_json       {json_s * 1e3:8.1f} ms, {len(text) / 1e6:.1f} MB")
     return 0

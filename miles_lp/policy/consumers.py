@@ -101,11 +101,74 @@ def sglang_modelopt_is_layer_excluded(prefix: str, exclude: Sequence[str],
     return False
 
 
+def sglang_fp8_ignored_layers(ignored: Sequence[str]) -> list[str]:
+    """SGLang ``Fp8Config.from_config`` (layers/quantization/fp8.py) rewrites the skip list it reads from
+    ``ignored_layers`` / ``modules_to_not_convert`` with ``layer.replace("model.", "")`` ("hacking ministral")
+    before `sglang_is_layer_skipped` sees it; an emitted list must mean the same before and after."""
+    return [i.replace("model.", "") for i in ignored]
+
+
 # ---- SGLang modelopt_mixed: quantized_layers ------------------------------------------------------------
+#: Per-module algos that SGLang ``ModelOptMixedPrecisionConfig.get_quant_method``
+#: (python/sglang/srt/layers/quantization/modelopt_quant.py) dispatches. CONTRACT 4 lists ``FP8``, ``NVFP4`` and
+#: ``MXFP8`` for the mixed-precision checkpoints of the Miles pipeline (SGLang support added with the Miles
+#: MXFP8/NVFP4 work, sglang#18742 / #20214), and that is the SGLang this project targets.
+SGLANG_MIXED_DISPATCH = frozenset({"FP8", "NVFP4", "MXFP8"})
+#: What an older ``ModelOptMixedPrecisionConfig`` dispatches (read from an indexed copy of modelopt_quant.py of
+#: unknown commit): ``FP8`` -> ``ModelOptFp8LinearMethod`` (static per-tensor FP8, needs ``input_scale``),
+#: ``NVFP4`` -> ``ModelOptFp4LinearMethod`` / ``ModelOptNvFp4FusedMoEMethod``; anything else (``MXFP8`` included)
+#: falls through to ``UnquantizedLinearMethod``, so such an engine would load MXFP8 modules' fp8 bytes as BF16,
+#: silently. Configs cannot tell the two apart: the live layer audit (C1 against the engine's parameters) must.
+SGLANG_MIXED_DISPATCH_WITHOUT_MXFP8 = frozenset({"FP8", "NVFP4"})
+
+
+def sglang_modelopt_mixed_resolve(prefix: str, quantized_layers: Mapping[str, Mapping],
+                                  packed_modules_mapping: Mapping[str, Sequence[str]] | None = None) -> str | None:
+    """SGLang ``ModelOptMixedPrecisionConfig._resolve_quant_algo`` (layers/quantization/modelopt_quant.py):
+
+    1. the exact engine prefix is a key -> its ``quant_algo`` (upper-cased);
+    2. the prefix's last component is in ``packed_modules_mapping`` (read from the quantization config's
+       ``packed_modules_mapping`` key, or set by the model class) -> the algos of the LISTED shards: one
+       distinct algo wins (unlisted shards are ignored), several raise ``ValueError`` ("Mixed quant_algo within
+       fused layer") -- `FusedShardMismatch` here;
+    3. else the FIRST key starting with ``prefix + "."`` (dict order, no agreement check): how a FusedMoE prefix
+       (``...mlp.experts``) finds its per-expert entries;
+    4. else None (BF16).
+    Without a packed mapping, a fused ``qkv_proj`` / ``gate_up_proj`` whose shards are listed resolves to None.
+    """
+    cfg = quantized_layers.get(prefix)
+    if cfg is not None:
+        return str(cfg["quant_algo"]).upper()
+    proj = prefix.rsplit(".", 1)[-1]
+    if packed_modules_mapping and proj in packed_modules_mapping:
+        base = prefix.rsplit(".", 1)[0]
+        algos = {str(quantized_layers[f"{base}.{s}"]["quant_algo"]).upper()
+                 for s in packed_modules_mapping[proj] if f"{base}.{s}" in quantized_layers}
+        if len(algos) > 1:
+            raise FusedShardMismatch(f"Mixed quant_algo within fused layer {prefix}: {sorted(algos)}")
+        if algos:
+            return algos.pop()
+    prefix_dot = prefix + "."
+    for key, info in quantized_layers.items():
+        if key.startswith(prefix_dot):
+            return str(info["quant_algo"]).upper()
+    return None
+
+
+def sglang_modelopt_mixed_algo(prefix: str, quantized_layers: Mapping[str, Mapping],
+                               packed_modules_mapping: Mapping[str, Sequence[str]] | None = None) -> str | None:
+    """The algo SGLang ``ModelOptMixedPrecisionConfig.get_quant_method`` actually runs ``prefix`` in: the resolved
+    algo if it is dispatched (`SGLANG_MIXED_DISPATCH`), else None (loaded BF16)."""
+    algo = sglang_modelopt_mixed_resolve(prefix, quantized_layers, packed_modules_mapping)
+    return algo if algo in SGLANG_MIXED_DISPATCH else None
+
+
 def modelopt_mixed_layer_algo(shard_modules: Iterable[str], quantized_layers: Mapping[str, Mapping]) -> str | None:
-    """MIXED_PRECISION (SGLang ``modelopt_mixed``; CONTRACT 4): a module is quantized with the algo listed for
-    its exact name; a fused module looks up each shard (and a FusedMoE each expert projection) and all must
-    agree; unlisted stays BF16. Returns the algo or None (BF16)."""
+    """Strict shard-level reading of ``quantized_layers``: every shard of an engine module (each projection of
+    a fused linear, each expert projection of a FusedMoE) must carry the same algo, unlisted = BF16. Stricter
+    than SGLang (`sglang_modelopt_mixed_resolve` ignores unlisted shards and takes the first expert's entry),
+    so a config that passes it reads the same in SGLang. Returns the listed algo or None; it does not say
+    whether SGLang dispatches that algo (`sglang_modelopt_mixed_algo` does)."""
     algos = set()
     for shard in shard_modules:
         cfg = quantized_layers.get(shard)

@@ -107,18 +107,35 @@ def _not_converted(plan: PrecisionPlan, mods: dict[str, EngineModule], whole_lay
     return list(dict.fromkeys(out))
 
 
-# ---- SGLang mxfp8 --------------------------------------------------------------------------------------------
+# ---- SGLang mxfp8 / fp8 ---------------------------------------------------------------------------------------
 def sglang_config(plan: PrecisionPlan) -> dict[str, Any]:
-    """SGLang native MXFP8 ``quantization_config`` (CONTRACT 4), re-read with SGLang ``is_layer_skipped``."""
-    _single_format(plan, (Format.MXFP8,), "SGLang 'mxfp8'")
+    """SGLang native ``quantization_config`` for a one-format plan, re-read with SGLang ``is_layer_skipped``.
+
+    - MXFP8 (CONTRACT 4): ``quant_method: mxfp8``, ``weight_block_size: [1, 32]``, ``modules_to_not_convert``;
+    - FP8_BLOCK (DeepSeek-V3 style): ``quant_method: fp8``, ``weight_block_size: [128, 128]``, ``ignored_layers``;
+    - FP8_TENSOR: ``quant_method: fp8`` without ``weight_block_size`` (per-tensor weight scale), ``ignored_layers``.
+    All use ``activation_scheme: dynamic``. SGLang ``Fp8Config.from_config`` (layers/quantization/fp8.py) reads
+    ``ignored_layers`` or ``modules_to_not_convert`` and strips ``"model."`` from each entry; the skip list is
+    checked to mean the same with and without that rewrite.
+    """
+    fmt = _single_format(plan, (Format.MXFP8, Format.FP8_BLOCK, Format.FP8_TENSOR), "SGLang 'mxfp8'/'fp8'")
     mods = engine_modules(plan, "SGLang")
     skip = _not_converted(plan, mods, whole_layers=True)
-    cfg = {"quant_method": "mxfp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [1, 32],
-           "scale_fmt": "ue8m0", "modules_to_not_convert": skip}
-    got = {}
-    for m in mods.values():
-        got[m.name] = not C.sglang_is_layer_skipped(m.name, skip)
-    _check({m.name: m.format.quantized for m in mods.values()}, got, "SGLang mxfp8")
+    if fmt is Format.MXFP8:
+        cfg = {"quant_method": "mxfp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [1, 32],
+               "scale_fmt": "ue8m0", "modules_to_not_convert": skip}
+    else:
+        cfg = {"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": skip}
+        if fmt is Format.FP8_BLOCK:
+            cfg["weight_block_size"] = [128, 128]
+    expected = {m.name: m.format.quantized for m in mods.values()}
+    for who, lst in (("SGLang " + cfg["quant_method"], skip),
+                     ("SGLang Fp8Config (after its 'model.' strip)", C.sglang_fp8_ignored_layers(skip))):
+        try:
+            got = {m.name: not C.sglang_is_layer_skipped(m.name, lst) for m in mods.values()}
+        except C.FusedShardMismatch as exc:
+            raise ConfigError(f"{who}: {exc}") from None
+        _check(expected, got, who)
     return cfg
 
 
@@ -162,69 +179,111 @@ def vllm_config(plan: PrecisionPlan) -> dict[str, Any]:
 
 
 # ---- SGLang modelopt_mixed -----------------------------------------------------------------------------------
-_MIXED_ALGO = {Format.MXFP8: ("MXFP8", 32), Format.NVFP4: ("NVFP4", 16), Format.FP8_TENSOR: ("FP8", None),
-               Format.FP8_BLOCK: ("FP8_BLOCK_SCALES", 128)}
+#: plan format -> ModelOpt per-module ``quant_algo`` that SGLang's modelopt_mixed can run it as (see
+#: `consumers.SGLANG_MIXED_DISPATCH`). ModelOpt ``FP8`` is static per-tensor FP8 (a calibrated ``input_scale``),
+#: not our fp8_tensor (dynamic activation scale); block FP8 is not dispatched at all. MXFP8 is (CONTRACT 4); an
+#: SGLang older than its MXFP8 support loads those modules BF16 (`consumers.SGLANG_MIXED_DISPATCH_WITHOUT_MXFP8`).
+_MIXED_ALGO = {Format.NVFP4: ("NVFP4", 16), Format.MXFP8: ("MXFP8", 32)}
+_MIXED_REFUSED = {
+    Format.FP8_BLOCK: "SGLang ModelOptMixedPrecisionConfig.get_quant_method dispatches FP8, NVFP4 and MXFP8; "
+                      "'FP8_BLOCK_SCALES' falls through to UnquantizedLinearMethod",
+    Format.FP8_TENSOR: "ModelOpt 'FP8' is static per-tensor FP8 with a calibrated input_scale, which the plan's "
+                       "fp8_tensor (dynamic activation scale) does not carry",
+}
 
 
 def modelopt_mixed_config(plan: PrecisionPlan) -> dict[str, Any]:
-    """SGLang ``modelopt_mixed``: ``quant_algo: MIXED_PRECISION`` + per-module ``quantized_layers``."""
+    """SGLang ``modelopt_mixed``: ``quant_algo: MIXED_PRECISION`` + per-module ``quantized_layers``.
+
+    Read by SGLang ``ModelOptMixedPrecisionConfig`` (python/sglang/srt/layers/quantization/modelopt_quant.py):
+    ``from_config`` takes ``quantized_layers`` (non-empty) and ``packed_modules_mapping`` from this flat
+    ``quantization_config``; ``_resolve_quant_algo`` looks up the engine prefix (exact key, then the shards of
+    a packed module, then the first key under ``prefix.`` for a FusedMoE); ``get_quant_method`` runs only
+    ``FP8``, ``NVFP4`` and ``MXFP8`` (CONTRACT 4) and loads anything else unquantized. So keys are checkpoint module names (one per
+    shard / expert projection), ``packed_modules_mapping`` is emitted (without it SGLang resolves a fused
+    ``qkv_proj`` / ``gate_up_proj`` to BF16 unless the model class sets one), and plans with FP8 block or
+    tensor-wise modules are refused: use ``compressed_tensors_config`` for those.
+    """
     mods = engine_modules(plan, "SGLang modelopt_mixed")
+    for m in mods.values():
+        if m.format.quantized and m.format not in _MIXED_ALGO:
+            n = sum(1 for x in mods.values() if x.format is m.format)
+            raise ConfigError(f"SGLang modelopt_mixed cannot run {m.format.value} modules ({n}, e.g. '{m.name}', "
+                              f"{m.entries[0].rule}): {_MIXED_REFUSED[m.format]}. Use compressed_tensors_config, "
+                              "or sglang_config / modelopt_config for a one-format plan.")
     layers: dict[str, dict[str, Any]] = {}
     for m in mods.values():
         if m.format.quantized:
             algo, gs = _MIXED_ALGO[m.format]
             for shard in m.shards:
                 layers[shard] = {"quant_algo": algo} | ({"group_size": gs} if gs else {})
+    if not layers:
+        raise ConfigError("SGLang modelopt_mixed needs a non-empty quantized_layers map (from_config raises); "
+                          "the plan quantizes no engine module")
+    proj_used = {m.name.rsplit(".", 1)[-1] for m in mods.values()}
+    packed = {k: list(v) for k, v in C.PACKED_MODULES.items() if k in proj_used}
     expected, got = {}, {}
     for m in mods.values():
         expected[m.name] = _MIXED_ALGO[m.format][0] if m.format.quantized else None
         try:
-            got[m.name] = C.modelopt_mixed_layer_algo(m.shards, layers)
+            C.modelopt_mixed_layer_algo(m.shards, layers)  # shards / experts agree (stricter than SGLang)
+            got[m.name] = C.sglang_modelopt_mixed_algo(m.name, layers, packed)
         except C.FusedShardMismatch as exc:
             raise ConfigError(f"SGLang modelopt_mixed: {m.name}: {exc}") from None
     wrong = [n for n in expected if expected[n] != got[n]]
     if wrong:
-        raise ConfigError(f"SGLang modelopt_mixed re-read differs for {wrong[:5]}")
+        raise ConfigError("SGLang modelopt_mixed would read the emitted config differently from the plan for "
+                          + ", ".join(f"{n} (plan: {expected[n] or 'bf16'}, SGLang: {got[n] or 'bf16'})"
+                                      for n in wrong[:5]))
     return {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None,
-            "quantized_layers": dict(sorted(layers.items()))}
+            "packed_modules_mapping": packed, "quantized_layers": dict(sorted(layers.items()))}
 
 
 # ---- compressed-tensors ----------------------------------------------------------------------------------------
-def _ct_scheme(fmt: Format, entry: PlanEntry) -> dict[str, Any]:
+def _ct_scheme(fmt: Format) -> dict[str, Any]:
+    """One config group's scheme, equal (as ``QuantizationArgs``) to compressed-tensors' own preset
+    (compressed_tensors/quantization/quant_scheme.py, v0.20: ``MXFP8``, ``NVFP4``, ``FP8_BLOCK``; the weights of
+    ``FP8``) and valid under ``QuantizationArgs.validate_model_after``; dtypes written as the package dumps them.
+
+    NVFP4 activations are the preset's (``tensor_group``, ``dynamic: "local"``: a static per-tensor global input
+    scale): compressed-tensors has no per-token NVFP4 activation strategy (``strategy: token`` with a
+    ``group_size`` is rejected), and like ModelOpt's ``input_scale`` the serving config does not carry the plan's
+    ``activation_scale``, which is a learner (Transformer Engine) option. FP8 tensor-wise activations are
+    dynamic per-tensor (the plan's current scaling), not the ``FP8`` preset's static ones.
+    """
     if fmt is Format.MXFP8:
         w = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True,
-             "dynamic": False, "scale_dtype": "uint8"}
+             "dynamic": False, "scale_dtype": "torch.uint8", "zp_dtype": "torch.uint8"}
         return {"weights": w, "input_activations": dict(w, dynamic=True), "format": "mxfp8-quantized"}
     if fmt is Format.NVFP4:
         w = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True,
-             "dynamic": False}
-        act = dict(w, dynamic="local" if entry.activation_scale == "tensor" else True,
-                   strategy="tensor_group" if entry.activation_scale == "tensor" else "token")
-        return {"weights": w, "input_activations": act, "format": "nvfp4-pack-quantized"}
+             "dynamic": False, "scale_dtype": "torch.float8_e4m3fn", "zp_dtype": "torch.float8_e4m3fn"}
+        return {"weights": w, "input_activations": dict(w, dynamic="local", observer="static_minmax"),
+                "format": "nvfp4-pack-quantized"}
     if fmt is Format.FP8_BLOCK:
-        w = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128], "symmetric": True}
+        w = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128], "symmetric": True,
+             "dynamic": False}
         return {"weights": w, "input_activations": {"num_bits": 8, "type": "float", "strategy": "group",
-                                                    "group_size": 128, "dynamic": True}, "format": "float-quantized"}
-    w = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True}
+                                                    "group_size": 128, "symmetric": True, "dynamic": True},
+                "format": "float-quantized"}
+    w = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
     return {"weights": w, "input_activations": dict(w, dynamic=True), "format": "float-quantized"}
 
 
 def compressed_tensors_config(plan: PrecisionPlan) -> dict[str, Any]:
-    """compressed-tensors ``quantization_config``: one config group per (format, activation scope); targets are
-    exact module names, one ``re:`` pattern per FusedMoE layer; ``ignore`` lists the BF16 modules."""
+    """compressed-tensors ``quantization_config``: one config group per format (schemes: `_ct_scheme`); targets
+    are exact module names, one ``re:`` pattern per FusedMoE layer; ``ignore`` lists the BF16 modules."""
     mods = engine_modules(plan, "compressed-tensors consumers (vLLM/SGLang)")
-    keys = sorted({(m.format.value, m.entries[0].activation_scale or "") for m in mods.values()
-                   if m.format.quantized})
+    keys = sorted({m.format.value for m in mods.values() if m.format.quantized})
     groups: dict[str, dict[str, Any]] = {}
-    key_of: dict[tuple[str, str], str] = {}
+    key_of: dict[str, str] = {}
     for i, key in enumerate(keys):
-        first = next(m for m in mods.values() if (m.format.value, m.entries[0].activation_scale or "") == key)
         key_of[key] = f"group_{i}"
-        groups[f"group_{i}"] = {"targets": [], **_ct_scheme(first.format, first.entries[0])}
+        groups[f"group_{i}"] = {"targets": [], **_ct_scheme(Format(key))}
     for m in sorted(mods.values(), key=lambda m: m.name):
         if not m.format.quantized:
             continue
-        g = groups[key_of[(m.format.value, m.entries[0].activation_scale or "")]]
+        g = groups[key_of[m.format.value]]
         if m.moe:
             projs = sorted({s.rsplit(".", 1)[1] for s in m.shards})
             g["targets"].append(f"re:{re.escape(m.name)}\\.\\d+\\.({'|'.join(projs)})$")
@@ -244,7 +303,7 @@ def compressed_tensors_config(plan: PrecisionPlan) -> dict[str, Any]:
             found.add(hits[0] if hits else None)
         if len(found) > 1:
             raise ConfigError(f"compressed-tensors: shards of {m.name} resolve to different groups {found}")
-        want = key_of.get((m.format.value, m.entries[0].activation_scale or "")) if m.format.quantized else None
+        want = key_of.get(m.format.value) if m.format.quantized else None
         if found.pop() != want:
             raise ConfigError(f"compressed-tensors re-read differs from the plan for {m.name}")
     return cfg

@@ -52,9 +52,10 @@ class PlanEntry:
 
 @dataclasses.dataclass
 class RuleStats:
-    selected: int = 0  # tensors the selectors matched
+    selected: int = 0  # tensors the selectors matched that this rule could decide (invariants excluded)
     won: int = 0  # tensors this rule decided
     blocked: int = 0  # invariant tensors it selected but may not quantize (no allow_unsafe)
+    invariant: int = 0  # invariant tensors it selected as bf16: the invariant decides them anyway
 
 
 class PrecisionPlan:
@@ -74,6 +75,9 @@ class PrecisionPlan:
             if e.group is not None:
                 groups.setdefault(e.group, []).append(e.name)
         self.groups: dict[str, tuple[str, ...]] = {g: tuple(sorted(v)) for g, v in groups.items()}
+        # memo of entries_for_any / format_for_any: Megatron and fused names resolve through the layout once
+        self._any: dict[str, tuple[PlanEntry, ...]] = {}
+        self._any_fmt: dict[str, Format] = {}
 
     # ---- lookup ------------------------------------------------------------------------------
     def entry(self, name: str) -> PlanEntry:
@@ -87,18 +91,40 @@ class PrecisionPlan:
         return self.entries[name].format
 
     def entries_for_any(self, name: str) -> tuple[PlanEntry, ...]:
-        """Entries of the canonical tensors held by an HF, Megatron or transformers-5 fused name."""
-        if name in self.entries:
-            return (self.entries[name],)
-        if self.layout is None:
+        """Entries of the canonical tensors held by an HF, Megatron or transformers-5 fused name.
+
+        O(1) amortised: the first lookup of a name goes through the layout, later ones are one dict access
+        (the plan is immutable once compiled). `prepare_any(names)` fills the memo ahead of a hot loop.
+        """
+        try:
+            return self._any[name]
+        except KeyError:
+            pass
+        e = self.entries.get(name)
+        if e is not None:
+            got: tuple[PlanEntry, ...] = (e,)
+        elif self.layout is None:
             raise KeyError(f"'{name}' is not a canonical name and this plan has no layout attached")
-        return tuple(self.entry(m) for m in self.layout.describe(name).members)
+        else:
+            got = tuple(self.entry(m) for m in self.layout.describe(name).members)
+        self._any[name] = got
+        return got
 
     def format_for_any(self, name: str) -> Format:
+        try:
+            return self._any_fmt[name]
+        except KeyError:
+            pass
         fmts = {e.format for e in self.entries_for_any(name)}
         if len(fmts) != 1:
             raise ConfigError(f"'{name}' holds tensors in several formats {sorted(f.value for f in fmts)}")
-        return fmts.pop()
+        fmt = self._any_fmt[name] = fmts.pop()
+        return fmt
+
+    def prepare_any(self, names) -> None:
+        """Resolve ``names`` (Megatron / fused / HF) now, so that later `entries_for_any` calls are dict hits."""
+        for n in names:
+            self.entries_for_any(n)
 
     def quantized(self) -> dict[str, PlanEntry]:
         return {n: e for n, e in self.entries.items() if e.format.quantized}
@@ -151,7 +177,11 @@ def compile_plan(policy: PrecisionPolicy, layout: ModelLayout, tensors: Mapping[
     layer_sets: dict[int, frozenset] = {}
     for rule in policy.rules:
         if rule.layers is not None:
-            s = rule.layers.resolve(n_layers, n_mtp)
+            sel = rule.layers
+            if sel.kind in ("first", "last") and sel.percent is None and sel.count > n_layers:
+                raise rule.error(f"layers {sel.text!r} asks for {sel.count} layers, but the model has {n_layers} "
+                                 f"decoder layers; write '{sel.kind} {n_layers}' (or a percentage) if that is meant")
+            s = sel.resolve(n_layers, n_mtp)
             bad = sorted(i for i in s if i >= n_layers + n_mtp)
             if bad:
                 raise rule.error(f"layers {rule.layers.text!r} names layer {bad[0]}, but the model has "
@@ -175,11 +205,18 @@ def compile_plan(policy: PrecisionPolicy, layout: ModelLayout, tensors: Mapping[
             if not _select(rule, name, module, layer, role, layer_sets):
                 continue
             st = stats[rule.label]
+            # Built-in invariants come before the rules: only a quantizing rule with allow_unsafe can decide an
+            # invariant tensor. Other rules that select it neither win it nor count as "selecting" it (so a
+            # `layers: last 15%, format: bf16` rule is not credited with that layer's norms, and is not called
+            # shadowed because of them).
+            if invariant and not (rule.format.quantized and rule.allow_unsafe):
+                if rule.format.quantized:
+                    st.blocked += 1
+                else:
+                    st.invariant += 1
+                continue
             st.selected += 1
             if decided is not None:
-                continue
-            if invariant and rule.format.quantized and not rule.allow_unsafe:
-                st.blocked += 1
                 continue
             decided = rule
             st.won += 1
@@ -242,11 +279,14 @@ def compile_plan(policy: PrecisionPolicy, layout: ModelLayout, tensors: Mapping[
     for rule in policy.rules:
         st = stats[rule.label]
         where = f"{rule.where.source}:{rule.where.line}: " if rule.where and rule.where.line else ""
-        if st.selected == 0:
-            warnings.append(f"{where}{rule.label} ({rule.text}) matched no tensor")
-        elif st.won == 0 and st.blocked == st.selected:
+        if st.selected == 0 and st.blocked:
             warnings.append(f"{where}{rule.label} ({rule.text}) selects only invariant tensors "
                             f"({st.blocked}); they stay bf16 without 'allow_unsafe: true' + 'reason'")
+        elif st.selected == 0 and st.invariant:
+            warnings.append(f"{where}{rule.label} ({rule.text}) has no effect: it selects only invariant tensors "
+                            f"({st.invariant}), which are bf16 anyway")
+        elif st.selected == 0:
+            warnings.append(f"{where}{rule.label} ({rule.text}) matched no tensor")
         elif st.won == 0:
             warnings.append(f"{where}{rule.label} ({rule.text}) is shadowed: every tensor it selects "
                             f"({st.selected}) was decided by an earlier rule")

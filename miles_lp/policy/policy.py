@@ -117,11 +117,15 @@ def parse_layers(value: Any, where: Where) -> LayerSelector:
             except ValueError:
                 raise where.error(f"bad percentage '{num}' in '{text}'") from None
             if not 0 < p <= 100:
-                raise where.error(f"percentage must be in (0, 100], got '{text}'")
+                hint = f"{word} {p / 10:g}%" if 0 < p / 10 <= 100 else f"{word} 100%"
+                raise where.error(f"percentage must be in (0, 100], got '{text}' (did you mean '{hint}'?)")
             return LayerSelector(text, word, percent=p)
         if not num.isdigit() or int(num) < 1:
             raise where.error(f"'{text}': the count must be a positive integer (an empty range selects nothing)")
         return LayerSelector(text, word, count=int(num))
+    if re.fullmatch(r"[A-Za-z_]+", text):
+        raise where.error(f"unknown layer selector '{text}'{suggest(text, _LAYER_WORDS)}; use 'first N', 'last N', "
+                          "'first P%', 'last P%', 'A-B', 'mtp' or a list")
     return LayerSelector(text, "indices", indices=tuple(_parse_range(text, where)))
 
 
@@ -206,6 +210,12 @@ def _rule_text(raw: dict[str, Any]) -> str:
 
 
 def _compile_rule(index: int, raw: Any, where: Where) -> Rule:
+    if isinstance(raw, dict):  # clearer than the union's last-branch message ("expected a list, got int")
+        for key, what in (("match", "a glob / 're:' pattern"), ("role", "a role or role family")):
+            v = raw.get(key)
+            if v is not None and not isinstance(v, str | list):
+                raise where.child(key).error(f"expected {what} (a string) or a list of them, got "
+                                             f"{type(v).__name__}: {v!r}")
     y: _RuleYaml = parse_dataclass(_RuleYaml, raw, where)
     if y.match is None and y.layers is None and y.role is None:
         raise where.error("a rule needs at least one selector: match, layers or role")
@@ -235,6 +245,9 @@ def _compile_rule(index: int, raw: Any, where: Where) -> Rule:
             f"{'block-scaled (1x32)' if y.format is Format.MXFP8 else 'scaled by the format'}: remove it")
     if y.weight_scale_2d and y.format is not Format.NVFP4:
         raise where.child("weight_scale_2d").error("weight_scale_2d applies to nvfp4 only")
+    if y.backward is not None and not y.format.quantized:
+        raise where.child("backward").error(f"backward applies to quantized formats only; a {y.format.value} rule "
+                                            "has no low-precision backward: remove it")
     if y.allow_unsafe and not (y.reason and y.reason.strip()):
         raise where.child("allow_unsafe").error("allow_unsafe: true needs a 'reason' saying why it is safe here")
     if y.allow_unsafe and y.format is Format.BF16:

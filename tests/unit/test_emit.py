@@ -32,7 +32,9 @@ def test_sglang_mxfp8_roundtrip(arch):
     v = emit.vllm_config(plan)
     assert {n for n in mods if not C.vllm_modelopt_is_layer_excluded(n, v["ignore"])} == got
     emit.compressed_tensors_config(plan)
-    emit.modelopt_mixed_config(plan)
+    mixed = emit.modelopt_mixed_config(plan)  # one-format plans can also be written as MIXED_PRECISION
+    assert {n for n in mods if C.sglang_modelopt_mixed_algo(n, mixed["quantized_layers"],
+                                                            mixed["packed_modules_mapping"])} == got
 
 
 @pytest.mark.parametrize("arch", MOE)
@@ -50,11 +52,17 @@ def test_nvfp4_experts_roundtrip(arch):
 def test_mixed_roundtrip(arch):
     plan = _plan(arch, {"default": "mxfp8", "rules": [{"layers": "last 1", "format": "bf16"},
                                                       {"role": "routed_experts", "format": "nvfp4"}]})
-    mixed = emit.modelopt_mixed_config(plan)
     mods = emit.engine_modules(plan)
-    for m in mods.values():
-        algo = C.modelopt_mixed_layer_algo(m.shards, mixed["quantized_layers"])
-        assert algo == ({"mxfp8": "MXFP8", "nvfp4": "NVFP4"}.get(m.format.value)), m.name
+    mixed = emit.modelopt_mixed_config(plan)
+    algos = {n: C.sglang_modelopt_mixed_algo(n, mixed["quantized_layers"], mixed["packed_modules_mapping"])
+             for n in mods}
+    want = {m.name: {"mxfp8": "MXFP8", "nvfp4": "NVFP4"}.get(m.format.value) for m in mods.values()}
+    assert algos == want and {"MXFP8", "NVFP4"} <= set(algos.values())
+    # an SGLang without MXFP8 dispatch would read the MXFP8 modules as BF16: only the live audit can tell
+    old = {n for n in mods if C.sglang_modelopt_mixed_resolve(n, mixed["quantized_layers"],
+                                                             mixed["packed_modules_mapping"])
+           not in C.SGLANG_MIXED_DISPATCH_WITHOUT_MXFP8 and algos[n]}
+    assert old == {n for n, a in algos.items() if a == "MXFP8"}
     ct = emit.compressed_tensors_config(plan)
     assert ct["format"] == "mixed-precision" and len(ct["config_groups"]) == 2
     for m in mods.values():
@@ -152,3 +160,122 @@ def test_compressed_tensors_matches_installed_package():
         for t in targets:
             assert C.ct_match_name(n, t) == ct.match_name(n, t)
             assert C.ct_match_name(n, t, fused) == ct.match_name(n, t, fused)
+
+
+# ---- SGLang modelopt_mixed, as SGLang's ModelOptMixedPrecisionConfig reads it -------------------------------
+@pytest.mark.parametrize("arch", MOE)
+def test_modelopt_mixed_nvfp4_read_as_sglang_does(arch):
+    plan = _plan(arch, {"default": "bf16", "rules": [{"layers": "last 1", "format": "bf16"},
+                                                     {"role": "linear", "format": "nvfp4"}]})
+    mixed = emit.modelopt_mixed_config(plan)
+    assert mixed["quant_algo"] == "MIXED_PRECISION" and mixed["quantized_layers"]
+    packed = mixed["packed_modules_mapping"]
+    for m in emit.engine_modules(plan).values():
+        want = "NVFP4" if m.format.quantized else None
+        assert C.sglang_modelopt_mixed_algo(m.name, mixed["quantized_layers"], packed) == want, m.name
+        assert C.modelopt_mixed_layer_algo(m.shards, mixed["quantized_layers"]) == want, m.name
+    # without the packed mapping SGLang resolves a fused qkv_proj to None (bf16): why the emitter writes it
+    qkv = next(m.name for m in emit.engine_modules(plan).values() if m.name.endswith(("qkv_proj", "gate_up_proj",
+                                                                                      "_with_mqa")) and m.format.quantized)
+    assert C.sglang_modelopt_mixed_resolve(qkv, mixed["quantized_layers"], None) is None
+
+
+def test_sglang_mixed_resolve_semantics():
+    """SGLang ModelOptMixedPrecisionConfig._resolve_quant_algo: exact key, packed shards (listed ones only; several
+    algos raise), then the first key under `prefix.`; get_quant_method runs FP8, NVFP4 and MXFP8."""
+    ql = {"m.l.0.self_attn.q_proj": {"quant_algo": "nvfp4"}, "m.l.0.self_attn.k_proj": {"quant_algo": "NVFP4"},
+          "m.l.0.mlp.experts.0.gate_proj": {"quant_algo": "FP8"}, "m.l.0.mlp.experts.1.gate_proj": {"quant_algo": "NVFP4"},
+          "m.l.1.self_attn.o_proj": {"quant_algo": "MXFP8"}, "m.l.2.self_attn.q_proj": {"quant_algo": "FP8"},
+          "m.l.2.self_attn.v_proj": {"quant_algo": "NVFP4"}}
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    assert C.sglang_modelopt_mixed_resolve("m.l.0.self_attn.qkv_proj", ql, packed) == "NVFP4"  # v_proj unlisted
+    assert C.sglang_modelopt_mixed_resolve("m.l.0.self_attn.qkv_proj", ql, None) is None
+    assert C.sglang_modelopt_mixed_resolve("m.l.0.mlp.experts", ql) == "FP8"  # first key wins, no agreement check
+    with pytest.raises(C.FusedShardMismatch):
+        C.sglang_modelopt_mixed_resolve("m.l.2.self_attn.qkv_proj", ql, packed)
+    assert C.sglang_modelopt_mixed_resolve("m.l.1.self_attn.o_proj", ql) == "MXFP8"
+    assert C.sglang_modelopt_mixed_algo("m.l.1.self_attn.o_proj", ql) == "MXFP8"  # dispatched (CONTRACT 4)
+    ql_blk = dict(ql, **{"m.l.1.self_attn.o_proj": {"quant_algo": "FP8_BLOCK_SCALES"}})
+    assert C.sglang_modelopt_mixed_algo("m.l.1.self_attn.o_proj", ql_blk) is None  # not dispatched: loaded bf16
+    with pytest.raises(C.FusedShardMismatch):  # our strict shard reading refuses what SGLang would half-quantize
+        C.modelopt_mixed_layer_algo(["m.l.0.self_attn.q_proj", "m.l.0.self_attn.v_proj"], ql)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_block", "fp8_tensor"])
+def test_modelopt_mixed_refuses_fp8(fmt):
+    plan = _plan("qwen3_moe", {"default": "bf16", "rules": [{"role": "attention", "format": fmt},
+                                                            {"role": "routed_experts", "format": "nvfp4"}]})
+    msg = {"fp8_block": r"cannot run fp8_block .*'FP8_BLOCK_SCALES' falls through to UnquantizedLinearMethod",
+           "fp8_tensor": r"cannot run fp8_tensor .*ModelOpt 'FP8' is static per-tensor FP8 with a calibrated "
+                         r"input_scale"}[fmt]
+    with pytest.raises(ConfigError, match=msg):
+        emit.modelopt_mixed_config(plan)
+
+
+# ---- FP8 block / tensor plans ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("fmt", ["fp8_block", "fp8_tensor"])
+def test_fp8_plans_emit(arch, fmt):
+    plan = compile_plan(policy_from_flags(fmt, 1, 1, ("re:.*\\.o_proj",)), get_layout(tiny_config(arch).to_dict()))
+    mods = emit.engine_modules(plan)
+    want = _quantized_modules(plan)
+    assert want
+    # SGLang `fp8` (Fp8Config): weight_block_size [128, 128] for block, none for tensor-wise; ignored_layers
+    cfg = emit.sglang_config(plan)
+    assert cfg["quant_method"] == "fp8" and cfg["activation_scheme"] == "dynamic"
+    assert cfg.get("weight_block_size") == ([128, 128] if fmt == "fp8_block" else None)
+    for skip in (cfg["ignored_layers"], C.sglang_fp8_ignored_layers(cfg["ignored_layers"])):
+        assert {n for n in mods if not C.sglang_is_layer_skipped(n, skip)} == want
+    assert "model.layers.0." in cfg["ignored_layers"] and "lm_head" in cfg["ignored_layers"]
+    # compressed-tensors: block / tensor float-quantized scheme
+    ct = emit.compressed_tensors_config(plan)
+    assert ct["format"] == "float-quantized" and len(ct["config_groups"]) == 1
+    (g,) = ct["config_groups"].values()
+    assert g["weights"]["strategy"] == ("block" if fmt == "fp8_block" else "tensor")
+    assert {m.name for m in mods.values() if any(C.ct_is_match(s, False, g["targets"], ct["ignore"])
+                                                 for s in m.shards)} == want
+    # Megatron-Core: TE blockwise / tensorwise recipe
+    kw = emit.megatron_kwargs(plan, strict=False)
+    assert kw["fp8_recipe"] == ("blockwise" if fmt == "fp8_block" else "tensorwise")
+    # consumers that cannot hold FP8 say so
+    with pytest.raises(ConfigError, match=r"vLLM modelopt holds one format \(mxfp8/nvfp4\)"):
+        emit.vllm_config(plan)
+    with pytest.raises(ConfigError, match=r"ModelOpt NVFP4 holds one format \(nvfp4\)"):
+        emit.modelopt_config(plan)
+    with pytest.raises(ConfigError, match=f"modelopt_mixed cannot run {fmt}"):
+        emit.modelopt_mixed_config(plan)
+
+
+def test_sglang_config_refuses_mixed_fp8():
+    plan = _plan("qwen3", {"default": "fp8_block", "rules": [{"role": "attention", "format": "fp8_tensor"}]})
+    with pytest.raises(ConfigError, match=r"SGLang 'mxfp8'/'fp8' holds one format .*'fp8_block', 'fp8_tensor'"):
+        emit.sglang_config(plan)
+    ct = emit.compressed_tensors_config(plan)  # two float-quantized groups
+    assert ct["format"] == "float-quantized" and len(ct["config_groups"]) == 2
+
+
+# ---- compressed-tensors schemes against the installed package ------------------------------------------------
+@pytest.mark.parametrize("fmt, preset", [("mxfp8", "MXFP8"), ("nvfp4", "NVFP4"), ("fp8_block", "FP8_BLOCK"),
+                                         ("fp8_tensor", "FP8")])
+def test_compressed_tensors_scheme_matches_preset(fmt, preset):
+    q = pytest.importorskip("compressed_tensors.quantization")
+    from compressed_tensors.quantization import quant_scheme
+    scheme = emit._ct_scheme(Format(fmt))
+    ref = getattr(quant_scheme, preset)
+    assert q.QuantizationArgs.model_validate(scheme["weights"]) == ref["weights"]
+    acts = q.QuantizationArgs.model_validate(scheme["input_activations"])
+    if fmt == "fp8_tensor":  # dynamic per-tensor (current scaling), not the preset's static activations
+        assert (acts.strategy, acts.dynamic) == ("tensor", True)
+    else:
+        assert acts == ref["input_activations"]
+
+
+@pytest.mark.parametrize("scope", ["per_token", "per_tensor"])
+def test_compressed_tensors_config_validates(scope):
+    q = pytest.importorskip("compressed_tensors.quantization")
+    plan = _plan("qwen3_moe", {"default": "mxfp8", "rules": [{"layers": "last 1", "format": "bf16"},
+                                                             {"role": "routed_experts", "format": "nvfp4",
+                                                              "activation_scale": scope}]})
+    cfg = emit.compressed_tensors_config(plan)
+    parsed = q.QuantizationConfig.model_validate(cfg)
+    assert parsed.format == "mixed-precision" and set(parsed.config_groups) == {"group_0", "group_1"}

@@ -106,7 +106,19 @@ def test_invariants_need_allow_unsafe_and_reason():
 @pytest.mark.parametrize("text, match", [
     ("precision:\n  defualt: mxfp8\n", r"r.yaml:2: 'precision.defualt': unknown key 'defualt' \(did you mean 'default'\?\)"),
     ("precision:\n  default: mxfp9\n", r"r.yaml:2: .*must be one of.*did you mean 'mxfp8'"),
-    ("precision:\n  default: mxfp8\n  rules:\n    - {layers: last 150%, format: bf16}\n", r"r.yaml:4: .*\(0, 100\]"),
+    ("precision:\n  default: mxfp8\n  rules:\n    - {layers: last 150%, format: bf16}\n",
+     r"r.yaml:4: 'precision.rules.0.layers': .*\(0, 100\], got 'last 150%' \(did you mean 'last 15%'\?\)"),
+    ("precision:\n  default: mxfp8\n  rules:\n    - {layers: mpt, format: bf16}\n",
+     r"r.yaml:4: 'precision.rules.0.layers': unknown layer selector 'mpt' \(did you mean 'mtp'\?\)"),
+    ("precision:\n  default: mxfp8\n  rules:\n    - {match: 3, format: bf16}\n",
+     r"r.yaml:4: 'precision.rules.0.match': expected a glob / 're:' pattern \(a string\) or a list"),
+    ("precision:\n  default: mxfp8\n  rules:\n    - {role: 3, format: bf16}\n",
+     r"r.yaml:4: 'precision.rules.0.role': expected a role"),
+    ("precision:\n  default: mxfp8\n  rules:\n    - {role: attention, format: bf16, backward: quantized}\n",
+     r"r.yaml:4: 'precision.rules.0.backward': backward applies to quantized formats only"),
+    ("precision:\n  default: mxfp8\n  rules:\n    - {layers: [1, '3-'], format: bf16}\n", r"r.yaml:4: .*'3-'"),
+    ("precision:\n  default: mxfp8\n  rules: {a: 1}\n", r"r.yaml:3: .*expected a list of rules"),
+    ("precision:\n  default: mxfp8\n  rules:\n    - {match: '', format: bf16}\n", r"r.yaml:4: .*empty pattern"),
     ("precision:\n  default: mxfp8\n  rules:\n    - {layers: first 0, format: bf16}\n", r"r.yaml:4: .*positive"),
     ("precision:\n  default: mxfp8\n  rules:\n    - {layers: '7-3', format: bf16}\n", r"r.yaml:4: .*empty layer range"),
     ("precision:\n  default: mxfp8\n  rules:\n    - {layers: [], format: bf16}\n", r"r.yaml:4: .*empty layer list"),
@@ -129,6 +141,67 @@ def test_out_of_range_layer_at_compile():
     policy = _policy("precision:\n  default: mxfp8\n  rules:\n    - {layers: [2, 9], format: bf16}\n")
     with pytest.raises(ConfigError, match=r"r.yaml:4: .*layer 9.*4 decoder layers"):
         compile_plan(policy, _layout("qwen3"))
+
+
+def test_first_n_beyond_the_model_is_an_error():
+    policy = _policy("precision:\n  default: mxfp8\n  rules:\n    - {layers: first 100, format: bf16}\n")
+    with pytest.raises(ConfigError, match=r"r.yaml:4: .*'first 100' asks for 100 layers.*4 decoder layers"):
+        compile_plan(policy, _layout("qwen3"))
+
+
+def test_invariants_are_attributed_before_rules(tmp_path):
+    """First match wins AFTER the built-in invariants: a bf16 layer rule does not claim that layer's norms or
+    router, and its shadowed / matched-nothing bookkeeping counts only tensors it could decide."""
+    plan = compile_plan(load_policy(ROOT / "recipes" / "qwen3_moe_mxfp8_nvfp4_experts.yaml"), _layout("qwen3_moe"))
+    last = plan.num_layers - 1
+    for e in plan.entries.values():
+        if e.role in (Role.NORM, Role.ROUTER, Role.EMBEDDING, Role.LM_HEAD):
+            assert e.rule == f"invariant:{e.role.value}" and e.format is Format.BF16, (e.name, e.rule)
+    assert plan.entry(f"model.layers.{last}.input_layernorm.weight").rule == "invariant:norm"
+    assert plan.entry(f"model.layers.{last}.mlp.gate.weight").rule == "invariant:router"
+    assert plan.entry(f"model.layers.{last}.self_attn.o_proj.weight").rule == "rules[0]"
+    st = plan.rule_stats["rules[0]"]
+    assert st.won == st.selected and st.invariant > 0
+    assert plan.warnings == []
+    # a bf16 rule that only selects invariants has no effect, and says so (not "matched no tensor")
+    p = _policy("precision:\n  default: mxfp8\n  rules:\n    - {match: '*.mlp.gate', format: bf16}\n"
+                "    - {role: norm, format: mxfp8}\n")
+    plan = compile_plan(p, _layout("qwen3_moe"))
+    text = "\n".join(plan.warnings)
+    assert "rules[0]" in text and "has no effect" in text and "matched no tensor" not in text
+    assert "rules[1]" in text and "selects only invariant tensors" in text
+    # a later rule is not "shadowed" by an earlier rule that only touched invariant tensors
+    p = _policy("precision:\n  default: mxfp8\n  rules:\n    - {layers: last 1, format: bf16}\n"
+                "    - {match: '*.input_layernorm', format: bf16}\n    - {layers: last 1, role: attention, "
+                "format: mxfp8}\n")
+    plan = compile_plan(p, _layout("qwen3_moe"))
+    text = "\n".join(plan.warnings)
+    assert "rules[1]" in text and "has no effect" in text
+    assert "rules[2]" in text and "shadowed" in text and "(4)" in text  # q, k, v, o of the last layer
+    # allow_unsafe rules do decide invariant tensors
+    p = _policy("precision:\n  default: mxfp8\n  rules:\n    - {layers: last 1, format: bf16}\n"
+                "    - {match: lm_head, format: mxfp8, allow_unsafe: true, reason: measured}\n")
+    plan = compile_plan(p, _layout("qwen3_moe"))
+    assert plan.entry("lm_head.weight").rule == "rules[1]" and plan.entry("lm_head.weight").format is Format.MXFP8
+
+
+def test_any_lookup_is_memoised(monkeypatch):
+    plan = compile_plan(_policy(ISSUE_RECIPE), _layout("deepseek_v3"))
+    names = ["decoder.layers.2.mlp.experts.linear_fc1.weight1", "model.layers.2.mlp.experts.gate_up_proj",
+             "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight", "model.layers.1.mlp.gate.weight"]
+    first = {n: plan.entries_for_any(n) for n in names}
+    fmts = {n: plan.format_for_any(n) for n in names}
+    calls = []
+    monkeypatch.setattr(plan.layout, "describe", lambda n: calls.append(n))
+    for n in names:
+        assert plan.entries_for_any(n) is first[n] and plan.format_for_any(n) is fmts[n]
+    assert calls == []
+    assert fmts["model.layers.2.mlp.experts.gate_up_proj"] is Format.NVFP4
+    monkeypatch.undo()
+    plan.prepare_any(["decoder.layers.0.mlp.linear_fc1.weight"])
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in plan._any
+    with pytest.raises(KeyError):
+        PrecisionPlan.from_json(plan.to_json()).entries_for_any("decoder.layers.0.mlp.linear_fc1.weight")
 
 
 def test_quantizes_nothing_is_an_error():
