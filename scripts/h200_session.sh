@@ -21,7 +21,7 @@ step() {  # step NAME CMD...: run, tee to $out/NAME.txt, remember failures
 nvidia-smi -L; python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 step formats_cuda python3 scripts/check_formats_cuda.py
 if python3 -c 'import pytest' 2>/dev/null; then
-  step pytest_gpu python3 -m pytest -q -p no:cacheprovider -m gpu tests
+  step pytest_gpu python3 -m pytest -q -p no:cacheprovider -m gpu $(grep -rl "mark.gpu" tests)
 fi
 t=$(mktemp -d)
 step convert_cuda bash -c "python3 -m miles_lp.cli make-tiny-model --arch qwen3_moe --out $t/tiny && \

@@ -91,6 +91,10 @@ def _quantizers() -> list[tuple[str, Callable[[torch.Tensor], dict[str, torch.Te
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().contiguous().cpu()
+    if t.is_floating_point() and t.element_size() > 1:
+        # Decoded values: NaN payloads are not part of the contract (CPU and CUDA canonicalise NaN
+        # differently after a multiply); the E4M3 / E2M1 / E8M0 codes, compared raw, are.
+        t = torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t)
     return t.reshape(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
 
 
