@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import re
 import types
 import typing
 from pathlib import Path
@@ -112,6 +113,9 @@ def check_keys(mapping: Any, allowed: typing.Iterable[str], where: Where, what: 
                 f"unknown {what} '{key}'{suggest(str(key), allowed)}; allowed: {', '.join(allowed)}")
 
 
+_DECIMAL = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+
+
 def _convert(value: Any, tp: Any, where: Where) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
@@ -157,6 +161,10 @@ def _convert(value: Any, tp: Any, where: Where) -> Any:
             raise where.error(f"must be one of {', '.join(map(str, options))}, got {value!r}"
                               f"{suggest(str(value), map(str, options))}") from None
     if tp is float:
+        # PyYAML follows YAML 1.1, which reads `1e-5` (no dot) as a string: accept a string that is a plain
+        # decimal number (digits, optional dot and exponent); "nan", "inf" or "1_000" stay refused.
+        if isinstance(value, str) and _DECIMAL.fullmatch(value.strip()):
+            return float(value)
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise where.error(f"expected a number, got {type(value).__name__}: {value!r}")
         return float(value)

@@ -1,12 +1,14 @@
 """``miles-lp bench linear``: QuantLinear forward+backward per format and backward mode vs bf16 F.linear.
 
-Per shape (tokens M, out N, in K) and mode: median forward+backward time (CUDA events, after warm-up),
-the ratio to ``torch.nn.functional.linear`` in bf16, and the peak memory the step allocates beyond its
-inputs. Two QuantLinear timings: ``fresh`` re-quantizes the weight every call (one micro-batch per
+Per shape (tokens M, out N, in K), mode and kernel: median forward+backward time (CUDA events, after
+warm-up), the ratio to ``torch.nn.functional.linear`` in bf16, and the peak memory the step allocates beyond
+its inputs. Two QuantLinear timings: ``fresh`` re-quantizes the weight every call (one micro-batch per
 optimizer step), ``cached`` reuses the step's weight grid (later micro-batches of a step).
 
-This measures the emulation (PyTorch quantize-dequantize, then a bf16 GEMM): the fused Triton
-quantize-dequantize kernels are a separate issue; the target for MXFP8 ``dequantized`` is 1.10x bf16 at 8192^3.
+Kernels (``QuantLinear(kernel=...)``, the same bytes): ``reference`` = the codecs in eager PyTorch, then a
+bf16 GEMM; ``compiled`` = ``miles_lp.train.fused`` (one ``torch.compile``'d quantize->dequantize pass per
+operand; the step's dequantized weight cached with its grid), what ``kernel="auto"`` runs on CUDA. The first
+warm-up call of a compiled row includes the compilation. Target for MXFP8 ``dequantized``: 1.10x bf16 at 8192^3.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--modes", default="all", help="comma list of fmt/backward, e.g. mxfp8/dequantized (default: all)")
+    p.add_argument("--kernels", default="reference,compiled",
+                   help="comma list of QuantLinear kernels: reference, compiled (default: %(default)s)")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
 
 
@@ -87,7 +91,8 @@ def _peak_mib(device, fn) -> float | None:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def _bench_shape(m: int, n: int, k: int, dev, timer, warmup: int, iters: int, modes) -> list[dict]:
+def _bench_shape(m: int, n: int, k: int, dev, timer, warmup: int, iters: int, modes, kernels,
+                 on_row=None) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
@@ -112,25 +117,33 @@ def _bench_shape(m: int, n: int, k: int, dev, timer, warmup: int, iters: int, mo
 
     shape = f"{m}x{n}x{k}"
     base_ms = timer(step_bf16, warmup, iters)
-    rows = [dict(shape=shape, mode="bf16 F.linear", ms_fresh=base_ms, ms_cached=base_ms, ratio_fresh=1.0,
-                 ratio_cached=1.0, peak_mib=_peak_mib(dev, step_bf16))]
+    rows = [dict(shape=shape, mode="bf16 F.linear", kernel="-", ms_fresh=base_ms, ms_cached=base_ms,
+                 ratio_fresh=1.0, ratio_cached=1.0, peak_mib=_peak_mib(dev, step_bf16))]
+    if on_row:
+        on_row(rows[-1])
     for fmt, bw in modes or MODES:
         recipe = LinearRecipe(Format(fmt), BackwardMode(bw), "token" if fmt == "nvfp4" else None)
-        ql = QuantLinear.from_linear(lin, recipe, canonical="bench")
+        for kernel in kernels:
+            ql = QuantLinear.from_linear(lin, recipe, canonical="bench", kernel=kernel)
 
-        def fresh(ql=ql) -> None:
-            ql.grid.invalidate()
-            step(ql)
+            def fresh(ql=ql) -> None:
+                ql.grid.invalidate()
+                step(ql)
 
-        ms_fresh = timer(fresh, warmup, iters)
-        ms_cached = timer(lambda ql=ql: step(ql), warmup, iters)
-        rows.append(dict(shape=shape, mode=f"{fmt}/{bw}", ms_fresh=ms_fresh, ms_cached=ms_cached,
-                         ratio_fresh=ms_fresh / base_ms, ratio_cached=ms_cached / base_ms,
-                         peak_mib=_peak_mib(dev, fresh)))
+            ms_fresh = timer(fresh, warmup, iters)
+            ms_cached = timer(lambda ql=ql: step(ql), warmup, iters)
+            rows.append(dict(shape=shape, mode=f"{fmt}/{bw}", kernel=kernel, ms_fresh=ms_fresh,
+                             ms_cached=ms_cached, ratio_fresh=ms_fresh / base_ms,
+                             ratio_cached=ms_cached / base_ms, peak_mib=_peak_mib(dev, fresh)))
+            if on_row:
+                on_row(rows[-1])
+            del ql
     return rows
 
 
-def bench(shapes, device: str = "cuda", warmup: int = 3, iters: int = 10, modes=None) -> list[dict]:
+def bench(shapes, device: str = "cuda", warmup: int = 3, iters: int = 10, modes=None,
+          kernels=("reference", "compiled"), on_row=None) -> list[dict]:
+    """Rows of timings (see the module docstring); ``on_row(row)`` is called as each row is measured."""
     import torch
 
     from miles_lp.errors import BackendUnavailable
@@ -142,20 +155,24 @@ def bench(shapes, device: str = "cuda", warmup: int = 3, iters: int = 10, modes=
     timer = _timer(dev)
     rows: list[dict] = []
     for m, n, k in shapes:
-        rows += _bench_shape(m, n, k, dev, timer, warmup, iters, modes)
+        rows += _bench_shape(m, n, k, dev, timer, warmup, iters, modes, kernels, on_row)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return rows
 
 
+_HEAD = (f"{'shape (MxNxK)':>16} {'mode':>22} {'kernel':>9} {'fwd+bwd ms':>11} {'x bf16':>7} {'cached ms':>10} "
+         f"{'x bf16':>7} {'peak MiB':>9}")
+
+
+def format_row(r) -> str:
+    mem = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
+    return (f"{r['shape']:>16} {r['mode']:>22} {r['kernel']:>9} {r['ms_fresh']:>11.3f} "
+            f"{r['ratio_fresh']:>6.2f}x {r['ms_cached']:>10.3f} {r['ratio_cached']:>6.2f}x {mem:>9}")
+
+
 def format_table(rows) -> str:
-    head = f"{'shape (MxNxK)':>16} {'mode':>26} {'fwd+bwd ms':>11} {'x bf16':>7} {'cached ms':>10} {'x bf16':>7} {'peak MiB':>9}"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        mem = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
-        lines.append(f"{r['shape']:>16} {r['mode']:>26} {r['ms_fresh']:>11.3f} {r['ratio_fresh']:>6.2f}x "
-                     f"{r['ms_cached']:>10.3f} {r['ratio_cached']:>6.2f}x {mem:>9}")
-    return "\n".join(lines)
+    return "\n".join([_HEAD, "-" * len(_HEAD), *(format_row(r) for r in rows)])
 
 
 def run(args) -> int:
@@ -165,12 +182,21 @@ def run(args) -> int:
 
     shapes = [_parse_shape(s.strip()) for s in args.shapes.split(",") if s.strip()]
     modes = None if args.modes == "all" else [tuple(m.split("/")) for m in args.modes.split(",")]
-    rows = bench(shapes, args.device, args.warmup, args.iters, modes)
-    dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    kernels = [kn.strip() for kn in args.kernels.split(",") if kn.strip()]
+    bad = [kn for kn in kernels if kn not in ("reference", "compiled")]
+    if bad or not kernels:
+        from miles_lp.errors import ConfigError
+
+        raise ConfigError(f"--kernels: {bad or args.kernels!r} not in reference, compiled")
+    dev = torch.cuda.get_device_name() if args.device.startswith("cuda") and torch.cuda.is_available() else "cpu"
     print(f"bench linear: torch {torch.__version__}, {dev}, bf16 activations and weights; 'x bf16' = time / "
           "bf16 F.linear fwd+bwd of the same shape; fresh = weight re-quantized each call, cached = the step's "
-          "grid reused")
-    print(format_table(rows))
+          "grid reused; kernel reference = eager codecs, compiled = torch.compile'd fused quantize->dequantize "
+          "(same bytes)")
+    print(_HEAD)
+    print("-" * len(_HEAD), flush=True)
+    rows = bench(shapes, args.device, args.warmup, args.iters, modes, kernels,
+                 on_row=lambda r: print(format_row(r), flush=True))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

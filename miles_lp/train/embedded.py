@@ -215,7 +215,8 @@ def token_logprobs_and_entropy(logits: torch.Tensor, pack: Pack) -> tuple[list[t
         rows = logp[o:o + n - 1]  # predictions for tokens o+1 .. o+n-1
         targets = pack.input_ids[0, o + 1:o + n].to(rows.device)
         lps.append(rows.gather(-1, targets[:, None])[:, 0])
-        ents.append(-(rows.exp() * rows).sum(-1))
+        p = rows.exp()
+        ents.append(-torch.where(p > 0, p * rows, 0.0).sum(-1))  # 0 * log 0 = 0 (masked, -inf logits)
     return lps, ents
 
 

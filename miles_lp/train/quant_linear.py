@@ -43,7 +43,8 @@ import torch
 import torch.nn.functional as F
 
 from miles_lp.errors import ConfigError, FormatError
-from miles_lp.formats.spec import MXFP8_BLOCK, BackwardMode, Format
+from miles_lp.formats.spec import MXFP8_BLOCK, NVFP4_BLOCK, BackwardMode, Format
+from miles_lp.train import fused
 
 # ---------------------------------------------------------------------------------------------------------
 # Recipe of one linear (what the plan entry of its weight says)
@@ -247,39 +248,59 @@ def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 class _QuantLinearFn(torch.autograd.Function):
-    """y = deq(q(x)) @ deq(wq).T (+ b); backward per ``recipe.backward``. x is ``[M, K]``."""
+    """y = deq(q(x)) @ deq(wq).T (+ b); backward per ``recipe.backward``. x is ``[M, K]``.
+
+    Two implementations of every quantize/dequantize, with the same bytes: the reference (the codecs,
+    eager) and the compiled one (``miles_lp.train.fused``: one fused pass per operand), chosen by
+    ``grid.use_compiled(x)`` (``kernel="auto"``: compiled on CUDA, reference elsewhere).
+    """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grid: WeightGrid):
         recipe = grid.recipe
         op = _operand_dtype(x)
-        wq = grid.rowwise(weight)
-        xq = quantize_activation(x, recipe)
-        y = F.linear(xq.dequantize(op), wq.dequantize(op))
+        compiled = grid.use_compiled(x)
+        w_deq_cached = None
+        if compiled:
+            _check_operand(x, recipe, -1, "input")
+            wq, w_deq = grid.rowwise_dequantized(weight, op)
+            w_deq_cached = w_deq if grid.cache_dequantized else None
+            xq, x_deq = fused_activation(x, recipe, op)
+        else:
+            wq = grid.rowwise(weight)
+            xq = quantize_activation(x, recipe)
+            x_deq, w_deq = xq.dequantize(op), wq.dequantize(op)
+        y = F.linear(x_deq, w_deq)
+        del x_deq, w_deq
         if bias is not None:
             y = y + bias.to(y.dtype)
         y = y.to(x.dtype)
 
         ctx.recipe, ctx.op, ctx.x_dtype, ctx.w_dtype = recipe, op, x.dtype, weight.dtype
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.compiled = bias is not None, compiled
+        ctx.w_deq = None
         mode = recipe.backward
         if mode is BackwardMode.HIGH_PRECISION:
             ctx.save_for_backward(x, weight)
         elif mode is BackwardMode.DEQUANTIZED:
             ctx.xp, ctx.wp = _Packed(xq), _Packed(wq)
             ctx.save_for_backward(*ctx.xp.tensors(xq), *ctx.wp.tensors(wq))
+            # The step's dequantized weight (held by the grid for the whole step, not per micro-batch): dgrad
+            # reuses it instead of decoding wq again.
+            ctx.w_deq = w_deq_cached
         else:  # QUANTIZED: columnwise copies from full precision (x along tokens, w along N)
             wc = grid.columnwise(weight)
-            xc = _quantize_columnwise_checked(_pad_rows(x, MXFP8_BLOCK), recipe, "input")
+            xc = _quantize_columnwise_checked(_pad_rows(x, MXFP8_BLOCK), recipe, "input", compiled=compiled)
             ctx.xp, ctx.wp = _Packed(xc), _Packed(wc)
             ctx.save_for_backward(*ctx.xp.tensors(xc), *ctx.wp.tensors(wc))
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        recipe, op, mode = ctx.recipe, ctx.op, ctx.recipe.backward
+        recipe, op, mode, compiled = ctx.recipe, ctx.op, ctx.recipe.backward, ctx.compiled
         saved = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias
+        dequantize = fused_dequantize if compiled else _reference_dequantize
         dx = dw = db = None
         if mode is BackwardMode.HIGH_PRECISION:
             x, weight = saved
@@ -293,29 +314,74 @@ class _QuantLinearFn(torch.autograd.Function):
             xq, wq = ctx.xp.rebuild(saved[:nx]), ctx.wp.rebuild(saved[nx:])
             g = dy.to(op)
             if need_x:
-                dx = g @ wq.dequantize(op)
+                w_deq = ctx.w_deq if ctx.w_deq is not None else dequantize(wq, op)
+                dx = g @ w_deq
             if need_w:
-                dw = g.t() @ xq.dequantize(op)
+                dw = g.t() @ dequantize(xq, op)
         else:
             nx = len(ctx.xp.names)
             xc, wc = ctx.xp.rebuild(saved[:nx]), ctx.wp.rebuild(saved[nx:])
-            if need_x:
-                g_row = quantize_rowwise(dy, recipe)  # blocks along N (dgrad reduces over N)
-                dx = g_row.dequantize(op) @ wc.dequantize(op)
+            if need_x:  # blocks along N (dgrad reduces over N)
+                if compiled:
+                    _check_operand(dy, recipe, -1, "grad_output")
+                    g_row = fused.mxfp8_qdq(dy, -1, op)[1]
+                else:
+                    g_row = quantize_rowwise(dy, recipe).dequantize(op)
+                dx = g_row @ dequantize(wc, op)
             if need_w:
-                g_col = _quantize_columnwise_checked(_pad_rows(dy, MXFP8_BLOCK), recipe, "grad_output")
-                dw = g_col.dequantize(op).t() @ xc.dequantize(op)  # padded zero rows add nothing
+                dy_p = _pad_rows(dy, MXFP8_BLOCK)
+                if compiled:
+                    _check_operand(dy_p, recipe, -2, "grad_output")
+                    g_col = fused.mxfp8_qdq(dy_p, -2, op)[1]
+                else:
+                    g_col = _quantize_columnwise_checked(dy_p, recipe, "grad_output").dequantize(op)
+                dw = g_col.t() @ dequantize(xc, op)  # padded zero rows add nothing
         if need_b:
             db = dy.float().sum(0)
         if dx is not None:
             dx = dx.to(ctx.x_dtype)
         if dw is not None:
             dw = dw.to(ctx.w_dtype)
+        ctx.w_deq = None
         return dx, dw, db, None
 
 
-def _quantize_columnwise_checked(t: torch.Tensor, recipe: LinearRecipe, what: str):
+def _reference_dequantize(q: Any, dtype: torch.dtype) -> torch.Tensor:
+    return q.dequantize(dtype)
+
+
+def fused_dequantize(q: Any, dtype: torch.dtype) -> torch.Tensor:
+    """``q.dequantize(dtype)`` through the compiled decode (same bytes)."""
+    if q.format is Format.MXFP8:
+        return fused.mxfp8_dequantize(q, dtype)
+    return fused.nvfp4_dequantize(q, dtype)
+
+
+def fused_activation(x: torch.Tensor, recipe: LinearRecipe, dtype: torch.dtype):
+    """``(quantize_activation(x, recipe), its dequantization)`` in one compiled pass."""
+    if recipe.format is Format.MXFP8:
+        return fused.mxfp8_qdq(x, -1, dtype)
+    return fused.nvfp4_qdq(x, recipe.nvfp4_row_scope, dtype)
+
+
+def _check_operand(t: torch.Tensor, recipe: LinearRecipe, axis: int, what: str) -> None:
+    """The codecs' refusals, before a compiled kernel sees the tensor (same rule, named after the layer)."""
+    if t.dtype not in (torch.float32, torch.bfloat16, torch.float16) or t.numel() == 0:
+        raise FormatError(f"{recipe.name}: {what} of shape {tuple(t.shape)} and dtype {t.dtype} cannot be "
+                          "quantized (float32/bfloat16/float16, non-empty)")
+    block = MXFP8_BLOCK if recipe.format is Format.MXFP8 else NVFP4_BLOCK
+    if t.shape[axis] % block:
+        raise FormatError(f"{recipe.name}: {what} of shape {tuple(t.shape)}: dim {axis} has {t.shape[axis]} "
+                          f"elements, not a multiple of the {recipe.format.value} block of {block}; keep this "
+                          "layer BF16 with a policy rule")
+
+
+def _quantize_columnwise_checked(t: torch.Tensor, recipe: LinearRecipe, what: str, *, compiled: bool = False):
+    from miles_lp import formats
+
     try:
+        if compiled:
+            return formats.quantize_mxfp8(t.detach(), axis=-2, compile=True)
         return quantize_columnwise(t, recipe)
     except FormatError as exc:
         raise FormatError(f"{recipe.name}: columnwise {what} of shape {tuple(t.shape)}: {exc}") from exc
@@ -330,6 +396,9 @@ def _version_key(ts: Sequence[torch.Tensor]) -> tuple:
     return tuple((t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape)) for t in ts)
 
 
+KERNELS = ("auto", "reference", "compiled")
+
+
 class WeightGrid:
     """The quantized views of one master weight, computed once per optimizer step.
 
@@ -337,49 +406,105 @@ class WeightGrid:
     ``quantized``-mode dgrad operand. ``amax_partners`` are weights that share this weight's NVFP4 global
     scale (a separate gate for an up projection and vice versa); ``amax_fn(w)``, when set, gives the NVFP4
     global amax instead (e.g. all-reduced over a tensor-parallel group).
+
+    ``kernel``: ``"reference"`` (the codecs, eager), ``"compiled"`` (``miles_lp.train.fused``: fused
+    quantize->dequantize under ``torch.compile``, the same bytes) or ``"auto"`` (compiled for MXFP8 CUDA
+    tensors, reference otherwise). On the compiled path, ``rowwise_dequantized(w, dtype)`` also keeps the
+    dequantized forward operand for the step when ``cache_dequantized`` (one ``dtype`` copy of the weight,
+    e.g. 2 bytes per element in bf16; later micro-batches and dgrad reuse it). Set it False to trade that
+    memory for one decode per forward and per backward.
     """
 
-    def __init__(self, recipe: LinearRecipe):
+    def __init__(self, recipe: LinearRecipe, *, kernel: str = "auto", cache_dequantized: bool = True):
+        if kernel not in KERNELS:
+            raise ConfigError(f"{recipe.name}: kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
         self.recipe = recipe
+        self.kernel = kernel
+        self.cache_dequantized = cache_dequantized
         self.amax_partners: list[torch.Tensor] = []
         self.amax_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._row: Any = None
         self._row_key: tuple | None = None
+        self._deq: torch.Tensor | None = None  # dequantized rowwise grid (compiled path), same key as _row
         self._col: Any = None
         self._col_key: tuple | None = None
         self.quantize_calls = 0  # observable in tests: once per step
 
+    def use_compiled(self, t: torch.Tensor) -> bool:
+        """``compiled``: always; ``auto``: MXFP8 on CUDA (byte equality verified on the H200; NVFP4's
+        compiled division is not yet, see ``miles_lp.train.fused``); ``reference``: never."""
+        if self.kernel == "auto":
+            return t.is_cuda and self.recipe.format is Format.MXFP8
+        return self.kernel == "compiled"
+
     def _key(self, weight: torch.Tensor) -> tuple:
         return _version_key([weight, *self.amax_partners])
 
+    def _amax(self, weight: torch.Tensor) -> torch.Tensor | None:
+        if self.recipe.format is not Format.NVFP4:
+            return None
+        if self.amax_fn is not None:
+            return self.amax_fn(weight)
+        if not self.amax_partners:
+            return None
+        amax = weight_amax(weight)
+        for p in self.amax_partners:
+            amax = torch.maximum(amax, weight_amax(p).to(amax.device))
+        return amax.reshape(()) if weight.dim() == 2 else amax
+
+    def _fresh(self, key: tuple) -> bool:
+        if self._row is not None and key == self._row_key:
+            return True
+        self._row, self._deq, self._row_key = None, None, None
+        return False
+
     def rowwise(self, weight: torch.Tensor):
         key = self._key(weight)
-        if self._row is None or key != self._row_key:
-            amax = None
-            if self.recipe.format is Format.NVFP4 and self.amax_fn is not None:
-                amax = self.amax_fn(weight)
-            elif self.recipe.format is Format.NVFP4 and self.amax_partners:
-                amax = weight_amax(weight)
-                for p in self.amax_partners:
-                    amax = torch.maximum(amax, weight_amax(p).to(amax.device))
-                if weight.dim() == 2:
-                    amax = amax.reshape(())
+        if not self._fresh(key):
             with torch.no_grad():
-                self._row = quantize_weight(weight, self.recipe, amax=amax)
+                if self.use_compiled(weight) and self.recipe.format is Format.MXFP8:
+                    from miles_lp import formats
+
+                    self._row = formats.quantize_mxfp8(weight.detach(), axis=-1, compile=True)
+                else:
+                    self._row = quantize_weight(weight, self.recipe, amax=self._amax(weight))
             self._row_key = key
             self.quantize_calls += 1
         return self._row
+
+    def rowwise_dequantized(self, weight: torch.Tensor, dtype: torch.dtype) -> tuple[Any, torch.Tensor]:
+        """(rowwise grid, its dequantization in ``dtype``) through the compiled kernels; cached per step."""
+        key = self._key(weight)
+        if self._fresh(key):
+            if self._deq is not None and self._deq.dtype == dtype:
+                return self._row, self._deq
+            with torch.no_grad():
+                deq = fused_dequantize(self._row, dtype)
+        else:
+            _check_operand(weight, self.recipe, -1, "weight")
+            with torch.no_grad():
+                w = weight.detach()
+                if self.recipe.format is Format.MXFP8:
+                    q, deq = fused.mxfp8_qdq(w, -1, dtype)
+                else:
+                    q, deq = fused.nvfp4_qdq(w, "tensor", dtype, amax=self._amax(weight),
+                                             block_2d=self.recipe.block_2d)
+            self._row, self._row_key = q, key
+            self.quantize_calls += 1
+        self._deq = deq if self.cache_dequantized else None
+        return self._row, deq
 
     def columnwise(self, weight: torch.Tensor):
         key = self._key(weight)
         if self._col is None or key != self._col_key:
             with torch.no_grad():
-                self._col = _quantize_columnwise_checked(weight.detach(), self.recipe, "weight")
+                self._col = _quantize_columnwise_checked(weight.detach(), self.recipe, "weight",
+                                                         compiled=self.use_compiled(weight))
             self._col_key = key
         return self._col
 
     def invalidate(self) -> None:
-        self._row = self._col = None
+        self._row = self._col = self._deq = None
         self._row_key = self._col_key = None
 
 
@@ -413,19 +538,22 @@ class QuantLinear(torch.nn.Module):
     is_quantized_module = True  # learner_weights(model) collects modules that set this
 
     def __init__(self, in_features: int, out_features: int, recipe: LinearRecipe, *, bias: bool = False,
-                 canonical: str | None = None, device=None, dtype=None):
+                 canonical: str | None = None, kernel: str = "auto", device=None, dtype=None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = torch.nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.bias = torch.nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype)) if bias else None
         self.recipe = recipe
         self.canonical = canonical or recipe.name
-        self.grid = WeightGrid(recipe)
+        self.grid = WeightGrid(recipe, kernel=kernel)
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, recipe: LinearRecipe, canonical: str | None = None
-                    ) -> QuantLinear:
-        """Wrap an existing ``nn.Linear``, sharing (not copying) its parameters."""
+    def from_linear(cls, linear: torch.nn.Linear, recipe: LinearRecipe, canonical: str | None = None,
+                    *, kernel: str = "auto") -> QuantLinear:
+        """Wrap an existing ``nn.Linear``, sharing (not copying) its parameters.
+
+        ``kernel``: ``auto`` | ``reference`` | ``compiled`` (see ``WeightGrid``).
+        """
         q = cls.__new__(cls)
         torch.nn.Module.__init__(q)
         q.in_features, q.out_features = linear.in_features, linear.out_features
@@ -433,7 +561,7 @@ class QuantLinear(torch.nn.Module):
         q.bias = linear.bias
         q.recipe = recipe
         q.canonical = canonical or recipe.name
-        q.grid = WeightGrid(recipe)
+        q.grid = WeightGrid(recipe, kernel=kernel)
         return q
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -527,11 +655,15 @@ class _ExpertView(WeightGrid):
     """Serves expert ``e``'s slice of the fused grid of ``parent`` (quantized once for all experts)."""
 
     def __init__(self, parent: WeightGrid, fused_weight: torch.Tensor, e: int):
-        super().__init__(parent.recipe)
+        super().__init__(parent.recipe, kernel=parent.kernel, cache_dequantized=parent.cache_dequantized)
         self.parent, self.fused_weight, self.e = parent, fused_weight, e
 
     def rowwise(self, weight_e: torch.Tensor):
         return select_expert(self.parent.rowwise(self.fused_weight), self.e)
+
+    def rowwise_dequantized(self, weight_e: torch.Tensor, dtype: torch.dtype):
+        q, deq = self.parent.rowwise_dequantized(self.fused_weight, dtype)
+        return select_expert(q, self.e), deq[self.e]
 
     def columnwise(self, weight_e: torch.Tensor):
         return select_expert(self.parent.columnwise(self.fused_weight), self.e)

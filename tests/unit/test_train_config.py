@@ -47,3 +47,17 @@ def test_grad_clip_null_disables(tmp_path):
     p.write_text("precision: {default: mxfp8}\ntrain:\n  grad_clip: null\n  seed: 7\n")
     cfg = load_train_config(p)
     assert cfg.grad_clip is None and cfg.seed == 7
+
+
+@pytest.mark.parametrize("text,value", [("1e-5", 1e-5), ("3E-4", 3e-4), ("+2e3", 2000.0), ("5.", 5.0),
+                                         ("1.0e-6", 1e-6), ("2", 2.0)])
+def test_yaml11_exponent_floats_accepted(text, value):
+    # PyYAML (YAML 1.1) loads `1e-5` as the string '1e-5'; float fields accept such plain decimal numbers.
+    cfg = parse(f"train:\n  lr: {text}\n  eps: {text}\n  betas: [0.9, {text if value < 1 else 0.5}]\n")
+    assert cfg.lr == value and cfg.eps == value and isinstance(cfg.lr, float)
+
+
+@pytest.mark.parametrize("text", ["'fast'", "nan", "'inf'", "'1_000'", "'1e-5x'", "true", "''"])
+def test_float_fields_still_refuse_non_numbers(text):
+    with pytest.raises(ConfigError, match=r"recipe\.yaml:2: 'train\.lr': (expected a number|must be > 0)"):
+        parse(f"train:\n  lr: {text}\n")
