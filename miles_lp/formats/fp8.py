@@ -29,19 +29,19 @@ import torch
 from miles_lp.errors import FormatError
 from miles_lp.formats import bits
 from miles_lp.formats._checks import check_input, what
+from miles_lp.formats._chunks import CHUNK_ELEMS, row_slices
 from miles_lp.formats.spec import E4M3_MAX, FP8_BLOCK_SIZE, Format
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_CHUNK_ELEMS = CHUNK_ELEMS  # eager CPU slice (elements); tests lower it to force slices
 
 
 @dataclass(frozen=True, eq=False)
-class FP8BlockTensor:
-    """E4M3 data (logical shape) and fp32 ``scale_inv`` ``[..., ceil(M/bm), ceil(K/bk)]`` (decode)."""
+class _FP8Scaled:
+    """E4M3 ``data`` (the logical shape) with fp32 decode multipliers ``scale_inv``: what both FP8 layouts share."""
 
     data: torch.Tensor
     scale_inv: torch.Tensor
-    block: tuple[int, int] = (FP8_BLOCK_SIZE, FP8_BLOCK_SIZE)
-    format: ClassVar[Format] = Format.FP8_BLOCK
 
     @property
     def shape(self) -> torch.Size:
@@ -49,25 +49,24 @@ class FP8BlockTensor:
 
     def components(self) -> dict[str, torch.Tensor]:
         return {"data": self.data, "scale_inv": self.scale_inv}
+
+
+@dataclass(frozen=True, eq=False)
+class FP8BlockTensor(_FP8Scaled):
+    """E4M3 data (logical shape) and fp32 ``scale_inv`` ``[..., ceil(M/bm), ceil(K/bk)]`` (decode)."""
+
+    block: tuple[int, int] = (FP8_BLOCK_SIZE, FP8_BLOCK_SIZE)
+    format: ClassVar[Format] = Format.FP8_BLOCK
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         return dequantize_fp8_blockwise(self.data, self.scale_inv, block=self.block, dtype=dtype)
 
 
 @dataclass(frozen=True, eq=False)
-class FP8TensorwiseTensor:
+class FP8TensorwiseTensor(_FP8Scaled):
     """E4M3 data and one fp32 ``scale_inv`` (0-d, the decode multiplier)."""
 
-    data: torch.Tensor
-    scale_inv: torch.Tensor
     format: ClassVar[Format] = Format.FP8_TENSOR
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.data.shape
-
-    def components(self) -> dict[str, torch.Tensor]:
-        return {"data": self.data, "scale_inv": self.scale_inv}
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         return (self.data.to(torch.float32) * self.scale_inv).to(dtype)
@@ -98,13 +97,29 @@ def _check_block(block, x: torch.Tensor, name: str | None) -> tuple[int, int]:
     return bm, bk
 
 
-def _pad_to_blocks(x: torch.Tensor, bm: int, bk: int) -> torch.Tensor:
-    """Zero-pad the last two dims up to multiples of the block (zeros never change an amax)."""
-    m, k = x.shape[-2], x.shape[-1]
-    pm, pk = -m % bm, -k % bk
-    if pm or pk:
-        x = torch.nn.functional.pad(x, (0, pk, 0, pm))
-    return x
+def _blockwise_rows(xs: torch.Tensor, bm: int, bk: int, *, value_for_inf: float, pow2: bool,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows [r, K] starting at a block-row boundary -> (e4m3 [r, K], scale_inv [ceil(r/bm), ceil(K/bk)]).
+
+    Per band of ``bm`` rows: column maxima first (a reduction over rows, fast), then the max of each
+    ``bk`` columns; a partial last band / column block takes the max over the elements it has (zero
+    padding never changes an amax).
+    """
+    r, k = xs.shape
+    xf = xs.to(torch.float32)
+    a = xf.abs()
+    if r % bm:
+        a = torch.nn.functional.pad(a, (0, 0, 0, -r % bm))  # [ru(r, bm), K]
+    col = a.unflatten(0, (-1, bm)).amax(dim=1)  # [bands, K], NaN-propagating
+    if bool(col.isnan().any()):
+        col = a.nan_to_num(nan=0.0, posinf=math.inf).unflatten(0, (-1, bm)).amax(dim=1)
+    if k % bk:
+        col = torch.nn.functional.pad(col, (0, -k % bk))
+    amax = col.unflatten(-1, (-1, bk)).amax(dim=-1)  # [bands, K/bk]
+    scale = _scale_from_amax(amax, value_for_inf=value_for_inf, pow2=pow2, eps=eps)
+    per_elem = scale.repeat_interleave(bk, dim=-1)[:, :k].repeat_interleave(bm, dim=0)[:r]  # [r, K]
+    y = xf.mul_(per_elem) if xf.data_ptr() != xs.data_ptr() else xf * per_elem  # fp32(x * scale)
+    return bits.e4m3_satfinite(y, inplace=True), _reciprocal(scale)
 
 
 def quantize_fp8_blockwise(x: torch.Tensor, block: tuple[int, int] = (FP8_BLOCK_SIZE, FP8_BLOCK_SIZE),
@@ -118,16 +133,20 @@ def quantize_fp8_blockwise(x: torch.Tensor, block: tuple[int, int] = (FP8_BLOCK_
     check_input(x, "FP8 blockwise", min_dim=2, name=name)
     bm, bk = _check_block(block, x, name)
     value_for_inf = torch.finfo(x.dtype).max  # TE: TypeInfo<IType>::max_finite_value
+    x = x.detach().contiguous()
     m, k = x.shape[-2], x.shape[-1]
-    xf = _pad_to_blocks(x.contiguous().to(torch.float32), bm, bk)
-    mb, kb = xf.shape[-2] // bm, xf.shape[-1] // bk
-    tiles = xf.unflatten(-1, (kb, bk)).unflatten(-3, (mb, bm))  # [..., M/bm, bm, K/bk, bk]
-    amax = bits.nan_ignoring_abs(tiles).amax(dim=(-3, -1), keepdim=True)  # [..., M/bm, 1, K/bk, 1]
-    scale = _scale_from_amax(amax, value_for_inf=value_for_inf, pow2=pow2_scales, eps=amax_epsilon)
-    q = bits.e4m3_satfinite(tiles * scale, inplace=True)
-    data = q.flatten(-2).flatten(-3, -2)[..., :m, :k].contiguous()
-    scale_inv = _reciprocal(scale).squeeze(-1).squeeze(-2)  # [..., M/bm, K/bk]
-    return FP8BlockTensor(data=data, scale_inv=scale_inv, block=(bm, bk))
+    mb, kb = math.ceil(m / bm), math.ceil(k / bk)
+    # Bands of bm rows never cross matrices when m % bm == 0: then all matrices are sliced as one [R, K].
+    mats = x.reshape(1, -1, k) if m % bm == 0 else x.reshape(-1, m, k)
+    data = torch.empty(mats.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale_inv = torch.empty((mats.shape[0], math.ceil(mats.shape[1] / bm), kb), dtype=torch.float32,
+                            device=x.device)
+    for i, mat in enumerate(mats):
+        for s in row_slices(mat.shape[0], k, x.device, multiple=bm, chunk_elems=_CHUNK_ELEMS):
+            data[i, s], scale_inv[i, s.start // bm:math.ceil(s.stop / bm)] = _blockwise_rows(
+                mat[s], bm, bk, value_for_inf=value_for_inf, pow2=pow2_scales, eps=amax_epsilon)
+    return FP8BlockTensor(data=data.view(x.shape), scale_inv=scale_inv.view(*x.shape[:-2], mb, kb),
+                          block=(bm, bk))
 
 
 def dequantize_fp8_blockwise(data: torch.Tensor, scale_inv: torch.Tensor,

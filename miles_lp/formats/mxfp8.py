@@ -36,9 +36,10 @@ import torch
 from miles_lp.errors import FormatError
 from miles_lp.formats import bits
 from miles_lp.formats._checks import check_input, check_multiple
+from miles_lp.formats._chunks import CHUNK_ELEMS, row_slices
 from miles_lp.formats.spec import MXFP8_BLOCK, Format
 
-_ROWS_PER_CHUNK_ELEMS = 1 << 20  # eager path: ~1M elements per slice (temporaries stay cache-sized)
+_ROWS_PER_CHUNK_ELEMS = CHUNK_ELEMS  # eager CPU path: elements per slice (tests lower it to force slices)
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,28 +101,31 @@ def _colwise_core(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _chunked(core, x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run ``core`` over slices of leading rows so that the temporaries stay cache-sized (eager speed).
+    """Run ``core`` over slices of whole rows (``row_slices``) so that the temporaries stay cache-sized.
 
     Each block lies entirely inside one slice, so the bytes equal one call on the whole tensor.
     """
-    if x.numel() <= _ROWS_PER_CHUNK_ELEMS or x.device.type != "cpu":
-        return core(x)
     if axis == -1:
         flat = x.reshape(-1, x.shape[-1])  # [R, K]
-        step = max(1, _ROWS_PER_CHUNK_ELEMS // x.shape[-1])
+        slices = row_slices(flat.shape[0], x.shape[-1], x.device, chunk_elems=_ROWS_PER_CHUNK_ELEMS)
+        if len(slices) == 1:
+            return core(x)
         data = torch.empty(flat.shape, dtype=torch.float8_e4m3fn)
         scale = torch.empty((flat.shape[0], x.shape[-1] // MXFP8_BLOCK), dtype=torch.uint8)
-        for r in range(0, flat.shape[0], step):
-            data[r:r + step], scale[r:r + step] = core(flat[r:r + step])
+        for s in slices:
+            data[s], scale[s] = core(flat[s])
         return data.view(x.shape), scale.view(*x.shape[:-1], -1)
     m, k = x.shape[-2], x.shape[-1]
+    if x.numel() <= _ROWS_PER_CHUNK_ELEMS or x.device.type != "cpu":
+        return core(x)
+    slices = row_slices(m, k, x.device, multiple=MXFP8_BLOCK, chunk_elems=_ROWS_PER_CHUNK_ELEMS)
     flat = x.reshape(-1, m, k)  # [B, M, K]
     data = torch.empty(flat.shape, dtype=torch.float8_e4m3fn)
     scale = torch.empty((flat.shape[0], m // MXFP8_BLOCK, k), dtype=torch.uint8)
-    step = max(MXFP8_BLOCK, (_ROWS_PER_CHUNK_ELEMS // k) // MXFP8_BLOCK * MXFP8_BLOCK)
     for b in range(flat.shape[0]):
-        for r in range(0, m, step):
-            data[b, r:r + step], scale[b, r // MXFP8_BLOCK:(r + step) // MXFP8_BLOCK] = core(flat[b, r:r + step])
+        for s in slices:
+            sb = slice(s.start // MXFP8_BLOCK, s.stop // MXFP8_BLOCK)
+            data[b, s], scale[b, sb] = core(flat[b, s])
     return data.view(x.shape), scale.view(*x.shape[:-2], m // MXFP8_BLOCK, k)
 
 

@@ -212,7 +212,7 @@ def test_scaled_error_is_at_most_half_an_e2m1_step_plus_saturation(vals, scope):
     q = quantize_nvfp4(x, scale_scope=scope)
     sf = q.scale.float().repeat_interleave(16, -1)
     s_dec = q.global_scale
-    enc = torch.where(sf * s_dec == 0, torch.full_like(sf, bits.FP32_MAX), 1.0 / (sf * s_dec))
+    enc = torch.fmin(1.0 / (sf * s_dec), torch.tensor(bits.FP32_MAX))  # CONTRACT 2: min(1 / (sf * S_dec), FLT_MAX)
     v = (x * enc).double()  # the value the E2M1 rounding saw
     code_val = bits.e2m1_table().double()[bits.unpack_fp4(q.data).long()]
     a = v.abs().clamp(max=6)
