@@ -212,8 +212,12 @@ def e8m0_value(e: torch.Tensor) -> torch.Tensor:
 
 
 def nan_ignoring_abs(x: torch.Tensor) -> torch.Tensor:
-    """|x| with NaN replaced by 0 and inf kept: an amax over it has CUDA ``fmaxf`` semantics (NaN ignored)."""
-    return x.abs().nan_to_num(nan=0.0, posinf=math.inf)
+    """|x| with NaN replaced by 0 and inf kept: an amax over it has CUDA ``fmaxf`` semantics (NaN ignored).
+
+    No data-dependent branch (it also runs under ``torch.compile``); the NaN replacement is done in place on
+    the fresh ``abs`` result (one temporary, not two).
+    """
+    return x.abs().nan_to_num_(nan=0.0, posinf=math.inf)
 
 
 # ---------------------------------------------------------------------------------------------------------

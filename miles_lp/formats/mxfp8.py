@@ -37,6 +37,7 @@ from miles_lp.errors import FormatError
 from miles_lp.formats import bits
 from miles_lp.formats._checks import check_input, check_multiple
 from miles_lp.formats._chunks import CHUNK_ELEMS, row_slices
+from miles_lp.formats._compile import compile_exact
 from miles_lp.formats.spec import MXFP8_BLOCK, Format
 
 _ROWS_PER_CHUNK_ELEMS = CHUNK_ELEMS  # eager CPU path: elements per slice (tests lower it to force slices)
@@ -100,8 +101,19 @@ def _colwise_core(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.flatten(-3, -2), e.squeeze(-2)
 
 
-def _chunked(core, x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run ``core`` over slices of whole rows (``row_slices``) so that the temporaries stay cache-sized.
+def mxfp8_core(x: torch.Tensor, axis: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MXFP8 rule on a whole tensor: ``x`` [..., M, K] -> ``(data e4m3, scale uint8 E8M0)``.
+
+    ``axis=-1``: 1x32 blocks along K, scale ``[..., K/32]``; ``axis=-2``: 32x1 blocks along M, scale
+    ``[..., M/32, K]``. No validation (``quantize_mxfp8`` checks first), no slicing, no data-dependent
+    Python control flow: ``quantize_mxfp8`` runs it eagerly on row slices, ``compile=True`` and
+    ``miles_lp.train.fused`` run it under ``torch.compile``; the bytes are the same.
+    """
+    return _rowwise_core(x) if axis == -1 else _colwise_core(x)
+
+
+def _chunked(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run ``mxfp8_core`` over slices of whole rows (``row_slices``) so that the temporaries stay cache-sized.
 
     Each block lies entirely inside one slice, so the bytes equal one call on the whole tensor.
     """
@@ -109,15 +121,15 @@ def _chunked(core, x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tens
         flat = x.reshape(-1, x.shape[-1])  # [R, K]
         slices = row_slices(flat.shape[0], x.shape[-1], x.device, chunk_elems=_ROWS_PER_CHUNK_ELEMS)
         if len(slices) == 1:
-            return core(x)
+            return mxfp8_core(x, -1)
         data = torch.empty(flat.shape, dtype=torch.float8_e4m3fn)
         scale = torch.empty((flat.shape[0], x.shape[-1] // MXFP8_BLOCK), dtype=torch.uint8)
         for s in slices:
-            data[s], scale[s] = core(flat[s])
+            data[s], scale[s] = mxfp8_core(flat[s], -1)
         return data.view(x.shape), scale.view(*x.shape[:-1], -1)
     m, k = x.shape[-2], x.shape[-1]
     if x.numel() <= _ROWS_PER_CHUNK_ELEMS or x.device.type != "cpu":
-        return core(x)
+        return mxfp8_core(x, -2)
     slices = row_slices(m, k, x.device, multiple=MXFP8_BLOCK, chunk_elems=_ROWS_PER_CHUNK_ELEMS)
     flat = x.reshape(-1, m, k)  # [B, M, K]
     data = torch.empty(flat.shape, dtype=torch.float8_e4m3fn)
@@ -125,7 +137,7 @@ def _chunked(core, x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Tens
     for b in range(flat.shape[0]):
         for s in slices:
             sb = slice(s.start // MXFP8_BLOCK, s.stop // MXFP8_BLOCK)
-            data[b, s], scale[b, sb] = core(flat[b, s])
+            data[b, s], scale[b, sb] = mxfp8_core(flat[b, s], -2)
     return data.view(x.shape), scale.view(*x.shape[:-2], m // MXFP8_BLOCK, k)
 
 
@@ -133,9 +145,11 @@ _COMPILED: dict[int, object] = {}
 
 
 def _compiled_core(axis: int):
-    """torch.compile of the same core function (built lazily, once per axis)."""
+    """``mxfp8_core`` for one axis under ``torch.compile`` with the exact (no flush-to-zero) Inductor options
+    that ``miles_lp.train.fused`` uses (``_compile.compile_exact``): the inverse scale 2^-127 is an fp32
+    subnormal. Built lazily, once per axis."""
     if axis not in _COMPILED:
-        _COMPILED[axis] = torch.compile(_rowwise_core if axis == -1 else _colwise_core)
+        _COMPILED[axis] = compile_exact(_rowwise_core if axis == -1 else _colwise_core)
     return _COMPILED[axis]
 
 
@@ -170,7 +184,7 @@ def quantize_mxfp8(x: torch.Tensor, *, axis: int = -1, compile: bool = False,
     if compile:
         data, scale = _compiled_core(axis)(x)
     else:
-        data, scale = _chunked(_rowwise_core if axis == -1 else _colwise_core, x, axis)
+        data, scale = _chunked(x, axis)
     return MXFP8Tensor(data=data, scale=scale, axis=axis)
 
 

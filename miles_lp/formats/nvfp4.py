@@ -81,56 +81,72 @@ def _global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where((amax == 0) | (s == 0), torch.ones_like(s), s)
 
 
-def _block_amax_rows(x2: torch.Tensor) -> torch.Tensor:
-    """NaN-ignoring amax of each 1x16 block of ``x2`` [r, K]: [r, K/16] fp32.
-
-    ``max_pool1d`` over |x| is the fast reduction on CPU (a plain ``amax`` over a last dim of 16 is ~3x
-    slower); it propagates NaN, so a slice holding NaN is redone with the NaN-ignoring form (CUDA fmaxf).
-    """
-    xf = x2.to(torch.float32)
-    amax_b = torch.nn.functional.max_pool1d(xf.abs().unsqueeze(0), NVFP4_BLOCK, NVFP4_BLOCK).squeeze(0)
-    if bool(amax_b.isnan().any()):
-        amax_b = bits.nan_ignoring_abs(xf.unflatten(-1, (-1, NVFP4_BLOCK))).amax(dim=-1)
-    return amax_b
-
-
 def _matrix_amax(x: torch.Tensor) -> torch.Tensor:
     """NaN-ignoring amax over the last two dims: [..., 1, 1] fp32 (row maxima slice by slice, then their max)."""
     x2 = x.detach().reshape(-1, x.shape[-1])  # [R, K]
     row_max = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
     for s in row_slices(x2.shape[0], x2.shape[1], x.device, chunk_elems=_CHUNK_ELEMS):
         m = x2[s].abs().amax(dim=-1)  # NaN-propagating; exact in the input dtype
-        if bool(m.isnan().any()):
+        if bool(m.isnan().any()):  # eager only (never traced): the NaN-ignoring form for this slice
             m = bits.nan_ignoring_abs(x2[s]).amax(dim=-1)
         row_max[s] = m
     return row_max.view(x.shape[:-1]).amax(dim=-1, keepdim=True).unsqueeze(-1)
 
 
-def _tile_amax(amax_b: torch.Tensor) -> torch.Tensor:
-    """[r, K/16] block amax -> 16x16 tile amax repeated over the tile's 16 rows (r a multiple of 16)."""
-    tiles = amax_b.unflatten(-2, (-1, NVFP4_BLOCK))  # [r/16, 16, K/16]
-    return tiles.amax(dim=-2, keepdim=True).expand_as(tiles).flatten(-3, -2)
+def nvfp4_block_amax(x: torch.Tensor, block_2d: bool = False) -> torch.Tensor:
+    """NaN-ignoring amax of each 1x16 block of ``x`` [..., rows, K]: [..., rows, K/16] fp32.
+
+    ``block_2d``: the amax of each 16x16 tile instead, repeated over the tile's 16 rows (rows a multiple
+    of 16). NaN is zeroed before the reduction (CUDA ``fmaxf`` ignores it; inf is kept), so there is no
+    data-dependent branch; ``max_pool1d`` over the blocks is the fast reduction on CPU (a plain ``amax``
+    over a last dim of 16 is ~2x slower) and compiles (max is exact, so both forms give the same bits).
+    """
+    k = x.shape[-1]
+    a = bits.nan_ignoring_abs(x.to(torch.float32))  # |x|, NaN -> 0: [..., rows, K] fp32
+    amax_b = torch.nn.functional.max_pool1d(a.reshape(1, -1, k), NVFP4_BLOCK, NVFP4_BLOCK)  # [1, R, K/16]
+    amax_b = amax_b.reshape(*x.shape[:-1], k // NVFP4_BLOCK)
+    if block_2d:
+        tiles = amax_b.unflatten(-2, (-1, NVFP4_BLOCK))  # [..., rows/16, 16, K/16]
+        amax_b = tiles.amax(dim=-2, keepdim=True).expand_as(tiles).flatten(-3, -2)
+    return amax_b
 
 
-def _block_amax(x2: torch.Tensor, slices: list[slice], block_2d: bool) -> torch.Tensor:
-    """Block (or 16x16 tile) amax of every row of ``x2`` [R, K], slice by slice: [R, K/16] fp32."""
-    out = torch.empty((x2.shape[0], x2.shape[1] // NVFP4_BLOCK), dtype=torch.float32, device=x2.device)
-    for s in slices:
-        ab = _block_amax_rows(x2[s])
-        out[s] = _tile_amax(ab) if block_2d else ab
-    return out
+def _scales(amax_g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global amax -> (S_dec = fp32(1 / S_enc), fp32(S_enc * fp32(1/6))), same shape."""
+    s_enc = _global_encode_scale(amax_g)
+    s_dec = torch.div(bits.fp32_scalar(bits.f32_bits(1.0), amax_g.device), s_enc)
+    return s_dec, s_enc * bits.fp32_scalar(bits.FP32_INV_6_BITS, amax_g.device)
 
 
-def _encode_rows(x2: torch.Tensor, amax_b: torch.Tensor, sf_scale: torch.Tensor,
-                 s_dec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows [r, K] with their block amax [r, K/16] and per-row fp32(S_enc * fp32(1/6)), S_dec [r, 1]
-    -> (data [r, K/2] uint8, scale [r, K/16] e4m3)."""
-    one = bits.fp32_scalar(bits.f32_bits(1.0), x2.device)
-    sf = bits.e4m3_satfinite(amax_b * sf_scale)  # [r, K/16] e4m3 (inf -> 448: fminf then cast)
-    enc = torch.div(one, sf.to(torch.float32) * s_dec)
-    enc = torch.fmin(enc, bits.fp32_scalar(bits.FP32_MAX_BITS, x2.device))  # sf == 0 -> FLT_MAX
-    y = x2.unflatten(-1, (-1, NVFP4_BLOCK)) * enc.unsqueeze(-1)  # fp32(x * enc): [r, K/16, 16] fp32
-    return bits.pack_fp4(bits.e2m1_codes(y.flatten(-2))), sf
+def nvfp4_core(x: torch.Tensor, amax_g: torch.Tensor | None = None, scope: Scope = "tensor",
+               block_2d: bool = False, *, amax_b: torch.Tensor | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The NVFP4 rule on a whole tensor: ``x`` [..., rows, K] -> ``(data, scale, global_scale, amax)``.
+
+    Shapes and dtypes as ``NVFP4Tensor``: data uint8 [..., rows, K/2], scale e4m3 [..., rows, K/16],
+    global_scale (S_dec) and amax fp32 of the global-scale shape: ``[..., 1, 1]`` for scope "tensor"
+    (0-d for a 2-D ``x``), ``[..., rows, 1]`` for scope "row". ``amax_g``: None (computed, NaN ignored)
+    or an fp32 tensor already of the global-scale shape (``quantize_nvfp4`` validates and broadcasts it);
+    ``amax_b``: the block amax (``nvfp4_block_amax``) when the caller has it already.
+
+    No validation, no slicing, no data-dependent Python control flow (only ``scope`` / ``block_2d`` /
+    ``None`` choose the graph): ``quantize_nvfp4`` runs it eagerly on row slices and
+    ``miles_lp.train.fused`` runs it under ``torch.compile``; the bytes are the same.
+    """
+    k = x.shape[-1]
+    if amax_b is None:
+        amax_b = nvfp4_block_amax(x, block_2d)  # [..., rows, K/16]
+    if amax_g is None:  # the global amax is the max of the block amaxes (NaN already ignored)
+        amax_g = amax_b.amax(dim=(-2, -1), keepdim=True) if scope == "tensor" else amax_b.amax(dim=-1, keepdim=True)
+    s_dec, sf_scale = _scales(amax_g)  # [..., 1, 1] or [..., rows, 1]: broadcast over the blocks
+    sf = bits.e4m3_satfinite(amax_b * sf_scale, inplace=True)  # e4m3 (inf -> 448: clamp then cast)
+    enc = torch.div(bits.fp32_scalar(bits.f32_bits(1.0), x.device), sf.to(torch.float32) * s_dec)
+    enc = torch.fmin(enc, bits.fp32_scalar(bits.FP32_MAX_BITS, x.device))  # sf == 0 -> FLT_MAX
+    y = x.unflatten(-1, (k // NVFP4_BLOCK, NVFP4_BLOCK)) * enc.unsqueeze(-1)  # fp32(x * enc), [..., K/16, 16]
+    data = bits.pack_fp4(bits.e2m1_codes(y.flatten(-2)))
+    if scope == "tensor" and x.dim() == 2:
+        s_dec, amax_g = s_dec.reshape(()), amax_g.reshape(())
+    return data, sf, s_dec, amax_g
 
 
 def _check_nvfp4(x: torch.Tensor, scope: str, block_2d: bool, name: str | None) -> None:
@@ -148,8 +164,9 @@ def _check_nvfp4(x: torch.Tensor, scope: str, block_2d: bool, name: str | None) 
                        axis_label="rows (axis=-2, 16x16 tiles)")
 
 
-def _broadcast_amax(amax, x: torch.Tensor, scope: str, name: str | None) -> torch.Tensor:
-    """Caller-provided global amax -> fp32 [..., 1, 1] (tensor scope) or [..., rows, 1] (row scope)."""
+def broadcast_nvfp4_amax(amax, x: torch.Tensor, scope: str, name: str | None = None) -> torch.Tensor:
+    """Caller-provided global amax -> fp32 [..., 1, 1] (tensor scope) or [..., rows, 1] (row scope), the
+    ``amax_g`` that ``nvfp4_core`` takes. Checks its shape and sign (eager: reads the values)."""
     a = torch.as_tensor(amax, dtype=torch.float32, device=x.device)
     target = (*x.shape[:-2], 1, 1) if scope == "tensor" else (*x.shape[:-1], 1)
     try:
@@ -164,6 +181,9 @@ def _broadcast_amax(amax, x: torch.Tensor, scope: str, name: str | None) -> torc
     return a.contiguous()
 
 
+_broadcast_amax = broadcast_nvfp4_amax  # older private name
+
+
 def quantize_nvfp4(x: torch.Tensor, *, scale_scope: Scope = "tensor", amax=None, block_2d: bool = False,
                    name: str | None = None) -> NVFP4Tensor:
     """Quantize ``x`` [..., rows, K] to NVFP4 with TE's rule (CONTRACT 2).
@@ -176,35 +196,37 @@ def quantize_nvfp4(x: torch.Tensor, *, scale_scope: Scope = "tensor", amax=None,
     """
     _check_nvfp4(x, scale_scope, block_2d, name)
     x = x.detach().contiguous()
+    if amax is not None:
+        amax = broadcast_nvfp4_amax(amax, x, scale_scope, name)  # [..., 1, 1] or [..., rows, 1] fp32
     lead, rows, k = tuple(x.shape[:-2]), x.shape[-2], x.shape[-1]
     x2 = x.reshape(-1, k)  # [R, K], R = rows of every matrix
     slices = row_slices(x2.shape[0], k, x.device, multiple=NVFP4_BLOCK if block_2d else 1,
                         chunk_elems=_CHUNK_ELEMS)
-    amax_b = None
-    if amax is None:  # pass 1: block amax of every row; the global amax is their max (NaN ignored by both)
-        amax_b = _block_amax(x2, slices, block_2d)  # [R, K/16]
-        ab = amax_b.view(*lead, rows, k // NVFP4_BLOCK)
-        amax_g = ab.amax(dim=(-2, -1), keepdim=True) if scale_scope == "tensor" else ab.amax(dim=-1, keepdim=True)
-    else:
-        amax_g = _broadcast_amax(amax, x, scale_scope, name)
-    s_enc = _global_encode_scale(amax_g)  # [..., 1, 1] or [..., rows, 1]
-    s_dec = torch.div(bits.fp32_scalar(bits.f32_bits(1.0), x.device), s_enc)
-    sf_scale = s_enc * bits.fp32_scalar(bits.FP32_INV_6_BITS, x.device)  # fp32(S_enc * fp32(1/6))
-    per_row = (*lead, rows, 1)
-    sf_scale_r, s_dec_r = (t.expand(per_row).reshape(-1, 1) for t in (sf_scale, s_dec))  # [R, 1]
-
-    data = torch.empty((x2.shape[0], k // 2), dtype=torch.uint8, device=x.device)
-    sf = torch.empty((x2.shape[0], k // NVFP4_BLOCK), dtype=torch.float8_e4m3fn, device=x.device)
-    for s in slices:  # pass 2 (the only pass when amax is given): scales and codes, slice by slice
-        if amax_b is None:
-            ab = _block_amax_rows(x2[s])
-            ab = _tile_amax(ab) if block_2d else ab
+    if len(slices) == 1:
+        data, sf, s_dec, amax_g = nvfp4_core(x, amax, scale_scope, block_2d)
+    else:  # CPU: the core on slices of whole rows (of 16-row tiles for block_2d), so temporaries stay cache-sized
+        data = torch.empty((x2.shape[0], k // 2), dtype=torch.uint8, device=x.device)
+        sf = torch.empty((x2.shape[0], k // NVFP4_BLOCK), dtype=torch.float8_e4m3fn, device=x.device)
+        if amax is None and scale_scope == "row":  # one pass: a row's global amax is the max of its blocks
+            s_dec = torch.empty((x2.shape[0], 1), dtype=torch.float32, device=x.device)
+            amax_g = torch.empty_like(s_dec)
+            for s in slices:
+                data[s], sf[s], s_dec[s], amax_g[s] = nvfp4_core(x2[s], None, "row")
+            s_dec, amax_g = s_dec.view(*lead, rows, 1), amax_g.view(*lead, rows, 1)
         else:
-            ab = amax_b[s]
-        data[s], sf[s] = _encode_rows(x2[s], ab, sf_scale_r[s], s_dec_r[s])
-
-    if scale_scope == "tensor" and x.dim() == 2:
-        s_dec, amax_g = s_dec.reshape(()), amax_g.reshape(())
+            amax_b = None
+            if amax is not None:
+                amax_g = amax
+            else:  # pass 1: block amax of every row (kept for pass 2); the global amax is their max per matrix
+                amax_b = torch.cat([nvfp4_block_amax(x2[s], block_2d) for s in slices])  # [R, K/16]
+                amax_g = amax_b.view(*lead, rows, k // NVFP4_BLOCK).amax(dim=(-2, -1), keepdim=True)
+            amax_r = amax_g.expand(*lead, rows, 1).reshape(-1, 1)  # [R, 1]: each row's global amax
+            for s in slices:  # pass 2 (the only pass with a given amax): scales and codes
+                ab = None if amax_b is None else amax_b[s]
+                data[s], sf[s], _, _ = nvfp4_core(x2[s], amax_r[s], "row", block_2d, amax_b=ab)
+            s_dec, _ = _scales(amax_g)  # the same elementwise ops as the core, at the global-scale shape
+            if scale_scope == "tensor" and x.dim() == 2:
+                s_dec, amax_g = s_dec.reshape(()), amax_g.reshape(())
     return NVFP4Tensor(data=data.view(*lead, rows, k // 2), scale=sf.view(*lead, rows, k // NVFP4_BLOCK),
                        global_scale=s_dec, amax=amax_g, logical_shape=tuple(x.shape),
                        scale_scope=scale_scope, block_2d=block_2d)

@@ -5,12 +5,16 @@ The reference path of ``QuantLinear`` calls the codecs (``miles_lp.formats``) ea
 functions run inside one ``torch.compile`` graph, so Inductor fuses them into one pass over the input that
 writes the compact bytes, the scales and the dequantized GEMM operand together:
 
-* ``mxfp8_qdq(x, axis, dtype)`` -> ``(MXFP8Tensor, deq)``: the codec's own core (``_rowwise_core`` /
-  ``_colwise_core``, the function ``quantize_mxfp8(..., compile=True)`` compiles) followed by the decode
-  ``e4m3_value(q) * 2^(e-127)`` in fp32 and one rounding to ``dtype``;
+* ``mxfp8_qdq(x, axis, dtype)`` -> ``(MXFP8Tensor, deq)``: the codec's own core (``mxfp8_core``, the
+  function ``quantize_mxfp8`` runs eagerly per row slice and compiles with ``compile=True``) followed by
+  the decode ``e4m3_value(q) * 2^(e-127)`` in fp32 and one rounding to ``dtype``;
 * ``mxfp8_dequantize(q, dtype)``: the decode alone (backward of ``dequantized`` / ``quantized`` mode);
-* ``nvfp4_qdq(x, scope, dtype, amax=None, block_2d=False)`` -> ``(NVFP4Tensor, deq)``: ``quantize_nvfp4``
-  followed by ``NVFP4Tensor.dequantize``, traced as one graph.
+* ``nvfp4_qdq(x, scope, dtype, amax=None, block_2d=False)`` -> ``(NVFP4Tensor, deq)``: the codec's core
+  ``nvfp4_core`` (what ``quantize_nvfp4`` runs per row slice) followed by ``NVFP4Tensor.dequantize``,
+  traced as one graph; a given ``amax`` is validated and broadcast eagerly first (``_broadcast_amax``).
+
+The cores have no data-dependent Python control flow (NaN in a block amax is zeroed, not branched on) and
+no slicing (slices are the eager wrapper's business), so each entry point is ONE graph, no graph breaks.
 
 Byte identity: the compiled graphs run the codecs' own functions (no second implementation of the rule);
 every MXFP8 decode product is exact in fp32 (an E4M3 value times a power of two), so the single final
@@ -18,7 +22,8 @@ rounding is the same in both paths (NaN payloads aside: a NaN element decodes to
 Tested on CPU (``tests/unit/test_train_quant_linear.py``, ``slow``) and on CUDA (``gpu``) with
 ``torch.equal`` on the raw bytes. MXFP8 on the H200 (torch 2.11): equal, special values included.
 NVFP4 divides in fp32, which Triton approximates by default: its bytes differed on the H200 before
-``_exact_options`` was added; until the ``gpu`` test passes with it, ``kernel="auto"`` keeps NVFP4 on the
+the exact Inductor options (``miles_lp.formats._compile``, shared with ``quantize_mxfp8(compile=True)``)
+were added; until the ``gpu`` test passes with it, ``kernel="auto"`` keeps NVFP4 on the
 reference path (``QuantLinear(kernel="compiled")`` still selects this one).
 
 Shapes vary between micro-batches: the first call compiles for static shapes, a second shape recompiles
@@ -30,8 +35,12 @@ from __future__ import annotations
 import torch
 
 from miles_lp.formats import bits
-from miles_lp.formats.mxfp8 import MXFP8Tensor, _colwise_core, _rowwise_core  # codec core (same bytes)
+from miles_lp.formats._compile import compile_exact, exact_division_available
+from miles_lp.formats.mxfp8 import MXFP8Tensor, mxfp8_core  # codec cores (same bytes)
+from miles_lp.formats.nvfp4 import NVFP4Tensor, broadcast_nvfp4_amax, nvfp4_core
 from miles_lp.formats.spec import MXFP8_BLOCK
+
+__all__ = ["exact_division_available", "mxfp8_dequantize", "mxfp8_qdq", "nvfp4_dequantize", "nvfp4_qdq"]
 
 # ---------------------------------------------------------------------------------------------------------
 # Traced functions (plain tensor code; eager calls give the reference result)
@@ -51,12 +60,12 @@ def _mxfp8_decode(data: torch.Tensor, scale: torch.Tensor, axis: int, dtype: tor
 
 
 def _mxfp8_qdq_row(x: torch.Tensor, dtype: torch.dtype):
-    data, scale = _rowwise_core(x)
+    data, scale = mxfp8_core(x, -1)
     return data, scale, _mxfp8_decode(data, scale, -1, dtype)
 
 
 def _mxfp8_qdq_col(x: torch.Tensor, dtype: torch.dtype):
-    data, scale = _colwise_core(x)
+    data, scale = mxfp8_core(x, -2)
     return data, scale, _mxfp8_decode(data, scale, -2, dtype)
 
 
@@ -69,10 +78,10 @@ def _mxfp8_dq_col(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -
 
 
 def _nvfp4_qdq(x: torch.Tensor, amax: torch.Tensor | None, scope: str, block_2d: bool, dtype: torch.dtype):
-    from miles_lp.formats.nvfp4 import quantize_nvfp4
-
-    q = quantize_nvfp4(x, scale_scope=scope, amax=amax, block_2d=block_2d)
-    return q.data, q.scale, q.global_scale, q.amax, q.dequantize(dtype)
+    data, scale, gs, amax_g = nvfp4_core(x, amax, scope, block_2d)
+    q = NVFP4Tensor(data=data, scale=scale, global_scale=gs, amax=amax_g, logical_shape=tuple(x.shape),
+                    scale_scope=scope, block_2d=block_2d)
+    return data, scale, gs, amax_g, q.dequantize(dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -82,30 +91,10 @@ def _nvfp4_qdq(x: torch.Tensor, amax: torch.Tensor | None, scope: str, block_2d:
 _COMPILED: dict[str, object] = {}
 
 
-def _exact_options() -> dict[str, bool]:
-    """Inductor options that keep eager's fp32 numerics in Triton, where this torch has them.
-
-    Triton lowers ``x / y`` to the approximate ``div.full.f32`` (eager: IEEE ``div.rn``) and may flush
-    subnormals: ``eager_numerics.division_rounding`` / ``disable_ftz`` turn both off. MXFP8 has no
-    division (its inverse scale is built from bits); NVFP4 divides (``2688 / amax``, ``1 / (sf * S_dec)``),
-    and on the H200 (torch 2.11, 2026-11-29) its compiled bytes differed from eager without these options.
-    """
-    from torch._inductor import config as inductor_config
-
-    numerics = getattr(inductor_config, "eager_numerics", None)
-    return {f"eager_numerics.{k}": True for k in ("division_rounding", "disable_ftz")
-            if numerics is not None and hasattr(numerics, k)}
-
-
-def exact_division_available() -> bool:
-    """Whether this torch's Inductor can compile fp32 division with IEEE rounding (NVFP4 on CUDA needs it)."""
-    return "eager_numerics.division_rounding" in _exact_options()
-
-
 def _compiled(fn):
     c = _COMPILED.get(fn.__name__)
     if c is None:
-        c = _COMPILED[fn.__name__] = torch.compile(fn, options=_exact_options() or None)
+        c = _COMPILED[fn.__name__] = compile_exact(fn)
     return c
 
 
@@ -128,10 +117,15 @@ def mxfp8_dequantize(q: MXFP8Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def nvfp4_qdq(x: torch.Tensor, scope: str, dtype: torch.dtype, *, amax: torch.Tensor | None = None,
               block_2d: bool = False):
-    """``(quantize_nvfp4(x, ...), its dequantization in dtype)`` traced as one compiled graph."""
-    from miles_lp.formats.nvfp4 import NVFP4Tensor
+    """``(quantize_nvfp4(x, ...), its dequantization in dtype)`` traced as one compiled graph.
 
-    data, scale, gs, amax_g, deq = _compiled(_nvfp4_qdq)(x.detach().contiguous(), amax, scope, block_2d, dtype)
+    ``x`` must already satisfy the codec's checks (as for ``mxfp8_qdq``); a given ``amax`` is checked and
+    broadcast to the global-scale shape here, eagerly (its sign check reads the values).
+    """
+    x = x.detach().contiguous()  # detach: one graph, no requires_grad guard
+    if amax is not None:
+        amax = broadcast_nvfp4_amax(amax, x, scope)
+    data, scale, gs, amax_g, deq = _compiled(_nvfp4_qdq)(x, amax, scope, block_2d, dtype)
     q = NVFP4Tensor(data=data, scale=scale, global_scale=gs, amax=amax_g, logical_shape=tuple(x.shape),
                     scale_scope=scope, block_2d=block_2d)
     return q, deq
@@ -143,8 +137,6 @@ def nvfp4_dequantize(q, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _nvfp4_dq(data: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, dtype: torch.dtype):
-    from miles_lp.formats.nvfp4 import NVFP4Tensor
-
     q = NVFP4Tensor(data=data, scale=scale, global_scale=global_scale, amax=global_scale,
                     logical_shape=(*data.shape[:-1], data.shape[-1] * 2))
     return q.dequantize(dtype)
