@@ -1,7 +1,8 @@
 """HF checkpoint -> quantized checkpoint that an engine loads: one public function, a small pipeline.
 
     validate (headers only) -> plan (policy.compile_plan on the real names/shapes) -> configs (policy.emit)
-    -> group amax pre-pass (NVFP4 gate/up share one global scale) -> process shard by shard -> save
+    -> group amax pre-pass (NVFP4 gate/up share one global scale; only for groups split across shards,
+       the others are computed from the tensors in memory) -> process shard by shard -> save
 
 Nothing is written before validation, planning and config emission have succeeded; the output folder
 appears only when complete (``atomic_output_dir``). Memory: one input tensor at a time plus one output
@@ -131,14 +132,33 @@ class _HashingReader:
 
     Tensors of one file are read in ascending offset; gaps (the header, padding) are read and hashed too,
     so each file is read once. Falls back to hashing a file separately if it was not read in order.
+    The hashing runs on one background thread, in submission order (``hashlib`` releases the GIL), so it
+    overlaps the quantization on the main thread; at most ``max_backlog`` bytes wait to be hashed. The
+    caller must not modify a returned tensor in place (none of the codecs does) before ``close()``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_backlog: int = 1 << 29) -> None:
         self._f = None
         self._path: Path | None = None
         self._pos = 0
         self._h = None
         self.digests: dict[Path, str] = {}
+        self._pool = None
+        self._backlog: collections.deque = collections.deque()  # (future, nbytes), oldest first
+        self._backlog_bytes = 0
+        self._max_backlog = max_backlog
+
+    def _submit(self, fn, *args, nbytes: int = 0) -> None:
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="miles-lp-sha256")
+        self._backlog.append((self._pool.submit(fn, *args), nbytes))
+        self._backlog_bytes += nbytes
+        while self._backlog and (self._backlog[0][0].done() or self._backlog_bytes > self._max_backlog):
+            fut, n = self._backlog.popleft()
+            fut.result()  # waits if over the backlog; re-raises a hashing error here
+            self._backlog_bytes -= n
 
     def read(self, h: TensorHeader):
         import torch
@@ -152,9 +172,9 @@ class _HashingReader:
         if self._h is not None and h.begin >= self._pos:
             if h.begin > self._pos:
                 self._f.seek(self._pos)
-                self._h.update(self._f.read(h.begin - self._pos))
+                self._submit(self._h.update, self._f.read(h.begin - self._pos))
             t = read_tensor(h, self._f)
-            self._h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            self._submit(self._h.update, memoryview(t.reshape(-1).view(torch.uint8).numpy()), nbytes=h.nbytes)
             self._pos = h.end
             return t
         self._h = None  # out of order: hash this file separately at the end
@@ -166,13 +186,22 @@ class _HashingReader:
         if self._h is not None:
             self._f.seek(self._pos)
             while chunk := self._f.read(1 << 24):
-                self._h.update(chunk)
-            self.digests[self._path] = self._h.hexdigest()
+                self._submit(self._h.update, chunk, nbytes=len(chunk))
+            self._submit(self._store_digest, self._path, self._h)  # after the file's last update
         self._f.close()
         self._f, self._path, self._h = None, None, None
 
     def close(self) -> None:
         self._finish()
+        if self._pool is not None:
+            while self._backlog:
+                self._backlog.popleft()[0].result()
+            self._backlog_bytes = 0
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def _store_digest(self, path: Path, h) -> None:
+        self.digests[path] = h.hexdigest()
 
 
 def sha256_file(path: Path) -> str:
@@ -209,30 +238,65 @@ def _load(src: SourceCheckpoint, h: TensorHeader, read, device: str):
     return x.to(device) if device != "cpu" else x
 
 
-def group_amax(src: SourceCheckpoint, plan, formats: Mapping[str, Format], device: str) -> dict[str, object]:
-    """Pre-pass: the joint amax of every NVFP4 group (gate+up), even across shards; ``{member: amax}``."""
+def _nvfp4_groups(plan, formats: Mapping[str, Format]) -> list[tuple[str, ...]]:
+    """The joint-scale groups (gate+up) holding an NVFP4 member; refuses a group that mixes formats."""
+    groups = [g for g in plan_groups(plan) if any(formats.get(n) is Format.NVFP4 for n in g)]
+    for g in groups:
+        kinds = {formats.get(n) for n in g}
+        if kinds != {Format.NVFP4}:
+            raise ConfigError(f"joint-scale group {list(g)} mixes formats {sorted(str(k) for k in kinds)}; the "
+                              "policy must give gate and up the same format")
+    return groups
+
+
+def inline_groups(src: SourceCheckpoint, groups: list[tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+    """``{member: group}`` for the groups whose members are consecutive in storage order (other tensors than
+    block-FP8 scales do not sit between them) in one file: the common case (``gate_proj`` then ``up_proj``).
+
+    The conversion loop holds such a group's members as it reads them and quantizes them once the last one
+    is read, with the joint amax computed from the tensors in memory: no second read. Other groups (split
+    across shards, or far apart) keep the pre-pass (``group_amax``).
+    """
+    order = {n: i for i, n in enumerate(n for n in src.tensors if n in src.logical)}
+    out: dict[str, tuple[str, ...]] = {}
+    for g in groups:
+        if any(n not in order for n in g):
+            continue
+        pos = sorted(order[n] for n in g)
+        if len({src.tensors[n].file for n in g}) == 1 and pos[-1] - pos[0] == len(g) - 1:
+            out.update({n: g for n in g})
+    return out
+
+
+def _joint_amax(amaxes) -> object:
+    """The group's amax from its members' (``nvfp4_global_amax``, NaN-ignoring as the codec)."""
     import torch
 
+    return torch.stack(list(amaxes)).amax()
+
+
+def group_amax(src: SourceCheckpoint, plan, formats: Mapping[str, Format], device: str,
+               skip: Mapping[str, object] | frozenset = frozenset()) -> dict[str, object]:
+    """Pre-pass: the joint amax of every NVFP4 group (gate+up), even across shards; ``{member: amax}``.
+
+    Groups whose members are all in ``skip`` (``inline_groups``: computed during the conversion) are left out.
+    """
     from miles_lp.checkpoint.safetensors_io import TensorReader
     from miles_lp.formats import nvfp4_global_amax
 
     out: dict[str, object] = {}
-    groups = [g for g in plan_groups(plan) if any(formats.get(n) is Format.NVFP4 for n in g)]
+    groups = [g for g in _nvfp4_groups(plan, formats) if not all(n in skip for n in g)]
     if not groups:
         return out
     members = {n for g in groups for n in g}
-    amax: dict[str, torch.Tensor] = {}
+    amax: dict[str, object] = {}
     with TensorReader() as reader:
         for name, h in src.tensors.items():  # storage order
             if name in members:
                 x = _load(src, h, reader.read, device)
                 amax[name] = nvfp4_global_amax(x).cpu()  # NaN-ignoring, as the codec
     for g in groups:
-        kinds = {formats.get(n) for n in g}
-        if kinds != {Format.NVFP4}:
-            raise ConfigError(f"joint-scale group {list(g)} mixes formats {sorted(str(k) for k in kinds)}; the "
-                              "policy must give gate and up the same format")
-        joint = torch.stack([amax[n] for n in g]).amax()
+        joint = _joint_amax(amax[n] for n in g)
         for n in g:
             out[n] = joint
     return out
@@ -252,6 +316,7 @@ def convert_checkpoint(src: str | Path, out: str | Path, policy, target: str = "
     import torch
 
     from miles_lp import __version__
+    from miles_lp.formats import nvfp4_global_amax
 
     log = log or (lambda s: print(s, file=sys.stderr))
     t0 = time.perf_counter()
@@ -283,7 +348,8 @@ def convert_checkpoint(src: str | Path, out: str | Path, policy, target: str = "
     bytes_in = source.files.total_bytes
     if max_shard_bytes is None:
         max_shard_bytes = max(max(h.stat().st_size for h in source.files.files), 1 << 20)
-    amax = group_amax(source, plan, formats, device)
+    inline = inline_groups(source, _nvfp4_groups(plan, formats))  # joint amax from the tensors in memory
+    amax = group_amax(source, plan, formats, device, skip=inline)  # pre-pass: groups split across shards only
 
     nonfinite: list[str] = []
     threads = torch.get_num_threads()
@@ -295,6 +361,20 @@ def convert_checkpoint(src: str | Path, out: str | Path, policy, target: str = "
                                  if n.endswith(".weight") and len(source.tensors[n].shape) == 2)
     bar = _progress(bytes_in, progress)
     reader = _HashingReader()
+    held: list = []  # (name, header, tensor) of an inline group being read
+
+    def emit(name: str, h: TensorHeader, x, group_amax_) -> None:
+        fmt = quantized.get(name)
+        if fmt is None:
+            if name in source.fp8_scale_of:
+                x = x.to(torch.bfloat16)
+            writer.add(name, x.cpu())
+        else:
+            q = quantize(x, fmt, plan.entry(name), amax=group_amax_,
+                         compile=compile and x.numel() >= COMPILE_MIN_NUMEL, name=name)
+            writer.add_many({k: v.cpu() for k, v in engine_formats.encode(target, fmt, name, q).items()})
+        bar.update(h.nbytes + (source.tensors[source.fp8_scale_of[name]].nbytes
+                               if name in source.fp8_scale_of else 0))
     try:
         with atomic_output_dir(out, overwrite) as tmp:
             writer = ShardWriter(tmp, max_shard_bytes)
@@ -303,17 +383,19 @@ def convert_checkpoint(src: str | Path, out: str | Path, policy, target: str = "
                     continue
                 x = _load(source, h, reader.read, device)
                 _check_finite(name, x, allow_nonfinite, nonfinite)
-                fmt = quantized.get(name)
-                if fmt is None:
-                    if name in source.fp8_scale_of:
-                        x = x.to(torch.bfloat16)
-                    writer.add(name, x.cpu())
+                group = inline.get(name)
+                if group is not None:  # hold the group's members until its last one is read
+                    held.append((name, h, x))
+                    if len(held) < len(group):
+                        continue
+                    joint = _joint_amax(nvfp4_global_amax(t).cpu() for _, _, t in held)
+                    for n, hn, t in held:
+                        emit(n, hn, t, joint)
+                    held.clear()
                 else:
-                    q = quantize(x, fmt, plan.entry(name), amax=amax.get(name),
-                                 compile=compile and x.numel() >= COMPILE_MIN_NUMEL, name=name)
-                    writer.add_many({k: v.cpu() for k, v in engine_formats.encode(target, fmt, name, q).items()})
-                bar.update(h.nbytes + (source.tensors[source.fp8_scale_of[name]].nbytes
-                                       if name in source.fp8_scale_of else 0))
+                    emit(name, h, x, amax.get(name))
+            if held:  # cannot happen: an inline group's members are consecutive
+                raise CheckpointError(f"internal: joint-scale group members {[n for n, _, _ in held]} left unwritten")
             reader.close()
             index = writer.finish()
             digests = {p.name: reader.digests.get(p) or sha256_file(p) for p in source.files.files}

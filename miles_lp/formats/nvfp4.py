@@ -120,6 +120,7 @@ def _scales(amax_g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def nvfp4_core(x: torch.Tensor, amax_g: torch.Tensor | None = None, scope: Scope = "tensor",
                block_2d: bool = False, *, amax_b: torch.Tensor | None = None,
+               scales: tuple[torch.Tensor, torch.Tensor] | None = None,
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The NVFP4 rule on a whole tensor: ``x`` [..., rows, K] -> ``(data, scale, global_scale, amax)``.
 
@@ -127,7 +128,8 @@ def nvfp4_core(x: torch.Tensor, amax_g: torch.Tensor | None = None, scope: Scope
     global_scale (S_dec) and amax fp32 of the global-scale shape: ``[..., 1, 1]`` for scope "tensor"
     (0-d for a 2-D ``x``), ``[..., rows, 1]`` for scope "row". ``amax_g``: None (computed, NaN ignored)
     or an fp32 tensor already of the global-scale shape (``quantize_nvfp4`` validates and broadcasts it);
-    ``amax_b``: the block amax (``nvfp4_block_amax``) when the caller has it already.
+    ``amax_b``: the block amax (``nvfp4_block_amax``) when the caller has it already; ``scales``:
+    ``_scales(amax_g)`` likewise (the eager slices: a dozen tiny ops per slice saved, ~5% on CPU).
 
     No validation, no slicing, no data-dependent Python control flow (only ``scope`` / ``block_2d`` /
     ``None`` choose the graph): ``quantize_nvfp4`` runs it eagerly on row slices and
@@ -138,7 +140,7 @@ def nvfp4_core(x: torch.Tensor, amax_g: torch.Tensor | None = None, scope: Scope
         amax_b = nvfp4_block_amax(x, block_2d)  # [..., rows, K/16]
     if amax_g is None:  # the global amax is the max of the block amaxes (NaN already ignored)
         amax_g = amax_b.amax(dim=(-2, -1), keepdim=True) if scope == "tensor" else amax_b.amax(dim=-1, keepdim=True)
-    s_dec, sf_scale = _scales(amax_g)  # [..., 1, 1] or [..., rows, 1]: broadcast over the blocks
+    s_dec, sf_scale = _scales(amax_g) if scales is None else scales  # [..., 1, 1] or [..., rows, 1]: broadcast
     sf = bits.e4m3_satfinite(amax_b * sf_scale, inplace=True)  # e4m3 (inf -> 448: clamp then cast)
     enc = torch.div(bits.fp32_scalar(bits.f32_bits(1.0), x.device), sf.to(torch.float32) * s_dec)
     enc = torch.fmin(enc, bits.fp32_scalar(bits.FP32_MAX_BITS, x.device))  # sf == 0 -> FLT_MAX
@@ -220,11 +222,12 @@ def quantize_nvfp4(x: torch.Tensor, *, scale_scope: Scope = "tensor", amax=None,
             else:  # pass 1: block amax of every row (kept for pass 2); the global amax is their max per matrix
                 amax_b = torch.cat([nvfp4_block_amax(x2[s], block_2d) for s in slices])  # [R, K/16]
                 amax_g = amax_b.view(*lead, rows, k // NVFP4_BLOCK).amax(dim=(-2, -1), keepdim=True)
-            amax_r = amax_g.expand(*lead, rows, 1).reshape(-1, 1)  # [R, 1]: each row's global amax
+            s_dec, sf_scale = _scales(amax_g)  # the core's elementwise ops, once, at the global-scale shape
+            amax_r, s_dec_r, sf_scale_r = (t.expand(*lead, rows, 1).reshape(-1, 1) for t in (amax_g, s_dec, sf_scale))
             for s in slices:  # pass 2 (the only pass with a given amax): scales and codes
                 ab = None if amax_b is None else amax_b[s]
-                data[s], sf[s], _, _ = nvfp4_core(x2[s], amax_r[s], "row", block_2d, amax_b=ab)
-            s_dec, _ = _scales(amax_g)  # the same elementwise ops as the core, at the global-scale shape
+                data[s], sf[s], _, _ = nvfp4_core(x2[s], amax_r[s], "row", block_2d, amax_b=ab,
+                                                  scales=(s_dec_r[s], sf_scale_r[s]))
             if scale_scope == "tensor" and x.dim() == 2:
                 s_dec, amax_g = s_dec.reshape(()), amax_g.reshape(())
     return NVFP4Tensor(data=data.view(*lead, rows, k // 2), scale=sf.view(*lead, rows, k // NVFP4_BLOCK),

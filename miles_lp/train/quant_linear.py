@@ -408,8 +408,8 @@ class WeightGrid:
     global amax instead (e.g. all-reduced over a tensor-parallel group).
 
     ``kernel``: ``"reference"`` (the codecs, eager), ``"compiled"`` (``miles_lp.train.fused``: fused
-    quantize->dequantize under ``torch.compile``, the same bytes) or ``"auto"`` (compiled for MXFP8 CUDA
-    tensors, reference otherwise). On the compiled path, ``rowwise_dequantized(w, dtype)`` also keeps the
+    quantize->dequantize under ``torch.compile``, the same bytes) or ``"auto"`` (compiled for CUDA tensors,
+    NVFP4 only where Inductor compiles exact division; reference otherwise). On the compiled path, ``rowwise_dequantized(w, dtype)`` also keeps the
     dequantized forward operand for the step when ``cache_dequantized`` (one ``dtype`` copy of the weight,
     e.g. 2 bytes per element in bf16; later micro-batches and dgrad reuse it). Set it False to trade that
     memory for one decode per forward and per backward.
@@ -431,10 +431,17 @@ class WeightGrid:
         self.quantize_calls = 0  # observable in tests: once per step
 
     def use_compiled(self, t: torch.Tensor) -> bool:
-        """``compiled``: always; ``auto``: MXFP8 on CUDA (byte equality verified on the H200; NVFP4's
-        compiled division is not yet, see ``miles_lp.train.fused``); ``reference``: never."""
+        """``compiled``: always; ``auto``: on CUDA, MXFP8 always and NVFP4 when this torch's Inductor can
+        compile exact fp32 division (NVFP4's scale math divides; both byte-equal to the reference on the
+        H200, 2026-11-29, ``pytest -m gpu``); ``reference``: never."""
         if self.kernel == "auto":
-            return t.is_cuda and self.recipe.format is Format.MXFP8
+            if not t.is_cuda:
+                return False
+            if self.recipe.format is Format.NVFP4:
+                from miles_lp.formats._compile import exact_division_available
+
+                return exact_division_available()
+            return self.recipe.format is Format.MXFP8
         return self.kernel == "compiled"
 
     def _key(self, weight: torch.Tensor) -> tuple:

@@ -19,11 +19,12 @@ from miles_lp.formats import Format
 
 ARCHS = ("qwen3", "qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral")
 MOE = ("qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral")
-# (format, target) per architecture. Mixed MXFP8 + NVFP4 only has a compressed-tensors emitter: vLLM's modelopt
-# config holds one format and SGLang's modelopt_mixed dispatches only FP8 / NVFP4 (test_convert_bad_input)
+# (format, target) per architecture. Mixed MXFP8 + NVFP4: SGLang (modelopt_mixed) and compressed-tensors; vLLM's
+# modelopt config holds one format (test_convert_bad_input)
 CASES = [(a, "mxfp8", t) for a in ARCHS for t in ("sglang", "vllm", "compressed-tensors")]
 CASES += [(a, f, t) for a in MOE for f, t in (("nvfp4-experts", "sglang"), ("nvfp4-experts", "vllm"),
                                              ("nvfp4-experts", "compressed-tensors"),
+                                             ("mxfp8+nvfp4-experts", "sglang"),
                                              ("mxfp8+nvfp4-experts", "compressed-tensors"))]
 
 
@@ -184,6 +185,44 @@ def test_nvfp4_gate_up_share_global_scale_across_shards(tiny, tmp_path):
     ck = open_checkpoint(out)
     with TensorReader() as r:
         pairs = 0
+        for name in ck.tensors:
+            if name.endswith("gate_proj.weight_scale_2"):
+                up = name.replace("gate_proj", "up_proj")
+                g, u = r.read(ck.tensors[name]), r.read(ck.tensors[up])
+                amax = max(tensors[name.replace("weight_scale_2", "weight")].float().abs().max(),
+                           tensors[up.replace("weight_scale_2", "weight")].float().abs().max())
+                assert torch.equal(g, u) and math.isclose(float(g), float(amax) / 2688, rel_tol=1e-6), name
+                pairs += 1
+    assert pairs == 4 * 4
+    assert verify_checkpoint(out, source=src).ok
+
+
+def test_nvfp4_gate_up_in_one_shard_share_global_scale_without_pre_pass(tiny, tmp_path, monkeypatch):
+    """One input shard: every gate/up group is computed inline (no second read), same shared weight_scale_2."""
+    from miles_lp.checkpoint import convert as conv
+
+    src = tmp_path / "one"
+    src.mkdir()
+    tensors = {}
+    for f in sorted(tiny["qwen3_moe"].glob("*.safetensors")):
+        tensors.update(load_file(f))
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    (src / "config.json").write_text((tiny["qwen3_moe"] / "config.json").read_text())
+    pre_pass: list[str] = []
+    real = conv.group_amax
+
+    def spy(s, plan, formats, device, skip=frozenset()):
+        out = real(s, plan, formats, device, skip=skip)
+        pre_pass.extend(out)
+        return out
+
+    monkeypatch.setattr(conv, "group_amax", spy)
+    out = tmp_path / "out"
+    assert convert(src, out, "--format", "nvfp4-experts") == 0
+    assert pre_pass == []  # every group was consecutive in the one shard
+    ck = open_checkpoint(out)
+    pairs = 0
+    with TensorReader() as r:
         for name in ck.tensors:
             if name.endswith("gate_proj.weight_scale_2"):
                 up = name.replace("gate_proj", "up_proj")
