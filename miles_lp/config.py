@@ -59,18 +59,27 @@ class YamlDoc:
         return Where(self.source, path, self.lines)
 
 
-def _record_lines(node: yaml.Node, path: str, lines: dict[str, int]) -> None:
+def _record_lines(node: yaml.Node, path: str, lines: dict[str, int], source: str) -> None:
     lines.setdefault(path, node.start_mark.line + 1)
     if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
         for key_node, value_node in node.value:
             child = f"{path}.{key_node.value}" if path else str(key_node.value)
-            lines[child] = key_node.start_mark.line + 1
-            _record_lines(value_node, child, lines)
+            line = key_node.start_mark.line + 1
+            # PyYAML keeps the last of two equal keys without a word: a recipe saying `default:` twice would
+            # silently run the second value. A strict config refuses it.
+            if isinstance(key_node, yaml.ScalarNode) and key_node.value in seen:
+                raise ConfigError(f"duplicate key '{child}' (first on line {seen[key_node.value]}); keep one",
+                                  source=source, line=line)
+            if isinstance(key_node, yaml.ScalarNode):
+                seen[key_node.value] = line
+            lines[child] = line
+            _record_lines(value_node, child, lines, source)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
             child = f"{path}.{i}" if path else str(i)
             lines[child] = item.start_mark.line + 1
-            _record_lines(item, child, lines)
+            _record_lines(item, child, lines, source)
 
 
 def load_yaml_text(text: str, source: str = "<string>") -> YamlDoc:
@@ -83,7 +92,7 @@ def load_yaml_text(text: str, source: str = "<string>") -> YamlDoc:
                           line=mark.line + 1 if mark is not None else None) from exc
     lines: dict[str, int] = {}
     if node is not None:
-        _record_lines(node, "", lines)
+        _record_lines(node, "", lines, source)
     return YamlDoc(data, lines, source)
 
 
@@ -124,16 +133,16 @@ def _convert(value: Any, tp: Any, where: Where) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        errors = []
+        errors: list[ConfigError] = []
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return _convert(value, arg, where)
             except ConfigError as exc:
-                errors.append(str(exc))
-        if errors:
-            raise ConfigError(errors[-1])
+                errors.append(exc)
+        if errors:  # the last alternative's error, as raised: it keeps its file, line and key
+            raise errors[-1]
         raise where.error(f"invalid value {value!r}")
     if origin is typing.Literal:
         if value not in args:

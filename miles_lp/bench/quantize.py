@@ -4,6 +4,9 @@ Measures on one [rows, cols] tensor: our MXFP8 eager and ``torch.compile`` paths
 ``to_mx(..., RCEIL)`` (the anchor: ratio = ours / torchao), NVFP4 / FP8 eager, and the rate of scale and
 data bytes where torchao's NVFP4 (``nvfp4_quantize`` with a per-tensor scale) differs from TE's rule.
 Also runnable as ``python -m miles_lp.bench.quantize``.
+
+  miles-lp bench quantize --rows 4096 --cols 4096 --no-compile
+  miles-lp bench quantize --device cuda --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -16,10 +19,10 @@ DESCRIPTION = __doc__
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--rows", type=int, default=8192)
-    p.add_argument("--cols", type=int, default=8192)
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--rows", type=int, default=8192, help="rows of the input tensor (default 8192)")
+    p.add_argument("--cols", type=int, default=8192, help="columns (K, a multiple of 32; default 8192)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="input dtype")
+    p.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:1, ...")
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions; the best is reported")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile path (compiles once)")
     p.add_argument("--no-torchao", action="store_true", help="skip the torchao anchor")

@@ -10,6 +10,7 @@ the compression ratio; and warnings (rules that match nothing, rules shadowed by
 
   miles-lp explain recipes/deepseek_v3_mxfp8.yaml --model tests/fixtures/deepseek_v3_config.json
   miles-lp explain recipes/qwen3_moe_mxfp8_nvfp4_experts.yaml --model /tmp/tiny --json
+  miles-lp explain recipes/deepseek_v3_mxfp8.yaml --model tests/fixtures/deepseek_v3_config.json --mtp --plot plan.png
 
 --model is a directory holding config.json (names and shapes come from its safetensors headers when
 present, else from the config) or a config.json path.
@@ -23,6 +24,8 @@ def add_arguments(p) -> None:
     p.add_argument("--mtp", action="store_true",
                    help="include DeepSeek multi-token-prediction layers when synthesizing names from a config")
     p.add_argument("--save-plan", metavar="PATH", help="also write plan.json to PATH")
+    p.add_argument("--plot", metavar="PNG", help="also draw the plan as a grid (decoder layer x role, colour = "
+                   "format) into the PNG file PNG (needs matplotlib)")
 
 
 def run(args) -> int:
@@ -38,8 +41,25 @@ def run(args) -> int:
     report = explain_plan(plan)
     if args.save_plan:
         Path(args.save_plan).write_text(plan.to_json())
+    if args.plot:
+        _plot(plan, args.plot, args.recipe)
     if args.json:
         print(json.dumps(report, indent=1, sort_keys=True))
     else:
         print(format_explain(report, source))
     return 0
+
+
+def _plot(plan, png: str, recipe: str) -> None:
+    import sys
+
+    from miles_lp.errors import BackendUnavailable
+
+    try:
+        import matplotlib  # noqa: F401
+
+        from miles_lp.policy.plot import plot_plan
+    except ModuleNotFoundError as exc:
+        raise BackendUnavailable(f"--plot needs matplotlib ({exc}); install it or drop --plot") from None
+    plot_plan(plan, png, title=f"precision plan of {recipe}")
+    print(f"plot written to {png}", file=sys.stderr)  # stderr: keeps --json output parseable

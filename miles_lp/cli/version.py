@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import importlib.metadata
+import platform
 
 HELP = "print miles-lp's version and which optional backends are importable"
-DESCRIPTION = HELP + (
-    "\n\nBackends that are missing are not errors: every format has an exact PyTorch emulation, "
-    "so miles-lp runs on CPU. Native backends (Transformer Engine, SGLang, FlashInfer) are used when present."
-)
+DESCRIPTION = HELP + """
+
+Backends that are missing are not errors: every format has an exact PyTorch emulation, so miles-lp runs
+on CPU. Native backends (Transformer Engine, SGLang, FlashInfer) are used when present.
+
+  miles-lp version
+  miles-lp --version          # the version line only
+"""
 
 _PACKAGES = ["torch", "transformers", "safetensors", "ray", "triton", "transformer_engine", "megatron-core",
              "sglang", "flashinfer-python", "torchao", "compressed-tensors"]
@@ -22,6 +27,7 @@ def run(args) -> int:
     from miles_lp import __version__
 
     print(f"miles-lp {__version__}")
+    print(f"  {'python':20s} {platform.python_version()}")
     for pkg in _PACKAGES:
         try:
             version = importlib.metadata.version(pkg)

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 from typing import Any
 
-from miles_lp.errors import ConfigError
+from miles_lp.errors import ConfigError, LayoutError
 from miles_lp.formats.spec import Format
 from miles_lp.policy.layouts.base import ModelLayout, Shape, get_layout
 from miles_lp.policy.plan import PrecisionPlan
@@ -31,15 +30,13 @@ def bytes_per_tensor(fmt: Format, shape: Shape) -> float:
 
 
 def read_safetensors_shapes(model_dir: Path) -> dict[str, Shape]:
-    """Names and shapes from safetensors headers only (no tensor data is read)."""
+    """Names and shapes from safetensors headers only (no tensor data is read); a corrupt or truncated file is a
+    `CheckpointError` naming it (the converter's own header reader)."""
+    from miles_lp.checkpoint.safetensors_io import read_header
+
     shapes: dict[str, Shape] = {}
     for f in sorted(model_dir.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        for k, v in header.items():
-            if k != "__metadata__":
-                shapes[k] = tuple(v["shape"])
+        shapes.update({name: t.shape for name, t in read_header(f).tensors.items()})
     return shapes
 
 
@@ -53,10 +50,15 @@ def load_model_layout(model: str | Path, include_mtp: bool = False) -> tuple[Mod
         raise ConfigError(f"--model: no config.json at {cfg_path}") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"--model: {cfg_path} is not valid JSON: {exc}") from None
-    layout = get_layout(config)
-    if path.is_dir() and any(path.glob("*.safetensors")):
-        return layout, read_safetensors_shapes(path), f"safetensors headers in {path}"
-    return layout, layout.synthesize(include_mtp=include_mtp), f"synthesized from {cfg_path}"
+    if not isinstance(config, dict):
+        raise ConfigError(f"--model: {cfg_path} holds a JSON {type(config).__name__}, not a config mapping")
+    try:
+        layout = get_layout(config)
+        if path.is_dir() and any(path.glob("*.safetensors")):
+            return layout, read_safetensors_shapes(path), f"safetensors headers in {path}"
+        return layout, layout.synthesize(include_mtp=include_mtp), f"synthesized from {cfg_path}"
+    except LayoutError as exc:
+        raise LayoutError(f"--model {cfg_path}: {exc}") from None
 
 
 def _ranges(layers: list[int]) -> list[tuple[int, int]]:

@@ -89,6 +89,12 @@ def _cases(dtype: torch.dtype) -> dict[str, torch.Tensor]:
     z[1::5, :64] = 0.0
     out["zeros"] = z
     out["bf16_max"] = torch.full((32, 64), torch.finfo(torch.bfloat16).max) * torch.sign(torch.randn(32, 64))
+    # subnormal elements (fp32 and bf16 subnormals: |x| < 2^-126) inside blocks with a normal amax; blocks of
+    # only subnormals differ from torchao by design (test_tiny_blocks_follow_te_where_torchao_differs)
+    sub = torch.randn(64, 256, generator=g)
+    mask = torch.rand(64, 256, generator=g) < 0.5
+    sub[mask] = torch.randn(int(mask.sum()), generator=g) * 1e-39
+    out["subnormals"] = sub
     return {k: v.to(dtype) for k, v in out.items()}
 
 

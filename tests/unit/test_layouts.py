@@ -117,3 +117,10 @@ def test_deepseek_v3_fixture_layout():
 def test_unknown_model_type():
     with pytest.raises(LayoutError, match="no layout for model_type 'gpt2'.*supported"):
         get_layout({"model_type": "gpt2", "num_hidden_layers": 2})
+
+
+@pytest.mark.parametrize("drop", ["num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads"])
+def test_missing_config_field_is_a_layout_error_naming_it(drop):
+    config = {k: v for k, v in json.loads(FIXTURE.read_text()).items() if k != drop}
+    with pytest.raises(LayoutError, match=f"model_type 'deepseek_v3'.* has no '{drop}'.*full config.json"):
+        get_layout(config).synthesize()

@@ -131,10 +131,24 @@ def test_invariants_need_allow_unsafe_and_reason():
      r"activation_scale applies to nvfp4 only"),
     ("precision:\n  default: mxfp8\n  rules:\n    - {role: attention, fromat: bf16}\n", r"did you mean 'format'"),
     ("precision:\n  default: mxfp8\n  backward: 3\n", r"r.yaml:3: .*backward"),
+    # PyYAML keeps the last of two equal keys silently; the policy would have run bf16
+    ("precision:\n  default: mxfp8\n  default: bf16\n",
+     r"r.yaml:3: duplicate key 'precision.default' \(first on line 2\)"),
+    ("precision:\n  default: mxfp8\n  rules:\n    - {role: attention, format: bf16, role: mlp}\n",
+     r"r.yaml:4: duplicate key 'precision.rules.0.role'"),
 ])
 def test_bad_input_names_file_line_and_fix(text, match):
     with pytest.raises(ConfigError, match=match):
         _policy(text)
+
+
+def test_optional_field_error_keeps_file_and_line():
+    # an Optional field (str | None) goes through the union branch of the parser: its error must keep the
+    # location as attributes too (the CLI and callers read .source / .line), not only in the message
+    with pytest.raises(ConfigError, match=r"r.yaml:4: .*did you mean 'per_token'") as exc:
+        _policy("precision:\n  default: mxfp8\n  rules:\n"
+                "    - {role: routed_experts, format: nvfp4, activation_scale: per_tokn}\n")
+    assert (exc.value.source, exc.value.line) == ("r.yaml", 4)
 
 
 def test_out_of_range_layer_at_compile():

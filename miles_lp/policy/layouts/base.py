@@ -17,6 +17,7 @@ experts -> one FusedMoE ``...experts``, DeepSeek q_a + kv_a -> ``fused_qkv_a_pro
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from collections.abc import Callable, Mapping
@@ -92,7 +93,21 @@ def get_layout(config: Mapping[str, Any]) -> ModelLayout:
     if spec is None:
         raise LayoutError(f"no layout for model_type '{mt}'; supported: {', '.join(supported_model_types())}. "
                           "Adding one is a small ArchSpec file (docs/precision_policy.md).")
-    return ModelLayout(spec, dict(config))
+    with _config_keys(mt, "layout"):
+        return ModelLayout(spec, dict(config))
+
+
+@contextlib.contextmanager
+def _config_keys(model_type: Any, what: str):
+    """Turn a missing or non-numeric config field into a `LayoutError` naming it (not a bare KeyError)."""
+    try:
+        yield
+    except KeyError as exc:
+        raise LayoutError(f"the model config (model_type '{model_type}') has no '{exc.args[0]}', which the {what} "
+                          "needs; pass the model's full config.json") from None
+    except (TypeError, ValueError) as exc:
+        raise LayoutError(f"the model config (model_type '{model_type}') has a field of the wrong type for the "
+                          f"{what}: {exc}") from None
 
 
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -285,6 +300,10 @@ class ModelLayout:
         ``include_mtp`` adds DeepSeek's multi-token-prediction layers (``model.layers.{num_layers + k}``), which
         real DeepSeek-V3 checkpoints carry but transformers does not build.
         """
+        with _config_keys(self.model_type, "tensor names and shapes"):
+            return self._synthesize(include_mtp)
+
+    def _synthesize(self, include_mtp: bool) -> dict[str, Shape]:
         c, H = self.config, self.hidden
         V = int(c["vocab_size"])
         out: dict[str, Shape] = {"model.embed_tokens.weight": (V, H)}
