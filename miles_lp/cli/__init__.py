@@ -24,7 +24,6 @@ COMMANDS: list[tuple[str, str]] = [
     ("convert", "miles_lp.cli.convert"),
     ("verify", "miles_lp.cli.verify"),
     ("explain", "miles_lp.cli.explain"),
-    ("run", "miles_lp.cli.run"),
     ("bench", "miles_lp.cli.bench"),
     ("make-tiny-model", "miles_lp.cli.make_tiny_model"),
     ("version", "miles_lp.cli.version"),
@@ -41,15 +40,6 @@ Run `miles-lp <command> --help` for each command's options.
 """
 
 
-def _load(module: str):
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as exc:  # a command whose module is not built yet
-        if exc.name == module:
-            return None
-        raise
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="miles-lp",
@@ -61,9 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"miles-lp {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name in COMMANDS:
-        module = _load(module_name)
-        if module is None:
-            continue
+        module = importlib.import_module(module_name)
         p = sub.add_parser(
             name,
             help=module.HELP,
