@@ -87,6 +87,7 @@ def main() -> int:
     from miles_lp.policy import compile_plan, get_layout
     from miles_lp.train.megatron.layers import attach_plan, learner_weights
     from miles_lp.train.megatron.model import build_gpt_model, load_hf_weights
+    from miles_lp.train.quant_linear import invalidate_grids
 
     log(f"h200_train_check: torch {torch.__version__}, megatron-core {megatron.core.__version__}, "
         f"transformers {transformers.__version__}, device {torch.cuda.get_device_name()}, world {world}, "
@@ -143,6 +144,7 @@ def main() -> int:
                 grads = [p.grad for p in meg.parameters() if p.grad is not None]
                 finite = all(bool(torch.isfinite(gr).all()) for gr in grads)
                 opt.step()
+                invalidate_grids(meg)  # Megatron-style .data updates do not bump the grid's version key
                 opt.zero_grad()
                 with torch.no_grad():
                     loss1 = lm_loss(meg, ids, pos)

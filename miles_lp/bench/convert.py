@@ -6,7 +6,7 @@ shards of ``--shard-mb``), then in the same run: copies it (``shutil.copytree``)
 the same copy) in a child process whose peak RSS is read with
 ``os.wait4``. Targets (issue 4): conversion input GB/s >= 0.5x the copy's; peak RSS < 3x the largest shard.
 Both read the input from the page cache (it was just written) and both are timed until their output is on
-disk (``os.sync``), so the ratio compares like with like.
+disk (``os.sync``), so the ratio compares like with like. ``--plot PNG`` draws both (``plot_convert``).
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ def add_arguments(p) -> None:
     p.add_argument("--target", default="sglang", choices=("sglang", "vllm", "compressed-tensors"))
     p.add_argument("--workdir", default=None, help="where to build the checkpoint (default: a temp dir)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON too")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="draw GB/s of the copy and each conversion, and peak RSS vs the largest shard (matplotlib)")
 
 
 def synth_config(size_bytes: float) -> dict:
@@ -173,7 +175,55 @@ def run(args) -> int:
         ]
     w = max(len(k) for k, _ in rows)
     print("\n".join(f"{k:<{w}}  {v}" for k, v in rows))
+    summary = {"bytes": total, "copy_s": copy_s, "copy_gbs": copy_gbs, "baseline_rss": base_rss,
+               "largest_shard": largest, "target": args.target, "formats": figures}
     if args.json:
-        print(json.dumps({"bytes": total, "copy_s": copy_s, "copy_gbs": copy_gbs, "baseline_rss": base_rss,
-                          "largest_shard": largest, "target": args.target, "formats": figures}))
+        print(json.dumps(summary))
+    if args.plot:
+        plot_convert(summary, args.plot)
+        print(f"plot: {args.plot}")
     return 0
+
+
+def plot_convert(summary: dict, path) -> None:
+    """Two panels from the ``--json`` figures: GB/s of the copy and of each conversion (with the 0.5x-copy
+    target), and peak RSS of each conversion next to the largest input shard (with the 3x target).
+    Matplotlib Agg, imported here."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fmts = list(summary["formats"])
+    copy_gbs = summary["copy_gbs"]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    names = ["copy", *fmts]
+    gbs = [copy_gbs, *(summary["formats"][f]["convert_gbs"] for f in fmts)]
+    bars = a1.bar(names, gbs, color=["#7f7f7f"] + ["#1f77b4"] * len(fmts))
+    a1.bar_label(bars, labels=[f"{v:.2f}" + ("" if i == 0 else f"\n({v / copy_gbs:.2f}x copy)")
+                               for i, v in enumerate(gbs)], fontsize=8)
+    a1.axhline(0.5 * copy_gbs, color="#d62728", ls="--", lw=1, label="target: 0.5x copy")
+    a1.set_ylabel("GB/s of input")
+    a1.set_ylim(0, max(gbs) * 1.3)
+    a1.set_title(f"throughput, {summary['bytes'] / 1e9:.2f} GB checkpoint -> {summary['target']}", fontsize=10)
+    a1.legend(fontsize=8, loc="upper right")
+    a1.set_ylim(0, max(gbs) * 1.35)
+    largest = summary["largest_shard"]
+    gb = [largest / 1e9, *(summary["formats"][f]["peak_rss"] / 1e9 for f in fmts)]
+    bars = a2.bar(["largest shard", *fmts], gb, color=["#7f7f7f"] + ["#ff7f0e"] * len(fmts))
+    a2.bar_label(bars, labels=[f"{v:.2f} GB" + ("" if i == 0 else f"\n({v * 1e9 / largest:.2f}x shard)")
+                               for i, v in enumerate(gb)], fontsize=8)
+    a2.axhline(3 * largest / 1e9, color="#d62728", ls="--", lw=1, label="target: < 3x largest shard")
+    if summary.get("baseline_rss", -1) > 0:
+        a2.axhline(summary["baseline_rss"] / 1e9, color="black", ls=":", lw=1, label="import-only RSS")
+    a2.set_ylabel("GB")
+    a2.set_ylim(0, max(max(gb), 3 * largest / 1e9) * 1.45)
+    a2.set_title("peak RSS of the conversion process", fontsize=10)
+    a2.legend(fontsize=8, loc="upper left")
+    for ax in (a1, a2):
+        ax.grid(axis="y", alpha=0.3)
+        ax.tick_params(axis="x", labelsize=8)
+    fig.suptitle("miles-lp bench convert", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

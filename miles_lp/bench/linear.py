@@ -9,9 +9,14 @@ Kernels (``QuantLinear(kernel=...)``, the same bytes): ``reference`` = the codec
 bf16 GEMM; ``compiled`` = ``miles_lp.train.fused`` (one ``torch.compile``'d quantize->dequantize pass per
 operand; the step's dequantized weight cached with its grid), what ``kernel="auto"`` runs on CUDA. The first
 warm-up call of a compiled row includes the compilation. Target for MXFP8 ``dequantized``: 1.10x bf16 at 8192^3.
+
+``--json FILE`` saves the rows; ``--plot PNG`` draws them; ``--from-json FILE --plot PNG`` draws a saved run
+on a machine without a GPU. ``parse_table(text)`` reads a printed table back into rows.
 """
 
 from __future__ import annotations
+
+import re
 
 HELP = "time QuantLinear forward+backward per backward mode against bf16 F.linear (CUDA)"
 DESCRIPTION = HELP + (
@@ -31,7 +36,13 @@ def add_arguments(p) -> None:
     p.add_argument("--modes", default="all", help="comma list of fmt/backward, e.g. mxfp8/dequantized (default: all)")
     p.add_argument("--kernels", default="reference,compiled",
                    help="comma list of QuantLinear kernels: reference, compiled (default: %(default)s)")
-    p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the rows to this JSON file")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="draw the time ratio vs bf16 per shape, mode and kernel into this PNG (matplotlib)")
+    p.add_argument("--from-json", default=None, metavar="FILE",
+                   help="measure nothing: read the rows of an earlier --json run (no GPU needed), print the "
+                        "table and draw --plot")
+    p.add_argument("--title", default=None, help="the plot's title (default: names the device)")
 
 
 def _parse_shape(text: str) -> tuple[int, int, int]:
@@ -175,11 +186,101 @@ def format_table(rows) -> str:
     return "\n".join([_HEAD, "-" * len(_HEAD), *(format_row(r) for r in rows)])
 
 
+_ROW_RE = re.compile(r"^\s*(\d+x\d+x\d+)\s+(.+?)\s+(-|reference|compiled)\s+([\d.]+)\s+([\d.]+)x"
+                     r"\s+([\d.]+)\s+([\d.]+)x\s+(-|[\d.]+)\s*$")
+
+
+def parse_table(text: str) -> list[dict]:
+    """The rows of a printed ``bench linear`` table (``format_table`` / the run's stdout), as ``bench`` returns
+    them. Lines that are not table rows (the header, the banner) are skipped; ``peak_mib`` "-" is ``None``."""
+    rows = []
+    for line in text.splitlines():
+        m = _ROW_RE.match(line)
+        if not m:
+            continue
+        shape, mode, kernel, msf, rf, msc, rc, peak = m.groups()
+        rows.append(dict(shape=shape, mode=mode, kernel=kernel, ms_fresh=float(msf), ms_cached=float(msc),
+                         ratio_fresh=float(rf), ratio_cached=float(rc),
+                         peak_mib=None if peak == "-" else float(peak)))
+    return rows
+
+
+def load_rows(path: str) -> list[dict]:
+    """Rows written by ``--json``; ``ConfigError`` naming the file if it is not such a list."""
+    import json
+
+    from miles_lp.errors import ConfigError
+
+    try:
+        with open(path) as f:
+            rows = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"--from-json {path}: cannot read it ({exc}); pass a file written by "
+                          "`miles-lp bench linear --json FILE`") from None
+    keys = {"shape", "mode", "kernel", "ratio_fresh", "ratio_cached"}
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) and keys <= set(r) for r in rows):
+        raise ConfigError(f"--from-json {path}: not a list of bench linear rows (each with {sorted(keys)}); pass "
+                          "a file written by `miles-lp bench linear --json FILE`")
+    return rows
+
+
+def plot_linear(rows, path, title: str | None = None) -> None:
+    """One panel per shape: fwd+bwd time / bf16 F.linear per mode, bars per kernel (solid: fresh weight
+    quantization, light: the step's cached grid). Matplotlib Agg, imported here."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    kernels = [k for k in ("reference", "compiled") if any(r["kernel"] == k for r in rows)]
+    colors = {"reference": "#d62728", "compiled": "#1f77b4"}
+    fig, axes = plt.subplots(len(shapes), 1, figsize=(10, 3.6 * len(shapes) + 0.6), squeeze=False)
+    for ax, shape in zip(axes[:, 0], shapes, strict=True):
+        sub = [r for r in rows if r["shape"] == shape and r["kernel"] != "-"]
+        modes = list(dict.fromkeys(r["mode"] for r in sub))
+        nb = 2 * len(kernels)
+        width = 0.8 / max(nb, 1)
+        top = 1.0
+        for ki, kern in enumerate(kernels):
+            for vi, (key, alpha, label) in enumerate((("ratio_fresh", 1.0, "fresh"), ("ratio_cached", 0.45, "cached"))):
+                xs, ys = [], []
+                for mi, mode in enumerate(modes):
+                    r = next((r for r in sub if r["mode"] == mode and r["kernel"] == kern), None)
+                    if r is not None:
+                        xs.append(mi - 0.4 + width * (2 * ki + vi + 0.5))
+                        ys.append(r[key])
+                bars = ax.bar(xs, ys, width * 0.95, color=colors.get(kern, "gray"), alpha=alpha,
+                              label=f"{kern}, {label}")
+                ax.bar_label(bars, labels=[f"{y:.2f}" for y in ys], fontsize=7, padding=1)
+                top = max([top, *ys])
+        ax.axhline(1.0, color="black", lw=1, label="bf16 F.linear = 1")
+        ax.set_xticks(range(len(modes)), modes, fontsize=9)
+        ax.set_ylim(0, top * 1.15)
+        ax.set_ylabel("time / bf16 F.linear")
+        bf = next((r for r in rows if r["shape"] == shape and r["kernel"] == "-"), None)
+        extra = f" (bf16 fwd+bwd {bf['ms_fresh']:.3f} ms)" if bf else ""
+        ax.set_title(f"{shape} (tokens x out x in){extra}", fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0, 0].legend(fontsize=8, ncol=len(kernels) * 2 + 1, loc="upper left")
+    fig.suptitle(title or "QuantLinear forward+backward time relative to bf16 (lower is better)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def run(args) -> int:
     import json
 
     import torch
 
+    if args.from_json:
+        rows = load_rows(args.from_json)
+        print(format_table(rows))
+        if args.plot:
+            plot_linear(rows, args.plot, title=args.title)
+            print(f"plot: {args.plot}")
+        return 0
     shapes = [_parse_shape(s.strip()) for s in args.shapes.split(",") if s.strip()]
     modes = None if args.modes == "all" else [tuple(m.split("/")) for m in args.modes.split(",")]
     kernels = [kn.strip() for kn in args.kernels.split(",") if kn.strip()]
@@ -200,6 +301,10 @@ def run(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if args.plot:
+        plot_linear(rows, args.plot,
+                    title=args.title or f"QuantLinear fwd+bwd time / bf16 F.linear ({dev}, lower is better)")
+        print(f"plot: {args.plot}")
     return 0
 
 

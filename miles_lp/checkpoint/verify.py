@@ -29,6 +29,7 @@ from miles_lp.errors import MilesLPError
 from miles_lp.formats.spec import MXFP8_BLOCK, NVFP4_BLOCK, Format
 
 PASS, FAIL, SKIP = "pass", "FAIL", "skip"
+E8M0_MAX_FINITE = 247  # the largest E8M0 scale byte a finite bf16/fp16/fp32 block produces (TE's rule)
 _MAX_LISTED = 5
 
 
@@ -263,8 +264,11 @@ def _check_scales(ctx: _Ctx, report: VerifyReport) -> None:
         return
     problems = []
     checked = 0
+    allowed = set(ctx.record.get("nonfinite_allowed", []))  # converted with --allow-nonfinite
     with TensorReader() as reader:
         for weight, fmt in ctx.formats.items():
+            if weight in allowed:
+                continue
             prefix = engine_formats.module_prefix(weight)
             for p in engine_formats.parts(ctx.target, fmt):
                 h = ctx.files.tensors.get(prefix + p.suffix)
@@ -276,10 +280,11 @@ def _check_scales(ctx: _Ctx, report: VerifyReport) -> None:
                 if bad:
                     problems.append(f"'{h.name}': {bad}")
     del torch
+    note = f" ({len(allowed)} weights converted with --allow-nonfinite not checked)" if allowed else ""
     if problems:
         report.add("scales", FAIL, _listing(problems))
     else:
-        report.add("scales", PASS, f"{checked} scale tensors finite and in range")
+        report.add("scales", PASS, f"{checked} scale tensors finite and in range{note}")
 
 
 def _scale_problem(part, t) -> str | None:
@@ -287,7 +292,13 @@ def _scale_problem(part, t) -> str | None:
 
     if part.dtype == "U8":  # E8M0: 0xFF is NaN
         n = int((t == 0xFF).sum())
-        return f"{n} E8M0 scale bytes are 0xFF (NaN)" if n else None
+        if n:
+            return f"{n} E8M0 scale bytes are 0xFF (NaN)"
+        # The largest finite weight (fp32 max ~2^128) needs ceil(log2(2^128 / 448)) + 127 = 247; larger bytes
+        # (0xFE: an inf block) mean a non-finite or corrupted weight.
+        n = int((t > E8M0_MAX_FINITE).sum())
+        return (f"{n} E8M0 scale bytes above {E8M0_MAX_FINITE} (2^{E8M0_MAX_FINITE - 127}): no finite weight "
+                "needs them (an inf block, or corruption)") if n else None
     if part.dtype == "F8_E4M3":
         f = t.to(torch.float32)
         if not bool(torch.isfinite(f).all()):
@@ -391,7 +402,10 @@ def _check_grid_and_error(ctx: _Ctx, report: VerifyReport, src) -> None:
         report.add("error", FAIL, _listing(err_problems))
     else:
         figures = ", ".join(f"{k} max rel. Frobenius error {v:.4f}" for k, v in sorted(worst.items()))
-        report.add("error", PASS, f"every decoded element within its format's bound ({figures})")
+        skipped = sorted(allowed_nonfinite & set(formats))
+        note = (f"; not checked ({len(skipped)}, converted with --allow-nonfinite): {', '.join(skipped[:4])}"
+                if skipped else "")
+        report.add("error", PASS, f"every decoded element within its format's bound ({figures}){note}")
 
 
 def _n_diff(a, b) -> int:

@@ -12,6 +12,8 @@ from miles_lp.train.quant_linear import (
     QuantExperts,
     QuantLinear,
     WeightGrid,
+    invalidate_grids,
+    invalidate_on_step,
     learner_weights,
     quantized_linear,
 )
@@ -26,5 +28,5 @@ def __getattr__(name: str):  # the trainer pulls in transformers: import it on f
 
 
 __all__ = ["EmbeddedTrainer", "LinearRecipe", "MegatronSection", "QuantExperts", "QuantLinear", "TrainConfig",
-           "WeightGrid", "apply_plan", "learner_weights", "load_train_config", "parse_train_config",
-           "quantized_linear"]
+           "WeightGrid", "apply_plan", "invalidate_grids", "invalidate_on_step", "learner_weights",
+           "load_train_config", "parse_train_config", "quantized_linear"]

@@ -30,7 +30,13 @@ import torch.nn.functional as F
 from miles_lp.errors import ConfigError
 from miles_lp.formats.spec import MXFP8_BLOCK, Format
 from miles_lp.train.config import TrainConfig
-from miles_lp.train.quant_linear import LinearRecipe, QuantExperts, QuantLinear, learner_weights
+from miles_lp.train.quant_linear import (
+    LinearRecipe,
+    QuantExperts,
+    QuantLinear,
+    invalidate_on_step,
+    learner_weights,
+)
 
 # ---------------------------------------------------------------------------------------------------------
 # Applying the plan
@@ -291,6 +297,7 @@ class EmbeddedTrainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                                            weight_decay=cfg.weight_decay, foreach=False)
+        invalidate_on_step(self.model, self.optimizer)  # the next forward / export re-quantizes once
         self.step = 0
 
     # ---- forward ------------------------------------------------------------------------------------

@@ -28,9 +28,13 @@ Backward modes (``BackwardMode``; TE's ``NVTE_BACKWARD_OVERRIDE``, CONTRACT 7):
   zero-padded to a multiple of 32 for the wgrad operands (zero rows change neither a block's amax nor the
   GEMM: this equals padding the batch with zero tokens, as TE's MoE token padding does).
 
-The quantized weight of a module is cached once per optimizer step (keyed on the master's storage and
-``_version``, which every in-place optimizer update bumps); ``learner_weights(model)`` yields that cache,
-so weight export reads the very bytes the forward used.
+The quantized weight of a module is cached once per optimizer step; ``learner_weights(model)`` yields that
+cache, so weight export reads the very bytes the forward used. The cache is keyed on the master's storage
+and ``_version``, which in-place updates through autograd-visible tensors bump (``AdamW(foreach=...)``,
+``p.add_`` under ``no_grad``). Some updates do not bump it: ``AdamW(fused=True)`` and writes through
+``p.data`` (Megatron's optimizers copy main params into model params that way). So an optimizer step must
+also call ``invalidate_grids(model)``; ``invalidate_on_step(model, optimizer)`` registers that as a
+``torch.optim`` step post-hook (the embedded trainer does).
 """
 
 from __future__ import annotations
@@ -574,6 +578,9 @@ class QuantLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return quantized_linear(x, self.weight, self.recipe, self.bias, grid=self.grid)
 
+    def invalidate_grids(self) -> None:
+        self.grid.invalidate()
+
     def learner_weights(self) -> Iterator[tuple[str, Any]]:
         yield self.canonical, self.grid.rowwise(self.weight)
 
@@ -612,9 +619,14 @@ class QuantExperts(torch.nn.Module):
                               f"down member names, got {len(gate_up_members)} and {len(down_members)}")
         self.gate_up_members, self.down_members = tuple(gate_up_members), tuple(down_members)
         if getattr(experts, "is_transposed", False) or getattr(experts, "has_bias", False) or not getattr(
-                experts, "has_gate", True) or not getattr(experts, "is_concatenated", True):
+                experts, "has_gate", True) or not getattr(experts, "is_concatenated", True) or getattr(
+                experts, "has_post_expert_norm", False):
             raise ConfigError(f"QuantExperts: unsupported experts module {type(experts).__name__} (transposed, "
-                              "biased, gateless or interleaved gate/up weights)")
+                              "biased, gateless, post-expert-normed or interleaved gate/up weights); keep its "
+                              "experts bf16 in the policy or use the Megatron backend")
+        # The architecture's own gating (transformers-5 ``_apply_gate``: act(gate) * up for every supported
+        # MoE), so an architecture that overrides it keeps its semantics.
+        self._apply_gate = getattr(experts, "_apply_gate", None)
 
     def _proj(self, x: torch.Tensor, weight: torch.Tensor, e: int, recipe, grid) -> torch.Tensor:
         if recipe is None:
@@ -631,12 +643,21 @@ class QuantExperts(torch.nn.Module):
                 continue
             top_k_pos, token_idx = torch.where(mask[e])
             state = hidden_states[token_idx]
-            gate, up = self._proj(state, self.gate_up_proj, e, self.gate_up_recipe, self.gate_up_grid).chunk(2, -1)
-            h = self.act_fn(gate) * up
+            gate_up = self._proj(state, self.gate_up_proj, e, self.gate_up_recipe, self.gate_up_grid)
+            if self._apply_gate is not None:
+                h = self._apply_gate(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, -1)
+                h = self.act_fn(gate) * up
             h = self._proj(h, self.down_proj, e, self.down_recipe, self.down_grid)
             h = h * top_k_weights[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, h.to(final.dtype))
         return final
+
+    def invalidate_grids(self) -> None:
+        for grid in (self.gate_up_grid, self.down_grid):
+            if grid is not None:
+                grid.invalidate()
 
     def learner_weights(self) -> Iterator[tuple[str, Any]]:
         if self.gate_up_grid is not None:
@@ -696,3 +717,24 @@ def learner_weights(model: torch.nn.Module) -> Iterator[tuple[str, Any]]:
     for module in model.modules():
         if getattr(module, "is_quantized_module", False):
             yield from module.learner_weights()
+
+
+def invalidate_grids(model: torch.nn.Module) -> int:
+    """Drop every cached weight grid of ``model`` (call after each optimizer step); returns how many modules.
+
+    Needed because not every weight update bumps the version counter the cache is keyed on
+    (``AdamW(fused=True)``, writes through ``p.data``); after this the next forward or ``learner_weights``
+    quantizes the new master once.
+    """
+    n = 0
+    for module in model.modules():
+        fn = getattr(module, "invalidate_grids", None)
+        if getattr(module, "is_quantized_module", False) and callable(fn):
+            fn()
+            n += 1
+    return n
+
+
+def invalidate_on_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    """Register ``invalidate_grids(model)`` as a step post-hook of ``optimizer``; returns the hook handle."""
+    return optimizer.register_step_post_hook(lambda *_: invalidate_grids(model))

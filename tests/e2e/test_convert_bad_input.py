@@ -231,3 +231,46 @@ def test_mixed_without_emitter(capsys, tmp_path, target, match):
     rc, err = run(capsys, src, tmp_path / "out", "--format", "mxfp8+nvfp4-experts", "--target", target)
     assert rc == 2 and match in err
     nothing_left(tmp_path / "out")
+
+
+def _tree(path):
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("failure", ["interrupt", "disk_full"])
+def test_failed_overwrite_keeps_the_previous_output_intact(capsys, src, tmp_path, monkeypatch, failure):
+    """--overwrite onto a good OUT, then the new run dies mid-shard: OUT keeps every byte of the old run."""
+    import miles_lp.checkpoint.convert as conv
+    import miles_lp.checkpoint.safetensors_io as io
+
+    out = tmp_path / "out"
+    rc, _ = run(capsys, src, out, "--format", "mxfp8")
+    assert rc == 0
+    before = _tree(out)
+    if failure == "interrupt":
+        real, n = conv.quantize, []
+
+        def interrupt(*a, **k):
+            n.append(1)
+            if len(n) == 7:
+                raise KeyboardInterrupt
+            return real(*a, **k)
+        monkeypatch.setattr(conv, "quantize", interrupt)
+        expect_rc, expect = 130, "interrupted"
+    else:
+        calls = []
+
+        def failing_save(tensors, path, metadata=None):
+            calls.append(path)
+            if len(calls) == 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            from safetensors.torch import save_file as real_save
+
+            real_save(tensors, path, metadata=metadata)
+        monkeypatch.setattr(io.ShardWriter, "flush", _flush_with(failing_save))
+        expect_rc, expect = 2, "no space left on the device"
+    rc, err = run(capsys, src, out, "--format", "mxfp8", "--overwrite",
+                  "--num-layers-at-start-in-bf16", "1", "--max-shard-size", "60KB")
+    assert rc == expect_rc and expect in err
+    assert _tree(out) == before  # same files, same bytes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]  # no temp / old sibling left

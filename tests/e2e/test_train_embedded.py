@@ -126,3 +126,65 @@ def test_bf16_master_weights(tiny_dir):
     tr = EmbeddedTrainer(d, plan_for(d, {"default": "mxfp8"}), TrainConfig(master_dtype="bf16", lr=1e-3))
     assert all(p.dtype == torch.bfloat16 for p in tr.model.parameters())
     assert tr.train_step(samples())["finite"]
+
+
+def test_trainer_step_invalidates_the_grid_even_without_a_version_bump(tiny_dir, monkeypatch):
+    """The trainer's optimizer step hook drops the cached grids: AdamW(fused=True) leaves ``_version`` alone,
+    yet the export after the step holds the new master's bytes, quantized once for the step."""
+    real = torch.optim.AdamW
+
+    def fused_adamw(params, **kw):
+        kw.pop("foreach", None)
+        return real(params, fused=True, **kw)
+    monkeypatch.setattr(torch.optim, "AdamW", fused_adamw)
+    d = tiny_dir("qwen3")
+    tr = EmbeddedTrainer(d, plan_for(d, {"default": "mxfp8"}), TrainConfig(lr=1e-2))
+    assert tr.optimizer.defaults["fused"]
+    name = "model.layers.0.self_attn.o_proj.weight"
+    ql = tr.model.get_submodule("model.layers.0.self_attn.o_proj")
+    tr.logprobs([samples()[0]["tokens"]])
+    before = dict(tr.learner_weights())[name]
+    calls, version = ql.grid.quantize_calls, ql.weight._version
+    tr.train_step(samples())
+    assert ql.weight._version == version  # the update did not bump the version key
+    lw1, lw2 = dict(tr.learner_weights()), dict(tr.learner_weights())
+    assert ql.grid.quantize_calls == calls + 1 and lw1[name] is lw2[name]  # once per step
+    ref = formats.quantize_mxfp8(ql.weight.detach())
+    assert torch.equal(lw1[name].data.view(torch.uint8), ref.data.view(torch.uint8))
+    assert not torch.equal(lw1[name].data.view(torch.uint8), before.data.view(torch.uint8))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3"])
+def test_quant_experts_reproduce_each_architectures_experts(arch):
+    """Every MoE architecture's transformers-5 fused experts: QuantExperts with BF16 recipes reproduces the
+    module's own forward (routing, gating, weighting), and with MXFP8 it equals that forward run on
+    the dequantized grid for gate_up when down stays BF16 and inputs already lie on the grid."""
+    import transformers
+
+    from miles_lp.checkpoint.tiny import tiny_config
+    from miles_lp.formats.spec import BackwardMode, Format
+    from miles_lp.train.quant_linear import LinearRecipe
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch, num_layers=2), dtype=torch.float32)
+    experts = model.model.layers[1].mlp.experts
+    assert experts.gate_up_proj.dim() == 3
+    e = experts.gate_up_proj.shape[0]
+    gu_names = [f"g{i}.{p}" for i in range(e) for p in ("gate", "up")]
+    dn_names = [f"d{i}" for i in range(e)]
+    hidden = torch.randn(24, experts.gate_up_proj.shape[-1])
+    g = torch.Generator().manual_seed(1)
+    idx = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(24)])
+    w = torch.softmax(torch.randn(24, 2, generator=g), -1)
+    want = experts(hidden, idx, w)
+    got = QuantExperts(experts, None, None, gu_names, dn_names)(hidden, idx, w)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # transformers may sum in another order
+
+    recipe = LinearRecipe(Format.MXFP8, BackwardMode.DEQUANTIZED, name="gate_up")
+    qe = QuantExperts(experts, recipe, None, gu_names, dn_names)
+    x_grid = formats.quantize_mxfp8(hidden).dequantize(torch.float32)  # per-token blocks: a fixed point
+    got = qe(x_grid, idx, w)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(formats.quantize_mxfp8(experts.gate_up_proj).dequantize(torch.float32))
+    want = experts(x_grid, idx, w)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

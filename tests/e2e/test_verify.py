@@ -166,3 +166,93 @@ def test_not_a_converted_checkpoint(capsys, good):
     src, _ = good
     rc, text = verify(capsys, src)
     assert rc == 1 and "no miles_lp_plan.json" in text and "[skip] tensors" in text
+
+
+def test_element_outside_error_bound(capsys, copy):
+    """A data byte pushed far from its value: both the grid and the independent error bound fail."""
+    src, out = copy()
+    name = "model.layers.2.self_attn.q_proj.weight"
+
+    def bump(t):
+        t[name] = t[name].clone()
+        b = t[name].view(torch.uint8).view(-1)
+        b[7] = 0x7E  # E4M3 448: the block's maximum, far above any element of this random weight's block
+    _edit_tensor(out, name, bump)
+    rc, text = verify(capsys, out, src)
+    assert rc == 1 and "[FAIL] error" in text and f"'{name}': 1 elements outside the mxfp8 bound" in text
+    assert "[FAIL] grid" in text
+
+
+@pytest.mark.parametrize("fmt,name,value,what", [
+    ("mxfp8", "model.layers.1.self_attn.o_proj.weight_scale_inv", 0xFE, "E8M0 scale bytes above 247"),
+    ("nvfp4-experts", "model.layers.1.mlp.experts.0.gate_proj.weight_scale", -1.0, "E4M3 scales are negative"),
+    ("nvfp4-experts", "model.layers.1.mlp.experts.0.gate_proj.weight_scale_2", 0.0, "global scale must be finite and > 0"),
+    ("nvfp4-experts", "model.layers.1.mlp.experts.0.gate_proj.input_scale", 2.0, "must be 1.0"),
+])
+def test_scale_out_of_range(capsys, copy, fmt, name, value, what):
+    src, out = copy(fmt)
+
+    def poison(t):
+        t[name] = t[name].clone()
+        if t[name].dtype == torch.uint8:
+            t[name].view(-1)[0] = value
+        else:
+            t[name].view(-1)[0] = value  # float8 / fp32 assignment converts
+    _edit_tensor(out, name, poison)
+    rc, text = verify(capsys, out)
+    assert rc == 1 and "[FAIL] scales" in text and f"'{name}': " in text and what in text
+
+
+def test_unexpected_tensor(capsys, copy):
+    src, out = copy()
+    name = "model.layers.2.self_attn.q_proj.weight_scale_inv"
+    extra = "model.layers.2.self_attn.q_proj.bias"
+    idx, shard, _ = _edit_tensor(out, name, lambda t: t.__setitem__(extra, torch.zeros(4)))
+    idx["weight_map"][extra] = shard.name
+    (out / INDEX_NAME).write_text(json.dumps(idx))
+    rc, text = verify(capsys, out)
+    assert rc == 1 and "[FAIL] tensors" in text and f"unexpected tensor '{extra}' (not in the plan)" in text
+
+
+def test_kept_bf16_tensor_changed(capsys, copy):
+    """A tensor the plan keeps BF16 (embedding) edited: only the byte comparison with --source sees it."""
+    src, out = copy()
+    name = "model.embed_tokens.weight"
+
+    def nudge(t):
+        t[name] = t[name].clone()
+        t[name].view(torch.int16).view(-1)[5] ^= 1
+    _edit_tensor(out, name, nudge)
+    rc, text = verify(capsys, out)
+    assert rc == 0  # headers, configs and scales cannot see it
+    rc, text = verify(capsys, out, src)
+    assert rc == 1 and "[FAIL] grid" in text and f"'{name}' (kept torch.bfloat16) differs from the source" in text
+
+
+def test_unreadable_record(capsys, copy):
+    src, out = copy()
+    (out / "miles_lp_plan.json").write_text("{not json")
+    rc, text = verify(capsys, out)
+    assert rc == 1 and "[FAIL] record" in text and "miles_lp_plan.json or config.json is unreadable" in text
+    assert "[skip] tensors" in text and "[skip] config" in text and "[skip] scales" in text
+
+
+def test_allow_nonfinite_output_verifies_and_says_what_it_skipped(capsys, tmp_path):
+    src = make_tiny_model("qwen3", tmp_path / "src", seed=3)
+    name = "model.layers.2.mlp.up_proj.weight"
+    shard = next(src.glob("*.safetensors"))
+    t = load_file(shard)
+    t[name] = t[name].clone()
+    t[name][0, :32] = float("inf")  # a whole block of inf: E8M0 byte 0xFE
+    save_file(t, str(shard), metadata={"format": "pt"})
+    out = tmp_path / "out"
+    with pytest.warns(UserWarning, match=name):
+        assert main(["convert", "--hf-checkpoint", str(src), "--output", str(out), "--format", "mxfp8",
+                     "--allow-nonfinite", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert int(load_file(out / json.loads((out / INDEX_NAME).read_text())["weight_map"][
+        name + "_scale_inv"])[name + "_scale_inv"][0, 0]) == 0xFE
+    rc, text = verify(capsys, out, src)
+    assert rc == 0, text
+    assert "1 weights converted with --allow-nonfinite not checked" in text
+    assert f"not checked (1, converted with --allow-nonfinite): {name}" in text

@@ -114,6 +114,26 @@ def test_attach_plan_and_learner_weights_bytes(moe):
     assert torch.equal(got_g.data, rg.data) and torch.equal(got_u.data, ru.data)
     assert torch.equal(got_g.global_scale, rg.global_scale) and torch.equal(got_u.global_scale, ru.global_scale)
 
+    # Megatron's optimizers write model params through .data (no version bump): after invalidate_grids the
+    # export holds the new master's bytes, quantized once.
+    from miles_lp.train.quant_linear import invalidate_grids
+
+    proj = meg.decoder.layers[0].self_attention.linear_proj
+    name = "model.layers.0.self_attn.o_proj.weight"
+    calls = proj.grid.quantize_calls
+    with torch.no_grad():
+        proj.weight.data.mul_(-2.0)
+    assert invalidate_grids(meg) >= 1
+    lw2 = dict(learner_weights(meg))
+    dict(learner_weights(meg))
+    assert proj.grid.quantize_calls == calls + 1
+    ref = formats.quantize_mxfp8(proj.weight.detach())
+    assert torch.equal(lw2[name].data.view(torch.uint8), ref.data.view(torch.uint8))
+    assert not torch.equal(lw2[name].data.view(torch.uint8), lw[name].data.view(torch.uint8))
+    with torch.no_grad():
+        proj.weight.data.div_(-2.0)  # exact; the module-scoped model is shared with later tests
+    invalidate_grids(meg)
+
 
 def test_quant_parallel_linear_equals_quantized_linear(moe):
     from miles_lp.formats.spec import BackwardMode, Format
@@ -154,3 +174,46 @@ def test_te_config_from_plan():
                          layout)
     with pytest.raises(ConfigError, match="per-module exception.*megatron.impl: local"):
         te_config(mixed)
+
+
+def test_te_config_exact_values_env_conflicts_and_restore(monkeypatch):
+    """Path (b): the full kwargs for an MXFP8 plan, TE's default backward (no override variable) for
+    'quantized', a conflicting variable refused by name, and the environment restored exactly."""
+    from miles_lp.checkpoint.tiny import tiny_config
+    from miles_lp.train.megatron.te import te_config, te_environment
+
+    layout = get_layout(tiny_config("qwen3_moe", num_layers=4))
+    plan = compile_plan(_policy({"default": "mxfp8", "backward": "quantized",
+                                 "rules": [{"layers": "first 1", "format": "bf16"}]}), layout)
+    cfg = te_config(plan)
+    assert {k: cfg.kwargs[k] for k in ("fp8", "fp8_recipe", "num_layers_at_start_in_bf16",
+                                       "num_layers_at_end_in_bf16", "transformer_impl")} == {
+        "fp8": "e4m3", "fp8_recipe": "mxfp8", "num_layers_at_start_in_bf16": 1, "num_layers_at_end_in_bf16": 0,
+        "transformer_impl": "transformer_engine"}
+    assert "fp4" not in cfg.kwargs or cfg.kwargs["fp4"] is None
+    assert cfg.env == {}  # quantized backward = TE's default recipe: no NVTE_BACKWARD_OVERRIDE
+    dq = te_config(compile_plan(_policy({"default": "mxfp8", "backward": "dequantized"}), layout))
+    monkeypatch.setenv("NVTE_BACKWARD_OVERRIDE", "high_precision")
+    with pytest.raises(ConfigError, match=r"NVTE_BACKWARD_OVERRIDE='high_precision' conflicts with the plan's "
+                                          r"'dequantized'; unset it"):
+        with te_environment(dq):
+            pass
+    monkeypatch.setenv("NVTE_BACKWARD_OVERRIDE", "dequantized")  # same value: accepted, kept afterwards
+    with te_environment(dq):
+        assert os.environ["NVTE_BACKWARD_OVERRIDE"] == "dequantized"
+    assert os.environ["NVTE_BACKWARD_OVERRIDE"] == "dequantized"
+    monkeypatch.delenv("NVTE_BACKWARD_OVERRIDE")
+    with te_environment(dq):
+        assert os.environ["NVTE_BACKWARD_OVERRIDE"] == "dequantized"
+    assert "NVTE_BACKWARD_OVERRIDE" not in os.environ
+
+
+def test_te_quantizer_unavailable_here_says_why():
+    from miles_lp.errors import BackendUnavailable
+    from miles_lp.train.megatron.te import te_available, te_quantize_mxfp8
+
+    reason = te_available()
+    if reason is None:
+        pytest.skip("TE on Blackwell is available here")
+    with pytest.raises(BackendUnavailable, match="TE quantizer unavailable: " + reason.split("(")[0][:30]):
+        te_quantize_mxfp8(torch.zeros(32, 32))

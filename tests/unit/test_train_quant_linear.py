@@ -18,6 +18,8 @@ from miles_lp.train.quant_linear import (
     LinearRecipe,
     QuantExperts,
     QuantLinear,
+    invalidate_grids,
+    invalidate_on_step,
     learner_weights,
     quantized_linear,
 )
@@ -176,6 +178,50 @@ def test_weight_quantized_once_per_step_and_exported_bytes_equal_codec():
     assert not torch.equal(q.data.view(torch.uint8), q2.data.view(torch.uint8))
     ql(x)  # the forward after the step uses the exported grid, no re-quantization
     assert ql.grid.quantize_calls == 2
+
+
+@pytest.mark.parametrize("update", ["fused_adamw", "data_copy"])
+def test_export_after_a_step_that_does_not_bump_the_version_gets_new_bytes(update):
+    """AdamW(fused=True) and writes through ``p.data`` leave ``_version`` unchanged: the step hook / an
+    explicit ``invalidate_grids`` must still make the next export quantize the new master (C2)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 96, bias=False)
+    ql = QuantLinear.from_linear(lin, LinearRecipe(Format.MXFP8, DEQ), canonical="w")
+    x = torch.randn(32, 64)
+    ql(x).sum().backward()
+    (_, q1), = list(learner_weights(ql))
+    (_, q1b), = list(learner_weights(ql))
+    assert ql.grid.quantize_calls == 1 and q1b is q1  # two exports without a step: quantized once
+    version = lin.weight._version
+    if update == "fused_adamw":
+        opt = torch.optim.AdamW(ql.parameters(), lr=0.05, fused=True)
+        invalidate_on_step(ql, opt)
+        opt.step()
+    else:
+        lin.weight.data.copy_(torch.randn(96, 64))  # e.g. Megatron copying main params into model params
+        assert invalidate_grids(ql) == 1
+    assert lin.weight._version == version  # the update really is invisible to the version key
+    (_, q2), = list(learner_weights(ql))
+    (_, q2b), = list(learner_weights(ql))
+    assert ql.grid.quantize_calls == 2 and q2b is q2
+    ref = formats.quantize_mxfp8(lin.weight.detach(), axis=-1)
+    assert torch.equal(q2.data.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(q2.scale, ref.scale)
+    assert not torch.equal(q1.data.view(torch.uint8), q2.data.view(torch.uint8))
+
+
+def test_invalidate_grids_reaches_experts():
+    qe = QuantExperts(_FakeExperts(), LinearRecipe(Format.MXFP8, DEQ), LinearRecipe(Format.MXFP8, DEQ),
+                      *_members())
+    list(learner_weights(qe))
+    assert (qe.gate_up_grid.quantize_calls, qe.down_grid.quantize_calls) == (1, 1)
+    with torch.no_grad():
+        qe.gate_up_proj.data.mul_(2)  # no version bump
+    assert invalidate_grids(qe) == 1
+    out = dict(learner_weights(qe))
+    assert (qe.gate_up_grid.quantize_calls, qe.down_grid.quantize_calls) == (2, 2)
+    ref = formats.quantize_mxfp8(qe.gate_up_proj[0, :32].detach())
+    got = out["model.layers.1.mlp.experts.0.gate_proj.weight"]
+    assert torch.equal(got.data.view(torch.uint8), ref.data.view(torch.uint8))
 
 
 class _FakeExperts(torch.nn.Module):

@@ -76,6 +76,12 @@ class _QuantParallelMixin:
             input = copy_to_tensor_model_parallel_region(input, group=tp_group)  # identity fwd, AR bwd
         return quantized_linear(input, weight, self.recipe, bias, grid=self.grid)
 
+    def invalidate_grids(self) -> None:
+        """Drop the cached grid: Megatron's optimizers write model params through ``.data`` (no version bump),
+        so call ``miles_lp.train.quant_linear.invalidate_grids(model)`` after every optimizer step."""
+        if self.grid is not None:
+            self.grid.invalidate()
+
     def learner_weights(self) -> Iterator[tuple[str, Any]]:
         if self.grid is None:
             return
