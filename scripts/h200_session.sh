@@ -30,6 +30,6 @@ step convert_cuda bash -c "python3 -m miles_lp.cli make-tiny-model --arch qwen3_
   python3 -m miles_lp.cli verify $t/lp --source $t/tiny"
 step bench_quantize python3 -m miles_lp.cli bench quantize --device cuda --no-torchao
 step megatron python3 scripts/h200_train_check.py
-step bench_linear python3 -m miles_lp.cli bench linear --shapes large,small --json "$out/bench_linear.json"
+step bench_linear python3 -m miles_lp.cli bench linear --shapes large,small --json "$out/bench_linear.json" --plot "$out/bench_linear.png"
 echo "failed steps: ${failed[*]:-none}"
 [ ${#failed[@]} -eq 0 ]
