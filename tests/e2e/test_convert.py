@@ -182,19 +182,7 @@ def test_nvfp4_gate_up_share_global_scale_across_shards(tiny, tmp_path):
     (src / "config.json").write_text((tiny["qwen3_moe"] / "config.json").read_text())
     out = tmp_path / "out"
     assert convert(src, out, "--format", "nvfp4-experts") == 0
-    ck = open_checkpoint(out)
-    with TensorReader() as r:
-        pairs = 0
-        for name in ck.tensors:
-            if name.endswith("gate_proj.weight_scale_2"):
-                up = name.replace("gate_proj", "up_proj")
-                g, u = r.read(ck.tensors[name]), r.read(ck.tensors[up])
-                amax = max(tensors[name.replace("weight_scale_2", "weight")].float().abs().max(),
-                           tensors[up.replace("weight_scale_2", "weight")].float().abs().max())
-                assert torch.equal(g, u) and math.isclose(float(g), float(amax) / 2688, rel_tol=1e-6), name
-                pairs += 1
-    assert pairs == 4 * 4
-    assert verify_checkpoint(out, source=src).ok
+    _assert_gate_up_share_one_scale(out, src, tensors)
 
 
 def test_nvfp4_gate_up_in_one_shard_share_global_scale_without_pre_pass(tiny, tmp_path, monkeypatch):
@@ -220,6 +208,11 @@ def test_nvfp4_gate_up_in_one_shard_share_global_scale_without_pre_pass(tiny, tm
     out = tmp_path / "out"
     assert convert(src, out, "--format", "nvfp4-experts") == 0
     assert pre_pass == []  # every group was consecutive in the one shard
+    _assert_gate_up_share_one_scale(out, src, tensors)
+
+
+def _assert_gate_up_share_one_scale(out: Path, src: Path, tensors: dict) -> None:
+    """Every expert's gate and up carry the same weight_scale_2 = max(amax(gate), amax(up)) / 2688."""
     ck = open_checkpoint(out)
     pairs = 0
     with TensorReader() as r:

@@ -1,7 +1,10 @@
 """Build a Megatron-Core GPT / MoE model for a Hugging Face config and load the HF weights into it.
 
-Supported layouts: ``llama``, ``qwen2``, ``qwen3`` (dense) and ``qwen3_moe``, ``mixtral`` (every layer MoE).
-Qwen2-MoE (sigmoid-gated shared expert) and DeepSeek-V3 (MLA) are refused with ``LayoutError``.
+Supported layouts: ``llama``, ``qwen2``, ``qwen3`` (dense), ``qwen3_moe``, ``mixtral`` (MoE), ``qwen2_moe`` (MoE +
+sigmoid-gated shared expert) and ``deepseek_v3`` (MLA, ``first_k_dense_replace`` dense layers, shared experts,
+sigmoid router with ``e_score_correction_bias``). Dense and MoE layers may mix (per-layer specs; the layout's
+``is_moe_layer`` decides, the same rule transformers uses). What Megatron cannot reproduce exactly is refused with
+``LayoutError`` (see ``transformer_config_kwargs``).
 
 Weight conversion (HF -> Megatron), per tensor-parallel rank:
 
@@ -13,6 +16,19 @@ Weight conversion (HF -> Megatron), per tensor-parallel rank:
 * ``linear_proj`` / ``linear_fc2`` are split along K (columns); embedding and output layer along the vocab.
 * transformers-5 experts ``gate_up_proj [E, 2I, H]`` (gate rows first) and ``down_proj [E, H, I]`` map to
   ``mlp.experts.local_experts.{e}.linear_fc1/fc2`` (SequentialMLP; local index = global - ep_rank * E/ep).
+* shared experts: ``mlp.shared_expert(s).{gate,up,down}_proj`` -> ``mlp.shared_experts.linear_fc1`` ([gate; up],
+  TP-sharded like a dense MLP) / ``linear_fc2``; Qwen2-MoE's ``mlp.shared_expert_gate.weight`` [1, H] ->
+  ``mlp.shared_experts.gate_weight`` (a plain parameter, never quantized).
+* MLA: ``q_a_proj`` -> ``linear_q_down_proj``, ``q_a_layernorm`` -> ``q_layernorm``, ``q_b_proj`` ->
+  ``linear_q_up_proj`` (or ``q_proj`` -> ``linear_q_proj``), ``kv_a_proj_with_mqa`` -> ``linear_kv_down_proj``,
+  ``kv_a_layernorm`` -> ``kv_layernorm``, ``kv_b_proj`` -> ``linear_kv_up_proj``; all column-parallel (rows
+  sharded), ``o_proj`` -> ``linear_proj``. Megatron's MLA de-interleaves the rope dims (``x[0::2] | x[1::2]``)
+  before a half-rotation, which is exactly HF's ``rope_interleave=True``: no weight permutation.
+* router: ``mlp.gate.weight`` -> ``mlp.router.weight``; ``e_score_correction_bias`` -> the ``mlp.router.expert_bias``
+  buffer (fp32).
+
+Every HF tensor is read exactly once and every Megatron parameter (and the expert-bias buffer) is written, or
+``LayoutError`` names the difference (DeepSeek MTP layers ``model.layers.{L+k}`` are not built and are skipped).
 """
 
 from __future__ import annotations
@@ -25,7 +41,8 @@ import torch.nn.functional as F
 
 from miles_lp.errors import LayoutError
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3")
+MLA_TYPES = ("deepseek_v3",)
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -40,26 +57,59 @@ def _rope_theta(cfg: Any) -> float:
 
 
 def _num_experts(cfg: Any) -> int:
-    return int(_get(cfg, "num_experts") or _get(cfg, "num_local_experts") or 0)
+    return int(_get(cfg, "n_routed_experts") or _get(cfg, "num_experts") or _get(cfg, "num_local_experts") or 0)
+
+
+def _layout(cfg: Any):
+    from miles_lp.policy import get_layout
+
+    return get_layout(cfg)
+
+
+def moe_layer_pattern(hf_config: Any) -> list[int]:
+    """1 for an MoE decoder layer, 0 for a dense one (the layout's rule, which is transformers')."""
+    layout = _layout(hf_config)
+    return [int(layout.is_moe_layer(i)) for i in range(int(_get(hf_config, "num_hidden_layers")))]
+
+
+def _rope_parameters(cfg: Any) -> dict:
+    rp = _get(cfg, "rope_parameters") or _get(cfg, "rope_scaling") or {}
+    return dict(rp) if isinstance(rp, Mapping) else {}
 
 
 def transformer_config_kwargs(hf_config: Any, *, tp: int = 1, ep: int = 1, etp: int | None = None,
                               sequence_parallel: bool = False, params_dtype=torch.float32) -> dict[str, Any]:
-    """``TransformerConfig`` keyword arguments that reproduce the HF model (local, non-TE layers)."""
+    """``TransformerConfig`` (``MLATransformerConfig`` when ``multi_latent_attention``) keyword arguments that
+    reproduce the HF model (local, non-TE layers)."""
     mt = _get(hf_config, "model_type")
     if mt not in SUPPORTED:
         raise LayoutError(f"the Megatron backend builds {', '.join(SUPPORTED)}; got model_type '{mt}' "
                           "(use the embedded backend for it)")
+    act = _get(hf_config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise LayoutError(f"the Megatron backend builds SwiGLU MLPs (hidden_act 'silu'); got '{act}'")
     heads = int(_get(hf_config, "num_attention_heads"))
     hidden = int(_get(hf_config, "hidden_size"))
+    mla = mt in MLA_TYPES
+    attn_bias = bool(_get(hf_config, "attention_bias", False))
+    if attn_bias and mt != "qwen2":
+        raise LayoutError(f"{mt} with attention_bias=True has an o_proj bias (and for MLA q_a/kv_a biases), which "
+                          "Megatron's local spec cannot hold without biasing every linear; use the embedded backend")
+    rp = _rope_parameters(hf_config)
+    rope_type = rp.get("rope_type", rp.get("type", "default")) or "default"
+    if rope_type != "default":
+        raise LayoutError(f"{mt}: rope_type '{rope_type}' is not mapped to Megatron (only default RoPE; "
+                          "DeepSeek YaRN has not been checked against HF's inv_freq / attention_factor math); "
+                          "use the embedded backend")
     kw: dict[str, Any] = dict(
         num_layers=int(_get(hf_config, "num_hidden_layers")), hidden_size=hidden, num_attention_heads=heads,
-        num_query_groups=int(_get(hf_config, "num_key_value_heads") or heads),
-        kv_channels=int(_get(hf_config, "head_dim") or hidden // heads),
+        num_query_groups=heads if mla else int(_get(hf_config, "num_key_value_heads") or heads),
+        kv_channels=int(_get(hf_config, "v_head_dim") if mla else (_get(hf_config, "head_dim") or hidden // heads)),
         ffn_hidden_size=int(_get(hf_config, "intermediate_size")),
         normalization="RMSNorm", layernorm_epsilon=float(_get(hf_config, "rms_norm_eps", 1e-6)),
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        add_qkv_bias=bool(mt == "qwen2" or _get(hf_config, "attention_bias", False)),
+        add_qkv_bias=bool(mt == "qwen2" or attn_bias
+                          or (mt == "qwen2_moe" and _get(hf_config, "qkv_bias", True) is not False)),
         qk_layernorm=mt in ("qwen3", "qwen3_moe"),
         hidden_dropout=0.0, attention_dropout=0.0,
         params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
@@ -69,24 +119,58 @@ def transformer_config_kwargs(hf_config: Any, *, tp: int = 1, ep: int = 1, etp: 
         tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
         expert_model_parallel_size=ep,
     )
+    if mla:
+        if _get(hf_config, "rope_interleave", True) is False:
+            raise LayoutError("deepseek_v3 with rope_interleave=False: Megatron's MLA always de-interleaves the rope "
+                              "dims (HF's rope_interleave=True math); use the embedded backend")
+        if float(kw["layernorm_epsilon"]) != 1e-6:
+            raise LayoutError("deepseek_v3: HF's q_a_layernorm / kv_a_layernorm use eps 1e-6 whatever rms_norm_eps "
+                              f"says ({kw['layernorm_epsilon']}); Megatron's MLA norms use rms_norm_eps")
+        qlr = _get(hf_config, "q_lora_rank")
+        kw.update(multi_latent_attention=True, q_lora_rank=int(qlr) if qlr else None,
+                  kv_lora_rank=int(_get(hf_config, "kv_lora_rank")),
+                  qk_head_dim=int(_get(hf_config, "qk_nope_head_dim")),
+                  qk_pos_emb_head_dim=int(_get(hf_config, "qk_rope_head_dim")),
+                  v_head_dim=int(_get(hf_config, "v_head_dim")), rope_type="rope",
+                  rotary_base=_rope_theta(hf_config), rotary_percent=1.0, rotary_scaling_factor=1.0,
+                  mscale=1.0, mscale_all_dim=0.0, rotary_interleaved=False)
     if etp is not None:
         kw["expert_tensor_parallel_size"] = etp
     n_exp = _num_experts(hf_config)
     if n_exp:
-        if mt == "qwen3_moe":
-            step = int(_get(hf_config, "decoder_sparse_step", 1) or 1)
-            dense = list(_get(hf_config, "mlp_only_layers", []) or [])
-            if step != 1 or dense:
-                raise LayoutError("the Megatron backend builds MoE models whose every layer is MoE "
-                                  f"(decoder_sparse_step=1, mlp_only_layers=[]); got {step}, {dense}")
+        pattern = moe_layer_pattern(hf_config)
+        if not any(pattern):
+            raise LayoutError(f"{mt}: num_experts={n_exp} but no layer is MoE; nothing to build")
         moe_i = _get(hf_config, "moe_intermediate_size") or _get(hf_config, "intermediate_size")
-        kw.update(num_moe_experts=n_exp, moe_router_topk=int(_get(hf_config, "num_experts_per_tok")),
+        topk = int(_get(hf_config, "num_experts_per_tok"))
+        kw.update(num_moe_experts=n_exp, moe_router_topk=topk, moe_layer_freq=pattern,
                   moe_ffn_hidden_size=int(moe_i), moe_grouped_gemm=False,
                   moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
-                  moe_aux_loss_coeff=0.0, moe_router_score_function="softmax",
-                  moe_router_dtype="fp32",
-                  # norm_topk_prob: softmax over the top-k logits == renormalized top-k of the full softmax
-                  moe_router_pre_softmax=not bool(_get(hf_config, "norm_topk_prob", True) or mt == "mixtral"))
+                  moe_aux_loss_coeff=0.0, moe_router_dtype="fp32")
+        if mt == "deepseek_v3":
+            scoring = _get(hf_config, "scoring_func", "sigmoid") or "sigmoid"
+            if scoring != "sigmoid":
+                raise LayoutError(f"deepseek_v3 scoring_func '{scoring}': only sigmoid is mapped")
+            if topk > 1 and not _get(hf_config, "norm_topk_prob", True):
+                raise LayoutError("deepseek_v3 with norm_topk_prob=False: Megatron's sigmoid router always "
+                                  "renormalizes the top-k probabilities (topk > 1)")
+            n_group, topk_group = int(_get(hf_config, "n_group") or 1), int(_get(hf_config, "topk_group") or 1)
+            if n_group > 1 and topk // topk_group != 2:
+                raise LayoutError(f"deepseek_v3 group-limited routing scores a group by its top-2 experts (HF); "
+                                  f"Megatron by its top-(topk/topk_group) = {topk // topk_group}: they differ")
+            kw.update(moe_router_score_function="sigmoid", moe_router_pre_softmax=False,
+                      moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0,
+                      moe_router_topk_scaling_factor=float(_get(hf_config, "routed_scaling_factor", 1.0) or 1.0),
+                      moe_shared_expert_intermediate_size=int(moe_i) * int(_get(hf_config, "n_shared_experts") or 1))
+            if n_group > 1:
+                kw.update(moe_router_num_groups=n_group, moe_router_group_topk=topk_group)
+        else:
+            # norm_topk_prob: softmax over the top-k logits == renormalized top-k of the full softmax
+            kw.update(moe_router_score_function="softmax",
+                      moe_router_pre_softmax=not bool(_get(hf_config, "norm_topk_prob", True) or mt == "mixtral"))
+            if mt == "qwen2_moe":
+                kw.update(moe_shared_expert_intermediate_size=int(_get(hf_config, "shared_expert_intermediate_size")),
+                          moe_shared_expert_gate=True)
     return kw
 
 
