@@ -4,12 +4,19 @@
 One GPU:   python scripts/h200_train_check.py
 Two GPUs:  torchrun --nproc-per-node 2 scripts/h200_train_check.py --tp 2
 
-Per model (tiny qwen3 dense, tiny qwen3_moe; random weights built in memory from miles_lp.checkpoint.tiny):
+All four:  python scripts/h200_train_check.py --archs qwen3,qwen3_moe,qwen2_moe,deepseek_v3
+
+Per model (tiny qwen3 dense, qwen3_moe, qwen2_moe (shared expert + gate), deepseek_v3 (MLA, dense first layer,
+sigmoid router with bias); random weights built in memory from miles_lp.checkpoint.tiny, router weights, norms
+and the DeepSeek router bias perturbed so that routing differs per token):
 1. conversion check: Megatron with BF16 layers vs the HF model, fp32, same tokens: max |logits diff|;
-2. per case (MXFP8 everything x 3 backward modes; NVFP4 routed experts x 2 backward modes): build, load the
-   HF weights, attach the plan, loss before, backward, grads finite, AdamW step, loss after on the same batch;
-   at tp=1 also check that learner_weights() bytes equal quantize_* of the updated master weights.
-Lines starting with ``RAN`` summarize each case; the exit code is 1 if any case failed.
+2. per case (MXFP8 everything x 3 backward modes; NVFP4 routed + shared experts x 2 backward modes): build, load
+   the HF weights, attach the plan, loss before, backward, grads finite, AdamW step, loss after on the same batch;
+   at tp=1 also check that learner_weights() bytes equal quantize_* of the updated master weights (o_proj
+   MXFP8; a routed expert's and the shared experts' gate/up NVFP4 pair, one global scale).
+Each line starts with ``RAN`` (ran; ends OK or FAIL), ``FAILED`` (raised; traceback follows) or ``NOT RUN``
+(skipped, with the reason). One architecture failing does not stop the others; the exit code is 1 if any
+case failed.
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ def policy_for(case: str, backward: str):
     if case == "mxfp8":
         raw = {"default": "mxfp8", "backward": backward}
     else:
-        raw = {"default": "bf16", "backward": backward, "rules": [{"role": "routed_experts", "format": "nvfp4"}]}
+        raw = {"default": "bf16", "backward": backward, "rules": [{"role": "routed_experts", "format": "nvfp4"},
+                                                                  {"role": "shared_experts", "format": "nvfp4"}]}
     return parse_policy(raw, Where("<h200_train_check>", "precision"))
 
 
@@ -59,7 +67,7 @@ def lm_loss(model, ids, pos) -> torch.Tensor:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=int(os.environ.get("WORLD_SIZE", "1")))
-    ap.add_argument("--archs", default="qwen3,qwen3_moe")
+    ap.add_argument("--archs", default="qwen3,qwen3_moe,qwen2_moe,deepseek_v3")
     ap.add_argument("--sequence-parallel", action="store_true", help="with --tp > 1 (needs a TE or Apex norm)")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=2)
@@ -87,7 +95,7 @@ def main() -> int:
     from miles_lp.checkpoint.tiny import tiny_config
     from miles_lp.policy import compile_plan, get_layout
     from miles_lp.train.megatron.layers import attach_plan, learner_weights
-    from miles_lp.train.megatron.model import build_gpt_model, load_hf_weights
+    from miles_lp.train.megatron.model import _num_experts, build_gpt_model, load_hf_weights
     from miles_lp.train.quant_linear import invalidate_grids
 
     log(f"h200_train_check: torch {torch.__version__}, megatron-core {megatron.core.__version__}, "
@@ -96,17 +104,32 @@ def main() -> int:
     failures = 0
     dev = torch.device("cuda")
     for arch in args.archs.split(","):
-        cfg = tiny_config(arch, num_layers=2)
-        if args.tp > 1 and getattr(cfg, "num_experts", 0) and not args.sequence_parallel:
-            # megatron-core 0.16.1 raises in a training forward of MoE + TP without sequence parallelism, and
-            # its non-TE norm (WrappedTorchNorm) refuses sequence parallelism: no local-spec combination runs.
-            log(f"NOT RUN model={arch} tp={args.tp}: MoE with tensor parallelism needs sequence parallelism, "
-                "which Megatron's non-TE norm refuses (pass --sequence-parallel where TE or Apex is installed)")
+        try:
+            cfg = tiny_config(arch, num_layers=3 if arch == "deepseek_v3" else 2)
+            n_exp = _num_experts(cfg)
+            if args.tp > 1 and n_exp and not args.sequence_parallel:
+                # megatron-core 0.16.1 raises in a training forward of MoE + TP without sequence parallelism, and
+                # its non-TE norm (WrappedTorchNorm) refuses sequence parallelism: no local-spec combination runs.
+                log(f"NOT RUN model={arch} tp={args.tp}: MoE with tensor parallelism needs sequence parallelism, "
+                    "which Megatron's non-TE norm refuses (pass --sequence-parallel where TE or Apex is installed)")
+                continue
+            torch.manual_seed(0)
+            hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+            with torch.no_grad():  # per-token routing, non-trivial norms and router bias
+                for k, v in hf.state_dict().items():
+                    if "e_score_correction_bias" in k:
+                        v.copy_(torch.randn_like(v) * 0.1)
+                    elif k.endswith("mlp.gate.weight"):
+                        v.copy_(torch.randn_like(v))
+                    elif k.endswith("norm.weight"):
+                        v.copy_(1 + 0.1 * torch.randn_like(v))
+            hf_state = hf.state_dict()
+            layout = get_layout(cfg)
+            moe_layer = next((i for i in range(cfg.num_hidden_layers) if layout.is_moe_layer(i)), None)
+        except Exception:
+            failures += 1
+            log(f"FAILED model={arch}: could not build the HF model / layout\n{traceback.format_exc()}")
             continue
-        torch.manual_seed(0)
-        hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        hf_state = hf.state_dict()
-        layout = get_layout(cfg)
         g = torch.Generator().manual_seed(1)
         ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g).to(dev)
         pos = torch.arange(args.seq, device=dev)[None].expand(args.batch, -1)
@@ -134,11 +157,12 @@ def main() -> int:
             del meg
         except Exception:
             failures += 1
-            log(f"RAN conversion model={arch} tp={args.tp} FAILED\n{traceback.format_exc()}")
+            log(f"FAILED conversion model={arch} tp={args.tp}\n{traceback.format_exc()}")
 
         # 2. quantized cases, bf16 params (bf16 GEMMs on the dequantized operands)
         for case, backward in CASES:
-            if case == "nvfp4-experts" and not getattr(cfg, "num_experts", 0):
+            if case == "nvfp4-experts" and not n_exp:
+                log(f"NOT RUN model={arch} format={case} backward={backward}: dense model, no experts")
                 continue
             try:
                 plan = compile_plan(policy_for(case, backward), layout)
@@ -168,16 +192,26 @@ def main() -> int:
                         got = lw["model.layers.0.self_attn.o_proj.weight"]
                         checks.append(torch.equal(got.data.view(torch.uint8), ref.data.view(torch.uint8))
                                       and torch.equal(got.scale, ref.scale))
-                    e_name = "model.layers.0.mlp.experts.1.gate_proj.weight"
-                    if case == "nvfp4-experts" and e_name in lw:
-                        fc1 = params["decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"].detach()
+                    pairs = []
+                    if case == "nvfp4-experts" and moe_layer is not None:
+                        ml_, sh = moe_layer, layout.spec.shared
+                        pairs.append((f"decoder.layers.{ml_}.mlp.experts.local_experts.1.linear_fc1.weight",
+                                      f"model.layers.{ml_}.mlp.experts.1."))
+                        if sh:
+                            pairs.append((f"decoder.layers.{ml_}.mlp.shared_experts.linear_fc1.weight",
+                                          f"model.layers.{ml_}.mlp.{sh}."))
+                    for meg_name, pre in pairs:
+                        if pre + "gate_proj.weight" not in lw:
+                            checks.append(False)
+                            continue
+                        fc1 = params[meg_name].detach()
                         half = fc1.shape[0] // 2
                         rg, ru = formats.quantize_nvfp4_pair(fc1[:half], fc1[half:])
-                        got_g = lw[e_name]
-                        got_u = lw["model.layers.0.mlp.experts.1.up_proj.weight"]
+                        got_g, got_u = lw[pre + "gate_proj.weight"], lw[pre + "up_proj.weight"]
                         checks.append(torch.equal(got_g.data, rg.data) and torch.equal(got_u.data, ru.data)
                                       and torch.equal(got_g.scale.view(torch.uint8), rg.scale.view(torch.uint8))
-                                      and torch.equal(got_g.global_scale, rg.global_scale))
+                                      and torch.equal(got_g.global_scale, rg.global_scale)
+                                      and torch.equal(got_u.global_scale, got_g.global_scale))
                     bytes_ok = str(all(checks) and bool(checks))
                 ok = finite and math.isfinite(float(loss1)) and float(loss1) < float(loss0) and bytes_ok != "False"
                 failures += not ok
@@ -188,7 +222,7 @@ def main() -> int:
                 del meg, opt
             except Exception:
                 failures += 1
-                log(f"RAN model={arch} tp={args.tp} format={case} backward={backward} FAILED\n"
+                log(f"FAILED model={arch} tp={args.tp} format={case} backward={backward}\n"
                     f"{traceback.format_exc()}")
     log(f"h200_train_check: {failures} failure(s)")
     dist.destroy_process_group()

@@ -70,8 +70,30 @@ def test_transformer_config_kwargs_and_refusals():
     assert kw["num_moe_experts"] == 4 and kw["moe_router_topk"] == 2 and kw["moe_ffn_hidden_size"] == 64
     assert kw["moe_router_pre_softmax"] is True  # tiny qwen3_moe: norm_topk_prob False
     assert transformer_config_kwargs(tiny_config("mixtral"))["moe_router_pre_softmax"] is False
-    with pytest.raises(LayoutError, match="deepseek_v3.*embedded backend"):
-        transformer_config_kwargs(tiny_config("deepseek_v3"))
+    q2 = transformer_config_kwargs(tiny_config("qwen2_moe"))
+    assert q2["add_qkv_bias"] and q2["moe_shared_expert_intermediate_size"] == 64 and q2["moe_shared_expert_gate"]
+    assert q2["moe_layer_freq"] == [1, 1, 1, 1] and not q2["qk_layernorm"]
+    ds_cfg = tiny_config("deepseek_v3")
+    ds = transformer_config_kwargs(ds_cfg)
+    assert ds["multi_latent_attention"] and ds["moe_layer_freq"] == [0, 1, 1, 1]  # first_k_dense_replace=1
+    assert (ds["q_lora_rank"], ds["kv_lora_rank"], ds["qk_head_dim"], ds["qk_pos_emb_head_dim"], ds["v_head_dim"]) \
+        == (64, 64, 32, 32, 32)
+    assert ds["moe_router_score_function"] == "sigmoid" and ds["moe_router_enable_expert_bias"]
+    assert ds["moe_shared_expert_intermediate_size"] == 64 and "moe_router_num_groups" not in ds  # n_group=1
+    ds_cfg.rope_interleave = False
+    with pytest.raises(LayoutError, match="rope_interleave=False"):
+        transformer_config_kwargs(ds_cfg)
+    ds_cfg = tiny_config("deepseek_v3")
+    ds_cfg.rope_parameters = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                              "original_max_position_embeddings": 64}
+    with pytest.raises(LayoutError, match="rope_type 'yarn' is not mapped"):
+        transformer_config_kwargs(ds_cfg)
+    ds_cfg = tiny_config("deepseek_v3")
+    ds_cfg.n_group, ds_cfg.topk_group, ds_cfg.num_experts_per_tok = 2, 2, 2
+    with pytest.raises(LayoutError, match="top-2 experts"):
+        transformer_config_kwargs(ds_cfg)
+    with pytest.raises(LayoutError, match="model_type 'gpt2'.*embedded backend"):
+        transformer_config_kwargs({"model_type": "gpt2"})
 
 
 def test_qkv_and_weights_through_megatrons_own_splitter(moe):
@@ -217,3 +239,188 @@ def test_te_quantizer_unavailable_here_says_why():
         pytest.skip("TE on Blackwell is available here")
     with pytest.raises(BackendUnavailable, match="TE quantizer unavailable: " + reason.split("(")[0][:30]):
         te_quantize_mxfp8(torch.zeros(32, 32))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Qwen2-MoE (shared expert + sigmoid gate) and DeepSeek-V3 (MLA, dense first layer, sigmoid router + bias)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cpu_forward():
+    """Megatron's forward on a CPU-only torch: three CUDA-only call sites redirected, for this module only.
+
+    ``RotaryEmbedding`` / the router's ``expert_bias`` buffer use ``torch.cuda.current_device()``, and
+    ``DotProductAttention`` forks the CUDA RNG tracker (dropout is 0 here). A causal mask is passed explicitly
+    (the default one is allocated on "cuda").
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    import contextlib
+
+    import megatron.core.tensor_parallel as tp
+
+    class _NoFork:
+        def fork(self, *a, **k):
+            return contextlib.nullcontext()
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(torch.cuda, "current_device", lambda: "cpu")
+        m.setattr(tp, "get_cuda_rng_tracker", lambda *a, **k: _NoFork())
+        yield
+
+
+def _hf_model(arch, num_layers=3, **overrides):
+    import transformers
+
+    from miles_lp.checkpoint.tiny import tiny_config
+
+    cfg = tiny_config(arch, num_layers=num_layers)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # non-trivial norms and router bias, so a swapped tensor shows in the logits
+        for k, v in hf.state_dict().items():
+            if "e_score_correction_bias" in k:
+                v.copy_(torch.randn_like(v) * 0.1)
+            elif k.endswith("mlp.gate.weight"):  # routing that differs from token to token
+                v.copy_(torch.randn_like(v))
+            elif k.endswith("norm.weight") or k.endswith("layernorm.weight"):
+                v.copy_(1 + 0.1 * torch.randn_like(v))
+    return cfg, hf
+
+
+def _megatron_logits(meg, ids):
+    s = ids.shape[1]
+    pos = torch.arange(s)[None].expand(ids.shape[0], -1)
+    mask = torch.triu(torch.ones(s, s), 1).bool()[None, None]
+    return meg(ids, pos, attention_mask=mask)
+
+
+NEW_ARCHS = [("qwen2_moe", {}), ("deepseek_v3", {}),
+             ("deepseek_v3", {"routed_scaling_factor": 2.5, "n_group": 2, "topk_group": 1, "q_lora_rank": None})]
+
+
+@pytest.mark.parametrize("arch,overrides", NEW_ARCHS, ids=["qwen2_moe", "deepseek_v3", "deepseek_v3-groups-noqlora"])
+def test_new_arch_name_coverage_and_fp32_logits_equal_hf(mp, cpu_forward, arch, overrides):
+    """Every HF tensor read once, every Megatron parameter (+ expert_bias) written, and the fp32 logits of the
+    quantized-class model with no plan attached equal HF's (same math as on the GPU, CPU kernels)."""
+    from miles_lp.train.megatron.model import (
+        build_gpt_model,
+        hf_to_megatron,
+        load_hf_weights,
+        megatron_targets,
+    )
+
+    cfg, hf = _hf_model(arch, **overrides)
+    meg = build_gpt_model(cfg, quantized=True)
+    sd = hf.state_dict()
+    state = hf_to_megatron(sd, cfg)
+    targets = megatron_targets(meg)
+    assert set(state) == set(targets)
+    assert {k: tuple(v.shape) for k, v in state.items()} == {k: tuple(v.shape) for k, v in targets.items()}
+    if arch == "deepseek_v3":
+        assert "decoder.layers.0.mlp.linear_fc1.weight" in state  # first_k_dense_replace
+        assert "decoder.layers.1.mlp.router.expert_bias" in state
+        assert "decoder.layers.1.mlp.shared_experts.linear_fc1.weight" in state
+        from miles_lp.train.megatron.layers import QuantColumnParallelLinear
+
+        down = meg.decoder.layers[0].self_attention.linear_kv_down_proj
+        assert isinstance(down, QuantColumnParallelLinear)
+    else:
+        assert tuple(state["decoder.layers.0.mlp.shared_experts.gate_weight"].shape) == (1, cfg.hidden_size)
+    with pytest.raises(LayoutError, match="not consumed.*model.layers.0.extra"):
+        hf_to_megatron({**sd, "model.layers.0.extra.weight": torch.zeros(1)}, cfg)
+    with pytest.raises(LayoutError, match="has no 'model.layers.1.mlp.gate.weight'"):
+        hf_to_megatron({k: v for k, v in sd.items() if k != "model.layers.1.mlp.gate.weight"}, cfg)
+    load_hf_weights(meg, sd, cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ml = _megatron_logits(meg, ids)
+        hl = hf(input_ids=ids).logits
+    assert float((ml - hl).abs().max()) < 2e-6 * max(1.0, float(hl.abs().max()))
+    if arch == "deepseek_v3":  # sensitivity: a different router bias changes the routing, hence the logits
+        with torch.no_grad():
+            meg.decoder.layers[1].mlp.router.expert_bias.add_(torch.tensor([5.0, 0.0, 0.0, 0.0]))
+            assert float((_megatron_logits(meg, ids) - hl).abs().max()) > 1e-4
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3"])
+def test_new_arch_attach_plan_and_learner_weights_bytes(mp, cpu_forward, arch):
+    from miles_lp import formats
+    from miles_lp.train.megatron.layers import attach_plan, learner_weights
+    from miles_lp.train.megatron.model import build_gpt_model, load_hf_weights
+
+    cfg, hf = _hf_model(arch)
+    meg = build_gpt_model(cfg, quantized=True)
+    sd = hf.state_dict()
+    load_hf_weights(meg, sd, cfg)
+    layout = get_layout(cfg)
+    plan = compile_plan(_policy({"default": "mxfp8", "rules": [
+        {"role": "routed_experts", "format": "nvfp4"}, {"role": "shared_experts", "format": "nvfp4"}]}), layout)
+    report = attach_plan(meg, plan, layout)
+    assert report["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"] == "nvfp4/dequantized"
+    assert report["decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight"] == "nvfp4/dequantized"
+    lw = dict(learner_weights(meg))
+    assert set(lw) == set(plan.quantized())
+    sh = "shared_expert" if arch == "qwen2_moe" else "shared_experts"
+    assert not any("shared_expert_gate" in n or n.endswith(".gate.weight") for n in lw)  # BF16 by invariant
+    for name, q in lw.items():  # every exported tensor: the bytes of quantize_* of the HF weight under the plan
+        fmt = plan.entries[name].format.value
+        if fmt == "mxfp8":
+            ref = formats.quantize_mxfp8(sd[name])
+            assert torch.equal(q.data.view(torch.uint8), ref.data.view(torch.uint8)), name
+            assert torch.equal(q.scale, ref.scale), name
+    # NVFP4 gate/up pairs share one global scale: shared experts and a routed expert
+    pre = f"model.layers.1.mlp.{sh}."
+    rg, ru = formats.quantize_nvfp4_pair(sd[pre + "gate_proj.weight"], sd[pre + "up_proj.weight"])
+    got_g, got_u = lw[pre + "gate_proj.weight"], lw[pre + "up_proj.weight"]
+    assert torch.equal(got_g.data, rg.data) and torch.equal(got_u.data, ru.data)
+    assert torch.equal(got_g.scale.view(torch.uint8), rg.scale.view(torch.uint8))
+    assert torch.equal(got_g.global_scale, rg.global_scale) and torch.equal(got_u.global_scale, got_g.global_scale)
+    down = lw[pre + "down_proj.weight"]
+    ref_d = formats.quantize_nvfp4(sd[pre + "down_proj.weight"])
+    assert torch.equal(down.data, ref_d.data) and torch.equal(down.global_scale, ref_d.global_scale)
+    gu = sd["model.layers.2.mlp.experts.gate_up_proj"][3]
+    eg, eu = formats.quantize_nvfp4_pair(gu[:64], gu[64:])
+    assert torch.equal(lw["model.layers.2.mlp.experts.3.gate_proj.weight"].data, eg.data)
+    assert torch.equal(lw["model.layers.2.mlp.experts.3.up_proj.weight"].global_scale, eu.global_scale)
+    if arch == "deepseek_v3":
+        for n in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+            name = f"model.layers.0.self_attn.{n}.weight"
+            if name in plan.quantized():
+                assert name in lw
+        assert "model.layers.0.mlp.gate_proj.weight" in lw  # the dense first layer
+
+
+def test_qwen_moe_mlp_only_layers_mix_dense_and_moe(mp, cpu_forward):
+    from miles_lp.train.megatron.model import build_gpt_model, load_hf_weights
+
+    cfg, hf = _hf_model("qwen2_moe", num_layers=3, mlp_only_layers=[1])
+    meg = build_gpt_model(cfg, quantized=False)
+    load_hf_weights(meg, hf.state_dict(), cfg)
+    assert hasattr(meg.decoder.layers[1].mlp, "linear_fc1") and hasattr(meg.decoder.layers[0].mlp, "router")
+    ids = torch.randint(0, cfg.vocab_size, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        diff = float((_megatron_logits(meg, ids) - hf(input_ids=ids).logits).abs().max())
+    assert diff < 2e-6
+
+
+def test_expert_with_no_tokens_runs_empty(moe):
+    """SequentialMLP calls every local expert, also one the router gave no token: no quantization, empty output."""
+    from miles_lp.formats.spec import BackwardMode, Format
+    from miles_lp.train.quant_linear import LinearRecipe
+
+    _, _, meg = moe
+    fc1 = meg.decoder.layers[0].mlp.experts.local_experts[1].linear_fc1
+    saved = (fc1.recipe, fc1.members, fc1.grid)
+    fc1.set_recipe(LinearRecipe(Format.NVFP4, BackwardMode.DEQUANTIZED, "token", name="fc1"), ("x",))
+    x = torch.zeros(0, 64, requires_grad=True)
+    y, _ = fc1(x)
+    assert tuple(y.shape) == (0, fc1.weight.shape[0])
+    y.sum().backward()
+    assert fc1.weight.grad is not None and not fc1.weight.grad.any()
+    fc1.weight.grad = None
+    fc1.recipe, fc1.members, fc1.grid = saved

@@ -16,6 +16,7 @@ tensor-parallel group, so the global scale equals the unsharded tensor's (gate a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -74,6 +76,10 @@ class _QuantParallelMixin:
             input = gather_from_sequence_parallel_region(input, group=tp_group)  # AG fwd, RS bwd
         elif allreduce_dgrad:
             input = copy_to_tensor_model_parallel_region(input, group=tp_group)  # identity fwd, AR bwd
+        if input.numel() == 0:
+            # an expert that the router gave no token (SequentialMLP still calls it): nothing to quantize, an
+            # empty output, a zero weight gradient
+            return torch.nn.functional.linear(input, weight.to(input.dtype), bias)
         return quantized_linear(input, weight, self.recipe, bias, grid=self.grid)
 
     def invalidate_grids(self) -> None:
@@ -121,15 +127,36 @@ class TorchGatingTopKRouter(TopKRouter):
         return torch.nn.functional.linear(input.to(dtype), self.weight.to(device=input.device, dtype=dtype), bias)
 
 
+class MLADotProductAttention(DotProductAttention):
+    """Megatron's local ``DotProductAttention`` for MLA: accepts (and checks) ``k_channels`` / ``v_channels``.
+
+    Why: megatron-core 0.16.1's ``MLASelfAttention`` builds its core attention with ``k_channels=q_head_dim,
+    v_channels=v_head_dim``, which only TE's attention accepts; the local class raises ``TypeError``. Its forward
+    already handles a key head dim different from the value's (the scores GEMM infers it, the context is
+    ``kv_channels * heads`` wide), so only the constructor differs: ``kv_channels`` must equal ``v_head_dim``.
+    """
+
+    def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if v_channels is not None and v_channels != self.hidden_size_per_attention_head:
+            raise ConfigError(f"MLA core attention: v_channels {v_channels} != kv_channels "
+                              f"{self.hidden_size_per_attention_head}; build the config with kv_channels=v_head_dim")
+
+
 _SWAP_QUANT = {ColumnParallelLinear: QuantColumnParallelLinear, RowParallelLinear: QuantRowParallelLinear}
 _SWAP_ALWAYS = {TopKRouter: TorchGatingTopKRouter}
+# MLASelfAttention accepts only the exact classes (``submodules.linear_q_down_proj in [Linear, TEColumnParallelLinear,
+# ColumnParallelLinear]``) for its down projections: the spec keeps ColumnParallelLinear there and
+# ``quantize_mla_down_projections`` gives the built modules the quantized class.
+_KEEP_IN_SPEC = {"linear_q_down_proj", "linear_kv_down_proj"}
 
 
 def quant_layer_spec(spec: Any, quantized: bool = True) -> Any:
     """A copy of a Megatron layer spec with miles-lp's classes substituted.
 
-    ``quantized``: local parallel linears -> their quantized subclasses. Always: ``TopKRouter`` ->
-    ``TorchGatingTopKRouter`` (see its docstring).
+    ``quantized``: local parallel linears -> their quantized subclasses (MLA's down projections excepted, see
+    ``quantize_mla_down_projections``). Always: ``TopKRouter`` -> ``TorchGatingTopKRouter``, and in MLA specs
+    ``DotProductAttention`` -> ``MLADotProductAttention`` (see their docstrings).
     """
     if isinstance(spec, type):
         spec = _SWAP_ALWAYS.get(spec, spec)
@@ -140,11 +167,51 @@ def quant_layer_spec(spec: Any, quantized: bool = True) -> Any:
         new.submodules = quant_layer_spec(spec.submodules, quantized)
         return new
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        return dataclasses.replace(spec, **{f.name: quant_layer_spec(getattr(spec, f.name), quantized)
-                                            for f in dataclasses.fields(spec) if f.init})
+        mla = type(spec).__name__ == "MLASelfAttentionSubmodules"
+        keep = _KEEP_IN_SPEC if mla else set()
+        new = dataclasses.replace(spec, **{f.name: quant_layer_spec(getattr(spec, f.name), quantized)
+                                           for f in dataclasses.fields(spec) if f.init and f.name not in keep})
+        if mla and new.core_attention is DotProductAttention:
+            new = dataclasses.replace(new, core_attention=MLADotProductAttention)
+        return new
     if isinstance(spec, list | tuple):
         return type(spec)(quant_layer_spec(s, quantized) for s in spec)
     return spec
+
+
+@contextlib.contextmanager
+def mla_without_te() -> Iterator[None]:
+    """Let megatron-core 0.16.1 build ``MLASelfAttention`` where Transformer Engine is not installed.
+
+    Why: without TE, ``megatron.core.extensions.transformer_engine`` still imports (``te = MagicMock()``), so
+    ``multi_latent_attention`` sets ``HAVE_TE = True`` and ``TELinear`` is a mock; ``MultiLatentAttention.__init__``
+    then evaluates ``isinstance(self.linear_proj, TELinear)`` and raises ``TypeError``. Only while the model is
+    built, and only when ``TELinear`` is not a class, the module's ``HAVE_TE`` is set to its true value (False);
+    construction reads it at that one place, forward does not read it.
+    """
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    if isinstance(getattr(mla, "TELinear", None), type) or not getattr(mla, "HAVE_TE", False):
+        yield
+        return
+    saved = mla.HAVE_TE
+    mla.HAVE_TE = False
+    try:
+        yield
+    finally:
+        mla.HAVE_TE = saved
+
+
+def quantize_mla_down_projections(model: torch.nn.Module) -> int:
+    """Give MLA's ``linear_q_down_proj`` / ``linear_kv_down_proj`` (built as plain ``ColumnParallelLinear``, see
+    ``_KEEP_IN_SPEC``) the quantized class. The subclass adds methods and class attributes only (no ``__init__``
+    state), so switching the instance's class is exact. Returns the number of modules switched."""
+    n = 0
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in _KEEP_IN_SPEC and type(module) is ColumnParallelLinear:
+            module.__class__ = QuantColumnParallelLinear
+            n += 1
+    return n
 
 
 def _global_expert_name(name: str, module: Any) -> str:

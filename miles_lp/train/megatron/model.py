@@ -33,6 +33,7 @@ Every HF tensor is read exactly once and every Megatron parameter (and the exper
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -159,7 +160,7 @@ def transformer_config_kwargs(hf_config: Any, *, tp: int = 1, ep: int = 1, etp: 
                 raise LayoutError(f"deepseek_v3 group-limited routing scores a group by its top-2 experts (HF); "
                                   f"Megatron by its top-(topk/topk_group) = {topk // topk_group}: they differ")
             kw.update(moe_router_score_function="sigmoid", moe_router_pre_softmax=False,
-                      moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.0,
+                      moe_router_enable_expert_bias=True,
                       moe_router_topk_scaling_factor=float(_get(hf_config, "routed_scaling_factor", 1.0) or 1.0),
                       moe_shared_expert_intermediate_size=int(moe_i) * int(_get(hf_config, "n_shared_experts") or 1))
             if n_group > 1:
@@ -178,25 +179,51 @@ def build_gpt_model(hf_config: Any, *, quantized: bool = True, tp: int = 1, ep: 
                     sequence_parallel: bool = False, params_dtype=torch.float32, device=None):
     """A Megatron ``GPTModel`` with the local layer spec (``quantized``: miles-lp's parallel linears).
 
-    Model-parallel state must be initialized (``parallel_state.initialize_model_parallel``) first.
+    Model-parallel state must be initialized (``parallel_state.initialize_model_parallel``) first. Models whose
+    dense and MoE layers mix (DeepSeek ``first_k_dense_replace``, Qwen ``mlp_only_layers``) get one layer spec per
+    layer.
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from miles_lp.train.megatron.layers import quant_layer_spec
+    from miles_lp.train.megatron.layers import mla_without_te, quant_layer_spec, quantize_mla_down_projections
 
     kw = transformer_config_kwargs(hf_config, tp=tp, ep=ep, etp=etp, sequence_parallel=sequence_parallel,
                                    params_dtype=params_dtype)
-    config = TransformerConfig(**kw)
+    mla = bool(kw.get("multi_latent_attention"))
+    if mla:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        config = MLATransformerConfig(**kw)
+    else:
+        config = TransformerConfig(**kw)
     n_exp = kw.get("num_moe_experts")
-    spec = get_gpt_layer_local_spec(num_experts=n_exp, moe_grouped_gemm=False, qk_layernorm=kw["qk_layernorm"],
-                                    normalization="RMSNorm")
-    spec = quant_layer_spec(spec, quantized=quantized)
-    model = GPTModel(config, spec, vocab_size=int(_get(hf_config, "vocab_size")),
-                     max_sequence_length=int(_get(hf_config, "max_position_embeddings")),
-                     position_embedding_type="rope", rotary_base=_rope_theta(hf_config),
-                     share_embeddings_and_output_weights=bool(_get(hf_config, "tie_word_embeddings", False)))
+    # MLA: the q_a / kv_a latent norms are the spec's q_layernorm / kv_layernorm (built when qk_layernorm)
+    qk_norm = bool(kw["qk_layernorm"] or mla)
+
+    def layer_spec(experts):
+        spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=qk_norm,
+                                        multi_latent_attention=mla, normalization="RMSNorm")
+        return quant_layer_spec(spec, quantized=quantized)
+
+    pattern = kw.get("moe_layer_freq")
+    if not n_exp or all(pattern):
+        spec = layer_spec(n_exp)
+    else:
+        from megatron.core.transformer.transformer_block import LayerNormImpl
+
+        dense, moe = layer_spec(None), layer_spec(n_exp)
+        spec = TransformerBlockSubmodules(layer_specs=[moe if m else dense for m in pattern],
+                                          layer_norm=LayerNormImpl)
+    with mla_without_te() if mla else contextlib.nullcontext():
+        model = GPTModel(config, spec, vocab_size=int(_get(hf_config, "vocab_size")),
+                         max_sequence_length=int(_get(hf_config, "max_position_embeddings")),
+                         position_embedding_type="rope", rotary_base=_rope_theta(hf_config),
+                         share_embeddings_and_output_weights=bool(_get(hf_config, "tie_word_embeddings", False)))
+    if quantized and mla:
+        quantize_mla_down_projections(model)
     if device is not None:
         model = model.to(device)
     return model
@@ -227,57 +254,135 @@ def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_
     return _shard(fused, 0, tp_rank, tp_size).reshape(-1, *rest)
 
 
+class _Reads(Mapping):
+    """A read-counting view of the HF state dict (every tensor must be read exactly once)."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor]):
+        self._state = state
+        self.reads: dict[str, int] = {}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self._state:
+            raise LayoutError(f"the HF state dict has no '{key}', which the Megatron model needs; was it built from "
+                              "this config?")
+        self.reads[key] = self.reads.get(key, 0) + 1
+        return self._state[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._state
+
+    def __iter__(self):
+        return iter(self._state)
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+    def check(self, num_layers: int) -> None:
+        twice = sorted(k for k, n in self.reads.items() if n > 1)
+        unread = []
+        for k in self._state:
+            if k in self.reads:
+                continue
+            parts = k.split(".")
+            if k.startswith("model.layers.") and int(parts[2]) >= num_layers:
+                continue  # DeepSeek multi-token-prediction layers: not built
+            unread.append(k)
+        if twice or unread:
+            raise LayoutError(f"HF -> Megatron name map: HF tensors not consumed {sorted(unread)[:6]}"
+                              f"{' ...' if len(unread) > 6 else ''}, read more than once {twice[:6]}")
+
+
 def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp_rank: int = 0, tp_size: int = 1,
                    ep_rank: int = 0, ep_size: int = 1, etp_rank: int = 0, etp_size: int = 1
                    ) -> dict[str, torch.Tensor]:
-    """This rank's Megatron state dict from a transformers-5 in-memory HF state dict."""
+    """This rank's Megatron state dict from a transformers-5 in-memory HF state dict.
+
+    Raises ``LayoutError`` unless every HF tensor (bar DeepSeek MTP layers) is read exactly once.
+    """
+    mt = _get(hf_config, "model_type")
     L = int(_get(hf_config, "num_hidden_layers"))
     ng = int(_get(hf_config, "num_key_value_heads") or _get(hf_config, "num_attention_heads"))
     n_exp = _num_experts(hf_config)
+    pattern = moe_layer_pattern(hf_config) if n_exp else [0] * L
+    mla = mt in MLA_TYPES
+    hf = _Reads(hf_state)
     out: dict[str, torch.Tensor] = {
-        "embedding.word_embeddings.weight": _shard(hf_state["model.embed_tokens.weight"], 0, tp_rank, tp_size),
-        "decoder.final_layernorm.weight": hf_state["model.norm.weight"],
+        "embedding.word_embeddings.weight": _shard(hf["model.embed_tokens.weight"], 0, tp_rank, tp_size),
+        "decoder.final_layernorm.weight": hf["model.norm.weight"],
     }
     if not _get(hf_config, "tie_word_embeddings", False):
-        out["output_layer.weight"] = _shard(hf_state["lm_head.weight"], 0, tp_rank, tp_size)
+        out["output_layer.weight"] = _shard(hf["lm_head.weight"], 0, tp_rank, tp_size)
+    elif "lm_head.weight" in hf:
+        hf["lm_head.weight"]  # tied: the same tensor as the embedding, consumed through it
+
+    def mlp(src: str, dst: str) -> None:  # dense SwiGLU MLP / shared experts (TP-sharded)
+        out[dst + "linear_fc1.weight"] = torch.cat(
+            [_shard(hf[src + "gate_proj.weight"], 0, tp_rank, tp_size),
+             _shard(hf[src + "up_proj.weight"], 0, tp_rank, tp_size)])
+        out[dst + "linear_fc2.weight"] = _shard(hf[src + "down_proj.weight"], 1, tp_rank, tp_size)
+
     for i in range(L):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out[m + "input_layernorm.weight"] = hf_state[h + "input_layernorm.weight"]
-        out[m + "pre_mlp_layernorm.weight"] = hf_state[h + "post_attention_layernorm.weight"]
-        a = h + "self_attn."
-        out[m + "self_attention.linear_qkv.weight"] = interleave_qkv(
-            hf_state[a + "q_proj.weight"], hf_state[a + "k_proj.weight"], hf_state[a + "v_proj.weight"], ng,
-            tp_rank, tp_size)
-        if a + "q_proj.bias" in hf_state:
-            out[m + "self_attention.linear_qkv.bias"] = interleave_qkv(
-                hf_state[a + "q_proj.bias"], hf_state[a + "k_proj.bias"], hf_state[a + "v_proj.bias"], ng,
-                tp_rank, tp_size)
-        out[m + "self_attention.linear_proj.weight"] = _shard(hf_state[a + "o_proj.weight"], 1, tp_rank, tp_size)
-        if a + "q_norm.weight" in hf_state:
-            out[m + "self_attention.q_layernorm.weight"] = hf_state[a + "q_norm.weight"]
-            out[m + "self_attention.k_layernorm.weight"] = hf_state[a + "k_norm.weight"]
-        if n_exp:
-            out[m + "mlp.router.weight"] = hf_state[h + "mlp.gate.weight"]
-            gate_up, down = hf_state[h + "mlp.experts.gate_up_proj"], hf_state[h + "mlp.experts.down_proj"]
-            inter = gate_up.shape[1] // 2
-            per_rank = n_exp // ep_size
-            for le in range(per_rank):
-                e = ep_rank * per_rank + le
-                gate, up = gate_up[e, :inter], gate_up[e, inter:]
-                x = f"{m}mlp.experts.local_experts.{le}."
-                out[x + "linear_fc1.weight"] = torch.cat(
-                    [_shard(gate, 0, etp_rank, etp_size), _shard(up, 0, etp_rank, etp_size)])
-                out[x + "linear_fc2.weight"] = _shard(down[e], 1, etp_rank, etp_size)
+        out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
+        out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
+        a, s = h + "self_attn.", m + "self_attention."
+        if mla:
+            if a + "q_a_proj.weight" in hf:
+                out[s + "linear_q_down_proj.weight"] = _shard(hf[a + "q_a_proj.weight"], 0, tp_rank, tp_size)
+                out[s + "q_layernorm.weight"] = hf[a + "q_a_layernorm.weight"]
+                out[s + "linear_q_up_proj.weight"] = _shard(hf[a + "q_b_proj.weight"], 0, tp_rank, tp_size)
+            else:
+                out[s + "linear_q_proj.weight"] = _shard(hf[a + "q_proj.weight"], 0, tp_rank, tp_size)
+            out[s + "linear_kv_down_proj.weight"] = _shard(hf[a + "kv_a_proj_with_mqa.weight"], 0, tp_rank, tp_size)
+            out[s + "kv_layernorm.weight"] = hf[a + "kv_a_layernorm.weight"]
+            out[s + "linear_kv_up_proj.weight"] = _shard(hf[a + "kv_b_proj.weight"], 0, tp_rank, tp_size)
         else:
-            out[m + "mlp.linear_fc1.weight"] = torch.cat(
-                [_shard(hf_state[h + "mlp.gate_proj.weight"], 0, tp_rank, tp_size),
-                 _shard(hf_state[h + "mlp.up_proj.weight"], 0, tp_rank, tp_size)])
-            out[m + "mlp.linear_fc2.weight"] = _shard(hf_state[h + "mlp.down_proj.weight"], 1, tp_rank, tp_size)
+            out[s + "linear_qkv.weight"] = interleave_qkv(
+                hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"], ng, tp_rank, tp_size)
+            if a + "q_proj.bias" in hf:
+                out[s + "linear_qkv.bias"] = interleave_qkv(
+                    hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], ng, tp_rank, tp_size)
+            if a + "q_norm.weight" in hf:
+                out[s + "q_layernorm.weight"] = hf[a + "q_norm.weight"]
+                out[s + "k_layernorm.weight"] = hf[a + "k_norm.weight"]
+        out[s + "linear_proj.weight"] = _shard(hf[a + "o_proj.weight"], 1, tp_rank, tp_size)
+        if not pattern[i]:
+            mlp(h + "mlp.", m + "mlp.")
+            continue
+        out[m + "mlp.router.weight"] = hf[h + "mlp.gate.weight"]
+        if h + "mlp.gate.e_score_correction_bias" in hf:
+            out[m + "mlp.router.expert_bias"] = hf[h + "mlp.gate.e_score_correction_bias"]
+        gate_up, down = hf[h + "mlp.experts.gate_up_proj"], hf[h + "mlp.experts.down_proj"]
+        inter = gate_up.shape[1] // 2
+        per_rank = n_exp // ep_size
+        for le in range(per_rank):
+            e = ep_rank * per_rank + le
+            gate, up = gate_up[e, :inter], gate_up[e, inter:]
+            x = f"{m}mlp.experts.local_experts.{le}."
+            out[x + "linear_fc1.weight"] = torch.cat(
+                [_shard(gate, 0, etp_rank, etp_size), _shard(up, 0, etp_rank, etp_size)])
+            out[x + "linear_fc2.weight"] = _shard(down[e], 1, etp_rank, etp_size)
+        for shared in ("shared_expert", "shared_experts"):
+            if h + f"mlp.{shared}.gate_proj.weight" in hf:
+                mlp(h + f"mlp.{shared}.", m + "mlp.shared_experts.")
+        if h + "mlp.shared_expert_gate.weight" in hf:
+            out[m + "mlp.shared_experts.gate_weight"] = hf[h + "mlp.shared_expert_gate.weight"]
+    hf.check(L)
     return out
 
 
+def megatron_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor of ``model`` that HF weights write: the parameters and the router's ``expert_bias`` buffer."""
+    targets = dict(model.named_parameters())
+    for name, buf in model.named_buffers():
+        if name.endswith("router.expert_bias"):
+            targets[name] = buf
+    return targets
+
+
 def load_hf_weights(model: torch.nn.Module, hf_state: Mapping[str, torch.Tensor], hf_config: Any) -> None:
-    """Copy HF weights into ``model`` (this rank's shards). Every Megatron parameter must be written."""
+    """Copy HF weights into ``model`` (this rank's shards). Every Megatron parameter must be written and every HF
+    tensor read exactly once (``LayoutError`` otherwise)."""
     from megatron.core import parallel_state as ps
 
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
@@ -285,7 +390,7 @@ def load_hf_weights(model: torch.nn.Module, hf_state: Mapping[str, torch.Tensor]
     etp_rank, etp_size = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
     state = hf_to_megatron(hf_state, hf_config, tp_rank=tp_rank, tp_size=tp_size, ep_rank=ep_rank,
                            ep_size=ep_size, etp_rank=etp_rank, etp_size=etp_size)
-    params = dict(model.named_parameters())
+    params = megatron_targets(model)
     missing = sorted(set(params) - set(state))
     extra = sorted(set(state) - set(params))
     if missing or extra:
