@@ -96,10 +96,9 @@ class PrecisionPlan:
         O(1) amortised: the first lookup of a name goes through the layout, later ones are one dict access
         (the plan is immutable once compiled). `prepare_any(names)` fills the memo ahead of a hot loop.
         """
-        try:
-            return self._any[name]
-        except KeyError:
-            pass
+        hit = self._any.get(name)
+        if hit is not None:
+            return hit
         e = self.entries.get(name)
         if e is not None:
             got: tuple[PlanEntry, ...] = (e,)
@@ -111,10 +110,9 @@ class PrecisionPlan:
         return got
 
     def format_for_any(self, name: str) -> Format:
-        try:
-            return self._any_fmt[name]
-        except KeyError:
-            pass
+        hit = self._any_fmt.get(name)
+        if hit is not None:
+            return hit
         fmts = {e.format for e in self.entries_for_any(name)}
         if len(fmts) != 1:
             raise ConfigError(f"'{name}' holds tensors in several formats {sorted(f.value for f in fmts)}")
