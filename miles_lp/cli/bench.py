@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-HELP = "run a benchmark (plan, convert, linear, quantize) and report ratios against its anchor"
+HELP = "run a benchmark (plan, convert, linear, quantize, rollout, sync) and report ratios against its anchor"
 DESCRIPTION = HELP + """
 
 Each benchmark prints its measurement next to an anchor (a plain copy, bf16 F.linear, torchao, a dict lookup)
@@ -20,7 +20,7 @@ and the ratio; `miles-lp bench NAME --help` says what it measures and its option
   miles-lp bench convert
 """
 
-BENCHES = ["plan", "convert", "linear", "quantize"]
+BENCHES = ["plan", "convert", "linear", "quantize", "rollout", "sync"]
 
 
 def add_arguments(p) -> None:
