@@ -21,12 +21,12 @@ import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from miles_lp.checkpoint import engine_formats
 from miles_lp.checkpoint.atomic import atomic_output_dir, check_output_target
 from miles_lp.checkpoint.configs import emit_configs
 from miles_lp.checkpoint.safetensors_io import INDEX_NAME, ShardWriter, TensorHeader, write_json
 from miles_lp.checkpoint.validate import SourceCheckpoint, validate_source
 from miles_lp.errors import CheckpointError, ConfigError, FormatError
+from miles_lp.export import naming
 from miles_lp.formats.spec import Format
 
 PLAN_FILE = "miles_lp_plan.json"
@@ -320,7 +320,7 @@ def convert_checkpoint(src: str | Path, out: str | Path, policy, target: str = "
 
     log = log or (lambda s: print(s, file=sys.stderr))
     t0 = time.perf_counter()
-    engine_formats.check_target(target)
+    naming.check_target(target)
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"--device must be cpu or cuda, got '{device}'")
     if device == "cuda" and not torch.cuda.is_available():
@@ -342,7 +342,7 @@ def convert_checkpoint(src: str | Path, out: str | Path, policy, target: str = "
         if len(h.shape) != 2:
             raise CheckpointError(f"'{n}' is planned {f.value} but has shape {list(h.shape)}; checkpoint "
                                   "weights must be 2-D")
-        engine_formats.parts(target, f)  # refuses formats the target cannot hold
+        naming.parts(target, f)  # refuses formats the target cannot hold
     quant_config, extra_files = emit_configs(plan, target)
 
     bytes_in = source.files.total_bytes
@@ -372,7 +372,7 @@ def convert_checkpoint(src: str | Path, out: str | Path, policy, target: str = "
         else:
             q = quantize(x, fmt, plan.entry(name), amax=group_amax_,
                          compile=compile and x.numel() >= COMPILE_MIN_NUMEL, name=name)
-            writer.add_many({k: v.cpu() for k, v in engine_formats.encode(target, fmt, name, q).items()})
+            writer.add_many({k: v.cpu() for k, v in naming.encode(target, fmt, name, q).items()})
         bar.update(h.nbytes + (source.tensors[source.fp8_scale_of[name]].nbytes
                                if name in source.fp8_scale_of else 0))
     try:

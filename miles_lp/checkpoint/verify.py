@@ -23,9 +23,9 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from miles_lp.checkpoint import engine_formats
 from miles_lp.checkpoint.safetensors_io import CheckpointFiles, TensorReader, open_checkpoint
 from miles_lp.errors import MilesLPError
+from miles_lp.export import naming
 from miles_lp.formats.spec import MXFP8_BLOCK, NVFP4_BLOCK, Format
 
 PASS, FAIL, SKIP = "pass", "FAIL", "skip"
@@ -124,7 +124,7 @@ def _check_record(ctx: _Ctx, report: VerifyReport) -> None:
 
         config = json.loads((ctx.out / "config.json").read_text())
         plan = PrecisionPlan.from_json(json.dumps(record["plan"]), layout=get_layout(config))
-        target = engine_formats.check_target(record["target"])
+        target = naming.check_target(record["target"])
         shapes = {n: tuple(s) for n, s in record["source"]["shapes"].items()}
         dtypes = dict(record["source"]["dtypes"])
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError, MilesLPError) as exc:
@@ -159,7 +159,7 @@ def expected_tensors(target: str, formats: dict[str, Format], shapes: dict[str, 
     for name, shape in shapes.items():
         fmt = formats.get(name)
         if fmt is not None:
-            table.update(engine_formats.expected(target, fmt, name, shape))
+            table.update(naming.expected(target, fmt, name, shape))
         else:
             dt = dtypes[name]
             table[name] = ("BF16" if dt == "F8_E4M3" else dt, tuple(shape))
@@ -269,8 +269,8 @@ def _check_scales(ctx: _Ctx, report: VerifyReport) -> None:
         for weight, fmt in ctx.formats.items():
             if weight in allowed:
                 continue
-            prefix = engine_formats.module_prefix(weight)
-            for p in engine_formats.parts(ctx.target, fmt):
+            prefix = naming.module_prefix(weight)
+            for p in naming.parts(ctx.target, fmt):
                 h = ctx.files.tensors.get(prefix + p.suffix)
                 if h is None or p.component == "data":
                     continue
@@ -308,8 +308,8 @@ def _scale_problem(part, t) -> str | None:
         return None
     f = t.to(torch.float32)
     if part.component is None:
-        return None if bool((f == engine_formats.INPUT_SCALE_VALUE).all()) else (
-            f"must be {engine_formats.INPUT_SCALE_VALUE} (per-token activations), found {f.tolist()}")
+        return None if bool((f == naming.INPUT_SCALE_VALUE).all()) else (
+            f"must be {naming.INPUT_SCALE_VALUE} (per-token activations), found {f.tolist()}")
     if not bool(torch.isfinite(f).all()) or not bool((f > 0).all()):
         return f"global scale must be finite and > 0, found {f.tolist()}"
     return None
@@ -373,7 +373,7 @@ def _check_grid_and_error(ctx: _Ctx, report: VerifyReport, src) -> None:
                         y.reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8)):
                     grid_problems.append(f"'{name}' (kept {y.dtype}) differs from the source")
                 continue
-            fresh = engine_formats.encode(ctx.target, fmt, name,
+            fresh = naming.encode(ctx.target, fmt, name,
                                           quantize(x, fmt, ctx.plan.entry(name), amax=amax.get(name), name=name))
             disk = {}
             for n, t in fresh.items():
@@ -422,7 +422,7 @@ def decode(target: str, fmt: Format, weight: str, tensors: dict, shape: tuple):
 
     import miles_lp.formats as F
 
-    comps = engine_formats.decode_components(target, fmt, weight, tensors)
+    comps = naming.decode_components(target, fmt, weight, tensors)
     if fmt is Format.MXFP8:
         return F.MXFP8Tensor(data=comps["data"], scale=comps["scale"], axis=-1)
     g = comps["global_scale"]
@@ -445,7 +445,7 @@ def _error_bound(target: str, fmt: Format, weight: str, disk: dict, x) -> tuple[
     xf = x.to(torch.float32)
     dq = q.dequantize(torch.float32)
     err = (dq - xf).abs()
-    comps = engine_formats.decode_components(target, fmt, weight, disk)
+    comps = naming.decode_components(target, fmt, weight, disk)
     if fmt is Format.MXFP8:
         s = torch.exp2(comps["scale"].to(torch.float32) - 127).repeat_interleave(MXFP8_BLOCK, dim=-1)
         bound = torch.maximum(xf.abs() / 16, s / 1024)

@@ -1,5 +1,9 @@
 """Which tensors a quantized module writes, per target engine (CONTRACT 4), and the inverse for ``verify``.
 
+The one owner of engine naming and encoding: ``miles-lp convert``, ``miles-lp export`` and the live weight
+sync all write through ``encode``, so an engine started from a converted checkpoint and one updated in place
+hold the same tensors under the same names.
+
 The codecs name the parts of a quantized tensor canonically (``data``, ``scale``, ``global_scale``). Each
 target names them differently on disk:
 
