@@ -65,15 +65,32 @@ def remove_stale_temps(out: Path) -> list[Path]:
     return removed
 
 
-def env_error(exc: OSError, what: str) -> CheckpointError | None:
-    """A ``CheckpointError`` for disk-full / permission errors, ``None`` for others."""
+def _free_space(folder: Path | None) -> str:
+    """`` (N MB free in FOLDER)`` for a disk-full message; empty when it cannot be measured."""
+    while folder is not None and not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if folder is None:
+        return ""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return ""
+    return f" ({free / 1e6:.1f} MB free in {folder})"
+
+
+def env_error(exc: OSError, what: str, folder: Path | None = None) -> CheckpointError | None:
+    """A ``CheckpointError`` for disk-full / permission errors, ``None`` for others.
+
+    ``folder``: where the output goes; a disk-full message says how much space is free there.
+    """
     hint = _ENV_ERRNOS.get(exc.errno)
     if hint is None and isinstance(exc, PermissionError):
         hint = _ENV_ERRNOS[errno.EACCES]
     if hint is None:
         return None
     where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
-    return CheckpointError(f"cannot write {what}{where}: {exc.strerror or exc}: {hint}. "
+    free = _free_space(folder) if exc.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+    return CheckpointError(f"cannot write {what}{where}: {exc.strerror or exc}{free}: {hint}. "
                            "Nothing was written.")
 
 
@@ -101,13 +118,13 @@ def atomic_output_dir(out: str | Path, overwrite: bool = False) -> Iterator[Path
         tmp.mkdir()
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise env_error(exc, f"output folder {out}") or exc from None
+        raise env_error(exc, f"output folder {out}", out.parent) or exc from None
     try:
         yield tmp
         _commit(tmp, out, overwrite)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        err = env_error(exc, f"output folder {out}")
+        err = env_error(exc, f"output folder {out}", out.parent)
         if err is None:
             raise
         raise err from exc

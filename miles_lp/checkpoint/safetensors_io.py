@@ -17,6 +17,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import struct
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -299,7 +300,12 @@ class ShardWriter:
         if save is None:
             from safetensors.torch import save_file as save
         path = self.out_dir / f"model-{len(self._shards) + 1:05d}.safetensors"
-        save(self._pending, str(path), metadata={"format": "pt"})
+        try:
+            save(self._pending, str(path), metadata={"format": "pt"})
+        except OSError:
+            raise
+        except Exception as exc:  # safetensors raises its own SafetensorError, not OSError (issue 9, item 4)
+            raise as_os_error(exc, path) from exc
         self.bytes_written += path.stat().st_size
         self._shards.append(list(self._pending))
         self.total_bytes += self._pending_bytes
@@ -323,6 +329,24 @@ class ShardWriter:
     @property
     def num_shards(self) -> int:
         return len(self._shards)
+
+
+_OS_ERROR_RE = re.compile(r"\(os error (\d+)\)")
+
+
+def as_os_error(exc: BaseException, path: Path) -> BaseException:
+    """A writer error as the ``OSError`` it wraps, so that ``atomic_output_dir`` turns a full disk into one line.
+
+    ``safetensors.torch.save_file`` reports I/O failures as ``SafetensorError("Error while serializing: I/O
+    error: No space left on device (os error 28)")``: its own type (not an ``OSError``) with the errno only in
+    the text. An error whose text names an errno becomes ``OSError(errno, strerror, path)``; any other error
+    of the writer becomes a ``CheckpointError`` naming the shard.
+    """
+    m = _OS_ERROR_RE.search(str(exc))
+    if m:
+        code = int(m.group(1))
+        return OSError(code, os.strerror(code), str(path))
+    return CheckpointError(f"cannot write shard {path}: {type(exc).__name__}: {exc}")
 
 
 def write_json(path: str | Path, obj, *, sort_keys: bool = False) -> None:
