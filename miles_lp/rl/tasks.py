@@ -1,0 +1,219 @@
+"""Tasks with verifiable rewards: a registry of ``Task`` implementations (``typing.Protocol``).
+
+Work in token ids (the tiny models have no tokenizer). Token layout of the built-in toy tasks:
+``0`` pad, ``1`` BOS, ``2`` EOS, ``3`` SEP, symbols ``4 .. 4 + alphabet - 1``.
+
+- ``copy``:     ``[BOS, s1..sk, SEP]`` -> ``s1..sk EOS``
+- ``reverse``:  ``[BOS, s1..sk, SEP]`` -> ``sk..s1 EOS``
+- ``majority``: ``[BOS, s1..sn, SEP]`` (one symbol strictly most frequent) -> ``m EOS``
+- ``jsonl``:    prompt/answer pairs from a file (token-id lists, or strings read as UTF-8 bytes, one token per
+  byte: a 256-token byte tokenizer that fits the tiny models' vocabulary); reward = exact match.
+
+Toy rewards are shaped so that an untrained policy gets a low but non-zero mean: per answer position 1 for
+the right token, ``wrong_symbol_credit`` (default 0.1) for a wrong token that is at least a symbol, 0 for
+anything else; the reward is the mean over the answer positions (EOS included). A uniform random policy
+over 256 tokens gets about 0.006 on ``copy`` (alphabet 8); the exact answer gets 1.
+
+Prompts are a pure function of ``(seed, step)`` (``prompts(step, n)``), so a resumed run draws the same
+prompts as an uninterrupted one: the data position is the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from miles_lp.config import Where
+from miles_lp.errors import ConfigError
+
+PAD, BOS, EOS, SEP, FIRST_SYMBOL = 0, 1, 2, 3, 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    ids: tuple[int, ...]
+    answer: tuple[int, ...]  # the expected response, stop token included
+
+
+@runtime_checkable
+class Task(Protocol):
+    name: str
+    stop_token_ids: tuple[int, ...]
+    max_response_len: int  # tokens the exact answer needs (stop token included)
+
+    def prompts(self, step: int, n: int) -> list[Prompt]:
+        """``n`` prompts for ``step``: the same for the same (seed, step), whatever ran before."""
+        ...
+
+    def reward(self, prompt: Prompt, response: Sequence[int]) -> float:
+        """The verifiable reward of one response (token ids as sampled, stop token included if emitted)."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+    """The recipe's ``task:`` section."""
+
+    name: str = "copy"  # a key of TASKS
+    length: int = 2  # copy/reverse: pattern length; majority: prompt symbols
+    alphabet: int = 8  # number of symbols
+    wrong_symbol_credit: float = 0.1
+    seed: int = 0
+    path: str | None = None  # jsonl: the file
+    eos_id: int = EOS  # jsonl: the stop token appended to every answer
+
+    def _validate(self, where: Where) -> None:
+        if self.name not in TASKS:
+            from miles_lp.config import suggest
+
+            raise where.child("name").error(f"unknown task '{self.name}'{suggest(self.name, TASKS)}; "
+                                            f"tasks: {', '.join(TASKS)}")
+        if self.length < 1:
+            raise where.child("length").error(f"must be >= 1, got {self.length}")
+        if self.alphabet < 2:
+            raise where.child("alphabet").error(f"must be >= 2, got {self.alphabet}")
+        if not 0 <= self.wrong_symbol_credit < 1:
+            raise where.child("wrong_symbol_credit").error(f"must be in [0, 1), got {self.wrong_symbol_credit}")
+        if self.name == "jsonl" and not self.path:
+            raise where.child("path").error("task jsonl needs path: FILE.jsonl (lines {\"prompt\": ..., "
+                                            "\"answer\": ...})")
+        if self.name != "jsonl" and self.path is not None:
+            raise where.child("path").error(f"path is for task jsonl; task {self.name} generates its prompts")
+        if self.name == "majority" and self.length < 3:
+            raise where.child("length").error("majority needs length >= 3 (a strict majority among >= 3 symbols)")
+
+
+def _generator(seed: int, step: int) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) % (2**63 - 1))
+
+
+class _ToyTask:
+    def __init__(self, cfg: TaskConfig):
+        self.cfg = cfg
+        self.name = cfg.name
+        self.stop_token_ids = (EOS,)
+        self.symbols = range(FIRST_SYMBOL, FIRST_SYMBOL + cfg.alphabet)
+        self.max_response_len = len(self._answer([FIRST_SYMBOL] * cfg.length)) + 1  # + EOS
+
+    def min_vocab(self) -> int:
+        return FIRST_SYMBOL + self.cfg.alphabet
+
+    def _pattern(self, g: torch.Generator) -> list[int]:
+        return (torch.randint(0, self.cfg.alphabet, (self.cfg.length,), generator=g) + FIRST_SYMBOL).tolist()
+
+    def _answer(self, pattern: list[int]) -> list[int]:
+        raise NotImplementedError
+
+    def prompts(self, step: int, n: int) -> list[Prompt]:
+        g = _generator(self.cfg.seed, step)
+        out = []
+        for _ in range(n):
+            pat = self._pattern(g)
+            out.append(Prompt((BOS, *pat, SEP), tuple(self._answer(pat)) + (EOS,)))
+        return out
+
+    def reward(self, prompt: Prompt, response: Sequence[int]) -> float:
+        score = 0.0
+        for i, want in enumerate(prompt.answer):
+            got = response[i] if i < len(response) else None
+            if got == want:
+                score += 1.0
+            elif got in self.symbols:
+                score += self.cfg.wrong_symbol_credit
+        return score / len(prompt.answer)
+
+
+class CopyTask(_ToyTask):
+    def _answer(self, pattern):
+        return list(pattern)
+
+
+class ReverseTask(_ToyTask):
+    def _answer(self, pattern):
+        return list(reversed(pattern))
+
+
+class MajorityTask(_ToyTask):
+    def _pattern(self, g):
+        while True:  # rejection-sample patterns with a strict majority symbol
+            pat = super()._pattern(g)
+            counts = sorted(((pat.count(s), s) for s in set(pat)), reverse=True)
+            if len(counts) == 1 or counts[0][0] > counts[1][0]:
+                return pat
+
+    def _answer(self, pattern):
+        return [max(set(pattern), key=pattern.count)]
+
+
+def encode(value: Any, where: str) -> tuple[int, ...]:
+    """A JSONL field: a list of token ids, or a string (its UTF-8 bytes, one token id per byte)."""
+    if isinstance(value, str):
+        return tuple(value.encode("utf-8"))
+    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        return tuple(value)
+    raise ConfigError(f"{where}: expected a string or a list of non-negative token ids, got {value!r}")
+
+
+class JsonlTask:
+    """Prompt/answer pairs from a JSONL file; reward 1 for an exact match of the answer + stop token."""
+
+    def __init__(self, cfg: TaskConfig):
+        self.cfg = cfg
+        self.name = "jsonl"
+        self.stop_token_ids = (cfg.eos_id,)
+        path = Path(cfg.path)
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as exc:
+            raise ConfigError(f"task jsonl: cannot read {path}: {exc.strerror}") from None
+        self.items: list[Prompt] = []
+        for i, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{path}:{i}: invalid JSON: {exc.msg}") from None
+            if not isinstance(obj, dict) or set(obj) - {"prompt", "answer"} or {"prompt", "answer"} - set(obj):
+                raise ConfigError(f"{path}:{i}: expected {{\"prompt\": ..., \"answer\": ...}} and nothing else")
+            p, a = encode(obj["prompt"], f"{path}:{i} prompt"), encode(obj["answer"], f"{path}:{i} answer")
+            if not p:
+                raise ConfigError(f"{path}:{i}: empty prompt")
+            self.items.append(Prompt(p, a + (cfg.eos_id,)))
+        if not self.items:
+            raise ConfigError(f"{path}: no prompt/answer lines")
+        self.max_response_len = max(len(p.answer) for p in self.items)
+
+    def min_vocab(self) -> int:
+        return 1 + max(max(p.ids + p.answer) for p in self.items)
+
+    def prompts(self, step: int, n: int) -> list[Prompt]:
+        # epoch e visits the items in a permutation seeded by (seed, e): position step*n + j
+        out = []
+        for j in range(n):
+            pos = step * n + j
+            epoch, idx = divmod(pos, len(self.items))
+            perm = torch.randperm(len(self.items), generator=_generator(self.cfg.seed, epoch))
+            out.append(self.items[int(perm[idx])])
+        return out
+
+    def reward(self, prompt: Prompt, response: Sequence[int]) -> float:
+        return 1.0 if tuple(response) == prompt.answer else 0.0
+
+
+#: The registry: task name -> factory. Add a task by adding an entry (SGLang-style explicit registry).
+TASKS: dict[str, Callable[[TaskConfig], Task]] = {
+    "copy": CopyTask, "reverse": ReverseTask, "majority": MajorityTask, "jsonl": JsonlTask}
+
+
+def make_task(cfg: TaskConfig, vocab_size: int | None = None) -> Task:
+    task = TASKS[cfg.name](cfg)
+    if vocab_size is not None and task.min_vocab() > vocab_size:
+        raise ConfigError(f"task {cfg.name} uses token ids up to {task.min_vocab() - 1} but the model's vocabulary "
+                          f"has {vocab_size} tokens; lower task.alphabet or use a larger model")
+    return task
