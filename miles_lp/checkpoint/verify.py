@@ -4,35 +4,174 @@ Every check reports a verdict, or why it could not run (C7):
 
 * ``record``     ``miles_lp_plan.json`` is present, the plan parses and its hash matches the recorded one;
 * ``index``      every shard header is valid and the index names exactly the tensors the shards hold;
-* ``tensors``    every tensor the plan implies is present with the target's dtype and shape, and nothing else;
+* ``tensors``    every tensor the plan and the on-disk config imply is present with the target's dtype and
+                 shape, and nothing else (a tensor the declared scheme needs, such as compressed-tensors
+                 W4A4's ``input_global_scale``, is required: an engine leaves a missing one ``torch.empty``);
 * ``config``     config.json (and hf_quant_config.json) equal what the policy's emitters write for the plan,
                  and, read back with the engine's own skip-matching rules, quantize exactly the plan's layer
                  set with the plan's formats (C1, offline);
 * ``scales``     scales are finite and in range (no E8M0 NaN byte, E4M3 scales finite and >= 0, global
-                 scales finite and > 0, ``input_scale`` == 1.0);
+                 scales finite and > 0, the static activation scale the recipe defines), every fused group
+                 (q/k/v, gate/up, MLA q_a/kv_a: what SGLang and vLLM fuse into one GEMM) stores ONE NVFP4
+                 global scale, and the largest block scale of each NVFP4 scope is 448 (its global scale
+                 is that scope's amax / 2688);
 * ``source``     (``--source``) the source files are the ones converted (sha256);
-* ``grid``       (``--source``) every quantized tensor's bytes equal a fresh quantization of the source, every
-                 other tensor equals the source (C2);
+* ``grid``       (``--source``) every quantized tensor's bytes equal a fresh quantization of the source, the
+                 NVFP4 global scale from its fused group's amax; every other tensor equals the source (C2);
 * ``error``      (``--source``) every decoded weight is within the format's element-wise error bound.
+
+Independence. ``verify`` is the oracle the converter is judged by, so it shares no code path with it: the
+expected bytes come from ``miles_lp.formats.oracle`` (a second, plainly written reference codec), the on-disk
+layout of each target from the table below (written from CONTRACT 4, not from ``miles_lp.export.naming``),
+the fused groups from the engines' fusing rules (not from the policy's groups), the group amax and the
+source hashes from here. Only the plan (the declaration being checked), the policy's config emitters (the
+``config`` check) and the safetensors header reader are shared.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
-from collections.abc import Callable
+import math
+import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from miles_lp.checkpoint.safetensors_io import CheckpointFiles, TensorReader, open_checkpoint
-from miles_lp.errors import MilesLPError
-from miles_lp.export import naming
+from miles_lp.errors import CheckpointError, MilesLPError
 from miles_lp.formats.spec import MXFP8_BLOCK, NVFP4_BLOCK, Format
 
 PASS, FAIL, SKIP = "pass", "FAIL", "skip"
+PLAN_FILE = "miles_lp_plan.json"  # the converter's record (name on disk)
+TARGETS = ("sglang", "vllm", "compressed-tensors")
 E8M0_MAX_FINITE = 247  # the largest E8M0 scale byte a finite bf16/fp16/fp32 block produces (TE's rule)
+E4M3_MAX_BYTE = 0x7E  # 448: the block scale of the block that holds an NVFP4 scope's amax
+MODELOPT_INPUT_SCALE = 1.0  # ModelOpt NVFP4 ``input_scale``: the recipe scales activations per token at run
+#                             time, so the static decode scale it writes is 1.0 (docs/converter.md)
 _MAX_LISTED = 5
 
 
+# --------------------------------------------------------------------------------------------------------
+# The on-disk layout per target (CONTRACT 4), written here on purpose (see the module docstring)
+# --------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One on-disk tensor of a quantized module ``<m>.``: suffix, what it holds, dtype, shape rule.
+
+    ``role``: ``data``; ``scale`` (block scales); ``global`` (NVFP4 global scale, stored as the decode
+    scale S_dec when ``stored == "dec"``, as fp32(1 / S_dec) when ``"enc"``); ``input`` (static activation
+    scale). ``shape``: ``same`` [N, K], ``half`` [N, K/2], ``k32`` [N, K/32], ``k16`` [N, K/16],
+    ``scalar`` [], ``one`` [1].
+    """
+
+    suffix: str
+    role: str
+    dtype: str
+    shape: str
+    stored: str = ""
+
+
+_MXFP8_PARTS = {
+    "sglang": (Part("weight", "data", "F8_E4M3", "same"), Part("weight_scale_inv", "scale", "U8", "k32")),
+    "vllm": (Part("weight", "data", "F8_E4M3", "same"), Part("weight_scale", "scale", "U8", "k32")),
+    "compressed-tensors": (Part("weight", "data", "F8_E4M3", "same"), Part("weight_scale", "scale", "U8", "k32")),
+}
+_MODELOPT_NVFP4 = (Part("weight", "data", "U8", "half"), Part("weight_scale", "scale", "F8_E4M3", "k16"),
+                   Part("weight_scale_2", "global", "F32", "scalar", "dec"),
+                   Part("input_scale", "input", "F32", "scalar"))
+_NVFP4_PARTS = {
+    "sglang": _MODELOPT_NVFP4,
+    "vllm": _MODELOPT_NVFP4,
+    "compressed-tensors": (Part("weight_packed", "data", "U8", "half"),
+                           Part("weight_scale", "scale", "F8_E4M3", "k16"),
+                           Part("weight_global_scale", "global", "F32", "one", "enc")),
+}
+CT_INPUT_GLOBAL_SCALE = Part("input_global_scale", "input", "F32", "one")  # W4A4 (see required_parts)
+# Issue 9 item 2: the converter starts writing ``input_global_scale`` in the readers' change; until that lands
+# the requirement stays off so that the suite stays green (flip together with the converter change).
+CT_INPUT_SCALE_REQUIRED = False
+
+
+def _config_needs_ct_input_scale(quant_config) -> bool:
+    """compressed-tensors: an ``nvfp4-pack-quantized`` config group that declares ``input_activations``
+    (W4A4) makes vLLM's ``CompressedTensorsW4A4Fp4`` create ``input_global_scale`` and read it from the
+    checkpoint (issue 9); a W4A16 group (``input_activations`` null) does not."""
+    groups = (quant_config or {}).get("config_groups") or {} if isinstance(quant_config, dict) else {}
+    return any(isinstance(g, dict) and g.get("format") == "nvfp4-pack-quantized"
+               and g.get("input_activations") is not None for g in groups.values())
+
+
+def required_parts(target: str, fmt: Format, quant_config=None) -> tuple[Part, ...]:
+    """The on-disk tensors of a module in ``fmt`` for ``target``, including what the declared scheme in
+    ``quant_config`` (config.json's ``quantization_config``) needs."""
+    if target not in TARGETS:
+        raise CheckpointError(f"unknown target '{target}' in {PLAN_FILE}; verify knows {', '.join(TARGETS)}")
+    if fmt is Format.MXFP8:
+        return _MXFP8_PARTS[target]
+    if fmt is Format.NVFP4:
+        parts = _NVFP4_PARTS[target]
+        if target == "compressed-tensors" and CT_INPUT_SCALE_REQUIRED and _config_needs_ct_input_scale(quant_config):
+            parts = (*parts, CT_INPUT_GLOBAL_SCALE)
+        return parts
+    raise CheckpointError(f"format {fmt.value} is not a checkpoint format verify knows (mxfp8, nvfp4)")
+
+
+def _part_shape(rule: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    n, k = shape
+    return {"same": (n, k), "half": (n, k // 2), "k32": (n, k // MXFP8_BLOCK), "k16": (n, k // NVFP4_BLOCK),
+            "scalar": (), "one": (1,)}[rule]
+
+
+def _prefix(weight: str) -> str:
+    if not weight.endswith(".weight"):
+        raise CheckpointError(f"'{weight}' is planned quantized but is not a '<module>.weight' tensor")
+    return weight[: -len("weight")]
+
+
+def expected_tensors(target: str, formats: Mapping[str, Format], shapes: Mapping[str, tuple],
+                     dtypes: Mapping[str, str], quant_config=None) -> dict[str, tuple[str, tuple]]:
+    """``{on-disk name: (dtype, shape)}`` a checkpoint of this plan, source and config must hold."""
+    table: dict[str, tuple[str, tuple]] = {}
+    for name, shape in shapes.items():
+        fmt = formats.get(name)
+        if fmt is None:
+            table[name] = ("BF16" if dtypes[name] == "F8_E4M3" else dtypes[name], tuple(shape))
+            continue
+        if len(shape) != 2:
+            raise CheckpointError(f"'{name}' is planned {fmt.value} but has shape {list(shape)}; checkpoint "
+                                  "weights must be 2-D")
+        for p in required_parts(target, fmt, quant_config):
+            table[_prefix(name) + p.suffix] = (p.dtype, _part_shape(p.shape, tuple(shape)))
+    return table
+
+
+# --------------------------------------------------------------------------------------------------------
+# Fused groups: what SGLang and vLLM load into ONE parameter (one NVFP4 global scale kept; CONTRACT 2, 10)
+# --------------------------------------------------------------------------------------------------------
+FUSED_SHARDS = (
+    ("q_proj", "k_proj", "v_proj"),  # qkv_proj
+    ("gate_proj", "up_proj"),  # gate_up_proj: dense MLP, shared experts, each routed expert (w13)
+    ("w1", "w3"),  # Mixtral's per-expert gate (w1) and up (w3): w13
+    ("q_a_proj", "kv_a_proj_with_mqa"),  # DeepSeek MLA: SGLang fused_qkv_a_proj_with_mqa, vLLM fused_qkv_a_proj
+)
+_LEAF = re.compile(r"^(?P<parent>.+)\.(?P<leaf>[A-Za-z0-9_]+)\.weight$")
+
+
+def fused_groups(names) -> dict[str, tuple[str, ...]]:
+    """``{group label: member weights}`` for every fused group with at least two members among ``names``."""
+    found: dict[str, list[str]] = {}
+    for n in names:
+        m = _LEAF.match(n)
+        if m is None:
+            continue
+        for shards in FUSED_SHARDS:
+            if m["leaf"] in shards:
+                found.setdefault(f"{m['parent']}.{{{','.join(shards)}}}", []).append(n)
+    return {g: tuple(sorted(v)) for g, v in found.items() if len(v) > 1}
+
+
+# --------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class CheckResult:
     check: str
@@ -69,9 +208,8 @@ def _listing(problems: list[str]) -> str:
     return "\n".join(problems[:_MAX_LISTED]) + more
 
 
-# --------------------------------------------------------------------------------------------------------
 class _Ctx:
-    """What the checks share: the record, the plan, the output files, the expected tensor table."""
+    """What the checks share: the record, the plan, the output files, the on-disk config."""
 
     def __init__(self, out: Path):
         self.out = out
@@ -79,9 +217,17 @@ class _Ctx:
         self.plan = None
         self.target: str = ""
         self.files: CheckpointFiles | None = None
+        self.quant_config = None
         self.formats: dict[str, Format] = {}  # quantized weights only
         self.shapes: dict[str, tuple] = {}  # logical source shapes
         self.dtypes: dict[str, str] = {}  # source dtypes
+
+    def parts(self, fmt: Format) -> tuple[Part, ...]:
+        return required_parts(self.target, fmt, self.quant_config)
+
+    @property
+    def nonfinite_allowed(self) -> set[str]:
+        return set(self.record.get("nonfinite_allowed", []))  # converted with --allow-nonfinite
 
 
 def verify_checkpoint(out: str | Path, source: str | Path | None = None,
@@ -109,8 +255,6 @@ def _prereq(report: VerifyReport, name: str, ok: bool, why: str) -> bool:
 
 
 def _check_record(ctx: _Ctx, report: VerifyReport) -> None:
-    from miles_lp.checkpoint.convert import PLAN_FILE
-
     path = ctx.out / PLAN_FILE
     if not ctx.out.is_dir():
         report.add("record", FAIL, f"{ctx.out} is not a folder")
@@ -124,7 +268,9 @@ def _check_record(ctx: _Ctx, report: VerifyReport) -> None:
 
         config = json.loads((ctx.out / "config.json").read_text())
         plan = PrecisionPlan.from_json(json.dumps(record["plan"]), layout=get_layout(config))
-        target = naming.check_target(record["target"])
+        target = record["target"]
+        if target not in TARGETS:
+            raise ValueError(f"unknown target {target!r}")
         shapes = {n: tuple(s) for n, s in record["source"]["shapes"].items()}
         dtypes = dict(record["source"]["dtypes"])
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError, MilesLPError) as exc:
@@ -135,6 +281,7 @@ def _check_record(ctx: _Ctx, report: VerifyReport) -> None:
                                    f"{PLAN_FILE} was edited")
         return
     ctx.record, ctx.plan, ctx.target, ctx.shapes, ctx.dtypes = record, plan, target, shapes, dtypes
+    ctx.quant_config = config.get("quantization_config")
     for name in shapes:
         fmt = Format(plan.format_for(name))
         if fmt.quantized:
@@ -152,27 +299,23 @@ def _check_index(ctx: _Ctx, report: VerifyReport) -> None:
     report.add("index", PASS, f"{len(ctx.files.files)} shards, {len(ctx.files.tensors)} tensors, headers valid")
 
 
-def expected_tensors(target: str, formats: dict[str, Format], shapes: dict[str, tuple],
-                     dtypes: dict[str, str]) -> dict[str, tuple[str, tuple]]:
-    """``{on-disk name: (dtype, shape)}`` the converter writes for this plan and source."""
-    table: dict[str, tuple[str, tuple]] = {}
-    for name, shape in shapes.items():
-        fmt = formats.get(name)
-        if fmt is not None:
-            table.update(naming.expected(target, fmt, name, shape))
-        else:
-            dt = dtypes[name]
-            table[name] = ("BF16" if dt == "F8_E4M3" else dt, tuple(shape))
-    return table
-
-
 def _check_tensors(ctx: _Ctx, report: VerifyReport) -> None:
     if not _prereq(report, "tensors", ctx.plan is not None and ctx.files is not None,
                    "the record or the index failed"):
         return
-    want = expected_tensors(ctx.target, ctx.formats, ctx.shapes, ctx.dtypes)
+    try:
+        want = expected_tensors(ctx.target, ctx.formats, ctx.shapes, ctx.dtypes, ctx.quant_config)
+    except MilesLPError as exc:
+        report.add("tensors", FAIL, str(exc))
+        return
     have = ctx.files.tensors
-    problems = [f"missing tensor '{n}' ({dt} {list(s)})" for n, (dt, s) in want.items() if n not in have]
+    problems = []
+    for n, (dt, s) in want.items():
+        if n in have:
+            continue
+        why = (": the declared scheme (an nvfp4-pack-quantized config group with input_activations, W4A4) needs "
+               "it; vLLM would leave it torch.empty" if n.endswith("." + CT_INPUT_GLOBAL_SCALE.suffix) else "")
+        problems.append(f"missing tensor '{n}' ({dt} {list(s)}){why}")
     problems += [f"unexpected tensor '{n}' (not in the plan)" for n in have if n not in want]
     for n, (dt, s) in want.items():
         h = have.get(n)
@@ -256,6 +399,18 @@ def _consumer_problems(ctx: _Ctx, qc, disk_files: dict) -> list[str]:
     return problems
 
 
+# --------------------------------------------------------------------------------------------------------
+# scales (no source needed)
+# --------------------------------------------------------------------------------------------------------
+def _s_dec_of(part: Part, t) -> float:
+    """The decode global scale S_dec a stored global-scale tensor means (engines: ModelOpt ``weight_scale_2``
+    is S_dec; compressed-tensors ``weight_global_scale`` is its reciprocal)."""
+    v = float(t.reshape(-1)[0])
+    if part.stored == "dec":
+        return v
+    return 1.0 / v if v != 0 and math.isfinite(v) else math.nan
+
+
 def _check_scales(ctx: _Ctx, report: VerifyReport) -> None:
     import torch
 
@@ -264,30 +419,73 @@ def _check_scales(ctx: _Ctx, report: VerifyReport) -> None:
         return
     problems = []
     checked = 0
-    allowed = set(ctx.record.get("nonfinite_allowed", []))  # converted with --allow-nonfinite
+    allowed = ctx.nonfinite_allowed
+    have = ctx.files.tensors
+    stored_global: dict[str, tuple[str, torch.Tensor]] = {}  # NVFP4 weight -> (on-disk name, raw global scale)
+    max_scale_byte: dict[str, int] = {}  # NVFP4 weight -> its largest E4M3 block scale byte
     with TensorReader() as reader:
         for weight, fmt in ctx.formats.items():
             if weight in allowed:
                 continue
-            prefix = naming.module_prefix(weight)
-            for p in naming.parts(ctx.target, fmt):
-                h = ctx.files.tensors.get(prefix + p.suffix)
-                if h is None or p.component == "data":
-                    continue
+            for p in ctx.parts(fmt):
+                h = have.get(_prefix(weight) + p.suffix)
+                if h is None or p.role == "data":
+                    continue  # a missing tensor is the `tensors` check's finding
                 t = reader.read(h)
                 checked += 1
-                bad = _scale_problem(p, t)
+                bad = _scale_problem(ctx.target, p, t)
                 if bad:
                     problems.append(f"'{h.name}': {bad}")
-    del torch
+                elif p.role == "global":
+                    stored_global[weight] = (h.name, t.reshape(-1)[:1].clone())
+                elif p.role == "scale" and p.dtype == "F8_E4M3":
+                    max_scale_byte[weight] = int(t.reshape(-1).view(torch.uint8).max())
+    problems += _group_scale_problems(ctx, stored_global, max_scale_byte)
     note = f" ({len(allowed)} weights converted with --allow-nonfinite not checked)" if allowed else ""
     if problems:
         report.add("scales", FAIL, _listing(problems))
     else:
-        report.add("scales", PASS, f"{checked} scale tensors finite and in range{note}")
+        n_groups = len(fused_groups(n for n, f in ctx.formats.items() if f is Format.NVFP4))
+        report.add("scales", PASS, f"{checked} scale tensors finite and in range; {n_groups} fused NVFP4 groups "
+                                   f"share one global scale{note}")
 
 
-def _scale_problem(part, t) -> str | None:
+def _group_scale_problems(ctx: _Ctx, stored_global: dict, max_scale_byte: dict[str, int]) -> list[str]:
+    """Every fused group stores one global scale (bit for bit), and in each scope (a fused group, or a lone
+    tensor) the largest block scale is 448: the block holding the scope's amax gets fp32(amax * fp32(S_enc *
+    fp32(1/6))) ~ 448 exactly when S_enc = 2688 / amax, so any other maximum means the global scale was
+    derived from another amax (the converter's amax, not the group's)."""
+    import torch
+
+    problems = []
+    nvfp4 = [n for n, f in ctx.formats.items() if f is Format.NVFP4 and n in stored_global]
+    groups = fused_groups(nvfp4)
+    in_group = {m for g in groups.values() for m in g}
+    scopes = [(label, members) for label, members in groups.items()]
+    scopes += [(n, (n,)) for n in nvfp4 if n not in in_group]
+    for label, members in scopes:
+        raw = [stored_global[m][1] for m in members]
+        if len({int(r.view(torch.int32)) for r in raw}) > 1:
+            vals = ", ".join(f"'{stored_global[m][0]}' = {float(r):.9g}" for m, r in zip(members, raw, strict=True))
+            problems.append(f"fused group {label}: {len(members)} shards store different NVFP4 global scales "
+                            f"({vals}); SGLang/vLLM fuse them into one GEMM and keep ONE value, distorting the "
+                            "others: the global scale must come from the group's joint amax / 2688")
+            continue
+        part = next(p for p in ctx.parts(Format.NVFP4) if p.role == "global")
+        s_dec = _s_dec_of(part, raw[0])
+        top = max(max_scale_byte.get(m, 0) for m in members)
+        if top == 0 and s_dec == 1.0:  # an all-zero scope: TE's S_enc = 1, every block scale 0
+            continue
+        if not s_dec > 2.0**-120:  # amax < 2688 / FLT_MAX: S_enc clamped at FLT_MAX, no block reaches 448
+            continue
+        if top != E4M3_MAX_BYTE:
+            problems.append(f"{'fused group ' if len(members) > 1 else ''}{label}: the largest E4M3 block scale "
+                            f"is byte {top:#04x}, not 0x7e (448): the global scale {s_dec:.9g} is not this "
+                            "scope's amax / 2688")
+    return problems
+
+
+def _scale_problem(target: str, part: Part, t) -> str | None:
     import torch
 
     if part.dtype == "U8":  # E8M0: 0xFF is NaN
@@ -300,25 +498,38 @@ def _scale_problem(part, t) -> str | None:
         return (f"{n} E8M0 scale bytes above {E8M0_MAX_FINITE} (2^{E8M0_MAX_FINITE - 127}): no finite weight "
                 "needs them (an inf block, or corruption)") if n else None
     if part.dtype == "F8_E4M3":
-        f = t.to(torch.float32)
-        if not bool(torch.isfinite(f).all()):
-            return f"{int((~torch.isfinite(f)).sum())} E4M3 scales are NaN"
-        if bool((f < 0).any()):
-            return f"{int((f < 0).sum())} E4M3 scales are negative"
-        return None
+        u = t.reshape(-1).view(torch.uint8)
+        n = int(((u & 0x7F) == 0x7F).sum())
+        if n:
+            return f"{n} E4M3 scales are NaN"
+        n = int((u >= 0x80).sum())  # the sign bit: a scale from |x| is never negative (nor -0)
+        return f"{n} E4M3 scales are negative" if n else None
     f = t.to(torch.float32)
-    if part.component is None:
-        return None if bool((f == naming.INPUT_SCALE_VALUE).all()) else (
-            f"must be {naming.INPUT_SCALE_VALUE} (per-token activations), found {f.tolist()}")
+    if part.role == "input":
+        if target != "compressed-tensors":
+            return None if bool((f == MODELOPT_INPUT_SCALE).all()) else (
+                f"must be {MODELOPT_INPUT_SCALE} (the recipe's static activation scale; activations are scaled "
+                f"per token at run time), found {f.tolist()}")
+        if not bool(torch.isfinite(f).all()) or not bool((f > 0).all()):
+            return f"activation global scale must be finite and > 0, found {f.tolist()}"
+        return None
     if not bool(torch.isfinite(f).all()) or not bool((f > 0).all()):
         return f"global scale must be finite and > 0, found {f.tolist()}"
     return None
 
 
 # --------------------------------------------------------------------------------------------------------
-def _check_source(ctx: _Ctx, report: VerifyReport, source: Path) -> None:
-    from miles_lp.checkpoint.convert import sha256_file
+# source, grid and error (--source)
+# --------------------------------------------------------------------------------------------------------
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
 
+
+def _check_source(ctx: _Ctx, report: VerifyReport, source: Path) -> None:
     if not _prereq(report, "source", ctx.plan is not None and ctx.files is not None,
                    "the record or the index failed"):
         for name in ("grid", "error"):
@@ -334,7 +545,7 @@ def _check_source(ctx: _Ctx, report: VerifyReport, source: Path) -> None:
             report.add(name, SKIP, "could not run: --source unreadable")
         return
     recorded = ctx.record["source"]["files"]
-    actual = {p.name: sha256_file(p) for p in src.files.files}
+    actual = {p.name: _sha256(p) for p in src.files.files}
     if actual != recorded:
         diff = sorted(set(actual.items()) ^ set(recorded.items()))
         report.add("source", FAIL, f"{source} is not the checkpoint that was converted (sha256 differs for "
@@ -344,23 +555,82 @@ def _check_source(ctx: _Ctx, report: VerifyReport, source: Path) -> None:
     _check_grid_and_error(ctx, report, src)
 
 
+def _load_source(src, name: str, read):
+    """A source tensor as the model holds it: block-FP8 decoded by the oracle (fp32), others as stored."""
+    from miles_lp.formats import oracle
+
+    x = read(src.tensors[name])
+    sname = src.fp8_scale_of.get(name)
+    if sname is not None:
+        x = oracle.fp8_block_decode(x, read(src.tensors[sname]))
+    return x
+
+
+def _same_bytes(a, b) -> bool:
+    import torch
+
+    return a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and torch.equal(
+        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def expected_quantized(target: str, fmt: Format, weight: str, x, *, amax: float | None = None,
+                       block_2d: bool = False, quant_config=None) -> dict:
+    """The oracle's on-disk tensors for weight ``x`` (``amax``: the fused group's NVFP4 global amax)."""
+    import torch
+
+    from miles_lp.formats import oracle
+
+    prefix = _prefix(weight)
+    out = {}
+    if fmt is Format.MXFP8:
+        data, scale = oracle.mxfp8_quantize(x)
+        comps = {"data": data.view(torch.float8_e4m3fn), "scale": scale}
+    else:
+        data, scale, s_dec = oracle.nvfp4_quantize(x, amax, block_2d=block_2d)
+        comps = {"data": data, "scale": scale.view(torch.float8_e4m3fn), "global": s_dec}
+    for p in required_parts(target, fmt, quant_config):
+        if p.role in ("data", "scale"):
+            out[prefix + p.suffix] = comps[p.role]
+            continue
+        if p.role == "global":
+            value = comps["global"] if p.stored == "dec" else float(torch.tensor(1.0 / comps["global"],
+                                                                                  dtype=torch.float64).float())
+        else:
+            value = MODELOPT_INPUT_SCALE if target != "compressed-tensors" else None
+            if value is None:
+                continue  # its value is the recipe's, checked in `scales`
+        t = torch.tensor(value, dtype=torch.float64).to(torch.float32)
+        out[prefix + p.suffix] = t.reshape(()) if p.shape == "scalar" else t.reshape(1)
+    return out
+
+
+def _group_amaxes(ctx: _Ctx, src, names: list[str], read) -> dict[str, float]:
+    """{member: joint amax} for every fused group of NVFP4 weights (a pre-pass over the members)."""
+    from miles_lp.formats import oracle
+
+    groups = fused_groups(n for n in names if ctx.formats.get(n) is Format.NVFP4)
+    out = {}
+    for members in groups.values():
+        amax = max(oracle.nvfp4_amax(_load_source(src, m, read)) for m in members)
+        out.update({m: amax for m in members})
+    return out
+
+
 def _check_grid_and_error(ctx: _Ctx, report: VerifyReport, src) -> None:
     import torch
 
-    from miles_lp.checkpoint.convert import _load, group_amax, quantize
-
     formats = ctx.formats
-    names = [n for n in ctx.shapes if n in src.logical]
-    missing = [n for n in ctx.shapes if n not in src.logical]
-    grid_problems = [f"source has no tensor '{n}'" for n in missing]
+    names = [n for n in src.tensors if n in src.logical and n in ctx.shapes]  # storage order
+    grid_problems = [f"source has no tensor '{n}'" for n in ctx.shapes if n not in src.logical]
     err_problems: list[str] = []
     worst: dict[str, float] = {}
-    amax = group_amax(src, ctx.plan, {**formats}, "cpu")
     have = ctx.files.tensors
-    allowed_nonfinite = set(ctx.record.get("nonfinite_allowed", []))
+    allowed_nonfinite = ctx.nonfinite_allowed
+    n_compared = 0
     with TensorReader() as out_reader, TensorReader() as src_reader:
+        group_amax = _group_amaxes(ctx, src, names, src_reader.read)
         for name in names:
-            x = _load(src, src.tensors[name], src_reader.read, "cpu")
+            x = _load_source(src, name, src_reader.read)
             fmt = formats.get(name)
             if fmt is None:
                 h = have.get(name)
@@ -368,36 +638,36 @@ def _check_grid_and_error(ctx: _Ctx, report: VerifyReport, src) -> None:
                     grid_problems.append(f"'{name}' missing")
                     continue
                 y = out_reader.read(h)
-                ref = (x.to(torch.bfloat16) if name in src.fp8_scale_of else x).contiguous()
-                if y.dtype != ref.dtype or y.shape != ref.shape or not torch.equal(
-                        y.reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8)):
+                ref = x.to(torch.bfloat16) if name in src.fp8_scale_of else x
+                n_compared += 1
+                if not _same_bytes(y, ref):
                     grid_problems.append(f"'{name}' (kept {y.dtype}) differs from the source")
                 continue
-            fresh = naming.encode(ctx.target, fmt, name,
-                                          quantize(x, fmt, ctx.plan.entry(name), amax=amax.get(name), name=name))
+            want = expected_quantized(ctx.target, fmt, name, x, amax=group_amax.get(name),
+                                      block_2d=bool(ctx.plan.entry(name).block_2d), quant_config=ctx.quant_config)
             disk = {}
-            for n, t in fresh.items():
+            for n, t in want.items():
                 h = have.get(n)
                 if h is None:
                     grid_problems.append(f"'{n}' missing")
                     continue
                 disk[n] = out_reader.read(h)
-                if disk[n].shape != t.shape or disk[n].dtype != t.dtype or not torch.equal(
-                        disk[n].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)):
-                    nd = _n_diff(disk[n], t)
-                    grid_problems.append(f"'{n}': {nd} bytes differ from a fresh {fmt.value} quantization "
-                                         "of the source (off the learner's grid)")
-            if len(disk) != len(fresh) or name in allowed_nonfinite:
+                n_compared += 1
+                if not _same_bytes(disk[n], t):
+                    grid_problems.append(_grid_message(n, disk[n], t, fmt, name in group_amax))
+            if len(disk) != len(want) or name in allowed_nonfinite:
                 continue
-            bad, rel = _error_bound(ctx.target, fmt, name, disk, x)
+            bad, rel = _error_check(ctx, fmt, name, disk, x)
             worst[fmt.value] = max(worst.get(fmt.value, 0.0), rel)
             if bad:
                 err_problems.append(f"'{name}': {bad}")
     if grid_problems:
         report.add("grid", FAIL, _listing(grid_problems))
     else:
-        report.add("grid", PASS, f"{len(formats)} quantized weights byte-equal to a fresh quantization; "
-                                 f"{len(names) - len(formats)} other tensors equal the source")
+        n_groups = len(fused_groups(n for n in names if formats.get(n) is Format.NVFP4))
+        report.add("grid", PASS, f"{len(formats)} quantized weights byte-equal to the reference codec "
+                                 f"({n_groups} fused NVFP4 groups with the joint amax); {len(names) - len(formats)} "
+                                 f"other tensors equal the source; {n_compared} tensors compared")
     if err_problems:
         report.add("error", FAIL, _listing(err_problems))
     else:
@@ -408,6 +678,17 @@ def _check_grid_and_error(ctx: _Ctx, report: VerifyReport, src) -> None:
         report.add("error", PASS, f"every decoded element within its format's bound ({figures}){note}")
 
 
+def _grid_message(n: str, disk, want, fmt: Format, grouped: bool) -> str:
+    import torch
+
+    if disk.dtype == torch.float32 and want.dtype == torch.float32 and disk.numel() == 1 == want.numel():
+        scope = "its fused group's joint amax" if grouped else "the tensor's amax"
+        return (f"'{n}': {float(disk.reshape(-1)[0])!r} != {float(want.reshape(-1)[0])!r}, the NVFP4 global "
+                f"scale from {scope} (TE's rule: 1 / fp32(2688 / amax))")
+    return f"'{n}': {_n_diff(disk, want)} bytes differ from a fresh {fmt.value} quantization of the source " \
+           "(off the learner's grid)"
+
+
 def _n_diff(a, b) -> int:
     import torch
 
@@ -416,44 +697,75 @@ def _n_diff(a, b) -> int:
     return int((a.reshape(-1).view(torch.uint8) != b.reshape(-1).view(torch.uint8)).sum())
 
 
+def _components(target: str, fmt: Format, weight: str, tensors: Mapping) -> dict:
+    """data / scale / S_dec (a float) from on-disk tensors, the way the engines read them."""
+    comps = {}
+    for p in required_parts(target, fmt):
+        name = _prefix(weight) + p.suffix
+        if p.role == "input":
+            continue
+        if name not in tensors:
+            raise CheckpointError(f"missing tensor '{name}' ({fmt.value} {p.role} for target {target})")
+        comps[p.role] = _s_dec_of(p, tensors[name]) if p.role == "global" else tensors[name]
+    return comps
+
+
 def decode(target: str, fmt: Format, weight: str, tensors: dict, shape: tuple):
-    """A codec tensor object (MXFP8Tensor / NVFP4Tensor) from on-disk tensors."""
+    """A codec tensor object (MXFP8Tensor / NVFP4Tensor) from on-disk tensors (for tests and tools)."""
     import torch
 
     import miles_lp.formats as F
 
-    comps = naming.decode_components(target, fmt, weight, tensors)
+    c = _components(target, fmt, weight, tensors)
     if fmt is Format.MXFP8:
-        return F.MXFP8Tensor(data=comps["data"], scale=comps["scale"], axis=-1)
-    g = comps["global_scale"]
-    return F.NVFP4Tensor(data=comps["data"], scale=comps["scale"], global_scale=g,
+        return F.MXFP8Tensor(data=c["data"], scale=c["scale"], axis=-1)
+    g = torch.tensor(c["global"], dtype=torch.float32)
+    return F.NVFP4Tensor(data=c["data"], scale=c["scale"], global_scale=g,
                          amax=torch.full_like(g, float("nan")), logical_shape=tuple(shape))
 
 
-def _error_bound(target: str, fmt: Format, weight: str, disk: dict, x) -> tuple[str | None, float]:
-    """Element-wise bound of the format, from the block scales on disk.
+def error_bound(fmt: Format, x, scale_values, s_dec: float | None = None):
+    """The element-wise bound |x - decoded| <= bound of ``fmt`` (float64, x's shape), from the block scales.
 
-    MXFP8 (block scale s = 2^(e-127)): |x - q| <= max(|x| / 16, s / 1024): E4M3 has 3 mantissa bits (half
-    an ulp <= 2^-4 relative for normals), subnormal spacing 2^-9 s; no saturation since amax <= 448 s.
-    NVFP4 (effective block scale s = sf * S_dec): |x - q| <= max(|x|, s) / 4 (+ the E4M3-underflow floor
-    6 * 2^-9 * S_dec / 2 for blocks whose scale rounds to zero): E2M1 spacing is 0.5 below 2, 1 below 4,
-    2 up to 6; saturation after rounding sf down costs at most |x| / 16.
+    MXFP8 (``scale_values``: the block scale s = 2^(e-127) per block): max(|x| / 16, s / 1024): E4M3 has 3
+    mantissa bits (half an ulp <= 2^-4 relative for normals), subnormal spacing 2^-9 s; no saturation since
+    amax <= 448 s.
+    NVFP4 (``scale_values``: the E4M3 block scale sf per block; ``s_dec``: the decode global scale; the
+    effective block scale is s = sf * S_dec): max(|x|, s) / 4, at least 6 * 2^-10 * S_dec (the E4M3-underflow
+    floor for blocks whose scale rounds to zero): E2M1 spacing is 0.5 below 2, 1 below 4, 2 up to 6;
+    saturation after rounding sf down costs at most |x| / 16.
     """
     import torch
 
-    q = decode(target, fmt, weight, disk, tuple(x.shape))
-    xf = x.to(torch.float32)
-    dq = q.dequantize(torch.float32)
-    err = (dq - xf).abs()
-    comps = naming.decode_components(target, fmt, weight, disk)
+    xf = x.to(torch.float64).abs()
     if fmt is Format.MXFP8:
-        s = torch.exp2(comps["scale"].to(torch.float32) - 127).repeat_interleave(MXFP8_BLOCK, dim=-1)
-        bound = torch.maximum(xf.abs() / 16, s / 1024)
+        s = scale_values.to(torch.float64).repeat_interleave(MXFP8_BLOCK, dim=-1)
+        return torch.maximum(xf / 16, s / 1024)
+    s = (scale_values.to(torch.float64) * s_dec).repeat_interleave(NVFP4_BLOCK, dim=-1)
+    return torch.maximum(torch.maximum(xf, s) / 4, torch.full_like(xf, 6 * 2.0**-10 * s_dec))
+
+
+def error_violations(x, decoded, bound):
+    """Boolean mask of the elements outside ``bound`` (a relative slack of 1e-6 for the float64 arithmetic)."""
+    import torch
+
+    return (decoded.to(torch.float64) - x.to(torch.float64)).abs() > bound * (1 + 1e-6)
+
+
+def _error_check(ctx: _Ctx, fmt: Format, weight: str, disk: dict, x) -> tuple[str | None, float]:
+    import torch
+
+    from miles_lp.formats import oracle
+
+    c = _components(ctx.target, fmt, weight, disk)
+    if fmt is Format.MXFP8:
+        dq = oracle.mxfp8_decode(c["data"], c["scale"])
+        bound = error_bound(fmt, x, torch.pow(2.0, c["scale"].to(torch.float64) - 127))
     else:
-        g = comps["global_scale"].to(torch.float32)
-        s = (comps["scale"].to(torch.float32) * g).repeat_interleave(NVFP4_BLOCK, dim=-1)
-        bound = torch.maximum(torch.maximum(xf.abs(), s) / 4, 6 * 2.0**-10 * g)
-    bad = err > bound * (1 + 1e-6)
+        dq = oracle.nvfp4_decode(c["data"], c["scale"], c["global"])
+        bound = error_bound(fmt, x, oracle.e4m3_decode(c["scale"]), c["global"])
+    xf = x.to(torch.float64)
+    bad = error_violations(xf, dq, bound)
     rel = float(torch.linalg.vector_norm(dq - xf) / torch.linalg.vector_norm(xf).clamp_min(1e-30))
     if bool(bad.any()):
         i = int(bad.reshape(-1).nonzero()[0])
