@@ -12,6 +12,7 @@ from miles_lp.train.quant_linear import (
     QuantExperts,
     QuantLinear,
     WeightGrid,
+    executed_quantized,
     invalidate_grids,
     invalidate_on_step,
     learner_weights,
@@ -20,7 +21,7 @@ from miles_lp.train.quant_linear import (
 
 
 def __getattr__(name: str):  # the trainer pulls in transformers: import it on first use
-    if name in ("EmbeddedTrainer", "apply_plan"):
+    if name in ("EmbeddedTrainer", "apply_plan", "plan_for_model"):
         from miles_lp.train import embedded
 
         return getattr(embedded, name)
@@ -28,5 +29,5 @@ def __getattr__(name: str):  # the trainer pulls in transformers: import it on f
 
 
 __all__ = ["EmbeddedTrainer", "LinearRecipe", "MegatronSection", "QuantExperts", "QuantLinear", "TrainConfig",
-           "WeightGrid", "apply_plan", "invalidate_grids", "invalidate_on_step", "learner_weights",
-           "load_train_config", "parse_train_config", "quantized_linear"]
+           "WeightGrid", "apply_plan", "executed_quantized", "invalidate_grids", "invalidate_on_step",
+           "learner_weights", "load_train_config", "parse_train_config", "plan_for_model", "quantized_linear"]

@@ -2,10 +2,14 @@
 
 The default learner backend (CPU or one GPU). One page of straight-line code:
 
+    plan = plan_for_model(load_policy("recipe.yaml"), "/tmp/tiny")   # compiled on the checkpoint's names
     trainer = EmbeddedTrainer("/tmp/tiny", plan, TrainConfig(lr=1e-5, micro_batch_tokens=4096))
     lp, ent = trainer.logprobs([seq0, seq1])            # per sequence: log p(token_t | <t), entropy, [L-1]
     stats = trainer.train_step(samples, loss_fn)        # micro-batches by token budget, grad accumulation
-    for name, q in trainer.learner_weights(): ...       # the forward grid, for the weight sync
+    for name, t in trainer.export_weights(): ...        # every checkpoint tensor; quantized = the forward grid
+    trainer.load_state_dict(trainer.state_dict())       # model, AdamW, step, RNG: a bit-identical resume
+
+It implements ``miles_lp.train.learner.Learner``.
 
 ``apply_plan`` swaps every ``nn.Linear`` whose plan entry is quantized for a ``QuantLinear`` (parameters
 shared, names unchanged) and every transformers-5 fused experts module (``gate_up_proj [E, 2I, H]``,
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,10 +35,13 @@ import torch.nn.functional as F
 from miles_lp.errors import ConfigError
 from miles_lp.formats.spec import MXFP8_BLOCK, Format
 from miles_lp.train.config import TrainConfig
+from miles_lp.train.hf_export import DEFAULT_DTYPE, hf_named_tensors
 from miles_lp.train.quant_linear import (
     LinearRecipe,
     QuantExperts,
     QuantLinear,
+    executed_quantized,
+    invalidate_grids,
     invalidate_on_step,
     learner_weights,
 )
@@ -272,6 +280,14 @@ class EmbeddedTrainer:
     """A transformers causal LM under a precision plan, trained with AdamW (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module | str | Path, plan=None, config: TrainConfig | None = None):
+        """``model``: an HF checkpoint folder or a transformers model; ``plan``: a compiled ``PrecisionPlan``
+        for it (``plan_for_model(policy, model)``) or ``None`` (everything BF16)."""
+        from miles_lp.policy.plan import PrecisionPlan
+
+        if plan is not None and not isinstance(plan, PrecisionPlan):
+            raise ConfigError(f"EmbeddedTrainer takes a compiled PrecisionPlan (or None: all BF16), got a "
+                              f"{type(plan).__name__}; compile one for this model with "
+                              "miles_lp.train.embedded.plan_for_model(policy, model)")
         self.config = config or TrainConfig()
         cfg = self.config
         torch.manual_seed(cfg.seed)
@@ -280,17 +296,20 @@ class EmbeddedTrainer:
         if isinstance(model, str | Path):
             import transformers
 
+            self.source = SourceInfo.from_checkpoint(model)
             model = transformers.AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype)
+        else:
+            self.source = SourceInfo.from_module(model)
         self.model = model.to(device=self.device, dtype=dtype)
         self.model.train()
-        if plan is not None and not hasattr(plan, "entries"):  # a PrecisionPolicy: compile it for this model
-            from miles_lp.policy import compile_plan, get_layout
-
-            layout = get_layout(self.model.config)
-            shapes = {n: tuple(p.shape) for n, p in self.model.state_dict().items()}
-            plan = compile_plan(plan, layout, _canonical_shapes(layout, shapes))
         self.plan = plan
-        self.swap = apply_plan(self.model, plan) if plan is not None else SwapReport()
+        if plan is not None and plan.layout is not None:
+            self.layout = plan.layout
+        else:
+            from miles_lp.policy import get_layout
+
+            self.layout = get_layout(self.model.config)
+        self.swap = apply_plan(self.model, plan, self.layout) if plan is not None else SwapReport()
         if plan is not None:
             self.swap.check_complete(plan)
         self.pad_multiple = pad_multiple_for(plan)
@@ -362,6 +381,105 @@ class EmbeddedTrainer:
     def learner_weights(self) -> Iterator[tuple[str, Any]]:
         """``(canonical name, quantized tensor)``: the grid the next forward computes with."""
         return learner_weights(self.model)
+
+    def export_weights(self) -> Iterator[tuple[str, Any]]:
+        """Every tensor of the HF checkpoint, once, under its canonical name (``Learner.export_weights``):
+        quantized weights as the forward grid, the others in the source checkpoint's dtype
+        (``miles_lp.train.hf_export``). With a checkpoint folder as source, exactly its tensor names."""
+        quantized = dict(learner_weights(self.model))
+        yield from hf_named_tensors(self.model, self.layout, quantized, dtypes=self.source.dtypes,
+                                    default_dtype=self.source.default_dtype, names=self.source.names)
+
+    def executed_quantized(self) -> dict[str, str]:
+        """``{canonical: format}`` the forwards so far ran quantized, as the modules recorded it (C1)."""
+        return executed_quantized(self.model)
+
+    # ---- resume -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Model (master weights, in-memory names), AdamW state, step and RNG states: a bit-identical resume.
+
+        Tensors are references, as torch's ``state_dict``: save them (``miles_lp.train.state_io``) or copy
+        them before training on.
+        """
+        rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {"kind": "embedded", "plan_hash": None if self.plan is None else self.plan.hash,
+                "step": self.step, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "rng": rng}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` returned (refuses another backend's state or another plan's)."""
+        if state.get("kind") != "embedded":
+            raise ConfigError(f"learner state of kind {state.get('kind')!r} cannot be loaded into the embedded "
+                              "trainer (train.backend must match the run that saved it)")
+        want = None if self.plan is None else self.plan.hash
+        if state.get("plan_hash") != want:
+            raise ConfigError(f"learner state was saved under plan {str(state.get('plan_hash'))[:16]}, this trainer "
+                              f"runs plan {str(want)[:16]}; resume with the recipe the run started with")
+        self.model.load_state_dict(state["model"], strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+        rng = state["rng"]
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        if "cuda" in rng and self.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], self.device)
+        invalidate_grids(self.model)  # the loaded master weights get a fresh grid
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceInfo:
+    """What the export needs to know about the checkpoint the model came from."""
+
+    names: tuple[str, ...] | None  # the tensor names it stores (None: unknown, in-memory model)
+    dtypes: dict[str, torch.dtype]  # its dtype per tensor name
+    default_dtype: torch.dtype  # for names without a recorded dtype
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path) -> SourceInfo:
+        """Names and dtypes from the safetensors headers (block-FP8 weights count as BF16, as convert writes
+        them; their ``weight_scale_inv`` companions are not model tensors)."""
+        from miles_lp.checkpoint.safetensors_io import torch_dtype
+        from miles_lp.checkpoint.validate import validate_source
+
+        src = validate_source(path)
+        dtypes = {}
+        for n in src.logical:
+            st = src.tensors[n].dtype
+            dtypes[n] = torch.bfloat16 if n in src.fp8_scale_of else torch_dtype(st)
+        cfg_dtype = src.config.get("dtype") or src.config.get("torch_dtype")
+        default = getattr(torch, cfg_dtype) if isinstance(cfg_dtype, str) and hasattr(torch, cfg_dtype) else None
+        return cls(tuple(src.logical), dtypes, default if isinstance(default, torch.dtype) else DEFAULT_DTYPE)
+
+    @classmethod
+    def from_module(cls, model: torch.nn.Module) -> SourceInfo:
+        """An in-memory model: its own floating dtype before the master cast (BF16 if it has none)."""
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), DEFAULT_DTYPE)
+        return cls(None, {}, dtype)
+
+
+def plan_for_model(policy, model: torch.nn.Module | str | Path):
+    """Compile ``policy`` for a model: a checkpoint folder (its safetensors names and shapes, exactly as
+    ``miles-lp convert`` compiles it, so both run the same plan) or an in-memory transformers model (its
+    tensors under canonical names; fused experts per expert; tied weights once)."""
+    from miles_lp.policy import compile_plan, get_layout
+
+    if isinstance(model, str | Path):
+        from miles_lp.checkpoint.validate import validate_source
+
+        src = validate_source(model)
+        return compile_plan(policy, get_layout(src.config), src.logical)
+    layout = get_layout(model.config)
+    shapes: dict[str, tuple[int, ...]] = {}
+    seen: set[tuple] = set()
+    for n, t in model.state_dict().items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if t.numel() and key in seen:  # tied: the first name only
+            continue
+        seen.add(key)
+        shapes[n] = tuple(t.shape)
+    return compile_plan(policy, layout, _canonical_shapes(layout, shapes))
 
 
 def _canonical_shapes(layout, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:

@@ -547,6 +547,7 @@ class QuantLinear(torch.nn.Module):
     """
 
     is_quantized_module = True  # learner_weights(model) collects modules that set this
+    ran_quantized = False  # set by forward: the C1 record (executed_quantized), not read from the plan
 
     def __init__(self, in_features: int, out_features: int, recipe: LinearRecipe, *, bias: bool = False,
                  canonical: str | None = None, kernel: str = "auto", device=None, dtype=None):
@@ -576,7 +577,12 @@ class QuantLinear(torch.nn.Module):
         return q
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.ran_quantized = True
         return quantized_linear(x, self.weight, self.recipe, self.bias, grid=self.grid)
+
+    def executed_quantized(self) -> dict[str, str]:
+        """``{canonical: format}`` once a forward ran this GEMM quantized (empty before)."""
+        return {self.canonical: self.recipe.format.value} if self.ran_quantized else {}
 
     def invalidate_grids(self) -> None:
         self.grid.invalidate()
@@ -618,6 +624,7 @@ class QuantExperts(torch.nn.Module):
             raise ConfigError(f"QuantExperts: expected {2 * self.num_experts} gate/up and {self.num_experts} "
                               f"down member names, got {len(gate_up_members)} and {len(down_members)}")
         self.gate_up_members, self.down_members = tuple(gate_up_members), tuple(down_members)
+        self.ran_gate_up = self.ran_down = False  # set by forward (executed_quantized)
         if getattr(experts, "is_transposed", False) or getattr(experts, "has_bias", False) or not getattr(
                 experts, "has_gate", True) or not getattr(experts, "is_concatenated", True) or getattr(
                 experts, "has_post_expert_norm", False):
@@ -631,7 +638,21 @@ class QuantExperts(torch.nn.Module):
     def _proj(self, x: torch.Tensor, weight: torch.Tensor, e: int, recipe, grid) -> torch.Tensor:
         if recipe is None:
             return F.linear(x, weight[e].to(x.dtype))
+        if grid is self.gate_up_grid:
+            self.ran_gate_up = True
+        else:
+            self.ran_down = True
         return _expert_linear(x, weight, e, grid)
+
+    def executed_quantized(self) -> dict[str, str]:
+        """``{canonical: format}`` of the projections a forward ran quantized. All experts of a projection at
+        once: one grid quantizes every expert matrix, whichever experts the tokens were routed to."""
+        out: dict[str, str] = {}
+        for ran, recipe, members in ((self.ran_gate_up, self.gate_up_recipe, self.gate_up_members),
+                                     (self.ran_down, self.down_recipe, self.down_members)):
+            if ran and recipe is not None:
+                out.update(dict.fromkeys(members, recipe.format.value))
+        return out
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         final = torch.zeros_like(hidden_states)
@@ -717,6 +738,17 @@ def learner_weights(model: torch.nn.Module) -> Iterator[tuple[str, Any]]:
     for module in model.modules():
         if getattr(module, "is_quantized_module", False):
             yield from module.learner_weights()
+
+
+def executed_quantized(model: torch.nn.Module) -> dict[str, str]:
+    """``{canonical name: format}`` of every weight a forward of ``model`` has run quantized (C1: what the
+    modules recorded while computing, not what the plan says)."""
+    out: dict[str, str] = {}
+    for module in model.modules():
+        fn = getattr(module, "executed_quantized", None)
+        if getattr(module, "is_quantized_module", False) and callable(fn):
+            out.update(fn())
+    return out
 
 
 def invalidate_grids(model: torch.nn.Module) -> int:
