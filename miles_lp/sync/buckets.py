@@ -1,0 +1,153 @@
+"""Buckets of a configurable size that never split an atomic group, and the C5 write ledger.
+
+A bucket is a byte layout (``Slot``: name, dtype, shape, offset) plus the payload tensors. Transports copy
+the payload into the receiver's staging buffer, which is pre-filled with 0xFF first: 0xFF is a NaN in
+every dtype a sync sends (E8M0 scale 0xFF, E4M3 0xFF, BF16 0xFFFF, FP32 0xFFFFFFFF), so a byte that a
+transport failed to write reads as NaN, never as plausible old data (verl pre-fills expert scale staging
+the same way; ``torch.empty`` staging let a partial sync pass). Offsets are 64-byte aligned so that a slot
+can be viewed as its dtype in place.
+
+``Ledger`` is the receiver's record of what arrived: every expected tensor exactly once, none unexpected,
+and the count of NaN-coded scale elements per tensor against what the sender sent (C5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+
+import torch
+
+from miles_lp.sync.items import Item
+
+ALIGN = 64
+NAN_FILL = 0xFF
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    is_scale: bool = False
+
+
+@dataclasses.dataclass
+class Bucket:
+    index: int
+    slots: tuple[Slot, ...]
+    payload: dict[str, torch.Tensor]  # name -> the sender's tensor (a transport writes these into slots)
+    nbytes: int  # size of the staging buffer (aligned)
+    groups: tuple[str, ...]
+    last: bool = False
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.slots)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(s.nbytes for s in self.slots)
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _make(index: int, groups: Sequence[Sequence[Item]]) -> Bucket:
+    slots, payload, off = [], {}, 0
+    for group in groups:
+        for it in group:
+            slots.append(Slot(it.name, it.tensor.dtype, tuple(it.tensor.shape), off, it.nbytes, it.is_scale))
+            payload[it.name] = it.tensor
+            off = _align(off + it.nbytes)
+    return Bucket(index, tuple(slots), payload, off, tuple(g[0].group for g in groups))
+
+
+def make_buckets(groups: Iterable[Sequence[Item]], bucket_bytes: int) -> list[Bucket]:
+    """Greedy, order-preserving buckets of at most ``bucket_bytes`` (aligned size). A group larger than the
+    budget gets a bucket of its own (never split); the last bucket is marked ``last``."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    out: list[Bucket] = []
+    cur: list[Sequence[Item]] = []
+    cur_bytes = 0
+    for group in groups:
+        if not group:
+            continue
+        size = sum(_align(it.nbytes) for it in group)
+        if cur and cur_bytes + size > bucket_bytes:
+            out.append(_make(len(out), cur))
+            cur, cur_bytes = [], 0
+        cur.append(group)
+        cur_bytes += size
+    if cur:
+        out.append(_make(len(out), cur))
+    if out:
+        out[-1].last = True
+    return out
+
+
+def iter_received(bucket_slots: Sequence[Slot], staging: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """The named tensors of a received bucket: views of ``staging`` (uint8) in place, no copy."""
+    for s in bucket_slots:
+        raw = staging[s.offset:s.offset + s.nbytes]
+        yield s.name, raw.view(s.dtype).reshape(s.shape)
+
+
+def write_slot(staging: torch.Tensor, slot: Slot, t: torch.Tensor) -> None:
+    """Copy tensor ``t``'s bytes into its slot of ``staging`` (same device or across devices)."""
+    src = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    staging[slot.offset:slot.offset + slot.nbytes].copy_(src, non_blocking=False)
+
+
+def nan_codes(t: torch.Tensor) -> int:
+    """Elements of ``t`` holding a NaN (by bytes for the 8-bit codes: E8M0 0xFF, E4M3 S.1111.111)."""
+    if t.dtype == torch.uint8:
+        return int((t == NAN_FILL).sum())
+    if t.dtype == torch.float8_e4m3fn:
+        return int(((t.view(torch.uint8) & 0x7F) == 0x7F).sum())
+    if t.is_floating_point():
+        return int(torch.isnan(t).sum())
+    return 0
+
+
+@dataclasses.dataclass
+class Ledger:
+    """C5 on the receiving side: writes per tensor, NaN-coded scale elements received vs sent."""
+
+    expected: frozenset[str]
+    writes: dict[str, int] = dataclasses.field(default_factory=dict)
+    last_bucket: dict[str, int] = dataclasses.field(default_factory=dict)
+    nan_received: dict[str, int] = dataclasses.field(default_factory=dict)
+    nan_sent: dict[str, int] = dataclasses.field(default_factory=dict)
+    buckets_received: int = 0
+
+    def sent(self, bucket: Bucket) -> None:
+        for s in bucket.slots:
+            if s.is_scale:
+                self.nan_sent[s.name] = nan_codes(bucket.payload[s.name])
+
+    def received(self, index: int, named: Iterable[tuple[str, torch.Tensor]], scales: Mapping[str, bool]) -> None:
+        named = list(named)
+        if not named:  # an empty delivery is a bucket that did not arrive
+            return
+        self.buckets_received += 1
+        for name, t in named:
+            self.writes[name] = self.writes.get(name, 0) + 1
+            self.last_bucket[name] = index
+            if scales.get(name):
+                self.nan_received[name] = nan_codes(t)
+
+    def problems(self) -> dict[str, list[str]]:
+        """``missing`` (never written), ``repeated`` (written more than once), ``unexpected`` (not an engine
+        tensor), ``unwritten_scale_bytes`` (more NaN codes arrived than were sent: a missed write)."""
+        return {
+            "missing": sorted(self.expected - set(self.writes)),
+            "repeated": sorted(n for n, c in self.writes.items() if c > 1),
+            "unexpected": sorted(set(self.writes) - self.expected),
+            "unwritten_scale_bytes": sorted(n for n, c in self.nan_received.items()
+                                            if c > self.nan_sent.get(n, 0)),
+        }

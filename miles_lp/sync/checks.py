@@ -1,0 +1,224 @@
+"""The sync checks C1-C5 as small functions; each returns a ``Verdict`` (CONTRACT 5, seed 000).
+
+They compare what the learner did with what the live engine reports, never with the configuration alone:
+a rule-based audit passed 28 of 28 layers while the engine held 56 of 311 parameters in the wrong
+precision (seed 000, F2). C6 is ``miles_lp.sync.sentinel``; C7 is that every function here returns a
+verdict, including why it could not run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from miles_lp.export import naming
+from miles_lp.formats.spec import Format
+from miles_lp.sync.buckets import Ledger
+from miles_lp.sync.items import Item
+from miles_lp.sync.verdict import Verdict, failed, ok, skipped
+
+
+def _fmt(v: Any) -> str:
+    return str(getattr(v, "value", v)).lower()
+
+
+# --- C1 ----------------------------------------------------------------------------------------------------
+
+def layer_audit(executed: Mapping[str, Any] | None, engine: Mapping[str, Any],
+                plan: Mapping[str, Any]) -> Verdict:
+    """C1: the weights the learner executed in low precision (recorded during its forward) vs the engine's
+    live ``quantized_params()`` vs the plan; every disagreement by name and format.
+
+    ``executed`` is ``None`` or empty before the learner's first forward (the initial sync): the engine is
+    then audited against the plan alone, and the reason says so."""
+    eng = {n: _fmt(f) for n, f in engine.items()}
+    pln = {n: _fmt(f) for n, f in plan.items()}
+    sides = {"engine": eng, "plan": pln}
+    if executed:
+        sides["learner"] = {n: _fmt(f) for n, f in executed.items()}
+    names = sorted(set().union(*(s.keys() for s in sides.values())))
+    bad = []
+    for n in names:
+        got = {side: m.get(n, "bf16") for side, m in sides.items()}
+        if len(set(got.values())) > 1:
+            bad.append(n + " (" + ", ".join(f"{s} {f}" for s, f in got.items()) + ")")
+    what = " vs ".join(sides) if executed else "engine vs plan (the learner has not run a forward yet)"
+    if bad:
+        return failed("layer_audit", float(len(bad)), f"{len(bad)} of {len(names)} low-precision parameters "
+                      f"disagree ({what})", bad)
+    return ok("layer_audit", 0.0, f"{len(names)} low-precision parameters agree ({what})")
+
+
+# --- C2 ----------------------------------------------------------------------------------------------------
+
+def grid_digests(expected: Mapping[str, str], engine: Mapping[str, str]) -> Verdict:
+    """C2 (every sync): the digest of each engine tensor equals the digest of the learner's export."""
+    bad = sorted(n for n, d in expected.items() if engine.get(n) != d)
+    if bad:
+        return failed("grid", float(len(bad)), f"{len(bad)} of {len(expected)} engine tensors differ from the "
+                      "learner's export (digest)", bad)
+    return ok("grid", 0.0, f"{len(expected)} tensors equal the learner's export (digest)")
+
+
+def grid_full(expected: Mapping[str, torch.Tensor], engine: Mapping[str, torch.Tensor]) -> Verdict:
+    """C2 (full compare): byte equality of every engine tensor with the learner's export."""
+    bad, diff_bytes, total = [], 0, 0
+    for n, t in expected.items():
+        e = engine.get(n)
+        a = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        total += a.numel()
+        if e is None or e.dtype != t.dtype or tuple(e.shape) != tuple(t.shape):
+            bad.append(f"{n} (engine {None if e is None else (str(e.dtype), list(e.shape))})")
+            diff_bytes += a.numel()
+            continue
+        b = e.detach().contiguous().reshape(-1).view(torch.uint8).to(a.device)
+        d = int((a != b).sum())
+        if d:
+            bad.append(f"{n} ({d} bytes)")
+            diff_bytes += d
+    if bad:
+        return failed("grid", float(len(bad)), f"{len(bad)} of {len(expected)} engine tensors differ from the "
+                      f"learner's export ({diff_bytes} of {total} bytes, full compare)", bad)
+    return ok("grid", 0.0, f"{len(expected)} tensors, {total} bytes equal the learner's export (full compare)")
+
+
+def global_scale_names(target: str, plan_groups: Mapping[str, Sequence[str]],
+                       plan_formats: Mapping[str, Any]) -> list[tuple[str, list[str]]]:
+    """For each NVFP4 joint-scale group of the plan (gate + up): the engine names of its members' global
+    scales (``weight_scale_2`` for SGLang/vLLM, ``weight_global_scale`` for compressed-tensors)."""
+    suffix = next(p.suffix for p in naming.parts(target, Format.NVFP4) if p.component == "global_scale")
+    out = []
+    for group, members in plan_groups.items():
+        if len(members) > 1 and all(_fmt(plan_formats.get(m)) == "nvfp4" for m in members):
+            out.append((group, [naming.module_prefix(m) + suffix for m in members]))
+    return out
+
+
+def joint_scales(groups: Sequence[tuple[str, list[str]]], engine: Mapping[str, torch.Tensor]) -> Verdict:
+    """C2 (joint scale): the members of each NVFP4 gate/up group hold ONE global scale in the engine (SGLang
+    and vLLM fuse gate and up into one GEMM with one scale; CONTRACT 2)."""
+    if not groups:
+        return skipped("grid", "no NVFP4 gate/up group in the plan")
+    bad = []
+    for group, names in groups:
+        vals = [engine.get(n) for n in names]
+        if any(v is None for v in vals):
+            bad.append(f"{group} (missing {[n for n, v in zip(names, vals, strict=True) if v is None]})")
+            continue
+        first = vals[0].reshape(-1).view(torch.uint8)
+        if any(not torch.equal(first, v.reshape(-1).view(torch.uint8).to(first.device)) for v in vals[1:]):
+            bad.append(f"{group} ({', '.join(f'{float(v.reshape(-1)[0]):.6g}' for v in vals)})")
+    if bad:
+        return failed("grid", float(len(bad)), f"{len(bad)} of {len(groups)} NVFP4 gate/up groups hold separate "
+                      "global scales in the engine (one fused GEMM needs one)", bad)
+    return ok("grid", 0.0, f"{len(groups)} NVFP4 gate/up groups share one global scale")
+
+
+# --- C3 ----------------------------------------------------------------------------------------------------
+
+def self_check(result: Mapping[str, Any] | None, tolerance: float) -> Verdict:
+    """C3: the engine ran one quantized dense layer and one expert through its serving kernel on random input
+    vs a high-precision GEMM on the dequantized synced weights; every relative error <= ``tolerance``
+    (healthy ~0.03 dense / ~0.05 expert; stale derived state ~1; seed 000)."""
+    layers = dict((result or {}).get("layers") or {})
+    if not layers:
+        why = (result or {}).get("reason") or "; ".join((result or {}).get("skipped") or ()) or (
+            "the engine reported no quantized layer to check")
+        return skipped("self_check", str(why))
+    # ``{name: rel_err}`` or ``{name: {"rel_err": e, "kind": ..., "format": ...}}`` (the reference engine)
+    errs = {n: float(e["rel_err"] if isinstance(e, Mapping) else e) for n, e in layers.items()}
+    worst = max(errs.values(), key=lambda e: math.inf if not math.isfinite(e) else e)
+    bad = [f"{n} ({e:.4g})" for n, e in errs.items() if not (math.isfinite(e) and e <= tolerance)]
+    figs = ", ".join(f"{n.split('.', 2)[-1]}={e:.3g}" for n, e in errs.items())
+    if bad:
+        return failed("self_check", worst, f"{len(bad)} of {len(errs)} layers above tolerance {tolerance}: the "
+                      "serving kernel does not compute the synced weights (stale derived state?)", bad)
+    return ok("self_check", worst, f"{len(errs)} layers within {tolerance}: {figs}")
+
+
+# --- C4 ----------------------------------------------------------------------------------------------------
+
+def storage_identity(baseline: Mapping[str, int] | None, now: Mapping[str, int]) -> Verdict:
+    """C4: the tensors the engine serves from (and CUDA graphs captured) are the ones recorded at load: same
+    names, same data pointers. A re-bound parameter leaves later updates in a tensor nobody reads."""
+    if not baseline:
+        return skipped("storage", "no storage pointers were recorded at load (the engine reported none)")
+    changed = sorted(n for n, p in baseline.items() if now.get(n) != p)
+    extra = sorted(set(now) - set(baseline))
+    bad = changed + [f"{n} (new)" for n in extra]
+    if bad:
+        return failed("storage", float(len(bad)), f"{len(bad)} of {len(baseline)} served tensors are not the "
+                      "storage recorded at load (re-bound parameters)", bad)
+    return ok("storage", 0.0, f"{len(baseline)} served tensors keep their storage")
+
+
+# --- C5 ----------------------------------------------------------------------------------------------------
+
+def parse_digest(d: str) -> tuple[str, tuple[int, ...]]:
+    """``"float8_e4m3fn[64, 32]:abcd"`` -> ``("float8_e4m3fn", (64, 32))`` (``tensor_digest``'s format)."""
+    head = d.split(":", 1)[0]
+    dtype, _, shape = head.partition("[")
+    dims = shape.rstrip("]").strip()
+    return dtype, tuple(int(x) for x in dims.split(",")) if dims else ()
+
+
+def validate_update(items: Iterable[Item], spec: Mapping[str, tuple[str, tuple[int, ...]]],
+                    engine_quantized: Mapping[str, Any]) -> Verdict:
+    """C5, before any byte is written: every engine tensor is sent, nothing else, each with the engine's
+    dtype and shape; a BF16 weight is never sent to a low-precision parameter, nor the reverse. A failure
+    refuses the whole update (the previous weights keep serving)."""
+    items = list(items)
+    sent = {it.name: it for it in items}
+    bad = []
+    for n in sorted(set(sent) - set(spec)):
+        bad.append(f"{n} (unknown to the engine)")
+    for n in sorted(set(spec) - set(sent)):
+        bad.append(f"{n} (not in the learner's export)")
+    eng_q = {n: _fmt(f) for n, f in engine_quantized.items()}
+    for n, it in sent.items():
+        if n not in spec:
+            continue
+        dtype, shape = spec[n]
+        got = str(it.tensor.dtype).removeprefix("torch.")
+        if got != dtype or tuple(it.tensor.shape) != tuple(shape):
+            bad.append(f"{n} (sent {got}{list(it.tensor.shape)}, engine holds {dtype}{list(shape)})")
+        if it.component in (None, "data"):  # the weight itself: precision must match the engine's parameter
+            held = eng_q.get(it.source, "bf16")
+            sent_fmt = _fmt(it.fmt)
+            if (held == "bf16") != (sent_fmt == "bf16"):
+                bad.append(f"{it.source} ({sent_fmt} weight sent to a {held} parameter)")
+    if bad:
+        return failed("completeness", float(len(bad)), f"update refused before any byte was written: {len(bad)} "
+                      "problem(s)", bad)
+    return ok("completeness", 0.0, f"{len(sent)} tensors fit the engine (names, dtypes, shapes, precision)")
+
+
+def completeness(ledger: Ledger, buckets_sent: int) -> Verdict:
+    """C5, after the last bucket: every expected tensor written exactly once, none unexpected, no scale
+    element still holding the 0xFF NaN code the staging buffer was filled with."""
+    probs = ledger.problems()
+    bad = ([f"{n} (never written)" for n in probs["missing"]] + [f"{n} (written twice)" for n in probs["repeated"]]
+           + [f"{n} (unexpected)" for n in probs["unexpected"]]
+           + [f"{n} (staged scale bytes not written: NaN code)" for n in probs["unwritten_scale_bytes"]])
+    got = ledger.buckets_received
+    if got != buckets_sent:
+        bad.insert(0, f"{buckets_sent - got} of {buckets_sent} buckets never arrived")
+    if bad:
+        return failed("completeness", float(len(bad)), f"incomplete update: {len(bad)} problem(s) "
+                      f"({len(ledger.writes)} of {len(ledger.expected)} tensors written)", bad)
+    return ok("completeness", 0.0, f"{len(ledger.expected)} tensors written once in {got} buckets; staged "
+              "scales fully written")
+
+
+def version(expected: int, engine_version: int, generation_version: int | None = None) -> Verdict:
+    """The weight version increments once per sync and the engine reports it (also with its generations)."""
+    got = {"engine": engine_version}
+    if generation_version is not None:
+        got["generation"] = generation_version
+    bad = [f"{k} reports {v}" for k, v in got.items() if v != expected]
+    if bad:
+        return failed("version", float(engine_version), f"expected weight version {expected}: " + ", ".join(bad))
+    return ok("version", float(expected), f"weight version {expected}")

@@ -1,0 +1,101 @@
+"""The learner's export under the engine's names: one ``Item`` per engine tensor, with its atomic group.
+
+``Learner.export_weights()`` yields ``(canonical HF name, MXFP8Tensor | NVFP4Tensor | torch.Tensor)``;
+``miles_lp.export.naming.encode`` maps a quantized weight to the target's on-disk tensors (SGLang MXFP8:
+``<m>.weight`` e4m3 + ``<m>.weight_scale_inv`` u8), so a live update writes exactly what a fresh load from
+disk reads (CONTRACT 5). Nothing is copied here: items hold the export's own tensors; BF16 travels as BF16.
+
+Atomic groups (issue 11): tensors an engine loader must see together. The weight and the scales of one
+module; gate and up of one MLP (one fused GEMM, one NVFP4 global scale); q/k/v of one attention (fused
+QKV); every expert of one MoE layer (engines fuse all experts of a layer into one tensor). A bucket never
+splits a group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from miles_lp.errors import MilesLPError
+from miles_lp.export import naming
+from miles_lp.formats.spec import Format
+
+_EXPERTS = re.compile(r"^(.*\.experts)\.\d+\.")
+_QKV = re.compile(r"^(.*)\.(?:q_proj|k_proj|v_proj)\.")
+_GATE_UP = re.compile(r"^(.*)\.(?:gate_proj|up_proj|w1|w3)\.")
+
+
+def group_key(name: str) -> str:
+    """The atomic group of engine tensor ``name`` (see the module docstring)."""
+    if m := _EXPERTS.match(name):
+        return m.group(1)
+    if m := _QKV.match(name):
+        return m.group(1) + ".qkv"
+    if m := _GATE_UP.match(name):
+        return m.group(1) + ".gate_up"
+    module, _, _ = name.rpartition(".")
+    return module or name
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    name: str  # the engine's on-disk tensor name
+    tensor: torch.Tensor
+    source: str  # the canonical learner name it came from
+    fmt: Format  # Format.BF16 for a high-precision tensor
+    component: str | None  # "data" | "scale" | "global_scale" | "const" | None (high precision)
+    group: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    @property
+    def is_scale(self) -> bool:
+        return self.component in ("scale", "global_scale")
+
+
+def is_quantized(obj: Any) -> bool:
+    return hasattr(obj, "components") and hasattr(obj, "format")
+
+
+def engine_items(export: Iterable[tuple[str, Any]], target: str) -> list[Item]:
+    """Every engine tensor of one sync, in export order. Raises ``SyncInputError`` for a name exported twice
+    or an object that is neither a tensor nor a quantized tensor."""
+    naming.check_target(target)
+    items: list[Item] = []
+    seen: dict[str, str] = {}
+    for source, obj in export:
+        if is_quantized(obj):
+            fmt = Format(obj.format)
+            encoded = naming.encode(target, fmt, source, obj)
+            parts = naming.parts(target, fmt)
+            for (name, t), part in zip(encoded.items(), parts, strict=True):
+                items.append(Item(name, t, source, fmt, part.component or "const", group_key(name)))
+        elif isinstance(obj, torch.Tensor):
+            items.append(Item(source, obj.detach(), source, Format.BF16, None, group_key(source)))
+        else:
+            raise SyncInputError(f"learner export yielded '{source}' as {type(obj).__name__}; expected a "
+                                 "torch.Tensor or a quantized tensor from miles_lp.formats")
+        for it in items[len(items) - (len(encoded) if is_quantized(obj) else 1):]:
+            if it.name in seen:
+                raise SyncInputError(f"learner export wrote engine tensor '{it.name}' twice (from "
+                                     f"'{seen[it.name]}' and '{it.source}'); every tensor must be exported once")
+            seen[it.name] = it.source
+    return items
+
+
+def group_items(items: Sequence[Item]) -> Iterator[list[Item]]:
+    """Items grouped by atomic group, groups in order of first appearance (members keep export order)."""
+    groups: dict[str, list[Item]] = {}
+    for it in items:
+        groups.setdefault(it.group, []).append(it)
+    yield from groups.values()
+
+
+class SyncInputError(MilesLPError, ValueError):
+    """The learner's export or the update does not fit the engine (unknown name, shape, dtype, format)."""

@@ -1,0 +1,240 @@
+"""Transports: move a bucket's bytes from the learner into the receiver's 0xFF-filled staging buffer.
+
+One interface (``Transport.send(bucket) -> [(name, tensor)]``: the received tensors, views of the staging
+buffer in the receiver's memory), four implementations:
+
+* ``InProcessTransport``: the payload is copied straight into the staging buffer on the engine's device
+  (one copy; across devices it is the host<->device copy).
+* ``RayTransport``: the bucket is flattened on the host, ``ray.put`` into the object store, and the
+  receiver ``ray.get``s it (zero-copy read-only view) into its staging buffer. CPU, any process of the
+  Ray cluster; ``ray_receive`` is the receiver's half for an engine running as a Ray actor.
+* ``CudaIpcTransport``: the bucket is flattened on the learner's GPU and shared through a CUDA IPC handle
+  (``torch.multiprocessing.reductions.reduce_tensor``, SGLang's same-host tensor path); the receiver
+  rebuilds the tensor from the handle and copies it into its staging buffer.
+* ``BroadcastTransport``: ``torch.distributed.broadcast`` of the layout (``broadcast_object_list``) then of the
+  flat buffer from the learner's rank; ``BroadcastReceiver`` is the engine ranks' half (NCCL on GPU, the
+  ``update_weights_from_distributed`` path; gloo on CPU, which the tests use).
+
+A staging buffer is reused bucket to bucket and refilled with 0xFF before every bucket (``Staging``), so a
+byte a transport did not write is a NaN in whatever dtype it belongs to (C5). Engines copy a bucket before
+``update_weights`` returns (the Engine protocol's update semantics), so reuse is safe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from miles_lp.errors import BackendUnavailable, ConfigError
+from miles_lp.sync.buckets import NAN_FILL, Bucket, Slot, iter_received, write_slot
+
+Received = list[tuple[str, torch.Tensor]]
+
+
+class Staging:
+    """The receiver's reusable uint8 staging buffer on ``device``, refilled with 0xFF for every bucket."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self._buf: torch.Tensor | None = None
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        if self._buf is None or self._buf.numel() < nbytes:
+            self._buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+        buf = self._buf[:nbytes]
+        buf.fill_(NAN_FILL)
+        return buf
+
+    def release(self) -> None:
+        self._buf = None
+
+
+@runtime_checkable
+class Transport(Protocol):
+    name: str
+
+    def send(self, bucket: Bucket) -> Received:
+        """Deliver ``bucket`` into the receiver's staging buffer; the received tensors (views of it)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def flatten(bucket: Bucket, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The bucket as one uint8 buffer on ``device`` (0xFF where no payload byte was written)."""
+    buf = torch.full((max(bucket.nbytes, 1),), NAN_FILL, dtype=torch.uint8, device=device)[:bucket.nbytes]
+    for s in bucket.slots:
+        t = bucket.payload.get(s.name)
+        if t is not None:
+            write_slot(buf, s, t)
+    return buf
+
+
+@dataclasses.dataclass
+class InProcessTransport:
+    device: torch.device | str = "cpu"
+    name: str = "inprocess"
+
+    def __post_init__(self):
+        self.staging = Staging(self.device)
+
+    def send(self, bucket: Bucket) -> Received:
+        buf = self.staging.take(bucket.nbytes)
+        for s in bucket.slots:
+            t = bucket.payload.get(s.name)
+            if t is not None:
+                write_slot(buf, s, t)
+        return list(iter_received(bucket.slots, buf))
+
+    def close(self) -> None:
+        self.staging.release()
+
+
+def ray_receive(ref: Any, slots: tuple[Slot, ...], staging: Staging) -> Received:
+    """The receiver's half of ``RayTransport``: fetch a flattened bucket into ``staging``."""
+    import warnings
+
+    import ray
+
+    arr = ray.get(ref)  # a read-only zero-copy view of the object store
+    with warnings.catch_warnings():  # torch warns on wrapping a read-only buffer; it is only read, at once
+        warnings.simplefilter("ignore", UserWarning)
+        src = torch.from_numpy(arr)
+    buf = staging.take(src.numel())
+    buf.copy_(src)
+    return list(iter_received(slots, buf))
+
+
+@dataclasses.dataclass
+class RayTransport:
+    """Through Ray's object store (CPU). ``ray.init`` must have run (the launcher does it)."""
+
+    device: torch.device | str = "cpu"
+    name: str = "ray"
+
+    def __post_init__(self):
+        try:
+            import ray
+        except ImportError as exc:  # pragma: no cover - ray is a dependency here
+            raise BackendUnavailable("sync.transport: ray is not importable; pip install ray") from exc
+        if not ray.is_initialized():
+            raise BackendUnavailable("sync.transport 'ray': ray is not initialized in this process; call "
+                                     "ray.init() first (the RL launcher does) or use transport: inprocess")
+        self.staging = Staging(self.device)
+
+    def send(self, bucket: Bucket) -> Received:
+        import ray
+
+        ref = ray.put(flatten(bucket, "cpu").numpy())
+        return ray_receive(ref, bucket.slots, self.staging)
+
+    def close(self) -> None:
+        self.staging.release()
+
+
+@dataclasses.dataclass
+class CudaIpcTransport:
+    """Same-host GPU processes: the bucket is flattened on the learner's GPU and shared by IPC handle."""
+
+    device: torch.device | str = "cuda"
+    name: str = "cuda_ipc"
+
+    def __post_init__(self):
+        if not torch.cuda.is_available():
+            raise BackendUnavailable("sync.transport 'cuda_ipc' needs CUDA; use inprocess or ray on CPU")
+        self.staging = Staging(self.device)
+
+    @staticmethod
+    def share(flat: torch.Tensor) -> tuple[Any, tuple]:
+        """A picklable handle for a CUDA tensor (torch's own reduction for CUDA IPC)."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return reduce_tensor(flat)
+
+    @staticmethod
+    def open(handle: tuple[Any, tuple]) -> torch.Tensor:
+        rebuild, args = handle
+        return rebuild(*args)
+
+    def send(self, bucket: Bucket) -> Received:
+        src_device = next((t.device for t in bucket.payload.values() if t.is_cuda), torch.device(self.device))
+        flat = flatten(bucket, src_device)
+        handle = self.share(flat)
+        shared = self.open(handle)
+        buf = self.staging.take(bucket.nbytes)
+        buf.copy_(shared)
+        torch.cuda.current_stream(buf.device).synchronize()  # the sender may free ``flat`` after this
+        return list(iter_received(bucket.slots, buf))
+
+    def close(self) -> None:
+        self.staging.release()
+
+
+_END = "__end__"
+
+
+@dataclasses.dataclass
+class BroadcastTransport:
+    """The learner's half of a ``torch.distributed`` broadcast (NCCL on GPU, gloo on CPU) to engine ranks.
+
+    ``send`` broadcasts the layout then the bytes and returns ``[]`` (the receivers hold the tensors);
+    ``close`` tells the receivers the update is over."""
+
+    group: Any = None
+    src: int = 0
+    device: torch.device | str = "cpu"
+    name: str = "nccl"
+
+    def send(self, bucket: Bucket) -> Received:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([(bucket.index, bucket.slots, bucket.nbytes)], src=self.src, group=self.group)
+        flat = flatten(bucket, self.device)
+        dist.broadcast(flat, src=self.src, group=self.group)
+        return []
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([_END], src=self.src, group=self.group)
+
+
+@dataclasses.dataclass
+class BroadcastReceiver:
+    """An engine rank's half of ``BroadcastTransport``: ``receive()`` yields ``(index, slots, received)``
+    per bucket until the sender closes; the bytes land in a 0xFF-filled staging buffer."""
+
+    group: Any = None
+    src: int = 0
+    device: torch.device | str = "cpu"
+
+    def __post_init__(self):
+        self.staging = Staging(self.device)
+
+    def receive(self):
+        import torch.distributed as dist
+
+        while True:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=self.src, group=self.group)
+            if box[0] == _END:
+                return
+            index, slots, nbytes = box[0]
+            buf = self.staging.take(nbytes)
+            dist.broadcast(buf, src=self.src, group=self.group)
+            yield index, slots, list(iter_received(slots, buf))
+
+
+def make_transport(name: str, device: torch.device | str = "cpu", **kw) -> Transport:
+    """The transport a recipe names (``sync.transport``); ``device``: where the receiver stages bytes."""
+    if name == "inprocess":
+        return InProcessTransport(device)
+    if name == "ray":
+        return RayTransport(device)
+    if name == "cuda_ipc":
+        return CudaIpcTransport(device)
+    if name == "nccl":
+        return BroadcastTransport(device=device, **kw)
+    raise ConfigError(f"sync.transport: unknown transport '{name}'; known: inprocess, ray, cuda_ipc, nccl")

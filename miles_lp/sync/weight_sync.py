@@ -1,0 +1,323 @@
+"""``WeightSync``: the learner's own quantized weights into a live engine after every optimizer step.
+
+    sync = WeightSync(engine, plan, "sglang", config)      # records the engine's tensors and pointers (load)
+    report = sync.initial_sync(learner)                    # full byte compare
+    ...
+    report = sync.sync(learner)                            # after each optimizer step
+    metrics.update(report.metrics)                         # perf/sync_seconds, sync/check/<name>, ...
+
+The order real stacks use (Miles, slime): export -> pre-checks -> pause -> flush -> begin -> buckets ->
+finish (derived state rebuilt) -> post-checks -> resume. The weight version increments once per sync and is
+checked against what the engine reports.
+
+Checks (CONTRACT 5; each ``warn | raise | off``, ``SyncConfig``):
+
+* before any byte is written: C1 ``layer_audit`` (learner executed vs engine live vs plan) and the C5
+  update validation (names, dtypes, shapes, BF16 vs low precision). An update that does not fit the engine
+  is refused whole in every mode but ``off``: the previous weights keep serving.
+* after ``finish``: ``version``; C5 ``completeness`` (the receiver's ledger; 0xFF-filled staging); C2 ``grid``
+  (digest of every tensor, or a full byte compare; NVFP4 gate/up share one global scale); C3
+  ``self_check`` (the serving kernel vs the dequantized synced weights); C4 ``storage`` (data pointers as
+  recorded at load); C6 ``sentinel`` (the RL loop's per-step sentinel, or a short probe generation).
+
+In ``raise`` mode a failed post-check raises ``SyncCheckError`` after all checks ran, with the engine left
+paused (it would serve a policy the learner does not compute). An engine or transport failure mid-sync
+raises ``SyncAbortedError`` in every mode: the engine may hold a partial update; restart it and call
+``initial_sync``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from miles_lp.errors import ConfigError
+from miles_lp.rollout.engine import tensor_digest
+from miles_lp.sync import checks
+from miles_lp.sync.buckets import Ledger, make_buckets
+from miles_lp.sync.config import CHECKS, SyncConfig
+from miles_lp.sync.digest import fingerprint
+from miles_lp.sync.items import Item, engine_items, group_items
+from miles_lp.sync.sentinel import Sentinel, rollout_kl
+from miles_lp.sync.transport import BroadcastTransport, Transport, make_transport
+from miles_lp.sync.verdict import (
+    STATUS_VALUE,
+    SyncAbortedError,
+    SyncCheckError,
+    Verdict,
+    failed,
+    skipped,
+)
+
+logger = logging.getLogger("miles_lp.sync")
+
+PRE_CHECKS = ("layer_audit", "completeness")
+
+
+@dataclasses.dataclass
+class SyncReport:
+    weight_version: int
+    verdicts: tuple[Verdict, ...]
+    metrics: dict[str, float]
+    seconds: float
+    check_seconds: float
+    bytes: int
+    buckets: int
+    full_compare: bool
+    log_line: str = ""
+    stage: str = "done"  # how far the sync got: "pre-checks" | "transfer" | "apply" | "finish" | "done"
+
+    @property
+    def ok(self) -> bool:
+        return not any(v.failed for v in self.verdicts)
+
+    @property
+    def failed(self) -> tuple[Verdict, ...]:
+        return tuple(v for v in self.verdicts if v.failed)
+
+    def verdict(self, name: str) -> Verdict:
+        for v in self.verdicts:
+            if v.name == name:
+                return v
+        raise KeyError(name)
+
+
+def _combine(name: str, parts: list[Verdict]) -> Verdict:
+    """One verdict from several sub-checks of one check: the first failure, else ok with all reasons."""
+    parts = [p for p in parts if p is not None]
+    for p in parts:
+        if p.failed:
+            return p
+    done = [p for p in parts if p.ok]
+    if not done:
+        return skipped(name, "; ".join(p.reason for p in parts) or "nothing to check")
+    return dataclasses.replace(done[0], reason="; ".join(p.reason for p in done))
+
+
+class WeightSync:
+    def __init__(self, engine: Any, plan: Any, target: str = "sglang", config: SyncConfig | None = None, *,
+                 transport: Transport | None = None, sentinel: Sentinel | None = None,
+                 env: Mapping[str, str] | None = None, device: torch.device | str | None = None,
+                 log: Callable[[str], None] | None = None, probe_prompts: list[list[int]] | None = None):
+        self.engine = engine
+        self.plan = plan
+        self.target = target
+        self.config = (config or SyncConfig()).with_env(os.environ if env is None else env)
+        if transport is None:
+            if self.config.transport == "nccl":
+                raise ConfigError("sync.transport 'nccl': the receiving half runs in the engine's processes "
+                                  "(miles_lp.sync.transport.BroadcastReceiver); WeightSync drives an engine it can "
+                                  "call directly: use inprocess, ray or cuda_ipc, or pass a transport")
+            transport = make_transport(self.config.transport, device or "cpu")
+        if isinstance(transport, BroadcastTransport):
+            raise ConfigError("WeightSync cannot check an engine on the far side of a broadcast; see "
+                              "BroadcastReceiver")
+        self.transport = transport
+        self.sentinel = sentinel or Sentinel(self.config.sentinel)
+        self.log = log or logger.info
+        self.probe_prompts = probe_prompts or [[1, 2, 3, 4]]
+        self.expected_version = int(engine.weight_version)
+        self.syncs = 0
+        self.record_engine()
+
+    # ---- state recorded at load ------------------------------------------------------------------------
+    def record_engine(self) -> None:
+        """What the engine serves right after a load: its tensor names, dtypes, shapes (the update's target
+        spec) and the data pointers its kernels read (the C4 baseline). Call again after an engine restart."""
+        digests = self.engine.weight_digests()
+        self.spec = {n: checks.parse_digest(d) for n, d in digests.items()}
+        try:
+            self.pointers: dict[str, int] | None = dict(self.engine.storage_pointers())
+        except NotImplementedError:
+            self.pointers = None
+        self.expected_version = int(self.engine.weight_version)
+
+    def mode(self, name: str) -> str:
+        return self.config.mode(name)
+
+    # ---- the sync ------------------------------------------------------------------------------------
+    def initial_sync(self, learner: Any) -> SyncReport:
+        """A full sync with a full byte compare (C2), after recording the freshly loaded engine again."""
+        self.record_engine()
+        return self.sync(learner, full_compare=self.config.full_compare != "off")
+
+    def sync(self, learner: Any, *, full_compare: bool | None = None) -> SyncReport:
+        t0 = time.perf_counter()
+        if full_compare is None:
+            full_compare = self.config.full_compare == "always" or (
+                self.config.full_compare == "initial" and self.syncs == 0)
+        times: dict[str, float] = {}
+        verdicts: dict[str, Verdict] = {}
+
+        def timed(name: str, fn: Callable[[], Verdict]) -> Verdict:
+            if self.mode(name) == "off":
+                v = skipped(name, "check turned off (sync.checks." + name + ": off)")
+            else:
+                s = time.perf_counter()
+                v = fn()
+                v = dataclasses.replace(v, seconds=v.seconds + time.perf_counter() - s)
+            verdicts[name] = v
+            return v
+
+        # 1. export (the learner's own grid; nothing re-quantized) under the engine's names
+        s = time.perf_counter()
+        executed = learner.executed_quantized() if hasattr(learner, "executed_quantized") else None
+        items = engine_items(learner.export_weights(), self.target)
+        times["export"] = time.perf_counter() - s
+
+        # 2. pre-checks: nothing written yet
+        engine_q = dict(self.engine.quantized_params())
+        plan_q = {n: e.format for n, e in self.plan.quantized().items()} if self.plan is not None else {}
+        timed("layer_audit", lambda: checks.layer_audit(executed, engine_q, plan_q))
+        timed("completeness", lambda: checks.validate_update(items, self.spec, engine_q))
+        pre_fail = [verdicts[n] for n in PRE_CHECKS
+                    if verdicts[n].failed and (self.mode(n) == "raise" or n == "completeness")]
+        if pre_fail:
+            report = self._report(verdicts, times, t0, 0, 0, full_compare, "pre-checks")
+            raise SyncCheckError("weight sync refused before any byte was written: "
+                                 + " | ".join(v.describe() for v in pre_fail), pre_fail, report)
+
+        # 3. pause -> flush -> begin -> buckets -> finish
+        buckets = make_buckets(group_items(items), self.config.bucket_bytes)
+        ledger = Ledger(frozenset(self.spec))
+        scales = {it.name: it.is_scale for it in items}
+        nbytes = sum(b.payload_bytes for b in buckets)
+        stage, index = "pause", None
+        try:
+            self.engine.pause()
+            self.engine.flush_cache()
+            stage = "begin"
+            self.engine.begin_weight_update()
+            t_transfer = t_apply = 0.0
+            for b in buckets:
+                index = b.index
+                ledger.sent(b)
+                stage = "transfer"
+                s = time.perf_counter()
+                received = self.transport.send(b)
+                t_transfer += time.perf_counter() - s
+                ledger.received(b.index, received, scales)
+                stage = "apply"
+                s = time.perf_counter()
+                if received:
+                    self.engine.update_weights(received)
+                t_apply += time.perf_counter() - s
+            stage, index = "finish", None
+            s = time.perf_counter()
+            self.engine.finish_weight_update()
+            times["finish"] = time.perf_counter() - s
+            times["transfer"], times["apply"] = t_transfer, t_apply
+        except Exception as exc:
+            report = self._report(verdicts, times, t0, nbytes, len(buckets), full_compare, stage)
+            where = f" at bucket {index + 1} of {len(buckets)}" if index is not None else ""
+            raise SyncAbortedError(f"weight sync aborted in '{stage}'{where}: {type(exc).__name__}: {exc}. The "
+                                   "engine may hold a partial update: restart it (or check it is alive) and run "
+                                   "a full resync (WeightSync.initial_sync)", stage, index, report) from exc
+        self.expected_version += 1
+        self.syncs += 1
+
+        # 4. post-checks
+        timed("version", lambda: checks.version(self.expected_version, int(self.engine.weight_version)))
+        pre = verdicts["completeness"]
+        timed("completeness", lambda: _combine("completeness", [pre, checks.completeness(ledger, len(buckets))]))
+        timed("grid", lambda: self._grid(items, full_compare))
+        timed("self_check", lambda: checks.self_check(self._self_check(), self.config.self_check_tolerance))
+        timed("storage", lambda: checks.storage_identity(self.pointers, self.engine.storage_pointers()))
+        raising = [v for n, v in verdicts.items() if v.failed and self.mode(n) == "raise"]
+        if not raising:
+            self.engine.resume()
+            # C6 last: a probe generation needs a serving engine; a raise-mode failure pauses it again
+            if timed("sentinel", lambda: self._sentinel(learner)).failed and self.mode("sentinel") == "raise":
+                self.engine.pause()
+                raising = [verdicts["sentinel"]]
+
+        report = self._report(verdicts, times, t0, nbytes, len(buckets), full_compare, "done")
+        if raising:
+            raise SyncCheckError(f"weight sync v{self.expected_version} failed {len(raising)} check(s); the engine "
+                                 "is left paused: " + " | ".join(v.describe() for v in raising), raising, report)
+        return report
+
+    # ---- check helpers ---------------------------------------------------------------------------------
+    def _grid(self, items: list[Item], full: bool) -> Verdict:
+        expected = {it.name: it.tensor for it in items}
+        if full:
+            got = self.engine.read_weights(list(expected))
+            main = checks.grid_full(expected, got)
+        elif hasattr(self.engine, "weight_fingerprints"):
+            main = checks.grid_digests({n: fingerprint(t) for n, t in expected.items()},
+                                       self.engine.weight_fingerprints(list(expected)))
+        else:
+            main = checks.grid_digests({n: tensor_digest(t) for n, t in expected.items()},
+                                       self.engine.weight_digests(list(expected)))
+        parts = [main]
+        if self.plan is not None:
+            groups = checks.global_scale_names(self.target, self.plan.groups,
+                                               {n: e.format for n, e in self.plan.entries.items()})
+            if groups:
+                names = [n for _, ns in groups for n in ns]
+                parts.append(checks.joint_scales(groups, self.engine.read_weights(names)))
+        return _combine("grid", parts)
+
+    def _self_check(self) -> Mapping[str, Any] | None:
+        try:
+            return self.engine.self_check(self.config.self_check_seed)
+        except NotImplementedError as exc:
+            return {"reason": f"the engine has no self-check ({exc})"}
+
+    def _sentinel(self, learner: Any) -> Verdict:
+        if self.config.probe_tokens <= 0:
+            last = self.sentinel.last
+            return dataclasses.replace(last, reason=last.reason + " (the RL loop's last step; sync.probe_tokens "
+                                       "= 0: no probe generation)")
+        from miles_lp.rollout.engine import SamplingParams
+
+        gens = self.engine.generate(self.probe_prompts, SamplingParams(temperature=1.0,
+                                    max_new_tokens=self.config.probe_tokens, seed=self.config.self_check_seed))
+        seqs = [torch.tensor(list(p) + list(g.output_ids)) for p, g in zip(self.probe_prompts, gens, strict=True)]
+        train_lp, _ = learner.logprobs(seqs)
+        train = [lp[len(p) - 1:] for lp, p in zip(train_lp, self.probe_prompts, strict=True)]
+        kl = rollout_kl([g.logprobs for g in gens], train)
+        self.probe_kl = kl
+        versions = {g.weight_version for g in gens}
+        v = self.sentinel.update(rollout_logprobs=[g.logprobs for g in gens], kl=kl)
+        if versions != {self.expected_version}:
+            return failed("sentinel", kl, f"probe generations report weight version(s) {sorted(versions)}, "
+                          f"expected {self.expected_version}")
+        return v
+
+    # ---- reporting -------------------------------------------------------------------------------------
+    def _report(self, verdicts: dict[str, Verdict], times: dict[str, float], t0: float, nbytes: int,
+                nbuckets: int, full: bool, stage: str) -> SyncReport:
+        for name in CHECKS:  # C7: every check has a verdict, or the reason it did not run
+            verdicts.setdefault(name, skipped(name, f"the sync stopped in '{stage}' before this check ran"))
+        ordered = tuple(verdicts[n] for n in CHECKS)
+        total = time.perf_counter() - t0
+        check_s = sum(v.seconds for v in ordered)
+        m: dict[str, float] = {
+            "perf/sync_seconds": total,
+            "perf/sync_check_seconds": check_s,
+            "sync/bytes": float(nbytes),
+            "sync/buckets": float(nbuckets),
+            "sync/weight_version": float(self.expected_version),
+        }
+        for k in ("export", "transfer", "apply", "finish"):
+            if k in times:
+                m[f"perf/sync_{k}_seconds"] = times[k]
+        for v in ordered:
+            m[f"sync/check/{v.name}"] = STATUS_VALUE[v.status]
+            if v.figure is not None:
+                m[f"sync/check/{v.name}/figure"] = float(v.figure)
+        line = (f"sync v{self.expected_version} [{stage}]: {nbuckets} bucket(s), {nbytes / 1e6:.2f} MB in "
+                f"{total:.3f} s (checks {check_s:.3f} s{', full compare' if full else ''}): "
+                + " ".join(v.short() for v in ordered))
+        bad = [v.describe() for v in ordered if v.failed]
+        if bad:
+            line += " | FAILED: " + " | ".join(bad)
+        self.log(line)
+        return SyncReport(self.expected_version, ordered, m, total, check_s, nbytes, nbuckets, full, line, stage)

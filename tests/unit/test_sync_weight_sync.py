@@ -1,0 +1,228 @@
+"""WeightSync against a small in-memory engine: the healthy sync is clean, every check can fail, bad updates
+are rejected whole, an engine dying mid-sync is reported. (The embedded stack: tests/e2e/test_selftest_sync.py.)"""
+
+import types
+
+import pytest
+import torch
+
+from miles_lp.formats import MXFP8Tensor, quantize_mxfp8, quantize_nvfp4_pair
+from miles_lp.formats.spec import Format
+from miles_lp.rollout.engine import EngineError, WeightUpdateError, tensor_digest
+from miles_lp.sync import SyncAbortedError, SyncCheckError, SyncConfig, WeightSync
+from miles_lp.sync.faults import DropLastBucket, DyingEngine, RegridEngine, SkipScaleBytes, SplitScalesLearner
+from miles_lp.sync.items import engine_items
+from miles_lp.sync.transport import InProcessTransport
+
+DOWN, GATE, UP = (f"model.layers.0.mlp.{p}.weight" for p in ("down_proj", "gate_proj", "up_proj"))
+
+
+def _plan():
+    E = types.SimpleNamespace
+    entries = {DOWN: E(format=Format.MXFP8), GATE: E(format=Format.NVFP4), UP: E(format=Format.NVFP4),
+               "model.norm.weight": E(format=Format.BF16)}
+    return E(entries=entries, groups={"g0": (GATE, UP)},
+             quantized=lambda: {n: e for n, e in entries.items() if e.format is not Format.BF16})
+
+
+def _weights(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {DOWN: torch.randn(64, 64, generator=g), GATE: torch.randn(32, 64, generator=g),
+            UP: 2 * torch.randn(32, 64, generator=g), "model.norm.weight": torch.randn(64, generator=g)}
+
+
+class Learner:
+    def __init__(self, seed=1):
+        self.plan = _plan()
+        self.w = _weights(seed)
+
+    def export_weights(self):
+        q_gate, q_up = quantize_nvfp4_pair(self.w[GATE], self.w[UP])
+        yield DOWN, quantize_mxfp8(self.w[DOWN])
+        yield GATE, q_gate
+        yield UP, q_up
+        yield "model.norm.weight", self.w["model.norm.weight"].to(torch.bfloat16)
+
+    def executed_quantized(self):
+        return {n: e.format.value for n, e in self.plan.quantized().items()}
+
+
+class StubEngine:
+    """Canonical tensors + one derived operand (the dequantized MXFP8 down_proj) rebuilt at finish."""
+
+    def __init__(self, *, stale=False, rebind=False, no_version_bump=False, extra_quantized=()):
+        self.t = {it.name: it.tensor.clone() for it in engine_items(Learner(seed=0).export_weights(), "sglang")}
+        self.q = {DOWN: "mxfp8", GATE: "nvfp4", UP: "nvfp4", **{n: "mxfp8" for n in extra_quantized}}
+        self.stale, self.rebind, self.no_bump = stale, rebind, no_version_bump
+        self.weight_version = 0
+        self.updating = False
+        self.writes = 0
+        self._rebuild()
+        self.served = self.t[DOWN]
+
+    def _rebuild(self):  # in place: the storage a captured graph would read
+        op = MXFP8Tensor(self.t[DOWN], self.t[DOWN[:-6] + "weight_scale_inv"]).dequantize(torch.float32)
+        if hasattr(self, "operand"):
+            self.operand.copy_(op)
+        else:
+            self.operand = op
+
+    def pause(self): self.paused = True
+    def resume(self): self.paused = False
+    def flush_cache(self): pass
+
+    def begin_weight_update(self):
+        self.updating = True
+        if self.rebind:
+            self.served = self.t[DOWN].clone()  # the kernel now reads a copy; updates go to the old tensor
+
+    def update_weights(self, named):
+        named = list(named)
+        for n, x in named:
+            if n not in self.t or self.t[n].dtype != x.dtype or self.t[n].shape != x.shape:
+                raise WeightUpdateError(f"bad {n}")
+        for n, x in named:
+            self.t[n].copy_(x)
+            self.writes += 1
+
+    def finish_weight_update(self):
+        if not self.stale:
+            self._rebuild()
+        self.updating = False
+        self.weight_version += 0 if self.no_bump else 1
+
+    def quantized_params(self): return dict(self.q)
+    def weight_digests(self, names=None): return {n: tensor_digest(self.t[n]) for n in (names or self.t)}
+    def read_weights(self, names): return {n: self.t[n].clone() for n in names}
+
+    def storage_pointers(self):
+        return {**{n: t.data_ptr() for n, t in self.t.items() if n != DOWN}, DOWN: self.served.data_ptr(),
+                "down.operand": self.operand.data_ptr()}
+
+    def self_check(self, seed=0):
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(seed))
+        ref = x.double() @ MXFP8Tensor(self.t[DOWN], self.t[DOWN[:-6] + "weight_scale_inv"]).dequantize(
+            torch.float64).T
+        y = (x @ self.operand.T).double()
+        return {"layers": {DOWN: float((y - ref).norm() / ref.norm())}}
+
+    def generate(self, *a, **kw): raise NotImplementedError
+
+
+def _sync(engine=None, mode="raise", **kw):
+    engine = engine or StubEngine()
+    lines = []
+    cfg = SyncConfig(bucket_mb=kw.pop("bucket_mb", 0.004)).with_modes(all=mode)
+    return engine, WeightSync(engine, _plan(), "sglang", cfg, env={}, log=lines.append, **kw), lines
+
+
+def test_healthy_sync_is_clean_and_byte_identical():
+    engine, ws, lines = _sync()
+    learner = Learner()
+    r = ws.initial_sync(learner)
+    assert r.ok and r.full_compare and r.buckets > 1 and r.weight_version == 1
+    for it in engine_items(learner.export_weights(), "sglang"):  # byte identity, every tensor
+        assert torch.equal(engine.t[it.name].reshape(-1).view(torch.uint8), it.tensor.reshape(-1).view(torch.uint8))
+    r2 = ws.sync(learner)
+    assert r2.ok and not r2.full_compare and r2.weight_version == 2 and engine.weight_version == 2
+    m = r2.metrics
+    for k in ("perf/sync_seconds", "perf/sync_check_seconds", "sync/bytes", "sync/buckets", "sync/weight_version"):
+        assert k in m
+    assert m["sync/check/layer_audit"] == 1.0 and m["sync/check/sentinel"] == -1.0  # no RL step fed it yet
+    assert m["sync/bytes"] == sum(it.nbytes for it in engine_items(learner.export_weights(), "sglang"))
+    assert len(lines) == 2 and lines[1].startswith("sync v2 [done]") and "grid=ok(0)" in lines[1]
+    assert r2.verdict("self_check").figure < 1e-6
+
+
+def test_c1_engine_quantizes_a_layer_the_learner_does_not():
+    engine, ws, _ = _sync(StubEngine(extra_quantized=("lm_head.weight",)))
+    with pytest.raises(SyncCheckError, match=r"refused before any byte.*layer_audit.*lm_head.weight \(engine mxfp8"):
+        ws.sync(Learner())
+    assert engine.writes == 0 and engine.weight_version == 0
+
+
+def test_c2_a_different_grid_in_the_engine():
+    engine, ws, _ = _sync(RegridEngine(StubEngine(), "floor"))
+    with pytest.raises(SyncCheckError, match=r"grid: failed \[2\].*full compare") as e:
+        ws.initial_sync(Learner())
+    assert e.value.verdicts[0].name == "grid"
+    _, ws2, _ = _sync(RegridEngine(StubEngine(), "block128"))
+    with pytest.raises(SyncCheckError, match="grid: failed"):
+        ws2.sync(Learner(), full_compare=False)  # the digest path catches it too
+
+
+def test_c2_separate_nvfp4_global_scales():
+    _, ws, _ = _sync()
+    with pytest.raises(SyncCheckError, match="NVFP4 gate/up groups hold separate global scales"):
+        ws.sync(SplitScalesLearner(Learner()))
+
+
+def test_c3_stale_derived_state():
+    _, ws, _ = _sync(StubEngine(stale=True))
+    with pytest.raises(SyncCheckError, match="self_check: failed") as e:
+        ws.sync(Learner())
+    assert e.value.verdicts[0].figure > 0.25
+
+
+def test_c4_rebound_parameter():
+    _, ws, _ = _sync(StubEngine(rebind=True))
+    with pytest.raises(SyncCheckError, match=r"storage: failed \[1\].*re-bound.*down_proj.weight"):
+        ws.sync(Learner())
+
+
+def test_c5_dropped_last_bucket_and_unwritten_scales():
+    engine = StubEngine()
+    _, ws, _ = _sync(engine, transport=DropLastBucket(InProcessTransport()))
+    with pytest.raises(SyncCheckError, match=r"completeness: failed.*buckets never arrived") as e:
+        ws.sync(Learner())
+    assert any("never written" in x for x in e.value.verdicts[0].examples)
+    _, ws, _ = _sync(transport=SkipScaleBytes(InProcessTransport()))
+    with pytest.raises(SyncCheckError, match="staged scale bytes not written: NaN code"):
+        ws.sync(Learner())
+
+
+def test_version_not_bumped_is_reported():
+    _, ws, _ = _sync(StubEngine(no_version_bump=True))
+    with pytest.raises(SyncCheckError, match="expected weight version 1: engine reports 0"):
+        ws.sync(Learner())
+
+
+def test_bad_update_is_rejected_whole_in_every_mode_but_off():
+    engine = StubEngine()
+    engine.t["model.norm.weight"] = engine.t["model.norm.weight"].float()  # the engine holds fp32: dtype mismatch
+    before = {n: t.clone() for n, t in engine.t.items()}
+    _, ws, _ = _sync(engine, mode="warn")
+    with pytest.raises(SyncCheckError, match=r"sent bfloat16\[64\], engine holds float32\[64\]"):
+        ws.sync(Learner())
+    assert engine.writes == 0 and all(torch.equal(before[n], t) for n, t in engine.t.items())
+    # off: no pre-check, the engine refuses the bucket itself: an abort, reported with its bucket
+    _, ws, _ = _sync(engine, mode="off")
+    with pytest.raises(SyncAbortedError, match="aborted in 'apply' at bucket") as e:
+        ws.sync(Learner())
+    assert isinstance(e.value.__cause__, WeightUpdateError)
+
+
+def test_warn_mode_reports_but_does_not_raise():
+    engine, ws, lines = _sync(StubEngine(stale=True), mode="warn")
+    r = ws.sync(Learner())
+    assert not r.ok and [v.name for v in r.failed] == ["self_check"] and r.metrics["sync/check/self_check"] == 0.0
+    assert "FAILED: C3 self_check" in lines[-1] and engine.paused is False
+
+
+def test_env_override_turns_warn_into_raise():
+    engine = StubEngine(stale=True)
+    ws = WeightSync(engine, _plan(), "sglang", SyncConfig(), env={"MILES_LP_SYNC_CHECK_SELF_CHECK": "raise"},
+                    log=lambda s: None)
+    with pytest.raises(SyncCheckError):
+        ws.sync(Learner())
+    assert engine.paused is True  # a raise-mode failure leaves the engine paused
+
+
+def test_engine_dying_mid_sync_is_reported_with_stage_and_bucket():
+    engine, ws, lines = _sync(DyingEngine(StubEngine(), at=1))
+    with pytest.raises(SyncAbortedError, match=r"aborted in 'apply' at bucket 2 of \d+.*restart it") as e:
+        ws.sync(Learner())
+    assert e.value.stage == "apply" and e.value.bucket == 1 and isinstance(e.value.__cause__, EngineError)
+    assert e.value.report.stage == "apply" and all(v.status == "skipped" for v in e.value.report.verdicts
+                                                   if v.name in ("grid", "self_check"))
+    assert "[apply]" in lines[-1]
