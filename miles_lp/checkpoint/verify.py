@@ -47,8 +47,9 @@ PLAN_FILE = "miles_lp_plan.json"  # the converter's record (name on disk)
 TARGETS = ("sglang", "vllm", "compressed-tensors")
 E8M0_MAX_FINITE = 247  # the largest E8M0 scale byte a finite bf16/fp16/fp32 block produces (TE's rule)
 E4M3_MAX_BYTE = 0x7E  # 448: the block scale of the block that holds an NVFP4 scope's amax
-MODELOPT_INPUT_SCALE = 1.0  # ModelOpt NVFP4 ``input_scale``: the recipe scales activations per token at run
-#                             time, so the static decode scale it writes is 1.0 (docs/converter.md)
+STATIC_INPUT_SCALE = 1.0  # the static activation DECODE scale the recipe defines: activations are scaled per token
+#                           at run time, so converters write 1.0 (docs/converter.md). ModelOpt ``input_scale``
+#                           stores it as is; compressed-tensors ``input_global_scale`` as the encode scale 1 / it.
 _MAX_LISTED = 5
 
 
@@ -79,7 +80,7 @@ _MXFP8_PARTS = {
 }
 _MODELOPT_NVFP4 = (Part("weight", "data", "U8", "half"), Part("weight_scale", "scale", "F8_E4M3", "k16"),
                    Part("weight_scale_2", "global", "F32", "scalar", "dec"),
-                   Part("input_scale", "input", "F32", "scalar"))
+                   Part("input_scale", "input", "F32", "scalar", "dec"))
 _NVFP4_PARTS = {
     "sglang": _MODELOPT_NVFP4,
     "vllm": _MODELOPT_NVFP4,
@@ -87,10 +88,8 @@ _NVFP4_PARTS = {
                            Part("weight_scale", "scale", "F8_E4M3", "k16"),
                            Part("weight_global_scale", "global", "F32", "one", "enc")),
 }
-CT_INPUT_GLOBAL_SCALE = Part("input_global_scale", "input", "F32", "one")  # W4A4 (see required_parts)
-# Issue 9 item 2: the converter starts writing ``input_global_scale`` in the readers' change; until that lands
-# the requirement stays off so that the suite stays green (flip together with the converter change).
-CT_INPUT_SCALE_REQUIRED = False
+CT_INPUT_GLOBAL_SCALE = Part("input_global_scale", "input", "F32", "one", "enc")  # W4A4 (see required_parts)
+CT_INPUT_SCALE_REQUIRED = True  # issue 9 item 2 (a switch only so that a test can show the requirement)
 
 
 def _config_needs_ct_input_scale(quant_config) -> bool:
@@ -232,9 +231,23 @@ class _Ctx:
 
 def verify_checkpoint(out: str | Path, source: str | Path | None = None,
                       log: Callable[[str], None] | None = None) -> VerifyReport:
+    import torch
+
     out = Path(out)
     report = VerifyReport(out)
     ctx = _Ctx(out)
+    threads = torch.get_num_threads()
+    # Small element-wise ops: on a shared 2-core CPU, OpenMP spin-waiting under oversubscription made the
+    # reference codec 9x slower with 2 threads than with 1 (measured; the converter does the same).
+    torch.set_num_threads(1)
+    try:
+        _run_checks(ctx, report, source)
+    finally:
+        torch.set_num_threads(threads)
+    return report
+
+
+def _run_checks(ctx: _Ctx, report: VerifyReport, source) -> None:
     _check_record(ctx, report)
     _check_index(ctx, report)
     _check_tensors(ctx, report)
@@ -245,7 +258,6 @@ def verify_checkpoint(out: str | Path, source: str | Path | None = None,
             report.add(name, SKIP, "no --source given: pass --source IN to compare with the input checkpoint")
     else:
         _check_source(ctx, report, Path(source))
-    return report
 
 
 def _prereq(report: VerifyReport, name: str, ok: bool, why: str) -> bool:
@@ -364,19 +376,22 @@ def _check_config(ctx: _Ctx, report: VerifyReport) -> None:
                                    f"the engine's skip rules select exactly the plan's {len(ctx.formats)} weights")
 
 
-def _dict_diff(want, have) -> str:
+def _dict_diff(want, have, path: str = "") -> str:
+    """The first differences between two JSON values, by key path (lists: the missing and extra entries)."""
     if not isinstance(want, dict) or not isinstance(have, dict):
-        return f"expected {json.dumps(want)[:200]}, found {json.dumps(have)[:200]}"
+        return f"{path + ': ' if path else ''}expected {json.dumps(want)[:200]}, found {json.dumps(have)[:200]}"
     keys = sorted(set(want) | set(have))
     diffs = [k for k in keys if want.get(k) != have.get(k)]
     parts = []
     for k in diffs[:3]:
-        w, h = want.get(k), have.get(k)
+        w, h, at = want.get(k), have.get(k), f"{path}.{k}" if path else k
         if isinstance(w, list) and isinstance(h, list):
-            parts.append(f"'{k}': missing {sorted(set(map(str, w)) - set(map(str, h)))[:4]}, "
+            parts.append(f"'{at}': missing {sorted(set(map(str, w)) - set(map(str, h)))[:4]}, "
                          f"extra {sorted(set(map(str, h)) - set(map(str, w)))[:4]}")
+        elif isinstance(w, dict) and isinstance(h, dict):
+            parts.append(_dict_diff(w, h, at))
         else:
-            parts.append(f"'{k}': expected {json.dumps(w)[:120]}, found {json.dumps(h)[:120]}")
+            parts.append(f"'{at}': expected {json.dumps(w)[:120]}, found {json.dumps(h)[:120]}")
     return "; ".join(parts)
 
 
@@ -485,6 +500,10 @@ def _group_scale_problems(ctx: _Ctx, stored_global: dict, max_scale_byte: dict[s
     return problems
 
 
+def _input_value(part: Part) -> float:
+    return STATIC_INPUT_SCALE if part.stored == "dec" else 1.0 / STATIC_INPUT_SCALE
+
+
 def _scale_problem(target: str, part: Part, t) -> str | None:
     import torch
 
@@ -506,13 +525,11 @@ def _scale_problem(target: str, part: Part, t) -> str | None:
         return f"{n} E4M3 scales are negative" if n else None
     f = t.to(torch.float32)
     if part.role == "input":
-        if target != "compressed-tensors":
-            return None if bool((f == MODELOPT_INPUT_SCALE).all()) else (
-                f"must be {MODELOPT_INPUT_SCALE} (the recipe's static activation scale; activations are scaled "
-                f"per token at run time), found {f.tolist()}")
-        if not bool(torch.isfinite(f).all()) or not bool((f > 0).all()):
-            return f"activation global scale must be finite and > 0, found {f.tolist()}"
-        return None
+        want = _input_value(part)
+        return None if bool((f == want).all()) else (
+            f"must be {want} (the recipe's static activation scale {STATIC_INPUT_SCALE}, stored as "
+            f"{'the encode scale 1 / it' if part.stored == 'enc' else 'the decode scale'}; activations are "
+            f"scaled per token at run time), found {f.tolist()}")
     if not bool(torch.isfinite(f).all()) or not bool((f > 0).all()):
         return f"global scale must be finite and > 0, found {f.tolist()}"
     return None
@@ -592,13 +609,10 @@ def expected_quantized(target: str, fmt: Format, weight: str, x, *, amax: float 
         if p.role in ("data", "scale"):
             out[prefix + p.suffix] = comps[p.role]
             continue
-        if p.role == "global":
-            value = comps["global"] if p.stored == "dec" else float(torch.tensor(1.0 / comps["global"],
-                                                                                  dtype=torch.float64).float())
+        if p.role == "global":  # CT stores fp32(1 / S_dec)
+            value = comps["global"] if p.stored == "dec" else 1.0 / comps["global"]
         else:
-            value = MODELOPT_INPUT_SCALE if target != "compressed-tensors" else None
-            if value is None:
-                continue  # its value is the recipe's, checked in `scales`
+            value = _input_value(p)
         t = torch.tensor(value, dtype=torch.float64).to(torch.float32)
         out[prefix + p.suffix] = t.reshape(()) if p.shape == "scalar" else t.reshape(1)
     return out

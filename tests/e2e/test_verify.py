@@ -1,4 +1,10 @@
-"""`miles-lp verify` passes on good output and fails, naming the problem, on each tampered variant."""
+"""`miles-lp verify` passes on good output and fails, naming the problem, on each tampered variant.
+
+Issue 17: the first and the last tensor of every kind (BF16, each quantized format's data, each scale tensor,
+global and activation scales), the first and last entries of the config lists and of the index are tampered
+and must be named; fused groups with separate global scales fail without and with --source; each error bound
+fails just above itself and passes just below.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +16,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from miles_lp.checkpoint.safetensors_io import INDEX_NAME
+from miles_lp.checkpoint import verify as V
+from miles_lp.checkpoint.safetensors_io import INDEX_NAME, open_checkpoint
 from miles_lp.checkpoint.tiny import make_tiny_model
 from miles_lp.cli import main
+from miles_lp.formats import Format, oracle
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +32,7 @@ def good(tmp_path_factory):
                         ("mxfp8+nvfp4-experts", "compressed-tensors")):
         out = root / f"{fmt}-{target}"
         assert main(["convert", "--hf-checkpoint", str(src), "--output", str(out), "--format", fmt, "--target",
-                     target, "--num-layers-at-start-in-bf16", "1", "--no-progress"]) == 0
+                     target, "--num-layers-at-start-in-bf16", "1", "--max-shard-size", "150KB", "--no-progress"]) == 0
         outs[(fmt, target)] = out
     return src, outs
 
@@ -256,3 +264,256 @@ def test_allow_nonfinite_output_verifies_and_says_what_it_skipped(capsys, tmp_pa
     assert rc == 0, text
     assert "1 weights converted with --allow-nonfinite not checked" in text
     assert f"not checked (1, converted with --allow-nonfinite): {name}" in text
+
+
+# ---------------------------------------------------------------------------------------------------------
+# issue 17: first and last tensor of every kind, config and index entries, fused groups, bounds
+# ---------------------------------------------------------------------------------------------------------
+OUTPUTS = [("mxfp8", "sglang"), ("nvfp4-experts", "sglang"), ("mxfp8+nvfp4-experts", "compressed-tensors")]
+_GLOBAL = ("weight_scale_2", "weight_global_scale")
+_INPUT = ("input_scale", "input_global_scale")
+
+
+def _kind(name: str, dtype: str) -> str:
+    """A tensor's kind from its on-disk name and dtype only (CONTRACT 4; independent of verify's table)."""
+    suffix = name.rsplit(".", 1)[1]
+    if suffix in _GLOBAL:
+        return "nvfp4 global scale"
+    if suffix in _INPUT:
+        return "activation scale"
+    if dtype == "F8_E4M3":
+        return "nvfp4 block scale (E4M3)" if suffix == "weight_scale" else "mxfp8 data (E4M3)"
+    if dtype == "U8":
+        return "mxfp8 scale (E8M0)" if suffix in ("weight_scale_inv", "weight_scale") else "nvfp4 data (E2M1)"
+    return f"kept {dtype}"
+
+
+def _first_and_last(src, out) -> dict[str, list[str]]:
+    """{kind: names}: the first and last tensor of each kind in the output's storage order and in the source's
+    tensor order (the order verify walks), so a loop that skips an end in either order is caught."""
+    have = open_checkpoint(out).tensors
+    record = json.loads((out / "miles_lp_plan.json").read_text())
+    src_order = list(record["source"]["shapes"])
+    by_src = {}
+    for n in have:  # position of the source tensor an output tensor comes from
+        base = n if n in record["source"]["shapes"] else n.rsplit(".", 1)[0] + ".weight"
+        by_src[n] = src_order.index(base)
+    kinds: dict[str, list[str]] = {}
+    for n, h in have.items():
+        kinds.setdefault(_kind(n, h.dtype), []).append(n)
+    out_ = {}
+    for k, names in kinds.items():
+        in_src = sorted(names, key=lambda n: by_src[n])
+        out_[k] = list(dict.fromkeys([names[0], names[-1], in_src[0], in_src[-1]]))
+    return out_
+
+
+def _tamper(out, names, fn):
+    """Apply ``fn(tensor) -> tensor`` to each named tensor, shard by shard (headers and index stay valid)."""
+    idx = json.loads((out / INDEX_NAME).read_text())
+    for shard in {idx["weight_map"][n] for n in names}:
+        t = load_file(out / shard)
+        for n in names:
+            if idx["weight_map"][n] == shard:
+                t[n] = fn(t[n].clone())
+        save_file(t, str(out / shard), metadata={"format": "pt"})
+
+
+def _nudge(t):
+    """Change one element by the smallest step of its storage: the low bit of its first byte (for fp32
+    scalars: the next float)."""
+    if t.dtype == torch.float32:
+        return t.view(torch.int32).add(1).view(torch.float32)
+    t.reshape(-1).view(torch.uint8)[0] ^= 0x01
+    return t
+
+
+def _details(report) -> dict[str, str]:
+    return {c.check: c.detail for c in report.checks if c.verdict == "FAIL"}
+
+
+def test_every_kind_is_present_in_the_outputs(good):
+    src, outs = good
+    kinds = set()
+    for key in OUTPUTS:
+        kinds |= set(_first_and_last(src, outs[key]))
+    assert kinds == {"kept BF16", "mxfp8 data (E4M3)", "mxfp8 scale (E8M0)", "nvfp4 data (E2M1)",
+                     "nvfp4 block scale (E4M3)", "nvfp4 global scale", "activation scale"}
+
+
+@pytest.mark.parametrize("key", OUTPUTS, ids=["-".join(k) for k in OUTPUTS])
+def test_first_and_last_tensor_of_every_kind_tampered_is_named(copy, key):
+    """One step changed in the first and the last tensor of each kind: verify --source fails and names each
+    (in `grid`; an activation scale in `scales`, which checks its defined value)."""
+    src, out = copy(*key)
+    pristine = out.parent / "pristine"
+    shutil.copytree(out, pristine)
+    for kind, names in _first_and_last(src, out).items():
+        shutil.rmtree(out)
+        shutil.copytree(pristine, out)
+        _tamper(out, names, _nudge)
+        report = V.verify_checkpoint(out, source=src)
+        fails = _details(report)
+        check = "scales" if kind == "activation scale" else "grid"
+        assert check in fails, f"{kind}: {names} tampered, verify passed {check}:\n{report.format()}"
+        for n in names:
+            assert f"'{n}'" in fails[check], f"{kind}: '{n}' tampered but not named:\n{fails[check]}"
+
+
+@pytest.mark.parametrize("key,fname,path", [
+    (("mxfp8", "sglang"), "config.json", ("quantization_config", "modules_to_not_convert")),
+    (("nvfp4-experts", "sglang"), "config.json", ("quantization_config", "ignore")),
+    (("nvfp4-experts", "sglang"), "hf_quant_config.json", ("quantization", "exclude_modules")),
+    (("mxfp8+nvfp4-experts", "compressed-tensors"), "config.json", ("quantization_config", "ignore")),
+])
+@pytest.mark.parametrize("end", [0, -1], ids=["first", "last"])
+def test_first_and_last_config_entry_removed_is_named(copy, capsys, key, fname, path, end):
+    src, out = copy(*key)
+    cfg = json.loads((out / fname).read_text())
+    lst = cfg[path[0]][path[1]]
+    assert len(lst) >= 2
+    removed = lst.pop(end)
+    (out / fname).write_text(json.dumps(cfg))
+    rc, text = verify(capsys, out)
+    assert rc == 1 and "[FAIL] config" in text and removed in text, text
+
+
+@pytest.mark.parametrize("end", [0, -1], ids=["first", "last"])
+def test_first_and_last_index_entry_removed_or_misplaced_is_named(copy, capsys, end):
+    src, out = copy("mxfp8", "sglang")
+    idx = json.loads((out / INDEX_NAME).read_text())
+    name = list(idx["weight_map"])[end]
+    shard = idx["weight_map"].pop(name)
+    (out / INDEX_NAME).write_text(json.dumps(idx))
+    rc, text = verify(capsys, out)
+    assert rc == 1 and "[FAIL] index" in text and f"'{name}'" in text
+    others = sorted(set(idx["weight_map"].values()) - {shard})
+    assert others, "the fixture must have several shards"
+    idx["weight_map"][name] = others[0]  # named, but in the wrong shard
+    (out / INDEX_NAME).write_text(json.dumps(idx))
+    rc, text = verify(capsys, out)
+    assert rc == 1 and "[FAIL] index" in text and f"'{name}'" in text
+
+
+def _requantize(out, src, weights, target, amax_of):
+    """Rewrite NVFP4 weights with the reference codec from the given amax (self-consistent bytes)."""
+    from safetensors.torch import load_file as lf
+
+    src_t = {}
+    for f in src.glob("*.safetensors"):
+        src_t.update(lf(f))
+    new = {}
+    for w in weights:
+        new.update(V.expected_quantized(target, Format.NVFP4, w, src_t[w], amax=amax_of(w, src_t)))
+    _tamper(out, list(new), lambda t, it=iter(new.values()): next(it))
+
+
+def _gate_up(out) -> tuple[str, str]:
+    names = open_checkpoint(out).tensors
+    gate = next(n for n in names if n.endswith("experts.1.gate_proj.weight_scale")).removesuffix("_scale")
+    return gate, gate.replace("gate_proj", "up_proj")
+
+
+@pytest.mark.parametrize("key", OUTPUTS[1:], ids=["sglang", "compressed-tensors"])
+def test_gate_and_up_with_separate_global_scales_fail_without_and_with_source(copy, key):
+    """The converter giving gate and up their own amax (issue 17's mutation): bytes self-consistent, so only
+    the fused-group rule can see it: `scales` without --source, `grid` with it."""
+    src, out = copy(*key)
+    gate, up = _gate_up(out)
+    _requantize(out, src, [gate, up], key[1], lambda w, t: oracle.nvfp4_amax(t[w]))
+    report = V.verify_checkpoint(out)
+    assert "fused group" in _details(report)["scales"] and "different NVFP4 global scales" in \
+        _details(report)["scales"], report.format()
+    report = V.verify_checkpoint(out, source=src)
+    grid = _details(report)["grid"]
+    assert "the NVFP4 global scale from its fused group's joint amax" in grid, grid
+    assert "error" not in _details(report)  # a separate scale is accurate, just not what the engine fuses
+
+
+def test_group_scale_from_a_larger_amax_fails_the_448_rule(copy):
+    """Both shards share a global scale, but from twice the group amax: the largest block scale is 224, not
+    448; without --source `scales` says the global scale is not the scope's amax / 2688."""
+    src, out = copy("nvfp4-experts", "sglang")
+    gate, up = _gate_up(out)
+    _requantize(out, src, [gate, up], "sglang", lambda w, t: 2 * oracle.nvfp4_amax(t[gate], t[up]))
+    detail = _details(V.verify_checkpoint(out))["scales"]
+    assert "the largest E4M3 block scale is byte 0x76, not 0x7e (448)" in detail and "amax / 2688" in detail
+
+
+def test_ct_w4a4_needs_input_global_scale(copy, monkeypatch):
+    """Issue 9 item 2: a compressed-tensors NVFP4 group declaring input_activations (W4A4) needs
+    `input_global_scale`; verify fails when it is absent (switch on: see verify.CT_INPUT_SCALE_REQUIRED)."""
+    monkeypatch.setattr(V, "CT_INPUT_SCALE_REQUIRED", True)
+    src, out = copy("mxfp8+nvfp4-experts", "compressed-tensors")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert V._config_needs_ct_input_scale(qc)
+    present = [n for n in open_checkpoint(out).tensors if n.endswith(".input_global_scale")]
+    if present:  # the converter writes it (after issue 9): remove the first one
+        _tamper_remove(out, present[:1])
+    detail = _details(V.verify_checkpoint(out))["tensors"]
+    assert re.search(r"missing tensor '[a-z0-9_.]+\.input_global_scale' \(F32 \[1\]\): the declared scheme", detail)
+    assert "torch.empty" in detail
+    w4a16 = json.loads(json.dumps(qc))
+    for g in w4a16["config_groups"].values():
+        g["input_activations"] = None
+    assert not V._config_needs_ct_input_scale(w4a16)
+    assert [p.suffix for p in V.required_parts("compressed-tensors", Format.NVFP4, w4a16)] == [
+        "weight_packed", "weight_scale", "weight_global_scale"]
+
+
+def _tamper_remove(out, names):
+    idx = json.loads((out / INDEX_NAME).read_text())
+    for n in names:
+        shard = out / idx["weight_map"].pop(n)
+        t = load_file(shard)
+        t.pop(n)
+        save_file(t, str(shard), metadata={"format": "pt"})
+    (out / INDEX_NAME).write_text(json.dumps(idx))
+
+
+# each branch of each bound: (fmt, x, block scale values, S_dec, the bound's value)
+BOUNDS = [
+    (Format.MXFP8, 3.0, 1.0, None, 3.0 / 16),  # normal: |x| / 16
+    (Format.MXFP8, 1e-4, 1.0, None, 1 / 1024),  # subnormal spacing: s / 1024
+    (Format.NVFP4, 5.0, 1.0, 1.0, 5.0 / 4),  # |x| / 4
+    (Format.NVFP4, 0.1, 2.0, 1.0, 2.0 / 4),  # the block scale s / 4
+    (Format.NVFP4, 1e-6, 0.0, 0.5, 6 * 2.0**-10 * 0.5),  # E4M3-underflow floor
+]
+
+
+@pytest.mark.parametrize("fmt,x,s,s_dec,bound", BOUNDS, ids=[f"{f.value}-{x:g}" for f, x, *_ in BOUNDS])
+def test_error_bound_fails_just_above_and_passes_just_below(fmt, x, s, s_dec, bound):
+    block = 32 if fmt is Format.MXFP8 else 16
+    xs = torch.full((1, block), x, dtype=torch.float64)
+    b = V.error_bound(fmt, xs, torch.tensor([[s]], dtype=torch.float64), s_dec)
+    assert b[0, 0].item() == pytest.approx(bound, rel=1e-12)
+    for sign in (1, -1):
+        above, below = xs.clone(), xs.clone()
+        above[0, 3] += sign * bound * (1 + 1e-4)
+        below[0, 3] += sign * bound * (1 - 1e-4)
+        assert V.error_violations(xs, above, b).sum().item() == 1
+        assert V.error_violations(xs, below, b).sum().item() == 0
+
+
+def test_error_check_fails_an_injected_error_just_above_the_bound(copy, capsys):
+    """End to end: the source weight moved so that the (unchanged) decoded value is just outside the bound of
+    one element; the `error` check names the weight."""
+    src_root, out = copy()
+    src = out.parent / "src2"
+    shutil.copytree(src_root, src)
+    name = "model.layers.2.self_attn.q_proj.weight"
+    shard = next(f for f in src.glob("*.safetensors") if name in load_file(f))
+    t = load_file(shard)
+    x = t[name].float()
+    q = oracle.mxfp8_quantize(x)
+    dq = oracle.mxfp8_decode(*q)
+    s = torch.pow(2.0, q[1].double() - 127)
+    b = V.error_bound(Format.MXFP8, x, s)
+    i, j = 0, 5
+    # put x where the decoded value is 1.02 bounds away (bf16 has room: the bound is |x|/16 >> bf16's ulp)
+    target = (dq[i, j] - 1.02 * b[i, j] * torch.sign(dq[i, j])).item()
+    t[name] = t[name].clone()
+    t[name][i, j] = target
+    save_file(t, str(shard), metadata={"format": "pt"})
+    rc, text = verify(capsys, out, src)
+    assert rc == 1 and "[FAIL] error" in text and f"'{name}': 1 elements outside the mxfp8 bound" in text
