@@ -25,6 +25,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("verify", "miles_lp.cli.verify"),
     ("explain", "miles_lp.cli.explain"),
     ("bench", "miles_lp.cli.bench"),
+    ("selftest", "miles_lp.cli.selftest"),
     ("make-tiny-model", "miles_lp.cli.make_tiny_model"),
     ("version", "miles_lp.cli.version"),
 ]

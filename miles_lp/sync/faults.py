@@ -7,7 +7,7 @@ gate/up by substring, first/last BF16 layers disagreeing) are a checkpoint conve
 
 * ``DropLastBucket``: a transport that loses the last bucket (a partial sync).
 * ``SkipScaleBytes``: a transport that delivers the scales' names but never writes their bytes (what
-  ``torch.empty`` staging hid: the 0xFF fill makes them NaN and C5 counts them).
+  ``torch.empty`` staging hid: the 0xFF fill makes them NaN and C5 counts them); ``pattern`` picks which.
 * ``RegridEngine``: an engine that re-quantizes what it receives on its own grid: the dequantized weights
   through 128x128 FP32-scale FP8 blocks (``"block128"``) or MXFP8 with floor scales (``"floor"``,
   microxcaling's rule) instead of the learner's (a sampler that quantizes BF16 itself; seed 000: 2x KL).
@@ -55,16 +55,18 @@ class DropLastBucket(_Delegate):
 
 
 class SkipScaleBytes(_Delegate):
-    """Delivers every name but leaves the bytes of the scales in the last bucket unwritten."""
+    """Delivers every name but leaves the bytes of the scales matching ``pattern`` (fnmatch) unwritten: the
+    expert-scale staging verl found left as ``torch.empty``."""
 
-    def __init__(self, inner: Transport):
+    def __init__(self, inner: Transport, pattern: str = "*"):
         super().__init__(inner)
         self.name = f"{inner.name}+skip_scales"
+        self.pattern = pattern
 
     def send(self, bucket: Bucket) -> Received:
-        if not bucket.last:
-            return self.inner.send(bucket)
-        scales = {s.name for s in bucket.slots if s.is_scale}
+        import fnmatch
+
+        scales = {s.name for s in bucket.slots if s.is_scale and fnmatch.fnmatchcase(s.name, self.pattern)}
         stripped = Bucket(bucket.index, bucket.slots, {n: t for n, t in bucket.payload.items() if n not in scales},
                           bucket.nbytes, bucket.groups, bucket.last)
         return self.inner.send(stripped)

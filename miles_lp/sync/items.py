@@ -29,8 +29,18 @@ _QKV = re.compile(r"^(.*)\.(?:q_proj|k_proj|v_proj)\.")
 _GATE_UP = re.compile(r"^(.*)\.(?:gate_proj|up_proj|w1|w3)\.")
 
 
-def group_key(name: str) -> str:
-    """The atomic group of engine tensor ``name`` (see the module docstring)."""
+def group_key(name: str, layout: Any = None) -> str:
+    """The atomic group of engine tensor ``name``: with a model layout, the engine module that holds it
+    (``ModelLayout.describe(name).engine_module``: ``...self_attn.qkv_proj``, ``...mlp.gate_up_proj``,
+    ``...mlp.experts``; the grouping ``miles_lp.export`` uses); otherwise by name (see the module docstring)."""
+    if layout is not None:
+        weight = name.rpartition(".")[0] + ".weight"  # a scale or a bias goes with its module's weight
+        try:
+            module = layout.describe(weight).engine_module
+        except MilesLPError:
+            module = None
+        if module:
+            return module
     if m := _EXPERTS.match(name):
         return m.group(1)
     if m := _QKV.match(name):
@@ -63,7 +73,7 @@ def is_quantized(obj: Any) -> bool:
     return hasattr(obj, "components") and hasattr(obj, "format")
 
 
-def engine_items(export: Iterable[tuple[str, Any]], target: str) -> list[Item]:
+def engine_items(export: Iterable[tuple[str, Any]], target: str, layout: Any = None) -> list[Item]:
     """Every engine tensor of one sync, in export order. Raises ``SyncInputError`` for a name exported twice
     or an object that is neither a tensor nor a quantized tensor."""
     naming.check_target(target)
@@ -75,9 +85,9 @@ def engine_items(export: Iterable[tuple[str, Any]], target: str) -> list[Item]:
             encoded = naming.encode(target, fmt, source, obj)
             parts = naming.parts(target, fmt)
             for (name, t), part in zip(encoded.items(), parts, strict=True):
-                items.append(Item(name, t, source, fmt, part.component or "const", group_key(name)))
+                items.append(Item(name, t, source, fmt, part.component or "const", group_key(name, layout)))
         elif isinstance(obj, torch.Tensor):
-            items.append(Item(source, obj.detach(), source, Format.BF16, None, group_key(source)))
+            items.append(Item(source, obj.detach(), source, Format.BF16, None, group_key(source, layout)))
         else:
             raise SyncInputError(f"learner export yielded '{source}' as {type(obj).__name__}; expected a "
                                  "torch.Tensor or a quantized tensor from miles_lp.formats")

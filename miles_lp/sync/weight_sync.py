@@ -168,7 +168,7 @@ class WeightSync:
         # 1. export (the learner's own grid; nothing re-quantized) under the engine's names
         s = time.perf_counter()
         executed = learner.executed_quantized() if hasattr(learner, "executed_quantized") else None
-        items = engine_items(learner.export_weights(), self.target)
+        items = engine_items(learner.export_weights(), self.target, getattr(self.plan, "layout", None))
         times["export"] = time.perf_counter() - s
 
         # 2. pre-checks: nothing written yet

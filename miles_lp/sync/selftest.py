@@ -1,0 +1,306 @@
+"""``miles-lp selftest sync``: a healthy sync on the embedded stack, then each known silent failure injected,
+with the check that caught it, its figure and the KL the fault produced (issue 11).
+
+The stack: a tiny random HF model (``make_tiny_model``), converted by ``convert_checkpoint`` with the recipe's
+policy (the sampler's checkpoint, what ``miles-lp convert`` writes), served by the reference engine; the
+learner is the embedded trainer on the same HF model and plan, moved away from the checkpoint by a few AdamW
+steps (so a sync is a real change and stale state is visible). Every fault comes through an explicit hook:
+the engine's ``EngineFaults``, a checkpoint converted with a modified policy (the sampler's rule), a transport
+or learner wrapper (``miles_lp.sync.faults``). Each fault runs twice on a fresh engine: in ``raise`` mode
+(the intended check must be among those that raise) and in ``warn`` mode, after which the KL of the engine's
+generations against the learner is measured (``rollout_corr/kl``, what a divergence alarm sees).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from miles_lp.sync.config import SyncConfig
+from miles_lp.sync.sentinel import rollout_kl
+from miles_lp.sync.verdict import SyncCheckError, SyncError
+from miles_lp.sync.weight_sync import SyncReport, WeightSync
+
+DEFAULT_RECIPES = {"moe": "qwen3_moe_mxfp8_nvfp4_experts.yaml", "dense": "qwen3_mxfp8.yaml"}
+
+
+@dataclasses.dataclass
+class Row:
+    fault: str
+    intended: str
+    caught_by: list[str]
+    figure: float | None
+    kl: float
+    verdict: str  # "clean" | "CAUGHT" | "MISSED" | "FLAGGED" | "N/A"
+    detail: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class Fault:
+    name: str
+    intended: str
+    engine_faults: dict[str, Any] = dataclasses.field(default_factory=dict)
+    sampler_rules: list[dict] | None = None  # rules prepended to the sampler's policy
+    sampler_policy: Callable[[dict], dict] | None = None  # rewrite of the sampler's policy mapping
+    transport: str | None = None  # "drop_last" | "skip_scales"
+    engine_wrap: str | None = None  # "block128" | "floor"
+    learner_wrap: str | None = None  # "split_scales"
+    needs: str | None = None  # "nvfp4_groups" | "experts": skip when the model/recipe has none
+
+
+def _drop_layer_rules(policy: dict) -> dict:
+    p = copy.deepcopy(policy)
+    p["rules"] = [r for r in p.get("rules", []) if "layers" not in r]
+    if len(p["rules"]) == len(policy.get("rules", [])):  # the learner keeps no BF16 layers: the sampler does
+        p["rules"] = [{"layers": "first 1", "format": "bf16"}, *p["rules"]]
+    return p
+
+
+FAULTS: list[Fault] = [
+    Fault("lm_head quantized on the sampler", "layer_audit", engine_faults={"quantize_lm_head": True}),
+    # A rule meant for the router ("gate") that matches the fused gate_up_proj by substring (seed 000, F2): a
+    # dense MLP keeps gate and up BF16; a fused MoE layer (one FusedMoE: every expert one format) keeps all.
+    Fault("router rule matches gate_up_proj by substring", "layer_audit",
+          sampler_rules=[{"match": r"re:.*\.mlp\.(experts\..*|gate_proj|up_proj)", "format": "bf16"}]),
+    Fault("first/last BF16 layers disagree", "layer_audit", sampler_policy=_drop_layer_rules),
+    Fault("stale derived layout (finish without rebuild)", "self_check",
+          engine_faults={"skip_rebuild": ("*",)}),
+    Fault("stale expert layout only", "self_check", engine_faults={"skip_rebuild": ("*.experts.*",)},
+          needs="experts"),
+    Fault("re-bound parameter", "storage", engine_faults={"rebind": ("*.self_attn.q_proj.weight",)}),
+    Fault("dropped last bucket", "completeness", transport="drop_last"),
+    Fault("missing scales (unwritten staging)", "completeness", transport="skip_scales"),
+    Fault("engine loader skips names", "grid", engine_faults={"drop_updates": ("*.mlp.*down_proj.weight",)}),
+    Fault("different grid: 128x128 FP32-scale blocks", "grid", engine_wrap="block128"),
+    Fault("different grid: sampler re-quantizes BF16 (floor scales)", "grid", engine_wrap="floor"),
+    Fault("NVFP4 gate/up with separate global scales", "grid", learner_wrap="split_scales", needs="nvfp4_groups"),
+]
+
+
+class Stack:
+    """The tiny model, its plan and converted checkpoints (cached per sampler policy), and the learner."""
+
+    def __init__(self, arch: str, recipe: str | None, workdir: Path, *, target: str = "sglang", seed: int = 0,
+                 num_layers: int = 4, train_steps: int = 2, lr: float = 5e-3, log: Callable[[str], None] = print):
+        from miles_lp.checkpoint.tiny import make_tiny_model
+        from miles_lp.config import load_yaml
+
+        self.arch, self.target, self.log, self.workdir = arch, target, log, Path(workdir)
+        self.hf = make_tiny_model(arch, self.workdir / "hf", seed=seed, num_layers=num_layers)
+        cfg = _read_json(self.hf / "config.json")
+        moe = any(k in cfg for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+        self.recipe = Path(recipe) if recipe else _recipes_dir() / DEFAULT_RECIPES["moe" if moe else "dense"]
+        doc = load_yaml(self.recipe)
+        self.policy_map = doc.data["precision"]
+        self._ckpts: dict[str, Path] = {}
+        self.plan = self._plan(self.policy_map)
+        self.learner = self._learner(train_steps, lr, seed)
+        # the learner at the checkpoint's own weights: the reference for a sampler whose update was refused
+        self.learner0 = self._learner(0, lr, seed)
+        self.has_experts = any(".experts." in n for n in self.plan.entries)
+        self.has_nvfp4_groups = any(
+            all(self.plan.entries[m].format.value == "nvfp4" for m in g) for g in self.plan.groups.values())
+
+    def _policy(self, mapping: dict):
+        from miles_lp.config import Where
+        from miles_lp.policy import parse_policy
+
+        return parse_policy(mapping, Where(str(self.recipe), "precision"))
+
+    def _plan(self, mapping: dict):
+        from miles_lp.train.embedded import plan_for_model
+
+        return plan_for_model(self._policy(mapping), self.hf)
+
+    def _learner(self, steps: int, lr: float, seed: int):
+        from miles_lp.train.config import TrainConfig
+        from miles_lp.train.embedded import EmbeddedTrainer
+
+        learner = EmbeddedTrainer(self.hf, self.plan, TrainConfig(lr=lr, seed=seed, device="cpu"))
+        g = torch.Generator().manual_seed(seed)
+        vocab = int(_read_json(self.hf / "config.json")["vocab_size"])
+        for _ in range(steps):  # move the learner off the checkpoint the sampler starts from
+            samples = [{"tokens": torch.randint(0, vocab, (24,), generator=g)} for _ in range(4)]
+            learner.train_step(samples)
+        return learner
+
+    def checkpoint(self, mapping: dict | None = None) -> Path:
+        from miles_lp.checkpoint.convert import convert_checkpoint
+
+        mapping = self.policy_map if mapping is None else mapping
+        key = repr(mapping)
+        if key not in self._ckpts:
+            out = self.workdir / f"ckpt{len(self._ckpts)}"
+            convert_checkpoint(self.hf, out, self._policy(mapping), target=self.target, progress=False,
+                               log=lambda s: None)
+            self._ckpts[key] = out
+        return self._ckpts[key]
+
+
+def _read_json(p: Path) -> dict:
+    import json
+
+    return json.loads(Path(p).read_text())
+
+
+def _recipes_dir() -> Path:
+    return Path(__file__).resolve().parents[2] / "recipes"
+
+
+def measure_kl(engine: Any, learner: Any, prompts: list[list[int]], max_new_tokens: int, seed: int = 0) -> float:
+    """``rollout_corr/kl`` of the engine's sampled tokens against the learner (NaN if any log-prob is not
+    finite)."""
+    from miles_lp.rollout.engine import SamplingParams
+
+    gens = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, seed=seed))
+    seqs = [torch.tensor(list(p) + list(g.output_ids)) for p, g in zip(prompts, gens, strict=True)]
+    lps, _ = learner.logprobs(seqs)
+    train = [lp[len(p) - 1:] for lp, p in zip(lps, prompts, strict=True)]
+    rollout = [g.logprobs for g in gens]
+    if any(not bool(torch.isfinite(r).all()) for r in rollout):
+        return float("nan")
+    return rollout_kl(rollout, train)
+
+
+class SelfTest:
+    def __init__(self, stack: Stack, *, bucket_mb: float = 0.25, prompts: int = 8, max_new_tokens: int = 16,
+                 log: Callable[[str], None] = print):
+        self.stack, self.bucket_mb, self.log = stack, bucket_mb, log
+        vocab = int(_read_json(stack.hf / "config.json")["vocab_size"])
+        g = torch.Generator().manual_seed(1)
+        self.prompts = [torch.randint(0, vocab, (6,), generator=g).tolist() for _ in range(prompts)]
+        self.max_new_tokens = max_new_tokens
+
+    # ---- building one side of a fault ----------------------------------------------------------------
+    def _engine(self, fault: Fault | None):
+        from miles_lp.rollout.reference import EngineFaults, ReferenceEngine
+        from miles_lp.sync.faults import RegridEngine
+
+        mapping = self.stack.policy_map
+        if fault is not None and fault.sampler_rules:
+            mapping = {**mapping, "rules": [*fault.sampler_rules, *mapping.get("rules", [])]}
+        if fault is not None and fault.sampler_policy:
+            mapping = fault.sampler_policy(mapping)
+        faults = EngineFaults(**(fault.engine_faults if fault else {}))
+        engine = ReferenceEngine(self.stack.checkpoint(mapping), device="cpu", faults=faults)
+        if fault is not None and fault.engine_wrap:
+            engine = RegridEngine(engine, fault.engine_wrap)
+        return engine
+
+    def _transport(self, fault: Fault | None):
+        from miles_lp.sync.faults import DropLastBucket, SkipScaleBytes
+        from miles_lp.sync.transport import InProcessTransport
+
+        t = InProcessTransport("cpu")
+        if fault is not None and fault.transport == "drop_last":
+            return DropLastBucket(t)
+        if fault is not None and fault.transport == "skip_scales":  # the expert scales' staging (verl's case)
+            return SkipScaleBytes(t, "*.experts.*" if self.stack.has_experts else "*")
+        return t
+
+    def _learner(self, fault: Fault | None):
+        from miles_lp.sync.faults import SplitScalesLearner
+
+        if fault is not None and fault.learner_wrap == "split_scales":
+            return SplitScalesLearner(self.stack.learner)
+        return self.stack.learner
+
+    def _sync(self, fault: Fault | None, mode: str, engine=None) -> tuple[Any, SyncReport | None, SyncError | None]:
+        engine = engine or self._engine(fault)
+        cfg = SyncConfig(bucket_mb=self.bucket_mb).with_modes(all=mode)
+        ws = WeightSync(engine, self.stack.plan, self.stack.target, cfg, transport=self._transport(fault), env={},
+                        log=lambda line: self.log("    " + line))
+        try:
+            return engine, ws.initial_sync(self._learner(fault)), None
+        except SyncError as exc:
+            return engine, exc.report, exc
+
+    def _kl(self, engine, learner=None) -> float:
+        engine.resume()
+        return measure_kl(engine, learner or self.stack.learner, self.prompts, self.max_new_tokens)
+
+    # ---- the runs -----------------------------------------------------------------------------------
+    def healthy(self) -> Row:
+        self.log("healthy sync (raise mode)")
+        engine, report, err = self._sync(None, "raise")
+        kl = self._kl(engine) if err is None else float("nan")
+        flagged = [v.name for v in report.verdicts if v.failed] if report else ["(no report)"]
+        ok = err is None and not flagged
+        fig = report.verdict("self_check").figure if report else None
+        detail = "" if ok else f"{type(err).__name__ if err else ''}: {err}"
+        return Row("healthy sync", "-", flagged, fig, kl, "clean" if ok else "FLAGGED", detail)
+
+    def fault(self, fault: Fault) -> Row:
+        st = self.stack
+        if (fault.needs == "experts" and not st.has_experts) or (
+                fault.needs == "nvfp4_groups" and not st.has_nvfp4_groups):
+            return Row(fault.name, fault.intended, [], None, float("nan"), "N/A",
+                       f"the model/recipe has no {fault.needs.replace('_', ' ')}")
+        self.log(f"fault: {fault.name} (raise mode)")
+        _, _, err = self._sync(fault, "raise")
+        caught = [v.name for v in err.verdicts] if isinstance(err, SyncCheckError) else []
+        self.log(f"fault: {fault.name} (warn mode, then KL)")
+        engine, report, _ = self._sync(fault, "warn")
+        warned = [v.name for v in report.verdicts if v.failed] if report else []
+        figure = None
+        for v in (report.verdicts if report else ()):
+            if v.name == fault.intended:
+                figure = v.figure
+        # The fault's KL: of the synced engine against the learner; when the update was refused before any byte
+        # (the sampler keeps its checkpoint), of the faulty sampler against the learner at those same weights.
+        refused = report is None or report.stage == "pre-checks"
+        try:
+            kl = self._kl(engine, st.learner0 if refused else st.learner)
+        except Exception as exc:  # an engine a fault broke may refuse to generate: the table says so
+            kl = float("nan")
+            self.log(f"    KL not measured: {type(exc).__name__}: {exc}")
+        verdict = "CAUGHT" if fault.intended in caught else "MISSED"
+        detail = "" if err is None else str(err).split(": ", 1)[-1][:300]
+        if err is not None and not isinstance(err, SyncCheckError):
+            detail = f"{type(err).__name__}: {err}"[:300]
+        if warned and set(warned) != set(caught):
+            detail = f"warn mode flagged {warned}; " + detail
+        if refused:
+            detail = "update refused whole (KL vs the learner at the checkpoint's weights); " + detail
+        return Row(fault.name, fault.intended, caught, figure, kl, verdict, detail)
+
+    def run(self, only: list[str] | None = None) -> list[Row]:
+        rows = [self.healthy()]
+        for f in FAULTS:
+            if only and not any(o in f.name for o in only):
+                continue
+            rows.append(self.fault(f))
+        return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    head = ("fault", "intended check", "caught by (raise mode)", "figure", "KL", "verdict")
+    body = [(r.fault, r.intended, ",".join(r.caught_by) or "-", "-" if r.figure is None else f"{r.figure:.4g}",
+             "nan" if not math.isfinite(r.kl) else f"{r.kl:.4g}", r.verdict) for r in rows]
+    widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))  # noqa: E731
+    return "\n".join([line(head), line(tuple("-" * w for w in widths)), *(line(b) for b in body)])
+
+
+def passed(rows: list[Row]) -> bool:
+    """The healthy run is clean and every applicable fault was caught by its intended check."""
+    return all(r.verdict in ("clean", "CAUGHT", "N/A") for r in rows) and rows[0].verdict == "clean"
+
+
+def run_selftest(arch: str = "qwen3_moe", recipe: str | None = None, *, workdir: Path, only=None,
+                 log: Callable[[str], None] = print, **kw) -> list[Row]:
+    t0 = time.perf_counter()
+    stack = Stack(arch, recipe, workdir, log=log)
+    log(f"stack ready in {time.perf_counter() - t0:.1f} s: {arch}, recipe {stack.recipe.name}, "
+        f"{len(stack.plan.quantized())} quantized tensors")
+    return SelfTest(stack, log=log, **kw).run(only)

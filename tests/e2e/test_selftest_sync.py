@@ -1,0 +1,119 @@
+"""The weight sync on the embedded stack: EmbeddedTrainer -> WeightSync -> ReferenceEngine on a converted tiny
+MoE (MXFP8 attention, NVFP4 experts). Byte identity of a full sync, bad updates rejected whole, an engine dying
+mid-sync, and `miles-lp selftest sync` (a subset by default; every fault under -m slow)."""
+
+import json
+
+import pytest
+import torch
+
+from miles_lp.cli import main
+from miles_lp.export import naming
+from miles_lp.formats.spec import Format
+from miles_lp.sync import SyncAbortedError, SyncCheckError, SyncConfig, WeightSync
+from miles_lp.sync.faults import DyingEngine
+from miles_lp.sync.selftest import Stack
+
+pytest.importorskip("miles_lp.rollout.reference")  # the reference engine (issue 10), until it is committed
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    torch.set_num_threads(1)  # a shared 2-core CPU: one thread is ~10x faster than two oversubscribed
+    return Stack("qwen3_moe", None, tmp_path_factory.mktemp("sync-stack"), log=lambda s: None)
+
+
+def _engine(stack):
+    from miles_lp.rollout.reference import ReferenceEngine
+
+    return ReferenceEngine(stack.checkpoint(), device="cpu")
+
+
+def _sync(stack, engine, **kw):
+    cfg = SyncConfig(bucket_mb=0.1).with_modes(all="raise")
+    return WeightSync(engine, stack.plan, "sglang", cfg, env={}, log=lambda s: None, **kw)
+
+
+def test_full_sync_is_byte_identical_on_a_tiny_moe(stack):
+    engine = _engine(stack)
+    report = _sync(stack, engine).initial_sync(stack.learner)
+    assert report.ok and report.buckets > 1 and report.weight_version == 1 == engine.weight_version
+    # independently of the sync: encode the learner's export with the naming module, compare every engine tensor
+    expected = {}
+    for name, obj in stack.learner.export_weights():
+        if hasattr(obj, "components"):
+            expected.update(naming.encode("sglang", Format(obj.format), name, obj))
+        else:
+            expected[name] = obj
+    engine_names = set(engine.weight_digests())
+    assert set(expected) == engine_names
+    got = engine.read_weights(sorted(engine_names))
+    differing = [n for n in engine_names
+                 if got[n].dtype != expected[n].dtype or not torch.equal(got[n].reshape(-1).view(torch.uint8),
+                                                                         expected[n].reshape(-1).view(torch.uint8))]
+    assert differing == []
+    assert any(got[n].dtype == torch.float8_e4m3fn for n in got)  # MXFP8 attention travelled as e4m3
+    assert any(n.endswith("weight_scale_2") for n in got)  # NVFP4 experts with their global scales
+    # the learner moved: the synced engine is not the checkpoint any more
+    assert engine.weight_digests() != _engine(stack).weight_digests()
+
+
+class _BadLearner:
+    """The learner's export with one tensor in the wrong dtype."""
+
+    def __init__(self, inner, name):
+        self.inner, self.name, self.plan = inner, name, inner.plan
+
+    def executed_quantized(self):
+        return self.inner.executed_quantized()
+
+    def export_weights(self):
+        for n, t in self.inner.export_weights():
+            yield n, (t.float() if n == self.name else t)
+
+
+def test_bad_update_is_rejected_whole_and_the_old_weights_keep_serving(stack):
+    from miles_lp.rollout.engine import SamplingParams
+
+    engine = _engine(stack)
+    before = engine.weight_digests()
+    ws = _sync(stack, engine)
+    with pytest.raises(SyncCheckError, match=r"refused before any byte.*model.norm.weight \(sent float32\[\d+\], "
+                                             r"engine holds bfloat16"):
+        ws.sync(_BadLearner(stack.learner, "model.norm.weight"))
+    assert engine.weight_digests() == before and engine.weight_version == 0
+    gens = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, seed=0))  # still serving
+    assert gens[0].weight_version == 0 and len(gens[0].output_ids) == 2
+
+
+def test_engine_dying_mid_sync_is_reported(stack):
+    ws = _sync(stack, DyingEngine(_engine(stack), at=1))
+    with pytest.raises(SyncAbortedError, match=r"aborted in 'apply' at bucket 2 of \d+: EngineError: engine process "
+                                               r"exited.*full resync") as e:
+        ws.sync(stack.learner)
+    assert e.value.report.stage == "apply"
+
+
+def test_selftest_subset_catches_each_fault(tmp_path):
+    out = tmp_path / "table.json"
+    rc = main(["selftest", "sync", "--only", "stale expert", "--only", "dropped last", "--only", "separate global",
+               "--only", "lm_head", "--json", str(out), "--workdir", str(tmp_path / "w")])
+    rows = json.loads(out.read_text())["rows"]
+    assert rc == 0, rows
+    assert rows[0]["fault"] == "healthy sync" and rows[0]["verdict"] == "clean"
+    by = {r["fault"]: r for r in rows[1:]}
+    assert len(by) == 4 and all(r["verdict"] == "CAUGHT" for r in by.values())
+    assert by["stale expert layout only"]["caught_by"] == ["self_check"]
+    assert by["stale expert layout only"]["figure"] > 0.25
+    assert "completeness" in by["dropped last bucket"]["caught_by"]
+    assert by["NVFP4 gate/up with separate global scales"]["caught_by"] == ["grid"]
+
+
+@pytest.mark.slow
+def test_selftest_every_fault_caught_in_raise_mode(tmp_path, capsys):
+    out = tmp_path / "table.json"
+    assert main(["selftest", "sync", "--json", str(out), "--workdir", str(tmp_path / "w")]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert rows[0]["verdict"] == "clean" and len(rows) >= 12
+    assert all(r["verdict"] == "CAUGHT" for r in rows[1:]), [r for r in rows if r["verdict"] != "CAUGHT"]
+    assert "selftest sync: PASS" in capsys.readouterr().out
