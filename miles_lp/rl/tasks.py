@@ -10,8 +10,8 @@ Work in token ids (the tiny models have no tokenizer). Token layout of the built
   byte: a 256-token byte tokenizer that fits the tiny models' vocabulary); reward = exact match.
 
 Toy rewards are shaped so that an untrained policy gets a low but non-zero mean: per answer position 1 for
-the right token, ``wrong_symbol_credit`` (default 0.1) for a wrong token that is at least a symbol, 0 for
-anything else; the reward is the mean over the answer positions (EOS included). A uniform random policy
+the right token, ``wrong_symbol_credit`` (default 0.1) for a wrong symbol where a symbol is due, 0 for
+anything else (so a symbol never earns credit where EOS is due); the reward is the mean over the answer positions (EOS included). A uniform random policy
 over 256 tokens gets about 0.006 on ``copy`` (alphabet 8); the exact answer gets 1.
 
 Prompts are a pure function of ``(seed, step)`` (``prompts(step, n)``), so a resumed run draws the same
@@ -123,7 +123,7 @@ class _ToyTask:
             got = response[i] if i < len(response) else None
             if got == want:
                 score += 1.0
-            elif got in self.symbols:
+            elif want in self.symbols and got in self.symbols:  # partial credit at symbol positions only
                 score += self.cfg.wrong_symbol_credit
         return score / len(prompt.answer)
 

@@ -23,6 +23,7 @@ def test_copy_reverse_majority_answers_and_rewards():
     assert t.reward(p, [5, 6, 7, EOS]) == 1.0
     assert t.reward(p, [5, 6, 4, EOS]) == pytest.approx((3 + 0.1) / 4)  # a wrong symbol earns 0.1
     assert t.reward(p, [5, 200, 7]) == pytest.approx(2 / 4)  # non-symbol 0, missing EOS 0
+    assert t.reward(p, [5, 6, 7, 4]) == pytest.approx(3 / 4)  # a symbol where EOS is due earns nothing
     assert t.reward(p, []) == 0.0
     (rp,) = make_task(cfg(name="reverse", length=3)).prompts(0, 1)
     assert rp.answer == tuple(reversed(rp.ids[1:-1])) + (EOS,)

@@ -1,0 +1,262 @@
+"""One schema for the whole recipe file, strict like ``precision:``.
+
+    model: {path: "tiny:qwen3", num_layers: 2}      # an HF checkpoint dir, or tiny:<arch> built locally
+    precision: {default: mxfp8, ...}                 # miles_lp.policy (docs/precision_policy.md)
+    train: {lr: 1.0e-3, ...}                         # miles_lp.train.config.TrainConfig
+    rollout: {backend: reference, ...}               # the rollout engine's section
+    sync: {checks: {...}, ...}                       # miles_lp.sync.config.SyncConfig
+    rl: {group_size: 8, ...}                         # miles_lp.rl.config.RLConfig
+    task: {name: copy, ...}                          # miles_lp.rl.tasks.TaskConfig
+    ray: {enabled: false, ...}                       # RayConfig below
+    logging: {output_dir: runs, tensorboard: false}
+    steps: 60
+    seed: 0
+    checkpoint_every: 20
+
+Unknown sections and keys are refused with ``file:line`` and a close-match suggestion; ``--set key=value``
+overrides (the value read as YAML) are applied to the parsed mapping and validated the same way, an error
+naming the ``--set``. Nothing starts before the whole recipe has parsed.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from miles_lp.config import Where, YamlDoc, check_keys, load_yaml, load_yaml_text, parse_dataclass
+from miles_lp.errors import ConfigError
+from miles_lp.rl.config import RLConfig
+from miles_lp.rl.tasks import TaskConfig
+from miles_lp.train.config import TrainConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """``path``: an HF checkpoint folder, or ``tiny:<arch>`` (built with ``checkpoint.tiny`` at run start).
+    ``num_layers`` / ``overrides`` (transformers config fields such as ``hidden_size``) apply to tiny models."""
+
+    path: str
+    num_layers: int = 2
+    seed: int = 0
+    overrides: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def _validate(self, where: Where) -> None:
+        if self.is_tiny:
+            from miles_lp.checkpoint.tiny import ARCHS
+
+            if self.arch not in ARCHS:
+                from miles_lp.config import suggest
+
+                raise where.child("path").error(f"unknown tiny architecture '{self.arch}'"
+                                                f"{suggest(self.arch, ARCHS)}; tiny:<arch> with arch in "
+                                                f"{', '.join(ARCHS)}")
+            if self.num_layers < 1:
+                raise where.child("num_layers").error(f"must be >= 1, got {self.num_layers}")
+            for k, v in self.overrides.items():
+                if v < 1:
+                    raise where.child("overrides").child(k).error(f"must be >= 1, got {v}")
+        elif self.overrides:
+            raise where.child("overrides").error("overrides apply to tiny:<arch> models only; an HF checkpoint "
+                                                 "keeps its config.json")
+
+    @property
+    def is_tiny(self) -> bool:
+        return self.path.startswith("tiny:")
+
+    @property
+    def arch(self) -> str:
+        return self.path.removeprefix("tiny:")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSection:
+    """The rollout section, used only while ``miles_lp.rollout.config`` does not exist (see ``_rollout``)."""
+
+    backend: Literal["reference"] = "reference"
+    target: Literal["sglang", "vllm", "compressed-tensors"] = "sglang"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int | None = None  # None: the task's answer length + 1
+    device: str = "cpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleResources:
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+
+    def _validate(self, where: Where) -> None:
+        if self.num_cpus < 0 or self.num_gpus < 0:
+            raise where.error("resources must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class RayConfig:
+    """``enabled: false`` runs the same step in this process (what most tests use)."""
+
+    enabled: bool = False
+    address: str | None = None  # None: start a local cluster; "auto" or "host:port": connect
+    placement: Literal["colocate", "split"] = "colocate"
+    learner: RoleResources = dataclasses.field(default_factory=RoleResources)
+    rollout: RoleResources = dataclasses.field(default_factory=RoleResources)
+    num_cpus: int | None = None  # local cluster only: CPUs Ray may use (None: Ray's default)
+
+    def _validate(self, where: Where) -> None:
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise where.child("num_cpus").error(f"must be >= 1, got {self.num_cpus}")
+        if self.address is not None and self.num_cpus is not None:
+            raise where.child("num_cpus").error("num_cpus sizes a local cluster; remove it when an address is given")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    output_dir: str = "runs"
+    run_name: str | None = None  # default: <recipe stem>-<UTC time>
+    tensorboard: bool = False
+    progress: bool = True  # a tqdm bar with the headline numbers
+
+
+SECTIONS = ("model", "precision", "train", "rollout", "sync", "rl", "task", "ray", "logging", "steps", "seed",
+            "checkpoint_every")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    model: ModelConfig
+    precision: Any  # PrecisionPolicy
+    train: TrainConfig
+    rollout: Any
+    sync: Any
+    rl: RLConfig
+    task: TaskConfig
+    ray: RayConfig
+    logging: LoggingConfig
+    steps: int
+    seed: int
+    checkpoint_every: int
+    source: str
+    raw: dict[str, Any]  # the effective mapping (file + overrides): saved in the run folder
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.raw, sort_keys=False)
+
+
+def _rollout(mapping: Any, where: Where):
+    try:
+        from miles_lp.rollout.config import parse_rollout_config  # the rollout helper's section (issue 10)
+    except ImportError:
+        return parse_dataclass(RolloutSection, mapping, where)
+    return parse_rollout_config(mapping, where)
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncSection:
+    """The sync section, used only while ``miles_lp.sync.config`` does not exist (see ``_sync``)."""
+
+    bucket_mb: float = 512.0
+
+
+def _sync(mapping: Any, where: Where):
+    try:
+        from miles_lp.sync.config import parse_sync_config  # the sync helper's section (issue 11)
+    except ImportError:
+        return parse_dataclass(SyncSection, mapping, where)
+    return parse_sync_config(mapping, where)
+
+
+def _int(value: Any, where: Where, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise where.error(f"expected an integer, got {type(value).__name__}: {value!r}")
+    if value < minimum:
+        raise where.error(f"must be >= {minimum}, got {value}")
+    return value
+
+
+def parse_recipe(doc: YamlDoc) -> Recipe:
+    """Build a ``Recipe`` from a loaded YAML document; every section is validated here."""
+    from miles_lp.policy import parse_policy
+
+    data = doc.data
+    w = doc.where()
+    if not isinstance(data, dict):
+        raise ConfigError("a recipe must be a mapping of sections (model, precision, train, ...)", source=doc.source,
+                          line=1)
+    check_keys(data, SECTIONS, w, what="section")
+    for required in ("model", "precision", "steps"):
+        if required not in data:
+            raise ConfigError(f"missing section '{required}'", source=doc.source, line=1)
+    model = parse_dataclass(ModelConfig, data["model"], w.child("model"))
+    return Recipe(
+        model=model,
+        precision=parse_policy(data["precision"], w.child("precision")),
+        train=parse_dataclass(TrainConfig, data.get("train"), w.child("train")),
+        rollout=_rollout(data.get("rollout"), w.child("rollout")),
+        sync=_sync(data.get("sync"), w.child("sync")),
+        rl=parse_dataclass(RLConfig, data.get("rl"), w.child("rl")),
+        task=parse_dataclass(TaskConfig, data.get("task"), w.child("task")),
+        ray=parse_dataclass(RayConfig, data.get("ray"), w.child("ray")),
+        logging=parse_dataclass(LoggingConfig, data.get("logging"), w.child("logging")),
+        steps=_int(data["steps"], w.child("steps"), 1),
+        seed=_int(data.get("seed", 0), w.child("seed"), 0),
+        checkpoint_every=_int(data.get("checkpoint_every", 0), w.child("checkpoint_every"), 0),
+        source=doc.source,
+        raw=copy.deepcopy(data),
+    )
+
+
+def apply_override(data: dict[str, Any], text: str) -> None:
+    """``key.sub=value`` (value read as YAML) into ``data``, in place. Intermediate mappings are created."""
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not p for p in key.split(".")):
+        raise ConfigError(f"--set {text!r}: expected KEY=VALUE with a dotted key, e.g. rl.kl_coef=0.01")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {text!r}: the value is not valid YAML: {exc}") from None
+    parts = key.split(".")
+    node = data
+    for i, p in enumerate(parts[:-1]):
+        nxt = node.get(p)
+        if nxt is None:
+            nxt = node[p] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"--set {text!r}: '{'.'.join(parts[:i + 1])}' is a {type(nxt).__name__}, not a "
+                              "section")
+        node = nxt
+    node[parts[-1]] = parsed
+
+
+def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
+    """Read and validate ``path``, then apply every ``--set`` override and validate again (overrides that only
+    make sense together, such as ``rollout_rs`` and its threshold, go in one run). An error in the overridden
+    recipe names the override that set the offending key (or all of them)."""
+    doc = load_yaml(path)
+    recipe = parse_recipe(doc)
+    if not overrides:
+        return recipe
+    data = copy.deepcopy(doc.data)
+    for text in overrides:
+        apply_override(data, text)
+    try:
+        return parse_recipe(YamlDoc(data, {}, doc.source))
+    except ConfigError as exc:
+        msg = str(exc).removeprefix(f"{doc.source}: ")
+        keys = {t: t.partition("=")[0].strip() for t in overrides}
+        culprit = [t for t, k in keys.items() if msg.startswith(f"'{k}") or f"'{k}'" in msg]
+        raise ConfigError(f"--set {', --set '.join(culprit or overrides)}: {msg}") from None
+
+
+def load_recipe_text(text: str, source: str = "<recipe>") -> Recipe:
+    return parse_recipe(load_yaml_text(text, source))
+
+
+def recipe_summary(r: Recipe) -> Mapping[str, Any]:
+    return {"model": r.model.path, "precision": r.precision.default.value, "task": r.task.name, "steps": r.steps,
+            "ray": r.ray.enabled}

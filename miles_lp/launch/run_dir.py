@@ -1,0 +1,155 @@
+"""Run folders: the effective recipe, the plan, metrics, and atomic checkpoints.
+
+    RUN_DIR/
+      recipe.yaml            the effective recipe (file + --set overrides)
+      run.json               plan hash, model folder, created, miles-lp version
+      plan.json              the compiled precision plan
+      metrics.jsonl          one JSON object per step ({"step": N, "reward/mean": ..., ...})
+      model/                 the tiny model, when model.path is tiny:<arch>
+      checkpoints/step_000020/{learner/ (tensors.safetensors + state.json), loop.json}
+      checkpoints/latest.json  {"step": 20, "path": "step_000020"}  (written last, by rename)
+
+A checkpoint folder is written to a temporary name and renamed; ``latest.json`` is replaced only after
+that, so a failure (disk full, a kill) keeps the previous checkpoint intact and ``latest.json`` pointing
+at it. Tensors go to safetensors, everything else to JSON: never pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from miles_lp.errors import CheckpointError, ConfigError
+
+LATEST = "latest.json"
+KEEP = 2  # checkpoints kept (the newest two: one may be mid-write when a failure strikes)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+class RunDir:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    # ---- creation -------------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, root: str | Path, name: str) -> RunDir:
+        path = Path(root) / name
+        if path.exists() and any(path.iterdir()):
+            raise ConfigError(f"run folder {path} exists and is not empty; choose another logging.run_name or "
+                              f"continue it with --resume {path}")
+        path.mkdir(parents=True, exist_ok=True)
+        return cls(path)
+
+    def write_header(self, recipe_yaml: str, plan_json: str | None, info: Mapping[str, Any]) -> None:
+        _write_atomic(self.path / "recipe.yaml", recipe_yaml)
+        if plan_json is not None:
+            _write_atomic(self.path / "plan.json", plan_json)
+        _write_atomic(self.path / "run.json", json.dumps(dict(info), indent=2, sort_keys=True))
+
+    @property
+    def recipe_path(self) -> Path:
+        return self.path / "recipe.yaml"
+
+    def info(self) -> dict[str, Any]:
+        f = self.path / "run.json"
+        if not f.is_file():
+            raise CheckpointError(f"{self.path} is not a miles-lp run folder (no run.json)")
+        return json.loads(f.read_text())
+
+    # ---- metrics --------------------------------------------------------------------------------------
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    def append_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps({"step": step, **metrics}, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        if not self.metrics_path.is_file():
+            return []
+        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+
+    def truncate_metrics(self, before_step: int) -> None:
+        """Keep only steps < ``before_step`` (a resume re-runs the steps after its checkpoint)."""
+        rows = [r for r in self.read_metrics() if r["step"] < before_step]
+        _write_atomic(self.metrics_path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+
+    # ---- checkpoints ----------------------------------------------------------------------------------
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    def save_checkpoint(self, step: int, learner_state: Mapping[str, Any], loop: Mapping[str, Any]) -> Path:
+        """Write checkpoint ``step`` (the next step to run) atomically, then point ``latest.json`` at it."""
+        from miles_lp.checkpoint.atomic import atomic_output_dir
+        from miles_lp.train.state_io import save_learner_state
+
+        name = f"step_{step:06d}"
+        out = self.checkpoints / name
+        self.checkpoints.mkdir(parents=True, exist_ok=True)
+        try:
+            with atomic_output_dir(out, overwrite=True) as tmp:
+                save_learner_state(learner_state, tmp / "learner")
+                (tmp / "loop.json").write_text(json.dumps({**loop, "step": step, "saved": time.time()},
+                                                          sort_keys=True))
+        except OSError as exc:
+            prev = self.latest()
+            raise CheckpointError(f"checkpoint at step {step} could not be written to {out}: {exc.strerror or exc}; "
+                                  f"the previous checkpoint is intact ({prev or 'none'})") from None
+        _write_atomic(self.checkpoints / LATEST, json.dumps({"step": step, "path": name}))
+        self._prune(keep=name)
+        return out
+
+    def _prune(self, keep: str) -> None:
+        done = sorted(p for p in self.checkpoints.glob("step_*") if p.is_dir())
+        for old in done[:-KEEP]:
+            if old.name != keep:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def latest(self) -> Path | None:
+        f = self.checkpoints / LATEST
+        if not f.is_file():
+            return None
+        doc = json.loads(f.read_text())
+        path = self.checkpoints / doc["path"]
+        return path if path.is_dir() else None
+
+    def load_checkpoint(self, path: Path | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(learner state, loop state) of ``path`` or the latest checkpoint."""
+        from miles_lp.train.state_io import load_learner_state
+
+        path = path or self.latest()
+        if path is None:
+            raise CheckpointError(f"{self.path}: no checkpoint to resume from (checkpoints/{LATEST} missing); "
+                                  "set checkpoint_every > 0 in the recipe")
+        loop = json.loads((path / "loop.json").read_text())
+        return load_learner_state(path / "learner"), loop
+
+
+def load_run_checkpoint(run_dir: str | Path, learner) -> dict[str, Any]:
+    """Load a run folder's latest checkpoint into ``learner`` (for ``miles-lp export --run-dir``).
+
+    The learner must be built as the run built it: the run's model (``RUN_DIR/model`` for tiny models, see
+    ``run.json`` ``model_dir``) and the plan of ``RUN_DIR/recipe.yaml``. Returns the loop state (step, ...).
+    """
+    rd = RunDir(run_dir)
+    state, loop = rd.load_checkpoint()
+    learner.load_state_dict(state)
+    return loop

@@ -1,0 +1,264 @@
+"""``miles-lp run`` without Ray: build the parts from a recipe, run the GRPO steps, log, checkpoint, resume.
+
+    recipe = load_recipe("recipes/tiny-mxfp8.yaml", ["rl.kl_coef=0.01"])
+    run = Run.start(recipe)            # or Run.resume(recipe, "runs/tiny-mxfp8-...")
+    run.train()                        # metrics.jsonl, checkpoints, a progress bar
+
+Start-up order: the recipe was validated whole before this (``load_recipe``); then the model folder (a tiny
+model is built in ``RUN_DIR/model``), the plan, the run folder, the learner (+ a frozen BF16 reference when
+``rl.kl_coef > 0``), the engine started from a converted checkpoint of the same weights (``miles-lp convert``
+output; byte-identical to the learner's export, issue 8's invariant), and an initial full sync from the
+learner with a full byte compare (on resume it carries the checkpoint's weights into the engine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from miles_lp.errors import ConfigError
+from miles_lp.launch.recipe import Recipe, load_recipe
+from miles_lp.launch.run_dir import RunDir
+from miles_lp.rl.step import RunError, StepParts, grpo_step
+
+logger = logging.getLogger("miles_lp.run")
+
+#: metric keys that vary between identical runs (wall-clock): left out of bit-identity comparisons
+NONDETERMINISTIC_PREFIXES = ("timing_s/", "perf/")
+
+HEADLINE = (("reward/mean", "reward"), ("rollout_corr/kl", "kl"), ("actor/entropy", "ent"),
+            ("response_length/mean", "len"), ("timing_s/step", "s/step"))
+
+
+def plan_for(recipe: Recipe, model_dir: Path):
+    """The compiled plan, or ``None`` for an all-BF16 recipe (``precision: {default: bf16}`` with no
+    quantizing rule: the learner and the engine both run BF16, no plan needed)."""
+    from miles_lp.formats.spec import Format
+    from miles_lp.train.embedded import plan_for_model
+
+    pol = recipe.precision
+    if pol.default is Format.BF16 and all(r.format is Format.BF16 for r in pol.rules):
+        return None
+    return plan_for_model(pol, model_dir)
+
+
+def _engine_checkpoint(recipe: Recipe, model_dir: Path, plan, out: Path) -> Path:
+    """The folder the engine loads: the model as ``miles-lp convert`` writes it for the plan (BF16: as is)."""
+    if plan is None:
+        return model_dir
+    if (out / "config.json").is_file():
+        return out
+    from miles_lp.checkpoint.convert import convert_checkpoint
+
+    convert_checkpoint(model_dir, out, recipe.precision, target=_target(recipe), overwrite=True, progress=False,
+                       log=lambda s: logger.debug(s))
+    return out
+
+
+def _target(recipe: Recipe) -> str:
+    return getattr(recipe.rollout, "target", "sglang")
+
+
+def make_engine(recipe: Recipe, checkpoint: Path):
+    ro = recipe.rollout
+    if ro.backend != "reference":
+        raise ConfigError(f"rollout.backend {ro.backend}: the run wires the reference engine only so far; use "
+                          "backend: reference")
+    from miles_lp.rollout.reference import ReferenceEngine
+
+    kw = {k: getattr(ro, k) for k in ("device", "dtype", "kv_cache") if hasattr(ro, k)}
+    return ReferenceEngine(checkpoint, **kw)
+
+
+def make_learner(recipe: Recipe, model_dir: Path, plan):
+    if recipe.train.backend != "embedded":
+        raise ConfigError(f"train.backend {recipe.train.backend}: the run wires the embedded learner only so far")
+    from miles_lp.train.embedded import EmbeddedTrainer
+
+    return EmbeddedTrainer(model_dir, plan, recipe.train)
+
+
+def sampling_for(recipe: Recipe, task):
+    """The rollout's sampling parameters; stop tokens default to the task's (its EOS)."""
+    ro = recipe.rollout
+    stop = tuple(getattr(ro, "stop_token_ids", ()) or ()) or tuple(task.stop_token_ids)
+    return ro.sampling_params(stop_token_ids=stop)
+
+
+class Run:
+    """One run: the parts, the run folder and the loop state. Build with ``start`` or ``resume``."""
+
+    def __init__(self, recipe: Recipe, run_dir: RunDir, *, start_step: int = 0, learner_state=None,
+                 loop_state: Mapping[str, Any] | None = None, build_engine: Callable | None = None):
+        from miles_lp.launch.model import prepare_model, vocab_size
+        from miles_lp.rl.tasks import make_task
+        from miles_lp.sync import WeightSync
+
+        self.recipe, self.dir = recipe, run_dir
+        self.model_dir = prepare_model(recipe.model, run_dir.path / "model")
+        self.plan = plan_for(recipe, self.model_dir)
+        self.task = make_task(recipe.task, vocab_size(self.model_dir))
+        self.learner = make_learner(recipe, self.model_dir, self.plan)
+        if learner_state is not None:
+            self.learner.load_state_dict(learner_state)
+        self.reference = None
+        if recipe.rl.kl_coef > 0:
+            from miles_lp.train.embedded import EmbeddedTrainer
+
+            self.reference = EmbeddedTrainer(self.model_dir, None, recipe.train)  # frozen: never stepped
+        self.engine_ckpt = _engine_checkpoint(recipe, self.model_dir, self.plan, run_dir.path / "engine_init")
+        self.build_engine = build_engine or (lambda: make_engine(recipe, self.engine_ckpt))
+        self.engine = self.build_engine()
+        self.sync = WeightSync(self.engine, self.plan, _target(recipe), recipe.sync)
+        loop_state = dict(loop_state or {})
+        if "sentinel" in loop_state:  # the C6 streaks, so a resumed run trips exactly when a straight one would
+            for k, v in loop_state["sentinel"].items():
+                setattr(self.sync.sentinel, k, v)
+        self.initial = self.sync.initial_sync(self.learner)
+        # the engine's version counts syncs since ITS start; report the run's count
+        self.version_offset = int(loop_state.get("engine_weight_version", 0))
+        self.step = start_step
+        self.parts = StepParts(learner=self.learner, engine=self.engine, sync=self.sync, task=self.task,
+                               sampling=sampling_for(recipe, self.task), rl=recipe.rl, seed=recipe.seed,
+                               reference=self.reference)
+
+    # ---- construction ---------------------------------------------------------------------------------
+    @classmethod
+    def start(cls, recipe: Recipe, run_name: str | None = None, **kw) -> Run:
+        name = run_name or recipe.logging.run_name or (
+            f"{Path(recipe.source).stem}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+        rd = RunDir.create(recipe.logging.output_dir, name)
+        run = cls(recipe, rd, **kw)
+        rd.write_header(recipe.to_yaml(), None if run.plan is None else run.plan.to_json(),
+                        {"plan_hash": None if run.plan is None else run.plan.hash, "model_dir": str(run.model_dir),
+                         "recipe_source": recipe.source, "created": time.time(), "steps": recipe.steps,
+                         "miles_lp_version": _version()})
+        return run
+
+    @classmethod
+    def resume(cls, run_dir: str | Path, recipe: Recipe | None = None, **kw) -> Run:
+        """Continue ``run_dir`` from its latest checkpoint. ``recipe`` (if given) must be the run's effective
+        recipe; only ``steps`` may differ (to run longer)."""
+        rd = RunDir(run_dir)
+        saved = load_recipe(rd.recipe_path)
+        if recipe is not None:
+            a = {k: v for k, v in saved.raw.items() if k != "steps"}
+            b = {k: v for k, v in recipe.raw.items() if k != "steps"}
+            if a != b:
+                diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+                raise ConfigError(f"--resume {rd.path}: the recipe differs from the run's recipe.yaml in "
+                                  f"section(s) {', '.join(diff)}; resume with the same recipe (only steps may change)")
+            saved = dataclasses.replace(saved, steps=recipe.steps, raw={**saved.raw, "steps": recipe.steps})
+        state, loop = rd.load_checkpoint()
+        rd.truncate_metrics(int(loop["step"]))
+        return cls(saved, rd, start_step=int(loop["step"]), learner_state=state, loop_state=loop, **kw)
+
+    # ---- the loop -------------------------------------------------------------------------------------
+    def step_once(self) -> dict[str, float]:
+        step = self.step
+        m = grpo_step(self.parts, step)
+        for k in ("rollout/weight_version", "sync/weight_version"):
+            if k in m:
+                m[k] += self.version_offset
+        self.dir.append_metrics(step, m)
+        self.step += 1
+        every = self.recipe.checkpoint_every
+        if (every and self.step % every == 0) or self.step == self.recipe.steps:
+            self.checkpoint()
+        return m
+
+    def checkpoint(self) -> Path:
+        sent = self.sync.sentinel
+        loop = {"data_position": self.step, "engine_weight_version": int(self.engine.weight_version)
+                + self.version_offset - int(self.initial.weight_version),
+                "sentinel": {k: getattr(sent, k) for k in ("_clip_streak", "_cap_streak", "steps")
+                             if hasattr(sent, k)}}
+        return self.dir.save_checkpoint(self.step, self.learner.state_dict(), loop)
+
+    def train(self, progress: bool | None = None, tensorboard: bool | None = None) -> list[dict[str, float]]:
+        """Run until ``recipe.steps``; returns the metrics of the steps run here."""
+        progress = self.recipe.logging.progress if progress is None else progress
+        tb = _tensorboard(self.dir.path) if (self.recipe.logging.tensorboard if tensorboard is None else tensorboard) \
+            else None
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=self.recipe.steps, initial=self.step, desc=self.dir.path.name, file=sys.stderr,
+                       dynamic_ncols=True)
+        out = []
+        try:
+            while self.step < self.recipe.steps:
+                step = self.step
+                try:
+                    m = self.step_once()
+                except RunError:
+                    raise
+                except Exception as exc:
+                    from miles_lp.sync import SyncError
+
+                    if isinstance(exc, SyncError):
+                        raise RunError(f"step {step}: {exc}; last checkpoint: {self.dir.latest() or 'none'} "
+                                       f"(resume with --resume {self.dir.path})") from exc
+                    raise
+                out.append(m)
+                if tb is not None:
+                    for k, v in m.items():
+                        if isinstance(v, float) and math.isfinite(v):
+                            tb.add_scalar(k, v, step)
+                if bar is not None:
+                    bar.set_postfix_str(" ".join(f"{short}={m[k]:.3g}" for k, short in HEADLINE if k in m))
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+            if tb is not None:
+                tb.close()
+        return out
+
+    def close(self) -> None:
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
+
+def _tensorboard(path: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional; JSONL is always written
+        print("miles-lp run: logging.tensorboard is on but the tensorboard package is not installed; metrics go "
+              "to metrics.jsonl only (pip install tensorboard)", file=sys.stderr)
+        return None
+    return SummaryWriter(str(path / "tensorboard"))
+
+
+def _version() -> str:
+    from miles_lp import __version__
+
+    return __version__
+
+
+def deterministic_metrics(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The metrics with wall-clock keys removed (for bit-identity comparisons)."""
+    return [{k: v for k, v in r.items() if not k.startswith(NONDETERMINISTIC_PREFIXES)} for r in rows]
+
+
+def summary(rows: list[dict[str, Any]], last: int = 5) -> dict[str, float]:
+    """First and last-``last``-mean of the headline metrics."""
+    if not rows:
+        return {}
+    out: dict[str, float] = {}
+    for k, _ in HEADLINE:
+        vals = [r[k] for r in rows if k in r]
+        if vals:
+            out[f"{k}/first"] = vals[0]
+            tail = vals[-last:]
+            out[f"{k}/last{len(tail)}"] = sum(tail) / len(tail)
+    return out
+
