@@ -23,7 +23,9 @@ from miles_lp.errors import MilesLPError
 COMMANDS: list[tuple[str, str]] = [
     ("convert", "miles_lp.cli.convert"),
     ("verify", "miles_lp.cli.verify"),
+    ("export", "miles_lp.cli.export"),
     ("explain", "miles_lp.cli.explain"),
+    ("run", "miles_lp.cli.run"),
     ("bench", "miles_lp.cli.bench"),
     ("selftest", "miles_lp.cli.selftest"),
     ("make-tiny-model", "miles_lp.cli.make_tiny_model"),
