@@ -240,28 +240,39 @@ def test_dequantize():
     assert q.dequantize().dtype == torch.bfloat16
 
 
-def test_mismatch_rate_against_torchao_nvfp4_is_measured():
-    """CONTRACT 2: torchao orders the operations differently and clamps the scale at 2^-6; we print the
-    mismatch rate and do not assert equality."""
+def test_agreement_with_torchao_nvfp4_is_where_contract_2_says():
+    """CONTRACT 2: torchao orders the operations differently and clamps the scale at 2^-6, so its bytes are not
+    ours everywhere; but an external implementation pins the rule where the two agree. Measured here (bf16
+    input, these seeds): normal data identical; heavy-tailed (Student t, 2 dof) scales identical and 0.25% of
+    the data bytes differ; rows spanning 1e-4..1e4 differ in the small rows only (torchao's clamp). A broken
+    scale or rounding rule differs in far more (tens of percent)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
     g = torch.Generator().manual_seed(0)
-    rates = {}
-    for name, x in {
+    cases = {
         "normal": torch.randn(512, 1024, generator=g),
-        "student_t": torch.distributions.StudentT(2.0).sample((512, 1024)),
+        # Student t, 2 degrees of freedom: z / sqrt(chi2_2 / 2), chi2_2 / 2 = -log(U) (seeded, unlike .sample())
+        "student_t": torch.randn(512, 1024, generator=g) / torch.rand(512, 1024, generator=g).log().neg().sqrt(),
         "wide_rows": torch.randn(512, 1024, generator=g) * torch.logspace(-4, 4, 512).unsqueeze(1),
-    }.items():
+    }
+    rates = {}
+    for name, x in cases.items():
         x = x.bfloat16()
         ours = quantize_nvfp4(x)
         s, d = nvfp4_quantize(x, 16, per_tensor_amax_to_scale(ours.amax))
-        scale_rate = (s.view(torch.uint8).reshape(ours.scale.shape) != ours.scale.view(torch.uint8)).double().mean()
-        data_rate = (d.view(torch.uint8).reshape(ours.data.shape) != ours.data).double().mean()
-        rates[name] = (scale_rate.item(), data_rate.item())
-        print(f"torchao NVFP4 vs TE rule [{name}]: scale bytes differ {scale_rate.item():.4%}, "
-              f"data bytes differ {data_rate.item():.4%}")
-    assert len(rates) == 3
+        same_s = s.view(torch.uint8).reshape(ours.scale.shape) == ours.scale.view(torch.uint8)
+        same_d = d.view(torch.uint8).reshape(ours.data.shape) == ours.data
+        in_agreeing_blocks = same_d[same_s.repeat_interleave(8, dim=-1)]
+        rates[name] = (1 - same_s.double().mean().item(), 1 - in_agreeing_blocks.double().mean().item())
+        print(f"torchao NVFP4 vs TE rule [{name}]: scale bytes differ {rates[name][0]:.4%}, data bytes differ "
+              f"{rates[name][1]:.4%} in blocks whose scales agree")
+        if name == "normal":
+            assert same_s.all() and same_d.all()
+        elif name == "student_t":
+            assert rates[name][0] < 0.05 and rates[name][1] < 0.01
+        else:  # the clamp at 2^-6 of torchao's scale hits the small rows only
+            assert same_s[256:].double().mean() > 0.99 and rates[name][1] < 0.01
 
 
 @pytest.mark.parametrize(
