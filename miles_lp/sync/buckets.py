@@ -103,15 +103,32 @@ def write_slot(staging: torch.Tensor, slot: Slot, t: torch.Tensor) -> None:
     staging[slot.offset:slot.offset + slot.nbytes].copy_(src, non_blocking=False)
 
 
-def nan_codes(t: torch.Tensor) -> int:
-    """Elements of ``t`` holding a NaN (by bytes for the 8-bit codes: E8M0 0xFF, E4M3 S.1111.111)."""
+def nan_code_count(t: torch.Tensor) -> torch.Tensor:
+    """Elements of ``t`` holding a NaN, as a 0-d tensor on ``t``'s device (no host sync): by bytes for the
+    8-bit codes (E8M0 0xFF, E4M3 S.1111.111), ``isnan`` for wider floats."""
     if t.dtype == torch.uint8:
-        return int((t == NAN_FILL).sum())
+        return (t == NAN_FILL).sum()
     if t.dtype == torch.float8_e4m3fn:
-        return int(((t.view(torch.uint8) & 0x7F) == 0x7F).sum())
+        return ((t.view(torch.uint8) & 0x7F) == 0x7F).sum()
     if t.is_floating_point():
-        return int(torch.isnan(t).sum())
-    return 0
+        return torch.isnan(t).sum()
+    return torch.zeros((), dtype=torch.int64, device=t.device)
+
+
+def nan_codes(t: torch.Tensor) -> int:
+    return int(nan_code_count(t))
+
+
+def _to_host(counts: dict[str, torch.Tensor]) -> dict[str, int]:
+    """One device->host transfer per device for a dict of 0-d counts (not one sync per tensor)."""
+    out: dict[str, int] = {}
+    by_dev: dict[torch.device, list[str]] = {}
+    for n, c in counts.items():
+        by_dev.setdefault(c.device, []).append(n)
+    for names in by_dev.values():
+        vals = torch.stack([counts[n].to(torch.int64) for n in names]).cpu().tolist()
+        out.update(zip(names, vals, strict=True))
+    return out
 
 
 @dataclasses.dataclass
@@ -121,14 +138,14 @@ class Ledger:
     expected: frozenset[str]
     writes: dict[str, int] = dataclasses.field(default_factory=dict)
     last_bucket: dict[str, int] = dataclasses.field(default_factory=dict)
-    nan_received: dict[str, int] = dataclasses.field(default_factory=dict)
-    nan_sent: dict[str, int] = dataclasses.field(default_factory=dict)
+    nan_received: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # 0-d counts, on device
+    nan_sent: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     buckets_received: int = 0
 
     def sent(self, bucket: Bucket) -> None:
         for s in bucket.slots:
             if s.is_scale:
-                self.nan_sent[s.name] = nan_codes(bucket.payload[s.name])
+                self.nan_sent[s.name] = nan_code_count(bucket.payload[s.name])
 
     def received(self, index: int, named: Iterable[tuple[str, torch.Tensor]], scales: Mapping[str, bool]) -> None:
         named = list(named)
@@ -139,15 +156,15 @@ class Ledger:
             self.writes[name] = self.writes.get(name, 0) + 1
             self.last_bucket[name] = index
             if scales.get(name):
-                self.nan_received[name] = nan_codes(t)
+                self.nan_received[name] = nan_code_count(t)
 
     def problems(self) -> dict[str, list[str]]:
         """``missing`` (never written), ``repeated`` (written more than once), ``unexpected`` (not an engine
         tensor), ``unwritten_scale_bytes`` (more NaN codes arrived than were sent: a missed write)."""
+        received, sent = _to_host(self.nan_received), _to_host(self.nan_sent)
         return {
             "missing": sorted(self.expected - set(self.writes)),
             "repeated": sorted(n for n, c in self.writes.items() if c > 1),
             "unexpected": sorted(set(self.writes) - self.expected),
-            "unwritten_scale_bytes": sorted(n for n, c in self.nan_received.items()
-                                            if c > self.nan_sent.get(n, 0)),
+            "unwritten_scale_bytes": sorted(n for n, c in received.items() if c > sent.get(n, 0)),
         }

@@ -27,17 +27,36 @@ def _weights(n: int, device: torch.device) -> torch.Tensor:
     return w
 
 
-def fingerprint(t: torch.Tensor) -> str:
-    """``dtype[shape]:<rows>-<cols>``; equal bytes give equal strings on any device."""
-    t = t.detach()
-    raw = t.contiguous().reshape(-1).view(torch.uint8)
-    n = raw.numel()
-    pad = (-n) % (4 * ROW)
+def _sums(t: torch.Tensor) -> torch.Tensor:
+    """The two weighted sums of ``t``'s bytes as an int64 ``[2]`` tensor on its device."""
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    pad = (-raw.numel()) % (4 * ROW)
     if pad:
         raw = torch.cat([raw, raw.new_zeros(pad)])
     words = raw.view(torch.int32).reshape(-1, ROW)  # [R, 1024]
     rows = words.sum(dim=1, dtype=torch.int64)  # [R]
     cols = words.sum(dim=0, dtype=torch.int64)  # [1024]
-    a = int((rows * _weights(rows.numel(), rows.device)).sum())
-    b = int((cols * _weights(ROW, cols.device)).sum())
+    return torch.stack([(rows * _weights(rows.numel(), rows.device)).sum(),
+                        (cols * _weights(ROW, cols.device)).sum()])
+
+
+def _format(t: torch.Tensor, a: int, b: int) -> str:
     return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}:{a & (2**64 - 1):016x}{b & (2**64 - 1):016x}"
+
+
+def fingerprint(t: torch.Tensor) -> str:
+    """``dtype[shape]:<rows><cols>``; equal bytes give equal strings on any device."""
+    a, b = _sums(t).tolist()
+    return _format(t, a, b)
+
+
+def fingerprints(named: dict[str, torch.Tensor]) -> dict[str, str]:
+    """``fingerprint`` of many tensors with one device->host transfer per device (no sync per tensor)."""
+    out: dict[str, str] = {}
+    by_dev: dict[torch.device, list[str]] = {}
+    for n, t in named.items():
+        by_dev.setdefault(t.device, []).append(n)
+    for names in by_dev.values():
+        sums = torch.stack([_sums(named[n]) for n in names]).cpu().tolist()
+        out.update({n: _format(named[n], a, b) for n, (a, b) in zip(names, sums, strict=True)})
+    return out

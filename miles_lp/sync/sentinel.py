@@ -42,6 +42,15 @@ class Sentinel:
         self.last: Verdict = skipped("sentinel", "no rollout step observed yet")
         self.steps = 0
 
+    def state_dict(self) -> dict[str, int]:
+        """The streaks and step count, so a resumed run trips exactly when an uninterrupted one would."""
+        return {"clip_streak": self._clip_streak, "cap_streak": self._cap_streak, "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._clip_streak = int(state.get("clip_streak", 0))
+        self._cap_streak = int(state.get("cap_streak", 0))
+        self.steps = int(state.get("steps", 0))
+
     def update(self, *, rollout_logprobs: Iterable[torch.Tensor] | None = None, kl: float | None = None,
                clip_ratio: float | None = None, finish_reasons: Sequence[str] | None = None) -> Verdict:
         cfg = self.config

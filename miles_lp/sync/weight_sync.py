@@ -42,7 +42,7 @@ from miles_lp.rollout.engine import tensor_digest
 from miles_lp.sync import checks
 from miles_lp.sync.buckets import Ledger, make_buckets
 from miles_lp.sync.config import CHECKS, SyncConfig
-from miles_lp.sync.digest import fingerprint
+from miles_lp.sync.digest import fingerprints
 from miles_lp.sync.items import Item, engine_items, group_items
 from miles_lp.sync.sentinel import Sentinel, rollout_kl
 from miles_lp.sync.transport import BroadcastTransport, Transport, make_transport
@@ -250,8 +250,7 @@ class WeightSync:
             got = self.engine.read_weights(list(expected))
             main = checks.grid_full(expected, got)
         elif hasattr(self.engine, "weight_fingerprints"):
-            main = checks.grid_digests({n: fingerprint(t) for n, t in expected.items()},
-                                       self.engine.weight_fingerprints(list(expected)))
+            main = checks.grid_digests(fingerprints(expected), self.engine.weight_fingerprints(list(expected)))
         else:
             main = checks.grid_digests({n: tensor_digest(t) for n, t in expected.items()},
                                        self.engine.weight_digests(list(expected)))

@@ -154,3 +154,18 @@ def test_sentinel_trips_on_each_condition():
     v = s.update(finish_reasons=["length", "length"])
     assert v.failed and "length cap for 2 steps" in v.reason
     assert Sentinel().update().status == "skipped"
+
+
+def test_batched_fingerprints_equal_single_ones():
+    from miles_lp.sync.digest import fingerprints
+
+    ts = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.uint8), "c": torch.tensor(2.0)}
+    assert fingerprints(ts) == {n: fingerprint(t) for n, t in ts.items()}
+
+
+def test_sentinel_state_round_trips_the_streaks():
+    s = Sentinel()
+    s.update(clip_ratio=1.0)
+    resumed = Sentinel()
+    resumed.load_state_dict(s.state_dict())
+    assert resumed.update(clip_ratio=1.0).failed  # the second step in a row, across the resume

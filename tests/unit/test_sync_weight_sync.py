@@ -226,3 +226,21 @@ def test_engine_dying_mid_sync_is_reported_with_stage_and_bucket():
     assert e.value.report.stage == "apply" and all(v.status == "skipped" for v in e.value.report.verdicts
                                                    if v.name in ("grid", "self_check"))
     assert "[apply]" in lines[-1]
+
+
+class FingerprintEngine(StubEngine):
+    """An engine that offers the device-side C2 digest (``weight_fingerprints``)."""
+
+    def weight_fingerprints(self, names=None):
+        from miles_lp.sync.digest import fingerprint
+
+        self.fingerprinted = True
+        return {n: fingerprint(self.t[n]) for n in (names or self.t)}
+
+
+def test_c2_uses_engine_fingerprints_when_offered():
+    engine, ws, _ = _sync(FingerprintEngine())
+    assert ws.sync(Learner(), full_compare=False).ok and engine.fingerprinted
+    _, ws, _ = _sync(RegridEngine(FingerprintEngine(), "floor"))
+    with pytest.raises(SyncCheckError, match="grid: failed.*digest"):
+        ws.sync(Learner(), full_compare=False)

@@ -1,0 +1,236 @@
+"""`miles-lp bench sync`: one weight sync (export + transfer + apply + checks) vs a plain copy of the same bytes.
+
+Builds a random Qwen3-MoE-shaped model of about ``--params`` parameters (default 1e9 on CUDA, 2e7 on CPU),
+converts it (the sampler's checkpoint), starts the reference engine from it on ``--device`` and the embedded
+trainer on the HF model, then per ``--format`` (default: mxfp8 and mxfp8+nvfp4-experts, side by side):
+``--iters`` times, moves every master weight a little (an optimizer step: the grid is re-quantized at export)
+and syncs with ``WeightSync`` (default recipe settings: 512 MiB buckets, every check on, digest C2), timing
+the sync end to end; in the same run, a plain device copy (``dst.copy_(src)``) of as many bytes as the sync
+sent. Reports seconds per sync, the copy's seconds, their ratio, and the checks' share of the sync, plus the
+stages (export, transfer, apply, finish). Targets (issue 11): sync <= 3x the copy; checks < 2% of the sync.
+"""
+
+from __future__ import annotations
+
+import math
+
+FORMATS = ("mxfp8", "mxfp8+nvfp4-experts")
+HELP = "time a live weight sync (export + transfer + apply + checks) against a plain copy of the same bytes"
+DESCRIPTION = __doc__
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--params", type=float, default=None,
+                   help="model size in parameters (default 1e9 on CUDA, 2e7 on CPU)")
+    p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N | auto (default auto)")
+    p.add_argument("--format", default=None, choices=FORMATS, help="one format only (default: both)")
+    p.add_argument("--iters", type=int, default=3, help="timed syncs per format after one warm-up (default 3)")
+    p.add_argument("--bucket-mb", type=float, default=512, help="sync bucket size (default 512, as Miles)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: 1 on cpu)")
+    p.add_argument("--workdir", default=None, help="where to write the model and checkpoints (default: temp)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON too")
+
+
+def bench_config(params: float, big: bool) -> dict:
+    """A Qwen3-MoE config with as many layers as fill ``params`` (big: hidden 2048, 16 experts of 768)."""
+    if big:
+        hidden, inter, experts, vocab, heads, kv, hd = 2048, 768, 16, 32000, 32, 4, 128
+    else:
+        hidden, inter, experts, vocab, heads, kv, hd = 256, 128, 8, 2048, 4, 2, 64
+    per_layer = 2 * heads * hd * hidden + 2 * kv * hd * hidden + experts * (3 * inter * hidden + hidden)
+    layers = max(1, round((params - 2 * vocab * hidden) / per_layer))
+    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": hidden,
+            "intermediate_size": 4 * hidden, "moe_intermediate_size": inter, "num_experts": experts,
+            "num_experts_per_tok": 2, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv, "head_dim": hd, "vocab_size": vocab, "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "norm_topk_prob": True, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+            "max_position_embeddings": 512, "torch_dtype": "bfloat16", "rope_theta": 1e6}
+
+
+def build_model(root, cfg: dict) -> int:
+    """A random BF16 HF checkpoint of ``cfg`` (real tensor names); returns its parameter count."""
+    import json
+
+    import torch
+    import transformers
+
+    root.mkdir(parents=True, exist_ok=True)
+    config = transformers.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+    config.architectures = cfg["architectures"]
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(root, safe_serialization=True)
+    (root / "config.json").write_text(json.dumps({**json.loads((root / "config.json").read_text())}, indent=2))
+    n = sum(p.numel() for p in model.parameters())
+    del model
+    return n
+
+
+def _sync_device(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _perturb(learner, seed: int) -> None:
+    """Move every master weight a little, as an optimizer step would (the grid cache is invalidated)."""
+    import torch
+
+    from miles_lp.train.quant_linear import invalidate_grids
+
+    g = torch.Generator(device=learner.device).manual_seed(seed)
+    with torch.no_grad():
+        for p in learner.model.parameters():
+            p.add_(torch.randn(p.shape, generator=g, device=p.device, dtype=p.dtype), alpha=1e-3)
+    invalidate_grids(learner.model)
+
+
+def _copy_seconds(nbytes: int, device, iters: int) -> float:
+    import time
+
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    _sync_device(device)
+    times = []
+    for _ in range(max(3, iters)):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync_device(device)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _tensorwise_copy_seconds(tensors, device, iters: int) -> float:
+    """Copy each tensor of one sync into its own preallocated destination: the same bytes in the same pieces
+    (so the per-tensor launch cost is in the anchor too)."""
+    import time
+
+    import torch
+
+    srcs = [t.to(device) for t in tensors]
+    dsts = [torch.empty_like(t) for t in srcs]
+    times = []
+    for _ in range(max(3, iters) + 1):
+        _sync_device(device)
+        t0 = time.perf_counter()
+        for d, s in zip(dsts, srcs, strict=True):
+            d.copy_(s)
+        _sync_device(device)
+        times.append(time.perf_counter() - t0)
+    return min(times[1:])
+
+
+def bench_format(hf, fmt: str, workdir, device, args, log) -> dict:
+    import statistics
+    import time
+
+    from miles_lp.checkpoint.convert import convert_checkpoint
+    from miles_lp.cli.convert import policy_for_format
+    from miles_lp.rollout.reference import ReferenceEngine
+    from miles_lp.sync import SyncConfig, WeightSync
+    from miles_lp.sync.transport import InProcessTransport
+    from miles_lp.train.config import TrainConfig
+    from miles_lp.train.embedded import EmbeddedTrainer, plan_for_model
+
+    policy = policy_for_format(fmt)
+    ckpt = workdir / f"ckpt-{fmt.replace('+', '_')}"
+    t0 = time.perf_counter()
+    convert_checkpoint(hf, ckpt, policy, target="sglang", progress=False, log=lambda s: None)
+    log(f"[{fmt}] converted in {time.perf_counter() - t0:.1f} s")
+    plan = plan_for_model(policy, hf)
+    learner = EmbeddedTrainer(hf, plan, TrainConfig(device=str(device), master_dtype="bf16"))
+    engine = ReferenceEngine(ckpt, device=str(device))
+    cfg = SyncConfig(bucket_mb=args.bucket_mb, full_compare="off")
+    ws = WeightSync(engine, plan, "sglang", cfg, transport=InProcessTransport(device), env={}, device=device,
+                    log=lambda s: log("  " + s))
+    c2 = "device fingerprint" if hasattr(engine, "weight_fingerprints") else "host blake2b digest"
+    reports = []
+    for i in range(args.iters + 1):  # the first sync warms up (allocations, compiled kernels)
+        _perturb(learner, seed=i)
+        _sync_device(device)
+        t0 = time.perf_counter()
+        r = ws.sync(learner)
+        _sync_device(device)
+        wall = time.perf_counter() - t0
+        if i:
+            reports.append((wall, r))
+    bad = [v.describe() for _, r in reports for v in r.failed]
+    walls = [w for w, _ in reports]
+    sync_s = statistics.median(walls)
+    nbytes = reports[0][1].bytes
+    copy_s = _copy_seconds(nbytes, device, args.iters)
+    from miles_lp.sync.items import engine_items
+
+    pieces = [it.tensor for it in engine_items(learner.export_weights(), "sglang", plan.layout)]
+    piece_s = _tensorwise_copy_seconds(pieces, device, args.iters)
+    del pieces
+    stage = {k: statistics.median(r.metrics.get(f"perf/sync_{k}_seconds", math.nan) for _, r in reports)
+             for k in ("export", "transfer", "apply", "finish")}
+    checks = statistics.median(r.check_seconds for _, r in reports)
+    per_check = {v.name: statistics.median(r.verdict(v.name).seconds for _, r in reports)
+                 for v in reports[0][1].verdicts}
+    del engine, learner
+    return {"format": fmt, "bytes": nbytes, "buckets": reports[0][1].buckets, "sync_seconds": sync_s,
+            "copy_seconds": copy_s, "ratio": sync_s / copy_s if copy_s > 0 else math.inf,
+            "tensorwise_copy_seconds": piece_s,
+            "ratio_tensorwise": sync_s / piece_s if piece_s > 0 else math.inf,
+            "check_seconds": checks, "check_share": checks / sync_s, "stages": stage, "per_check": per_check,
+            "c2": c2, "failed_checks": bad, "syncs": len(walls)}
+
+
+def run(args) -> int:
+    import json
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from miles_lp.errors import ConfigError
+
+    spec = args.device
+    device = torch.device("cuda" if spec == "auto" and torch.cuda.is_available() else
+                          "cpu" if spec == "auto" else spec)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {spec}: CUDA is not available here; use --device cpu")
+    if args.iters < 1:
+        raise ConfigError(f"--iters must be >= 1, got {args.iters}")
+    threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else None)
+    if threads:
+        torch.set_num_threads(threads)
+    params = args.params if args.params is not None else (1e9 if device.type == "cuda" else 2e7)
+    formats = [args.format] if args.format else list(FORMATS)
+
+    def log(s: str) -> None:
+        print(s, flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="miles-lp-bench-sync-") as tmp:
+        workdir = Path(args.workdir) if args.workdir else Path(tmp)
+        cfg = bench_config(params, big=params >= 2e8)
+        n = build_model(workdir / "hf", cfg)
+        log(f"model: qwen3_moe, {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
+            f"{cfg['num_experts']} experts; {n / 1e6:.1f} M parameters; device {device}")
+        results = [bench_format(workdir / "hf", fmt, workdir, device, args, log) for fmt in formats]
+    print()
+    print(f"{'format':<22}{'MB sent':>9}{'buckets':>8}{'sync s':>9}{'copy s':>10}{'ratio':>8}{'tensor-copy s':>14}"
+          f"{'ratio':>7}{'checks %':>10}   stages (export/transfer/apply/finish s)")
+    for r in results:
+        st = r["stages"]
+        print(f"{r['format']:<22}{r['bytes'] / 1e6:>9.1f}{r['buckets']:>8}{r['sync_seconds']:>9.4f}"
+              f"{r['copy_seconds']:>10.5f}{r['ratio']:>8.1f}{r['tensorwise_copy_seconds']:>14.5f}"
+              f"{r['ratio_tensorwise']:>7.1f}{100 * r['check_share']:>9.2f}%   "
+              f"{st['export']:.4f}/{st['transfer']:.4f}/{st['apply']:.4f}/{st['finish']:.4f}")
+    print("copy: one flat dst.copy_(src) of the bytes sent; tensor-copy: the same tensors copied one by one")
+    for r in results:
+        worst = sorted(r["per_check"].items(), key=lambda kv: -kv[1])[:3]
+        print(f"  {r['format']}: checks {r['check_seconds']:.4f} s (C2 by {r['c2']}); slowest: "
+              + ", ".join(f"{k} {v:.4f} s" for k, v in worst)
+              + (f"; FAILED: {r['failed_checks'][:2]}" if r["failed_checks"] else ""))
+    print("targets (issue 11): sync <= 3x the copy; checks < 2% of the sync")
+    if args.json:
+        print(json.dumps({"device": str(device), "parameters": n, "results": results}, indent=2))
+    return 1 if any(r["failed_checks"] for r in results) else 0
