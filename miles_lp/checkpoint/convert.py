@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-import shutil
 import sys
 import time
 import warnings
@@ -23,13 +22,13 @@ from pathlib import Path
 
 from miles_lp.checkpoint.atomic import atomic_output_dir, check_output_target
 from miles_lp.checkpoint.configs import emit_configs
-from miles_lp.checkpoint.safetensors_io import INDEX_NAME, ShardWriter, TensorHeader, write_json
+from miles_lp.checkpoint.safetensors_io import INDEX_NAME, ShardWriter, TensorHeader
 from miles_lp.checkpoint.validate import SourceCheckpoint, validate_source
 from miles_lp.errors import CheckpointError, ConfigError, FormatError
 from miles_lp.export import naming
+from miles_lp.export.writer import write_metadata
 from miles_lp.formats.spec import Format
 
-PLAN_FILE = "miles_lp_plan.json"
 COMPILE_MIN_NUMEL = 1 << 22  # with compile=True: torch.compile'd MXFP8 for tensors of >= 4M elements
 
 
@@ -88,13 +87,6 @@ def plan_groups(plan) -> list[tuple[str, ...]]:
     if isinstance(groups, Mapping):
         groups = groups.values()
     return [tuple(g) for g in groups]
-
-
-def plan_json(plan):
-    import json
-
-    j = plan.to_json()
-    return json.loads(j) if isinstance(j, str) else j
 
 
 def explain_text(plan, source: str = "") -> str:
@@ -424,23 +416,10 @@ def _progress(total: int, enabled: bool):
 def _write_metadata(tmp: Path, source: SourceCheckpoint, plan, target: str, quant_config: dict,
                     extra_files: Mapping[str, dict], index: dict, digests: Mapping[str, str], version: str,
                     nonfinite: list[str]) -> None:
-    config = {k: v for k, v in source.config.items() if k != "quantization_config"}
-    config["quantization_config"] = quant_config
-    write_json(tmp / "config.json", config)
-    for fname, content in extra_files.items():
-        write_json(tmp / fname, content)
-    for p in source.copied_files():
-        shutil.copy2(p, tmp / p.name)
-    record = {
-        "miles_lp_version": version,
-        "target": target,
-        "plan_hash": plan.hash,
-        "plan": plan_json(plan),
-        "source": {"path": str(source.root.absolute()), "files": dict(sorted(digests.items())),
-                   "fp8_block_input": source.is_fp8_block,
-                   "dtypes": {n: source.tensors[n].dtype for n in source.logical},
-                   "shapes": {n: list(s) for n, s in source.logical.items()}},
-        "nonfinite_allowed": nonfinite,
-        "index": INDEX_NAME,
-    }
-    write_json(tmp / PLAN_FILE, record)
+    record_source = {"path": str(source.root.absolute()), "files": dict(sorted(digests.items())),
+                     "fp8_block_input": source.is_fp8_block,
+                     "dtypes": {n: source.tensors[n].dtype for n in source.logical},
+                     "shapes": {n: list(s) for n, s in source.logical.items()}}
+    write_metadata(tmp, hf_config=source.config, plan=plan, target=target, quant_config=quant_config,
+                   extra_files=extra_files, copied_files=source.copied_files(), source=record_source,
+                   index_name=INDEX_NAME, version=version, nonfinite=nonfinite)
