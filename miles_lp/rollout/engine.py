@@ -41,6 +41,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     return_routed_experts: bool = False
+    # "raw": log p of the policy at temperature 1 (RL's old_logprobs; vLLM's raw_logprobs); "processed": of the
+    # distribution actually sampled (temperature, top-k, top-p applied; SGLang's default). See rollout/sampling.py.
+    logprob_mode: str = "raw"
 
     def validate(self) -> None:
         if not self.temperature >= 0:
@@ -51,6 +54,8 @@ class SamplingParams:
             raise EngineError(f"sampling top_k must be -1 (off) or >= 1, got {self.top_k}")
         if self.max_new_tokens < 1:
             raise EngineError(f"sampling max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.logprob_mode not in ("raw", "processed"):
+            raise EngineError(f"sampling logprob_mode must be 'raw' or 'processed', got {self.logprob_mode!r}")
 
 
 @dataclasses.dataclass

@@ -1,0 +1,127 @@
+"""What the engine reads from a checkpoint folder, as an engine reads it.
+
+* A converted checkpoint (``miles-lp convert``): ``config.json``'s ``quantization_config`` (read with the
+  target engine's own matching rules, ``miles_lp.checkpoint.configs.engine_formats_for``: that, not the plan,
+  decides which modules the engine builds quantized: C1), the ``miles_lp_plan.json`` record (target, the plan
+  hash, and the NVFP4 activation scale scope per weight, which the engine config cannot express: the RL recipe
+  scales activations per token at run time), and the safetensors headers.
+* A plain HF checkpoint (no ``quantization_config``): every module BF16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from miles_lp.errors import CheckpointError
+from miles_lp.formats.spec import Format
+
+PLAN_FILE = "miles_lp_plan.json"
+HF_QUANT_CONFIG = "hf_quant_config.json"
+
+
+@dataclasses.dataclass
+class TensorHeader:
+    name: str
+    dtype: str  # torch dtype name, e.g. "bfloat16", "float8_e4m3fn"
+    shape: tuple[int, ...]
+    file: Path
+
+
+@dataclasses.dataclass
+class EngineCheckpoint:
+    root: Path
+    config: dict  # config.json without quantization_config
+    quant_config: dict | None
+    target: str  # sglang | vllm | compressed-tensors ("sglang" for a BF16 checkpoint: nothing is quantized)
+    formats: dict[str, Format]  # "<module>.weight" -> format, as the engine reads the config (absent: BF16)
+    activation_scale: dict[str, str]  # NVFP4 weights: "token" | "tensor" (from the plan; default "token")
+    plan_hash: str | None
+    tensors: dict[str, TensorHeader]
+
+    def format_of(self, weight_name: str) -> Format:
+        return self.formats.get(weight_name, Format.BF16)
+
+    @property
+    def quantized(self) -> bool:
+        return any(f.quantized for f in self.formats.values())
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: not a Hugging Face checkpoint folder") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path} is unreadable: {exc}") from None
+
+
+def _headers(root: Path) -> dict[str, TensorHeader]:
+    from safetensors import safe_open
+
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{root}: no *.safetensors files (the engine loads safetensors only, never pickle)")
+    out: dict[str, TensorHeader] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                sl = sf.get_slice(name)
+                dtype = _ST_TO_TORCH.get(sl.get_dtype())
+                if dtype is None:
+                    raise CheckpointError(f"{f.name}: tensor '{name}' has safetensors dtype {sl.get_dtype()}, "
+                                          "which the engine does not load")
+                if name in out:
+                    raise CheckpointError(f"tensor '{name}' appears in both {out[name].file.name} and {f.name}")
+                out[name] = TensorHeader(name, dtype, tuple(sl.get_shape()), f)
+    return out
+
+
+_ST_TO_TORCH = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F8_E4M3": "float8_e4m3fn", "U8": "uint8",
+                "I64": "int64", "I32": "int32", "BOOL": "bool"}
+
+
+def open_checkpoint(path: str | Path) -> EngineCheckpoint:
+    """Read config, quantization config, plan record and tensor headers; no tensor data yet."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint '{root}' is not a folder")
+    config = _read_json(root / "config.json")
+    qc = config.pop("quantization_config", None)
+    tensors = _headers(root)
+    if qc is None:
+        return EngineCheckpoint(root, config, None, "sglang", {}, {}, None, tensors)
+    record_path = root / PLAN_FILE
+    if not record_path.exists():
+        raise CheckpointError(f"{root}: config.json has a quantization_config but there is no {PLAN_FILE}; the "
+                              "reference engine serves checkpoints written by `miles-lp convert` (or plain BF16 ones)")
+    record = _read_json(record_path)
+    from miles_lp.checkpoint.configs import engine_formats_for
+    from miles_lp.policy import PrecisionPlan, get_layout
+
+    target = record.get("target")
+    plan = PrecisionPlan.from_json(json.dumps(record["plan"]), layout=get_layout(config))
+    files = {HF_QUANT_CONFIG: _read_json(root / HF_QUANT_CONFIG)} if (root / HF_QUANT_CONFIG).exists() else {}
+    formats = {n: f for n, f in engine_formats_for(target, qc, files, plan).items() if f.quantized}
+    scopes = {}
+    for n, f in formats.items():
+        if f is Format.NVFP4:
+            e = plan.entries.get(n)
+            act = getattr(e, "activation_scale", None) if e is not None else None
+            scopes[n] = {"per_tensor": "tensor", "per_token": "token"}.get(act, act) or "token"
+    return EngineCheckpoint(root, config, qc, target, formats, scopes, record.get("plan_hash"), tensors)
+
+
+def iter_tensors(ck: EngineCheckpoint, device: str = "cpu") -> Iterator[tuple[str, object]]:
+    """``(name, tensor)`` for every tensor of the checkpoint, file by file (safetensors only)."""
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[str]] = {}
+    for h in ck.tensors.values():
+        by_file.setdefault(h.file, []).append(h.name)
+    for f, names in by_file.items():
+        with safe_open(str(f), framework="pt", device=device) as sf:
+            for n in names:
+                yield n, sf.get_tensor(n)

@@ -1,0 +1,292 @@
+"""Engine-side linear layers in SGLang's three steps: ``create_weights``, ``process_weights_after_loading``, ``apply``.
+
+A layer holds its *canonical* tensors exactly as the checkpoint stores them for its target (CONTRACT 4), under
+their on-disk suffixes, so a fresh load and a live update write the same parameters::
+
+    sglang MXFP8   weight float8_e4m3fn [N, K], weight_scale_inv uint8 E8M0 [N, K/32]
+    vllm MXFP8     weight float8_e4m3fn [N, K], weight_scale uint8 [N, K/32]
+    NVFP4 (ModelOpt, sglang/vllm)  weight uint8 [N, K/2], weight_scale e4m3 [N, K/16], weight_scale_2 fp32 [],
+                   input_scale fp32 []
+    NVFP4 (compressed-tensors)     weight_packed uint8 [N, K/2], weight_scale e4m3, weight_global_scale fp32 [1]
+    BF16           weight in its on-disk dtype [N, K]
+
+``process_weights_after_loading`` derives the kernel state from the canonical tensors, as the serving kernels
+do at load: the block scales in the cuBLAS 128x4 layout (``swizzle_scales``, CONTRACT 3) and the GEMM operand,
+the weight dequantized *from the data and the swizzled scales* (what the kernel reads). The derived tensors are
+allocated once and later rebuilt *in place* (``copy_``), so their storage stays where a captured graph would
+look (C4). A live update that writes the canonical tensors without re-running this step leaves the operand
+stale: that is the failure mode the engine's fault hooks reproduce and ``self_check`` detects (C3).
+
+``apply`` is the learner's emulated GEMM (``miles_lp.train.quant_linear``): the input quantized as the plan
+says (MXFP8: 1x32 blocks along K; NVFP4: per-token global scale when ``activation_scale`` is ``token``),
+dequantized, and ``F.linear`` on operands of the learner's operand dtype (bf16 for bf16 activations on CUDA,
+fp32 otherwise), bias added in that dtype, then cast back to the activation dtype. Same grid, same operand
+dtype, same order of operations: engine and learner agree to float tolerance (the GEMM shapes differ).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from miles_lp.errors import CheckpointError
+from miles_lp.formats.spec import MXFP8_BLOCK, NVFP4_BLOCK, NVFP4_GLOBAL_DIVISOR, Format
+
+_ST_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8, "F32": torch.float32, "BF16": torch.bfloat16,
+              "F16": torch.float16}
+
+
+def _naming():
+    """``miles_lp.export.naming`` (CONTRACT 4 names per target); the older path until the move has landed."""
+    try:
+        from miles_lp.export import naming
+    except ImportError:  # pragma: no cover - before the export helper's move
+        from miles_lp.checkpoint import engine_formats as naming
+    return naming
+
+
+def operand_dtype(device: torch.device, act_dtype: torch.dtype) -> torch.dtype:
+    """The learner's GEMM operand dtype (``quant_linear._operand_dtype``): bf16 for bf16 activations on CUDA,
+    fp32 otherwise."""
+    return torch.bfloat16 if (device.type == "cuda" and act_dtype == torch.bfloat16) else torch.float32
+
+
+class EngineLinear(torch.nn.Module):
+    """One linear module of the engine: canonical on-disk tensors, derived kernel state, emulated GEMM.
+
+    ``disk_format``: how the checkpoint stores the weight (what ``create_weights`` allocates).
+    ``serve_format``: what ``apply`` computes in; equal to ``disk_format`` except under the
+    ``quantize_lm_head`` fault (a BF16 weight the sampler quantizes on its own side).
+    ``activation_scale``: NVFP4 activation global-scale scope, ``"token"`` (the RL recipe) or ``"tensor"``.
+    """
+
+    def __init__(self, prefix: str, in_features: int, out_features: int, *, disk_format: Format, target: str,
+                 bias: bool = False, weight_dtype: torch.dtype = torch.bfloat16, activation_scale: str = "token",
+                 act_dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 serve_format: Format | None = None):
+        super().__init__()
+        self.prefix = prefix  # "model.layers.0.self_attn.q_proj."
+        self.in_features, self.out_features = in_features, out_features
+        self.disk_format = Format(disk_format)
+        self.serve_format = Format(serve_format or disk_format)
+        self.target = target
+        self.activation_scale = activation_scale
+        self.act_dtype = act_dtype
+        self.weight_dtype = weight_dtype
+        self.device_ = torch.device(device)
+        self.op_dtype = operand_dtype(self.device_, act_dtype)
+        self.has_bias = bias
+        self._derived: dict[str, torch.Tensor] = {}  # name -> tensor the kernel reads besides the canonical ones
+        self.kernel_format: Format | None = None  # set by process_weights_after_loading from what it built
+        self.create_weights()
+
+    # ---- step 1 ------------------------------------------------------------------------------------
+    def canonical_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """``{suffix: (dtype, shape)}`` of the canonical tensors, as on disk for this target."""
+        n, k = self.out_features, self.in_features
+        specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        if self.disk_format is Format.BF16:
+            specs["weight"] = (self.weight_dtype, (n, k))
+        else:
+            for name, (st, shape) in _naming().expected(self.target, self.disk_format, "w.weight", (n, k)).items():
+                specs[name.removeprefix("w.")] = (_ST_DTYPES[st], tuple(shape))
+        if self.has_bias:
+            specs["bias"] = (self.weight_dtype, (n,))
+        return specs
+
+    def create_weights(self) -> None:
+        """Typed, empty canonical parameters (SGLang ``create_weights``); the loader fills every byte."""
+        for suffix, (dtype, shape) in self.canonical_specs().items():
+            self.register_parameter(suffix, torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=self.device_),
+                                                               requires_grad=False))
+
+    def canonical(self) -> dict[str, torch.Tensor]:
+        """``{suffix: live tensor}`` of the canonical tensors (what the module attributes hold now)."""
+        return {s: getattr(self, s) for s in self.canonical_specs()}
+
+    # ---- step 2 ------------------------------------------------------------------------------------
+    def decoded(self):
+        """The canonical tensors as a codec tensor (``MXFP8Tensor`` / ``NVFP4Tensor``); ``None`` for BF16."""
+        return decode_weight(self.target, self.disk_format, {s: t for s, t in self.canonical().items()},
+                             (self.out_features, self.in_features))
+
+    def process_weights_after_loading(self) -> None:
+        """Derive the kernel state (swizzled scales, the GEMM operand) from the canonical tensors, in place."""
+        from miles_lp.formats import swizzle_scales, unswizzle_scales
+
+        n, k = self.out_features, self.in_features
+        new: dict[str, torch.Tensor] = {}
+        q = self.decoded()
+        if self.disk_format is Format.BF16 and self.serve_format is not Format.BF16:
+            q = _quantize_weight(self.weight.detach(), self.serve_format)  # fault: the sampler quantizes on its own
+            new["weight_q_data"] = q.data
+        if q is None:
+            if self.weight.dtype != self.op_dtype:
+                new["operand"] = self.weight.detach().to(self.op_dtype)
+            self.kernel_format = Format.BF16
+        else:
+            block = MXFP8_BLOCK if q.format is Format.MXFP8 else NVFP4_BLOCK
+            new["scale_swizzled"] = swizzle_scales(q.scale)  # cuBLAS 128x4 layout, [ru(N,128), ru(K/block,4)]
+            kernel_scale = unswizzle_scales(new["scale_swizzled"], n, k // block)  # what the kernel reads back
+            new["operand"] = _with_scale(q, kernel_scale).dequantize(self.op_dtype)
+            self.kernel_format = q.format
+        if self.has_bias and self.bias.dtype != self.op_dtype:
+            new["bias_operand"] = self.bias.detach().to(self.op_dtype)
+        for name, t in new.items():
+            old = self._derived.get(name)
+            if old is not None and old.shape == t.shape and old.dtype == t.dtype:
+                old.copy_(t)  # rebuild in place: the storage a captured graph reads stays put
+            else:
+                self._derived[name] = t.contiguous()
+        for name in set(self._derived) - set(new):
+            del self._derived[name]
+
+    def derived(self) -> Mapping[str, torch.Tensor]:
+        return dict(self._derived)
+
+    # ---- step 3 ------------------------------------------------------------------------------------
+    def _weight_operand(self) -> torch.Tensor:
+        op = self._derived.get("operand")
+        return self.weight if op is None else op
+
+    def _bias_operand(self) -> torch.Tensor | None:
+        if not self.has_bias:
+            return None
+        return self._derived.get("bias_operand", self.bias)
+
+    def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The activation on the serving grid, dequantized to the operand dtype (``x`` is ``[M, K]``)."""
+        fmt = self.kernel_format
+        if fmt is None:
+            raise CheckpointError(f"'{self.prefix}weight': process_weights_after_loading has not run")
+        if fmt is Format.BF16:
+            return x
+        from miles_lp import formats
+
+        if fmt is Format.MXFP8:
+            return formats.quantize_mxfp8(x, axis=-1).dequantize(self.op_dtype)
+        scope = "tensor" if self.activation_scale == "tensor" else "row"
+        return formats.quantize_nvfp4(x, scale_scope=scope).dequantize(self.op_dtype)
+
+    def gemm(self, x_deq: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """``F.linear`` on operands already on the grid; bias added in the operand dtype, then cast."""
+        if self.kernel_format is Format.BF16:
+            w = self._weight_operand()
+            b = self._bias_operand()
+            return F.linear(x_deq.to(w.dtype), w, None if b is None else b.to(w.dtype)).to(out_dtype)
+        y = F.linear(x_deq, self._weight_operand())
+        b = self._bias_operand()
+        if b is not None:
+            y = y + b.to(y.dtype)
+        return y.to(out_dtype)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k)
+        y = self.gemm(self.quantize_input(x2), x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.apply(x)
+
+    def extra_repr(self) -> str:
+        return (f"{self.prefix}weight, in={self.in_features}, out={self.out_features}, disk={self.disk_format.value}, "
+                f"kernel={getattr(self.kernel_format, 'value', None)}, target={self.target}")
+
+
+def _with_scale(q, scale: torch.Tensor):
+    """``q`` with its block scales replaced (the kernel's copy read back from the swizzled layout)."""
+    import dataclasses
+
+    return dataclasses.replace(q, scale=scale)
+
+
+def _quantize_weight(w: torch.Tensor, fmt: Format):
+    from miles_lp import formats
+
+    if fmt is Format.MXFP8:
+        return formats.quantize_mxfp8(w, axis=-1)
+    return formats.quantize_nvfp4(w, scale_scope="tensor")
+
+
+def decode_weight(target: str, fmt: Format, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int]):
+    """Codec tensor of one weight from its on-disk tensors keyed by suffix (``weight``, ``weight_scale_inv``...)."""
+    if fmt is Format.BF16:
+        return None
+    from miles_lp.formats import MXFP8Tensor, NVFP4Tensor
+
+    comps = _naming().decode_components(target, fmt, "w.weight", {f"w.{s}": t for s, t in tensors.items()})
+    if fmt is Format.MXFP8:
+        return MXFP8Tensor(comps["data"], comps["scale"], -1)
+    gs = comps["global_scale"].to(torch.float32).reshape(())
+    return NVFP4Tensor(comps["data"], comps["scale"], gs, gs * NVFP4_GLOBAL_DIVISOR, tuple(shape), "tensor", False)
+
+
+class EngineExpert(torch.nn.Module):
+    """One routed expert: ``gate_proj``, ``up_proj``, ``down_proj`` as separate ``EngineLinear`` (HF names)."""
+
+    def __init__(self, gate_proj: EngineLinear, up_proj: EngineLinear, down_proj: EngineLinear):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+
+    def forward_tokens(self, x: torch.Tensor, act: Callable, apply_gate: Callable | None) -> torch.Tensor:
+        g, u = self.gate_proj, self.up_proj
+        if g.kernel_format == u.kernel_format and g.activation_scale == u.activation_scale:
+            xq = g.quantize_input(x)  # same input, same grid: quantize once (the fused gate_up GEMM does)
+            gate, up = g.gemm(xq, x.dtype), u.gemm(xq, x.dtype)
+        else:
+            gate, up = g.apply(x), u.apply(x)
+        h = apply_gate(torch.cat([gate, up], dim=-1)) if apply_gate is not None else act(gate) * up
+        return self.down_proj.apply(h)
+
+
+class EngineExperts(torch.nn.Module):
+    """Drop-in for a transformers-5 fused experts module (same ``forward(hidden, top_k_index, top_k_weights)``)
+    holding per-expert canonical tensors as checkpoints store them: children ``0``, ``1``, ... so the names are
+    ``<block>.experts.{e}.gate_proj.weight`` etc.
+
+    ``recorder``: when set, called with ``top_k_index [tokens, top_k]`` on every forward (routing replay).
+    """
+
+    def __init__(self, experts: list[EngineExpert], act_fn: Callable, apply_gate: Callable | None = None):
+        super().__init__()
+        for e, ex in enumerate(experts):
+            self.add_module(str(e), ex)
+        self._list = list(experts)
+        self.num_experts = len(experts)
+        self.act_fn = act_fn
+        self._apply_gate = apply_gate
+        self.recorder: Callable[[torch.Tensor], None] | None = None
+
+    def __getitem__(self, e: int) -> EngineExpert:
+        return self._list[e]
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if self.recorder is not None:
+            self.recorder(top_k_index)
+        final = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit[:, 0].tolist():
+            if e >= self.num_experts:
+                continue
+            top_k_pos, token_idx = torch.where(mask[e])
+            h = self._list[e].forward_tokens(hidden_states[token_idx], self.act_fn, self._apply_gate)
+            h = h * top_k_weights[token_idx, top_k_pos, None]
+            final.index_add_(0, token_idx, h.to(final.dtype))
+        return final
+
+
+def engine_linears(model: torch.nn.Module) -> Iterator[tuple[str, EngineLinear]]:
+    for name, m in model.named_modules():
+        if isinstance(m, EngineLinear):
+            yield name, m
+
+
+def describe_layer(m: EngineLinear) -> dict[str, Any]:
+    return {"disk": m.disk_format.value, "kernel": getattr(m.kernel_format, "value", None), "target": m.target,
+            "activation_scale": m.activation_scale if m.kernel_format is Format.NVFP4 else None}

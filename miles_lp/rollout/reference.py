@@ -1,0 +1,631 @@
+"""The embedded reference engine: serves a converted checkpoint with the emulated kernels (CPU or one GPU).
+
+    engine = ReferenceEngine("/tmp/tiny-mxfp8")                 # a `miles-lp convert` output, or a BF16 HF folder
+    gens = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=8, seed=0))
+    engine.begin_weight_update(); engine.update_weights(bucket); engine.finish_weight_update()
+
+Build: the transformers model from ``config.json`` (no random init: every parameter is loaded, and a tensor the
+model lacks or a parameter the checkpoint lacks is a ``CheckpointError``); every ``nn.Linear`` becomes an
+``EngineLinear`` and every fused experts module an ``EngineExperts`` of per-expert ``EngineLinear`` (the
+checkpoint's own names), in the format the engine reads from ``quantization_config`` (``rollout.checkpoint``).
+Then ``process_weights_after_loading`` on every layer (``rollout.layers``).
+
+Generation: batched, left-padded, transformers' KV cache (``kv_cache: fp8_e4m3`` rounds K/V as the engines do,
+``rollout.kv_cache``), one token per step for every unfinished row, finished rows dropped from the batch.
+``Generation.logprobs`` are raw policy log-probs (temperature 1; ``rollout.sampling``). Prompts must be shorter
+than the context (``max_position_embeddings``); ``max_new_tokens`` is capped at what fits (finish ``length``).
+
+Updates (SGLang's semantics; CONTRACT 5): ``begin_weight_update`` stops serving (new ``generate`` calls are
+refused; one in flight parks at its next step); ``update_weights`` checks the whole bucket (names, shapes, dtypes,
+duplicates) before writing anything, then ``copy_`` into the tensors captured at load (storage and data pointers
+unchanged); ``finish_weight_update`` re-runs ``process_weights_after_loading`` on the touched layers (in place),
+bumps ``weight_version`` and serves again. Parked generations then continue as their pause mode says
+(``retract``: recompute the KV of prompt + tokens so far with the new weights, SGLang's ``retract``).
+
+Faults (``EngineFaults``) reproduce the known silent failures of CONTRACT 5 on purpose, so the sync checks
+can be shown to catch them (issue 11's fault-injection selftest); with the default ``EngineFaults()`` none is on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from miles_lp.errors import CheckpointError
+from miles_lp.formats.spec import Format
+from miles_lp.rollout.checkpoint import EngineCheckpoint, iter_tensors, open_checkpoint
+from miles_lp.rollout.engine import EngineError, Generation, SamplingParams, WeightUpdateError, tensor_digest
+from miles_lp.rollout.kv_cache import KV_CACHE_DTYPES, make_cache
+from miles_lp.rollout.layers import EngineExpert, EngineExperts, EngineLinear, describe_layer, engine_linears
+from miles_lp.rollout.sampling import sample
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+SELF_CHECK_TOLERANCE = 0.25  # CONTRACT 5: healthy ~0.03 dense / ~0.05 expert (MXFP8), stale ~1
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineFaults:
+    """Deliberate faults (all off by default). Patterns are ``fnmatch`` patterns; ``"*"`` matches everything.
+
+    ``skip_rebuild``: layers (module prefix, e.g. ``"*.experts.*"``) whose derived state ``finish_weight_update``
+    does not rebuild: the kernel keeps serving the old operand and swizzled scales (stale layout, C3).
+    ``rebind``: canonical tensor names that ``begin_weight_update`` re-binds: the module gets a fresh copy while
+    the update still writes into the tensor captured at load (re-bound parameter, C4).
+    ``drop_updates``: names ``update_weights`` accepts but does not write (a loader that skips names, C2/C5).
+    ``quantize_lm_head``: the sampler serves ``lm_head`` in MXFP8 although the checkpoint holds it BF16 (C1).
+    """
+
+    skip_rebuild: tuple[str, ...] = ()
+    rebind: tuple[str, ...] = ()
+    drop_updates: tuple[str, ...] = ()
+    quantize_lm_head: bool = False
+
+    def active(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name)}
+
+
+def _match(name: str, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(spec)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise EngineError(f"device '{spec}': no CUDA device is available here; use device='cpu'")
+    return dev
+
+
+def _resolve_dtype(spec: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if isinstance(spec, torch.dtype):
+        return spec
+    if spec in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+    if spec not in table:
+        raise EngineError(f"dtype must be auto, fp32 or bf16, got {spec!r}")
+    return table[spec]
+
+
+def _no_init_weights():
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # pragma: no cover - older transformers
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()
+
+
+def _is_fused_experts(module: torch.nn.Module) -> bool:
+    gu, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (isinstance(gu, torch.nn.Parameter) and gu.dim() == 3 and isinstance(down, torch.nn.Parameter)
+            and down.dim() == 3)
+
+
+def _set_child(root: torch.nn.Module, dotted: str, new: torch.nn.Module) -> None:
+    parent_name, _, child = dotted.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, new)
+
+
+class ReferenceEngine:
+    """See the module docstring. ``checkpoint``: a folder (converted or BF16 HF)."""
+
+    def __init__(self, checkpoint: str | Path, *, device: str = "auto", dtype: str | torch.dtype | None = "auto",
+                 kv_cache: str = "bf16", kv_scales: tuple[float, float] = (1.0, 1.0),
+                 faults: EngineFaults | None = None, pause_timeout_s: float = 0.0, threads: int | None = None):
+        if kv_cache not in KV_CACHE_DTYPES:
+            raise EngineError(f"kv_cache must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache!r}")
+        self.device = _resolve_device(device)
+        self.act_dtype = _resolve_dtype(dtype, self.device)
+        self.kv_cache, self.kv_scales = kv_cache, tuple(float(s) for s in kv_scales)
+        self.faults = faults or EngineFaults()
+        self.pause_timeout_s = pause_timeout_s
+        if threads is not None:
+            torch.set_num_threads(threads)
+        t0 = time.perf_counter()
+        self.ckpt: EngineCheckpoint = open_checkpoint(checkpoint)
+        self.model = self._build_model()
+        self._index_tensors()
+        self._load_all()
+        for _, layer in engine_linears(self.model):
+            layer.process_weights_after_loading()
+        self.load_seconds = time.perf_counter() - t0
+        self.weight_version = 0
+        self.context_len = int(self.ckpt.config.get("max_position_embeddings") or 0) or 1 << 30
+        self.vocab_size = int(self.hf_config.vocab_size)
+        # serving state
+        self._cond = threading.Condition()
+        self._gen_lock = threading.Lock()
+        self._paused = False
+        self._pause_mode = "retract"
+        self._updating = False
+        self._stepping = False
+        self._cache_epoch = 0
+        self._touched: set[str] = set()
+        self._written: set[str] = set()
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------------------
+    # build and load
+    # ------------------------------------------------------------------------------------------------
+    def _build_model(self) -> torch.nn.Module:
+        import transformers
+
+        cfg = transformers.AutoConfig.for_model(**self.ckpt.config)
+        self.hf_config = cfg
+        with _no_init_weights(), torch.device(self.device):
+            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=self.act_dtype)
+        model.eval()
+        import inspect
+
+        # transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name warns)
+        self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        ck = self.ckpt
+        tied = bool(getattr(cfg, "tie_word_embeddings", False)) and "lm_head.weight" not in ck.tensors
+        quantized_weights = set(ck.formats)
+        for name, module in list(model.named_modules()):
+            if isinstance(module, torch.nn.Linear):
+                if name == "lm_head" and tied:
+                    continue  # shares the embedding's tensor (loaded once, under its embedding name)
+                _set_child(model, name, self._engine_linear(name, module.in_features, module.out_features,
+                                                            module.bias is not None))
+                quantized_weights.discard(f"{name}.weight")
+            elif _is_fused_experts(module):
+                if getattr(module, "is_transposed", False) or getattr(module, "has_bias", False):
+                    raise CheckpointError(f"'{name}': experts module {type(module).__name__} (transposed or biased "
+                                          "experts) is not supported by the reference engine")
+                e_count, two_i, hidden = module.gate_up_proj.shape
+                inter = two_i // 2
+                experts = [EngineExpert(self._engine_linear(f"{name}.{e}.gate_proj", hidden, inter, False),
+                                        self._engine_linear(f"{name}.{e}.up_proj", hidden, inter, False),
+                                        self._engine_linear(f"{name}.{e}.down_proj", inter, hidden, False))
+                           for e in range(e_count)]
+                for e in range(e_count):
+                    for p in ("gate_proj", "up_proj", "down_proj"):
+                        quantized_weights.discard(f"{name}.{e}.{p}.weight")
+                apply_gate = None
+                if getattr(type(module), "_apply_gate", None) is not None and \
+                        type(module)._apply_gate.__name__ != "_default_apply_gate":
+                    apply_gate = module._apply_gate  # the architecture's own gating (keeps the old module alive)
+                    module.gate_up_proj = module.down_proj = None  # ... but not its empty fused tensors
+                _set_child(model, name, EngineExperts(experts, module.act_fn, apply_gate))
+        if quantized_weights:
+            raise CheckpointError(f"the quantization config quantizes {len(quantized_weights)} weight(s) the model "
+                                  f"has no linear layer for, e.g. {sorted(quantized_weights)[:3]}")
+        return model
+
+    def _engine_linear(self, name: str, k: int, n: int, bias: bool) -> EngineLinear:
+        ck = self.ckpt
+        wname = f"{name}.weight"
+        fmt = ck.format_of(wname)
+        h = ck.tensors.get(wname)
+        wdtype = getattr(torch, h.dtype) if (h is not None and fmt is Format.BF16) else torch.bfloat16
+        serve = None
+        if name == "lm_head" and self.faults.quantize_lm_head and fmt is Format.BF16:
+            serve = Format.MXFP8
+        return EngineLinear(f"{name}.", k, n, disk_format=fmt, target=ck.target, bias=bias, weight_dtype=wdtype,
+                            activation_scale=ck.activation_scale.get(wname, "token"), act_dtype=self.act_dtype,
+                            device=self.device, serve_format=serve)
+
+    def _index_tensors(self) -> None:
+        """name -> (owner module, attribute, tensor captured now, owning EngineLinear or None), on-disk names."""
+        self._owner: dict[str, tuple[torch.nn.Module, str, EngineLinear | None]] = {}
+        self._captured: dict[str, torch.Tensor] = {}
+        seen: dict[int, str] = {}
+        for mname, module in self.model.named_modules():
+            local = list(module.named_parameters(recurse=False)) + [
+                (b, t) for b, t in module.named_buffers(recurse=False) if b not in module._non_persistent_buffers_set]
+            for attr, t in local:
+                full = f"{mname}.{attr}" if mname else attr
+                if id(t) in seen:  # a tied tensor: loaded and updated under its first name
+                    continue
+                seen[id(t)] = full
+                self._owner[full] = (module, attr, module if isinstance(module, EngineLinear) else None)
+                self._captured[full] = t
+        self._expected: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        for full, (module, attr, layer) in self._owner.items():
+            t = self._captured[full]
+            if layer is not None:
+                dtype, shape = layer.canonical_specs()[attr]
+            else:
+                h = self.ckpt.tensors.get(full)
+                dtype = getattr(torch, h.dtype) if h is not None else t.dtype
+                shape = tuple(t.shape)
+            self._expected[full] = (dtype, shape)
+
+    def _load_all(self) -> None:
+        ck = self.ckpt
+        unknown = sorted(set(ck.tensors) - set(self._owner))
+        if unknown:
+            raise CheckpointError(f"{ck.root}: {len(unknown)} tensor(s) the engine's model has no parameter for, e.g. "
+                                  f"{unknown[:3]} (is config.json's quantization_config the one this checkpoint was "
+                                  "written with?)")
+        missing = sorted(set(self._owner) - set(ck.tensors))
+        if missing:
+            raise CheckpointError(f"{ck.root}: {len(missing)} parameter(s) of the model are not in the checkpoint, "
+                                  f"e.g. {missing[:3]}; the engine loads every tensor (no random init)")
+        for name, h in ck.tensors.items():
+            self._check(name, getattr(torch, h.dtype), h.shape, where=f"{ck.root}")
+        with torch.no_grad():
+            for name, t in iter_tensors(ck):
+                self._captured[name].copy_(t)
+
+    def _check(self, name: str, dtype: torch.dtype, shape: Sequence[int], where: str) -> None:
+        exp = self._expected.get(name)
+        if exp is None:
+            raise WeightUpdateError(f"{where}: unknown parameter '{name}' (names are the checkpoint's on-disk tensor "
+                                    f"names for target {self.ckpt.target})")
+        if dtype != exp[0]:
+            raise WeightUpdateError(f"{where}: '{name}' has dtype {str(dtype).removeprefix('torch.')}, the engine "
+                                    f"holds {str(exp[0]).removeprefix('torch.')}")
+        if tuple(shape) != tuple(exp[1]):
+            raise WeightUpdateError(f"{where}: '{name}' has shape {list(shape)}, the engine holds {list(exp[1])}")
+
+    # ------------------------------------------------------------------------------------------------
+    # introspection
+    # ------------------------------------------------------------------------------------------------
+    def param_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """``{on-disk name: (dtype, shape)}`` of everything an update may write."""
+        return {n: (str(d).removeprefix("torch."), tuple(s)) for n, (d, s) in self._expected.items()}
+
+    def _live(self, name: str) -> torch.Tensor:
+        module, attr, _ = self._owner[name]
+        t = getattr(module, attr)
+        exp_dtype = self._expected[name][0]
+        return t.detach() if t.dtype == exp_dtype else t.detach().to(exp_dtype)  # fp32-held BF16: exact
+
+    def quantized_params(self) -> dict[str, str]:
+        """``{"<module>.weight": format}`` of every layer whose kernel computes in low precision, read from what
+        each live layer built at its last ``process_weights_after_loading`` (C1)."""
+        out = {}
+        for _, layer in engine_linears(self.model):
+            if layer.kernel_format is not None and layer.kernel_format.quantized:
+                out[f"{layer.prefix}weight"] = layer.kernel_format.value
+        return out
+
+    def layers(self) -> dict[str, dict[str, Any]]:
+        return {f"{layer.prefix}weight": describe_layer(layer) for _, layer in engine_linears(self.model)}
+
+    def weight_digests(self, names: Iterable[str] | None = None) -> dict[str, str]:
+        names = list(self._owner) if names is None else list(names)
+        self._known(names)
+        return {n: tensor_digest(self._live(n)) for n in names}
+
+    def read_weights(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        names = list(names)
+        self._known(names)
+        return {n: self._live(n).cpu().clone() for n in names}
+
+    def _known(self, names: Sequence[str]) -> None:
+        bad = [n for n in names if n not in self._owner]
+        if bad:
+            raise EngineError(f"unknown parameter(s) {bad[:3]}; the engine's names are the checkpoint's")
+
+    def storage_pointers(self) -> dict[str, int]:
+        """``data_ptr()`` of every tensor the serving kernels read: canonical (live module attributes) and derived
+        (``<module>.<derived>``: ``operand``, ``scale_swizzled``, ...)."""
+        out = {}
+        for name, (module, attr, _) in self._owner.items():
+            out[name] = getattr(module, attr).data_ptr()
+        for _, layer in engine_linears(self.model):
+            for k, t in layer.derived().items():
+                out[f"{layer.prefix}{k}"] = t.data_ptr()
+        return out
+
+    def self_check(self, seed: int = 0) -> dict[str, Any]:
+        """C3: one quantized dense layer and one quantized expert through the serving ``apply`` on random input,
+        vs a float64 GEMM on the dequantized canonical weights; relative Frobenius error per layer."""
+        dense = expert = None
+        for name, layer in engine_linears(self.model):
+            if layer.kernel_format is None or not layer.kernel_format.quantized or layer.disk_format is Format.BF16:
+                continue
+            if ".experts." in f".{name}.":
+                expert = expert or layer
+            else:
+                dense = dense or layer
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        out: dict[str, Any] = {"tolerance": SELF_CHECK_TOLERANCE, "layers": {}, "skipped": []}
+        for kind, layer in (("dense", dense), ("expert", expert)):
+            if layer is None:
+                out["skipped"].append(f"no quantized {kind} layer")
+                continue
+            x = torch.randn(16, layer.in_features, generator=g).to(self.device, self.act_dtype)
+            with torch.no_grad():
+                y = layer.apply(x).double()
+                w = layer.decoded().dequantize(torch.float64)
+                ref = x.double() @ w.T
+            err = float((y - ref).norm() / ref.norm().clamp_min(1e-30))
+            out["layers"][f"{layer.prefix}weight"] = {"kind": kind, "format": layer.kernel_format.value,
+                                                      "rel_err": err}
+        errs = [v["rel_err"] for v in out["layers"].values()]
+        out["ok"] = bool(errs) and all(e <= SELF_CHECK_TOLERANCE for e in errs)
+        return out
+
+    def health(self) -> dict[str, Any]:
+        q = self.quantized_params()
+        counts: dict[str, int] = {}
+        for f in q.values():
+            counts[f] = counts.get(f, 0) + 1
+        status = "closed" if self._closed else "updating" if self._updating else "paused" if self._paused else "ok"
+        return {"status": status, "backend": "reference", "weight_version": self.weight_version,
+                "model_type": self.ckpt.config.get("model_type"), "target": self.ckpt.target,
+                "plan_hash": self.ckpt.plan_hash, "device": str(self.device),
+                "dtype": str(self.act_dtype).removeprefix("torch."), "kv_cache": self.kv_cache,
+                "kv_cache_mismatch_source": self.kv_cache != "bf16", "quantized_layers": counts,
+                "context_len": self.context_len, "faults": self.faults.active()}
+
+    # ------------------------------------------------------------------------------------------------
+    # serving state
+    # ------------------------------------------------------------------------------------------------
+    def pause(self, mode: str = "retract") -> None:
+        """Stop generating at the next step boundary (``abort``: in-flight requests end with finish ``abort``;
+        ``retract``: they resume after ``resume()`` recomputing their KV; ``in_place``: they keep their KV)."""
+        if mode not in PAUSE_MODES:
+            raise EngineError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        with self._cond:
+            self._paused, self._pause_mode = True, mode
+            self._cond.wait_for(lambda: not self._stepping)
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    def flush_cache(self) -> None:
+        """No KV outlives a request here (no prefix cache); a generation parked ``in_place`` recomputes its KV."""
+        with self._cond:
+            self._cache_epoch += 1
+
+    def begin_weight_update(self) -> None:
+        with self._cond:
+            if self._updating:
+                raise EngineError("begin_weight_update: an update is already in progress (call finish_weight_update)")
+            self._cond.wait_for(lambda: not self._stepping)
+            self._updating = True
+            self._touched.clear()
+            self._written.clear()
+        for name in self._owner:
+            if self.faults.rebind and _match(name, self.faults.rebind):
+                module, attr, _ = self._owner[name]
+                old = getattr(module, attr)
+                setattr(module, attr, torch.nn.Parameter(old.detach().clone(), requires_grad=False))
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if not self._updating:
+            raise EngineError("update_weights outside begin_weight_update() ... finish_weight_update(); call "
+                              "begin_weight_update first")
+        bucket = list(named_tensors)
+        seen: set[str] = set()
+        for name, t in bucket:  # the whole bucket is checked before any byte is written
+            if not isinstance(t, torch.Tensor):
+                raise WeightUpdateError(f"update bucket: '{name}' is a {type(t).__name__}, not a tensor")
+            if name in seen:
+                raise WeightUpdateError(f"update bucket: '{name}' appears twice")
+            seen.add(name)
+            self._check(name, t.dtype, t.shape, where="update bucket")
+        with torch.no_grad():
+            for name, t in bucket:
+                if self.faults.drop_updates and _match(name, self.faults.drop_updates):
+                    continue
+                self._captured[name].copy_(t)  # in place: the storage captured at load
+                self._written.add(name)
+                layer = self._owner[name][2]
+                if layer is not None:
+                    self._touched.add(layer.prefix)
+
+    def finish_weight_update(self, weight_version: int | None = None) -> dict[str, Any]:
+        """Rebuild the derived state of the touched layers, bump (or set) ``weight_version``, serve again.
+
+        Returns ``{"rebuilt": n layers, "written": n tensors, "not_written": n, "weight_version": v}`` (C5)."""
+        if not self._updating:
+            raise EngineError("finish_weight_update without begin_weight_update")
+        rebuilt = 0
+        for _, layer in engine_linears(self.model):
+            if layer.prefix in self._touched and not _match(layer.prefix, self.faults.skip_rebuild):
+                layer.process_weights_after_loading()
+                rebuilt += 1
+        report = {"rebuilt": rebuilt, "written": len(self._written),
+                  "not_written": len(set(self._owner) - self._written)}
+        with self._cond:
+            self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
+            self._updating = False
+            self._cache_epoch += 1
+            self._cond.notify_all()
+        report["weight_version"] = self.weight_version
+        return report
+
+    def close(self) -> None:
+        self._closed = True
+        self.model = None  # type: ignore[assignment]
+
+    # ------------------------------------------------------------------------------------------------
+    # generation
+    # ------------------------------------------------------------------------------------------------
+    def validate_prompts(self, input_ids: Sequence[Sequence[int]]) -> list[list[int]]:
+        if isinstance(input_ids, torch.Tensor):
+            input_ids = input_ids.tolist()
+        if not input_ids:
+            raise EngineError("generate: empty batch")
+        prompts = []
+        for i, p in enumerate(input_ids):
+            p = [int(t) for t in p]
+            if not p:
+                raise EngineError(f"generate: prompt {i} is empty")
+            if len(p) >= self.context_len:
+                raise EngineError(f"generate: prompt {i} has {len(p)} tokens; the context is {self.context_len} "
+                                  "(max_position_embeddings): shorten the prompt")
+            bad = [t for t in p if not 0 <= t < self.vocab_size]
+            if bad:
+                raise EngineError(f"generate: prompt {i} has token ids outside the vocabulary [0, {self.vocab_size}): "
+                                  f"{bad[:3]}")
+            prompts.append(p)
+        return prompts
+
+    def generate(self, input_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Generation]:
+        sampling.validate()
+        prompts = self.validate_prompts(input_ids)
+        with self._gen_lock:
+            with self._cond:
+                if self._closed:
+                    raise EngineError("generate: the engine is closed")
+                if self._updating:
+                    raise EngineError("generate: a weight update is in progress (begin_weight_update ... "
+                                      "finish_weight_update); generation is refused until it finishes")
+                if self._paused and not self._cond.wait_for(lambda: not self._paused, timeout=self.pause_timeout_s):
+                    raise EngineError("generate: the engine is paused; call resume() (continue_generation)")
+            with torch.inference_mode():
+                return self._run(prompts, sampling)
+
+    def _forward(self, ids, mask, pos, cache):
+        kw = {self._cache_kwarg: cache}
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                          **kw).logits[:, -1]
+
+    def _prefill(self, seqs: list[list[int]], rows: list[int], recorder):
+        """Left-padded prefill of ``seqs``; returns (logits [R, V], cache, mask [R, L], next positions [R, 1])."""
+        lens = [len(s) for s in seqs]
+        width = max(lens)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        for r, s in enumerate(seqs):
+            ids[r, width - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[r, width - len(s):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(-1) - 1).clamp_(min=0)
+        cache = make_cache(self.hf_config, self.kv_cache, *self.kv_scales)
+        with self._routing(recorder, len(seqs), width):
+            logits = self._forward(ids, mask, pos, cache)
+        return logits, cache, mask, pos[:, -1:] + 1, lens
+
+    def _routing(self, recorder, batch: int, width: int):
+        model = self.model
+        import contextlib
+
+        @contextlib.contextmanager
+        def ctx():
+            if recorder is None:
+                yield
+                return
+            mods = [m for m in model.modules() if isinstance(m, EngineExperts)]
+            step: list[torch.Tensor] = []
+            for m in mods:
+                m.recorder = lambda idx, step=step: step.append(idx.reshape(batch, width, -1).cpu())
+            try:
+                yield
+            finally:
+                for m in mods:
+                    m.recorder = None
+            if step:
+                recorder(torch.stack(step, dim=2))  # [B, T, layers, top_k]
+        return ctx()
+
+    def _park(self) -> str | None:
+        """At a step boundary: wait while paused or updating, then mark the next step as running (atomically, so a
+        ``pause()`` returns only once no step runs). Returns None (not parked), or the pause mode it woke from."""
+        with self._cond:
+            mode = None
+            if self._paused or self._updating:
+                mode = self._pause_mode if self._paused else "retract"
+                if mode == "abort":
+                    return "abort"
+                epoch, version = self._cache_epoch, self.weight_version
+                self._cond.wait_for(lambda: not (self._paused or self._updating) or self._closed)
+                if self._closed:
+                    return "abort"
+                if mode == "in_place" and epoch != self._cache_epoch and version == self.weight_version:
+                    mode = "retract"  # the cache was flushed while parked: recompute
+            self._stepping = True
+            return mode
+
+    def _run(self, prompts: list[list[int]], sp: SamplingParams) -> list[Generation]:
+        n = len(prompts)
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        stop = set(sp.stop_token_ids)
+        budget = [min(sp.max_new_tokens, self.context_len - len(p)) for p in prompts]
+        outs: list[list[int]] = [[] for _ in range(n)]
+        lps: list[list[float]] = [[] for _ in range(n)]
+        reasons: list[str | None] = [None] * n
+        routes: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        want_routes = sp.return_routed_experts
+        active = list(range(n))  # original indices of the rows in the batch
+
+        def prefill_recorder(r: torch.Tensor, rows=None, lens=None):
+            for j, b in enumerate(rows):
+                routes[b] = [r[j, r.shape[1] - lens[j]:]]
+
+        def prefill(rows):
+            seqs = [prompts[b] + outs[b] for b in rows]
+            lens = [len(s) for s in seqs]
+            rec = (lambda r: prefill_recorder(r, rows, lens)) if want_routes else None
+            return self._prefill(seqs, rows, rec)
+
+        self._park()  # marks the step as running
+        try:
+            logits, cache, mask, pos, _ = prefill(active)
+        finally:
+            self._set_stepping(False)
+        while True:
+            tokens, lp = sample(logits, sp.temperature, sp.top_k, sp.top_p, gen, sp.logprob_mode)
+            tokens_l, lp_l = tokens.tolist(), lp.float().cpu().tolist()
+            keep = []
+            for j, b in enumerate(active):
+                t = tokens_l[j]
+                outs[b].append(t)
+                lps[b].append(lp_l[j])
+                if t in stop:
+                    reasons[b] = "stop"
+                elif len(outs[b]) >= budget[b]:
+                    reasons[b] = "length"
+                else:
+                    keep.append(j)
+            if not keep:
+                break
+            if len(keep) < len(active):
+                idx = torch.tensor(keep, device=self.device)
+                cache.batch_select_indices(idx)
+                mask, pos, tokens = mask[idx], pos[idx], tokens[idx]
+                active = [active[j] for j in keep]
+            mode = self._park()
+            if mode == "abort":
+                for b in active:
+                    reasons[b] = "abort"
+                break
+            try:
+                if mode == "retract":
+                    logits, cache, mask, pos, _ = prefill(active)
+                    continue
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                rec = None
+                if want_routes:
+                    def rec(r, rows=tuple(active)):
+                        for j, b in enumerate(rows):
+                            routes[b].append(r[j])
+                with self._routing(rec, len(active), 1):
+                    logits = self._forward(tokens[:, None], mask, pos, cache)
+                pos = pos + 1
+            finally:
+                self._set_stepping(False)
+        version = self.weight_version
+        result = []
+        for b in range(n):
+            r = None
+            if want_routes and routes[b]:
+                r = torch.cat(routes[b], dim=0)[: len(prompts[b]) + len(outs[b]) - 1]
+            result.append(Generation(outs[b], torch.tensor(lps[b], dtype=torch.float32), reasons[b] or "length",
+                                     version, r))
+        return result
+
+    def _set_stepping(self, on: bool) -> None:
+        with self._cond:
+            self._stepping = on
+            if not on:
+                self._cond.notify_all()

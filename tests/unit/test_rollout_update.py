@@ -1,0 +1,216 @@
+"""Reference engine: update semantics, bad input, fault hooks (each fault is caught by the check it targets)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from miles_lp.errors import CheckpointError
+from miles_lp.rollout.engine import EngineError, SamplingParams, WeightUpdateError
+from miles_lp.rollout.reference import EngineFaults, ReferenceEngine
+from miles_lp.rollout.testing import tiny_checkpoint
+
+RECIPE = "qwen3_moe_mxfp8_nvfp4_experts.yaml"
+Q = "model.layers.0.self_attn.q_proj."
+EXPERT = "model.layers.0.mlp.experts.1.gate_proj."
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def ckpts():
+    return tiny_checkpoint("qwen3_moe", RECIPE), tiny_checkpoint("qwen3_moe", RECIPE, seed=1)
+
+
+@pytest.fixture(scope="module")
+def new_weights(ckpts):
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(ckpts[1].glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.fixture
+def engine(ckpts):
+    return ReferenceEngine(ckpts[0], device="cpu")
+
+
+def _full_update(engine, tensors):
+    engine.begin_weight_update()
+    engine.update_weights(tensors.items())
+    return engine.finish_weight_update()
+
+
+@pytest.mark.parametrize("bad, match", [
+    (("model.layers.0.self_attn.q_proj.weight_scale", torch.zeros(128, 2, dtype=torch.uint8)), "unknown parameter"),
+    ((Q + "weight", torch.zeros(128, 64, dtype=torch.bfloat16)), "dtype bfloat16, the engine holds float8_e4m3fn"),
+    ((Q + "weight_scale_inv", torch.zeros(128, 4, dtype=torch.uint8)), r"shape \[128, 4\], the engine holds \[128, 2\]"),
+    ((EXPERT + "weight_scale_2", torch.ones(1)), r"shape \[1\], the engine holds \[\]"),
+])
+def test_bad_bucket_rejected_whole(engine, new_weights, bad, match):
+    """A bad tensor anywhere in a bucket: WeightUpdateError naming it, and not one byte written."""
+    good = [(n, t) for n, t in new_weights.items() if n.startswith("model.layers.1.")]
+    before = engine.weight_digests()
+    engine.begin_weight_update()
+    with pytest.raises(WeightUpdateError, match=match):
+        engine.update_weights([*good, bad])
+    assert engine.weight_digests() == before
+    engine.finish_weight_update()  # the previous weights keep serving
+    assert engine.weight_digests() == before
+    assert engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, seed=0))[0].weight_version == 1
+
+
+def test_duplicate_and_outside_update(engine, new_weights):
+    with pytest.raises(EngineError, match="begin_weight_update first"):
+        engine.update_weights([(Q + "weight", new_weights[Q + "weight"])])
+    engine.begin_weight_update()
+    with pytest.raises(WeightUpdateError, match="appears twice"):
+        engine.update_weights([(Q + "weight", new_weights[Q + "weight"])] * 2)
+    with pytest.raises(EngineError, match="already in progress"):
+        engine.begin_weight_update()
+    with pytest.raises(EngineError, match="generation is refused"):
+        engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    engine.finish_weight_update()
+    with pytest.raises(EngineError, match="without begin_weight_update"):
+        engine.finish_weight_update()
+
+
+def test_bad_generate_input(engine):
+    with pytest.raises(EngineError, match="prompt 0 has 256 tokens; the context is 256"):
+        engine.generate([[1] * 256], SamplingParams(max_new_tokens=1))
+    with pytest.raises(EngineError, match="outside the vocabulary"):
+        engine.generate([[1, 999]], SamplingParams(max_new_tokens=1))
+    with pytest.raises(EngineError, match="top_p must be in"):
+        engine.generate([[1]], SamplingParams(top_p=0.0))
+    with pytest.raises(EngineError, match="empty"):
+        engine.generate([[]], SamplingParams())
+    g = engine.generate([[1] * 250], SamplingParams(max_new_tokens=50, seed=0))[0]
+    assert len(g.output_ids) == 6 and g.finish_reason == "length"  # capped at the context
+
+
+def test_sampling_controls(engine):
+    p = [[1, 2, 3], [4, 5]]
+    a = engine.generate(p, SamplingParams(max_new_tokens=6, seed=7))
+    b = engine.generate(p, SamplingParams(max_new_tokens=6, seed=7))
+    c = engine.generate(p, SamplingParams(max_new_tokens=6, seed=8))
+    assert [x.output_ids for x in a] == [x.output_ids for x in b] != [x.output_ids for x in c]
+    greedy = engine.generate(p, SamplingParams(max_new_tokens=6, temperature=0.0))
+    top1 = engine.generate(p, SamplingParams(max_new_tokens=6, top_k=1, seed=3))
+    assert [x.output_ids for x in greedy] == [x.output_ids for x in top1]
+    # raw logprob (temperature 1) vs the processed distribution's: top_k=1 makes the latter exactly 0
+    assert all(float(x.logprobs.max()) < 0 for x in top1)
+    proc = engine.generate(p, SamplingParams(max_new_tokens=6, top_k=1, seed=3, logprob_mode="processed"))
+    assert all(torch.equal(x.logprobs, torch.zeros(6)) for x in proc)
+    stop_at = greedy[0].output_ids[2]
+    s = engine.generate([p[0]], SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=(stop_at,)))[0]
+    assert s.output_ids == greedy[0].output_ids[: greedy[0].output_ids.index(stop_at) + 1]
+    assert s.finish_reason == "stop"
+
+
+def test_fp8_kv_cache(ckpts):
+    from miles_lp.rollout.kv_cache import fp8_kv_roundtrip
+
+    x = torch.tensor([0.0, 1.0, 1.0625, 500.0, -1e-3])
+    assert fp8_kv_roundtrip(x, 1.0).tolist() == [0.0, 1.0, 1.0, 448.0, -0.001953125]  # E4M3's smallest subnormal
+    e8 = ReferenceEngine(ckpts[0], device="cpu", kv_cache="fp8_e4m3")
+    e16 = ReferenceEngine(ckpts[0], device="cpu")
+    p = [[1, 2, 3, 4, 5, 6, 7, 8]]
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0)
+    g8, g16 = e8.generate(p, sp)[0], e16.generate(p, sp)[0]
+    assert e8.health()["kv_cache_mismatch_source"] is True
+    assert 0 < float((g8.logprobs - g16.logprobs).abs().max()) < 0.1  # rounded K/V: a small, nonzero shift
+
+
+def test_skip_rebuild_fault_is_caught_by_self_check(ckpts, new_weights):
+    """Stale derived state (no process_weights_after_loading at finish): self_check's relative error ~1."""
+    healthy = ReferenceEngine(ckpts[0], device="cpu")
+    _full_update(healthy, new_weights)
+    ok = healthy.self_check()
+    assert ok["ok"] and all(v["rel_err"] < 0.15 for v in ok["layers"].values())
+    stale = ReferenceEngine(ckpts[0], device="cpu", faults=EngineFaults(skip_rebuild=("*",)))
+    _full_update(stale, new_weights)
+    bad = stale.self_check()
+    assert not bad["ok"] and all(v["rel_err"] > 0.8 for v in bad["layers"].values()), bad
+    assert stale.weight_digests() == healthy.weight_digests()  # canonical bytes alone cannot show it
+
+
+def test_rebind_fault_moves_storage_and_keeps_old_weights(ckpts, new_weights):
+    f = EngineFaults(rebind=(Q + "weight",))
+    e = ReferenceEngine(ckpts[0], device="cpu", faults=f)
+    ptrs, before = e.storage_pointers(), e.weight_digests([Q + "weight"])
+    _full_update(e, new_weights)
+    assert e.storage_pointers()[Q + "weight"] != ptrs[Q + "weight"]  # C4 sees the move
+    assert e.weight_digests([Q + "weight"]) == before  # C2 sees the module serving the old bytes
+    assert e.health()["faults"] == {"rebind": (Q + "weight",)}
+
+
+def test_drop_updates_and_lm_head_faults(ckpts, new_weights):
+    e = ReferenceEngine(ckpts[0], device="cpu", faults=EngineFaults(drop_updates=("*.experts.*",),
+                                                                   quantize_lm_head=True))
+    assert e.quantized_params()["lm_head.weight"] == "mxfp8"  # C1: the live set differs from the plan's
+    report = _full_update(e, new_weights)
+    assert report["not_written"] == 4 * 4 * 3 * 3 + 4 * 3  # 3 NVFP4 layers x 4 experts x 3 projs x 4 parts, + bf16
+    fresh = ReferenceEngine(ckpts[1], device="cpu")
+    mine, theirs = e.weight_digests(), fresh.weight_digests()
+    differ = {k for k in mine if mine[k] != theirs[k]}
+    assert differ and all(".experts." in k for k in differ)  # exactly the dropped names kept the old bytes
+    assert {k for k in mine if ".experts." in k and k.endswith("proj.weight")} <= differ
+
+
+def test_pause_retract_resumes_with_new_weights(ckpts, new_weights):
+    """An in-flight generation parks at pause(retract); after an update it recomputes its KV with the new weights."""
+    e = ReferenceEngine(ckpts[0], device="cpu")
+    out = {}
+
+    def run():
+        out["g"] = e.generate([[1, 2, 3]], SamplingParams(max_new_tokens=120, seed=0, temperature=1.0))[0]
+
+    th = threading.Thread(target=run)
+    th.start()
+    time.sleep(0.2)
+    e.pause("retract")
+    assert e.health()["status"] == "paused"
+    _full_update(e, new_weights)
+    e.resume()
+    th.join(30)
+    g = out["g"]
+    assert g.weight_version == 1 and len(g.output_ids) == 120 and g.finish_reason == "length"
+
+
+def test_pause_abort_and_paused_refusal(ckpts):
+    e = ReferenceEngine(ckpts[0], device="cpu")
+    out = {}
+    th = threading.Thread(target=lambda: out.setdefault("g", e.generate([[1, 2]], SamplingParams(
+        max_new_tokens=200, seed=0))[0]))
+    th.start()
+    time.sleep(0.2)
+    e.pause("abort")
+    th.join(30)
+    assert out["g"].finish_reason == "abort" and len(out["g"].output_ids) < 200
+    with pytest.raises(EngineError, match="paused"):
+        e.generate([[1]], SamplingParams(max_new_tokens=1))
+    e.resume()
+    assert e.generate([[1]], SamplingParams(max_new_tokens=1))[0].finish_reason == "length"
+
+
+def test_checkpoint_errors(tmp_path, ckpts):
+    import shutil
+
+    bad = tmp_path / "ck"
+    shutil.copytree(ckpts[0], bad)
+    (bad / "miles_lp_plan.json").unlink()
+    with pytest.raises(CheckpointError, match="no miles_lp_plan.json"):
+        ReferenceEngine(bad, device="cpu")
+    with pytest.raises(CheckpointError, match="config.json is missing"):
+        ReferenceEngine(tmp_path, device="cpu")
