@@ -174,7 +174,11 @@ def bench_format(hf, fmt: str, workdir, device, args, log) -> dict:
     checks = statistics.median(r.check_seconds for _, r in reports)
     per_check = {v.name: statistics.median(r.verdict(v.name).seconds for _, r in reports)
                  for v in reports[0][1].verdicts}
-    del engine, learner
+    del ws, engine, learner
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
     return {"format": fmt, "bytes": nbytes, "buckets": reports[0][1].buckets, "sync_seconds": sync_s,
             "copy_seconds": copy_s, "ratio": sync_s / copy_s if copy_s > 0 else math.inf,
             "tensorwise_copy_seconds": piece_s,

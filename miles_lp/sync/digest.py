@@ -33,6 +33,8 @@ def _sums(t: torch.Tensor) -> torch.Tensor:
     pad = (-raw.numel()) % (4 * ROW)
     if pad:
         raw = torch.cat([raw, raw.new_zeros(pad)])
+    elif raw.storage_offset() % 4:  # a byte view into a larger tensor: int32 needs 4-byte alignment
+        raw = raw.clone()
     words = raw.view(torch.int32).reshape(-1, ROW)  # [R, 1024]
     rows = words.sum(dim=1, dtype=torch.int64)  # [R]
     cols = words.sum(dim=0, dtype=torch.int64)  # [1024]

@@ -117,3 +117,17 @@ def test_selftest_every_fault_caught_in_raise_mode(tmp_path, capsys):
     assert rows[0]["verdict"] == "clean" and len(rows) >= 12
     assert all(r["verdict"] == "CAUGHT" for r in rows[1:]), [r for r in rows if r["verdict"] != "CAUGHT"]
     assert "selftest sync: PASS" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_bench_sync_runs_on_cuda(capsys):
+    assert main(["bench", "sync", "--device", "cuda", "--params", "2e7", "--iters", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "mxfp8+nvfp4-experts" in out and "targets (issue 11)" in out
+
+
+@pytest.mark.slow
+def test_bench_sync_runs_on_cpu(capsys):
+    assert main(["bench", "sync", "--device", "cpu", "--params", "2e6", "--iters", "1", "--format", "mxfp8"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor-copy" in out and "checks %" in out

@@ -32,9 +32,9 @@ def _weights(seed):
 
 
 class Learner:
-    def __init__(self, seed=1):
+    def __init__(self, seed=1, device="cpu"):
         self.plan = _plan()
-        self.w = _weights(seed)
+        self.w = {n: t.to(device) for n, t in _weights(seed).items()}
 
     def export_weights(self):
         q_gate, q_up = quantize_nvfp4_pair(self.w[GATE], self.w[UP])
@@ -50,8 +50,8 @@ class Learner:
 class StubEngine:
     """Canonical tensors + one derived operand (the dequantized MXFP8 down_proj) rebuilt at finish."""
 
-    def __init__(self, *, stale=False, rebind=False, no_version_bump=False, extra_quantized=()):
-        self.t = {it.name: it.tensor.clone() for it in engine_items(Learner(seed=0).export_weights(), "sglang")}
+    def __init__(self, *, stale=False, rebind=False, no_version_bump=False, extra_quantized=(), device="cpu"):
+        self.t = {it.name: it.tensor.clone() for it in engine_items(Learner(0, device).export_weights(), "sglang")}
         self.q = {DOWN: "mxfp8", GATE: "nvfp4", UP: "nvfp4", **{n: "mxfp8" for n in extra_quantized}}
         self.stale, self.rebind, self.no_bump = stale, rebind, no_version_bump
         self.weight_version = 0
@@ -100,7 +100,7 @@ class StubEngine:
                 "down.operand": self.operand.data_ptr()}
 
     def self_check(self, seed=0):
-        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(seed))
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(seed)).to(self.operand.device)
         ref = x.double() @ MXFP8Tensor(self.t[DOWN], self.t[DOWN[:-6] + "weight_scale_inv"]).dequantize(
             torch.float64).T
         y = (x @ self.operand.T).double()
@@ -244,3 +244,16 @@ def test_c2_uses_engine_fingerprints_when_offered():
     _, ws, _ = _sync(RegridEngine(FingerprintEngine(), "floor"))
     with pytest.raises(SyncCheckError, match="grid: failed.*digest"):
         ws.sync(Learner(), full_compare=False)
+
+
+@pytest.mark.gpu
+def test_sync_on_cuda_tensors_with_fingerprints_and_a_caught_fault():
+    engine = FingerprintEngine(device="cuda")
+    ws = WeightSync(engine, _plan(), "sglang", SyncConfig(bucket_mb=0.004).with_modes(all="raise"),
+                    transport=InProcessTransport("cuda"), env={}, log=lambda s: None)
+    assert ws.initial_sync(Learner(device="cuda")).ok
+    assert ws.sync(Learner(device="cuda")).ok and engine.fingerprinted
+    ws = WeightSync(StubEngine(device="cuda"), _plan(), "sglang", SyncConfig(bucket_mb=0.004).with_modes(all="raise"),
+                    transport=SkipScaleBytes(InProcessTransport("cuda")), env={}, log=lambda s: None)
+    with pytest.raises(SyncCheckError, match="staged scale bytes not written"):
+        ws.sync(Learner(device="cuda"))
