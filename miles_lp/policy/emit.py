@@ -246,9 +246,12 @@ def _ct_scheme(fmt: Format) -> dict[str, Any]:
     ``FP8``) and valid under ``QuantizationArgs.validate_model_after``; dtypes written as the package dumps them.
 
     NVFP4 activations are the preset's (``tensor_group``, ``dynamic: "local"``: a static per-tensor global input
-    scale): compressed-tensors has no per-token NVFP4 activation strategy (``strategy: token`` with a
-    ``group_size`` is rejected), and like ModelOpt's ``input_scale`` the serving config does not carry the plan's
-    ``activation_scale``, which is a learner (Transformer Engine) option. FP8 tensor-wise activations are
+    scale, dynamic block scales): compressed-tensors has no per-token NVFP4 activation strategy (``strategy:
+    token`` with a ``group_size`` is rejected) and vLLM's ``CompressedTensorsW4A4Fp4`` has no dynamic global input
+    scale, so the scheme declares the static one and the checkpoint carries it as ``input_global_scale`` (the
+    recipe's constant, ``miles_lp.export.naming.INPUT_SCALE_VALUE``, stored as its reciprocal; issue 9, item 2).
+    Like ModelOpt's ``input_scale``, the serving config does not carry the plan's ``activation_scale``, which is a
+    learner (Transformer Engine) option. FP8 tensor-wise activations are
     dynamic per-tensor (the plan's current scaling), not the ``FP8`` preset's static ones.
     """
     if fmt is Format.MXFP8:
@@ -291,8 +294,12 @@ def compressed_tensors_config(plan: PrecisionPlan) -> dict[str, Any]:
             g["targets"] += sorted(set(m.shards))
     ignore = _not_converted(plan, mods, whole_layers=False)
     fmt_names = {g["format"] for g in groups.values()}
+    # quantization_status "compressed": the weights on disk are already quantized (what llm-compressor writes).
+    # Without it transformers' compressed-tensors integration takes the model as not yet compressed and loads the
+    # raw E4M3 / packed codes as weights, silently (issue 9, item 1).
     cfg = {"quant_method": "compressed-tensors", "format": fmt_names.pop() if len(fmt_names) == 1 else
-           "mixed-precision", "config_groups": groups, "ignore": ignore}
+           "mixed-precision", "quantization_status": "compressed", "config_groups": groups, "ignore": ignore,
+           "kv_cache_scheme": None}
     # re-read: the group whose targets match every shard (vLLM checks shards of fused modules agree)
     for m in mods.values():
         found = set()

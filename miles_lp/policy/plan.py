@@ -1,7 +1,8 @@
 """`compile_plan(policy, layout)`: the per-tensor precision plan every stage runs.
 
 Per tensor: the format, its options (activation scale scope, 2-D weight scaling, backward mode), the rule that
-decided, and the joint-scale group (gate+up of one MLP / one expert share one NVFP4 global scale). Lookup is a
+decided, and the joint-scale group: the shards an engine fuses into one parameter (q/k/v of one attention,
+gate+up of one MLP / one expert, DeepSeek's q_a+kv_a) share one format and one NVFP4 global scale. Lookup is a
 dict access. ``to_json`` is deterministic (sorted keys) and ``hash`` is the sha256 of it, so every stage can
 prove it runs the same plan.
 """
@@ -258,7 +259,7 @@ def compile_plan(policy: PrecisionPolicy, layout: ModelLayout, tensors: Mapping[
     if others:
         warnings.append(f"{len(others)} tensor(s) of unknown role kept bf16 (no layout entry), e.g. {others[0]}")
 
-    # joint-scale groups: gate and up must agree
+    # joint-scale groups (the shards an engine fuses: q/k/v, gate/up, MLA q_a/kv_a) must agree
     by_group: dict[str, list[PlanEntry]] = {}
     for e in entries.values():
         if e.group is not None:
@@ -268,11 +269,12 @@ def compile_plan(policy: PrecisionPolicy, layout: ModelLayout, tensors: Mapping[
         for e in members[1:]:
             if (e.format, e.activation_scale, e.block_2d, e.backward) != (
                     first.format, first.activation_scale, first.block_2d, first.backward):
+                what = "gate and up" if group.endswith("gate_up") else "the fused shards"
                 raise ConfigError(
-                    f"gate and up of '{group}' must share one format and scale (one fused GEMM, one NVFP4 global "
-                    f"scale): '{first.name}' is {first.format.value} ({first.rule}) but '{e.name}' is "
-                    f"{e.format.value} ({e.rule}). Make the rules select both (e.g. match '*.gate_proj.*' and "
-                    "'*.up_proj.*' together).", source=policy.source)
+                    f"{what} of '{group}' must share one format and scale (engines run them as one fused GEMM "
+                    f"with one NVFP4 global scale): '{first.name}' is {first.format.value} ({first.rule}) but "
+                    f"'{e.name}' is {e.format.value} ({e.rule}). Make the rules select all of "
+                    f"{sorted(m.name.rsplit('.', 2)[-2] for m in members)} together.", source=policy.source)
 
     for rule in policy.rules:
         st = stats[rule.label]

@@ -82,8 +82,23 @@ def test_mixed_roundtrip(arch):
     assert emit.te_env(plan) == {"NVTE_BACKWARD_OVERRIDE": "dequantized", "NVTE_NVFP4_ROW_SCALED_ACTIVATION": "1"}
 
 
+def _split(arch, names_to_bf16):
+    """A plan whose fused shards disagree, as an older plan.json could hold (compile_plan refuses it now)."""
+    import dataclasses
+
+    from miles_lp.policy.plan import PrecisionPlan
+
+    plan = _plan(arch, {"default": "mxfp8"})
+    entries = {n: (dataclasses.replace(e, format=Format.BF16, rule="rules[0]", backward=None)
+                   if any(s in n for s in names_to_bf16) else e) for n, e in plan.entries.items()}
+    return PrecisionPlan(entries, model_type=plan.model_type, num_layers=plan.num_layers, layout=plan.layout)
+
+
 def test_split_fused_qkv_is_rejected_naming_tensors():
-    plan = _plan("qwen3", {"default": "mxfp8", "rules": [{"match": "*.k_proj", "format": "bf16"}]})
+    with pytest.raises(ConfigError, match=r"fused shards of 'model.layers.0.self_attn.qkv' must share one format.*"
+                                          r"k_proj.weight' is bf16 \(rules\[0\]\).*'k_proj', 'q_proj', 'v_proj'"):
+        _plan("qwen3", {"default": "mxfp8", "rules": [{"match": "*.k_proj", "format": "bf16"}]})
+    plan = _split("qwen3", (".k_proj",))  # the emitters refuse it on their own too
     for fn in (emit.sglang_config, emit.vllm_config, emit.compressed_tensors_config, emit.modelopt_mixed_config):
         with pytest.raises(ConfigError, match=r"qkv_proj.*k_proj.weight' is bf16 \(rules\[0\]\)"):
             fn(plan)
@@ -92,9 +107,34 @@ def test_split_fused_qkv_is_rejected_naming_tensors():
 
 
 def test_split_mla_fused_qkv_a_is_rejected():
-    plan = _plan("deepseek_v3", {"default": "mxfp8", "rules": [{"role": "mla_q_a", "format": "bf16"}]})
+    with pytest.raises(ConfigError, match=r"fused shards of 'model.layers.0.self_attn.fused_qkv_a'.*"
+                                          r"'kv_a_proj_with_mqa', 'q_a_proj'"):
+        _plan("deepseek_v3", {"default": "mxfp8", "rules": [{"role": "mla_q_a", "format": "bf16"}]})
     with pytest.raises(ConfigError, match="fused_qkv_a_proj_with_mqa"):
-        emit.sglang_config(plan)
+        emit.sglang_config(_split("deepseek_v3", (".q_a_proj",)))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_shards_are_one_joint_scale_group(arch):
+    """Every engine module built from several shards of one layer (qkv_proj, gate_up_proj, fused_qkv_a) is one
+    plan group per fused parameter, so the converter and the learner give them one NVFP4 global scale (issue 9,
+    item 3). FusedMoE experts are per-expert groups (gate+up of one expert), as the engines keep them."""
+    plan = _plan(arch, {"default": "nvfp4"})
+    for m in emit.engine_modules(plan).values():
+        names = [s + ".weight" for s in m.shards]
+        if m.moe:
+            for n in names:
+                g = plan.entry(n).group
+                if n.endswith((".gate_proj.weight", ".up_proj.weight", ".w1.weight", ".w3.weight")):
+                    assert g is not None and len(plan.groups[g]) == 2, (n, g)
+            continue
+        groups = {plan.entry(n).group for n in names}
+        assert len(groups) == 1, (m.name, groups)
+        g = groups.pop()
+        if len(names) == 1:
+            assert g is None, (m.name, g)
+        else:
+            assert g is not None and set(plan.groups[g]) == set(names), (m.name, g)
 
 
 def test_split_experts_of_one_layer_is_rejected():
@@ -279,3 +319,14 @@ def test_compressed_tensors_config_validates(scope):
     cfg = emit.compressed_tensors_config(plan)
     parsed = q.QuantizationConfig.model_validate(cfg)
     assert parsed.format == "mixed-precision" and set(parsed.config_groups) == {"group_0", "group_1"}
+
+
+@pytest.mark.parametrize("default", ["mxfp8", "nvfp4"])
+def test_compressed_tensors_config_says_compressed(default):
+    """Issue 9, item 1: without ``quantization_status: compressed`` transformers' compressed-tensors integration
+    takes the checkpoint as not yet compressed and loads the raw codes as weights (logits off by ~0.85 for MXFP8,
+    NaN for NVFP4, exit 0). The package must parse the status as COMPRESSED, the one llm-compressor writes."""
+    q = pytest.importorskip("compressed_tensors.quantization")
+    cfg = emit.compressed_tensors_config(_plan("qwen3", {"default": default}))
+    assert cfg["quantization_status"] == "compressed"
+    assert q.QuantizationConfig.model_validate(cfg).quantization_status == q.QuantizationStatus.COMPRESSED

@@ -36,7 +36,7 @@ class TensorInfo:
     layer: int | None  # decoder layer index; MTP layers continue after the last decoder layer
     role: Role
     expert: int | None
-    group: str | None  # joint-scale group (gate+up of one MLP / one expert), None otherwise
+    group: str | None  # joint-scale group: the shards an engine fuses (q/k/v, gate+up, MLA q_a+kv_a), else None
     kind: str  # "hf" | "megatron" | "fused"
     members: tuple[str, ...]  # canonical names held by this tensor
     engine_module: str | None = None  # SGLang/vLLM module holding it (None: not a linear module)
@@ -143,17 +143,23 @@ class ModelLayout:
         for norm in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm",
                      "self_attn.q_a_layernorm", "self_attn.kv_a_layernorm", "enorm", "hnorm", "shared_head.norm"):
             t[f"{norm}.weight"] = (Role.NORM, None, None, None)
+        # Joint-scale groups = the shards an engine fuses into one parameter: SGLang and vLLM build one
+        # qkv_proj (and gate_up_proj, and DeepSeek's fused_qkv_a_proj_with_mqa) and keep ONE NVFP4 global scale
+        # for it (vLLM: the max of the shards' for modelopt, the smallest decode scale for compressed-tensors),
+        # so the shards must share one from the start (issue 9, item 3), exactly like gate and up.
         for p in ("q_proj", "k_proj", "v_proj"):
             role = Role.MLA_Q_B if (s.mla and p == "q_proj") else Role.ATTENTION_QKV
             module = "self_attn.q_proj" if s.mla else "self_attn.qkv_proj"
-            t[f"self_attn.{p}.weight"] = (role, None, module, p)
+            group = None if s.mla else "self_attn.qkv"
+            t[f"self_attn.{p}.weight"] = (role, group, module, p)
             t[f"self_attn.{p}.bias"] = (Role.BIAS, None, None, None)
         t["self_attn.o_proj.weight"] = (Role.ATTENTION_OUT, None, "self_attn.o_proj", "o_proj")
         t["self_attn.o_proj.bias"] = (Role.BIAS, None, None, None)
         if s.mla:
             qa = "self_attn.fused_qkv_a_proj_with_mqa"
-            t["self_attn.q_a_proj.weight"] = (Role.MLA_Q_A, None, qa, "q_a_proj")
-            t["self_attn.kv_a_proj_with_mqa.weight"] = (Role.MLA_KV_A, None, qa, "kv_a_proj_with_mqa")
+            t["self_attn.q_a_proj.weight"] = (Role.MLA_Q_A, "self_attn.fused_qkv_a", qa, "q_a_proj")
+            t["self_attn.kv_a_proj_with_mqa.weight"] = (Role.MLA_KV_A, "self_attn.fused_qkv_a", qa,
+                                                         "kv_a_proj_with_mqa")
             t["self_attn.q_b_proj.weight"] = (Role.MLA_Q_B, None, "self_attn.q_b_proj", "q_b_proj")
             t["self_attn.kv_b_proj.weight"] = (Role.MLA_KV_B, None, "self_attn.kv_b_proj", "kv_b_proj")
         for p in ("gate_proj", "up_proj"):
