@@ -18,8 +18,10 @@ target                  MXFP8 (weight ``[N, K]``)                      NVFP4 (we
                         mxfp8 names the scale ``weight_scale``)
 ``compressed-tensors``  ``weight`` e4m3, ``weight_scale`` u8            ``weight_packed`` u8, ``weight_scale``
                         (``mxfp8-quantized``)                          e4m3, ``weight_global_scale`` f32 ``[1]``
-                                                                       = 1 / ModelOpt's ``weight_scale_2``
-                                                                       (``nvfp4-pack-quantized``)
+                                                                       = 1 / ModelOpt's ``weight_scale_2``,
+                                                                       ``input_global_scale`` f32 ``[1]`` (W4A4)
+                                                                       = 1 / ``input_scale`` (``nvfp4-pack-
+                                                                       quantized``)
 =====================  =============================================  ======================================
 
 ``input_scale`` (ModelOpt NVFP4): the static activation *decode* global scale; SGLang's ModelOpt linear
@@ -28,7 +30,9 @@ computes ``input_scale_inv = 1 / input_scale`` as the activation encode scale an
 process_weights_after_loading``). Our recipe scales activations per token at run time (CONTRACT 2), so there is
 no calibrated value: we write ``1.0``, as Miles' ``tools/convert_hf_to_nvfp4.py`` does for the same recipe.
 A per-token kernel ignores it; a static-scale kernel then quantizes activations with ``S_enc = 1`` (correct for
-block amax up to 2688). ``verify`` checks that it is exactly 1.0.
+block amax up to 2688). ``verify`` checks that it is exactly 1.0. compressed-tensors W4A4 groups carry the same
+static scale as ``input_global_scale`` (stored as the encode scale, so 1 / 1.0): vLLM's NVFP4 linear has no
+per-token activation scale, and without the tensor it serves ``torch.empty`` memory (issue 9).
 """
 
 from __future__ import annotations
@@ -73,6 +77,10 @@ _NVFP4 = {
         Part("weight_packed", "data", "U8", "packed"),
         Part("weight_scale", "scale", "F8_E4M3", "nv"),
         Part("weight_global_scale", "global_scale", "F32", "one", transform="reciprocal"),
+        # W4A4 (the config group declares input_activations): vLLM's CompressedTensorsW4A4Fp4 creates this with
+        # torch.empty and reads it from the checkpoint (issue 9, item 2); stored as the ENCODE scale, like
+        # weight_global_scale: 1 / INPUT_SCALE_VALUE.
+        Part("input_global_scale", None, "F32", "one", transform="reciprocal"),
     ),
 }
 
@@ -136,7 +144,7 @@ def encode(target: str, fmt: Format, weight_name: str, q) -> dict:
     out = {}
     for p in parts(target, fmt):
         if p.component is None:
-            t = torch.tensor(INPUT_SCALE_VALUE, dtype=torch.float32)
+            t = torch.tensor(_constant(p), dtype=torch.float32)
         else:
             t = comps[p.component]
             if p.transform == "reciprocal":
@@ -176,7 +184,12 @@ def decode_components(target: str, fmt: Format, weight_name: str, tensors: Mappi
 def constant_parts(target: str, fmt: Format, weight_name: str) -> dict[str, float]:
     """On-disk tensors with a fixed value (``input_scale``), for ``verify``."""
     prefix = module_prefix(weight_name)
-    return {prefix + p.suffix: INPUT_SCALE_VALUE for p in parts(target, fmt) if p.component is None}
+    return {prefix + p.suffix: _constant(p) for p in parts(target, fmt) if p.component is None}
+
+
+def _constant(p: Part) -> float:
+    """The stored value of a constant part: the static activation decode scale, or its reciprocal."""
+    return 1.0 / INPUT_SCALE_VALUE if p.transform == "reciprocal" else INPUT_SCALE_VALUE
 
 
 def owner_of(name: str, quantized_weights: Mapping[str, Format], target: str) -> str | None:
