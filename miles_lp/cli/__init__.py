@@ -28,6 +28,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("run", "miles_lp.cli.run"),
     ("bench", "miles_lp.cli.bench"),
     ("selftest", "miles_lp.cli.selftest"),
+    ("serve", "miles_lp.cli.serve"),
     ("make-tiny-model", "miles_lp.cli.make_tiny_model"),
     ("version", "miles_lp.cli.version"),
 ]
