@@ -28,6 +28,10 @@ class EngineError(MilesLPError, RuntimeError):
     """The engine refused a request or failed (bad update, dead process, unreachable server)."""
 
 
+class EngineBusy(EngineError):
+    """The engine is paused, in a weight update or closed: retry later (HTTP 503), the request itself is fine."""
+
+
 class WeightUpdateError(EngineError, ValueError):
     """An update bucket names an unknown parameter or has a wrong shape/dtype: nothing was written."""
 

@@ -79,7 +79,7 @@ class EngineLinear(torch.nn.Module):
         self.device_ = torch.device(device)
         self.op_dtype = operand_dtype(self.device_, act_dtype)
         self.has_bias = bias
-        self._derived: dict[str, torch.Tensor] = {}  # name -> tensor the kernel reads besides the canonical ones
+        self._derived: set[str] = set()  # buffers the kernel reads besides the canonical tensors
         self.kernel_format: Format | None = None  # set by process_weights_after_loading from what it built
         self.create_weights()
 
@@ -136,26 +136,28 @@ class EngineLinear(torch.nn.Module):
         if self.has_bias and self.bias.dtype != self.op_dtype:
             new["bias_operand"] = self.bias.detach().to(self.op_dtype)
         for name, t in new.items():
-            old = self._derived.get(name)
+            old = getattr(self, name) if name in self._derived else None
             if old is not None and old.shape == t.shape and old.dtype == t.dtype:
                 old.copy_(t)  # rebuild in place: the storage a captured graph reads stays put
-            else:
-                self._derived[name] = t.contiguous()
-        for name in set(self._derived) - set(new):
-            del self._derived[name]
+            else:  # first build: a non-persistent buffer (visible to .to(), absent from state_dict)
+                self.register_buffer(name, t.contiguous(), persistent=False)
+                self._derived.add(name)
+        for name in self._derived - set(new):
+            self._derived.discard(name)
+            delattr(self, name)
 
     def derived(self) -> Mapping[str, torch.Tensor]:
-        return dict(self._derived)
+        """The derived tensors the kernel reads, as the module attributes hold them now."""
+        return {name: getattr(self, name) for name in self._derived}
 
     # ---- step 3 ------------------------------------------------------------------------------------
     def _weight_operand(self) -> torch.Tensor:
-        op = self._derived.get("operand")
-        return self.weight if op is None else op
+        return self.operand if "operand" in self._derived else self.weight
 
     def _bias_operand(self) -> torch.Tensor | None:
         if not self.has_bias:
             return None
-        return self._derived.get("bias_operand", self.bias)
+        return self.bias_operand if "bias_operand" in self._derived else self.bias
 
     def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
         """The activation on the serving grid, dequantized to the operand dtype (``x`` is ``[M, K]``)."""

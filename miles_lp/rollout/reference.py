@@ -41,7 +41,14 @@ import torch
 from miles_lp.errors import CheckpointError
 from miles_lp.formats.spec import Format
 from miles_lp.rollout.checkpoint import EngineCheckpoint, iter_tensors, open_checkpoint
-from miles_lp.rollout.engine import EngineError, Generation, SamplingParams, WeightUpdateError, tensor_digest
+from miles_lp.rollout.engine import (
+    EngineBusy,
+    EngineError,
+    Generation,
+    SamplingParams,
+    WeightUpdateError,
+    tensor_digest,
+)
 from miles_lp.rollout.kv_cache import KV_CACHE_DTYPES, make_cache
 from miles_lp.rollout.layers import EngineExpert, EngineExperts, EngineLinear, describe_layer, engine_linears
 from miles_lp.rollout.sampling import sample
@@ -442,6 +449,28 @@ class ReferenceEngine:
         report["weight_version"] = self.weight_version
         return report
 
+    def update_from_disk(self, path: str | Path, weight_version: int | None = None) -> dict[str, Any]:
+        """SGLang's ``update_weights_from_disk``: every tensor of checkpoint ``path`` (the served checkpoint's
+        names, dtypes and shapes) checked from the headers first, then written in place, file by file."""
+        from miles_lp.rollout.checkpoint import _headers
+
+        root = Path(path)
+        if not root.is_dir():
+            raise WeightUpdateError(f"update_weights_from_disk: '{root}' is not a checkpoint folder")
+        headers = _headers(root)
+        for name, h in headers.items():
+            self._check(name, getattr(torch, h.dtype), h.shape, where=str(root))
+        self.begin_weight_update()
+        try:
+            from safetensors import safe_open
+
+            for f in sorted({h.file for h in headers.values()}):
+                with safe_open(str(f), framework="pt") as sf:
+                    self.update_weights((n, sf.get_tensor(n)) for n in sf.keys())
+        finally:
+            report = self.finish_weight_update(weight_version)
+        return report
+
     def close(self) -> None:
         self._closed = True
         self.model = None  # type: ignore[assignment]
@@ -475,12 +504,12 @@ class ReferenceEngine:
         with self._gen_lock:
             with self._cond:
                 if self._closed:
-                    raise EngineError("generate: the engine is closed")
+                    raise EngineBusy("generate: the engine is closed")
                 if self._updating:
-                    raise EngineError("generate: a weight update is in progress (begin_weight_update ... "
+                    raise EngineBusy("generate: a weight update is in progress (begin_weight_update ... "
                                       "finish_weight_update); generation is refused until it finishes")
                 if self._paused and not self._cond.wait_for(lambda: not self._paused, timeout=self.pause_timeout_s):
-                    raise EngineError("generate: the engine is paused; call resume() (continue_generation)")
+                    raise EngineBusy("generate: the engine is paused; call resume() (continue_generation)")
             with torch.inference_mode():
                 return self._run(prompts, sampling)
 

@@ -1,0 +1,193 @@
+"""`miles-lp serve` over loopback: the SGLang HTTP subset, exercised by a real HTTP client (urllib) and by the
+SGLang adapter (SGLangHTTPEngine)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from miles_lp.errors import BackendUnavailable
+from miles_lp.rollout.engine import EngineBusy, EngineError, SamplingParams, WeightUpdateError
+from miles_lp.rollout.reference import ReferenceEngine
+from miles_lp.rollout.server import serve_in_thread
+from miles_lp.rollout.sglang import SGLangHTTPEngine
+from miles_lp.rollout.testing import tiny_checkpoint
+
+RECIPE = "qwen3_moe_mxfp8_nvfp4_experts.yaml"
+KEY = "test-key-123"
+PROMPTS = [[3, 17, 99, 4], [5, 6, 7]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def ckpts():
+    return tiny_checkpoint("qwen3_moe", RECIPE), tiny_checkpoint("qwen3_moe", RECIPE, seed=1)
+
+
+@pytest.fixture(scope="module")
+def served(ckpts):
+    engine = ReferenceEngine(ckpts[0], device="cpu")
+    srv = serve_in_thread(engine, api_key=KEY)
+    yield engine, srv
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture
+def client(served):
+    return SGLangHTTPEngine(served[1].url, api_key=KEY)
+
+
+def post(url, path, body, key=KEY, raw=False):
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_generate_wire_format(served):
+    engine, srv = served
+    code, out = post(srv.url, "/generate", {"input_ids": PROMPTS[0], "sampling_params": {
+        "max_new_tokens": 5, "temperature": 1.0, "sampling_seed": 4}, "return_logprob": True})
+    assert code == 200
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 5}
+    assert meta["weight_version"] == str(engine.weight_version) and meta["completion_tokens"] == 5
+    lps = meta["output_token_logprobs"]
+    assert [x[1] for x in lps] == out["output_ids"] and all(x[2] is None and x[0] < 0 for x in lps)
+    local = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=5, seed=4))[0]
+    assert local.output_ids == out["output_ids"]
+    assert torch.equal(local.logprobs, torch.tensor([x[0] for x in lps], dtype=torch.float32))
+    code, batch = post(srv.url, "/generate", {"input_ids": PROMPTS, "sampling_params": {"max_new_tokens": 2},
+                                              "return_logprob": True, "return_routed_experts": True})
+    assert code == 200 and len(batch) == 2 and len(batch[1]["meta_info"]["routed_experts"]) == len(PROMPTS[1]) + 1
+
+
+def test_api_key(served):
+    _, srv = served
+    assert post(srv.url, "/generate", {"input_ids": [1]}, key=None)[0] == 401
+    assert post(srv.url, "/generate", {"input_ids": [1]}, key="wrong")[0] == 401
+    assert post(srv.url, "/flush_cache", {}, key="wrong")[0] == 401
+    with urllib.request.urlopen(srv.url + "/health", timeout=10) as r:  # liveness needs no key
+        assert r.status == 200
+    with pytest.raises(EngineError, match="401 unauthorized"):
+        SGLangHTTPEngine(srv.url, api_key="wrong").generate([[1]], SamplingParams(max_new_tokens=1))
+
+
+@pytest.mark.parametrize("body, match", [
+    ({"input_ids": [1] * 300}, "prompt 0 has 300 tokens; the context is 256"),
+    ({"input_ids": [1], "sampling_params": {"top_p": 2.0}}, "top_p must be in"),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": "8"}}, "must be an integer"),
+    ({"input_ids": [1], "sampling_params": {"temprature": 1.0}}, "unknown sampling_params key 'temprature'"),
+    ({"input_ids": [1], "sampling_params": {"repetition_penalty": 1.3}}, "not supported"),
+    ({"text": "hello"}, "'input_ids' is required"),
+    ({"input_ids": [1], "image_data": "x"}, r"unknown /generate field\(s\) \['image_data'\]"),
+])
+def test_generate_bad_input(served, body, match):
+    import re
+
+    code, out = post(served[1].url, "/generate", body)
+    assert code == 400 and re.search(match, out["error"]["message"]), out
+
+
+def test_client_update_equals_fresh_load(served, client, ckpts):
+    from safetensors.torch import load_file
+
+    engine, _ = served
+    new = {}
+    for f in sorted(ckpts[1].glob("*.safetensors")):
+        new.update(load_file(f))
+    names = sorted(new)
+    ptrs = client.storage_pointers()
+    v0 = client.weight_version
+    # a bad bucket (unknown name, then a wrong dtype) aborts the update: nothing written, old weights serve
+    before = client.weight_digests()
+    client.begin_weight_update()
+    with pytest.raises(WeightUpdateError, match="unknown parameter 'model.layers.0.mlp.gate_proj.weight'"):
+        client.update_weights([(names[0], new[names[0]]), ("model.layers.0.mlp.gate_proj.weight", torch.zeros(2))])
+    q = "model.layers.0.self_attn.q_proj.weight"
+    with pytest.raises(WeightUpdateError, match="dtype float32, the engine holds float8_e4m3fn"):
+        client.update_weights([(q, new[q].float())])
+    assert client.weight_digests() == before
+    with pytest.raises(EngineBusy, match="refused until it finishes"):
+        client.generate([[1]], SamplingParams(max_new_tokens=1))
+    for i in range(3):
+        client.update_weights((n, new[n]) for n in names[i::3])
+    report = client.finish_weight_update(weight_version=v0 + 5)
+    assert report["weight_version"] == v0 + 5 == client.weight_version
+    fresh = ReferenceEngine(ckpts[1], device="cpu")
+    assert client.weight_digests() == fresh.weight_digests()
+    assert client.storage_pointers() == ptrs
+    got = client.read_weights([q])[q]
+    assert torch.equal(got.view(torch.uint8), new[q].view(torch.uint8))
+    sp = SamplingParams(max_new_tokens=6, seed=9)
+    a, b = client.generate(PROMPTS, sp), fresh.generate(PROMPTS, sp)
+    assert [x.output_ids for x in a] == [x.output_ids for x in b]
+    assert all(torch.equal(x.logprobs, y.logprobs) for x, y in zip(a, b, strict=True))
+    assert all(x.weight_version == v0 + 5 for x in a)
+    # and back, from disk (SGLang's /update_weights_from_disk)
+    client.update_from_disk(str(ckpts[0]))
+    assert client.weight_digests() == ReferenceEngine(ckpts[0], device="cpu").weight_digests()
+    with pytest.raises(WeightUpdateError, match="not a checkpoint folder"):
+        client.update_from_disk("/nonexistent")
+
+
+def test_pause_continue_and_introspection(served, client):
+    engine, _ = served
+    client.pause()  # mode retract
+    assert client.health()["status"] == "paused"
+    with pytest.raises(EngineBusy, match="paused"):
+        client.generate([[1]], SamplingParams(max_new_tokens=1))  # the engine's pause timeout is 0 here
+    client.resume()
+    client.flush_cache()
+    assert client.generate([[1]], SamplingParams(max_new_tokens=1))[0].finish_reason == "length"
+    assert client.quantized_params() == engine.quantized_params()
+    sc = client.self_check()
+    assert sc["ok"] and len(sc["layers"]) == 2
+
+
+def test_stock_sglang_flavor_refuses_pickle_path(served):
+    c = SGLangHTTPEngine(served[1].url, api_key=KEY, flavor="sglang")
+    with pytest.raises(BackendUnavailable, match="pickle"):
+        c.begin_weight_update()
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch + transformers: ~5 s idle, ~20 s on a loaded 2-core CPU
+def test_cli_serve_process(ckpts, tmp_path):
+    """The real `miles-lp serve` process: binds loopback, announces its URL, answers with the key only."""
+    env = dict(os.environ, MILES_LP_API_KEY=KEY)
+    p = subprocess.Popen([sys.executable, "-m", "miles_lp.cli", "serve", str(ckpts[0]), "--port", "0", "--device",
+                          "cpu", "--threads", "1"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while "on http://" not in line:
+            line = p.stderr.readline()
+            assert line or p.poll() is None, "server exited"
+        url = line.rsplit(" on ", 1)[1].split()[0]
+        assert url.startswith("http://127.0.0.1:")
+        assert post(url, "/generate", {"input_ids": [1, 2]}, key=None)[0] == 401
+        code, out = post(url, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 3},
+                                            "return_logprob": True})
+        assert code == 200 and len(out["output_ids"]) == 3
+    finally:
+        p.terminate()
+        p.wait(20)
