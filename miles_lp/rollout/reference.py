@@ -204,6 +204,7 @@ class ReferenceEngine:
                     apply_gate = module._apply_gate  # the architecture's own gating (keeps the old module alive)
                     module.gate_up_proj = module.down_proj = None  # ... but not its empty fused tensors
                 _set_child(model, name, EngineExperts(experts, module.act_fn, apply_gate))
+        model.requires_grad_(False)  # a sampler: no autograd state on any tensor
         if quantized_weights:
             raise CheckpointError(f"the quantization config quantizes {len(quantized_weights)} weight(s) the model "
                                   f"has no linear layer for, e.g. {sorted(quantized_weights)[:3]}")

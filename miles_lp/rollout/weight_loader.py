@@ -10,7 +10,10 @@ state, silently. This loader:
    ``process_weights_after_loading``, or a module with its own ``process_weights_after_loading``: the reference
    engine's layers) with its data pointer and version counter;
 2. loads (``model.load_weights`` or the ``load=`` callable);
-3. finds the touched modules (a tensor re-bound or written in place: its version counter moved);
+3. finds the touched modules: the owner of each loaded name (``<module>.<param>``, with SGLang's stacked names:
+   ``q/k/v_proj`` -> ``qkv_proj``, ``gate/up_proj`` -> ``gate_up_proj``, ``experts.{e}.*`` -> ``experts``), plus
+   any module whose tensors were re-bound or written through autograd-visible ops (version counter moved;
+   SGLang's ``param.data.copy_`` does not move it, hence the names);
 4. refuses backends whose post-processing is not idempotent (it transforms the canonical tensors in place, so
    running it again on already-processed tensors is wrong): the known names in ``NON_IDEMPOTENT``, and any
    module whose canonical tensors the post-processing changed (checked after the run);
@@ -64,6 +67,22 @@ def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+STACKED = ((".q_proj", ".qkv_proj"), (".k_proj", ".qkv_proj"), (".v_proj", ".qkv_proj"),
+           (".gate_proj", ".gate_up_proj"), (".up_proj", ".gate_up_proj"))
+
+
+def _owners(name: str, known: set[str]) -> list[str]:
+    import re
+
+    prefix = name.rpartition(".")[0]
+    cands = [prefix]
+    cands += [prefix[: -len(a)] + b for a, b in STACKED if prefix.endswith(a)]
+    m = re.fullmatch(r"(.*\.experts)\.\d+\.(gate|up|down)_proj", prefix)
+    if m:
+        cands.append(m.group(1))
+    return [c for c in cands if c in known]
+
+
 def load_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                  load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any] | None = None) -> dict[str, Any]:
     """Load ``named_tensors`` into ``model``, re-run the touched modules' post-processing, keep their storage.
@@ -72,11 +91,21 @@ def load_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torc
     """
     modules = [(name, m, fn) for name, m in model.named_modules() if (fn := _post_process(m)) is not None]
     captured = {name: {a: (t, t.data_ptr(), t._version) for a, t in _tensors(m).items()} for name, m, _ in modules}
-    (load or model.load_weights)(named_tensors)
+    names: list[str] = []
+
+    def recorded():
+        for n, t in named_tensors:
+            names.append(n)
+            yield n, t
+
+    (load or model.load_weights)(recorded())
+    known = {name for name, _, _ in modules}
+    by_name = {o for n in names for o in _owners(n, known)}
     touched = []
     for name, m, fn in modules:
         now = _tensors(m)
-        if any(a not in now or now[a] is not t or t._version != v for a, (t, _, v) in captured[name].items()):
+        if name in by_name or any(a not in now or now[a] is not t or t._version != v
+                                  for a, (t, _, v) in captured[name].items()):
             touched.append((name, m, fn))
     copied = []
     for name, m, fn in touched:
