@@ -1,12 +1,17 @@
-"""``miles-lp bench quantize``: codec throughput (GB/s of input) next to torchao, and NVFP4 agreement.
+"""``miles-lp bench quantize``: codec throughput next to torchao, and NVFP4 agreement.
 
-Measures on one [rows, cols] tensor: our MXFP8 eager and ``torch.compile`` paths against torchao's
+On CPU (GB/s of input): our MXFP8 eager and ``torch.compile`` paths against torchao's
 ``to_mx(..., RCEIL)`` (the anchor: ratio = ours / torchao), NVFP4 / FP8 eager, and the rate of scale and
 data bytes where torchao's NVFP4 (``nvfp4_quantize`` with a per-tensor scale) differs from TE's rule.
+
+On CUDA (``miles_lp.formats.kernels.bench``): every Triton kernel (``miles_lp.formats.kernels``) in GB/s
+counting the bytes it must read plus write (each input once, each output once), side by side in the same
+run with torchao's compiled ``to_mx(..., RCEIL)`` and NVFP4 and a device-to-device copy (the ceiling);
+prints each kernel's fraction of copy bandwidth and its ratio to the torchao anchor of the same bytes.
 Also runnable as ``python -m miles_lp.bench.quantize``.
 
   miles-lp bench quantize --rows 4096 --cols 4096 --no-compile
-  miles-lp bench quantize --device cuda --dtype bfloat16
+  miles-lp bench quantize --device cuda --rows 16384 --cols 8192 --json out.json
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ def add_arguments(p) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions; the best is reported")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile path (compiles once)")
     p.add_argument("--no-torchao", action="store_true", help="skip the torchao anchor")
+    p.add_argument("--json", default=None, help="CUDA: also write the table as JSON to this path")
+    p.add_argument("--sweep", action="store_true",
+                   help="CUDA: first try a few launch shapes per kernel and keep the fastest")
 
 
 def _best_seconds(fn, repeats: int, sync) -> float:
@@ -48,6 +56,10 @@ def run(args) -> int:
     from miles_lp.formats import quantize_fp8_blockwise, quantize_mxfp8, quantize_nvfp4
 
     dtype = getattr(torch, args.dtype)
+    if str(args.device).startswith("cuda"):
+        from miles_lp.formats.kernels.bench import run_cuda
+
+        return run_cuda(args)
     x = torch.randn(args.rows, args.cols, dtype=torch.float32, device=args.device).to(dtype)
     gb = x.numel() * x.element_size() / 1e9
     sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)

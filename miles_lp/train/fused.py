@@ -1,33 +1,27 @@
-"""Fused quantize->dequantize for QuantLinear, under ``torch.compile`` (byte-identical to the codecs).
+"""Fused quantize->dequantize for QuantLinear: Triton kernels on CUDA, ``torch.compile`` elsewhere.
 
-The reference path of ``QuantLinear`` calls the codecs (``miles_lp.formats``) eagerly: quantize, then
-``.dequantize(op)``, each a chain of element-wise kernels over the whole operand. Here the same tensor
-functions run inside one ``torch.compile`` graph, so Inductor fuses them into one pass over the input that
-writes the compact bytes, the scales and the dequantized GEMM operand together:
+Same bytes as the codecs (``miles_lp.formats``) on every path. Entry points (shapes as the codecs):
 
-* ``mxfp8_qdq(x, axis, dtype)`` -> ``(MXFP8Tensor, deq)``: the codec's own core (``mxfp8_core``, the
-  function ``quantize_mxfp8`` runs eagerly per row slice and compiles with ``compile=True``) followed by
-  the decode ``e4m3_value(q) * 2^(e-127)`` in fp32 and one rounding to ``dtype``;
+* ``mxfp8_qdq(x, axis, dtype)`` -> ``(MXFP8Tensor, deq)``: the grid and its decode in ``dtype``;
+* ``mxfp8_qdq_both(x, dtype, dequant=("row", "col"))`` -> ``(row, row_deq, col, col_deq)``: the rowwise
+  AND columnwise grids from ONE read of ``x`` (the ``quantized`` backward mode needs both of the input in
+  forward, and both of ``grad_output`` in backward); a decode is None where not in ``dequant``;
 * ``mxfp8_dequantize(q, dtype)``: the decode alone (backward of ``dequantized`` / ``quantized`` mode);
-* ``nvfp4_qdq(x, scope, dtype, amax=None, block_2d=False)`` -> ``(NVFP4Tensor, deq)``: the codec's core
-  ``nvfp4_core`` (what ``quantize_nvfp4`` runs per row slice) followed by ``NVFP4Tensor.dequantize``,
-  traced as one graph; a given ``amax`` is validated and broadcast eagerly first (``_broadcast_amax``).
+* ``nvfp4_qdq(x, scope, dtype, amax=None, block_2d=False)`` -> ``(NVFP4Tensor, deq)``;
+* ``nvfp4_dequantize(q, dtype)``.
 
-The cores have no data-dependent Python control flow (NaN in a block amax is zeroed, not branched on) and
-no slicing (slices are the eager wrapper's business), so each entry point is ONE graph, no graph breaks.
+Selection, per call: a CUDA tensor with Triton importable (``miles_lp.formats.kernels.enabled``) and an
+fp32 / bf16 ``dtype`` goes to the Triton kernels (``miles_lp.formats.kernels``): one launch per MXFP8 call
+(both grids, their decodes), one per per-token NVFP4 call, an amax pass + one launch for per-tensor NVFP4;
+no host synchronisation (CUDA-graph friendly) except where a caller passes an ``amax`` to validate. Any
+other tensor runs the codecs' own cores (``mxfp8_core``, ``nvfp4_core``) under ``torch.compile`` with the
+exact Inductor options (``miles_lp.formats._compile``), as before: one graph per entry point, no graph
+breaks; a second shape recompiles with dynamic shapes (``torch.compile``'s default).
 
-Byte identity: the compiled graphs run the codecs' own functions (no second implementation of the rule);
-every MXFP8 decode product is exact in fp32 (an E4M3 value times a power of two), so the single final
-rounding is the same in both paths (NaN payloads aside: a NaN element decodes to some NaN either way).
-Tested on CPU (``tests/unit/test_train_quant_linear.py``, ``slow``) and on CUDA (``gpu``) with
-``torch.equal`` on the raw bytes. MXFP8 on the H200 (torch 2.11): equal, special values included.
-NVFP4 divides in fp32, which Triton approximates by default: its bytes differed on the H200 before
-the exact Inductor options (``miles_lp.formats._compile``, shared with ``quantize_mxfp8(compile=True)``)
-were added; until the ``gpu`` test passes with it, ``kernel="auto"`` keeps NVFP4 on the
-reference path (``QuantLinear(kernel="compiled")`` still selects this one).
-
-Shapes vary between micro-batches: the first call compiles for static shapes, a second shape recompiles
-with dynamic shapes (``torch.compile``'s default), after which token counts do not recompile.
+Byte identity: the Triton kernels are checked against the reference codecs by
+``miles_lp.formats.kernels.selfcheck`` (interpreter on CPU, compiled on CUDA: ``pytest -m gpu``); the
+compiled graphs run the codecs' own functions. Every MXFP8 decode product is exact in fp32 (an E4M3 value
+times a power of two), so the single final rounding is the same in both paths (NaN payloads aside).
 """
 
 from __future__ import annotations
@@ -40,7 +34,18 @@ from miles_lp.formats.mxfp8 import MXFP8Tensor, mxfp8_core  # codec cores (same 
 from miles_lp.formats.nvfp4 import NVFP4Tensor, broadcast_nvfp4_amax, nvfp4_core
 from miles_lp.formats.spec import MXFP8_BLOCK
 
-__all__ = ["exact_division_available", "mxfp8_dequantize", "mxfp8_qdq", "nvfp4_dequantize", "nvfp4_qdq"]
+__all__ = ["exact_division_available", "mxfp8_dequantize", "mxfp8_qdq", "mxfp8_qdq_both", "nvfp4_dequantize",
+           "nvfp4_qdq", "uses_kernels"]
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def uses_kernels(x: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+    """Whether a call on ``x`` (output ``dtype``) runs the Triton kernels (else the compiled graphs)."""
+    from miles_lp.formats import kernels
+
+    return (dtype is None or dtype in _KERNEL_DTYPES) and kernels.enabled(x)
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Traced functions (plain tensor code; eager calls give the reference result)
@@ -104,13 +109,35 @@ def mxfp8_qdq(x: torch.Tensor, axis: int, dtype: torch.dtype) -> tuple[MXFP8Tens
     ``x`` must already satisfy the codec's checks (float dtype, block dim a multiple of 32): the callers
     validate through the reference quantizers' messages first (see ``quant_linear._check_mxfp8``).
     """
+    if uses_kernels(x, dtype):
+        from miles_lp.formats import kernels
+
+        r = kernels.mxfp8_quantize(x, rowwise=axis == -1, colwise=axis == -2, dequant_dtype=dtype)
+        return (r.row, r.row_deq) if axis == -1 else (r.col, r.col_deq)
     fn = _compiled(_mxfp8_qdq_row if axis == -1 else _mxfp8_qdq_col)
     data, scale, deq = fn(x.detach().contiguous(), dtype)  # detach: one graph, no requires_grad guard
     return MXFP8Tensor(data=data, scale=scale, axis=axis), deq
 
 
+def mxfp8_qdq_both(x: torch.Tensor, dtype: torch.dtype, dequant: tuple[str, ...] = ("row", "col")):
+    """``(row, row_deq, col, col_deq)``: both MXFP8 grids of ``x`` [..., M, K] (M, K multiples of 32) and
+    the decodes named in ``dequant`` (else None). One kernel launch on CUDA; two compiled passes elsewhere."""
+    if uses_kernels(x, dtype):
+        from miles_lp.formats import kernels
+
+        r = kernels.mxfp8_quantize(x, rowwise=True, colwise=True, dequant_dtype=dtype, dequant=dequant)
+        return r.row, r.row_deq, r.col, r.col_deq
+    row, row_deq = mxfp8_qdq(x, -1, dtype)
+    col, col_deq = mxfp8_qdq(x, -2, dtype)
+    return row, row_deq if "row" in dequant else None, col, col_deq if "col" in dequant else None
+
+
 def mxfp8_dequantize(q: MXFP8Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``q.dequantize(dtype)``, compiled."""
+    """``q.dequantize(dtype)``: one kernel launch on CUDA, compiled elsewhere."""
+    if uses_kernels(q.data, dtype):
+        from miles_lp.formats import kernels
+
+        return kernels.mxfp8_dequantize(q, dtype)
     fn = _compiled(_mxfp8_dq_row if q.axis == -1 else _mxfp8_dq_col)
     return fn(q.data, q.scale, dtype)
 
@@ -125,6 +152,10 @@ def nvfp4_qdq(x: torch.Tensor, scope: str, dtype: torch.dtype, *, amax: torch.Te
     x = x.detach().contiguous()  # detach: one graph, no requires_grad guard
     if amax is not None:
         amax = broadcast_nvfp4_amax(amax, x, scope)
+    if uses_kernels(x, dtype):
+        from miles_lp.formats import kernels
+
+        return kernels.nvfp4_quantize(x, scope, amax=amax, block_2d=block_2d, dequant_dtype=dtype)
     data, scale, gs, amax_g, deq = _compiled(_nvfp4_qdq)(x, amax, scope, block_2d, dtype)
     q = NVFP4Tensor(data=data, scale=scale, global_scale=gs, amax=amax_g, logical_shape=tuple(x.shape),
                     scale_scope=scope, block_2d=block_2d)
@@ -132,7 +163,11 @@ def nvfp4_qdq(x: torch.Tensor, scope: str, dtype: torch.dtype, *, amax: torch.Te
 
 
 def nvfp4_dequantize(q, dtype: torch.dtype) -> torch.Tensor:
-    """``q.dequantize(dtype)`` for an ``NVFP4Tensor``, compiled."""
+    """``q.dequantize(dtype)`` for an ``NVFP4Tensor``: one kernel launch on CUDA, compiled elsewhere."""
+    if uses_kernels(q.data, dtype):
+        from miles_lp.formats import kernels
+
+        return kernels.nvfp4_dequantize(q, dtype)
     return _compiled(_nvfp4_dq)(q.data, q.scale, q.global_scale, dtype)
 
 

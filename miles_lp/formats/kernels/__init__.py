@@ -1,0 +1,375 @@
+"""Triton kernels for the MXFP8 / NVFP4 codecs on CUDA, byte-identical to the reference (``miles_lp.formats``).
+
+The reference codecs stay the CPU path and the oracle; these kernels are what the codecs
+(``quantize_mxfp8`` / ``quantize_nvfp4``) and ``miles_lp.train.fused`` select for CUDA tensors when Triton
+imports (``enabled(x)``). Calling a kernel entry point directly where it cannot run raises
+``BackendUnavailable`` naming what is missing. ``TRITON_INTERPRET=1`` runs the same kernels on CPU tensors
+through Triton's interpreter (slow; the CPU tests use it).
+
+Entry points (inputs validated with the codecs' own messages; no host synchronisation on the hot paths,
+so they can be captured in a CUDA graph, except where a caller passes a Python/CPU ``amax``):
+
+* ``mxfp8_quantize(x, rowwise=True, colwise=False, dequant_dtype=None, swizzle=False)`` -> ``MXFP8Result``:
+  both grids from ONE read of ``x`` (one launch), optionally their dequantized copies (the emulated GEMM
+  operands) and the cuBLAS 128x4 swizzled scales;
+* ``mxfp8_dequantize(q, dtype)``; ``quantize_mxfp8(x, axis)`` (the codec hook);
+* ``nvfp4_quantize(x, scope, amax=None, block_2d=False, dequant_dtype=None)`` -> ``(NVFP4Tensor, deq)``:
+  scope "tensor" = an amax pass + a quantize pass (two launches and a memset; one launch when ``amax`` is
+  given), scope "row" = one launch (each program takes whole rows: amax, then quantize from cache);
+  ``block_2d`` = 16x16 tiles (weights);
+* ``nvfp4_dequantize(q, dtype)``, ``nvfp4_amax(x)``; ``quantize_nvfp4(...)`` (the codec hook).
+
+``MILES_LP_KERNELS=reference`` turns the automatic selection off (the codecs then run their torch code on
+CUDA too), e.g. to time or compare the reference there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from miles_lp.errors import BackendUnavailable
+from miles_lp.formats._checks import check_input, check_multiple
+from miles_lp.formats.mxfp8 import MXFP8Tensor
+from miles_lp.formats.nvfp4 import NVFP4Tensor
+from miles_lp.formats.spec import MXFP8_BLOCK, NVFP4_BLOCK
+
+__all__ = [
+    "MXFP8Result", "enabled", "unavailable_reason", "mxfp8_quantize", "mxfp8_dequantize", "quantize_mxfp8",
+    "nvfp4_quantize", "nvfp4_dequantize", "nvfp4_amax", "matrix_amax", "quantize_nvfp4", "CONFIG",
+]
+
+# Launch shapes (tuned on the H200; the bench can override them). MXFP8 tiles are [32*BMB, 32*NB];
+# NVFP4 tiles [TA*TB, 16*NB]; ROWS_* are the rows per program of the one-pass per-row kernel.
+CONFIG = {
+    "mxfp8": {"BMB": 1, "NB": 4, "num_warps": 4},
+    "mxfp8_dq": {"BMB": 1, "NB": 4, "num_warps": 4},
+    "nvfp4": {"TA": 16, "NB": 8, "num_warps": 4},
+    "nvfp4_2d": {"TA": 1, "NB": 8, "num_warps": 4},
+    "nvfp4_rows": {"ROWS": 4, "NB": 16, "num_warps": 4},
+    "nvfp4_dq": {"BM": 16, "NB": 8, "num_warps": 4},
+    "amax": {"BM": 16, "BK": 256, "num_warps": 4},
+}
+
+_OUT_KIND = {None: 0, torch.float32: 1, torch.bfloat16: 2}
+_MODULES: dict[bool, object] = {}
+_LOCK = threading.Lock()
+_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_triton.py")
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+_TRITON: list[str | None] = []  # [reason or None], filled on first use
+
+
+def _triton_missing() -> str | None:
+    if not _TRITON:
+        try:
+            import triton  # noqa: F401
+        except ImportError as exc:
+            return f"Triton is not importable ({exc}); install triton (pip install triton) or use the reference codecs"
+        _TRITON.append(None)
+    return _TRITON[0]
+
+
+def unavailable_reason(x: torch.Tensor) -> str | None:
+    """Why the kernels cannot run on ``x`` here (None: they can)."""
+    missing = _triton_missing()
+    if missing:
+        return missing
+    if x.is_cuda:
+        return None
+    if x.device.type == "cpu" and _interpreting():
+        return None
+    return (f"the Triton kernels run on CUDA tensors; this one is on {x.device} (no CUDA device is used here). "
+            "Use the reference codecs (miles_lp.formats.quantize_mxfp8 / quantize_nvfp4) on CPU, or set "
+            "TRITON_INTERPRET=1 to run the kernels in Triton's (slow) interpreter")
+
+
+def enabled(x: torch.Tensor) -> bool:
+    """Whether the codecs should hand ``x`` to these kernels: a CUDA tensor, Triton importable, and
+    ``MILES_LP_KERNELS`` not set to ``reference``."""
+    if not x.is_cuda or os.environ.get("MILES_LP_KERNELS", "auto") == "reference":
+        return False
+    return _triton_missing() is None
+
+
+def _module(x: torch.Tensor):
+    reason = unavailable_reason(x)
+    if reason:
+        raise BackendUnavailable(f"miles_lp.formats.kernels: {reason}")
+    interp = not x.is_cuda
+    mod = _MODULES.get(interp)
+    if mod is None:
+        with _LOCK:
+            mod = _MODULES.get(interp)
+            if mod is None:
+                mod = _load(interp)
+                _MODULES[interp] = mod
+    return mod
+
+
+def _load(interpret: bool):
+    """Import ``_triton.py`` with @triton.jit in the requested mode (Triton decides at decoration time)."""
+    name = "miles_lp.formats.kernels._triton" + ("_interpreted" if interpret else "")
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        spec = importlib.util.spec_from_file_location(name, _PATH)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    return mod
+
+
+def _input(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(the tensor the kernel reads, IN_KIND): bf16 as its int16 bits, fp32 / fp16 as they are."""
+    x = x.detach().contiguous()
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16), 1
+    return x, 0
+
+
+def _out_kind(dtype: torch.dtype | None, what: str) -> int:
+    if dtype not in _OUT_KIND:
+        raise BackendUnavailable(f"miles_lp.formats.kernels: {what} in {dtype} is not a kernel output; the "
+                                 "kernels write float32 or bfloat16 (use .dequantize(dtype) for others)")
+    return _OUT_KIND[dtype]
+
+
+def _out(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    return torch.empty(shape, dtype=torch.int16 if dtype == torch.bfloat16 else dtype, device=device)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.view(dtype) if t.dtype != dtype else t
+
+
+def _ru(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MXFP8
+# ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class MXFP8Result:
+    """What one ``mxfp8_quantize`` pass wrote (None where not asked for).
+
+    ``row`` / ``col``: the rowwise (axis -1) / columnwise (axis -2) ``MXFP8Tensor``; ``row_deq`` /
+    ``col_deq``: their dequantization in ``dequant_dtype``; ``row_swizzled``: the rowwise scale in the cuBLAS
+    128x4 layout, ``[..., ru(M,128), ru(K/32,4)]`` (= ``swizzle_scales(row.scale)``); ``col_swizzled``: the
+    columnwise scale of the transposed operand, ``[..., ru(K,128), ru(M/32,4)]``
+    (= ``swizzle_scales(col.scale.transpose(-1, -2))``).
+    """
+
+    row: MXFP8Tensor | None = None
+    col: MXFP8Tensor | None = None
+    row_deq: torch.Tensor | None = None
+    col_deq: torch.Tensor | None = None
+    row_swizzled: torch.Tensor | None = None
+    col_swizzled: torch.Tensor | None = None
+
+
+def mxfp8_quantize(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = False,
+                   dequant_dtype: torch.dtype | None = None, dequant: tuple[str, ...] = ("row", "col"),
+                   swizzle: bool = False, name: str | None = None) -> MXFP8Result:
+    """MXFP8 (TE's rule, CONTRACT 1) of ``x`` [..., M, K]: the rowwise and/or columnwise grids in one launch.
+
+    ``dequant_dtype`` (fp32 / bf16): also write the decode of the grids named in ``dequant``.
+    Same checks and messages as ``quantize_mxfp8`` (K a multiple of 32; M too for ``colwise``).
+    """
+    check_input(x, "MXFP8", min_dim=2 if colwise else 1, name=name)
+    if not (rowwise or colwise):
+        raise BackendUnavailable("mxfp8_quantize: ask for rowwise and/or colwise")
+    check_multiple(x, "MXFP8", -1, MXFP8_BLOCK, name=name, axis_label="axis=-1 (rowwise 32-blocks)")
+    if colwise:
+        check_multiple(x, "MXFP8", -2, MXFP8_BLOCK, name=name, axis_label="axis=-2 (columnwise 32-blocks)")
+    mod = _module(x)
+    out_kind = _out_kind(dequant_dtype, "the dequantized operand")
+    xi, in_kind = _input(x)
+    shape = tuple(x.shape)
+    k = shape[-1]
+    r = x.numel() // k
+    m = shape[-2] if x.dim() >= 2 else 1
+    lead = shape[:-2]
+    mats = r // m
+    dev = x.device
+    empty = torch.empty(0, dtype=torch.uint8, device=dev)
+    qr = torch.empty(shape, dtype=torch.uint8, device=dev) if rowwise else empty
+    sr = torch.empty((*shape[:-1], k // MXFP8_BLOCK), dtype=torch.uint8, device=dev) if rowwise else empty
+    qc = torch.empty(shape, dtype=torch.uint8, device=dev) if colwise else empty
+    sc = torch.empty((*lead, m // MXFP8_BLOCK, k), dtype=torch.uint8, device=dev) if colwise else empty
+    dq_row, dq_col = rowwise and out_kind > 0 and "row" in dequant, colwise and out_kind > 0 and "col" in dequant
+    dr = _out(shape, dequant_dtype, dev) if dq_row else empty
+    dc = _out(shape, dequant_dtype, dev) if dq_col else empty
+    wr = wc = empty
+    if swizzle and rowwise:
+        wr = torch.zeros((*lead, _ru(m, 128), _ru(k // MXFP8_BLOCK, 4)), dtype=torch.uint8, device=dev)
+    if swizzle and colwise:
+        wc = torch.zeros((*lead, _ru(k, 128), _ru(m // MXFP8_BLOCK, 4)), dtype=torch.uint8, device=dev)
+    cfg = CONFIG["mxfp8"]
+    bmb, nb = cfg["BMB"], cfg["NB"]
+    if colwise and m % (32 * bmb):
+        bmb = 1  # a tile must not straddle two matrices' column blocks (M is a multiple of 32)
+    grid = (triton_cdiv(r, 32 * bmb), triton_cdiv(k, 32 * nb))
+    mod.mxfp8_quantize_kernel[grid](
+        xi, r, k, m, qr, sr, dr, wr, qc, sc, dc, wc,
+        IN_KIND=in_kind, ROW=rowwise, COL=colwise, OUT_KIND=out_kind, DQ_ROW=dq_row, DQ_COL=dq_col, SWZ=bool(swizzle) and mats >= 1,
+        BMB=bmb, NB=nb, num_warps=cfg["num_warps"])
+    e4m3 = torch.float8_e4m3fn
+    return MXFP8Result(
+        row=MXFP8Tensor(data=qr.view(e4m3), scale=sr, axis=-1) if rowwise else None,
+        col=MXFP8Tensor(data=qc.view(e4m3), scale=sc, axis=-2) if colwise else None,
+        row_deq=_as(dr, dequant_dtype) if dq_row else None,
+        col_deq=_as(dc, dequant_dtype) if dq_col else None,
+        row_swizzled=wr if (swizzle and rowwise) else None,
+        col_swizzled=wc if (swizzle and colwise) else None,
+    )
+
+
+def quantize_mxfp8(x: torch.Tensor, axis: int = -1, name: str | None = None) -> MXFP8Tensor:
+    """The codec hook: ``quantize_mxfp8(x, axis=axis)`` through the kernel (axis already normalised)."""
+    res = mxfp8_quantize(x, rowwise=axis == -1, colwise=axis == -2, name=name)
+    return res.row if axis == -1 else res.col
+
+
+def mxfp8_dequantize(q: MXFP8Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``q.dequantize(dtype)`` in one launch (fp32 / bf16)."""
+    mod = _module(q.data)
+    out_kind = _out_kind(dtype, "MXFP8 dequantize")
+    data = q.data.contiguous().view(torch.uint8)
+    scale = q.scale.contiguous()
+    k = data.shape[-1]
+    r = data.numel() // k
+    out = _out(tuple(data.shape), dtype, data.device)
+    cfg = CONFIG["mxfp8_dq"]
+    grid = (triton_cdiv(r, 32 * cfg["BMB"]), triton_cdiv(k, 32 * cfg["NB"]))
+    mod.mxfp8_dequantize_kernel[grid](data, scale, out, r, k, COLWISE=q.axis == -2, OUT_KIND=out_kind,
+                                      BMB=cfg["BMB"], NB=cfg["NB"], num_warps=cfg["num_warps"])
+    return _as(out, dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# NVFP4
+# ---------------------------------------------------------------------------------------------------------
+def _amax_launch(mod, xi, in_kind: int, mats: int, m: int, k: int, per_row: bool) -> torch.Tensor:
+    cfg = CONFIG["amax"]
+    if per_row:
+        out = torch.empty(mats * m, dtype=torch.float32, device=xi.device)
+    else:
+        out = torch.zeros(mats, dtype=torch.int32, device=xi.device)  # fp32 bits; atomic max from 0
+    grid = (triton_cdiv(m, cfg["BM"]), mats)
+    mod.amax_kernel[grid](xi, m, k, out, PER_ROW=per_row, IN_KIND=in_kind, BM=cfg["BM"], BK=cfg["BK"],
+                          K_ITERS=triton_cdiv(k, cfg["BK"]), num_warps=cfg["num_warps"])
+    return out if per_row else out.view(torch.float32)
+
+
+def matrix_amax(x: torch.Tensor) -> torch.Tensor:
+    """NaN-ignoring amax per 2-D matrix of ``x`` [..., M, K]: fp32 ``[..., 1, 1]`` (one launch and a memset)."""
+    check_input(x, "NVFP4", min_dim=2)
+    mod = _module(x)
+    xi, in_kind = _input(x)
+    m, k = x.shape[-2], x.shape[-1]
+    return _amax_launch(mod, xi, in_kind, x.numel() // (m * k), m, k, per_row=False).view(*x.shape[:-2], 1, 1)
+
+
+def nvfp4_amax(x: torch.Tensor) -> torch.Tensor:
+    """``matrix_amax`` shaped like ``nvfp4_global_amax``: 0-d for 2-D ``x``, ``[..., 1, 1]`` for stacks."""
+    a = matrix_amax(x)
+    return a.reshape(()) if x.dim() == 2 else a
+
+
+def nvfp4_quantize(x: torch.Tensor, scope: str = "tensor", *, amax: torch.Tensor | None = None,
+                   block_2d: bool = False, dequant_dtype: torch.dtype | None = None,
+                   name: str | None = None) -> tuple[NVFP4Tensor, torch.Tensor | None]:
+    """NVFP4 (TE's rule, CONTRACT 2) of ``x`` [..., M, K] and optionally its dequantization.
+
+    ``amax``: None (computed, NaN ignored) or an fp32 tensor already of the global-scale shape
+    (``nvfp4.broadcast_nvfp4_amax``: ``[..., 1, 1]`` for "tensor", ``[..., M, 1]`` for "row"; this function
+    does not read its values, so it stays free of host syncs).
+    """
+    from miles_lp.formats.nvfp4 import _check_nvfp4
+
+    _check_nvfp4(x, scope, block_2d, name)
+    mod = _module(x)
+    out_kind = _out_kind(dequant_dtype, "the dequantized operand")
+    xi, in_kind = _input(x)
+    shape = tuple(x.shape)
+    m, k = shape[-2], shape[-1]
+    lead = shape[:-2]
+    mats = x.numel() // (m * k)
+    dev = x.device
+    q = torch.empty((*shape[:-1], k // 2), dtype=torch.uint8, device=dev)
+    s = torch.empty((*shape[:-1], k // NVFP4_BLOCK), dtype=torch.uint8, device=dev)
+    per_row = scope == "row"
+    gs = torch.empty(mats * m if per_row else mats, dtype=torch.float32, device=dev)
+    d = _out(shape, dequant_dtype, dev) if out_kind else torch.empty(0, dtype=torch.uint8, device=dev)
+    if amax is not None:
+        amax_flat = amax.to(device=dev, dtype=torch.float32).contiguous().reshape(-1)
+    elif per_row:
+        amax_flat = None  # the one-pass kernel computes it
+    else:
+        amax_flat = _amax_launch(mod, xi, in_kind, mats, m, k, per_row=False)
+    if amax_flat is None:
+        cfg = CONFIG["nvfp4_rows"]
+        amax_out = torch.empty(mats * m, dtype=torch.float32, device=dev)
+        grid = (triton_cdiv(m, cfg["ROWS"]), mats)
+        mod.nvfp4_quantize_rows_kernel[grid](
+            xi, m, k, amax_out, q, s, gs, d, IN_KIND=in_kind, OUT_KIND=out_kind, ROWS=cfg["ROWS"],
+            NB=cfg["NB"], K_ITERS=triton_cdiv(k, 16 * cfg["NB"]), num_warps=cfg["num_warps"])
+        amax_flat = amax_out
+    else:
+        cfg = CONFIG["nvfp4_2d" if block_2d else "nvfp4"]
+        tb = 16 if block_2d else 1
+        grid = (triton_cdiv(m, cfg["TA"] * tb), triton_cdiv(k, 16 * cfg["NB"]), mats)
+        mod.nvfp4_quantize_kernel[grid](
+            xi, m, k, amax_flat, q, s, gs, d, IN_KIND=in_kind, SCOPE=1 if per_row else 0, OUT_KIND=out_kind,
+            TA=cfg["TA"], TB=tb, NB=cfg["NB"], num_warps=cfg["num_warps"])
+    if per_row:
+        gshape = (*shape[:-1], 1)
+    else:
+        gshape = () if x.dim() == 2 else (*lead, 1, 1)
+    qt = NVFP4Tensor(data=q, scale=s.view(torch.float8_e4m3fn), global_scale=gs.view(gshape),
+                     amax=amax_flat.view(gshape), logical_shape=shape, scale_scope=scope, block_2d=block_2d)
+    return qt, (_as(d, dequant_dtype) if out_kind else None)
+
+
+def quantize_nvfp4(x: torch.Tensor, scale_scope: str = "tensor", amax: torch.Tensor | None = None,
+                   block_2d: bool = False, name: str | None = None) -> NVFP4Tensor:
+    """The codec hook: ``quantize_nvfp4(...)`` through the kernels (``amax`` already broadcast)."""
+    return nvfp4_quantize(x, scale_scope, amax=amax, block_2d=block_2d, name=name)[0]
+
+
+def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``q.dequantize(dtype)`` in one launch (fp32 / bf16)."""
+    mod = _module(q.data)
+    out_kind = _out_kind(dtype, "NVFP4 dequantize")
+    shape = tuple(q.shape)
+    m, k = shape[-2], shape[-1]
+    mats = q.data.numel() * 2 // (m * k)
+    gs = q.global_scale.to(torch.float32).contiguous().reshape(-1)
+    per_row = gs.numel() == mats * m and q.scale_scope == "row"
+    if not per_row and gs.numel() != mats:
+        gs = q.global_scale.to(torch.float32).expand(*shape[:-2], 1, 1).contiguous().reshape(-1)
+    out = _out(shape, dtype, q.data.device)
+    cfg = CONFIG["nvfp4_dq"]
+    grid = (triton_cdiv(m, cfg["BM"]), triton_cdiv(k, 16 * cfg["NB"]), mats)
+    mod.nvfp4_dequantize_kernel[grid](q.data.contiguous(), q.scale.contiguous().view(torch.uint8), gs, out, m, k,
+                                      GS_PER_ROW=per_row, OUT_KIND=out_kind, BM=cfg["BM"], NB=cfg["NB"],
+                                      num_warps=cfg["num_warps"])
+    return _as(out, dtype)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,453 @@
+"""Triton kernels for MXFP8 / NVFP4 (CONTRACT 1-3), byte-identical to the reference codecs.
+
+Only ``miles_lp.formats.kernels`` imports this module (through ``_load``): once normally (CUDA) and, when
+asked, once more with ``TRITON_INTERPRET=1`` (Triton's interpreter, CPU tensors, numpy) for the CPU tests.
+
+Exactness: every rounding step is an IEEE fp32 operation or integer arithmetic on bit patterns, never a
+conversion whose rounding or saturation a backend may choose:
+
+* E4M3, E2M1 and BF16 encodes are integer/bit code (``_e4m3_code``, ``_e2m1_code``, ``_bf16_bits``): the
+  interpreter's float8/bf16 casts do not round to nearest even, and the encode must not depend on them;
+  the one float operation inside each encoder is an fp32 add whose RNE rounding IS the encode's rounding
+  (the ``bits.e2m1_codes`` trick: adding 2^(E+p) rounds to the grid step in one operation);
+* divisions (NVFP4's ``2688 / amax``, ``1 / S_enc``, ``1 / (sf * S_dec)``) use ``tl.math.div_rn``
+  (Triton's ``/`` is the approximate ``div.full.f32``);
+* plain fp32 multiplies compile to ``mul.rn.f32`` without flush-to-zero (Triton's ``enable_reflect_ftz``
+  only concerns libdevice calls, which these kernels do not make); MXFP8's inverse scale 2^-127 is an
+  fp32 subnormal, so this matters, and the ``subnormal`` / ``inf_huge`` test cases check it;
+* no ``a * b + c`` whose contraction into an FMA would change a rounding (the adds in the encoders take
+  operands rebuilt from bit patterns).
+
+NaN-ignoring amax (CUDA ``fmaxf`` semantics): NaN is replaced by 0 before every max (inf kept).
+Inputs: bf16 arrives as its int16 bit pattern (widened by a shift, exact), fp32 / fp16 as themselves.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from miles_lp.formats import bits
+
+INV448 = tl.constexpr(bits.FP32_INV_448)  # 0x3B124925, exactly an fp32 value
+INV6 = tl.constexpr(bits.FP32_INV_6)  # 0x3E2AAAAB
+FLT_MAX = tl.constexpr(bits.FP32_MAX)
+TWO_M9 = tl.constexpr(2.0 ** -9)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Element helpers
+# ---------------------------------------------------------------------------------------------------------
+@triton.jit
+def _load_f32(ptr, offs, mask, IN_KIND: tl.constexpr):
+    """IN_KIND 1: bf16 passed as int16 bits (widened exactly); 0: fp32 / fp16 loaded and upcast."""
+    if IN_KIND == 1:
+        b = tl.load(ptr + offs, mask=mask, other=0).to(tl.int32)
+        return ((b & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _abs_nz(x):
+    """|x| with NaN -> 0 (inf kept): a max over it ignores NaN like CUDA fmaxf."""
+    a = tl.abs(x)
+    return tl.where(a == a, a, 0.0)
+
+
+@triton.jit
+def _e8m0_round_up(v):
+    """fp32 v >= 0 -> E8M0 byte (int32), TE float_to_e8m0 (bits.e8m0_round_up)."""
+    b = v.to(tl.int32, bitcast=True)
+    e = tl.minimum((b + 0x7FFFFF) >> 23, 0xFE)
+    e = tl.where(b <= 0x400000, 0, e)
+    return tl.where(b > 0x7F800000, 0xFF, e)
+
+
+@triton.jit
+def _e8m0_inverse(e):
+    """E8M0 byte -> fp32 2^(127 - e) (254 -> the subnormal 2^-127; 255 -> NaN)."""
+    b = tl.where(e == 254, 0x400000, (254 - e) << 23)
+    b = tl.where(e == 255, 0x7FFFFFFF, b)
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e8m0_value(e):
+    """E8M0 byte -> fp32 2^(e - 127) (0 -> the subnormal 2^-127; 255 -> NaN)."""
+    b = tl.where(e == 0, 0x400000, e << 23)
+    b = tl.where(e == 255, 0x7FFFFFFF, b)
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_code(y):
+    """fp32 -> E4M3 byte (int32 0..255): RNE, saturate to +-448, NaN -> 0x7F (cvt.rn.satfinite.e4m3).
+
+    With a = min(|y|, 448) and E = max(floor(log2 a), -6), E4M3's step near a is 2^(E-3); c = 2^(E+20) has
+    that ulp, so fp32(a + c) rounds a to the grid (RNE) and k = bits(a + c) - bits(c) counts the steps:
+    code = 8 (E + 6) + k (a carry into the next binade lands on the right code). E = -6 covers the
+    subnormals (step 2^-9 too).
+    """
+    yb = y.to(tl.int32, bitcast=True)
+    sign = (yb >> 24) & 0x80
+    ab = yb & 0x7FFFFFFF
+    nan = ab > 0x7F800000
+    ab = tl.minimum(ab, 0x43E00000)  # 448.0 (inf and NaN too; NaN is replaced below)
+    eb = tl.maximum(ab >> 23, 121)  # biased max(E, -6)
+    cb = (eb + 20) << 23
+    s = ab.to(tl.float32, bitcast=True) + cb.to(tl.float32, bitcast=True)
+    k = s.to(tl.int32, bitcast=True) - cb
+    code = ((eb - 121) * 8 + k) | sign
+    return tl.where(nan, 0x7F, code)
+
+
+@triton.jit
+def _with_sign(mag, sign_bit):
+    """mag (>= 0 or NaN) with the sign bit or-ed in: Triton's unary minus is ``0 - x``, which turns -0.0
+    into +0.0; the codecs keep the sign of zero (0x80 decodes to -0.0)."""
+    return (mag.to(tl.int32, bitcast=True) | sign_bit).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_value(code):
+    """E4M3 byte (int32) -> fp32 (0x7F / 0xFF -> NaN)."""
+    m = code & 7
+    ef = (code >> 3) & 15
+    normal = (((ef + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(ef == 0, m.to(tl.float32) * TWO_M9, normal)
+    mag = tl.where((code & 0x7F) == 0x7F, float("nan"), mag)
+    return _with_sign(mag, (code & 0x80) << 24)
+
+
+@triton.jit
+def _e2m1_code(y):
+    """fp32 -> E2M1 code (int32 0..15), cvt.rn.satfinite.e2m1 semantics (the integer form of
+    ``bits.e2m1_codes``: RNE on {0, .5, 1, 1.5, 2, 3, 4, 6}, saturate to 6, NaN -> +6, sign kept)."""
+    yb = y.to(tl.int32, bitcast=True)
+    a = yb & 0x7FFFFFFF
+    sign = (((a - 0x7F800001) >> 31) & yb) >> 31
+    sign = sign & 0x8
+    a = tl.minimum(a, 0x40C00000)  # 6.0
+    c = (tl.maximum(a, 0x3F800000) & 0x7F800000) + (22 << 23)  # 2^(E + 22)
+    s = a.to(tl.float32, bitcast=True) + c.to(tl.float32, bitcast=True)
+    k = s.to(tl.int32, bitcast=True) - c
+    return (k + ((c - 0x4A800000) >> 22)) | sign
+
+
+@triton.jit
+def _e2m1_value(code):
+    """E2M1 code (int32) -> fp32 value (bit 3 = sign; 8 -> -0.0)."""
+    c3 = code & 7
+    e = c3 >> 1
+    m = c3 & 1
+    normal = ((2 + m) << tl.maximum(e - 1, 0)).to(tl.float32) * 0.5
+    mag = tl.where(e == 0, c3.to(tl.float32) * 0.5, normal)
+    return _with_sign(mag, (code & 8) << 28)
+
+
+@triton.jit
+def _bf16_bits(v):
+    """fp32 -> bf16 bit pattern (int32 holding 16 bits): RNE, subnormals kept, NaN -> quiet NaN."""
+    b = v.to(tl.int32, bitcast=True)
+    r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+    nan = (b & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(nan, ((b >> 16) & 0x8000) | 0x7FC0, r)
+
+
+@triton.jit
+def _store_out(ptr, offs, v, mask, OUT_KIND: tl.constexpr):
+    """OUT_KIND 1: fp32; 2: bf16 (stored as its int16 bits)."""
+    if OUT_KIND == 2:
+        tl.store(ptr + offs, _bf16_bits(v).to(tl.int16), mask=mask)
+    else:
+        tl.store(ptr + offs, v, mask=mask)
+
+
+@triton.jit
+def _swizzled(r, c, rows, cols):
+    """cuBLAS 128x4 offset of compact scale (r, c) in the swizzled [ru(rows,128), ru(cols,4)] layout of one
+    matrix, plus the matrix's base (r counts the rows of all matrices; each has ``rows``)."""
+    mat = r // rows
+    rl = r % rows
+    rp = (rows + 127) // 128 * 128
+    cp = (cols + 3) // 4 * 4
+    off = ((rl // 128) * (cp // 4) + c // 4) * 512 + (rl % 32) * 16 + ((rl % 128) // 32) * 4 + c % 4
+    return mat.to(tl.int64) * rp * cp + off
+
+
+# ---------------------------------------------------------------------------------------------------------
+# MXFP8: rowwise and/or columnwise in one pass, optional dequantized copies and swizzled scales
+# ---------------------------------------------------------------------------------------------------------
+@triton.jit
+def mxfp8_quantize_kernel(
+    x_ptr, R, K, M,
+    qr_ptr, sr_ptr, dr_ptr, wr_ptr,
+    qc_ptr, sc_ptr, dc_ptr, wc_ptr,
+    IN_KIND: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, OUT_KIND: tl.constexpr,
+    DQ_ROW: tl.constexpr, DQ_COL: tl.constexpr, SWZ: tl.constexpr, BMB: tl.constexpr, NB: tl.constexpr,
+):
+    """One [BMB*32, NB*32] tile of x [R, K] (R = all rows; M rows per matrix, for the swizzle).
+
+    The tile is held as [BMB, 32, NB, 32] (row block, row, col block, col): rowwise 1x32 blocks reduce
+    over the last axis, columnwise 32x1 blocks over axis 1, from the same registers.
+    Outputs (each only when its flag is set): q* uint8 E4M3 like x; sr [R, K/32] / sc [R/32, K] uint8
+    E8M0; d* the decode in fp32 / bf16 (OUT_KIND 1 / 2; DQ_ROW / DQ_COL say which); wr / wc the swizzled scales (SWZ):
+    rowwise [R/M, ru(M,128), ru(K/32,4)], columnwise of the transposed operand [R/M, ru(K,128),
+    ru(M/32,4)] (the layout a GEMM over the transposed matrix reads).
+    """
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    ib = tl.arange(0, BMB)[:, None, None, None]
+    ir = tl.arange(0, 32)[None, :, None, None]
+    jb = tl.arange(0, NB)[None, None, :, None]
+    jc = tl.arange(0, 32)[None, None, None, :]
+    rows = pid_m * (BMB * 32) + ib * 32 + ir  # [BMB, 32, 1, 1]
+    cols = pid_k * (NB * 32) + jb * 32 + jc  # [1, 1, NB, 32]
+    mask = (rows < R) & (cols < K)
+    offs = rows.to(tl.int64) * K + cols
+    x = _load_f32(x_ptr, offs, mask, IN_KIND)
+    a = _abs_nz(x)
+    if ROW:
+        e = _e8m0_round_up(tl.max(a, axis=3, keep_dims=True) * INV448)  # [BMB, 32, NB, 1]
+        q = _e4m3_code(x * _e8m0_inverse(e))
+        tl.store(qr_ptr + offs, q.to(tl.uint8), mask=mask)
+        srow = rows  # [BMB, 32, 1, 1]
+        scol = pid_k * NB + jb  # [1, 1, NB, 1]
+        smask = (srow < R) & (scol < K // 32)
+        tl.store(sr_ptr + srow.to(tl.int64) * (K // 32) + scol, e.to(tl.uint8), mask=smask)
+        if SWZ:
+            tl.store(wr_ptr + _swizzled(srow, scol, M, K // 32), e.to(tl.uint8), mask=smask)
+        if DQ_ROW:
+            _store_out(dr_ptr, offs, _e4m3_value(q) * _e8m0_value(e), mask, OUT_KIND)
+    if COL:
+        e = _e8m0_round_up(tl.max(a, axis=1, keep_dims=True) * INV448)  # [BMB, 1, NB, 32]
+        q = _e4m3_code(x * _e8m0_inverse(e))
+        tl.store(qc_ptr + offs, q.to(tl.uint8), mask=mask)
+        srow = pid_m * BMB + ib  # [BMB, 1, 1, 1]
+        smask = (srow < R // 32) & (cols < K)
+        tl.store(sc_ptr + srow.to(tl.int64) * K + cols, e.to(tl.uint8), mask=smask)
+        if SWZ:  # the transposed scale [K, M/32] of each matrix: (col, scale row within its matrix)
+            mat = srow // (M // 32)
+            t_r = mat * K + cols  # row of the stacked transposed scales [R/M * K, M/32]
+            t_c = srow % (M // 32)
+            tl.store(wc_ptr + _swizzled(t_r, t_c, K, M // 32), e.to(tl.uint8), mask=smask)
+        if DQ_COL:
+            _store_out(dc_ptr, offs, _e4m3_value(q) * _e8m0_value(e), mask, OUT_KIND)
+
+
+@triton.jit
+def mxfp8_dequantize_kernel(q_ptr, s_ptr, out_ptr, R, K, COLWISE: tl.constexpr, OUT_KIND: tl.constexpr,
+                            BMB: tl.constexpr, NB: tl.constexpr):
+    """e4m3_value(q) * 2^(e - 127) -> fp32 / bf16, for a rowwise ([R, K/32]) or columnwise ([R/32, K]) scale."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    ib = tl.arange(0, BMB)[:, None, None, None]
+    ir = tl.arange(0, 32)[None, :, None, None]
+    jb = tl.arange(0, NB)[None, None, :, None]
+    jc = tl.arange(0, 32)[None, None, None, :]
+    rows = pid_m * (BMB * 32) + ib * 32 + ir
+    cols = pid_k * (NB * 32) + jb * 32 + jc
+    mask = (rows < R) & (cols < K)
+    offs = rows.to(tl.int64) * K + cols
+    q = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.int32)
+    if COLWISE:
+        srow = pid_m * BMB + ib
+        e = tl.load(s_ptr + srow.to(tl.int64) * K + cols, mask=(srow < R // 32) & (cols < K), other=0)
+    else:
+        scol = pid_k * NB + jb
+        e = tl.load(s_ptr + rows.to(tl.int64) * (K // 32) + scol, mask=(rows < R) & (scol < K // 32), other=0)
+    _store_out(out_ptr, offs, _e4m3_value(q) * _e8m0_value(e.to(tl.int32)), mask, OUT_KIND)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# NVFP4
+# ---------------------------------------------------------------------------------------------------------
+@triton.jit
+def amax_kernel(x_ptr, M, K, out_ptr, PER_ROW: tl.constexpr, IN_KIND: tl.constexpr,
+                BM: tl.constexpr, BK: tl.constexpr, K_ITERS: tl.constexpr):
+    """NaN-ignoring max |x| of ``BM`` rows of matrix ``program_id(1)`` over all K.
+
+    PER_ROW: out[row] = the row's amax (plain store); else out[matrix] = max over its rows (an atomic max
+    on the fp32 bit pattern, which orders like the value for x >= 0; ``out`` starts at 0).
+    """
+    pid = tl.program_id(0)
+    mat = tl.program_id(1)
+    r = pid * BM + tl.arange(0, BM)[:, None]
+    base = mat.to(tl.int64) * M * K
+    acc = tl.zeros([BM, BK], dtype=tl.float32)
+    for it in range(K_ITERS):  # K_ITERS = cdiv(K, BK), a constexpr (Triton's interpreter cannot loop to a
+        c = it * BK + tl.arange(0, BK)[None, :]  # run-time bound with numpy >= 2.3)
+        m = (r < M) & (c < K)
+        acc = tl.maximum(acc, _abs_nz(_load_f32(x_ptr + base, r.to(tl.int64) * K + c, m, IN_KIND)))
+    if PER_ROW:
+        row_max = tl.max(acc, axis=1)
+        rr = pid * BM + tl.arange(0, BM)
+        tl.store(out_ptr + mat.to(tl.int64) * M + rr, row_max, mask=rr < M)
+    else:
+        tile_max = tl.max(tl.max(acc, axis=1), axis=0)
+        tl.atomic_max(out_ptr + mat, tile_max.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _global_scales(amax_g):
+    """amax_g -> (S_dec, S_enc * fp32(1/6)) by TE's order of fp32 operations (nvfp4._scales)."""
+    s = tl.math.div_rn(tl.zeros_like(amax_g) + 2688.0, amax_g)
+    s = tl.where(s < FLT_MAX, s, FLT_MAX)  # fminf(s, FLT_MAX): NaN and inf -> FLT_MAX
+    s = tl.where((amax_g == 0) | (s == 0), 1.0, s)
+    s_dec = tl.math.div_rn(tl.zeros_like(s) + 1.0, s)
+    return s_dec, s * INV6
+
+
+@triton.jit
+def _nvfp4_tile(x, amax_b, s_dec, sf_scale):
+    """Blocks of 16 on the last axis of x [..., 16]; amax_b / s_dec / sf_scale broadcast as [..., 1].
+    Returns (codes [..., 16] int32, sf code [..., 1] int32, sf value fp32)."""
+    sf = _e4m3_code(amax_b * sf_scale)  # amax_b >= 0: no sign, no NaN; inf saturates to 448
+    sf_f = _e4m3_value(sf)
+    den = sf_f * s_dec
+    enc = tl.math.div_rn(tl.zeros_like(den) + 1.0, den)
+    enc = tl.where(enc < FLT_MAX, enc, FLT_MAX)  # sf == 0 -> 1/0 = inf -> FLT_MAX
+    return _e2m1_code(x * enc), sf, sf_f
+
+
+@triton.jit
+def nvfp4_quantize_kernel(
+    x_ptr, M, K, amax_ptr,
+    q_ptr, s_ptr, gs_ptr, d_ptr,
+    IN_KIND: tl.constexpr, SCOPE: tl.constexpr, OUT_KIND: tl.constexpr,
+    TA: tl.constexpr, TB: tl.constexpr, NB: tl.constexpr,
+):
+    """One [TA*TB, NB*16] tile of matrix ``program_id(2)`` of x [E, M, K], held as [TA, TB, NB, 16].
+
+    TB = 16: 16x16 tiles (the block amax is the max over the tile's 16 rows, repeated); TB = 1: 1x16.
+    SCOPE 0: the global amax is amax_ptr[matrix]; 1: amax_ptr[row] (per token, given or computed first).
+    Writes q [E, M, K/2] (packed E2M1), s [E, M, K/16] (E4M3 bytes), gs (S_dec, the amax's shape: the
+    program at tile (0, 0) writes the matrix's in scope 0, the programs of column tile 0 their rows' in
+    scope 1) and, with OUT_KIND 1 / 2, the dequantized d [E, M, K] in fp32 / bf16.
+    """
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    mat = tl.program_id(2)
+    ia = tl.arange(0, TA)[:, None, None, None]
+    ibb = tl.arange(0, TB)[None, :, None, None]
+    jb = tl.arange(0, NB)[None, None, :, None]
+    jc = tl.arange(0, 16)[None, None, None, :]
+    rows = pid_m * (TA * TB) + ia * TB + ibb  # [TA, TB, 1, 1]
+    cols = pid_k * (NB * 16) + jb * 16 + jc  # [1, 1, NB, 16]
+    mask = (rows < M) & (cols < K)
+    base = mat.to(tl.int64) * M
+    offs = (base + rows) * K + cols
+    x = _load_f32(x_ptr, offs, mask, IN_KIND)
+    amax_b = tl.max(_abs_nz(x), axis=3, keep_dims=True)  # [TA, TB, NB, 1]
+    if TB > 1:
+        amax_b = tl.max(amax_b, axis=1, keep_dims=True)  # [TA, 1, NB, 1]: the 16x16 tile
+    if SCOPE == 0:
+        amax_g = tl.load(amax_ptr + mat)
+    else:
+        amax_g = tl.load(amax_ptr + base + rows, mask=rows < M, other=1.0)  # [TA, TB, 1, 1]
+    s_dec, sf_scale = _global_scales(amax_g)
+    codes, sf, sf_f = _nvfp4_tile(x, amax_b, s_dec, sf_scale)
+    pairs = tl.reshape(codes, [TA, TB, NB, 8, 2])
+    lo, hi = tl.split(pairs)
+    pc = pid_k * (NB * 8) + tl.arange(0, NB)[None, None, :, None] * 8 + tl.arange(0, 8)[None, None, None, :]
+    tl.store(q_ptr + (base + rows) * (K // 2) + pc, (lo | (hi << 4)).to(tl.uint8),
+             mask=(rows < M) & (pc < K // 2))
+    scol = pid_k * NB + jb  # [1, 1, NB, 1]
+    sf_full = sf + tl.zeros([TA, TB, NB, 1], dtype=tl.int32)  # the 2-D tile scale, repeated over its rows
+    tl.store(s_ptr + (base + rows) * (K // 16) + scol, sf_full.to(tl.uint8), mask=(rows < M) & (scol < K // 16))
+    if SCOPE == 0:
+        if (pid_m == 0) & (pid_k == 0):
+            tl.store(gs_ptr + mat, s_dec)
+    else:
+        if pid_k == 0:
+            tl.store(gs_ptr + base + rows, s_dec, mask=rows < M)
+    if OUT_KIND != 0:
+        _store_out(d_ptr, (base + rows) * K + cols, (_e2m1_value(codes) * sf_f) * s_dec, mask, OUT_KIND)
+
+
+@triton.jit
+def nvfp4_dequantize_kernel(q_ptr, s_ptr, gs_ptr, out_ptr, M, K, GS_PER_ROW: tl.constexpr,
+                            OUT_KIND: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr):
+    """fp32(e2m1(q) * float(sf)) * S_dec -> fp32 / bf16 (NVFP4Tensor.dequantize)."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    mat = tl.program_id(2)
+    rows = pid_m * BM + tl.arange(0, BM)[:, None, None]  # [BM, 1, 1]
+    jb = tl.arange(0, NB)[None, :, None]
+    jp = tl.arange(0, 8)[None, None, :]
+    pc = pid_k * (NB * 8) + jb * 8 + jp  # packed byte column [1, NB, 8]
+    base = mat.to(tl.int64) * M
+    pmask = (rows < M) & (pc < K // 2)
+    byte = tl.load(q_ptr + (base + rows) * (K // 2) + pc, mask=pmask, other=0).to(tl.int32)
+    scol = pid_k * NB + jb  # [1, NB, 1]
+    sf = tl.load(s_ptr + (base + rows) * (K // 16) + scol, mask=(rows < M) & (scol < K // 16), other=0)
+    sf_f = _e4m3_value(sf.to(tl.int32))
+    if GS_PER_ROW:
+        gs = tl.load(gs_ptr + base + rows, mask=rows < M, other=1.0)
+    else:
+        gs = tl.load(gs_ptr + mat)
+    lo = (_e2m1_value(byte & 0xF) * sf_f) * gs
+    hi = (_e2m1_value(byte >> 4) * sf_f) * gs
+    v = tl.reshape(tl.join(lo, hi), [BM, NB, 16])  # element 2j from the low nibble, 2j+1 from the high
+    cols = pid_k * (NB * 16) + tl.arange(0, NB)[None, :, None] * 16 + tl.arange(0, 16)[None, None, :]
+    _store_out(out_ptr, (base + rows) * K + cols, v, (rows < M) & (cols < K), OUT_KIND)
+
+
+@triton.jit
+def nvfp4_quantize_rows_kernel(
+    x_ptr, M, K, amax_ptr, q_ptr, s_ptr, gs_ptr, d_ptr,
+    IN_KIND: tl.constexpr, OUT_KIND: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, K_ITERS: tl.constexpr,
+):
+    """Per-token NVFP4 in one launch: ``ROWS`` whole rows of matrix ``program_id(1)`` per program.
+
+    Loop 1 takes each row's NaN-ignoring amax (the global amax of scope "row"); loop 2 reads the same rows
+    again (from cache: a program's rows were just read) and quantizes them. Writes amax [E*M], gs (S_dec)
+    [E*M], q, s and optionally d as ``nvfp4_quantize_kernel``.
+    """
+    pid = tl.program_id(0)
+    mat = tl.program_id(1)
+    rows = pid * ROWS + tl.arange(0, ROWS)[:, None, None]  # [ROWS, 1, 1]
+    jb = tl.arange(0, NB)[None, :, None]
+    jc = tl.arange(0, 16)[None, None, :]
+    base = mat.to(tl.int64) * M
+    rmask = rows < M
+    acc = tl.zeros([ROWS, NB, 16], dtype=tl.float32)
+    for it in range(K_ITERS):  # cdiv(K, NB * 16), constexpr (see amax_kernel)
+        k0 = it * (NB * 16)
+        cols = k0 + jb * 16 + jc
+        x = _load_f32(x_ptr, (base + rows) * K + cols, rmask & (cols < K), IN_KIND)
+        acc = tl.maximum(acc, _abs_nz(x))
+    amax_g = tl.max(tl.max(acc, axis=2, keep_dims=True), axis=1, keep_dims=True)  # [ROWS, 1, 1]
+    s_dec, sf_scale = _global_scales(amax_g)
+    tl.store(amax_ptr + base + rows, amax_g, mask=rmask)
+    tl.store(gs_ptr + base + rows, s_dec, mask=rmask)
+    for it in range(K_ITERS):
+        k0 = it * (NB * 16)
+        cols = k0 + jb * 16 + jc  # [1, NB, 16]
+        mask = rmask & (cols < K)
+        x = _load_f32(x_ptr, (base + rows) * K + cols, mask, IN_KIND)
+        amax_b = tl.max(_abs_nz(x), axis=2, keep_dims=True)  # [ROWS, NB, 1]
+        codes, sf, sf_f = _nvfp4_tile(x, amax_b, s_dec, sf_scale)
+        lo, hi = tl.split(tl.reshape(codes, [ROWS, NB, 8, 2]))
+        pc = k0 // 2 + jb * 8 + tl.arange(0, 8)[None, None, :]
+        tl.store(q_ptr + (base + rows) * (K // 2) + pc, (lo | (hi << 4)).to(tl.uint8), mask=rmask & (pc < K // 2))
+        scol = k0 // 16 + jb  # [1, NB, 1]
+        tl.store(s_ptr + (base + rows) * (K // 16) + scol, sf.to(tl.uint8), mask=rmask & (scol < K // 16))
+        if OUT_KIND != 0:
+            _store_out(d_ptr, (base + rows) * K + cols, (_e2m1_value(codes) * sf_f) * s_dec, mask, OUT_KIND)
+
+
+@triton.jit
+def encoders_kernel(x_ptr, code_ptr, e4_ptr, e2_ptr, bf_ptr, v4_ptr, v2_ptr, n, BLOCK: tl.constexpr):
+    """The element encoders / decoders on a flat fp32 array (selfcheck.check_encoders compares them with
+    the exact scalar oracles): e4m3 / e2m1 codes and bf16 bits of x; decodes of the byte codes[i]."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    x = tl.load(x_ptr + i, mask=m, other=0.0)
+    tl.store(e4_ptr + i, _e4m3_code(x), mask=m)
+    tl.store(e2_ptr + i, _e2m1_code(x), mask=m)
+    tl.store(bf_ptr + i, _bf16_bits(x), mask=m)
+    c = tl.load(code_ptr + i, mask=m, other=0)
+    tl.store(v4_ptr + i, _e4m3_value(c), mask=m)
+    tl.store(v2_ptr + i, _e2m1_value(c & 15), mask=m)

@@ -1,0 +1,211 @@
+"""``miles-lp bench quantize --device cuda``: the Triton kernels' bandwidth next to torchao and a device copy.
+
+GB/s = (bytes the operation must read + bytes it must write) / median time (``triton.testing.do_bench``,
+CUDA events). Counted bytes are the minimum (each input read once, each output written once); where a
+kernel moves more (NVFP4 per tensor reads the input twice: amax pass, then quantize), the table says so in
+``moved`` and the fraction of copy is still computed on the counted bytes, so it is comparable.
+The copy (``y.copy_(x)``, read + write) is the ceiling; each MXFP8 / NVFP4 row is also divided by the
+torchao anchor of the same output (compiled ``to_mx(..., RCEIL)`` / compiled ``nvfp4_quantize`` with a
+per-tensor scale), measured in the same run on the same input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+
+def _sweep(kernels, x, amax_t, log) -> None:
+    """Try a few launch shapes per kernel on ``x``; keep the fastest in ``kernels.CONFIG``."""
+    import torch
+    from triton.testing import do_bench
+
+    def best(key, variants, fn):
+        results = []
+        for v in variants:
+            kernels.CONFIG[key] = v
+            try:
+                fn()
+                torch.cuda.synchronize()
+                results.append((do_bench(fn, warmup=10, rep=50, return_mode="median"), v))
+            except Exception as exc:  # a shape that does not compile (registers, shared memory): skip it
+                log(f"  sweep {key} {v}: {type(exc).__name__}: {str(exc)[:120]}")
+        results.sort(key=lambda r: r[0])
+        kernels.CONFIG[key] = results[0][1]
+        log(f"  sweep {key}: best {results[0][1]} {results[0][0] * 1e3:.1f} us; "
+            + "; ".join(f"{v} {t * 1e3:.1f}" for t, v in results[1:4]))
+
+    mx = [{"BMB": b, "NB": n, "num_warps": w} for b in (1, 2) for n in (2, 4, 8) for w in (4, 8) if b * n <= 8]
+    best("mxfp8", mx, lambda: kernels.mxfp8_quantize(x, rowwise=True, colwise=True, dequant_dtype=torch.bfloat16))
+    best("mxfp8_dq", [{"BMB": b, "NB": n, "num_warps": w} for b in (1, 2) for n in (4, 8) for w in (4, 8)],
+         lambda: kernels.mxfp8_dequantize(kernels.mxfp8_quantize(x).row, torch.bfloat16))
+    best("nvfp4", [{"TA": a, "NB": n, "num_warps": w} for a in (8, 16, 32) for n in (4, 8, 16) for w in (4, 8)
+                   if a * n <= 256],
+         lambda: kernels.nvfp4_quantize(x, "tensor", amax=amax_t))
+    best("nvfp4_2d", [{"TA": a, "NB": n, "num_warps": w} for a in (1, 2) for n in (4, 8, 16) for w in (4, 8)],
+         lambda: kernels.nvfp4_quantize(x, "tensor", amax=amax_t, block_2d=True))
+    best("nvfp4_rows", [{"ROWS": r, "NB": n, "num_warps": w} for r in (1, 2, 4, 8) for n in (8, 16, 32)
+                        for w in (4, 8) if r * n <= 128],
+         lambda: kernels.nvfp4_quantize(x, "row"))
+    best("amax", [{"BM": b, "BK": k, "num_warps": w} for b in (8, 16, 32) for k in (256, 512) for w in (4, 8)],
+         lambda: kernels.matrix_amax(x))
+
+
+def _small_shape(x, log) -> list[dict]:
+    """Per-call time (ms, do_bench median: GPU time, or the launch rate when the host is the limit) of the
+    QuantLinear operand calls at a small shape: the kernels vs the torch.compile path they replace."""
+    import torch
+    from triton.testing import do_bench
+
+    from miles_lp.train import fused
+
+    bf16 = torch.bfloat16
+    calls = {
+        "mxfp8_qdq rowwise": lambda: fused.mxfp8_qdq(x, -1, bf16),
+        "mxfp8_qdq columnwise": lambda: fused.mxfp8_qdq(x, -2, bf16),
+        "mxfp8_qdq_both": lambda: fused.mxfp8_qdq_both(x, bf16),
+        "nvfp4_qdq per-token": lambda: fused.nvfp4_qdq(x, "row", bf16),
+        "nvfp4_qdq per-tensor": lambda: fused.nvfp4_qdq(x, "tensor", bf16),
+    }
+    out = []
+    for name, fn in calls.items():
+        times = {}
+        for mode in ("kernels", "compiled"):
+            if mode == "compiled":
+                os.environ["MILES_LP_KERNELS"] = "reference"
+            try:
+                fn()
+                torch.cuda.synchronize()
+                times[mode] = do_bench(fn, warmup=25, rep=100, return_mode="median")
+            except Exception as exc:
+                log(f"  small {name} {mode}: {type(exc).__name__}: {str(exc)[:160]}")
+            finally:
+                os.environ.pop("MILES_LP_KERNELS", None)
+        out.append({"name": name, **times})
+        kt, ct = times.get("kernels"), times.get("compiled")
+        log(f"  {name:24s} kernels {kt * 1e3 if kt else float('nan'):8.1f} us   torch.compile "
+            f"{ct * 1e3 if ct else float('nan'):8.1f} us")
+    return out
+
+
+def run_cuda(args) -> int:
+    import torch
+    from triton.testing import do_bench
+
+    from miles_lp.formats import kernels, quantize_mxfp8
+
+    lines: list[str] = []
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        lines.append(msg)
+
+    dtype = getattr(torch, args.dtype)
+    dev = torch.device(args.device)
+    x = torch.randn(args.rows, args.cols, dtype=torch.float32, device=dev).to(dtype)
+    n, eb = x.numel(), x.element_size()
+    rows = args.rows
+    commit = os.environ.get("MILES_LP_COMMIT", "unknown")
+    log(f"input [{args.rows}, {args.cols}] {args.dtype} on {torch.cuda.get_device_name(dev)}; torch "
+        f"{torch.__version__}, triton {__import__('triton').__version__}; commit {commit}; median of do_bench")
+    amax_t = kernels.matrix_amax(x)
+    if args.sweep:
+        _sweep(kernels, x, amax_t, log)
+        log(f"  CONFIG after sweep: {json.dumps(kernels.CONFIG)}")
+
+    table: list[dict] = []
+
+    def bench(name, fn, counted, moved=None, anchor=None, note=""):
+        fn()
+        torch.cuda.synchronize()
+        ms = do_bench(fn, warmup=25, rep=max(100, args.repeats), return_mode="median")
+        row = {"name": name, "ms": ms, "bytes": counted, "moved": moved or counted,
+               "gbs": counted / ms / 1e6, "anchor": anchor, "note": note}
+        table.append(row)
+        return row
+
+    y = torch.empty_like(x)
+    copy = bench("device copy (y.copy_(x))", lambda: y.copy_(x), 2 * n * eb)
+    mx_bytes = n * eb + n + n // 32
+    nv_bytes = n * eb + n // 2 + n // 16
+    ao_mx = ao_nv = None
+    if not args.no_torchao:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                from torchao.prototype.mx_formats.config import ScaleCalculationMode
+                from torchao.prototype.mx_formats.mx_tensor import to_mx
+                from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
+            to_mx_c = torch.compile(lambda t: to_mx(t, torch.float8_e4m3fn, 32, scaling_mode=ScaleCalculationMode.RCEIL))
+            ao_mx = bench("torchao to_mx RCEIL compiled (rowwise)", lambda: to_mx_c(x), mx_bytes)
+            scale = per_tensor_amax_to_scale(amax_t.reshape(()))
+            nv_c = torch.compile(lambda t, s: nvfp4_quantize(t, 16, s))
+            ao_nv = bench("torchao nvfp4_quantize compiled (scale given)", lambda: nv_c(x, scale), nv_bytes)
+            s_ao, d_ao = to_mx_c(x)
+            ours = kernels.mxfp8_quantize(x).row
+            same = torch.equal(ours.data.view(torch.uint8), d_ao.view(torch.uint8).reshape(x.shape)) and torch.equal(
+                ours.scale, s_ao.view(torch.uint8).reshape(ours.scale.shape))
+            log(f"  kernel MXFP8 bytes identical to torchao RCEIL on this input: {same}")
+        except Exception as exc:  # torchao missing or broken on this torch: the anchor is skipped, said so
+            log(f"  torchao anchor skipped: {type(exc).__name__}: {str(exc)[:200]}")
+
+    a_mx = ao_mx["name"] if ao_mx else None
+    a_nv = ao_nv["name"] if ao_nv else None
+    k = kernels
+    bf16 = torch.bfloat16
+    bench("mxfp8 rowwise", lambda: k.mxfp8_quantize(x), mx_bytes, anchor=a_mx)
+    bench("mxfp8 columnwise", lambda: k.mxfp8_quantize(x, rowwise=False, colwise=True), mx_bytes, anchor=a_mx)
+    bench("mxfp8 rowwise + columnwise, one pass", lambda: k.mxfp8_quantize(x, colwise=True),
+          n * eb + 2 * (n + n // 32))
+    bench("mxfp8 row + col + swizzled scales", lambda: k.mxfp8_quantize(x, colwise=True, swizzle=True),
+          n * eb + 2 * (n + 2 * (n // 32)), note="swizzled scales zero-filled first (one memset each)")
+    bench("mxfp8 qdq rowwise (+ bf16 decode)", lambda: k.mxfp8_quantize(x, dequant_dtype=bf16),
+          mx_bytes + 2 * n)
+    bench("mxfp8 qdq row + col (+ both decodes)",
+          lambda: k.mxfp8_quantize(x, colwise=True, dequant_dtype=bf16), n * eb + 2 * (n + n // 32) + 4 * n)
+    q_row = k.mxfp8_quantize(x).row
+    bench("mxfp8 dequantize -> bf16", lambda: k.mxfp8_dequantize(q_row, bf16), n + n // 32 + 2 * n)
+    bench("nvfp4 per-tensor (amax pass + quantize)", lambda: k.nvfp4_quantize(x, "tensor"), nv_bytes,
+          moved=nv_bytes + n * eb, anchor=a_nv, note="reads x twice")
+    bench("nvfp4 per-tensor, amax given", lambda: k.nvfp4_quantize(x, "tensor", amax=amax_t), nv_bytes, anchor=a_nv)
+    bench("nvfp4 per-token, one pass", lambda: k.nvfp4_quantize(x, "row"), nv_bytes + 8 * rows, anchor=a_nv)
+    bench("nvfp4 16x16 tiles (weights), amax given",
+          lambda: k.nvfp4_quantize(x, "tensor", amax=amax_t, block_2d=True), nv_bytes, anchor=a_nv)
+    bench("nvfp4 qdq per-token (+ bf16 decode)", lambda: k.nvfp4_quantize(x, "row", dequant_dtype=bf16),
+          nv_bytes + 8 * rows + 2 * n)
+    q_nv = k.nvfp4_quantize(x, "tensor")[0]
+    bench("nvfp4 dequantize -> bf16", lambda: k.nvfp4_dequantize(q_nv, bf16), n // 2 + n // 16 + 2 * n)
+    bench("amax (per matrix)", lambda: k.matrix_amax(x), n * eb)
+    if not args.no_compile:  # the path these kernels replace: the codec core under torch.compile
+        os.environ["MILES_LP_KERNELS"] = "reference"
+        try:
+            bench("before: mxfp8 rowwise torch.compile core", lambda: quantize_mxfp8(x, compile=True), mx_bytes,
+                  anchor=a_mx)
+            bench("before: mxfp8 columnwise torch.compile core", lambda: quantize_mxfp8(x, axis=-2, compile=True),
+                  mx_bytes)
+        finally:
+            del os.environ["MILES_LP_KERNELS"]
+
+    by_name = {r["name"]: r for r in table}
+    log(f"{'kernel':46s} {'ms':>8s} {'GB counted':>10s} {'GB/s':>8s} {'of copy':>7s} {'vs torchao':>10s}  note")
+    for r in table:
+        frac = r["gbs"] / copy["gbs"]
+        ratio = f"{r['gbs'] / by_name[r['anchor']]['gbs']:.2f}x" if r["anchor"] else ""
+        note = r["note"] + (f" (moves {r['moved'] / 1e9:.3f} GB)" if r["moved"] != r["bytes"] else "")
+        r["frac_copy"] = frac
+        r["ratio_torchao"] = r["gbs"] / by_name[r["anchor"]]["gbs"] if r["anchor"] else None
+        log(f"{r['name']:46s} {r['ms']:8.3f} {r['bytes'] / 1e9:10.3f} {r['gbs']:8.0f} {frac:7.2f} {ratio:>10s}  {note}")
+    sr, sc = getattr(args, "small_shape", (2048, 4096))
+    xs = torch.randn(sr, sc, device=dev).to(dtype)
+    log(f"small shape [{sr}, {sc}] {args.dtype}: per call, QuantLinear operand entry points (miles_lp.train.fused)")
+    small = _small_shape(xs, log)
+    if args.json:
+        tmp = args.json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"commit": commit, "shape": [args.rows, args.cols], "dtype": args.dtype,
+                       "device": torch.cuda.get_device_name(dev), "config": kernels.CONFIG, "rows": table,
+                       "small_shape_ms": small}, f,
+                      indent=1)
+        os.replace(tmp, args.json)
+    return 0

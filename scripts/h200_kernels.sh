@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The Triton codec kernels on the H200 in one device call: byte identity (pytest -m gpu, selfcheck), then
+# `miles-lp bench quantize` (kernels vs torchao vs a device copy) and `miles-lp bench linear`.
+# Logs under $OUT (or ./h200_logs), at most 8 files (the device tool brings back 8):
+#   session.log (everything), pytest_gpu.txt, selfcheck.jsonl, bench_quantize.txt, bench_quantize.json,
+#   bench_linear.txt, bench_linear.json
+# Usage (from a clean export of one commit, so the table names the tree it ran on):
+#   MILES_LP_COMMIT=<sha> bash scripts/h200_kernels.sh [--no-sweep] [--no-linear] [--tests-only]
+# Carry torchao as a wheel in .whl/ (README of the device tool); without it the torchao anchor is skipped.
+set -uo pipefail
+out="${OUT:-h200_logs}"; mkdir -p "$out"
+exec > >(tee "$out/session.log") 2>&1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+sweep=--sweep; linear=1; bench=1
+for a in "$@"; do
+  case $a in
+    --no-sweep) sweep= ;; --no-linear) linear=0 ;; --tests-only) bench=0; linear=0 ;;
+    *) echo "unknown option $a"; exit 2 ;;
+  esac
+done
+whl="${WHL_DIR:-.whl}"
+if ls "$whl"/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$whl"/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+echo "commit ${MILES_LP_COMMIT:-unknown}"; date -u; nvidia-smi -L
+nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+python3 -c 'import torchao; print("torchao", torchao.__version__)' 2>&1 | tail -1
+failed=()
+step() {  # step NAME LOGFILE CMD...: run, tee to $out/LOGFILE, remember failures
+  local name=$1 log=$2; shift 2
+  echo "=== $name: $*"; local t0=$SECONDS
+  "$@" 2>&1 | tee "$out/$log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: rc=$rc ($((SECONDS - t0)) s)"
+  [ "$rc" -eq 0 ] || failed+=("$name")
+}
+step pytest_gpu pytest_gpu.txt python3 -m pytest -q -p no:cacheprovider -m gpu \
+  tests/unit/test_formats_kernels_gpu.py tests/unit/test_formats_gpu.py tests/unit/test_formats_nvfp4.py \
+  tests/unit/test_train_quant_linear.py
+step selfcheck selfcheck.jsonl python3 -m miles_lp.formats.kernels.selfcheck --device cuda
+if [ "$bench" = 1 ]; then
+  step bench_quantize bench_quantize.txt python3 -m miles_lp.cli bench quantize --device cuda --rows 16384 \
+    --cols 8192 $sweep --json "$out/bench_quantize.json"
+fi
+if [ "$linear" = 1 ]; then
+  step bench_linear bench_linear.txt python3 -m miles_lp.cli bench linear --shapes large,small \
+    --kernels compiled --json "$out/bench_linear.json"
+fi
+echo "failed steps: ${failed[*]:-none}"
+[ ${#failed[@]} -eq 0 ]

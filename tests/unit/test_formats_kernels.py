@@ -1,0 +1,97 @@
+"""The Triton kernels equal the reference codecs byte for byte: Triton's interpreter on CPU tensors.
+
+The same comparison (``miles_lp.formats.kernels.selfcheck``) runs compiled on CUDA in
+``test_formats_kernels_gpu.py`` (``pytest -m gpu`` on the H200). Here a handful of inputs that exercise
+every special path (NaN/inf, subnormals, inf beside huge values, odd shapes and swizzle padding, fp16, an
+expert stack) run in the default suite, plus the element encoders on every E4M3 value / midpoint / edge;
+every small input runs under ``-m slow``. The interpreter runs in a subprocess (it must be on before
+Triton is first imported).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from miles_lp.errors import BackendUnavailable, FormatError  # noqa: E402
+from miles_lp.formats import kernels  # noqa: E402
+from miles_lp.formats.kernels import selfcheck  # noqa: E402
+
+FAST_CASES = ("nan_inf(64,128)", "subnormal(32,64)", "odd_rows(33,96)", "experts_fp16(2,32,64)")
+
+
+def _selfcheck(*args: str) -> tuple[list[dict], dict, int]:
+    """Run the selfcheck in a fresh interpreter-mode process (Triton must be imported with
+    TRITON_INTERPRET=1 for its own library functions to be interpreted). Returns (rows, encoders, rc)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "miles_lp.formats.kernels.selfcheck", "--device", "cpu", *args],
+                          capture_output=True, text=True, env=env, timeout=600)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    rows = [r for r in lines if "case" in r]
+    enc = next((r for r in lines if "encoders_checked" in r), {})
+    assert rows or enc, proc.stderr[-3000:]
+    return rows, enc, proc.returncode
+
+
+def _assert_clean(rows, enc, rc):
+    bad = [r for r in rows if r["mismatches"]]
+    assert not bad, "\n".join(f"{r['format']} / {r['case']}: {r['mismatches']} of {r['bytes_compared']}" for r in bad)
+    assert enc.get("encoder_mismatch_count") == 0, enc
+    assert rc == 0
+
+
+def test_every_kernel_on_special_inputs_and_the_encoders_on_edge_values():
+    rows, enc, rc = _selfcheck("--cases", ";".join(FAST_CASES))
+    _assert_clean(rows, enc, rc)
+    assert {r["case"] for r in rows} == set(FAST_CASES)
+    assert {r["format"] for r in rows} == {name for name, _, _ in selfcheck.kernel_pairs()}
+    assert enc["encoders_checked"] > 1000
+
+
+@pytest.mark.slow
+def test_every_kernel_on_every_small_input():
+    _assert_clean(*_selfcheck("--cases", "small"))
+
+
+def test_the_comparison_sees_one_flipped_byte():
+    """Fault injection: each kernel's first output with one byte flipped is one mismatch in every row."""
+    rows, _, rc = _selfcheck("--cases", "zeros(64,64)", "--inject-fault", "--no-encoders", "--kernels",
+                             "mxfp8 row+col+deq+swizzle;nvfp4 row (one pass) +deq;nvfp4 dequant tensor bf16")
+    assert len(rows) == 3 and all(r["mismatches"] == 1 for r in rows), rows
+    assert rc == 1
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def test_refusals_name_the_tensor_and_rule(interpret):
+    with pytest.raises(FormatError, match=r"'w'.*not a multiple of the block of 32"):
+        kernels.mxfp8_quantize(torch.randn(40, 64), colwise=True, name="w")
+    with pytest.raises(FormatError, match="dtype torch.int32"):
+        kernels.nvfp4_quantize(torch.zeros(16, 16, dtype=torch.int32))
+    with pytest.raises(BackendUnavailable, match="float32 or bfloat16"):
+        kernels.mxfp8_quantize(torch.randn(32, 32), dequant_dtype=torch.float16)
+
+
+def test_cpu_tensor_without_the_interpreter_is_refused(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(BackendUnavailable, match="run on CUDA tensors.*reference codecs.*TRITON_INTERPRET=1"):
+        kernels.mxfp8_quantize(torch.randn(32, 32))
+    assert not kernels.enabled(torch.randn(32, 32))  # the codecs keep their CPU path
+
+
+def test_missing_triton_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(kernels, "_TRITON", [])
+    monkeypatch.setitem(sys.modules, "triton", None)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(BackendUnavailable, match="Triton is not importable.*pip install triton"):
+        kernels.nvfp4_quantize(torch.randn(16, 16))
