@@ -114,7 +114,9 @@ class WeightSync:
                 raise ConfigError("sync.transport 'nccl': the receiving half runs in the engine's processes "
                                   "(miles_lp.sync.transport.BroadcastReceiver); WeightSync drives an engine it can "
                                   "call directly: use inprocess, ray or cuda_ipc, or pass a transport")
-            transport = make_transport(self.config.transport, device or "cpu")
+            # stage where the engine computes (its ``device`` attribute, if it has one): one hop, not two
+            device = device or getattr(engine, "device", None) or "cpu"
+            transport = make_transport(self.config.transport, device)
         if isinstance(transport, BroadcastTransport):
             raise ConfigError("WeightSync cannot check an engine on the far side of a broadcast; see "
                               "BroadcastReceiver")
