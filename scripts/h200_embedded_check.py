@@ -34,7 +34,7 @@ def main() -> int:
     from miles_lp.formats.spec import Format
     from miles_lp.policy import load_policy
     from miles_lp.train import TrainConfig
-    from miles_lp.train.embedded import EmbeddedTrainer, nll_loss
+    from miles_lp.train.embedded import EmbeddedTrainer, nll_loss, plan_for_model
 
     print(f"h200_embedded_check: torch {torch.__version__}, transformers {transformers.__version__}, "
           f"device {args.device}" + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else ""))
@@ -43,7 +43,7 @@ def main() -> int:
         cfg = tiny_config(arch, num_layers=4)
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        trainer = EmbeddedTrainer(model, load_policy(recipe),
+        trainer = EmbeddedTrainer(model, plan_for_model(load_policy(recipe), model),
                                   TrainConfig(lr=1e-3, seed=0, device=args.device, micro_batch_tokens=256))
         g = torch.Generator().manual_seed(1)
         samples = [{"tokens": torch.randint(0, cfg.vocab_size, (n,), generator=g)} for n in (100, 60, 90, 70)]

@@ -94,7 +94,8 @@ def main() -> int:
     from miles_lp import formats
     from miles_lp.checkpoint.tiny import tiny_config
     from miles_lp.policy import compile_plan, get_layout
-    from miles_lp.train.megatron.layers import attach_plan, learner_weights
+    from miles_lp.train.megatron.layers import attach_plan
+    from miles_lp.train.quant_linear import learner_weights
     from miles_lp.train.megatron.model import _num_experts, build_gpt_model, load_hf_weights
     from miles_lp.train.quant_linear import invalidate_grids
 
