@@ -28,6 +28,9 @@ def add_arguments(p) -> None:
                    help="sampler backend (default reference)")
     p.add_argument("--only", action="append", default=None, metavar="TEXT",
                    help="run only the faults whose name contains TEXT (repeatable)")
+    p.add_argument("--off", action="append", default=[], metavar="CHECK",
+                   help="turn a check off (repeatable), e.g. --off self_check: its faults are then reported MISSED "
+                        "and the exit code is 1 (shows the selftest can fail)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the table as JSON")
     p.add_argument("--workdir", default=None, help="where to build the tiny model and checkpoints (default: temp)")
     p.add_argument("--threads", type=int, default=1,
@@ -52,13 +55,18 @@ def run(args) -> int:
         raise BackendUnavailable("--engine vllm: the vLLM engine backend (issue 10) does not expose live "
                                  "introspection (quantized_params, weight_digests, storage_pointers, self_check) "
                                  "for the sync checks yet; run --engine reference")
+    from miles_lp.sync.config import CHECKS
+
+    bad = [c for c in args.off if c not in CHECKS]
+    if bad:
+        raise ConfigError(f"--off {bad[0]}: no such check; known: {', '.join(CHECKS)}")
     if args.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="miles-lp-selftest-") as tmp:
         workdir = Path(args.workdir) if args.workdir else Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        rows = run_selftest(args.arch, args.recipe, workdir=workdir, only=args.only)
+        rows = run_selftest(args.arch, args.recipe, workdir=workdir, only=args.only, off=tuple(args.off))
     table = format_table(rows)
     print()
     print(table)

@@ -174,8 +174,9 @@ def measure_kl(engine: Any, learner: Any, prompts: list[list[int]], max_new_toke
 
 class SelfTest:
     def __init__(self, stack: Stack, *, bucket_mb: float = 0.25, prompts: int = 8, max_new_tokens: int = 16,
-                 log: Callable[[str], None] = print):
+                 off: tuple[str, ...] = (), log: Callable[[str], None] = print):
         self.stack, self.bucket_mb, self.log = stack, bucket_mb, log
+        self.off = tuple(off)  # checks turned off (to show that the table then reports the fault MISSED)
         vocab = int(_read_json(stack.hf / "config.json")["vocab_size"])
         g = torch.Generator().manual_seed(1)
         self.prompts = [torch.randint(0, vocab, (6,), generator=g).tolist() for _ in range(prompts)]
@@ -217,7 +218,7 @@ class SelfTest:
 
     def _sync(self, fault: Fault | None, mode: str, engine=None) -> tuple[Any, SyncReport | None, SyncError | None]:
         engine = engine or self._engine(fault)
-        cfg = SyncConfig(bucket_mb=self.bucket_mb).with_modes(all=mode)
+        cfg = SyncConfig(bucket_mb=self.bucket_mb).with_modes(all=mode).with_modes(**{c: "off" for c in self.off})
         ws = WeightSync(engine, self.stack.plan, self.stack.target, cfg, transport=self._transport(fault), env={},
                         log=lambda line: self.log("    " + line))
         try:

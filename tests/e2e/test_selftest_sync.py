@@ -109,6 +109,18 @@ def test_selftest_subset_catches_each_fault(tmp_path):
     assert by["NVFP4 gate/up with separate global scales"]["caught_by"] == ["grid"]
 
 
+def test_selftest_fails_when_the_catching_check_is_off(tmp_path, capsys):
+    out = tmp_path / "table.json"
+    rc = main(["selftest", "sync", "--only", "stale expert", "--off", "self_check", "--json", str(out),
+               "--workdir", str(tmp_path / "w")])
+    rows = json.loads(out.read_text())["rows"]
+    assert rc == 1 and rows[1]["verdict"] == "MISSED" and rows[1]["caught_by"] == []
+    assert "selftest sync: FAIL" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["selftest", "sync", "--off"])
+    assert main(["selftest", "sync", "--off", "nope"]) == 2
+
+
 @pytest.mark.slow
 def test_selftest_every_fault_caught_in_raise_mode(tmp_path, capsys):
     out = tmp_path / "table.json"

@@ -257,3 +257,24 @@ def test_sync_on_cuda_tensors_with_fingerprints_and_a_caught_fault():
                     transport=SkipScaleBytes(InProcessTransport("cuda")), env={}, log=lambda s: None)
     with pytest.raises(SyncCheckError, match="staged scale bytes not written"):
         ws.sync(Learner(device="cuda"))
+
+
+@pytest.mark.slow  # ray.init: ~10 s on 2 cores
+def test_sync_through_the_ray_object_store():
+    ray = pytest.importorskip("ray")
+    from miles_lp.sync.transport import RayTransport
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        engine = StubEngine()
+        ws = WeightSync(engine, _plan(), "sglang", SyncConfig(bucket_mb=0.004, transport="ray").with_modes(all="raise"),
+                        env={}, log=lambda s: None)
+        assert isinstance(ws.transport, RayTransport)
+        assert ws.initial_sync(Learner()).ok and ws.syncs == 1
+        ws = WeightSync(StubEngine(), _plan(), "sglang", SyncConfig(bucket_mb=0.004).with_modes(all="raise"),
+                        transport=SkipScaleBytes(RayTransport()), env={}, log=lambda s: None)
+        with pytest.raises(SyncCheckError, match="staged scale bytes not written"):
+            ws.sync(Learner())
+    finally:
+        ray.shutdown()
