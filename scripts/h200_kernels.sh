@@ -28,10 +28,10 @@ nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 python3 -c 'import torchao; print("torchao", torchao.__version__)' 2>&1 | tail -1
 failed=()
-step() {  # step NAME LOGFILE CMD...: run, tee to $out/LOGFILE, remember failures
+step() {  # step NAME LOGFILE CMD...: run (at most $STEP_TIMEOUT s), tee to $out/LOGFILE, remember failures
   local name=$1 log=$2; shift 2
   echo "=== $name: $*"; local t0=$SECONDS
-  "$@" 2>&1 | tee "$out/$log"
+  timeout "${STEP_TIMEOUT:-300}" "$@" 2>&1 | tee "$out/$log"
   local rc=${PIPESTATUS[0]}
   echo "=== $name: rc=$rc ($((SECONDS - t0)) s)"
   [ "$rc" -eq 0 ] || failed+=("$name")
