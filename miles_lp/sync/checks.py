@@ -128,10 +128,15 @@ def self_check(result: Mapping[str, Any] | None, tolerance: float) -> Verdict:
         why = (result or {}).get("reason") or "; ".join((result or {}).get("skipped") or ()) or (
             "the engine reported no quantized layer to check")
         return skipped("self_check", str(why))
-    # ``{name: rel_err}`` or ``{name: {"rel_err": e, "kind": ..., "format": ...}}`` (the reference engine)
+    # ``{name: rel_err}`` or ``{name: {"rel_err": e, "kind": ..., "format": ...}}`` (the reference engine).
+    # Optional ``fresh_diff``: the serving kernel vs the same kernel on state derived afresh from the canonical
+    # tensors, exactly 0 when healthy. The tolerance alone sees stale state only once the weights moved far
+    # from what it was derived from (a wrong layout: ~1 at once; old weights after small steps: barely).
     errs = {n: float(e["rel_err"] if isinstance(e, Mapping) else e) for n, e in layers.items()}
+    fresh = {n: float(e["fresh_diff"]) for n, e in layers.items() if isinstance(e, Mapping) and "fresh_diff" in e}
     worst = max(errs.values(), key=lambda e: math.inf if not math.isfinite(e) else e)
     bad = [f"{n} ({e:.4g})" for n, e in errs.items() if not (math.isfinite(e) and e <= tolerance)]
+    bad += [f"{n} (serving differs from a fresh derivation by {d:.3g})" for n, d in fresh.items() if d != 0]
     figs = ", ".join(f"{n.split('.', 2)[-1]}={e:.3g}" for n, e in errs.items())
     if bad:
         return failed("self_check", worst, f"{len(bad)} of {len(errs)} layers above tolerance {tolerance}: the "

@@ -75,6 +75,10 @@ def test_self_check_tolerance_nan_and_skip():
     v = checks.self_check({"layers": {"a.weight": 0.03, "e.weight": {"rel_err": 1.4}}}, 0.25)
     assert v.failed and v.figure == 1.4
     assert checks.self_check({"layers": {"a.weight": float("nan")}}, 0.25).failed
+    # an exact fresh-derivation comparison, when the engine offers it, catches stale state within tolerance
+    assert checks.self_check({"layers": {"a.weight": {"rel_err": 0.03, "fresh_diff": 0.0}}}, 0.25).ok
+    v = checks.self_check({"layers": {"a.weight": {"rel_err": 0.031, "fresh_diff": 2e-4}}}, 0.25)
+    assert v.failed and "fresh derivation" in v.examples[0]
     v = checks.self_check({"layers": {}, "skipped": ["no quantized expert layer"]}, 0.25)
     assert v.status == "skipped" and "no quantized expert" in v.reason
 
