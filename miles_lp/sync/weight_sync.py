@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from miles_lp.errors import ConfigError
-from miles_lp.rollout.engine import tensor_digest
+from miles_lp.rollout.engine import EngineError, tensor_digest
 from miles_lp.sync import checks
 from miles_lp.sync.buckets import Ledger, make_buckets
 from miles_lp.sync.config import CHECKS, SyncConfig
@@ -162,7 +162,10 @@ class WeightSync:
                 v = skipped(name, "check turned off (sync.checks." + name + ": off)")
             else:
                 s = time.perf_counter()
-                v = fn()
+                try:
+                    v = fn()
+                except EngineError as exc:  # the engine could not answer: the condition is not proven
+                    v = failed(name, None, f"could not run: the engine failed ({type(exc).__name__}: {exc})")
                 v = dataclasses.replace(v, seconds=v.seconds + time.perf_counter() - s)
             verdicts[name] = v
             return v
@@ -174,7 +177,13 @@ class WeightSync:
         times["export"] = time.perf_counter() - s
 
         # 2. pre-checks: nothing written yet
-        engine_q = dict(self.engine.quantized_params())
+        try:
+            engine_q = dict(self.engine.quantized_params())
+        except Exception as exc:
+            report = self._report(verdicts, times, t0, 0, 0, full_compare, "pre-checks")
+            raise SyncAbortedError(f"weight sync aborted before any byte was written: the engine did not answer "
+                                   f"quantized_params() ({type(exc).__name__}: {exc}); check it is alive, restart it "
+                                   "and resync", "pre-checks", None, report) from exc
         plan_q = {n: e.format for n, e in self.plan.quantized().items()} if self.plan is not None else {}
         timed("layer_audit", lambda: checks.layer_audit(executed, engine_q, plan_q))
         timed("completeness", lambda: checks.validate_update(items, self.spec, engine_q))

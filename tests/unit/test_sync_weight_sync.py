@@ -278,3 +278,23 @@ def test_sync_through_the_ray_object_store():
             ws.sync(Learner())
     finally:
         ray.shutdown()
+
+
+def test_an_engine_that_cannot_answer_a_check_fails_it_and_one_dead_before_the_sync_aborts():
+    class NoSelfCheck(StubEngine):
+        def self_check(self, seed=0):
+            raise EngineError("self_check: connection refused")
+
+    _, ws, _ = _sync(NoSelfCheck(), mode="warn")
+    v = ws.sync(Learner()).verdict("self_check")
+    assert v.failed and "could not run: the engine failed" in v.reason
+
+    class Dead(StubEngine):
+        def quantized_params(self):
+            raise EngineError("connection refused")
+
+    engine = Dead()
+    ws = WeightSync(engine, _plan(), "sglang", SyncConfig(), env={}, log=lambda s: None)
+    with pytest.raises(SyncAbortedError, match="before any byte was written.*quantized_params") as e:
+        ws.sync(Learner())
+    assert e.value.stage == "pre-checks" and engine.writes == 0
