@@ -1,7 +1,8 @@
 """Which quantization config a converted checkpoint carries, per (target, formats in the plan).
 
 The configs themselves are written by the policy package's emitters (``miles_lp.policy.emit``), which
-re-read what they emit with the consumer's own matching rules; this module only chooses the emitter:
+re-read what they emit with the consumer's own matching rules; this module only chooses the emitter, from the
+registry ``CONFIG_EMITTERS`` (a dict, so a new target is one entry):
 
 =====================  ==================  =====================================================
 target                 plan formats        emitter -> files
@@ -27,36 +28,47 @@ def plan_formats(plan) -> frozenset[Format]:
     return frozenset(f for f in (Format(plan.format_for(n)) for n in plan.entries) if f.quantized)
 
 
+_MXFP8, _NVFP4 = frozenset({Format.MXFP8}), frozenset({Format.NVFP4})
+_ANY = None  # a registry key matching any formats of the target
+
+#: ``(target, formats or _ANY) -> (config.json emitter name, {extra file: emitter name})``. The names are the
+#: functions of ``miles_lp.policy.emit`` (resolved through ``_EMIT_FUNCTIONS``, an explicit table, not getattr).
+CONFIG_EMITTERS: dict[tuple[str, frozenset[Format] | None], tuple[str, dict[str, str]]] = {
+    ("sglang", _MXFP8): ("sglang_config", {}),
+    ("sglang", _NVFP4): ("modelopt_config", {HF_QUANT_CONFIG: "hf_quant_config"}),
+    ("sglang", _ANY): ("modelopt_mixed_config", {}),
+    ("vllm", _ANY): ("vllm_config", {}),
+    ("compressed-tensors", _ANY): ("compressed_tensors_config", {}),
+}
+
+
+def _emit_functions() -> dict:
+    """The emitters by name (imported on first use: ``policy.emit`` is only needed when configs are written)."""
+    from miles_lp.policy import emit
+
+    return {"sglang_config": emit.sglang_config, "modelopt_config": emit.modelopt_config,
+            "hf_quant_config": emit.hf_quant_config, "modelopt_mixed_config": emit.modelopt_mixed_config,
+            "vllm_config": emit.vllm_config, "compressed_tensors_config": emit.compressed_tensors_config}
+
+
 def emitter_names(target: str, formats: frozenset[Format]) -> tuple[str, dict[str, str]]:
-    """(emitter for config.json's ``quantization_config``, {extra file: emitter})."""
+    """(emitter for config.json's ``quantization_config``, {extra file: emitter}) from ``CONFIG_EMITTERS``."""
     unsupported = formats - {Format.MXFP8, Format.NVFP4}
     if unsupported:
         raise ConfigError(f"formats {sorted(f.value for f in unsupported)} cannot be written to a checkpoint "
                           "for any target; use mxfp8 and/or nvfp4")
-    if target == "sglang":
-        if formats == {Format.MXFP8}:
-            return "sglang_config", {}
-        if formats == {Format.NVFP4}:
-            return "modelopt_config", {HF_QUANT_CONFIG: "hf_quant_config"}
-        return "modelopt_mixed_config", {}
-    if target == "vllm":
-        return "vllm_config", {}
-    if target == "compressed-tensors":
-        return "compressed_tensors_config", {}
-    raise ConfigError(f"unknown target '{target}'")
+    hit = CONFIG_EMITTERS.get((target, frozenset(formats))) or CONFIG_EMITTERS.get((target, _ANY))
+    if hit is None:
+        raise ConfigError(f"unknown target '{target}'")
+    return hit
 
 
 def emit_configs(plan, target: str) -> tuple[dict, dict[str, dict]]:
     """``(quantization_config, {filename: content})`` for ``target``; ``ConfigError`` if not expressible."""
-    from miles_lp.policy import emit
-
     main, extra = emitter_names(target, plan_formats(plan))
-    missing = [n for n in (main, *extra.values()) if not hasattr(emit, n)]
-    if missing:
-        raise ConfigError(f"target '{target}' with formats {sorted(f.value for f in plan_formats(plan))} needs "
-                          f"miles_lp.policy.emit.{missing[0]}, which does not exist yet; choose another --target")
-    quant_config = getattr(emit, main)(plan)
-    files = {fname: getattr(emit, fn)(plan) for fname, fn in extra.items()}
+    functions = _emit_functions()
+    quant_config = functions[main](plan)
+    files = {fname: functions[fn](plan) for fname, fn in extra.items()}
     return quant_config, files
 
 

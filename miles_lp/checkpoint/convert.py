@@ -1,6 +1,7 @@
 """HF checkpoint -> quantized checkpoint that an engine loads: one public function, a small pipeline.
 
-    validate (headers only) -> plan (policy.compile_plan on the real names/shapes) -> configs (policy.emit)
+    validate (headers only) -> plan (policy.compile_plan on the real names/shapes, once; or a compiled plan:
+    ``convert_with_plan``) -> configs (checkpoint.configs: the policy's emitters)
     -> group amax pre-pass (NVFP4 gate/up share one global scale; only for groups split across shards,
        the others are computed from the tensors in memory) -> process shard by shard -> save
 
@@ -27,6 +28,7 @@ from miles_lp.checkpoint.validate import SourceCheckpoint, validate_source
 from miles_lp.errors import CheckpointError, ConfigError, FormatError
 from miles_lp.export import naming
 from miles_lp.export.writer import write_metadata
+from miles_lp.formats.api import quantize
 from miles_lp.formats.spec import Format
 
 COMPILE_MIN_NUMEL = 1 << 22  # with compile=True: torch.compile'd MXFP8 for tensors of >= 4M elements
@@ -69,24 +71,14 @@ def _human(n: int) -> str:
 
 
 # --------------------------------------------------------------------------------------------------------
-# small adapters over the policy and formats packages (the only places that know their call shapes)
+# small adapters over the policy and formats packages
 # --------------------------------------------------------------------------------------------------------
 def build_plan(policy, source: SourceCheckpoint):
+    """Compile ``policy`` on the checkpoint's own tensor names and shapes (what the embedded learner's
+    ``plan_for_model(policy, folder)`` compiles too: one plan, one hash)."""
     from miles_lp.policy import compile_plan, get_layout
 
-    layout = get_layout(source.config)
-    return compile_plan(policy, layout, source.logical)
-
-
-def plan_entries(plan) -> dict[str, Format]:
-    return {name: Format(plan.format_for(name)) for name in plan.entries}
-
-
-def plan_groups(plan) -> list[tuple[str, ...]]:
-    groups = plan.groups
-    if isinstance(groups, Mapping):
-        groups = groups.values()
-    return [tuple(g) for g in groups]
+    return compile_plan(policy, get_layout(source.config), source.logical)
 
 
 def explain_text(plan, source: str = "") -> str:
@@ -96,16 +88,14 @@ def explain_text(plan, source: str = "") -> str:
     return format_explain(explain_plan(plan), source)
 
 
-def quantize(x, fmt: Format, entry, *, amax=None, compile: bool = False, name: str | None = None):
-    if fmt is Format.MXFP8:
-        from miles_lp.formats import quantize_mxfp8
-
-        return quantize_mxfp8(x, axis=-1, compile=compile, name=name)
-    if fmt is Format.NVFP4:
-        from miles_lp.formats import quantize_nvfp4
-
-        return quantize_nvfp4(x, scale_scope="tensor", amax=amax, block_2d=bool(entry.block_2d), name=name)
-    raise FormatError(f"'{name}': format {fmt.value} cannot be written to a checkpoint (mxfp8, nvfp4)")
+def codec_options(entry, *, amax=None, compile: bool = False, name: str | None = None) -> dict:
+    """``formats.quantize`` options for a checkpoint weight of plan ``entry`` (rowwise MXFP8; NVFP4 with a
+    per-tensor global scale, the group's joint ``amax`` and the entry's 2-D blocks)."""
+    if entry.format is Format.MXFP8:
+        return {"axis": -1, "compile": compile, "name": name}
+    if entry.format is Format.NVFP4:
+        return {"scale_scope": "tensor", "amax": amax, "block_2d": bool(entry.block_2d), "name": name}
+    raise FormatError(f"'{name}': format {entry.format.value} cannot be written to a checkpoint (mxfp8, nvfp4)")
 
 
 def dequantize_fp8_block(data, scale_inv):
@@ -230,11 +220,11 @@ def _load(src: SourceCheckpoint, h: TensorHeader, read, device: str):
     return x.to(device) if device != "cpu" else x
 
 
-def _nvfp4_groups(plan, formats: Mapping[str, Format]) -> list[tuple[str, ...]]:
-    """The joint-scale groups (gate+up) holding an NVFP4 member; refuses a group that mixes formats."""
-    groups = [g for g in plan_groups(plan) if any(formats.get(n) is Format.NVFP4 for n in g)]
+def nvfp4_groups(plan) -> list[tuple[str, ...]]:
+    """The plan's joint-scale groups (gate+up) holding an NVFP4 member; refuses a group that mixes formats."""
+    groups = [g for g in plan.groups.values() if any(plan.format_for(n) is Format.NVFP4 for n in g)]
     for g in groups:
-        kinds = {formats.get(n) for n in g}
+        kinds = {plan.format_for(n) for n in g}
         if kinds != {Format.NVFP4}:
             raise ConfigError(f"joint-scale group {list(g)} mixes formats {sorted(str(k) for k in kinds)}; the "
                               "policy must give gate and up the same format")
@@ -267,7 +257,7 @@ def _joint_amax(amaxes) -> object:
     return torch.stack(list(amaxes)).amax()
 
 
-def group_amax(src: SourceCheckpoint, plan, formats: Mapping[str, Format], device: str,
+def group_amax(src: SourceCheckpoint, groups: list[tuple[str, ...]], device: str,
                skip: Mapping[str, object] | frozenset = frozenset()) -> dict[str, object]:
     """Pre-pass: the joint amax of every NVFP4 group (gate+up), even across shards; ``{member: amax}``.
 
@@ -277,7 +267,7 @@ def group_amax(src: SourceCheckpoint, plan, formats: Mapping[str, Format], devic
     from miles_lp.formats import nvfp4_global_amax
 
     out: dict[str, object] = {}
-    groups = [g for g in _nvfp4_groups(plan, formats) if not all(n in skip for n in g)]
+    groups = [g for g in groups if not all(n in skip for n in g)]
     if not groups:
         return out
     members = {n for g in groups for n in g}
@@ -300,9 +290,25 @@ def convert_checkpoint(src: str | Path, out: str | Path, policy, target: str = "
                        log: Callable[[str], None] | None = None, compile: bool = False) -> ConvertSummary:
     """Convert the HF checkpoint ``src`` into ``out`` for ``target`` following ``policy``.
 
-    ``policy``: a ``PrecisionPolicy`` (``load_policy`` / ``policy_from_flags``). ``compile``: use the
-    torch.compile'd MXFP8 codec for tensors of >= 4M elements (same bytes; off by default: on this 2-core
-    CPU the chunked eager codec measured 0.99 GB/s vs 0.55 GB/s compiled, plus a one-time compile).
+    ``policy``: a ``PrecisionPolicy`` (``load_policy`` / ``policy_from_flags``), compiled once on the
+    checkpoint's names and shapes; the rest is ``convert_with_plan``.
+    """
+    source = validate_source(src)
+    return convert_with_plan(source, out, build_plan(policy, source), target=target, device=device,
+                             overwrite=overwrite, allow_nonfinite=allow_nonfinite, max_shard_bytes=max_shard_bytes,
+                             progress=progress, log=log, compile=compile)
+
+
+def convert_with_plan(src: str | Path | SourceCheckpoint, out: str | Path, plan, target: str = "sglang",
+                      device: str = "cpu", overwrite: bool = False, allow_nonfinite: bool = False,
+                      max_shard_bytes: int | None = None, progress: bool = True,
+                      log: Callable[[str], None] | None = None, compile: bool = False) -> ConvertSummary:
+    """Convert ``src`` (a folder or a validated ``SourceCheckpoint``) into ``out`` under a compiled ``plan``.
+
+    The plan is used as it is (formats, joint-scale groups, 2-D blocks): it must have been compiled for this
+    checkpoint (its entries are exactly the checkpoint's tensors). ``compile``: use the torch.compile'd MXFP8
+    codec for tensors of >= 4M elements (same bytes; off by default: on this 2-core CPU the chunked eager
+    codec measured 0.99 GB/s vs 0.55 GB/s compiled, plus a one-time compile).
     Raises ``CheckpointError`` / ``ConfigError`` / ``LayoutError`` / ``FormatError`` with nothing written.
     """
     import torch
@@ -318,14 +324,16 @@ def convert_checkpoint(src: str | Path, out: str | Path, policy, target: str = "
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available here; use --device cpu")
     out = check_output_target(out, overwrite)
-    source = validate_source(src)
+    source = src if isinstance(src, SourceCheckpoint) else validate_source(src)
     if out == source.root.absolute():
         raise ConfigError("--output must differ from --hf-checkpoint")
+    if set(plan.entries) != set(source.logical):
+        other = sorted(set(plan.entries) ^ set(source.logical))
+        raise ConfigError(f"the plan was not compiled for {source.root}: {len(other)} tensor name(s) differ, e.g. "
+                          f"{other[:3]}; compile it on this checkpoint (convert_checkpoint does)")
 
-    plan = build_plan(policy, source)
-    formats = plan_entries(plan)
     log(explain_text(plan, f"safetensors headers in {source.root}"))
-    quantized = {n: f for n, f in formats.items() if f.quantized and n in source.logical}
+    quantized = {n: e.format for n, e in plan.quantized().items()}
     if not quantized:
         raise ConfigError("the precision policy quantizes no tensor of this checkpoint; nothing to convert "
                           "(check --format / the recipe's rules with `miles-lp explain`)")
@@ -340,8 +348,9 @@ def convert_checkpoint(src: str | Path, out: str | Path, policy, target: str = "
     bytes_in = source.files.total_bytes
     if max_shard_bytes is None:
         max_shard_bytes = max(max(h.stat().st_size for h in source.files.files), 1 << 20)
-    inline = inline_groups(source, _nvfp4_groups(plan, formats))  # joint amax from the tensors in memory
-    amax = group_amax(source, plan, formats, device, skip=inline)  # pre-pass: groups split across shards only
+    groups = nvfp4_groups(plan)
+    inline = inline_groups(source, groups)  # joint amax from the tensors in memory
+    amax = group_amax(source, groups, device, skip=inline)  # pre-pass: groups split across shards only
 
     nonfinite: list[str] = []
     threads = torch.get_num_threads()
@@ -349,7 +358,7 @@ def convert_checkpoint(src: str | Path, out: str | Path, policy, target: str = "
         # Per-tensor work here is memory-bound. On a shared 2-core CPU, OpenMP's spin-waiting under
         # oversubscription made identical runs vary 0.95-4.7 s; one intra-op thread measured 0.91 s every time.
         torch.set_num_threads(1)
-    counts = collections.Counter(str(formats.get(n, Format.BF16)) for n in source.logical
+    counts = collections.Counter(str(plan.format_for(n)) for n in source.logical
                                  if n.endswith(".weight") and len(source.tensors[n].shape) == 2)
     bar = _progress(bytes_in, progress)
     reader = _HashingReader()
@@ -362,8 +371,8 @@ def convert_checkpoint(src: str | Path, out: str | Path, policy, target: str = "
                 x = x.to(torch.bfloat16)
             writer.add(name, x.cpu())
         else:
-            q = quantize(x, fmt, plan.entry(name), amax=group_amax_,
-                         compile=compile and x.numel() >= COMPILE_MIN_NUMEL, name=name)
+            q = quantize(x, fmt, **codec_options(plan.entry(name), amax=group_amax_,
+                                                 compile=compile and x.numel() >= COMPILE_MIN_NUMEL, name=name))
             writer.add_many({k: v.cpu() for k, v in naming.encode(target, fmt, name, q).items()})
         bar.update(h.nbytes + (source.tensors[source.fp8_scale_of[name]].nbytes
                                if name in source.fp8_scale_of else 0))

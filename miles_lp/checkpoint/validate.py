@@ -11,8 +11,14 @@ import json
 import math
 from pathlib import Path
 
-from miles_lp.checkpoint.safetensors_io import FLOAT_DTYPES, CheckpointFiles, TensorHeader, open_checkpoint
-from miles_lp.errors import CheckpointError
+from miles_lp.checkpoint.safetensors_io import (
+    FLOAT_DTYPES,
+    CheckpointFiles,
+    TensorHeader,
+    open_checkpoint,
+    read_header,
+)
+from miles_lp.errors import CheckpointError, ConfigError, LayoutError
 
 FP8_BLOCK = 128
 SCALE_INV_SUFFIX = "_scale_inv"  # DeepSeek-V3 block-FP8: "<m>.weight" + "<m>.weight_scale_inv"
@@ -106,3 +112,37 @@ def validate_source(root: str | Path) -> SourceCheckpoint:
                               "is missing or not float8_e4m3fn); the checkpoint is inconsistent")
     logical = {n: h.shape for n, h in files.tensors.items() if n not in scale_names}
     return SourceCheckpoint(root, config, files, fp8_scale_of, logical)
+
+
+def read_safetensors_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Names and shapes from safetensors headers only (no tensor data is read); a corrupt or truncated file is a
+    `CheckpointError` naming it (the converter's own header reader)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        shapes.update({name: t.shape for name, t in read_header(f).tensors.items()})
+    return shapes
+
+
+def load_model_layout(model: str | Path, include_mtp: bool = False):
+    """``--model``: a directory with config.json (+ safetensors headers if present) or a config.json path.
+
+    Returns ``(ModelLayout, {name: shape}, where the names came from)`` (``miles-lp explain``)."""
+    from miles_lp.policy import get_layout
+
+    path = Path(model)
+    cfg_path = path / "config.json" if path.is_dir() else path
+    try:
+        config = json.loads(cfg_path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--model: no config.json at {cfg_path}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--model: {cfg_path} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"--model: {cfg_path} holds a JSON {type(config).__name__}, not a config mapping")
+    try:
+        layout = get_layout(config)
+        if path.is_dir() and any(path.glob("*.safetensors")):
+            return layout, read_safetensors_shapes(path), f"safetensors headers in {path}"
+        return layout, layout.synthesize(include_mtp=include_mtp), f"synthesized from {cfg_path}"
+    except LayoutError as exc:
+        raise LayoutError(f"--model {cfg_path}: {exc}") from None

@@ -1,14 +1,16 @@
-"""What `miles-lp explain` shows: the plan grouped by layer range and role, totals per format, warnings."""
+"""What `miles-lp explain` shows: the plan grouped by layer range and role, totals per format, warnings.
+
+Pure functions of a compiled plan. Reading a model folder (config.json, safetensors headers) is file I/O and
+lives in ``miles_lp.checkpoint.validate.load_model_layout``, so ``policy`` imports nothing from ``checkpoint``
+(``checkpoint`` builds on ``policy``, not the other way round).
+"""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
-from miles_lp.errors import ConfigError, LayoutError
 from miles_lp.formats.spec import Format
-from miles_lp.policy.layouts.base import ModelLayout, Shape, get_layout
+from miles_lp.policy.layouts.base import Shape
 from miles_lp.policy.plan import PrecisionPlan
 
 
@@ -27,38 +29,6 @@ def bytes_per_tensor(fmt: Format, shape: Shape) -> float:
     if fmt is Format.FP8_TENSOR:
         return n + 4
     return 2 * n
-
-
-def read_safetensors_shapes(model_dir: Path) -> dict[str, Shape]:
-    """Names and shapes from safetensors headers only (no tensor data is read); a corrupt or truncated file is a
-    `CheckpointError` naming it (the converter's own header reader)."""
-    from miles_lp.checkpoint.safetensors_io import read_header
-
-    shapes: dict[str, Shape] = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        shapes.update({name: t.shape for name, t in read_header(f).tensors.items()})
-    return shapes
-
-
-def load_model_layout(model: str | Path, include_mtp: bool = False) -> tuple[ModelLayout, dict[str, Shape], str]:
-    """``--model``: a directory with config.json (+ safetensors headers if present) or a config.json path."""
-    path = Path(model)
-    cfg_path = path / "config.json" if path.is_dir() else path
-    try:
-        config = json.loads(cfg_path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"--model: no config.json at {cfg_path}") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--model: {cfg_path} is not valid JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"--model: {cfg_path} holds a JSON {type(config).__name__}, not a config mapping")
-    try:
-        layout = get_layout(config)
-        if path.is_dir() and any(path.glob("*.safetensors")):
-            return layout, read_safetensors_shapes(path), f"safetensors headers in {path}"
-        return layout, layout.synthesize(include_mtp=include_mtp), f"synthesized from {cfg_path}"
-    except LayoutError as exc:
-        raise LayoutError(f"--model {cfg_path}: {exc}") from None
 
 
 def _ranges(layers: list[int]) -> list[tuple[int, int]]:

@@ -199,8 +199,8 @@ def test_nvfp4_gate_up_in_one_shard_share_global_scale_without_pre_pass(tiny, tm
     pre_pass: list[str] = []
     real = conv.group_amax
 
-    def spy(s, plan, formats, device, skip=frozenset()):
-        out = real(s, plan, formats, device, skip=skip)
+    def spy(s, groups, device, skip=frozenset()):
+        out = real(s, groups, device, skip=skip)
         pre_pass.extend(out)
         return out
 

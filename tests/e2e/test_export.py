@@ -162,3 +162,19 @@ def test_export_refusals(tiny, tmp_path, capsys):
     assert not (tmp_path / "x").exists()
     assert main(["export", "--hf-checkpoint", str(d), "--format", "mxfp8", "--output", str(d), "--overwrite"]) == 2
     assert "--output must differ" in capsys.readouterr().err
+
+
+def test_convert_with_the_learners_plan_object(tiny, tmp_path):
+    """convert takes the compiled plan object as it is (no re-derivation): the learner's own plan gives the
+    learner's export; a plan compiled for another model is refused before anything is written."""
+    from miles_lp.checkpoint.convert import convert_with_plan
+
+    d = tiny("qwen2_moe")
+    learner = learner_from_hf(d, policy_for_format("mxfp8+nvfp4-experts"))
+    convert_with_plan(d, tmp_path / "c", learner.plan, target="sglang", progress=False, log=lambda s: None)
+    export_learner(learner, tmp_path / "e", target="sglang", base=d, log=lambda s: None)
+    assert_same_checkpoint(tmp_path / "c", tmp_path / "e")
+    other = learner_from_hf(tiny("qwen3"), policy_for_format("mxfp8")).plan
+    with pytest.raises(ConfigError, match="plan was not compiled for"):
+        convert_with_plan(d, tmp_path / "x", other, progress=False, log=lambda s: None)
+    assert not (tmp_path / "x").exists()

@@ -113,7 +113,8 @@ def test_qkv_and_weights_through_megatrons_own_splitter(moe):
 
 def test_attach_plan_and_learner_weights_bytes(moe):
     from miles_lp import formats
-    from miles_lp.train.megatron.layers import attach_plan, learner_weights
+    from miles_lp.train.megatron.layers import attach_plan
+    from miles_lp.train.quant_linear import learner_weights
 
     cfg, hf, meg = moe
     layout = get_layout(cfg)
@@ -159,7 +160,8 @@ def test_attach_plan_and_learner_weights_bytes(moe):
 
 def test_quant_parallel_linear_equals_quantized_linear(moe):
     from miles_lp.formats.spec import BackwardMode, Format
-    from miles_lp.train.quant_linear import LinearRecipe, quantized_linear
+    from miles_lp.train.gemm import quantized_linear
+    from miles_lp.train.recipe import LinearRecipe
 
     _, _, meg = moe
     fc2 = meg.decoder.layers[0].mlp.experts.local_experts[0].linear_fc2
@@ -350,8 +352,9 @@ def test_new_arch_name_coverage_and_fp32_logits_equal_hf(mp, cpu_forward, arch, 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3"])
 def test_new_arch_attach_plan_and_learner_weights_bytes(mp, cpu_forward, arch):
     from miles_lp import formats
-    from miles_lp.train.megatron.layers import attach_plan, learner_weights
+    from miles_lp.train.megatron.layers import attach_plan
     from miles_lp.train.megatron.model import build_gpt_model, load_hf_weights
+    from miles_lp.train.quant_linear import learner_weights
 
     cfg, hf = _hf_model(arch)
     meg = build_gpt_model(cfg, quantized=True)

@@ -1,8 +1,8 @@
 """The Megatron-Core learner backend (extra ``megatron``).
 
 * ``model``: build a Megatron GPT/MoE model for an HF config (local layer spec) and load HF weights;
-* ``layers``: Megatron's parallel linears with miles-lp's quantized GEMM, the plan attached per module,
-  ``learner_weights``;
+* ``layers``: Megatron's parallel linears with miles-lp's quantized GEMM, the plan attached per module (their
+  grids are walked by the one ``miles_lp.train.quant_linear.learner_weights``);
 * ``te``: the Transformer Engine configuration a plan implies (Blackwell + TE only; thin).
 
 Importing ``miles_lp.train.megatron.layers`` / ``.model`` needs megatron-core; this package itself does not.

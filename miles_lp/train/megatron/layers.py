@@ -34,7 +34,10 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from miles_lp.errors import ConfigError
 from miles_lp.formats.spec import Format
-from miles_lp.train.quant_linear import LinearRecipe, WeightGrid, quantized_linear, select_rows, weight_amax
+from miles_lp.train.gemm import quantized_linear
+from miles_lp.train.grid import WeightGrid
+from miles_lp.train.operands import select_rows, weight_amax
+from miles_lp.train.recipe import LinearRecipe
 
 
 class _QuantParallelMixin:
@@ -270,10 +273,3 @@ def attach_plan(model: torch.nn.Module, plan, layout) -> dict[str, str]:
             module.export_rows = [(members[0], torch.arange(0, half)), (members[1], torch.arange(half, 2 * half))]
         report[pname] = f"{recipe.format.value}/{recipe.backward.value}"
     return report
-
-
-def learner_weights(model: torch.nn.Module) -> Iterator[tuple[str, Any]]:
-    """``(canonical HF name, quantized tensor)`` of every quantized Megatron linear (tp=1)."""
-    for module in model.modules():
-        if isinstance(module, _QuantParallelMixin):
-            yield from module.learner_weights()

@@ -107,7 +107,7 @@ def te_learner_weights(model, layout) -> Iterator[tuple[str, Any]]:
     Fused weights are split into their members as in the local path (q/k/v de-interleaved, fc1 = gate; up).
     """
     from miles_lp.train.megatron.layers import _qkv_rows
-    from miles_lp.train.quant_linear import select_rows
+    from miles_lp.train.operands import select_rows
 
     for name, p in model.named_parameters():
         if p.dim() != 2 or not ("linear_qkv" in name or "linear_proj" in name or "linear_fc" in name):

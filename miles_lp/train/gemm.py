@@ -1,0 +1,205 @@
+"""The emulated quantized GEMM as an autograd function: the forward computes on the grid the sampler serves.
+
+Emulated GEMM (CONTRACT 1, "exactness note"): ``y = deq(q(x)) @ deq(q(w)).T``. Each dequantized operand
+is exactly representable in bf16, so a bf16 GEMM with fp32 accumulation computes what a native MXFP8 /
+NVFP4 GEMM computes, up to accumulation order. On CUDA with bf16 activations the operands are bf16 and
+cuBLAS accumulates in fp32; elsewhere (CPU, fp32 activations) the GEMM runs in fp32 on the same
+bf16-exact values, which is the same result up to accumulation order.
+
+Forward quantization (from the BF16/FP32 master, never from an earlier quantized copy):
+
+* MXFP8: weight and input rowwise (1x32 blocks along K).
+* NVFP4: weight with a per-tensor global scale (per expert for ``[E, N, K]``; gate and up share one:
+  the fused ``gate_up_proj`` is one matrix per expert, separate gate/up modules pass a joint amax),
+  optional 16x16 2-D weight blocks; activations per token (``scale_scope="row"``, the RL recipe) or
+  per tensor, as the plan entry says.
+
+Backward modes (``BackwardMode``; TE's ``NVTE_BACKWARD_OVERRIDE``, CONTRACT 7):
+
+* ``high_precision``: dgrad = dy @ w, wgrad = dy.T @ x on the original operands. Saves x and w.
+* ``dequantized``: dgrad = dy @ deq(wq), wgrad = dy.T @ deq(xq) on the forward's rowwise operands.
+  Saves only the compact quantized x and w (bytes + scales); nothing columnwise is kept.
+* ``quantized`` (MXFP8 only; TE's default MXFP8 recipe): every operand is quantized along the reduction
+  dim of its backward GEMM, from full precision. In TE ``module/linear.py`` the dgrad GEMM is
+  ``general_gemm(weight, grad_output, layout="NN")`` and wgrad ``general_gemm(inputmat, grad_output,
+  layout="NT")``; a non-transposed MXFP8 operand uses its columnwise data (``tensor/mxfp8_tensor.py``,
+  rowwise and columnwise usages). Hence: dgrad (reduces over N) = deq(q_row(dy)) @ deq(q_col(w)); wgrad
+  (reduces over tokens M) = deq(q_col(dy)).T @ deq(q_col(x)). Columnwise blocks run along tokens, so M is
+  zero-padded to a multiple of 32 for the wgrad operands (zero rows change neither a block's amax nor the
+  GEMM: this equals padding the batch with zero tokens, as TE's MoE token padding does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from miles_lp.formats.spec import MXFP8_BLOCK, BackwardMode
+from miles_lp.train import fused
+from miles_lp.train.grid import WeightGrid
+from miles_lp.train.operands import (
+    check_operand,
+    fused_activation,
+    fused_dequantize,
+    quantize_activation,
+    quantize_columnwise_checked,
+    quantize_rowwise,
+    reference_dequantize,
+)
+from miles_lp.train.recipe import LinearRecipe
+
+
+class _Packed:
+    """The static part of a quantized-tensor dataclass; its tensor fields travel via save_for_backward."""
+
+    __slots__ = ("cls", "static", "names")
+
+    def __init__(self, q: Any):
+        self.cls = type(q)
+        self.static: dict[str, Any] = {}
+        self.names: list[str] = []
+        for f in dataclasses.fields(q):
+            if not f.init:
+                continue
+            v = getattr(q, f.name)
+            if isinstance(v, torch.Tensor):
+                self.names.append(f.name)
+            else:
+                self.static[f.name] = v
+
+    def tensors(self, q: Any) -> list[torch.Tensor]:
+        return [getattr(q, n) for n in self.names]
+
+    def rebuild(self, tensors: Sequence[torch.Tensor]) -> Any:
+        return self.cls(**self.static, **dict(zip(self.names, tensors, strict=True)))
+
+
+
+def _operand_dtype(x: torch.Tensor) -> torch.dtype:
+    """bf16 operands (fp32 accumulation in cuBLAS) on CUDA for bf16 activations, fp32 otherwise."""
+    return torch.bfloat16 if (x.is_cuda and x.dtype == torch.bfloat16) else torch.float32
+
+
+def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    pad = (-t.shape[-2]) % multiple
+    return F.pad(t, (0, 0, 0, pad)) if pad else t
+
+
+class QuantLinearFn(torch.autograd.Function):
+    """y = deq(q(x)) @ deq(wq).T (+ b); backward per ``recipe.backward``. x is ``[M, K]``.
+
+    Two implementations of every quantize/dequantize, with the same bytes: the reference (the codecs,
+    eager) and the compiled one (``miles_lp.train.fused``: one fused pass per operand), chosen by
+    ``grid.use_compiled(x)`` (``kernel="auto"``: compiled on CUDA, reference elsewhere).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grid: WeightGrid):
+        recipe = grid.recipe
+        op = _operand_dtype(x)
+        compiled = grid.use_compiled(x)
+        w_deq_cached = None
+        if compiled:
+            check_operand(x, recipe, -1, "input")
+            wq, w_deq = grid.rowwise_dequantized(weight, op)
+            w_deq_cached = w_deq if grid.cache_dequantized else None
+            xq, x_deq = fused_activation(x, recipe, op)
+        else:
+            wq = grid.rowwise(weight)
+            xq = quantize_activation(x, recipe)
+            x_deq, w_deq = xq.dequantize(op), wq.dequantize(op)
+        y = F.linear(x_deq, w_deq)
+        del x_deq, w_deq
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        y = y.to(x.dtype)
+
+        ctx.recipe, ctx.op, ctx.x_dtype, ctx.w_dtype = recipe, op, x.dtype, weight.dtype
+        ctx.has_bias, ctx.compiled = bias is not None, compiled
+        ctx.w_deq = None
+        mode = recipe.backward
+        if mode is BackwardMode.HIGH_PRECISION:
+            ctx.save_for_backward(x, weight)
+        elif mode is BackwardMode.DEQUANTIZED:
+            ctx.xp, ctx.wp = _Packed(xq), _Packed(wq)
+            ctx.save_for_backward(*ctx.xp.tensors(xq), *ctx.wp.tensors(wq))
+            # The step's dequantized weight (held by the grid for the whole step, not per micro-batch): dgrad
+            # reuses it instead of decoding wq again.
+            ctx.w_deq = w_deq_cached
+        else:  # QUANTIZED: columnwise copies from full precision (x along tokens, w along N)
+            wc = grid.columnwise(weight)
+            xc = quantize_columnwise_checked(_pad_rows(x, MXFP8_BLOCK), recipe, "input", compiled=compiled)
+            ctx.xp, ctx.wp = _Packed(xc), _Packed(wc)
+            ctx.save_for_backward(*ctx.xp.tensors(xc), *ctx.wp.tensors(wc))
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        recipe, op, mode, compiled = ctx.recipe, ctx.op, ctx.recipe.backward, ctx.compiled
+        saved = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias
+        dequantize = fused_dequantize if compiled else reference_dequantize
+        dx = dw = db = None
+        if mode is BackwardMode.HIGH_PRECISION:
+            x, weight = saved
+            g = dy.to(op)
+            if need_x:
+                dx = g @ weight.to(op)
+            if need_w:
+                dw = g.t() @ x.to(op)
+        elif mode is BackwardMode.DEQUANTIZED:
+            nx = len(ctx.xp.names)
+            xq, wq = ctx.xp.rebuild(saved[:nx]), ctx.wp.rebuild(saved[nx:])
+            g = dy.to(op)
+            if need_x:
+                w_deq = ctx.w_deq if ctx.w_deq is not None else dequantize(wq, op)
+                dx = g @ w_deq
+            if need_w:
+                dw = g.t() @ dequantize(xq, op)
+        else:
+            nx = len(ctx.xp.names)
+            xc, wc = ctx.xp.rebuild(saved[:nx]), ctx.wp.rebuild(saved[nx:])
+            if need_x:  # blocks along N (dgrad reduces over N)
+                if compiled:
+                    check_operand(dy, recipe, -1, "grad_output")
+                    g_row = fused.mxfp8_qdq(dy, -1, op)[1]
+                else:
+                    g_row = quantize_rowwise(dy, recipe).dequantize(op)
+                dx = g_row @ dequantize(wc, op)
+            if need_w:
+                dy_p = _pad_rows(dy, MXFP8_BLOCK)
+                if compiled:
+                    check_operand(dy_p, recipe, -2, "grad_output")
+                    g_col = fused.mxfp8_qdq(dy_p, -2, op)[1]
+                else:
+                    g_col = quantize_columnwise_checked(dy_p, recipe, "grad_output").dequantize(op)
+                dw = g_col.t() @ dequantize(xc, op)  # padded zero rows add nothing
+        if need_b:
+            db = dy.float().sum(0)
+        if dx is not None:
+            dx = dx.to(ctx.x_dtype)
+        if dw is not None:
+            dw = dw.to(ctx.w_dtype)
+        ctx.w_deq = None
+        return dx, dw, db, None
+
+
+
+def quantized_linear(x: torch.Tensor, weight: torch.Tensor, entry: Any, bias: torch.Tensor | None = None,
+                     *, grid: WeightGrid | None = None) -> torch.Tensor:
+    """Functional QuantLinear: ``x [..., K]`` times ``weight [N, K]`` on the grid of plan ``entry``.
+
+    ``entry`` is a ``PlanEntry`` or a ``LinearRecipe``; a BF16 entry runs ``F.linear``.
+    """
+    recipe = entry if isinstance(entry, LinearRecipe) else LinearRecipe.from_entry(entry)
+    if recipe is None:
+        return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+    if grid is None:
+        grid = WeightGrid(recipe)
+    k = x.shape[-1]
+    y = QuantLinearFn.apply(x.reshape(-1, k), weight, bias, grid)
+    return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -1,0 +1,149 @@
+"""The per-step weight grid of one master weight: its quantized views, computed once per optimizer step.
+
+The cache is keyed on the master's storage and ``_version``, which in-place updates through autograd-visible
+tensors bump (``AdamW(foreach=...)``, ``p.add_`` under ``no_grad``). Some updates do not bump it:
+``AdamW(fused=True)`` and writes through ``p.data`` (Megatron's optimizers copy main params into model params
+that way). So an optimizer step must also call ``invalidate_grids(model)`` (``miles_lp.train.quant_linear``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from miles_lp.errors import ConfigError
+from miles_lp.formats.spec import Format
+from miles_lp.train import fused
+from miles_lp.train.operands import (
+    check_operand,
+    fused_dequantize,
+    quantize_columnwise_checked,
+    quantize_weight,
+    weight_amax,
+)
+from miles_lp.train.recipe import LinearRecipe
+
+
+def version_key(ts: Sequence[torch.Tensor]) -> tuple:
+    return tuple((t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape)) for t in ts)
+
+
+KERNELS = ("auto", "reference", "compiled")
+
+
+class WeightGrid:
+    """The quantized views of one master weight, computed once per optimizer step.
+
+    ``rowwise(w)`` is the forward grid (and what ``learner_weights`` exports); ``columnwise(w)`` the
+    ``quantized``-mode dgrad operand. ``amax_partners`` are weights that share this weight's NVFP4 global
+    scale (a separate gate for an up projection and vice versa); ``amax_fn(w)``, when set, gives the NVFP4
+    global amax instead (e.g. all-reduced over a tensor-parallel group).
+
+    ``kernel``: ``"reference"`` (the codecs, eager), ``"compiled"`` (``miles_lp.train.fused``: fused
+    quantize->dequantize under ``torch.compile``, the same bytes) or ``"auto"`` (compiled for CUDA tensors,
+    NVFP4 only where Inductor compiles exact division; reference otherwise). On the compiled path, ``rowwise_dequantized(w, dtype)`` also keeps the
+    dequantized forward operand for the step when ``cache_dequantized`` (one ``dtype`` copy of the weight,
+    e.g. 2 bytes per element in bf16; later micro-batches and dgrad reuse it). Set it False to trade that
+    memory for one decode per forward and per backward.
+    """
+
+    def __init__(self, recipe: LinearRecipe, *, kernel: str = "auto", cache_dequantized: bool = True):
+        if kernel not in KERNELS:
+            raise ConfigError(f"{recipe.name}: kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+        self.recipe = recipe
+        self.kernel = kernel
+        self.cache_dequantized = cache_dequantized
+        self.amax_partners: list[torch.Tensor] = []
+        self.amax_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._row: Any = None
+        self._row_key: tuple | None = None
+        self._deq: torch.Tensor | None = None  # dequantized rowwise grid (compiled path), same key as _row
+        self._col: Any = None
+        self._col_key: tuple | None = None
+        self.quantize_calls = 0  # observable in tests: once per step
+
+    def use_compiled(self, t: torch.Tensor) -> bool:
+        """``compiled``: always; ``auto``: on CUDA, MXFP8 always and NVFP4 when this torch's Inductor can
+        compile exact fp32 division (NVFP4's scale math divides; both byte-equal to the reference on the
+        H200, 2026-11-29, ``pytest -m gpu``); ``reference``: never."""
+        if self.kernel == "auto":
+            if not t.is_cuda:
+                return False
+            if self.recipe.format is Format.NVFP4:
+                from miles_lp.formats._compile import exact_division_available
+
+                return exact_division_available()
+            return self.recipe.format is Format.MXFP8
+        return self.kernel == "compiled"
+
+    def _key(self, weight: torch.Tensor) -> tuple:
+        return version_key([weight, *self.amax_partners])
+
+    def _amax(self, weight: torch.Tensor) -> torch.Tensor | None:
+        if self.recipe.format is not Format.NVFP4:
+            return None
+        if self.amax_fn is not None:
+            return self.amax_fn(weight)
+        if not self.amax_partners:
+            return None
+        amax = weight_amax(weight)
+        for p in self.amax_partners:
+            amax = torch.maximum(amax, weight_amax(p).to(amax.device))
+        return amax.reshape(()) if weight.dim() == 2 else amax
+
+    def _fresh(self, key: tuple) -> bool:
+        if self._row is not None and key == self._row_key:
+            return True
+        self._row, self._deq, self._row_key = None, None, None
+        return False
+
+    def rowwise(self, weight: torch.Tensor):
+        key = self._key(weight)
+        if not self._fresh(key):
+            with torch.no_grad():
+                if self.use_compiled(weight) and self.recipe.format is Format.MXFP8:
+                    from miles_lp import formats
+
+                    self._row = formats.quantize_mxfp8(weight.detach(), axis=-1, compile=True)
+                else:
+                    self._row = quantize_weight(weight, self.recipe, amax=self._amax(weight))
+            self._row_key = key
+            self.quantize_calls += 1
+        return self._row
+
+    def rowwise_dequantized(self, weight: torch.Tensor, dtype: torch.dtype) -> tuple[Any, torch.Tensor]:
+        """(rowwise grid, its dequantization in ``dtype``) through the compiled kernels; cached per step."""
+        key = self._key(weight)
+        if self._fresh(key):
+            if self._deq is not None and self._deq.dtype == dtype:
+                return self._row, self._deq
+            with torch.no_grad():
+                deq = fused_dequantize(self._row, dtype)
+        else:
+            check_operand(weight, self.recipe, -1, "weight")
+            with torch.no_grad():
+                w = weight.detach()
+                if self.recipe.format is Format.MXFP8:
+                    q, deq = fused.mxfp8_qdq(w, -1, dtype)
+                else:
+                    q, deq = fused.nvfp4_qdq(w, "tensor", dtype, amax=self._amax(weight),
+                                             block_2d=self.recipe.block_2d)
+            self._row, self._row_key = q, key
+            self.quantize_calls += 1
+        self._deq = deq if self.cache_dequantized else None
+        return self._row, deq
+
+    def columnwise(self, weight: torch.Tensor):
+        key = self._key(weight)
+        if self._col is None or key != self._col_key:
+            with torch.no_grad():
+                self._col = quantize_columnwise_checked(weight.detach(), self.recipe, "weight",
+                                                         compiled=self.use_compiled(weight))
+            self._col_key = key
+        return self._col
+
+    def invalidate(self) -> None:
+        self._row = self._col = self._deq = None
+        self._row_key = self._col_key = None

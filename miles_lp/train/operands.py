@@ -1,0 +1,157 @@
+"""Operand quantizers and views of quantized tensors: thin calls into ``miles_lp.formats`` (the codecs own
+every bit of the rule), the compiled twins from ``miles_lp.train.fused`` (same bytes), and the slicing of a
+quantized tensor into an expert's or a row range's quantization (rowwise blocks lie inside a row).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from miles_lp.errors import FormatError
+from miles_lp.formats.spec import MXFP8_BLOCK, NVFP4_BLOCK, Format
+from miles_lp.train import fused
+from miles_lp.train.recipe import LinearRecipe
+
+
+def quantize_weight(w: torch.Tensor, recipe: LinearRecipe, *, amax: torch.Tensor | None = None):
+    """The forward (rowwise) grid of a weight ``[..., N, K]`` from its master values."""
+    from miles_lp import formats
+
+    w = w.detach()
+    if recipe.format is Format.MXFP8:
+        return formats.quantize_mxfp8(w, axis=-1)
+    return formats.quantize_nvfp4(w, scale_scope="tensor", amax=amax, block_2d=recipe.block_2d)
+
+
+def quantize_activation(x: torch.Tensor, recipe: LinearRecipe):
+    """The forward grid of the input ``[M, K]`` (per token under NVFP4 with ``activation_scale: token``)."""
+    from miles_lp import formats
+
+    if recipe.format is Format.MXFP8:
+        return formats.quantize_mxfp8(x, axis=-1)
+    return formats.quantize_nvfp4(x, scale_scope=recipe.nvfp4_row_scope)
+
+
+def quantize_columnwise(t: torch.Tensor, recipe: LinearRecipe):
+    """A backward operand with 32x1 blocks along dim -2 (``quantized`` mode; MXFP8 only)."""
+    from miles_lp import formats
+
+    assert recipe.format is Format.MXFP8  # LinearRecipe refuses NVFP4 + quantized
+    return formats.quantize_mxfp8(t, axis=-2)
+
+
+def quantize_rowwise(t: torch.Tensor, recipe: LinearRecipe):
+    from miles_lp import formats
+
+    assert recipe.format is Format.MXFP8
+    return formats.quantize_mxfp8(t, axis=-1)
+
+
+def weight_amax(w: torch.Tensor) -> torch.Tensor:
+    """Per-matrix amax ``[..., 1, 1]`` (fp32) of a weight ``[..., N, K]``, NaN ignored."""
+    a = torch.nan_to_num(w.detach().abs().float(), nan=0.0)
+    return a.amax(dim=(-2, -1), keepdim=True)
+
+
+
+def reference_dequantize(q: Any, dtype: torch.dtype) -> torch.Tensor:
+    return q.dequantize(dtype)
+
+
+def fused_dequantize(q: Any, dtype: torch.dtype) -> torch.Tensor:
+    """``q.dequantize(dtype)`` through the compiled decode (same bytes)."""
+    if q.format is Format.MXFP8:
+        return fused.mxfp8_dequantize(q, dtype)
+    return fused.nvfp4_dequantize(q, dtype)
+
+
+def fused_activation(x: torch.Tensor, recipe: LinearRecipe, dtype: torch.dtype):
+    """``(quantize_activation(x, recipe), its dequantization)`` in one compiled pass."""
+    if recipe.format is Format.MXFP8:
+        return fused.mxfp8_qdq(x, -1, dtype)
+    return fused.nvfp4_qdq(x, recipe.nvfp4_row_scope, dtype)
+
+
+def check_operand(t: torch.Tensor, recipe: LinearRecipe, axis: int, what: str) -> None:
+    """The codecs' refusals, before a compiled kernel sees the tensor (same rule, named after the layer)."""
+    if t.dtype not in (torch.float32, torch.bfloat16, torch.float16) or t.numel() == 0:
+        raise FormatError(f"{recipe.name}: {what} of shape {tuple(t.shape)} and dtype {t.dtype} cannot be "
+                          "quantized (float32/bfloat16/float16, non-empty)")
+    block = MXFP8_BLOCK if recipe.format is Format.MXFP8 else NVFP4_BLOCK
+    if t.shape[axis] % block:
+        raise FormatError(f"{recipe.name}: {what} of shape {tuple(t.shape)}: dim {axis} has {t.shape[axis]} "
+                          f"elements, not a multiple of the {recipe.format.value} block of {block}; keep this "
+                          "layer BF16 with a policy rule")
+
+
+def quantize_columnwise_checked(t: torch.Tensor, recipe: LinearRecipe, what: str, *, compiled: bool = False):
+    from miles_lp import formats
+
+    try:
+        if compiled:
+            return formats.quantize_mxfp8(t.detach(), axis=-2, compile=True)
+        return quantize_columnwise(t, recipe)
+    except FormatError as exc:
+        raise FormatError(f"{recipe.name}: columnwise {what} of shape {tuple(t.shape)}: {exc}") from exc
+
+
+
+def _replace_tensors(q: Any, fn: Callable[[str, torch.Tensor], torch.Tensor], **static: Any) -> Any:
+    """A copy of quantized tensor ``q`` with every tensor field mapped through ``fn(name, t)``."""
+    kw = {}
+    for f in dataclasses.fields(q):
+        if not f.init:
+            continue
+        v = getattr(q, f.name)
+        kw[f.name] = fn(f.name, v) if isinstance(v, torch.Tensor) else static.get(f.name, v)
+    return type(q)(**kw)
+
+
+def _shape_field(q: Any) -> str | None:
+    names = {f.name for f in dataclasses.fields(q)}
+    return next((n for n in ("logical_shape", "shape") if n in names), None)
+
+
+def select_expert(q: Any, e: int) -> Any:
+    """Expert ``e`` of a quantized ``[E, N, K]`` tensor, as the quantized ``[N, K]`` tensor it equals.
+
+    A per-matrix global scale (and amax) ``[E, 1, 1]`` becomes the 0-d one of a 2-D quantization.
+    """
+    per_matrix = getattr(q, "scale_scope", "tensor") == "tensor"
+
+    def pick(name: str, t: torch.Tensor) -> torch.Tensor:
+        t = t[e]
+        if per_matrix and name in ("global_scale", "amax") and t.shape == (1, 1):
+            t = t.reshape(())
+        return t
+
+    static = {}
+    field = _shape_field(q)
+    if field is not None:
+        static[field] = type(getattr(q, field))(tuple(q.shape)[1:])
+    return _replace_tensors(q, pick, **static)
+
+
+def select_rows(q: Any, rows: slice | torch.Tensor) -> Any:
+    """Rows of a rowwise-quantized ``[N, K]`` tensor (data, scales and a per-row global scale follow).
+
+    Rowwise blocks lie inside a row, so the rows of the quantized whole are the quantization of the rows,
+    except for a per-tensor global scale, which stays the whole tensor's (gate/up share it by design).
+    """
+    n = q.shape[-2]
+
+    def pick(name: str, t: torch.Tensor) -> torch.Tensor:
+        if t.dim() >= 2 and t.shape[-2] == n:
+            return t[..., rows, :] if isinstance(rows, slice) else t.index_select(-2, rows.to(t.device))
+        return t
+
+    static = {}
+    field = _shape_field(q)
+    if field is not None:
+        count = len(range(n)[rows]) if isinstance(rows, slice) else int(rows.numel())
+        static[field] = type(getattr(q, field))((*tuple(q.shape)[:-2], count, q.shape[-1]))
+    return _replace_tensors(q, pick, **static)
