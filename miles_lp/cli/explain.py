@@ -32,8 +32,9 @@ def run(args) -> int:
     import json
     from pathlib import Path
 
+    from miles_lp.checkpoint.validate import load_model_layout
     from miles_lp.policy import compile_plan, load_policy
-    from miles_lp.policy.explain import explain_plan, format_explain, load_model_layout
+    from miles_lp.policy.explain import explain_plan, format_explain
 
     policy = load_policy(args.recipe)
     layout, tensors, source = load_model_layout(args.model, include_mtp=args.mtp)
