@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from miles_lp.errors import ConfigError
+from miles_lp.errors import BackendUnavailable, ConfigError
 from miles_lp.rollout.engine import EngineError, tensor_digest
 from miles_lp.sync import checks
 from miles_lp.sync.buckets import Ledger, make_buckets
@@ -132,11 +132,13 @@ class WeightSync:
     def record_engine(self) -> None:
         """What the engine serves right after a load: its tensor names, dtypes, shapes (the update's target
         spec) and the data pointers its kernels read (the C4 baseline). Call again after an engine restart."""
-        digests = self.engine.weight_digests()
-        self.spec = {n: checks.parse_digest(d) for n, d in digests.items()}
+        if hasattr(self.engine, "param_specs"):  # {name: (dtype, shape)} without hashing every tensor
+            self.spec = {n: (str(d).removeprefix("torch."), tuple(s)) for n, (d, s) in self.engine.param_specs().items()}
+        else:
+            self.spec = {n: checks.parse_digest(d) for n, d in self.engine.weight_digests().items()}
         try:
             self.pointers: dict[str, int] | None = dict(self.engine.storage_pointers())
-        except NotImplementedError:
+        except (NotImplementedError, BackendUnavailable):
             self.pointers = None
         self.expected_version = int(self.engine.weight_version)
 
@@ -166,6 +168,8 @@ class WeightSync:
                     v = fn()
                 except EngineError as exc:  # the engine could not answer: the condition is not proven
                     v = failed(name, None, f"could not run: the engine failed ({type(exc).__name__}: {exc})")
+                except (BackendUnavailable, NotImplementedError) as exc:  # this backend cannot answer (C7)
+                    v = skipped(name, f"the engine cannot answer this check: {exc}")
                 v = dataclasses.replace(v, seconds=v.seconds + time.perf_counter() - s)
             verdicts[name] = v
             return v
@@ -277,7 +281,7 @@ class WeightSync:
     def _self_check(self) -> Mapping[str, Any] | None:
         try:
             return self.engine.self_check(self.config.self_check_seed)
-        except NotImplementedError as exc:
+        except (NotImplementedError, BackendUnavailable) as exc:
             return {"reason": f"the engine has no self-check ({exc})"}
 
     def _sentinel(self, learner: Any) -> Verdict:

@@ -14,8 +14,6 @@ from miles_lp.sync import SyncAbortedError, SyncCheckError, SyncConfig, WeightSy
 from miles_lp.sync.faults import DyingEngine
 from miles_lp.sync.selftest import Stack
 
-pytest.importorskip("miles_lp.rollout.reference")  # the reference engine (issue 10), until it is committed
-
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):

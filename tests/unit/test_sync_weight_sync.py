@@ -298,3 +298,23 @@ def test_an_engine_that_cannot_answer_a_check_fails_it_and_one_dead_before_the_s
     with pytest.raises(SyncAbortedError, match="before any byte was written.*quantized_params") as e:
         ws.sync(Learner())
     assert e.value.stage == "pre-checks" and engine.writes == 0
+
+
+def test_a_backend_that_cannot_answer_digests_or_self_checks_gets_skip_verdicts_with_reasons():
+    from miles_lp.errors import BackendUnavailable
+
+    class NoCanonical(StubEngine):  # vLLM-like: canonical tensors do not exist after load
+        def param_specs(self):
+            return {n: (t.dtype, tuple(t.shape)) for n, t in self.t.items()}
+
+        def weight_digests(self, names=None):
+            raise BackendUnavailable("vLLM dequantizes at load: no canonical tensors")
+
+        def self_check(self, seed=0):
+            raise BackendUnavailable("no serving kernel access")
+
+    _, ws, lines = _sync(NoCanonical(), mode="raise")
+    r = ws.sync(Learner(), full_compare=False)
+    assert r.ok and r.verdict("grid").status == "skipped" and "no canonical tensors" in r.verdict("grid").reason
+    assert r.verdict("self_check").status == "skipped" and "no serving kernel" in r.verdict("self_check").reason
+    assert r.verdict("completeness").ok and r.verdict("storage").ok
