@@ -32,6 +32,8 @@ logger = logging.getLogger("miles_lp.run")
 #: metric keys that vary between identical runs (wall-clock): left out of bit-identity comparisons
 NONDETERMINISTIC_PREFIXES = ("timing_s/", "perf/")
 
+VERSION_KEYS = ("rollout/weight_version", "sync/weight_version", "sync/check/version/figure")
+
 HEADLINE = (("reward/mean", "reward"), ("rollout_corr/kl", "kl"), ("actor/entropy", "ent"),
             ("response_length/mean", "len"), ("timing_s/step", "s/step"))
 
@@ -146,15 +148,7 @@ class Run:
         """Continue ``run_dir`` from its latest checkpoint. ``recipe`` (if given) must be the run's effective
         recipe; only ``steps`` may differ (to run longer)."""
         rd = RunDir(run_dir)
-        saved = load_recipe(rd.recipe_path)
-        if recipe is not None:
-            a = {k: v for k, v in saved.raw.items() if k != "steps"}
-            b = {k: v for k, v in recipe.raw.items() if k != "steps"}
-            if a != b:
-                diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-                raise ConfigError(f"--resume {rd.path}: the recipe differs from the run's recipe.yaml in "
-                                  f"section(s) {', '.join(diff)}; resume with the same recipe (only steps may change)")
-            saved = dataclasses.replace(saved, steps=recipe.steps, raw={**saved.raw, "steps": recipe.steps})
+        saved = resumed_recipe(rd, recipe)
         state, loop = rd.load_checkpoint()
         rd.truncate_metrics(int(loop["step"]))
         return cls(saved, rd, start_step=int(loop["step"]), learner_state=state, loop_state=loop, **kw)
@@ -163,7 +157,7 @@ class Run:
     def step_once(self) -> dict[str, float]:
         step = self.step
         m = grpo_step(self.parts, step)
-        for k in ("rollout/weight_version", "sync/weight_version"):
+        for k in VERSION_KEYS:  # engine-side counts restart with the engine; report the run's count
             if k in m:
                 m[k] += self.version_offset
         self.dir.append_metrics(step, m)
@@ -226,6 +220,20 @@ class Run:
         close = getattr(self.engine, "close", None)
         if close is not None:
             close()
+
+
+def resumed_recipe(rd: RunDir, recipe: Recipe | None) -> Recipe:
+    """The run's saved effective recipe; ``recipe`` (if given) must equal it except for ``steps``."""
+    saved = load_recipe(rd.recipe_path)
+    if recipe is None:
+        return saved
+    a = {k: v for k, v in saved.raw.items() if k != "steps"}
+    b = {k: v for k, v in recipe.raw.items() if k != "steps"}
+    if a != b:
+        diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+        raise ConfigError(f"--resume {rd.path}: the recipe differs from the run's recipe.yaml in section(s) "
+                          f"{', '.join(diff)}; resume with the same recipe (only steps may change)")
+    return dataclasses.replace(saved, steps=recipe.steps, raw={**saved.raw, "steps": recipe.steps})
 
 
 def _tensorboard(path: Path):

@@ -1,0 +1,461 @@
+"""``ray.enabled: true``: the same run, with the learner and the engine in Ray actors.
+
+Orchestration only: the actors wrap the very objects the in-process run builds (``EmbeddedTrainer``,
+``ReferenceEngine``); the driver runs the same ``grpo_step`` and the same ``WeightSync`` on proxies that
+forward each call to its actor (``ray.get``). Tensors travel through Ray's object store (the driver relays the
+sync's buckets from the learner's export to the engine: a CPU path; a GPU deployment would use the sync's
+``cuda_ipc`` / ``nccl`` transports instead).
+
+Placement (``ray.placement``), as Miles does: ``colocate`` = one bundle holding both roles' resources (learner
+and sampler share the node / GPU); ``split`` = one bundle per role, spread over the cluster where it can be.
+``ray.address`` unset starts a local cluster (shut down at the end); set, it connects (``ray.init(address=)``)
+and an unreachable address is an error naming it. Actor output is streamed to the driver (``log_to_driver``).
+Ctrl-C kills the actors, removes the placement group, and shuts Ray down if this process started it.
+
+Engine failure: if the rollout actor dies while generating, the run starts a new one in the same bundle,
+does a full resync (``WeightSync.initial_sync``: every tensor, full byte compare) and re-runs the step (no
+update happened yet, so nothing is lost and nothing is applied twice). If it dies after the update (in the
+sync), the run writes a checkpoint of the updated learner and stops with an error naming it: resume from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+from miles_lp.errors import ConfigError
+from miles_lp.launch.recipe import Recipe
+from miles_lp.launch.wire import pack, unpack
+from miles_lp.rl.step import RunError
+
+MAX_ENGINE_RESTARTS = 2
+
+
+class EngineDied(RunError):
+    def __init__(self, message: str, method: str):
+        super().__init__(message)
+        self.method = method
+
+
+# ---------------------------------------------------------------------------------------------------------
+# actors: thin wrappers around the in-process objects
+# ---------------------------------------------------------------------------------------------------------
+class LearnerWorker:
+    def __init__(self, recipe_yaml: str, source: str, model_dir: str, plan_json: str | None, threads: int,
+                 learner_state_dir: str | None):
+        import torch
+
+        from miles_lp.config import load_yaml_text
+        from miles_lp.launch.recipe import parse_recipe
+        from miles_lp.launch.runner import make_learner
+
+        torch.set_num_threads(max(1, threads))
+        recipe = parse_recipe(load_yaml_text(recipe_yaml, source))
+        plan = None
+        if plan_json is not None:
+            from miles_lp.launch.runner import plan_for
+
+            plan = plan_for(recipe, Path(model_dir))
+        self.learner = make_learner(recipe, Path(model_dir), plan)
+        if learner_state_dir is not None:
+            from miles_lp.train.state_io import load_learner_state
+
+            self.learner.load_state_dict(load_learner_state(learner_state_dir))
+
+    def call(self, name: str, *args, **kwargs):
+        return pack(getattr(self.learner, name)(*unpack(args), **unpack(kwargs)))
+
+    def get(self, name: str):
+        return pack(getattr(self.learner, name))
+
+    def export_list(self):
+        return pack(list(self.learner.export_weights()))
+
+    def train_step(self, samples, loss_fn):
+        stats = self.learner.train_step(unpack(samples), loss_fn)
+        return pack((stats, dict(loss_fn.stats), dict(loss_fn.recorded)))
+
+    def save_state(self, run_dir: str, step: int, loop: dict) -> str:
+        from miles_lp.launch.run_dir import RunDir
+
+        return str(RunDir(run_dir).save_checkpoint(step, self.learner.state_dict(), loop))
+
+
+class EngineWorker:
+    def __init__(self, checkpoint: str, recipe_yaml: str, source: str, threads: int):
+        import torch
+
+        from miles_lp.config import load_yaml_text
+        from miles_lp.launch.recipe import parse_recipe
+        from miles_lp.launch.runner import make_engine
+
+        torch.set_num_threads(max(1, threads))
+        self.engine = make_engine(parse_recipe(load_yaml_text(recipe_yaml, source)), Path(checkpoint))
+
+    def call(self, name: str, *args, **kwargs):
+        out = getattr(self.engine, name)(*unpack(args), **unpack(kwargs))
+        if hasattr(out, "items") and not isinstance(out, dict):
+            out = dict(out)
+        return pack(out)
+
+    def get(self, name: str):
+        return pack(getattr(self.engine, name))
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def surface(self) -> tuple[list[str], list[str]]:
+        """The engine's public methods and plain attributes (what ``getattr`` on the proxy may reach)."""
+        methods, attrs = [], []
+        for name in dir(self.engine):
+            if name.startswith("_"):
+                continue
+            try:
+                v = getattr(self.engine, name)
+            except Exception:
+                continue
+            (methods if callable(v) else attrs).append(name)
+        return methods, attrs
+
+
+# ---------------------------------------------------------------------------------------------------------
+# proxies: what grpo_step and WeightSync see
+# ---------------------------------------------------------------------------------------------------------
+class LearnerProxy:
+    def __init__(self, actor, plan):
+        self.actor, self.plan = actor, plan
+
+    def _call(self, name, *args, **kwargs):
+        import ray
+
+        return unpack(ray.get(self.actor.call.remote(name, *pack(args), **pack(kwargs))))
+
+    @property
+    def step(self) -> int:
+        import ray
+
+        return ray.get(self.actor.get.remote("step"))
+
+    def logprobs(self, batch):
+        return self._call("logprobs", batch)
+
+    def train_step(self, samples, loss_fn):
+        import ray
+
+        stats, loss_stats, recorded = unpack(ray.get(self.actor.train_step.remote(pack(list(samples)), loss_fn)))
+        for k, v in loss_stats.items():  # the loss function ran in the actor: bring its figures back
+            loss_fn.stats[k] = v
+        loss_fn.recorded.update(recorded)
+        return stats
+
+    def export_weights(self):
+        import ray
+
+        return iter(unpack(ray.get(self.actor.export_list.remote())))
+
+    def executed_quantized(self):
+        return self._call("executed_quantized")
+
+    def state_dict(self):
+        return self._call("state_dict")
+
+    def load_state_dict(self, state):
+        return self._call("load_state_dict", state)
+
+
+class EngineProxy:
+    """Every ``Engine`` method forwarded to the rollout actor; a dead actor raises ``EngineDied``."""
+
+    def __init__(self, actor):
+        self.actor = actor
+        self._learn_surface()
+
+    def _learn_surface(self) -> None:
+        import ray
+
+        methods, attrs = ray.get(self.actor.surface.remote())
+        self._methods, self._attrs = set(methods), set(attrs)
+
+    @property
+    def weight_version(self) -> int:
+        return self._get("weight_version")
+
+    def _get(self, name):
+        import ray
+
+        try:
+            return unpack(ray.get(self.actor.get.remote(name)))
+        except ray.exceptions.RayActorError as exc:
+            raise EngineDied(f"the rollout actor died ({type(exc).__name__})", name) from exc
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name in self._attrs:
+            return self._get(name)
+        if name not in self._methods:  # hasattr(engine, "weight_fingerprints") must see what the engine has
+            raise AttributeError(f"the engine has no attribute {name!r}")
+
+        def method(*args, **kwargs):
+            import ray
+
+            try:
+                return unpack(ray.get(self.actor.call.remote(name, *pack(args), **pack(kwargs))))
+            except ray.exceptions.RayActorError as exc:
+                raise EngineDied(f"the rollout actor died during {name}() ({type(exc).__name__})", name) from exc
+        return method
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the launcher
+# ---------------------------------------------------------------------------------------------------------
+def _init_ray(recipe: Recipe) -> bool:
+    """Start or join a cluster; True when this process started it (and must shut it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    rc = recipe.ray
+    if rc.address is None:
+        kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+        if rc.num_cpus is not None:
+            kw["num_cpus"] = rc.num_cpus
+        ray.init(**kw)
+        return True
+    _check_reachable(rc.address)
+    try:
+        ray.init(address=rc.address, log_to_driver=True)
+    except Exception as exc:  # ConnectionError, TimeoutError, ray's own: all mean "not reachable"
+        raise ConfigError(f"ray.address {rc.address!r}: cannot connect to a Ray cluster there ({type(exc).__name__}: "
+                          f"{exc}); start one (ray start --head) or remove ray.address for a local cluster") from None
+    return False
+
+
+def _check_reachable(address: str, timeout_s: float = 3.0) -> None:
+    """``ray.init`` retries an unreachable GCS for minutes: test the TCP port first and name the address."""
+    import socket
+
+    if address == "auto":
+        return  # ray resolves it from this machine's running cluster (and says so if there is none)
+    hostport = address.split("://", 1)[-1]
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError(f"ray.address {address!r}: expected host:port (or ray://host:port, or auto)")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConfigError(f"ray.address {address!r}: nothing answers at {host}:{port} ({exc.strerror or exc}); "
+                          "start a cluster there (ray start --head --port PORT) or remove ray.address to run a "
+                          "local one") from None
+
+
+def _bundles(recipe: Recipe) -> list[dict[str, float]]:
+    lr, ro = recipe.ray.learner, recipe.ray.rollout
+
+    def b(cpu, gpu):
+        return {"CPU": cpu, **({"GPU": gpu} if gpu else {})}
+    if recipe.ray.placement == "colocate":
+        return [b(lr.num_cpus + ro.num_cpus, max(lr.num_gpus, ro.num_gpus))]
+    return [b(lr.num_cpus, lr.num_gpus), b(ro.num_cpus, ro.num_gpus)]
+
+
+class RayRun:
+    """The in-process ``Run`` with its learner and engine moved into actors."""
+
+    def __init__(self, recipe: Recipe, run_dir, *, resume: bool, start_step: int, loop_state: dict,
+                 learner_state_dir: str | None):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from miles_lp.launch.model import prepare_model, vocab_size
+        from miles_lp.launch.runner import _engine_checkpoint, _target, plan_for, sampling_for
+        from miles_lp.rl.step import StepParts
+        from miles_lp.rl.tasks import make_task
+        from miles_lp.sync import WeightSync
+
+        self.recipe, self.dir = recipe, run_dir
+        self.model_dir = prepare_model(recipe.model, run_dir.path / "model")
+        self.plan = plan_for(recipe, self.model_dir)
+        self.task = make_task(recipe.task, vocab_size(self.model_dir))
+        self.engine_ckpt = _engine_checkpoint(recipe, self.model_dir, self.plan, run_dir.path / "engine_init")
+        bundles = _bundles(recipe)
+        strategy = "PACK" if len(bundles) == 1 else "SPREAD"
+        self.pg = placement_group(bundles, strategy=strategy)
+        ray.get(self.pg.ready(), timeout=120)
+        self._rollout_bundle = 0 if len(bundles) == 1 else 1
+
+        def opts(res, bundle):
+            return {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus,
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, bundle)}
+        self._yaml, self._source = recipe.to_yaml(), recipe.source
+        self._engine_opts = opts(recipe.ray.rollout, self._rollout_bundle)
+        threads = int(max(1, recipe.ray.learner.num_cpus))
+        self.learner_actor = ray.remote(LearnerWorker).options(**opts(recipe.ray.learner, 0)).remote(
+            self._yaml, self._source, str(self.model_dir), None if self.plan is None else self.plan.to_json(),
+            threads, learner_state_dir)
+        self.learner = LearnerProxy(self.learner_actor, self.plan)
+        self.reference = None
+        if recipe.rl.kl_coef > 0:  # the frozen BF16 reference shares the learner's bundle (no CPUs of its own)
+            ref = ray.remote(LearnerWorker).options(**{**opts(recipe.ray.learner, 0), "num_cpus": 0,
+                                                       "num_gpus": 0}).remote(
+                self._yaml, self._source, str(self.model_dir), None, threads, None)
+            self.reference = LearnerProxy(ref, None)
+            self.reference_actor = ref
+        self.engine_actor = self._start_engine()
+        self.engine = EngineProxy(self.engine_actor)
+        self.sync = WeightSync(self.engine, self.plan, _target(recipe), recipe.sync)
+        for k, v in (loop_state.get("sentinel") or {}).items():
+            setattr(self.sync.sentinel, k, v)
+        self.initial = self.sync.initial_sync(self.learner)
+        self.version_offset = int(loop_state.get("engine_weight_version", 0))
+        self.restarts = 0
+        self.step = start_step
+        self.parts = StepParts(learner=self.learner, engine=self.engine, sync=self.sync, task=self.task,
+                               sampling=sampling_for(recipe, self.task), rl=recipe.rl, seed=recipe.seed,
+                               reference=self.reference)
+
+    def _start_engine(self):
+        import ray
+
+        threads = int(max(1, self.recipe.ray.rollout.num_cpus))
+        actor = ray.remote(EngineWorker).options(**self._engine_opts).remote(str(self.engine_ckpt), self._yaml,
+                                                                             self._source, threads)
+        ray.get(actor.pid.remote())  # started (or raises)
+        return actor
+
+    def restart_engine(self) -> None:
+        """A fresh rollout actor in the same bundle, recorded anew by the sync, then a full resync."""
+        import ray
+
+        try:
+            ray.kill(self.engine_actor)
+        except Exception:  # already gone
+            pass
+        self.restarts += 1
+        old_version_base = self.initial.weight_version
+        served = self.sync.expected_version - old_version_base  # syncs since the last (re)start
+        self.engine_actor = self._start_engine()
+        self.engine.actor = self.engine_actor
+        self.engine._learn_surface()
+        self.initial = self.sync.initial_sync(self.learner)
+        self.version_offset += served
+
+    def checkpoint(self) -> Path:
+        import ray
+
+        sent = self.sync.sentinel
+        loop = {"data_position": self.step,
+                "engine_weight_version": int(self.sync.expected_version) - int(self.initial.weight_version)
+                + self.version_offset,
+                "sentinel": {k: getattr(sent, k) for k in ("_clip_streak", "_cap_streak", "steps") if hasattr(sent, k)}}
+        return Path(ray.get(self.learner_actor.save_state.remote(str(self.dir.path), self.step, loop)))
+
+    def step_once(self) -> dict[str, float]:
+        from miles_lp.launch.runner import VERSION_KEYS
+        from miles_lp.rl.step import grpo_step
+
+        step = self.step
+        while True:
+            try:
+                m = grpo_step(self.parts, step)
+                break
+            except EngineDied as exc:
+                if exc.method != "generate" or self.restarts >= MAX_ENGINE_RESTARTS:
+                    self.step = step + (exc.method != "generate")
+                    ck = self.checkpoint() if exc.method != "generate" else self.dir.latest()
+                    raise RunError(f"step {step}: {exc}; stopped (engine restarts so far: {self.restarts}); resume "
+                                   f"from {ck or 'the start'} with --resume {self.dir.path}") from exc
+                print(f"miles-lp run: step {step}: {exc}; restarting the engine and resyncing every tensor",
+                      file=sys.stderr)
+                self.restart_engine()
+        for k in VERSION_KEYS:
+            if k in m:
+                m[k] += self.version_offset
+        m["rollout/engine_restarts"] = float(self.restarts)
+        self.dir.append_metrics(step, m)
+        self.step += 1
+        every = self.recipe.checkpoint_every
+        if (every and self.step % every == 0) or self.step == self.recipe.steps:
+            self.checkpoint()
+        return m
+
+    def close(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for a in (getattr(self, "engine_actor", None), getattr(self, "learner_actor", None),
+                  getattr(self, "reference_actor", None)):
+            if a is not None:
+                try:
+                    ray.kill(a)
+                except Exception:
+                    pass
+        try:
+            remove_placement_group(self.pg)
+        except Exception:
+            pass
+
+
+def run_with_ray(recipe: Recipe, *, resume: str | None = None, run_name: str | None = None,
+                 progress: bool = True, on_step=None) -> dict[str, Any]:
+    """Run ``recipe`` under Ray; returns a summary. ``on_step(run, metrics)`` is called after each step."""
+    import time
+
+    import json
+
+    from miles_lp.launch.run_dir import RunDir
+    from miles_lp.launch.runner import resumed_recipe, summary
+
+    started = _init_ray(recipe)
+    run = None
+    try:
+        if resume:
+            rd = RunDir(resume)
+            saved = resumed_recipe(rd, recipe)
+            latest = rd.latest()
+            if latest is None:
+                raise RunError(f"{rd.path}: no checkpoint to resume from")
+            loop = json.loads((latest / "loop.json").read_text())
+            rd.truncate_metrics(int(loop["step"]))
+            run = RayRun(saved, rd, resume=True, start_step=int(loop["step"]), loop_state=loop,
+                         learner_state_dir=str(latest / "learner"))
+        else:
+            name = run_name or recipe.logging.run_name or (
+                f"{Path(recipe.source).stem}-ray-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+            rd = RunDir.create(recipe.logging.output_dir, name)
+            run = RayRun(recipe, rd, resume=False, start_step=0, loop_state={}, learner_state_dir=None)
+            rd.write_header(recipe.to_yaml(), None if run.plan is None else run.plan.to_json(),
+                            {"plan_hash": None if run.plan is None else run.plan.hash, "model_dir": str(run.model_dir),
+                             "recipe_source": recipe.source, "created": time.time(), "steps": recipe.steps,
+                             "ray": dataclasses.asdict(recipe.ray)})
+        rows = []
+        bar = None
+        if progress and recipe.logging.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=recipe.steps, initial=run.step, desc=rd.path.name, file=sys.stderr)
+        try:
+            while run.step < run.recipe.steps:
+                m = run.step_once()
+                rows.append(m)
+                if on_step is not None:
+                    on_step(run, m)
+                if bar is not None:
+                    bar.set_postfix_str(f"reward={m['reward/mean']:.3g} kl={m.get('rollout_corr/kl', 0):.3g}")
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return {"run_dir": str(rd.path), "steps": run.step, "engine_restarts": run.restarts, **summary(rows)}
+    finally:  # Ctrl-C included: no actor, placement group or cluster left behind
+        if run is not None:
+            run.close()
+        if started:
+            import ray
+
+            ray.shutdown()

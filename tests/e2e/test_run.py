@@ -1,0 +1,153 @@
+"""The main job end to end on the real learner, engine and sync (tiny model, CPU): the CI smoke run, a
+bit-identical resume, and the failures that must stop a run (non-finite log-probs, a failed checkpoint)."""
+
+from __future__ import annotations
+
+import errno
+import json
+
+import pytest
+import torch
+
+from miles_lp.cli import main
+from miles_lp.errors import CheckpointError
+from miles_lp.launch.recipe import load_recipe
+from miles_lp.launch.run_dir import RunDir
+from miles_lp.launch.runner import Run, deterministic_metrics
+from miles_lp.rl.step import RunError
+
+RECIPE = """\
+model: {path: "tiny:qwen3", num_layers: 1}
+precision: {default: mxfp8, backward: dequantized}
+train: {lr: 3.0e-3, device: cpu}
+rollout: {device: cpu, max_response_len: 3}
+sync:
+  checks: {layer_audit: raise, grid: raise, storage: raise, completeness: raise, version: raise}
+rl: {prompts_per_step: 2, group_size: 4, mini_batches: 2, clip_high: 0.28}
+task: {name: copy, length: 1, alphabet: 4}
+logging: {output_dir: OUT, progress: false}
+steps: 3
+seed: 0
+checkpoint_every: 2
+"""
+
+REQUIRED = ["reward/mean", "reward/std", "response_length/mean", "response_length/clip_ratio", "actor/entropy",
+            "actor/pg_clipfrac", "rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/training_ppl",
+            "rollout_corr/rollout_ppl", "rollout_corr/log_ppl_diff", "rollout_corr/ppl_ratio",
+            "rollout_corr/chi2_token", "rollout_corr/chi2_seq", "rollout_corr/rollout_is_mean",
+            "rollout_corr/rollout_is_eff_sample_size", "rollout_corr/logprob_abs_diff_mean",
+            "timing_s/generate", "timing_s/old_log_prob", "timing_s/update_actor", "timing_s/sync",
+            "timing_s/checks", "tokens/generate", "tokens/update_actor", "sync/check/grid", "sync/check/sentinel"]
+
+
+@pytest.fixture
+def recipe_file(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text(RECIPE.replace("OUT", str(tmp_path / "runs")))
+    return p
+
+
+def test_smoke_cli_run(recipe_file, tmp_path, capsys):
+    """CI smoke: 3 steps through `miles-lp run`, every headline metric present and finite."""
+    assert main(["run", str(recipe_file), "--run-name", "smoke", "--no-progress"]) == 0
+    rd = RunDir(tmp_path / "runs" / "smoke")
+    rows = rd.read_metrics()
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for key in REQUIRED:
+        assert all(key in r and r[key] == r[key] for r in rows), key
+    assert rows[-1]["sync/check/grid"] == 1.0  # shared grid: every synced tensor byte-equal
+    assert abs(rows[0]["rollout_corr/kl"]) < 1e-3  # the engine serves the learner's own grid
+    assert rows[-1]["rollout/weight_version"] == 3.0  # initial sync + one per step
+    assert (rd.path / "recipe.yaml").is_file() and json.loads((rd.path / "run.json").read_text())["plan_hash"]
+    assert rd.latest().name == "step_000003"
+    assert json.loads(capsys.readouterr().out)["steps"] == 3
+
+
+@pytest.mark.slow
+def test_resume_is_bit_identical(recipe_file):
+    straight = load_recipe(recipe_file, ["steps=4"])
+    a = Run.start(straight, "straight")
+    a.train()
+    two = Run.start(load_recipe(recipe_file, ["steps=2"]), "resumed")
+    two.train()
+    b = Run.resume(two.dir.path, straight)
+    assert b.step == 2
+    b.train()
+    ra, rb = deterministic_metrics(a.dir.read_metrics()), deterministic_metrics(b.dir.read_metrics())
+    assert len(ra) == len(rb) == 4
+    assert ra == rb  # every metric of every step, exactly
+    sa, sb = a.learner.state_dict()["model"], b.learner.state_dict()["model"]
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.slow
+def test_resume_refuses_a_different_recipe(recipe_file):
+    r = Run.start(load_recipe(recipe_file, ["steps=2"]), "x")
+    r.train()
+    with pytest.raises(Exception, match="differs from the run's recipe.yaml in section\\(s\\) rl"):
+        Run.resume(r.dir.path, load_recipe(recipe_file, ["rl.kl_coef=0.1"]))
+
+
+@pytest.mark.slow
+def test_nonfinite_rollout_logprobs_stop_the_run_naming_the_step(recipe_file):
+    from miles_lp.launch.runner import make_engine
+
+    recipe = load_recipe(recipe_file)
+    holder = {}
+
+    def poisoned():
+        eng = make_engine(recipe, holder["ckpt"])
+        real = eng.generate
+
+        def generate(inputs, sampling):
+            gens = real(inputs, sampling)
+            if eng.weight_version >= 2:  # from the second step on
+                gens[3].logprobs[0] = float("nan")
+            return gens
+        eng.generate = generate
+        return eng
+
+    class R(Run):
+        def __init__(self, *a, **kw):
+            holder["ckpt"] = None
+            super().__init__(*a, build_engine=self._engine, **kw)
+
+        def _engine(self):
+            holder["ckpt"] = self.engine_ckpt
+            return poisoned()
+
+    run = R.start(recipe, "nan")
+    with pytest.raises(RunError, match="step 1: non-finite rollout log-probs from the engine in sample 3"):
+        run.train()
+
+
+@pytest.mark.slow
+def test_failed_checkpoint_keeps_the_previous_one(recipe_file, monkeypatch):
+    run = Run.start(load_recipe(recipe_file, ["checkpoint_every=1", "steps=3"]), "disk")
+    run.step_once()
+    first = run.dir.latest()
+    assert first.name == "step_000001"
+    import miles_lp.train.state_io as sio
+
+    def full(*a, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(sio, "save_learner_state", full)
+    with pytest.raises(CheckpointError, match="checkpoint at step 2 could not be written.*No space left.*previous "
+                                              "checkpoint is intact.*step_000001"):
+        run.step_once()
+    assert run.dir.latest() == first and (first / "learner" / "tensors.safetensors").is_file()
+    assert not list(run.dir.checkpoints.glob(".*step_000002*")) and not (run.dir.checkpoints / "step_000002").exists()
+
+
+def test_invalid_recipe_fails_before_anything_starts(recipe_file, tmp_path, capsys):
+    recipe_file.write_text(recipe_file.read_text().replace("group_size: 4", "group_size: 4, gruop: 1"))
+    assert main(["run", str(recipe_file)]) == 2
+    assert "unknown key 'gruop'" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_dry_run(recipe_file, capsys):
+    assert main(["run", str(recipe_file), "--dry-run"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["quantized_tensors"] > 0 and out["samples_per_step"] == 8
+

@@ -1,0 +1,38 @@
+"""The same recipe under Ray on a local cluster: learner and engine actors in a placement group, the rollout
+actor killed between steps (the next step's generate finds it dead): restart, full resync, step re-run."""
+
+from __future__ import annotations
+
+import pytest
+
+from miles_lp.launch.recipe import load_recipe
+from miles_lp.launch.run_dir import RunDir
+
+from tests.e2e.test_run import RECIPE
+
+pytestmark = pytest.mark.slow
+
+
+def test_ray_local_cluster_with_engine_restart(tmp_path):
+    import ray
+
+    from miles_lp.launch.ray_launcher import run_with_ray
+
+    p = tmp_path / "r.yaml"
+    p.write_text(RECIPE.replace("OUT", str(tmp_path / "runs")))
+    recipe = load_recipe(p, ["ray.enabled=true", "ray.num_cpus=2", "ray.placement=split", "steps=3"])
+    killed = []
+
+    def on_step(run, m):
+        if run.step == 1:  # after step 0: kill the rollout actor; step 1's generate finds it dead
+            ray.kill(run.engine_actor)
+            killed.append(True)
+
+    out = run_with_ray(recipe, run_name="ray", progress=False, on_step=on_step)
+    assert killed and out["engine_restarts"] == 1 and out["steps"] == 3
+    rows = RunDir(tmp_path / "runs" / "ray").read_metrics()
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["rollout/engine_restarts"] for r in rows] == [0.0, 1.0, 1.0]
+    assert all(r["sync/check/grid"] == 1.0 for r in rows)  # the resynced engine holds the learner's grid
+    assert [r["rollout/weight_version"] for r in rows] == [1.0, 2.0, 3.0]  # the run's count survives the restart
+    assert not ray.is_initialized()  # the cluster this run started is gone
