@@ -19,8 +19,10 @@ formats:
   mxfp8+nvfp4-experts    experts NVFP4, other linear layers MXFP8
 targets (CONTRACT 4):
   sglang                 `mxfp8` config / ModelOpt NVFP4 (+ hf_quant_config.json) / modelopt_mixed
-  vllm                   modelopt_mxfp8 / modelopt names (MXFP8 scale named weight_scale)
-  compressed-tensors     config_groups (mxfp8-quantized, nvfp4-pack-quantized)
+  vllm                   ModelOpt MXFP8 / NVFP4 / MIXED_PRECISION (mixed plans) with ModelOpt names
+                         (MXFP8 scale named weight_scale); vLLM CPU needs the miles_lp plugin (docs/converter.md)
+  compressed-tensors     config_groups (mxfp8-quantized, nvfp4-pack-quantized, mixed-precision),
+                         quantization_status "compressed"; NVFP4 W4A4 with input_global_scale
 """
 
 FORMATS = ("mxfp8", "nvfp4-experts", "mxfp8+nvfp4-experts")

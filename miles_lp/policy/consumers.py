@@ -178,6 +178,70 @@ def modelopt_mixed_layer_algo(shard_modules: Iterable[str], quantized_layers: Ma
     return algos.pop() if algos else None
 
 
+# ---- vLLM modelopt MIXED_PRECISION ---------------------------------------------------------------------------
+#: ``LINEAR_ALGOS`` of vLLM 0.32 (model_executor/layers/quantization/modelopt.py): the per-layer algos its
+#: ``ModelOptMixedPrecisionConfig.get_quant_method`` builds a linear method for; others load unquantized.
+VLLM_MIXED_LINEAR_ALGOS = frozenset({"FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "NVFP4", "W4A16_NVFP4",
+                                     "MXFP8"})
+#: what it builds a FusedMoE method for (block FP8 aside)
+VLLM_MIXED_MOE_ALGOS = frozenset({"FP8", "NVFP4", "W4A16_NVFP4", "MXFP8"})
+
+
+def vllm_modelopt_mixed_resolve(prefix: str, quantized_layers: Mapping[str, Mapping],
+                                packed_modules_mapping: Mapping[str, Sequence[str]] = PACKED_MODULES) -> str | None:
+    """vLLM 0.32 ``ModelOptMixedPrecisionConfig._resolve_quant_algo`` (layers/quantization/modelopt.py):
+
+    1. the exact prefix is a key;
+    2. a packed module (``packed_modules_mapping`` of the model class): the algos of its listed shards, one
+       distinct algo wins, several raise (`FusedShardMismatch`);
+    3. the FIRST key starting with ``prefix + "."`` (a FusedMoE ``...experts`` finds its experts' entries);
+    4. a FusedMoE prefix ``....experts``: the first key under its PARENT (``....mlp.``), whatever it is;
+    5. ``qkv_proj`` / ``gate_up_proj``: the listed shards under the parent, as in 2.
+    Step 4 is why the emitter lists BF16 experts in ``ignore`` (checked first): otherwise a BF16-expert layer
+    would take the algo of a quantized shared expert beside it.
+    """
+    cfg = quantized_layers.get(prefix)
+    if cfg is not None:
+        return str(cfg["quant_algo"]).upper()
+    proj = prefix.rsplit(".", 1)[-1]
+    base = prefix.rsplit(".", 1)[0]
+
+    def shard_algos(shards) -> str | None:
+        algos = {str(quantized_layers[f"{base}.{s}"]["quant_algo"]).upper() for s in shards
+                 if f"{base}.{s}" in quantized_layers}
+        if len(algos) > 1:
+            raise FusedShardMismatch(f"Mixed quant_algo within fused layer {prefix}: {sorted(algos)}")
+        return algos.pop() if algos else None
+
+    if proj in packed_modules_mapping:
+        hit = shard_algos(packed_modules_mapping[proj])
+        if hit:
+            return hit
+    for key, info in quantized_layers.items():
+        if key.startswith(prefix + "."):
+            return str(info["quant_algo"]).upper()
+    if prefix.endswith(".experts"):
+        parent_dot = prefix.rsplit(".experts", 1)[0] + "."
+        for key, info in quantized_layers.items():
+            if key.startswith(parent_dot):
+                return str(info["quant_algo"]).upper()
+    fallback = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    if proj in fallback:
+        return shard_algos(fallback[proj])
+    return None
+
+
+def vllm_modelopt_mixed_algo(prefix: str, quantized_layers: Mapping[str, Mapping], exclude: Sequence[str],
+                             moe: bool) -> str | None:
+    """The algo vLLM 0.32 runs ``prefix`` in under ``quant_algo: MIXED_PRECISION`` (None: unquantized):
+    ``is_layer_excluded`` first (`vllm_modelopt_is_layer_excluded`), then `vllm_modelopt_mixed_resolve`, then
+    the dispatch tables (`VLLM_MIXED_LINEAR_ALGOS` / `VLLM_MIXED_MOE_ALGOS`)."""
+    if vllm_modelopt_is_layer_excluded(prefix, exclude):
+        return None
+    algo = vllm_modelopt_mixed_resolve(prefix, quantized_layers)
+    return algo if algo in (VLLM_MIXED_MOE_ALGOS if moe else VLLM_MIXED_LINEAR_ALGOS) else None
+
+
 # ---- compressed-tensors ------------------------------------------------------------------------------------
 def ct_match_name(name: str, target: str, fused: Mapping[str, Sequence[str]] | None = None) -> bool:
     """compressed-tensors ``match_name`` (compressed_tensors/utils/match.py, v0.20): ``re:`` targets use

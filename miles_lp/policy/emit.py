@@ -170,12 +170,54 @@ def hf_quant_config(plan: PrecisionPlan) -> dict[str, Any]:
 
 
 def vllm_config(plan: PrecisionPlan) -> dict[str, Any]:
-    """vLLM ModelOpt config (``modelopt_mxfp8`` for MXFP8 plans, ``modelopt_fp4`` for NVFP4 plans)."""
+    """vLLM ModelOpt config: ``modelopt_mxfp8`` for MXFP8 plans, ``modelopt_fp4`` for NVFP4 plans, and
+    ``quant_algo: MIXED_PRECISION`` (`vllm_mixed_config`) for plans holding both (issue 9, item 5)."""
+    fmts = {e.format for e in plan.entries.values() if e.format.quantized}
+    if fmts == {Format.MXFP8, Format.NVFP4}:
+        return vllm_mixed_config(plan)
     fmt = _single_format(plan, (Format.MXFP8, Format.NVFP4), "vLLM modelopt")
     algo = "MXFP8" if fmt is Format.MXFP8 else "NVFP4"
     mods = engine_modules(plan, "vLLM")
     return {"quant_method": "modelopt", "quant_algo": algo, "group_size": 32 if algo == "MXFP8" else 16,
             "ignore": _modelopt_exclude(plan, mods, algo)}
+
+
+def vllm_mixed_config(plan: PrecisionPlan) -> dict[str, Any]:
+    """vLLM ``modelopt_mixed``: ``quant_algo: MIXED_PRECISION``, per-shard ``quantized_layers`` (MXFP8 / NVFP4)
+    and ``ignore`` (the BF16 engine modules), read by vLLM 0.32 ``ModelOptMixedPrecisionConfig``
+    (layers/quantization/modelopt.py): ``from_config`` takes ``quantized_layers`` and ``ignore`` from this flat
+    ``quantization_config``; ``get_quant_method`` checks ``ignore`` first, then resolves the algo
+    (`consumers.vllm_modelopt_mixed_resolve`) and builds its ModelOpt MXFP8 / NVFP4 linear or FusedMoE method.
+    Tensors are the ``vllm`` target's (ModelOpt names; MXFP8 scale ``weight_scale``). Re-read with
+    `consumers.vllm_modelopt_mixed_algo`; the tests also re-read it with vLLM's own class where vLLM is
+    installed (tests/readers)."""
+    mods = engine_modules(plan, "vLLM modelopt_mixed")
+    for m in mods.values():
+        if m.format.quantized and m.format not in _MIXED_ALGO:
+            raise ConfigError(f"vLLM modelopt_mixed: '{m.name}' is {m.format.value}; checkpoints hold MXFP8 and "
+                              "NVFP4 only")
+    layers: dict[str, dict[str, Any]] = {}
+    for m in mods.values():
+        if m.format.quantized:
+            algo, gs = _MIXED_ALGO[m.format]
+            for shard in m.shards:
+                layers[shard] = {"quant_algo": algo, "group_size": gs}
+    ignore = _not_converted(plan, mods, whole_layers=False)
+    wrong = []
+    for m in mods.values():
+        want = _MIXED_ALGO[m.format][0] if m.format.quantized else None
+        try:
+            C.modelopt_mixed_layer_algo(m.shards, layers)  # shards / experts agree (stricter than vLLM)
+            got = C.vllm_modelopt_mixed_algo(m.name, layers, ignore, m.moe)
+        except C.FusedShardMismatch as exc:
+            raise ConfigError(f"vLLM modelopt_mixed: {m.name}: {exc}") from None
+        if got != want:
+            wrong.append(f"{m.name} (plan: {want or 'bf16'}, vLLM: {got or 'bf16'})")
+    if wrong:
+        raise ConfigError("vLLM modelopt_mixed would read the emitted config differently from the plan for "
+                          + ", ".join(wrong[:5]))
+    return {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "kv_cache_scheme": None,
+            "ignore": ignore, "quantized_layers": dict(sorted(layers.items()))}
 
 
 # ---- SGLang modelopt_mixed -----------------------------------------------------------------------------------

@@ -225,12 +225,15 @@ def test_recipe_with_flag_exceptions_refused(capsys, src, tmp_path):
     assert rc == 2 and "--bf16-pattern builds a policy from flags and cannot be combined with --recipe" in err
 
 
-@pytest.mark.parametrize("target,match", [("vllm", "vLLM modelopt holds one format")])
-def test_mixed_without_emitter(capsys, tmp_path, target, match):
+def test_mixed_plan_for_vllm_is_modelopt_mixed_precision(capsys, tmp_path):
+    """Issue 9 item 5: vLLM used to be refused mixed MXFP8 + NVFP4 plans; it reads them as ModelOpt
+    MIXED_PRECISION (tests/unit/test_emit.py re-reads it, tests/readers with vLLM's own class)."""
     src = make_tiny_model("qwen3_moe", tmp_path / "moe", seed=0)
-    rc, err = run(capsys, src, tmp_path / "out", "--format", "mxfp8+nvfp4-experts", "--target", target)
-    assert rc == 2 and match in err
-    nothing_left(tmp_path / "out")
+    rc, err = run(capsys, src, tmp_path / "out", "--format", "mxfp8+nvfp4-experts", "--target", "vllm")
+    assert rc == 0, err
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_algo"] == "MIXED_PRECISION"
+    assert {v["quant_algo"] for v in cfg["quantized_layers"].values()} == {"MXFP8", "NVFP4"}
 
 
 def _tree(path):

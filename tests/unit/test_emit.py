@@ -330,3 +330,34 @@ def test_compressed_tensors_config_says_compressed(default):
     cfg = emit.compressed_tensors_config(_plan("qwen3", {"default": default}))
     assert cfg["quantization_status"] == "compressed"
     assert q.QuantizationConfig.model_validate(cfg).quantization_status == q.QuantizationStatus.COMPRESSED
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_vllm_mixed_plan_emits_modelopt_mixed_precision(arch):
+    """Issue 9, item 5: `--target vllm` with MXFP8 dense layers and NVFP4 experts used to be refused; vLLM 0.32
+    reads it as ModelOpt MIXED_PRECISION. Re-read with vLLM's rules: each engine module gets the plan's algo."""
+    plan = _plan(arch, {"default": "mxfp8", "rules": [{"role": "routed_experts", "format": "nvfp4"}]})
+    cfg = emit.vllm_config(plan)
+    assert cfg["quant_method"] == "modelopt" and cfg["quant_algo"] == "MIXED_PRECISION"
+    for m in emit.engine_modules(plan).values():
+        want = {Format.MXFP8: "MXFP8", Format.NVFP4: "NVFP4"}.get(m.format)
+        assert C.vllm_modelopt_mixed_algo(m.name, cfg["quantized_layers"], cfg["ignore"], m.moe) == want, m.name
+    assert {v["quant_algo"] for v in cfg["quantized_layers"].values()} == {"MXFP8", "NVFP4"}
+
+
+def test_vllm_mixed_ignores_bf16_experts_beside_a_quantized_shared_expert():
+    """vLLM resolves a FusedMoE prefix with no entries of its own to the first key under its parent (the shared
+    expert's): the emitted ``ignore`` must list the BF16 experts, and without it vLLM would quantize them."""
+    plan = _plan("qwen2_moe", {"default": "mxfp8", "rules": [{"layers": "last 1", "role": "routed_experts",
+                                                              "format": "bf16"},
+                                                             {"role": "routed_experts", "format": "nvfp4"}]})
+    cfg = emit.vllm_config(plan)
+    experts = "model.layers.3.mlp.experts"
+    assert experts in cfg["ignore"]
+    assert C.vllm_modelopt_mixed_algo(experts, cfg["quantized_layers"], cfg["ignore"], True) is None
+    assert C.vllm_modelopt_mixed_algo(experts, cfg["quantized_layers"], [], True) == "MXFP8"  # the trap
+
+
+def test_vllm_single_format_plans_keep_their_configs():
+    assert emit.vllm_config(_plan("qwen3", {"default": "mxfp8"}))["quant_algo"] == "MXFP8"
+    assert emit.vllm_config(_plan("qwen3", {"default": "nvfp4"}))["quant_algo"] == "NVFP4"
