@@ -74,11 +74,13 @@ def planned_formats(ckpt: str | Path) -> dict[str, Format]:
             if Format(row[0]).quantized}
 
 
-def quantize_activations(model, formats: dict[str, Format]) -> list:
+def quantize_activations(model, formats: dict[str, Format], only: frozenset[Format] | None = None) -> list:
     """Forward pre-hooks that quantize-dequantize each quantized linear's input as the declared scheme says:
     MXFP8 dynamic (1x32 blocks, TE's rule), NVFP4 with the static global scale the checkpoint carries
     (``input_scale`` / ``input_global_scale`` = S_enc 1, i.e. amax 2688) and dynamic block scales.
-    Returns the hook handles (``.remove()`` them to get the weights-only reference back)."""
+    ``only``: quantize the inputs of modules in these formats only (vLLM's MXFP8 emulation leaves activations in
+    BF16, its NVFP4 one does not). Returns the hook handles (``.remove()`` them to get the weights-only
+    reference back)."""
     from miles_lp.export.naming import INPUT_SCALE_VALUE
     from miles_lp.formats import quantize_mxfp8, quantize_nvfp4
 
@@ -95,7 +97,8 @@ def quantize_activations(model, formats: dict[str, Format]) -> list:
             return (q.dequantize(x.dtype).reshape(x.shape), *args[1:])
         return hook
 
-    return [model.get_submodule(m).register_forward_pre_hook(hook_for(f)) for m, f in formats.items()]
+    return [model.get_submodule(m).register_forward_pre_hook(hook_for(f)) for m, f in formats.items()
+            if only is None or f in only]
 
 
 def prompt_logprobs(model, prompts: list[list[int]]) -> list[list[float]]:
