@@ -8,7 +8,7 @@ the same way; ``torch.empty`` staging let a partial sync pass). Offsets are 64-b
 can be viewed as its dtype in place.
 
 ``Ledger`` is the receiver's record of what arrived: every expected tensor exactly once, none unexpected,
-and the count of NaN-coded scale elements per tensor against what the sender sent (C5).
+and the count of 0xFF bytes per scale tensor against what the sender sent (C5).
 """
 
 from __future__ import annotations
@@ -103,65 +103,67 @@ def write_slot(staging: torch.Tensor, slot: Slot, t: torch.Tensor) -> None:
     staging[slot.offset:slot.offset + slot.nbytes].copy_(src, non_blocking=False)
 
 
-def nan_code_count(t: torch.Tensor) -> torch.Tensor:
-    """Elements of ``t`` holding a NaN, as a 0-d tensor on ``t``'s device (no host sync): by bytes for the
-    8-bit codes (E8M0 0xFF, E4M3 S.1111.111), ``isnan`` for wider floats."""
-    if t.dtype == torch.uint8:
-        return (t == NAN_FILL).sum()
-    if t.dtype == torch.float8_e4m3fn:
-        return ((t.view(torch.uint8) & 0x7F) == 0x7F).sum()
-    if t.is_floating_point():
-        return torch.isnan(t).sum()
-    return torch.zeros((), dtype=torch.int64, device=t.device)
+def ff_counts(ts: list[torch.Tensor]) -> torch.Tensor:
+    """Bytes equal to the 0xFF fill in each tensor of ``ts`` (all on one device), as an int64 ``[len(ts)]``
+    tensor there: one concatenation and one segment sum, not kernels per tensor. An unwritten byte of the
+    staging buffer is 0xFF, so a received tensor with more 0xFF bytes than the sender's had a missed write
+    (in any dtype: E8M0, E4M3, FP32)."""
+    if not ts:
+        return torch.zeros(0, dtype=torch.int64)
+    raws = [t.detach().reshape(-1).view(torch.uint8) for t in ts]
+    flat = torch.cat(raws) if len(raws) > 1 else raws[0]
+    sizes = torch.tensor([r.numel() for r in raws], dtype=torch.int64)
+    seg = torch.repeat_interleave(torch.arange(len(raws), dtype=torch.int32), sizes).to(flat.device)
+    out = torch.zeros(len(raws), dtype=torch.int64, device=flat.device)
+    return out.index_add_(0, seg, (flat == NAN_FILL).to(torch.int64))
 
 
-def nan_codes(t: torch.Tensor) -> int:
-    return int(nan_code_count(t))
-
-
-def _to_host(counts: dict[str, torch.Tensor]) -> dict[str, int]:
-    """One device->host transfer per device for a dict of 0-d counts (not one sync per tensor)."""
-    out: dict[str, int] = {}
-    by_dev: dict[torch.device, list[str]] = {}
-    for n, c in counts.items():
-        by_dev.setdefault(c.device, []).append(n)
-    for names in by_dev.values():
-        vals = torch.stack([counts[n].to(torch.int64) for n in names]).cpu().tolist()
-        out.update(zip(names, vals, strict=True))
-    return out
+def ff_count(t: torch.Tensor) -> int:
+    return int(ff_counts([t])[0])
 
 
 @dataclasses.dataclass
 class Ledger:
-    """C5 on the receiving side: writes per tensor, NaN-coded scale elements received vs sent."""
+    """C5 on the receiving side: writes per tensor; 0xFF bytes of each scale tensor received vs sent."""
 
     expected: frozenset[str]
     writes: dict[str, int] = dataclasses.field(default_factory=dict)
     last_bucket: dict[str, int] = dataclasses.field(default_factory=dict)
-    nan_received: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # 0-d counts, on device
-    nan_sent: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     buckets_received: int = 0
+    _sent: list[tuple[list[str], torch.Tensor]] = dataclasses.field(default_factory=list)  # counts stay on device
+    _received: list[tuple[list[str], torch.Tensor]] = dataclasses.field(default_factory=list)
 
     def sent(self, bucket: Bucket) -> None:
-        for s in bucket.slots:
-            if s.is_scale:
-                self.nan_sent[s.name] = nan_code_count(bucket.payload[s.name])
+        names = [s.name for s in bucket.slots if s.is_scale and s.name in bucket.payload]
+        by_dev: dict[torch.device, list[str]] = {}
+        for n in names:
+            by_dev.setdefault(bucket.payload[n].device, []).append(n)
+        for group in by_dev.values():
+            self._sent.append((group, ff_counts([bucket.payload[n] for n in group])))
 
     def received(self, index: int, named: Iterable[tuple[str, torch.Tensor]], scales: Mapping[str, bool]) -> None:
         named = list(named)
         if not named:  # an empty delivery is a bucket that did not arrive
             return
         self.buckets_received += 1
-        for name, t in named:
+        for name, _ in named:
             self.writes[name] = self.writes.get(name, 0) + 1
             self.last_bucket[name] = index
-            if scales.get(name):
-                self.nan_received[name] = nan_code_count(t)
+        got = [(n, t) for n, t in named if scales.get(n)]
+        if got:
+            self._received.append(([n for n, _ in got], ff_counts([t for _, t in got])))
+
+    @staticmethod
+    def _host(parts: list[tuple[list[str], torch.Tensor]]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for names, counts in parts:  # one transfer per bucket
+            out.update(zip(names, counts.cpu().tolist(), strict=True))
+        return out
 
     def problems(self) -> dict[str, list[str]]:
         """``missing`` (never written), ``repeated`` (written more than once), ``unexpected`` (not an engine
-        tensor), ``unwritten_scale_bytes`` (more NaN codes arrived than were sent: a missed write)."""
-        received, sent = _to_host(self.nan_received), _to_host(self.nan_sent)
+        tensor), ``unwritten_scale_bytes`` (more 0xFF bytes arrived than were sent: a missed write)."""
+        received, sent = self._host(self._received), self._host(self._sent)
         return {
             "missing": sorted(self.expected - set(self.writes)),
             "repeated": sorted(n for n, c in self.writes.items() if c > 1),

@@ -5,7 +5,7 @@ import torch
 
 from miles_lp.formats import quantize_mxfp8, quantize_nvfp4_pair
 from miles_lp.formats.spec import Format
-from miles_lp.sync.buckets import Ledger, make_buckets, nan_codes
+from miles_lp.sync.buckets import Ledger, ff_count, ff_counts, make_buckets
 from miles_lp.sync.items import Item, SyncInputError, engine_items, group_items, group_key
 from miles_lp.sync.transport import InProcessTransport, Staging, flatten, make_transport
 
@@ -73,10 +73,12 @@ def test_staging_is_refilled_with_nan_code_every_bucket():
     assert b.data_ptr() == a.data_ptr() and bool((b == 0xFF).all())
 
 
-def test_nan_codes_per_dtype():
-    assert nan_codes(torch.tensor([0xFF, 0x7F, 0], dtype=torch.uint8)) == 1
-    assert nan_codes(torch.tensor([0xFF, 0x7F, 0x7E], dtype=torch.uint8).view(torch.float8_e4m3fn)) == 2
-    assert nan_codes(torch.tensor([float("nan"), 1.0])) == 1
+def test_ff_counts_count_fill_bytes_in_any_dtype_batched():
+    u8 = torch.tensor([0xFF, 0x7F, 0], dtype=torch.uint8)
+    e4m3 = torch.tensor([0xFF, 0x7F, 0xFF], dtype=torch.uint8).view(torch.float8_e4m3fn)
+    unwritten_fp32 = torch.full((2,), 0xFF, dtype=torch.uint8).repeat(4).view(torch.float32)  # 2 NaN floats
+    assert ff_counts([u8, e4m3, unwritten_fp32, torch.ones(3)]).tolist() == [1, 2, 8, 0]
+    assert ff_count(u8) == 1 and ff_counts([]).numel() == 0
 
 
 def test_ledger_reports_missing_repeated_unexpected_and_unwritten_scales():
