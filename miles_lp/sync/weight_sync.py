@@ -60,6 +60,12 @@ logger = logging.getLogger("miles_lp.sync")
 PRE_CHECKS = ("layer_audit", "completeness")
 
 
+def _barrier() -> None:
+    """Wait for queued GPU work, so the stage timings (``perf/sync_*_seconds``) are not launch times."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 @dataclasses.dataclass
 class SyncReport:
     weight_version: int
@@ -178,6 +184,7 @@ class WeightSync:
         s = time.perf_counter()
         executed = learner.executed_quantized() if hasattr(learner, "executed_quantized") else None
         items = engine_items(learner.export_weights(), self.target, getattr(self.plan, "layout", None))
+        _barrier()
         times["export"] = time.perf_counter() - s
 
         # 2. pre-checks: nothing written yet
@@ -216,16 +223,19 @@ class WeightSync:
                 stage = "transfer"
                 s = time.perf_counter()
                 received = self.transport.send(b)
+                _barrier()
                 t_transfer += time.perf_counter() - s
                 ledger.received(b.index, received, scales)
                 stage = "apply"
                 s = time.perf_counter()
                 if received:
                     self.engine.update_weights(received)
+                _barrier()
                 t_apply += time.perf_counter() - s
             stage, index = "finish", None
             s = time.perf_counter()
             self.engine.finish_weight_update()
+            _barrier()
             times["finish"] = time.perf_counter() - s
             times["transfer"], times["apply"] = t_transfer, t_apply
         except Exception as exc:
