@@ -2,6 +2,7 @@
 
     model: {path: "tiny:qwen3", num_layers: 2}      # an HF checkpoint dir, or tiny:<arch> built locally
     precision: {default: mxfp8, ...}                 # miles_lp.policy (docs/precision_policy.md)
+    sampler_precision: null                          # comparison arms only: the sampler's own grid
     train: {lr: 1.0e-3, ...}                         # miles_lp.train.config.TrainConfig
     rollout: {backend: reference, ...}               # the rollout engine's section
     sync: {checks: {...}, ...}                       # miles_lp.sync.config.SyncConfig
@@ -122,7 +123,7 @@ class LoggingConfig:
     progress: bool = True  # a tqdm bar with the headline numbers
 
 
-SECTIONS = ("model", "precision", "train", "rollout", "sync", "rl", "task", "ray", "logging", "steps", "seed",
+SECTIONS = ("model", "precision", "sampler_precision", "train", "rollout", "sync", "rl", "task", "ray", "logging", "steps", "seed",
             "checkpoint_every")
 
 
@@ -130,6 +131,7 @@ SECTIONS = ("model", "precision", "train", "rollout", "sync", "rl", "task", "ray
 class Recipe:
     model: ModelConfig
     precision: Any  # PrecisionPolicy
+    sampler_precision: Any  # PrecisionPolicy of a sampler on its own grid (comparison arms); None: shared grid
     train: TrainConfig
     rollout: Any
     sync: Any
@@ -170,6 +172,20 @@ def _sync(mapping: Any, where: Where):
     return parse_sync_config(mapping, where)
 
 
+def _sampler_policy(mapping: Any, where: Where):
+    if mapping is None:
+        return None
+    from miles_lp.launch.sampler import check_sampler_policy
+    from miles_lp.policy import parse_policy
+
+    pol = parse_policy(mapping, where)
+    try:
+        check_sampler_policy(pol)
+    except ConfigError as exc:
+        raise where.error(str(exc)) from None
+    return pol
+
+
 def _int(value: Any, where: Where, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise where.error(f"expected an integer, got {type(value).__name__}: {value!r}")
@@ -195,6 +211,7 @@ def parse_recipe(doc: YamlDoc) -> Recipe:
     return Recipe(
         model=model,
         precision=parse_policy(data["precision"], w.child("precision")),
+        sampler_precision=_sampler_policy(data.get("sampler_precision"), w.child("sampler_precision")),
         train=parse_dataclass(TrainConfig, data.get("train"), w.child("train")),
         rollout=_rollout(data.get("rollout"), w.child("rollout")),
         sync=_sync(data.get("sync"), w.child("sync")),

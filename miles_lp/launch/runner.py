@@ -39,28 +39,48 @@ HEADLINE = (("reward/mean", "reward"), ("rollout_corr/kl", "kl"), ("actor/entrop
 
 
 def plan_for(recipe: Recipe, model_dir: Path):
-    """The compiled plan, or ``None`` for an all-BF16 recipe (``precision: {default: bf16}`` with no
-    quantizing rule: the learner and the engine both run BF16, no plan needed)."""
+    """The learner's compiled plan (``plan_for_policy`` of ``precision:``)."""
+    return plan_for_policy(recipe.precision, model_dir)
+
+
+def plan_for_policy(pol, model_dir: Path):
+    """The compiled plan, or ``None`` for an all-BF16 policy (``{default: bf16}`` with no quantizing rule: it
+    runs BF16 and needs no plan)."""
     from miles_lp.formats.spec import Format
     from miles_lp.train.embedded import plan_for_model
 
-    pol = recipe.precision
-    if pol.default is Format.BF16 and all(r.format is Format.BF16 for r in pol.rules):
+    if pol is None or (pol.default is Format.BF16 and all(r.format is Format.BF16 for r in pol.rules)):
         return None
     return plan_for_model(pol, model_dir)
 
 
-def _engine_checkpoint(recipe: Recipe, model_dir: Path, plan, out: Path) -> Path:
-    """The folder the engine loads: the model as ``miles-lp convert`` writes it for the plan (BF16: as is)."""
-    if plan is None:
+def _engine_checkpoint(recipe: Recipe, model_dir: Path, policy, out: Path) -> Path:
+    """The folder the engine loads: the model as ``miles-lp convert`` writes it for ``policy`` (None: as is)."""
+    if policy is None:
         return model_dir
     if (out / "config.json").is_file():
         return out
     from miles_lp.checkpoint.convert import convert_checkpoint
 
-    convert_checkpoint(model_dir, out, recipe.precision, target=_target(recipe), overwrite=True, progress=False,
+    convert_checkpoint(model_dir, out, policy, target=_target(recipe), overwrite=True, progress=False,
                        log=lambda s: logger.debug(s))
     return out
+
+
+def engine_side(recipe: Recipe, model_dir: Path, plan, out: Path):
+    """(engine checkpoint folder, the plan the engine serves, a view wrapper for the sync or None).
+
+    Shared grid (no ``sampler_precision``): the learner's plan, converted. A comparison arm: the sampler's
+    own policy (``miles_lp.launch.sampler``)."""
+    if recipe.sampler_precision is None:
+        return _engine_checkpoint(recipe, model_dir, None if plan is None else recipe.precision, out), plan, None
+    from miles_lp.launch.sampler import SamplerView, engine_policy
+
+    sampler_plan = plan_for_policy(recipe.sampler_precision, model_dir)
+    epol = engine_policy(recipe.sampler_precision)
+    engine_plan = plan_for_policy(epol, model_dir)
+    ckpt = _engine_checkpoint(recipe, model_dir, epol if engine_plan is not None else None, out)
+    return ckpt, engine_plan, (lambda learner: SamplerView(learner, sampler_plan, engine_plan))
 
 
 def _target(recipe: Recipe) -> str:
@@ -114,10 +134,15 @@ class Run:
             from miles_lp.train.embedded import EmbeddedTrainer
 
             self.reference = EmbeddedTrainer(self.model_dir, None, recipe.train)  # frozen: never stepped
-        self.engine_ckpt = _engine_checkpoint(recipe, self.model_dir, self.plan, run_dir.path / "engine_init")
+        self.engine_ckpt, engine_plan, view = engine_side(recipe, self.model_dir, self.plan,
+                                                          run_dir.path / "engine_init")
         self.build_engine = build_engine or (lambda: make_engine(recipe, self.engine_ckpt))
         self.engine = self.build_engine()
-        self.sync = WeightSync(self.engine, self.plan, _target(recipe), recipe.sync)
+        self.sync = WeightSync(self.engine, engine_plan, _target(recipe), recipe.sync)
+        if view is not None:  # a comparison arm: the sampler gets its own re-quantization of the master weights
+            from miles_lp.launch.sampler import SyncVia
+
+            self.sync = SyncVia(self.sync, view(self.learner))
         loop_state = dict(loop_state or {})
         if "sentinel" in loop_state:  # the C6 streaks, so a resumed run trips exactly when a straight one would
             for k, v in loop_state["sentinel"].items():
