@@ -48,6 +48,13 @@ def _naming():
     return naming
 
 
+#: "plan": activations quantized as the recipe says (the learner's grid). "vllm": as vLLM's CPU emulation kernels
+#: do (``EmulationMxfp8LinearKernel``: activations not quantized; ``EmulationNvFp4LinearKernel``: NVFP4 with the
+#: static per-tensor ``input_scale``; both dequantize to and multiply in the activation dtype), to compare the grids
+#: alone against vLLM.
+ACTIVATION_MODES = ("plan", "vllm")
+
+
 def operand_dtype(device: torch.device, act_dtype: torch.dtype) -> torch.dtype:
     """The learner's GEMM operand dtype (``quant_linear._operand_dtype``): bf16 for bf16 activations on CUDA,
     fp32 otherwise."""
@@ -66,8 +73,11 @@ class EngineLinear(torch.nn.Module):
     def __init__(self, prefix: str, in_features: int, out_features: int, *, disk_format: Format, target: str,
                  bias: bool = False, weight_dtype: torch.dtype = torch.bfloat16, activation_scale: str = "token",
                  act_dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 serve_format: Format | None = None):
+                 serve_format: Format | None = None, activation_mode: str = "plan"):
         super().__init__()
+        if activation_mode not in ACTIVATION_MODES:
+            raise ValueError(f"activation_mode must be one of {ACTIVATION_MODES}, got {activation_mode!r}")
+        self.activation_mode = activation_mode
         self.prefix = prefix  # "model.layers.0.self_attn.q_proj."
         self.in_features, self.out_features = in_features, out_features
         self.disk_format = Format(disk_format)
@@ -77,7 +87,8 @@ class EngineLinear(torch.nn.Module):
         self.act_dtype = act_dtype
         self.weight_dtype = weight_dtype
         self.device_ = torch.device(device)
-        self.op_dtype = operand_dtype(self.device_, act_dtype)
+        # vLLM's emulation kernels dequantize to, and multiply in, the activation dtype (bf16)
+        self.op_dtype = act_dtype if activation_mode == "vllm" else operand_dtype(self.device_, act_dtype)
         self.has_bias = bias
         self._derived: set[str] = set()  # buffers the kernel reads besides the canonical tensors
         self.kernel_format: Format | None = None  # set by process_weights_after_loading from what it built
@@ -168,10 +179,24 @@ class EngineLinear(torch.nn.Module):
             return x
         from miles_lp import formats
 
+        if self.activation_mode == "vllm":
+            if fmt is Format.MXFP8:
+                return x.to(self.op_dtype)
+            return formats.quantize_nvfp4(x, scale_scope="tensor", amax=self._static_amax()).dequantize(self.op_dtype)
         if fmt is Format.MXFP8:
             return formats.quantize_mxfp8(x, axis=-1).dequantize(self.op_dtype)
         scope = "tensor" if self.activation_scale == "tensor" else "row"
         return formats.quantize_nvfp4(x, scale_scope=scope).dequantize(self.op_dtype)
+
+    def _static_amax(self) -> torch.Tensor:
+        """The calibrated activation amax a static NVFP4 kernel uses: 2688 * input_scale (ModelOpt's decode
+        scale) or 2688 / input_global_scale (compressed-tensors' encode scale); 2688 when the layer has none."""
+        c = self.canonical()
+        if "input_scale" in c:
+            return (NVFP4_GLOBAL_DIVISOR * c["input_scale"].float()).reshape(())
+        if "input_global_scale" in c:
+            return (NVFP4_GLOBAL_DIVISOR / c["input_global_scale"].float()).reshape(())
+        return torch.tensor(NVFP4_GLOBAL_DIVISOR, device=self.device_)
 
     def gemm(self, x_deq: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """``F.linear`` on operands already on the grid; bias added in the operand dtype, then cast."""

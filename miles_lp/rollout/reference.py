@@ -127,13 +127,15 @@ class ReferenceEngine:
 
     def __init__(self, checkpoint: str | Path, *, device: str = "auto", dtype: str | torch.dtype | None = "auto",
                  kv_cache: str = "bf16", kv_scales: tuple[float, float] = (1.0, 1.0),
-                 faults: EngineFaults | None = None, pause_timeout_s: float = 0.0, threads: int | None = None):
+                 faults: EngineFaults | None = None, pause_timeout_s: float = 0.0, threads: int | None = None,
+                 activation_mode: str = "plan"):
         if kv_cache not in KV_CACHE_DTYPES:
             raise EngineError(f"kv_cache must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache!r}")
         self.device = _resolve_device(device)
         self.act_dtype = _resolve_dtype(dtype, self.device)
         self.kv_cache, self.kv_scales = kv_cache, tuple(float(s) for s in kv_scales)
         self.faults = faults or EngineFaults()
+        self.activation_mode = activation_mode  # "plan" (default) | "vllm": see rollout.layers.ACTIVATION_MODES
         self.pause_timeout_s = pause_timeout_s
         if threads is not None:
             torch.set_num_threads(threads)
@@ -221,7 +223,7 @@ class ReferenceEngine:
             serve = Format.MXFP8
         return EngineLinear(f"{name}.", k, n, disk_format=fmt, target=ck.target, bias=bias, weight_dtype=wdtype,
                             activation_scale=ck.activation_scale.get(wname, "token"), act_dtype=self.act_dtype,
-                            device=self.device, serve_format=serve)
+                            device=self.device, serve_format=serve, activation_mode=self.activation_mode)
 
     def _index_tensors(self) -> None:
         """name -> (owner module, attribute, tensor captured now, owning EngineLinear or None), on-disk names."""
@@ -307,6 +309,15 @@ class ReferenceEngine:
         self._known(names)
         return {n: tensor_digest(self._live(n)) for n in names}
 
+    def weight_fingerprints(self, names: Iterable[str] | None = None) -> dict[str, str]:
+        """Device-side checksums of the live canonical tensors (``miles_lp.sync.digest.fingerprints``: one
+        device->host transfer), for the sync's C2 check where host blake2b digests would dominate the sync."""
+        from miles_lp.sync.digest import fingerprints
+
+        names = list(self._owner) if names is None else list(names)
+        self._known(names)
+        return fingerprints({n: self._live(n) for n in names})
+
     def read_weights(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         names = list(names)
         self._known(names)
@@ -367,6 +378,7 @@ class ReferenceEngine:
                 "model_type": self.ckpt.config.get("model_type"), "target": self.ckpt.target,
                 "plan_hash": self.ckpt.plan_hash, "device": str(self.device),
                 "dtype": str(self.act_dtype).removeprefix("torch."), "kv_cache": self.kv_cache,
+                "activation_mode": self.activation_mode,
                 "kv_cache_mismatch_source": self.kv_cache != "bf16", "quantized_layers": counts,
                 "context_len": self.context_len, "faults": self.faults.active()}
 
@@ -513,6 +525,19 @@ class ReferenceEngine:
                     raise EngineBusy("generate: the engine is paused; call resume() (continue_generation)")
             with torch.inference_mode():
                 return self._run(prompts, sampling)
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Teacher-forced raw log-probs ``log p(x_t | x_<t)`` for t = 1..L-1 of each sequence (fp32, CPU): the
+        serving kernels on given tokens (vLLM's ``prompt_logprobs``), for comparisons on identical inputs."""
+        seqs = self.validate_prompts(sequences)
+        with self._gen_lock, torch.inference_mode():
+            out = []
+            for s in seqs:
+                ids = torch.tensor([s], device=self.device)
+                logits = self.model(input_ids=ids, use_cache=False).logits[0].float()
+                lp = torch.log_softmax(logits, -1)[:-1]
+                out.append(lp.gather(-1, ids[0, 1:, None])[:, 0].cpu())
+            return out
 
     def _forward(self, ids, mask, pos, cache):
         kw = {self._cache_kwarg: cache}

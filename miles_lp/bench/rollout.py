@@ -1,0 +1,185 @@
+"""``miles-lp bench rollout``: generated tokens per second at batch 32, side by side in one run.
+
+Rows, all on the same random model and prompts (every row generates exactly ``--new-tokens`` per sequence:
+no stop tokens, sampling at temperature 1):
+
+* ``transformers generate``: ``model.generate(do_sample=True)`` on the BF16 checkpoint (the anchor), in the
+  dtype the reference engine computes in (fp32 on CPU, bf16 on CUDA);
+* ``reference <precision>``: the embedded reference engine serving the BF16 checkpoint and the converted ones
+  (``--precisions``, e.g. ``bf16,mxfp8``: MXFP8 adds the emulated activation quantization);
+* ``vllm bf16`` (CPU, where the vLLM venv exists): vLLM's offline engine on the same BF16 checkpoint.
+
+Models: ``--model tiny`` (the 4-layer tiny Qwen3 of the tests) or ``--model 0.5b`` (a random Qwen3 of
+Qwen2.5-0.5B's shape: 24 layers, hidden 896, intermediate 4864, 14 heads / 2 KV heads, vocab 151936, tied
+embeddings; ~0.5B parameters; meant for ``--device cuda``). Target: the reference engine at least matches
+``transformers generate`` (ratio >= 1).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+HELP = "generated tokens/s at batch 32: reference engine vs transformers generate (and vLLM CPU where installed)"
+DESCRIPTION = HELP + """
+
+  miles-lp bench rollout                                  # tiny Qwen3 on CPU, bf16 + mxfp8, vLLM if installed
+  miles-lp bench rollout --model 0.5b --device cuda --new-tokens 128
+"""
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="tiny", choices=("tiny", "0.5b"), help="tiny (default) or 0.5b (random)")
+    p.add_argument("--device", default="cpu", help="cpu (default) | cuda")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--precisions", default="bf16,mxfp8", help="reference engine rows (bf16, mxfp8, nvfp4)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU; default: torch's)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per row (the best is reported)")
+    p.add_argument("--vllm", default="auto", choices=("auto", "off"), help="add the vLLM CPU row when available")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the rows to this JSON file")
+
+
+def qwen3_05b_config():
+    import transformers
+
+    return transformers.Qwen3Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                    num_attention_heads=14, num_key_value_heads=2, head_dim=64,
+                                    max_position_embeddings=4096, tie_word_embeddings=True)
+
+
+def _model(kind: str, device: str, root):
+    """(BF16 HF checkpoint folder, converted folders by precision)."""
+    from pathlib import Path
+
+    if kind == "tiny":
+        from miles_lp.rollout.testing import tiny_hf
+
+        return tiny_hf("qwen3")
+    import torch
+    import transformers
+
+    out = Path(root) / "qwen3-0.5b-random"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(qwen3_05b_config(), dtype=torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+    del model
+    return out
+
+
+def _convert(src, precision: str, device: str, root):
+    from pathlib import Path
+
+    from miles_lp.checkpoint.convert import convert_checkpoint
+    from miles_lp.rollout.testing import policy_for
+
+    out = Path(root) / f"{Path(src).name}-{precision}"
+    convert_checkpoint(src, out, policy_for(precision), target="sglang", device=device, progress=False,
+                       log=lambda s: None)
+    return out
+
+
+def _best(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run(args) -> int:
+    import tempfile
+
+    import torch
+    import transformers
+
+    from miles_lp.rollout.engine import SamplingParams
+    from miles_lp.rollout.reference import ReferenceEngine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="miles-lp-bench-rollout-") as root:
+        src = _model(args.model, device, root)
+        cfg = transformers.AutoConfig.from_pretrained(src)
+        g = torch.Generator().manual_seed(0)
+        prompts = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt_len), generator=g)
+        n_tokens = args.batch * args.new_tokens
+        sp = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=0)
+
+        # anchor: transformers generate on the BF16 checkpoint, in the engine's compute dtype
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        hf = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=dtype).to(device).eval()
+        ids = prompts.to(device)
+        mask = torch.ones_like(ids)
+
+        def hf_generate(n=args.new_tokens):
+            with torch.inference_mode():
+                hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                            max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+            _sync(device)
+
+        hf_generate(2)
+        t = _best(hf_generate, args.repeats)
+        rows.append({"backend": "transformers generate", "precision": "bf16", "seconds": t, "tokens_per_s": n_tokens / t})
+        del hf
+
+        for prec in [p.strip() for p in args.precisions.split(",") if p.strip()]:
+            ck = src if prec == "bf16" else _convert(src, prec, device, root)
+            eng = ReferenceEngine(ck, device=device)
+            batch = prompts.tolist()
+            eng.generate(batch[:2], SamplingParams(max_new_tokens=2, seed=0))
+
+            def ref_generate(eng=eng, batch=batch):
+                eng.generate(batch, sp)
+                _sync(device)
+
+            t = _best(ref_generate, args.repeats)
+            rows.append({"backend": "reference engine", "precision": prec, "seconds": t, "tokens_per_s": n_tokens / t,
+                         "quantized_layers": eng.health()["quantized_layers"]})
+            eng.close()
+            del eng
+
+        if args.vllm == "auto" and not device.startswith("cuda"):
+            from miles_lp.rollout.vllm import VLLMEngine, vllm_python
+
+            if vllm_python() is None:
+                rows.append({"backend": "vllm", "precision": "bf16", "skipped": "no vLLM interpreter "
+                             "(MILES_LP_VLLM_PYTHON / build/venv-vllm)"})
+            else:
+                v = VLLMEngine(src, max_num_seqs=max(64, args.batch), max_model_len=args.prompt_len + args.new_tokens + 8)
+                try:
+                    batch = prompts.tolist()
+                    v.generate(batch[:2], SamplingParams(max_new_tokens=2, seed=0))
+                    t = _best(lambda: v.generate(batch, sp), args.repeats)
+                    rows.append({"backend": "vllm (CPU, offline LLM)", "precision": "bf16", "seconds": t,
+                                 "tokens_per_s": n_tokens / t})
+                finally:
+                    v.close()
+
+    anchor = rows[0]["tokens_per_s"]
+    print(f"bench rollout: model {args.model}, device {device}, batch {args.batch}, prompt {args.prompt_len}, "
+          f"new tokens {args.new_tokens}, torch threads {torch.get_num_threads()}")
+    print(f"  {'backend':<26} {'precision':<9} {'tokens/s':>10} {'vs generate':>12}")
+    for r in rows:
+        if "skipped" in r:
+            print(f"  {r['backend']:<26} {r['precision']:<9} {'skipped: ' + r['skipped']}")
+            continue
+        r["ratio_vs_generate"] = r["tokens_per_s"] / anchor
+        print(f"  {r['backend']:<26} {r['precision']:<9} {r['tokens_per_s']:>10.1f} {r['ratio_vs_generate']:>11.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if not k.startswith("_")}, "rows": rows}, f,
+                      indent=1, default=str)
+    return 0

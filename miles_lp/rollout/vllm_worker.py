@@ -1,0 +1,138 @@
+"""The vLLM engine process (runs under the vLLM venv's interpreter; ``miles_lp.rollout.vllm`` starts it).
+
+Protocol: ``multiprocessing.connection`` over a Unix socket with an HMAC auth key, ``send_bytes`` /
+``recv_bytes`` only (no pickle). Each request is one JSON message; ``bucket`` requests are followed by one
+safetensors message. Each answer is one JSON message (``{"ok": true, ...}`` or ``{"ok": false, "error"}``).
+
+vLLM's offline ``LLM`` runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, executor ``uni``), so
+``collective_rpc`` and ``apply_model`` run in-process. Weight update (CONTRACT 10): buffered buckets are handed
+at ``finish`` to ``worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`` (which re-runs the
+quantized layers' post-processing), then ``llm.reset_prefix_cache()`` (without it a reused prompt prefix keeps
+stale KV). ``__main__`` guard: vLLM may spawn processes that re-import the main module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _reload(worker, tensors):
+    """collective_rpc target: the checkpoint-format reload of the given tensors, post-processing included."""
+    worker.reload_weights(weights_iterator=iter(list(tensors.items())), is_checkpoint_format=True)
+    return True
+
+
+def _fmt(names: str) -> str | None:
+    n = names.lower()
+    if "mxfp8" in n:
+        return "mxfp8"
+    if "nvfp4" in n or "fp4" in n:
+        return "nvfp4"
+    return None
+
+
+def _introspect(model):
+    """Per linear module: quant method / scheme / kernel class names, the format they imply, param dtypes and
+    data pointers (the live module's tensors, C1/C4)."""
+    out = {}
+    for name, mod in model.named_modules():
+        qm = getattr(mod, "quant_method", None)
+        if qm is None or not hasattr(mod, "weight"):
+            continue
+        scheme = getattr(mod, "scheme", None)
+        kernel = getattr(scheme, "kernel", None) or getattr(qm, "kernel", None)
+        classes = [type(x).__name__ for x in (qm, scheme, kernel) if x is not None]
+        params = {k: [str(v.dtype).removeprefix("torch."), list(v.shape), v.data_ptr()]
+                  for k, v in mod.named_parameters(recurse=False)}
+        out[name] = {"classes": classes, "format": _fmt(" ".join(classes)), "params": params}
+    return out
+
+
+def _answer(conn, obj) -> None:
+    conn.send_bytes(json.dumps(obj).encode())
+
+
+def main() -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model / collective_rpc callables
+    from multiprocessing.connection import Client
+
+    cfg = json.loads(os.environ["MILES_LP_VLLM_WORKER"])
+    conn = Client(cfg["address"], family="AF_UNIX", authkey=bytes.fromhex(os.environ["MILES_LP_VLLM_AUTHKEY"]))
+    t0 = time.perf_counter()
+    try:
+        from safetensors.torch import load as st_load
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(model=cfg["model"], skip_tokenizer_init=True, enforce_eager=True, dtype=cfg["dtype"],
+                  max_model_len=cfg["max_model_len"], max_num_seqs=cfg["max_num_seqs"], seed=0,
+                  distributed_executor_backend="uni", enable_prefix_caching=True)
+        _answer(conn, {"ok": True, "seconds": time.perf_counter() - t0})
+    except Exception as exc:
+        _answer(conn, {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]})
+        return
+    pending: dict = {}
+    while True:
+        try:
+            req = json.loads(conn.recv_bytes())
+        except EOFError:
+            return
+        op = req.get("op")
+        try:
+            if op == "generate":
+                s = req["sampling"]
+                sp = SamplingParams(max_tokens=s["max_new_tokens"], temperature=s["temperature"], top_p=s["top_p"],
+                                    top_k=s["top_k"] if s["top_k"] > 0 else -1, seed=s.get("seed"), logprobs=0,
+                                    stop_token_ids=s.get("stop_token_ids") or None, detokenize=False,
+                                    ignore_eos=True)  # only explicit stop tokens stop (the Engine protocol)
+                outs = llm.generate([{"prompt_token_ids": p} for p in req["prompts"]], sp, use_tqdm=False)
+                res = []
+                for o in outs:
+                    c = o.outputs[0]
+                    ids = list(c.token_ids)
+                    lps = [float(d[t].logprob) for t, d in zip(ids, c.logprobs, strict=True)]
+                    res.append({"ids": ids, "logprobs": lps, "finish": c.finish_reason or "length"})
+                _answer(conn, {"ok": True, "outputs": res})
+            elif op == "score":
+                sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+                outs = llm.generate([{"prompt_token_ids": p} for p in req["prompts"]], sp, use_tqdm=False)
+                res = [[float(d[t].logprob) for t, d in zip(p[1:], o.prompt_logprobs[1:], strict=True)]
+                       for p, o in zip(req["prompts"], outs, strict=True)]
+                _answer(conn, {"ok": True, "logprobs": res})
+            elif op == "bucket":
+                pending.update(st_load(conn.recv_bytes()))
+                _answer(conn, {"ok": True, "pending": len(pending)})
+            elif op == "finish":
+                t = time.perf_counter()
+                llm.collective_rpc(_reload, args=(pending,))
+                llm.reset_prefix_cache()
+                n = len(pending)
+                pending = {}
+                _answer(conn, {"ok": True, "reloaded": n, "seconds": time.perf_counter() - t})
+            elif op == "abort_update":
+                pending = {}
+                _answer(conn, {"ok": True})
+            elif op == "flush":
+                llm.reset_prefix_cache()
+                _answer(conn, {"ok": True})
+            elif op == "introspect":
+                _answer(conn, {"ok": True, "layers": llm.apply_model(_introspect)[0]})
+            elif op == "shutdown":
+                _answer(conn, {"ok": True})
+                return
+            else:
+                _answer(conn, {"ok": False, "error": f"unknown op {op!r}"})
+        except Exception as exc:  # report and keep serving
+            traceback.print_exc(file=sys.stderr)
+            _answer(conn, {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]})
+
+
+if __name__ == "__main__":
+    main()
