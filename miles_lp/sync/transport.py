@@ -9,8 +9,8 @@ buffer in the receiver's memory), four implementations:
   receiver ``ray.get``s it (zero-copy read-only view) into its staging buffer. CPU, any process of the
   Ray cluster; ``ray_receive`` is the receiver's half for an engine running as a Ray actor.
 * ``CudaIpcTransport``: the bucket is flattened on the learner's GPU and shared through a CUDA IPC handle
-  (``torch.multiprocessing.reductions.reduce_tensor``, SGLang's same-host tensor path); the receiver
-  rebuilds the tensor from the handle and copies it into its staging buffer.
+  (``torch.multiprocessing.reductions.reduce_tensor``, SGLang's same-host tensor path); the receiving process
+  rebuilds the tensor from the handle and copies it into its staging buffer (``cuda_ipc_receive``).
 * ``BroadcastTransport``: ``torch.distributed.broadcast`` of the layout (``broadcast_object_list``) then of the
   flat buffer from the learner's rank; ``BroadcastReceiver`` is the engine ranks' half (NCCL on GPU, the
   ``update_weights_from_distributed`` path; gloo on CPU, which the tests use).
@@ -134,42 +134,54 @@ class RayTransport:
         self.staging.release()
 
 
+def cuda_ipc_share(flat: torch.Tensor) -> tuple[Any, tuple]:
+    """A picklable handle for a CUDA tensor: torch's own reduction (what ``torch.multiprocessing`` pickles a
+    CUDA tensor as; SGLang's same-host tensor path). Keep ``flat`` alive until the receiver has copied it."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    return reduce_tensor(flat)
+
+
+def cuda_ipc_receive(handle: tuple[Any, tuple], slots: tuple[Slot, ...], staging: Staging) -> Received:
+    """The receiving process's half of ``CudaIpcTransport``: open the handle, copy into ``staging``."""
+    rebuild, args = handle
+    shared = rebuild(*args)
+    buf = staging.take(shared.numel())
+    buf.copy_(shared)
+    torch.cuda.current_stream(buf.device).synchronize()  # the sender may reuse its buffer after this
+    return list(iter_received(slots, buf))
+
+
 @dataclasses.dataclass
 class CudaIpcTransport:
-    """Same-host GPU processes: the bucket is flattened on the learner's GPU and shared by IPC handle."""
+    """Same-host GPU processes: the bucket is flattened on the learner's GPU and shared by IPC handle
+    (``handles`` receives ``(bucket index, slots, handle)`` for a receiver in another process, which calls
+    ``cuda_ipc_receive``). CUDA does not open a process's own IPC handle, so when the engine is in this process
+    ``send`` copies the flattened bucket into the staging buffer directly."""
 
     device: torch.device | str = "cuda"
     name: str = "cuda_ipc"
+    handles: Any = None  # a callable taking (index, slots, handle): the channel to a receiving process
 
     def __post_init__(self):
         if not torch.cuda.is_available():
             raise BackendUnavailable("sync.transport 'cuda_ipc' needs CUDA; use inprocess or ray on CPU")
         self.staging = Staging(self.device)
 
-    @staticmethod
-    def share(flat: torch.Tensor) -> tuple[Any, tuple]:
-        """A picklable handle for a CUDA tensor (torch's own reduction for CUDA IPC)."""
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        return reduce_tensor(flat)
-
-    @staticmethod
-    def open(handle: tuple[Any, tuple]) -> torch.Tensor:
-        rebuild, args = handle
-        return rebuild(*args)
-
     def send(self, bucket: Bucket) -> Received:
         src_device = next((t.device for t in bucket.payload.values() if t.is_cuda), torch.device(self.device))
         flat = flatten(bucket, src_device)
-        handle = self.share(flat)
-        shared = self.open(handle)
+        if self.handles is not None:
+            self._inflight = flat  # alive until the next bucket (torch's IPC ref counting also guards it)
+            self.handles(bucket.index, bucket.slots, cuda_ipc_share(flat))
+            return []
         buf = self.staging.take(bucket.nbytes)
-        buf.copy_(shared)
-        torch.cuda.current_stream(buf.device).synchronize()  # the sender may free ``flat`` after this
+        buf.copy_(flat)
         return list(iter_received(bucket.slots, buf))
 
     def close(self) -> None:
         self.staging.release()
+        self._inflight = None
 
 
 _END = "__end__"

@@ -156,3 +156,32 @@ def test_cuda_ipc_round_trip():
         b.payload[it.name] = it.tensor.cuda()
     got = make_transport("cuda_ipc", "cuda").send(b)
     _assert_identical(items, [(n, t.cpu()) for n, t in got])
+
+
+def _ipc_child(q_in, q_out):
+    from miles_lp.sync.transport import Staging, cuda_ipc_receive
+
+    staging = Staging("cuda")
+    index, slots, handle = q_in.get()
+    got = cuda_ipc_receive(handle, slots, staging)
+    q_out.put({n: t.cpu().clone() for n, t in got})
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_between_two_processes():
+    import torch.multiprocessing as mp
+
+    items, b = _bucket()
+    for it in items:
+        b.payload[it.name] = it.tensor.cuda()
+    ctx = mp.get_context("spawn")
+    q_in, q_out = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_ipc_child, args=(q_in, q_out))
+    child.start()
+    tx = make_transport("cuda_ipc", "cuda")
+    tx.handles = lambda index, slots, handle: q_in.put((index, slots, handle))
+    assert tx.send(b) == []
+    got = q_out.get(timeout=120)  # the sender's buffer stays alive until the child has copied it
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    _assert_identical(items, list(got.items()))
