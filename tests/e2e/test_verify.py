@@ -517,3 +517,26 @@ def test_error_check_fails_an_injected_error_just_above_the_bound(copy, capsys):
     save_file(t, str(shard), metadata={"format": "pt"})
     rc, text = verify(capsys, out, src)
     assert rc == 1 and "[FAIL] error" in text and f"'{name}': 1 elements outside the mxfp8 bound" in text
+
+
+def test_error_check_fails_an_nvfp4_error_just_above_the_bound(copy, capsys):
+    """NVFP4: an element decoded as 0 whose source value is moved to 1.05x the bound s / 4 (s = sf * S_dec,
+    the block's effective scale; the element stays below s, so the bound is s / 4, not |x| / 4)."""
+    src_root, out = copy("nvfp4-experts", "sglang")
+    src = out.parent / "src2"
+    shutil.copytree(src_root, src)
+    name = "model.layers.2.mlp.experts.1.down_proj.weight"  # not in a fused group: its own amax
+    shard = next(f for f in src.glob("*.safetensors") if name in load_file(f))
+    t = load_file(shard)
+    x = t[name].float()
+    data, scale, s_dec = oracle.nvfp4_quantize(x)
+    dq = oracle.nvfp4_decode(data, scale, s_dec)
+    s = oracle.e4m3_decode(scale).repeat_interleave(16, dim=-1) * s_dec
+    i, j = map(int, ((dq == 0) & (s > 0)).nonzero()[0])
+    value = 1.05 * float(s[i, j]) / 4
+    t[name] = t[name].clone()
+    t[name][i, j] = value
+    assert abs(float(t[name][i, j]) - value) < 0.01 * value  # bf16 keeps the 5% margin
+    save_file(t, str(shard), metadata={"format": "pt"})
+    rc, text = verify(capsys, out, src)
+    assert rc == 1 and "[FAIL] error" in text and f"'{name}': 1 elements outside the nvfp4 bound" in text
