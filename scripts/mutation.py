@@ -69,7 +69,7 @@ def copy_tree(dst: Path) -> None:
 def run_tests(tree: Path, tests: list[str], timeout: int) -> tuple[int, list[str], str, float]:
     """(pytest exit code, failed node ids, output tail, seconds)."""
     env = dict(os.environ, PYTHONPATH=str(tree) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               PYTHONDONTWRITEBYTECODE="1")
+               PYTHONDONTWRITEBYTECODE="1", MILES_LP_CACHE_DIR=str(tree.parent / "cache"))  # mutated native builds stay here
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-rfE", "-p", "no:cacheprovider", "-m", "not gpu",
            "--no-header", *tests]
     t0 = time.perf_counter()

@@ -19,7 +19,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from miles_lp.formats import oracle, quantize_mxfp8, quantize_nvfp4
+from miles_lp.formats import nvfp4, oracle, quantize_mxfp8, quantize_nvfp4
 
 # ---------------------------------------------------------------------------------------------------------
 # exact arithmetic (no miles_lp import)
@@ -186,10 +186,13 @@ def _expected(row: list[float], **rules) -> tuple[list[int], list[int], Fraction
 
 def _check_codecs(row: list[float], scales: list[int], data: list[int], s_dec: Fraction) -> None:
     x = torch.tensor([row], dtype=torch.float32)
-    q = quantize_nvfp4(x)
+    q = quantize_nvfp4(x)  # on CPU: the fused native kernel where it builds (formats._native)
     assert q.scale.view(torch.uint8).tolist() == [scales], "codec scale bytes"
     assert q.data.tolist() == [data], "codec data bytes"
     assert Fraction(q.global_scale.item()) == s_dec, "codec S_dec"
+    cd, cs, cg, _ = nvfp4.nvfp4_core(x)  # the torch rule (what CUDA and train.fused compile)
+    assert cs.view(torch.uint8).tolist() == [scales] and cd.tolist() == [data] and Fraction(cg.item()) == s_dec, \
+        "nvfp4_core"
     d, s, g = oracle.nvfp4_quantize(x)
     assert s.tolist() == [scales] and d.tolist() == [data] and Fraction(g) == s_dec, "oracle"
 
