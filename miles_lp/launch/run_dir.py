@@ -109,9 +109,10 @@ class RunDir:
                 save_learner_state(learner_state, tmp / "learner")
                 (tmp / "loop.json").write_text(json.dumps({**loop, "step": step, "saved": time.time()},
                                                           sort_keys=True))
-        except OSError as exc:
+        except (OSError, CheckpointError) as exc:  # atomic_output_dir reports OSErrors as CheckpointError
             prev = self.latest()
-            raise CheckpointError(f"checkpoint at step {step} could not be written to {out}: {exc.strerror or exc}; "
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise CheckpointError(f"checkpoint at step {step} could not be written to {out}: {why}; "
                                   f"the previous checkpoint is intact ({prev or 'none'})") from None
         _write_atomic(self.checkpoints / LATEST, json.dumps({"step": step, "path": name}))
         self._prune(keep=name)

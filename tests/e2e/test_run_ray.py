@@ -36,3 +36,22 @@ def test_ray_local_cluster_with_engine_restart(tmp_path):
     assert all(r["sync/check/grid"] == 1.0 for r in rows)  # the resynced engine holds the learner's grid
     assert [r["rollout/weight_version"] for r in rows] == [1.0, 2.0, 3.0]  # the run's count survives the restart
     assert not ray.is_initialized()  # the cluster this run started is gone
+
+
+def test_ctrl_c_stops_cleanly(tmp_path):
+    """KeyboardInterrupt mid-run: the actors are killed and the cluster this run started is shut down."""
+    import ray
+
+    from miles_lp.launch.ray_launcher import run_with_ray
+
+    p = tmp_path / "r.yaml"
+    p.write_text(RECIPE.replace("OUT", str(tmp_path / "runs")))
+    recipe = load_recipe(p, ["ray.enabled=true", "ray.num_cpus=2", "ray.placement=colocate", "steps=3"])
+
+    def on_step(run, m):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_with_ray(recipe, run_name="ctrlc", progress=False, on_step=on_step)
+    assert not ray.is_initialized()
+    assert [r["step"] for r in RunDir(tmp_path / "runs" / "ctrlc").read_metrics()] == [0]
