@@ -170,8 +170,24 @@ class EngineLinear(torch.nn.Module):
             return None
         return self.bias_operand if "bias_operand" in self._derived else self.bias
 
+    input_cache: InputCache | None = None  # shared by siblings that read one input (q/k/v, gate/up)
+
     def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
-        """The activation on the serving grid, dequantized to the operand dtype (``x`` is ``[M, K]``)."""
+        """The activation on the serving grid, dequantized to the operand dtype (``x`` is ``[M, K]``).
+
+        Siblings reading the same input tensor (q/k/v, gate/up: one fused GEMM in SGLang and vLLM) share an
+        ``InputCache``: the input is quantized once, as the fused kernel does (same bytes either way)."""
+        cache = self.input_cache
+        if cache is None:
+            return self._quantize_input(x)
+        key = (self.kernel_format, self.activation_scale, self.activation_mode, self.op_dtype)
+        if cache.x is x and cache.key == key:
+            return cache.value
+        value = self._quantize_input(x)
+        cache.x, cache.key, cache.value = x, key, value  # holds x: its memory cannot be reused while cached
+        return value
+
+    def _quantize_input(self, x: torch.Tensor) -> torch.Tensor:
         fmt = self.kernel_format
         if fmt is None:
             raise CheckpointError(f"'{self.prefix}weight': process_weights_after_loading has not run")
@@ -222,6 +238,34 @@ class EngineLinear(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.prefix}weight, in={self.in_features}, out={self.out_features}, disk={self.disk_format.value}, "
                 f"kernel={getattr(self.kernel_format, 'value', None)}, target={self.target}")
+
+
+class InputCache:
+    """The last (input tensor, grid key) -> quantized-dequantized input of a group of sibling layers."""
+
+    __slots__ = ("x", "key", "value")
+
+    def __init__(self):
+        self.x = self.key = self.value = None
+
+
+#: sibling linears that read one input tensor, by leaf name
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj", "kv_a_proj_with_mqa"))
+
+
+def share_input_caches(model: torch.nn.Module) -> int:
+    """Give each group of sibling ``EngineLinear``s (same parent, names in ``SIBLINGS``) one ``InputCache``."""
+    n = 0
+    for _, parent in model.named_modules():
+        for group in SIBLINGS:
+            mods = [getattr(parent, g, None) for g in group]
+            mods = [m for m in mods if isinstance(m, EngineLinear)]
+            if len(mods) > 1:
+                cache = InputCache()
+                for m in mods:
+                    m.input_cache = cache
+                n += 1
+    return n
 
 
 def _with_scale(q, scale: torch.Tensor):

@@ -50,7 +50,14 @@ from miles_lp.rollout.engine import (
     tensor_digest,
 )
 from miles_lp.rollout.kv_cache import KV_CACHE_DTYPES, make_cache
-from miles_lp.rollout.layers import EngineExpert, EngineExperts, EngineLinear, describe_layer, engine_linears
+from miles_lp.rollout.layers import (
+    EngineExpert,
+    EngineExperts,
+    EngineLinear,
+    describe_layer,
+    engine_linears,
+    share_input_caches,
+)
 from miles_lp.rollout.sampling import sample
 
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -179,6 +186,10 @@ class ReferenceEngine:
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         ck = self.ckpt
         tied = bool(getattr(cfg, "tie_word_embeddings", False)) and "lm_head.weight" not in ck.tensors
+        if tied:
+            model.tie_weights()  # lm_head reads the embedding's tensor (from_config under no_init_weights leaves them apart)
+            if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
+                raise CheckpointError("tie_word_embeddings is set but transformers did not tie lm_head to the embedding")
         quantized_weights = set(ck.formats)
         for name, module in list(model.named_modules()):
             if isinstance(module, torch.nn.Linear):
@@ -207,6 +218,7 @@ class ReferenceEngine:
                     module.gate_up_proj = module.down_proj = None  # ... but not its empty fused tensors
                 _set_child(model, name, EngineExperts(experts, module.act_fn, apply_gate))
         model.requires_grad_(False)  # a sampler: no autograd state on any tensor
+        share_input_caches(model)
         if quantized_weights:
             raise CheckpointError(f"the quantization config quantizes {len(quantized_weights)} weight(s) the model "
                                   f"has no linear layer for, e.g. {sorted(quantized_weights)[:3]}")

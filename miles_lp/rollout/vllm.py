@@ -57,7 +57,8 @@ class VLLMEngine:
     """``Engine`` over vLLM's offline ``LLM`` in a subprocess (see the module docstring)."""
 
     def __init__(self, checkpoint: str | Path, *, python: str | None = None, dtype: str = "bfloat16",
-                 max_model_len: int = 256, max_num_seqs: int = 64, start_timeout_s: float = 900.0):
+                 max_model_len: int = 256, max_num_seqs: int = 64, start_timeout_s: float = 900.0,
+                 log_path: str | Path | None = None):
         from multiprocessing.connection import Listener
 
         from miles_lp.rollout.checkpoint import open_checkpoint
@@ -78,7 +79,11 @@ class VLLMEngine:
             "address": address, "model": str(self.checkpoint), "dtype": dtype, "max_model_len": max_model_len,
             "max_num_seqs": max_num_seqs}))
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        self._proc = subprocess.Popen([python, "-m", "miles_lp.rollout.vllm_worker"], env=env, cwd=self._tmp.name)
+        # vLLM logs to stdout: keep it off ours (a benchmark's table, a test's output); ``log_path`` keeps both streams
+        self._log = open(log_path, "ab") if log_path else None
+        out = self._log or subprocess.DEVNULL
+        self._proc = subprocess.Popen([python, "-m", "miles_lp.rollout.vllm_worker"], env=env, cwd=self._tmp.name,
+                                      stdout=out, stderr=self._log or None)
         self._listener._listener._socket.settimeout(start_timeout_s)
         try:
             self._conn = self._listener.accept()
@@ -226,6 +231,8 @@ class VLLMEngine:
                 self._proc.kill()
             self._listener.close()
             self._tmp.cleanup()
+            if self._log is not None:
+                self._log.close()
 
 
 if __name__ == "__main__":  # pragma: no cover - a manual smoke run: python -m miles_lp.rollout.vllm CKPT

@@ -255,3 +255,23 @@ def test_bf16_checkpoint_matches_transformers():
             lp = torch.log_softmax(model(input_ids=s).logits[0].float(), -1)[len(p) - 1:-1]
         ref = lp.gather(-1, s[0, len(p):, None])[:, 0]
         assert float((ref - x.logprobs).abs().max()) < 1e-4
+
+
+def test_tied_embeddings(tmp_path):
+    """Tied lm_head (Qwen2.5-0.5B's shape, the CUDA benchmark model): served from the embedding's tensor."""
+    import transformers
+
+    from miles_lp.checkpoint.tiny import tiny_config
+
+    cfg = tiny_config("qwen3")
+    cfg.tie_word_embeddings = True
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    eng = ReferenceEngine(tmp_path, device="cpu")
+    assert eng.model.lm_head.weight is eng.model.model.embed_tokens.weight
+    assert "lm_head.weight" not in eng.param_specs()
+    seq = [1, 2, 3, 4, 5, 6]
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp = torch.log_softmax(ref(input_ids=torch.tensor([seq])).logits[0], -1)[:-1]
+    assert float((eng.score([seq])[0] - lp.gather(-1, torch.tensor(seq[1:])[:, None])[:, 0]).abs().max()) < 1e-5
