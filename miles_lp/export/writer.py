@@ -143,7 +143,7 @@ def export_learner(learner, out: str | Path, *, target: str = "sglang", base: st
     if plan is None or not plan.quantized():
         raise ConfigError("the learner's plan quantizes no tensor; an engine checkpoint would be BF16 (use the "
                           "model folder itself, or a recipe whose precision: section quantizes something)")
-    for name, entry in plan.quantized().items():
+    for entry in plan.quantized().values():
         naming.parts(target, entry.format)  # refuses formats the target cannot hold
     out, src = preflight(out, base, target, overwrite)
     quant_config, extra_files = emit_configs(plan, target)

@@ -38,8 +38,9 @@ class WeightGrid:
 
     ``rowwise(w)`` is the forward grid (and what ``learner_weights`` exports); ``columnwise(w)`` the
     ``quantized``-mode dgrad operand. ``amax_partners`` are weights that share this weight's NVFP4 global
-    scale (a separate gate for an up projection and vice versa); ``amax_fn(w)``, when set, gives the NVFP4
-    global amax instead (e.g. all-reduced over a tensor-parallel group).
+    scale (a separate gate for an up projection and vice versa); ``amax_reduce(a)``, when set, reduces the local
+    NVFP4 global amax (this weight's and its partners', ``[..., 1, 1]``) to the one the grid uses (e.g. MAX over a
+    tensor-parallel group, ``miles_lp.train.megatron.naming.tp_amax_reduce``).
 
     ``kernel``: ``"reference"`` (the codecs, eager), ``"compiled"`` (``miles_lp.train.fused``: fused
     quantize->dequantize under ``torch.compile``, the same bytes) or ``"auto"`` (compiled for CUDA tensors,
@@ -56,7 +57,7 @@ class WeightGrid:
         self.kernel = kernel
         self.cache_dequantized = cache_dequantized
         self.amax_partners: list[torch.Tensor] = []
-        self.amax_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._row: Any = None
         self._row_key: tuple | None = None
         self._deq: torch.Tensor | None = None  # dequantized rowwise grid (compiled path), same key as _row
@@ -84,13 +85,13 @@ class WeightGrid:
     def _amax(self, weight: torch.Tensor) -> torch.Tensor | None:
         if self.recipe.format is not Format.NVFP4:
             return None
-        if self.amax_fn is not None:
-            return self.amax_fn(weight)
-        if not self.amax_partners:
+        if not self.amax_partners and self.amax_reduce is None:
             return None
         amax = weight_amax(weight)
         for p in self.amax_partners:
             amax = torch.maximum(amax, weight_amax(p).to(amax.device))
+        if self.amax_reduce is not None:  # e.g. MAX over the tensor-parallel group: the unsharded amax
+            amax = self.amax_reduce(amax)
         return amax.reshape(()) if weight.dim() == 2 else amax
 
     def _fresh(self, key: tuple) -> bool:

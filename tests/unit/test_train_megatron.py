@@ -167,8 +167,11 @@ def test_quant_parallel_linear_equals_quantized_linear(moe):
     fc2 = meg.decoder.layers[0].mlp.experts.local_experts[0].linear_fc2
     recipe = LinearRecipe(Format.NVFP4, BackwardMode.HIGH_PRECISION, "token", name="fc2")
     fc2.set_recipe(recipe, ("x",))
+    fc2.ran_quantized = False  # the module-scoped model may have run before
+    assert fc2.executed_quantized() == {}
     x = torch.randn(16, 64, requires_grad=True)
     y, _ = fc2(x)
+    assert fc2.executed_quantized() == {"x": "nvfp4"}  # recorded by the forward (the one walker collects it)
     ref = quantized_linear(x.detach(), fc2.weight.detach(), recipe)
     torch.testing.assert_close(y, ref, rtol=0, atol=0)
     y.sum().backward()
@@ -427,3 +430,56 @@ def test_expert_with_no_tokens_runs_empty(moe):
     assert fc1.weight.grad is not None and not fc1.weight.grad.any()
     fc1.weight.grad = None
     fc1.recipe, fc1.members, fc1.grid = saved
+
+
+@pytest.mark.parametrize("arch,fmt", [("qwen3_moe", "mixed"), ("qwen2_moe", "mixed"), ("deepseek_v3", "mixed"),
+                                      ("qwen3", "dense-nvfp4"), ("deepseek_v3", "dense-nvfp4")])
+def test_megatron_export_equals_the_embedded_export_and_convert(mp, cpu_forward, tmp_path, arch, fmt):
+    """The Megatron learner's export under HF names (issue 8 item 2): for the same weights, every tensor of
+    every target's engine checkpoint equals the embedded learner's export (which equals `miles-lp convert`,
+    tests/e2e/test_export.py), byte for byte: MXFP8 grids, NVFP4 with q/k/v, gate/up and DeepSeek's q_a/kv_a
+    sharing one global scale (one Megatron GEMM or amax partners), BF16 tensors in the checkpoint's dtype."""
+    import transformers
+
+    from miles_lp.checkpoint.tiny import make_tiny_model
+    from miles_lp.cli.convert import policy_for_format
+    from miles_lp.export import engine_tensors
+    from miles_lp.export.writer import learner_from_hf
+    from miles_lp.train.embedded import SourceInfo
+    from miles_lp.train.megatron.export import megatron_export_weights
+    from miles_lp.train.megatron.layers import attach_plan
+    from miles_lp.train.megatron.model import build_gpt_model, load_hf_weights
+
+    d = make_tiny_model(arch, tmp_path / arch, num_layers=2)
+    policy = policy_for_format("mxfp8+nvfp4-experts") if fmt == "mixed" else _policy(
+        {"default": "nvfp4", "backward": "high_precision"})
+    learner = learner_from_hf(d, policy)
+    plan = learner.plan
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32)
+    meg = build_gpt_model(hf.config, quantized=True)
+    load_hf_weights(meg, hf.state_dict(), hf.config)
+    attach_plan(meg, plan, plan.layout)
+    meg_out = list(megatron_export_weights(meg, hf.config, dtypes=SourceInfo.from_checkpoint(d).dtypes))
+    assert len({n for n, _ in meg_out}) == len(meg_out) and {n for n, _ in meg_out} == set(plan.entries)
+    for target in ("sglang", "compressed-tensors"):
+        a = dict(engine_tensors(meg_out, plan, target))
+        b = dict(engine_tensors(learner.export_weights(), plan, target))
+        assert a.keys() == b.keys()
+        bad = [k for k in a if not (a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(
+            a[k].contiguous().reshape(-1).view(torch.uint8), b[k].contiguous().reshape(-1).view(torch.uint8)))]
+        assert not bad, bad[:5]
+        scales = [k for k in a if k.endswith(("weight_scale_inv", "weight_scale_2", "weight_scale"))]
+        assert len(scales) >= len(plan.quantized())  # quantized tensors were compared, not only BF16 ones
+    if arch == "deepseek_v3" and fmt == "dense-nvfp4":  # fault injection: without the q_a/kv_a amax partners
+        from miles_lp.train.quant_linear import invalidate_grids
+
+        attn = meg.decoder.layers[0].self_attention
+        for down in (attn.linear_q_down_proj, attn.linear_kv_down_proj):
+            assert down.grid.amax_partners  # attach_plan paired the two
+            down.grid.amax_partners = []
+        invalidate_grids(meg)
+        alone = dict(megatron_export_weights(meg, hf.config))
+        ref = dict(learner.export_weights())
+        names = [f"model.layers.0.self_attn.{p}.weight" for p in ("q_a_proj", "kv_a_proj_with_mqa")]
+        assert torch.equal(ref[names[0]].global_scale, ref[names[1]].global_scale)  # one scale in the plan
+        assert sum(not torch.equal(alone[n].global_scale, ref[n].global_scale) for n in names) == 1

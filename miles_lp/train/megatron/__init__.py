@@ -3,7 +3,10 @@
 * ``model``: build a Megatron GPT/MoE model for an HF config (local layer spec) and load HF weights;
 * ``layers``: Megatron's parallel linears with miles-lp's quantized GEMM, the plan attached per module (their
   grids are walked by the one ``miles_lp.train.quant_linear.learner_weights``);
-* ``te``: the Transformer Engine configuration a plan implies (Blackwell + TE only; thin).
+* ``te``: the Transformer Engine configuration a plan implies (Blackwell + TE only; thin);
+* ``naming``: Megatron -> HF names (the inverse of ``hf_to_megatron``) and the tensor-parallel gather of shards
+  (pure tensor code, no megatron-core needed); ``export``: the Megatron learner's whole-model export under HF
+  names (``megatron_export_weights``: forward grids gathered over TP, named, the rest in the checkpoint dtype).
 
 Importing ``miles_lp.train.megatron.layers`` / ``.model`` needs megatron-core; this package itself does not.
 """

@@ -36,7 +36,8 @@ from miles_lp.errors import ConfigError
 from miles_lp.formats.spec import Format
 from miles_lp.train.gemm import quantized_linear
 from miles_lp.train.grid import WeightGrid
-from miles_lp.train.operands import select_rows, weight_amax
+from miles_lp.train.megatron.naming import tp_amax_reduce
+from miles_lp.train.operands import select_rows
 from miles_lp.train.recipe import LinearRecipe
 
 
@@ -48,20 +49,14 @@ class _QuantParallelMixin:
     grid: WeightGrid | None = None
     members: tuple[str, ...] = ()
     export_rows: list[tuple[str, torch.Tensor]] | None = None  # canonical name -> row index into the weight
+    ran_quantized = False  # set by a quantized forward (executed_quantized: C1, recorded, not read from the plan)
 
     def set_recipe(self, recipe: LinearRecipe | None, members: tuple[str, ...] = ()) -> None:
         self.recipe = recipe
         self.members = members
         self.grid = WeightGrid(recipe) if recipe is not None else None
         if recipe is not None and recipe.format is Format.NVFP4 and self._tp_world() > 1:
-            group = self.tp_group
-
-            def amax_all_reduce(w: torch.Tensor) -> torch.Tensor:
-                a = weight_amax(w).reshape(())
-                torch.distributed.all_reduce(a, op=torch.distributed.ReduceOp.MAX, group=group)
-                return a
-
-            self.grid.amax_fn = amax_all_reduce
+            self.grid.amax_reduce = tp_amax_reduce(self.tp_group)
 
     def _tp_world(self) -> int:
         group = getattr(self, "tp_group", None)
@@ -83,7 +78,14 @@ class _QuantParallelMixin:
             # an expert that the router gave no token (SequentialMLP still calls it): nothing to quantize, an
             # empty output, a zero weight gradient
             return torch.nn.functional.linear(input, weight.to(input.dtype), bias)
+        self.ran_quantized = True
         return quantized_linear(input, weight, self.recipe, bias, grid=self.grid)
+
+    def executed_quantized(self) -> dict[str, str]:
+        """``{canonical member: format}`` once a forward ran this GEMM quantized (empty before)."""
+        if not self.ran_quantized or self.recipe is None:
+            return {}
+        return dict.fromkeys(self.members, self.recipe.format.value)
 
     def invalidate_grids(self) -> None:
         """Drop the cached grid: Megatron's optimizers write model params through ``.data`` (no version bump),
@@ -247,6 +249,7 @@ def attach_plan(model: torch.nn.Module, plan, layout) -> dict[str, str]:
     ``layout`` is the policy layout of the HF model the Megatron model was built from.
     """
     report: dict[str, str] = {}
+    holder: dict[str, Any] = {}  # canonical member -> the quantized module that runs it
     for name, module in model.named_modules():
         if not isinstance(module, _QuantParallelMixin):
             continue
@@ -272,4 +275,14 @@ def attach_plan(model: torch.nn.Module, plan, layout) -> dict[str, str]:
             half = module.weight.shape[0] // 2
             module.export_rows = [(members[0], torch.arange(0, half)), (members[1], torch.arange(half, 2 * half))]
         report[pname] = f"{recipe.format.value}/{recipe.backward.value}"
+        for m in members:
+            holder[m] = module
+    # A joint-scale group spread over several Megatron linears (DeepSeek's q_a + kv_a: two column-parallel
+    # linears, one NVFP4 global scale in the plan and in the engines' fused_qkv_a_proj_with_mqa): each grid folds
+    # in the others' amax (then, under TP, the MAX over the group), as the embedded trainer's apply_plan does.
+    for group in plan.groups.values():
+        mods = list({id(holder[m]): holder[m] for m in group if m in holder}.values())
+        if len(mods) > 1 and all(m.recipe.format is Format.NVFP4 for m in mods):
+            for m in mods:
+                m.grid.amax_partners = [o.weight for o in mods if o is not m]
     return report

@@ -1,0 +1,95 @@
+"""The Megatron learner's whole-model export under canonical HF names (``Learner.export_weights`` semantics).
+
+    for name, value in megatron_export_weights(model, hf_config, tp_group=group): ...
+
+Per Megatron tensor: the forward grid of a quantized linear (its ``WeightGrid``, the very bytes the forward
+used) or the parameter / router expert-bias buffer; under tensor parallelism every rank all-gathers the shards
+over the TP group (``all_gather_value``: byte views, so any dtype crosses gloo or NCCL) and rebuilds the full
+tensor (``naming.gather_shards``); then ``naming.megatron_to_hf`` names it. Plain tensors are cast to the
+checkpoint's dtype (``dtypes``, BF16 by default). All ranks must call it (collectives); all get the result.
+
+The grid equals the converter's (C2): MXFP8 has no global scale; an NVFP4 fused Megatron weight (``linear_qkv``,
+``linear_fc1``) has one global scale over its members, which the plan's joint-scale groups (q/k/v, gate/up)
+give the converter too, and DeepSeek's q_a / kv_a (two Megatron linears, one plan group) share theirs through
+``attach_plan``'s amax partners. Expert parallelism (ep > 1) is not gathered here: export at ep = 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from miles_lp.train.megatron.naming import gather_shards, megatron_to_hf
+
+DEFAULT_DTYPE = torch.bfloat16
+
+
+def _world(group) -> int:
+    if group is None or not torch.distributed.is_initialized():
+        return 1
+    return torch.distributed.get_world_size(group)
+
+
+def _gather_tensor(t: torch.Tensor, group) -> list[torch.Tensor]:
+    """``t`` from every rank of ``group`` (same shape and dtype on each), as byte views across the wire."""
+    t = t.detach().contiguous()
+    flat = t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1).to(torch.uint8)
+    bufs = [torch.empty_like(flat) for _ in range(_world(group))]
+    torch.distributed.all_gather(bufs, flat, group=group)
+    return [b.view(t.dtype).reshape(t.shape) if t.numel() else t.clone() for b in bufs]
+
+
+def all_gather_value(v: Any, group) -> list[Any]:
+    """A tensor or a quantized grid from every rank of ``group`` (rank order); ``[v]`` without a group."""
+    if _world(group) == 1:
+        return [v]
+    if isinstance(v, torch.Tensor):
+        return _gather_tensor(v, group)
+    per_field: dict[str, list[torch.Tensor]] = {}
+    static: dict[str, Any] = {}
+    for f in dataclasses.fields(v):
+        if not f.init:
+            continue
+        x = getattr(v, f.name)
+        if isinstance(x, torch.Tensor):
+            per_field[f.name] = _gather_tensor(x, group)
+        else:
+            static[f.name] = x
+    n = _world(group)
+    return [type(v)(**static, **{k: parts[r] for k, parts in per_field.items()}) for r in range(n)]
+
+
+def quantized_grids(model: torch.nn.Module) -> dict[str, Any]:
+    """``{Megatron weight name: forward grid}`` of the quantized parallel linears (``module.`` prefixes off)."""
+    from miles_lp.train.megatron.layers import _QuantParallelMixin
+
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, _QuantParallelMixin) and module.grid is not None:
+            while name.startswith("module."):
+                name = name[len("module."):]
+            out[f"{name}.weight"] = (module.grid.rowwise(module.weight), module.recipe)
+    return out
+
+
+def megatron_export_weights(model: torch.nn.Module, hf_config: Any, *, tp_group=None,
+                            dtypes: Mapping[str, torch.dtype] | None = None,
+                            default_dtype: torch.dtype = DEFAULT_DTYPE) -> Iterator[tuple[str, Any]]:
+    """``(canonical HF name, grid | tensor)`` for every tensor of the HF checkpoint the model was built from."""
+    from miles_lp.train.megatron.model import megatron_targets
+
+    dtypes = dtypes or {}
+    grids = quantized_grids(model)
+    state: dict[str, Any] = {}
+    for name, p in megatron_targets(model).items():
+        while name.startswith("module."):
+            name = name[len("module."):]
+        value = grids[name][0] if name in grids else p.detach()
+        state[name] = gather_shards(name, all_gather_value(value, tp_group))
+    for hf_name, v in megatron_to_hf(state, hf_config).items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            v = v.to(dtypes.get(hf_name, default_dtype))
+        yield hf_name, v

@@ -1,0 +1,187 @@
+"""Megatron -> HF naming (issue 8, item 2): HF -> Megatron -> HF is the identity byte for byte on every tiny
+architecture the Megatron backend builds, at tp = 1 and with tp = 2 shards gathered; quantized grids of TP
+shards gather into the converter's grid (2 gloo CPU ranks: NVFP4 global amax all-reduced over the group)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+
+from miles_lp.checkpoint.safetensors_io import open_checkpoint, read_tensor
+from miles_lp.checkpoint.tiny import make_tiny_model
+from miles_lp.config import Where
+from miles_lp.errors import LayoutError
+from miles_lp.policy import parse_policy
+from miles_lp.train.megatron.model import SUPPORTED, hf_to_megatron
+from miles_lp.train.megatron.naming import gather_shards, megatron_to_hf, shard_kind
+
+ARCHS = ("llama", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            import transformers
+
+            d = make_tiny_model(arch, tmp_path_factory.mktemp(arch), num_layers=3)
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.bfloat16)
+            cache[arch] = (d, model.config, model.state_dict())
+        return cache[arch]
+    return get
+
+
+def same_bytes(a, b) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def assert_identity(d, hf):
+    ck = open_checkpoint(d).tensors
+    assert set(hf) == set(ck), sorted(set(hf) ^ set(ck))[:6]
+    bad = [n for n in ck if not same_bytes(hf[n], read_tensor(ck[n]))]
+    assert not bad, bad[:6]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_hf_megatron_hf_is_the_identity(tiny, arch):
+    assert arch in SUPPORTED
+    d, cfg, sd = tiny(arch)
+    assert_identity(d, megatron_to_hf(hf_to_megatron(sd, cfg), cfg))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tp2_shards_gather_into_the_identity(tiny, arch):
+    d, cfg, sd = tiny(arch)
+    ranks = [hf_to_megatron(sd, cfg, tp_rank=r, tp_size=2, etp_rank=r, etp_size=2) for r in range(2)]
+    assert any(not torch.equal(ranks[0][n], ranks[1][n]) for n in ranks[0] if shard_kind(n) != "replicated")
+    full = {n: gather_shards(n, [s[n] for s in ranks]) for n in ranks[0]}
+    assert_identity(d, megatron_to_hf(full, cfg))
+
+
+def test_refusals(tiny):
+    d, cfg, sd = tiny("qwen3")
+    meg = hf_to_megatron(sd, cfg)
+    with pytest.raises(LayoutError, match="not consumed.*extra"):
+        megatron_to_hf({**meg, "decoder.layers.0.extra": torch.zeros(1)}, cfg)
+    with pytest.raises(LayoutError, match="has no 'decoder.layers.1.pre_mlp_layernorm.weight'"):
+        megatron_to_hf({k: v for k, v in meg.items() if k != "decoder.layers.1.pre_mlp_layernorm.weight"}, cfg)
+    n = "decoder.layers.0.input_layernorm.weight"
+    with pytest.raises(LayoutError, match="replicated.*disagree"):
+        gather_shards(n, [meg[n], meg[n] + 1])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# quantized grids under TP = 2: two gloo ranks
+# ---------------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tp_worker(rank: int, world: int, port: int, jobs: list) -> None:
+    """One TP rank: its shards (written by the parent: no transformers import here), the forward grid of each
+    quantized weight with the NVFP4 amax all-reduced over the group, all-gathered, named; rank 0 writes them.
+    Several (folder, recipes, config) jobs per spawn: the child's imports are most of its time."""
+    from safetensors.torch import load_file, save_file
+
+    from miles_lp.export.tensors import is_quantized
+    from miles_lp.train.grid import WeightGrid
+    from miles_lp.train.megatron.export import all_gather_value
+    from miles_lp.train.megatron.naming import tp_amax_reduce
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        group = torch.distributed.new_group(list(range(world)))
+        for shard_dir, recipes, hf_config in jobs:
+            shard = load_file(os.path.join(shard_dir, f"rank{rank}.safetensors"))
+            full = {}
+            for name, w in shard.items():
+                recipe = recipes.get(name)
+                if recipe is None:
+                    full[name] = all_gather_value(w, group)
+                    continue
+                grid = WeightGrid(recipe)
+                grid.amax_reduce = tp_amax_reduce(group)  # what the Megatron layers install under TP
+                full[name] = all_gather_value(grid.rowwise(w.float()), group)
+            hf = megatron_to_hf({n: gather_shards(n, parts) for n, parts in full.items()}, hf_config)
+            if rank == 0:
+                flat = {}
+                for n, v in hf.items():
+                    for k, t in (v.components() if is_quantized(v) else {"tensor": v}).items():
+                        flat[f"{n}::{k}"] = t.contiguous().clone()  # gate/up share one scale tensor
+                save_file(flat, os.path.join(shard_dir, "gathered.safetensors"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_tp2_gloo_grids_equal_the_converter(tiny, tmp_path):
+    """Two gloo ranks, each quantizing its shards (the NVFP4 global amax all-reduced MAX over the TP group); the
+    grids all-gathered and named equal, byte for byte, what `miles-lp convert` writes for the same weights:
+    qwen3_moe with MXFP8 + NVFP4 experts, qwen3 all NVFP4 (q/k/v and gate/up share one scale)."""
+    from safetensors.torch import load_file, save_file
+
+    from miles_lp.checkpoint.convert import convert_checkpoint
+    from miles_lp.cli.convert import policy_for_format
+    from miles_lp.export import naming
+    from miles_lp.formats import Format
+    from miles_lp.train.embedded import plan_for_model
+    from miles_lp.train.recipe import LinearRecipe
+
+    cases = {"qwen3_moe": policy_for_format("mxfp8+nvfp4-experts"),
+             "qwen3": parse_policy({"default": "nvfp4", "backward": "high_precision"}, Where("<t>", "precision"))}
+    jobs, plans = [], {}
+    for arch, policy in cases.items():
+        d, cfg, sd = tiny(arch)
+        plan = plans[arch] = plan_for_model(policy, d)
+        (tmp_path / arch).mkdir()
+        for r in range(2):
+            shard = hf_to_megatron(sd, cfg, tp_rank=r, tp_size=2, etp_rank=r, etp_size=2)
+            save_file({k: v.contiguous() for k, v in shard.items()}, str(tmp_path / arch / f"rank{r}.safetensors"))
+        recipes = {}
+        for name, w in shard.items():
+            entries = [plan.entries[m] for m in plan.layout.describe(name).members if m in plan.entries]
+            if entries and name.endswith("weight") and w.dim() == 2:
+                recipe = LinearRecipe.from_entry(entries[0], name=name)
+                if recipe is not None:
+                    recipes[name] = recipe
+        jobs.append((str(tmp_path / arch), recipes, cfg.to_dict()))
+    # fork: the children inherit the imported modules (a spawned interpreter spends most of its time importing
+    # torch); nothing here has touched CUDA, so forking is safe
+    torch.multiprocessing.start_processes(_tp_worker, args=(2, _free_port(), jobs), nprocs=2, join=True,
+                                          start_method="fork")
+    for arch, policy in cases.items():
+        d, plan = tiny(arch)[0], plans[arch]
+        got: dict = {}
+        for key, t in load_file(str(tmp_path / arch / "gathered.safetensors")).items():
+            n, k = key.split("::")
+            if k == "tensor":
+                got[n] = t
+            else:
+                got.setdefault(n, {})[k] = t
+        conv = tmp_path / arch / "conv"
+        convert_checkpoint(d, conv, policy, progress=False, log=lambda s: None)
+        disk = {n: read_tensor(h) for n, h in open_checkpoint(conv).tensors.items()}
+        checked = 0
+        for name, v in got.items():
+            f_ = plan.format_for(name)
+            if f_ is Format.BF16:
+                assert same_bytes(v, disk[name]), name
+                continue
+
+            class _Q:  # the components under the codec's names, encoded as convert encodes them
+                format = f_
+
+                def components(self, v=v):
+                    return v
+            for k, t in naming.encode("sglang", f_, name, _Q()).items():
+                assert same_bytes(t, disk[k]), (arch, k)
+                checked += 1
+        assert checked > 50 and set(got) == set(open_checkpoint(d).tensors)
