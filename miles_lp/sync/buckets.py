@@ -112,9 +112,12 @@ def ff_counts(ts: list[torch.Tensor]) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.int64)
     raws = [t.detach().reshape(-1).view(torch.uint8) for t in ts]
     flat = torch.cat(raws) if len(raws) > 1 else raws[0]
-    sizes = torch.tensor([r.numel() for r in raws], dtype=torch.int64)
-    seg = torch.repeat_interleave(torch.arange(len(raws), dtype=torch.int32), sizes).to(flat.device)
-    out = torch.zeros(len(raws), dtype=torch.int64, device=flat.device)
+    dev = flat.device
+    sizes = torch.tensor([r.numel() for r in raws], dtype=torch.int64).to(dev)
+    # built where the bytes are (output_size: no device->host sync to size the result)
+    seg = torch.repeat_interleave(torch.arange(len(raws), dtype=torch.int64, device=dev), sizes,
+                                  output_size=flat.numel())
+    out = torch.zeros(len(raws), dtype=torch.int64, device=dev)
     return out.index_add_(0, seg, (flat == NAN_FILL).to(torch.int64))
 
 

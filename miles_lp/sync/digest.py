@@ -51,9 +51,10 @@ def _chunk_sums(ts: list[torch.Tensor]) -> torch.Tensor:
     # int32 products and row sums, both wrapping mod 2^32 (vectorized; an int64 accumulation is ~10x slower on
     # CPU); the per-tensor combination below is int64
     rows = (words * _wcol(words.device)).sum(dim=1, dtype=torch.int32).to(torch.int64)  # [R]
-    counts = torch.tensor(rows_of, dtype=torch.int64)
-    seg = torch.repeat_interleave(torch.arange(len(ts)), counts).to(words.device)  # tensor of each row
-    starts = (torch.cumsum(counts, 0) - counts).to(words.device)
+    dev = words.device
+    counts = torch.tensor(rows_of, dtype=torch.int64).to(dev)
+    seg = torch.repeat_interleave(torch.arange(len(ts), device=dev), counts, output_size=rows.numel())  # row -> tensor
+    starts = torch.cumsum(counts, 0) - counts
     pos = torch.arange(rows.numel(), device=words.device, dtype=torch.int64) - starts[seg]  # row within tensor
     wrow = pos * -7046029254386353131 + 0x7F4A7C15  # an odd-ish int64 hash of the index (wraps)
     wrow = wrow | 1
