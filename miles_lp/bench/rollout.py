@@ -31,6 +31,8 @@ DESCRIPTION = HELP + """
 def add_arguments(p) -> None:
     p.add_argument("--model", default="tiny", choices=("tiny", "0.5b"), help="tiny (default) or 0.5b (random)")
     p.add_argument("--device", default="cpu", help="cpu (default) | cuda")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="override the model's decoder layers (e.g. a 1-layer 0.5b smoke run on CPU)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
@@ -41,29 +43,30 @@ def add_arguments(p) -> None:
     p.add_argument("--json", default=None, metavar="FILE", help="also write the rows to this JSON file")
 
 
-def qwen3_05b_config():
+def qwen3_05b_config(num_layers: int = 24):
     import transformers
 
-    return transformers.Qwen3Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+    return transformers.Qwen3Config(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                                    num_hidden_layers=num_layers,
                                     num_attention_heads=14, num_key_value_heads=2, head_dim=64,
                                     max_position_embeddings=4096, tie_word_embeddings=True)
 
 
-def _model(kind: str, device: str, root):
-    """(BF16 HF checkpoint folder, converted folders by precision)."""
+def _model(kind: str, device: str, root, num_layers: int | None = None):
+    """The BF16 HF checkpoint folder of the benchmark model."""
     from pathlib import Path
 
     if kind == "tiny":
         from miles_lp.rollout.testing import tiny_hf
 
-        return tiny_hf("qwen3")
+        return tiny_hf("qwen3", num_layers=num_layers or 4)
     import torch
     import transformers
 
     out = Path(root) / "qwen3-0.5b-random"
     torch.manual_seed(0)
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(qwen3_05b_config(), dtype=torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_config(qwen3_05b_config(num_layers or 24), dtype=torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
     del model
     return out
@@ -111,7 +114,7 @@ def run(args) -> int:
     device = args.device
     rows = []
     with tempfile.TemporaryDirectory(prefix="miles-lp-bench-rollout-") as root:
-        src = _model(args.model, device, root)
+        src = _model(args.model, device, root, args.num_layers)
         cfg = transformers.AutoConfig.from_pretrained(src)
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt_len), generator=g)
@@ -169,7 +172,8 @@ def run(args) -> int:
                     v.close()
 
     anchor = rows[0]["tokens_per_s"]
-    print(f"bench rollout: model {args.model}, device {device}, batch {args.batch}, prompt {args.prompt_len}, "
+    layers = f" ({args.num_layers} layers)" if args.num_layers else ""
+    print(f"bench rollout: model {args.model}{layers}, device {device}, batch {args.batch}, prompt {args.prompt_len}, "
           f"new tokens {args.new_tokens}, torch threads {torch.get_num_threads()}")
     print(f"  {'backend':<26} {'precision':<9} {'tokens/s':>10} {'vs generate':>12}")
     for r in rows:
