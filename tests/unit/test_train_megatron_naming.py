@@ -185,3 +185,78 @@ def test_tp2_gloo_grids_equal_the_converter(tiny, tmp_path):
                 assert same_bytes(t, disk[k]), (arch, k)
                 checked += 1
         assert checked > 50 and set(got) == set(open_checkpoint(d).tensors)
+
+
+def _megatron_tp_worker(rank: int, world: int, port: int, d: str, out_dir: str) -> None:
+    """One rank of a real Megatron GPT model at tp = 2 (gloo, CPU): build, load HF weights, attach each plan,
+    export under HF names (grids gathered over the TP group); rank 0 writes the results."""
+    import transformers
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import save_file
+
+    from miles_lp.export import engine_tensors
+    from miles_lp.train.embedded import SourceInfo, plan_for_model
+    from miles_lp.train.megatron.export import megatron_export_weights
+    from miles_lp.train.megatron.layers import attach_plan
+    from miles_lp.train.megatron.model import build_gpt_model, load_hf_weights
+    from miles_lp.train.quant_linear import invalidate_grids
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    ps.initialize_model_parallel(world, 1)
+    try:
+        group = ps.get_tensor_model_parallel_group()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+        meg = build_gpt_model(hf.config, quantized=True, tp=world)
+        load_hf_weights(meg, hf.state_dict(), hf.config)
+        dtypes = SourceInfo.from_checkpoint(d).dtypes
+        for tag, raw in (("nvfp4", {"default": "nvfp4", "backward": "high_precision"}), ("mxfp8", {"default": "mxfp8"})):
+            plan = plan_for_model(parse_policy(raw, Where("<t>", "precision")), d)
+            attach_plan(meg, plan, plan.layout)
+            exported = list(megatron_export_weights(meg, hf.config, tp_group=group, dtypes=dtypes))
+            if rank == 0:
+                flat = {k: v.contiguous().clone() for k, v in engine_tensors(exported, plan, "sglang")}
+                save_file(flat, os.path.join(out_dir, f"{tag}.safetensors"))
+        # fault injection: an NVFP4 shard quantized with its own amax (no reduction) is refused by the gather
+        plan = plan_for_model(parse_policy({"default": "nvfp4"}, Where("<t>", "precision")), d)
+        attach_plan(meg, plan, plan.layout)
+        proj = meg.decoder.layers[0].self_attention.linear_proj
+        assert proj.grid.amax_reduce is not None  # set_recipe installed the TP reduction
+        proj.grid.amax_reduce = None
+        invalidate_grids(meg)
+        try:
+            list(megatron_export_weights(meg, hf.config, tp_group=group))
+            verdict = "not refused"
+        except LayoutError as exc:
+            verdict = str(exc)
+        if rank == 0:
+            with open(os.path.join(out_dir, "fault.txt"), "w") as f:
+                f.write(verdict)
+    finally:
+        ps.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+
+
+def test_real_megatron_tp2_export_equals_the_embedded_export(tiny, tmp_path):
+    """Megatron's own ColumnParallel / RowParallel linears at tp = 2 on 2 gloo ranks: the learner's export under HF
+    names (grids all-gathered; NVFP4 amax MAX-reduced over the TP group by set_recipe) equals the embedded
+    learner's export (= `miles-lp convert`) byte for byte, all NVFP4 and all MXFP8; without the reduction the
+    ranks' global scales differ and the gather refuses it."""
+    pytest.importorskip("megatron.core")
+    from safetensors.torch import load_file
+
+    from miles_lp.export import engine_tensors
+    from miles_lp.export.writer import learner_from_hf
+
+    d = tiny("qwen3")[0]
+    assert not torch.distributed.is_initialized()
+    torch.multiprocessing.start_processes(_megatron_tp_worker, args=(2, _free_port(), str(d), str(tmp_path)),
+                                          nprocs=2, join=True, start_method="fork")
+    for tag, raw in (("nvfp4", {"default": "nvfp4", "backward": "high_precision"}), ("mxfp8", {"default": "mxfp8"})):
+        learner = learner_from_hf(d, parse_policy(raw, Where("<t>", "precision")))
+        want = dict(engine_tensors(learner.export_weights(), learner.plan, "sglang"))
+        got = load_file(str(tmp_path / f"{tag}.safetensors"))
+        assert got.keys() == want.keys()
+        bad = [k for k in want if not same_bytes(got[k], want[k])]
+        assert not bad, (tag, bad[:5])
+    assert "differs between tensor-parallel ranks" in (tmp_path / "fault.txt").read_text()
