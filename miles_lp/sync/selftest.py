@@ -40,6 +40,7 @@ class Row:
     kl: float
     verdict: str  # "clean" | "CAUGHT" | "MISSED" | "FLAGGED" | "N/A"
     detail: str = ""
+    kl_se: float = float("nan")  # standard error of ``kl`` over the sampled tokens
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -157,9 +158,11 @@ def _recipes_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "recipes"
 
 
-def measure_kl(engine: Any, learner: Any, prompts: list[list[int]], max_new_tokens: int, seed: int = 0) -> float:
-    """``rollout_corr/kl`` of the engine's sampled tokens against the learner (NaN if any log-prob is not
-    finite)."""
+def measure_kl(engine: Any, learner: Any, prompts: list[list[int]], max_new_tokens: int, seed: int = 0
+               ) -> tuple[float, float]:
+    """``rollout_corr/kl`` of the engine's sampled tokens against the learner, and its standard error over
+    tokens (NaN if any log-prob is not finite): a fault's KL within a few standard errors of the healthy one is
+    one a divergence alarm cannot see."""
     from miles_lp.rollout.engine import SamplingParams
 
     gens = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, seed=seed))
@@ -168,8 +171,10 @@ def measure_kl(engine: Any, learner: Any, prompts: list[list[int]], max_new_toke
     train = [lp[len(p) - 1:] for lp, p in zip(lps, prompts, strict=True)]
     rollout = [g.logprobs for g in gens]
     if any(not bool(torch.isfinite(r).all()) for r in rollout):
-        return float("nan")
-    return rollout_kl(rollout, train)
+        return float("nan"), float("nan")
+    d = torch.cat([(r.double() - t.double()).reshape(-1) for r, t in zip(rollout, train, strict=True)])
+    se = float(d.std() / math.sqrt(d.numel())) if d.numel() > 1 else float("nan")
+    return rollout_kl(rollout, train), se
 
 
 class SelfTest:
@@ -226,7 +231,7 @@ class SelfTest:
         except SyncError as exc:
             return engine, exc.report, exc
 
-    def _kl(self, engine, learner=None) -> float:
+    def _kl(self, engine, learner=None) -> tuple[float, float]:
         engine.resume()
         return measure_kl(engine, learner or self.stack.learner, self.prompts, self.max_new_tokens)
 
@@ -234,12 +239,12 @@ class SelfTest:
     def healthy(self) -> Row:
         self.log("healthy sync (raise mode)")
         engine, report, err = self._sync(None, "raise")
-        kl = self._kl(engine) if err is None else float("nan")
+        kl, se = self._kl(engine) if err is None else (float("nan"), float("nan"))
         flagged = [v.name for v in report.verdicts if v.failed] if report else ["(no report)"]
         ok = err is None and not flagged
         fig = report.verdict("self_check").figure if report else None
         detail = "" if ok else f"{type(err).__name__ if err else ''}: {err}"
-        return Row("healthy sync", "-", flagged, fig, kl, "clean" if ok else "FLAGGED", detail)
+        return Row("healthy sync", "-", flagged, fig, kl, "clean" if ok else "FLAGGED", detail, se)
 
     def fault(self, fault: Fault) -> Row:
         st = self.stack
@@ -261,9 +266,9 @@ class SelfTest:
         # (the sampler keeps its checkpoint), of the faulty sampler against the learner at those same weights.
         refused = report is None or report.stage == "pre-checks"
         try:
-            kl = self._kl(engine, st.learner0 if refused else st.learner)
+            kl, se = self._kl(engine, st.learner0 if refused else st.learner)
         except Exception as exc:  # an engine a fault broke may refuse to generate: the table says so
-            kl = float("nan")
+            kl, se = float("nan"), float("nan")
             self.log(f"    KL not measured: {type(exc).__name__}: {exc}")
         verdict = "CAUGHT" if fault.intended in caught else "MISSED"
         detail = "" if err is None else str(err).split(": ", 1)[-1][:300]
@@ -273,7 +278,7 @@ class SelfTest:
             detail = f"warn mode flagged {warned}; " + detail
         if refused:
             detail = "update refused whole (KL vs the learner at the checkpoint's weights); " + detail
-        return Row(fault.name, fault.intended, caught, figure, kl, verdict, detail)
+        return Row(fault.name, fault.intended, caught, figure, kl, verdict, detail, se)
 
     def run(self, only: list[str] | None = None) -> list[Row]:
         rows = [self.healthy()]
@@ -285,9 +290,9 @@ class SelfTest:
 
 
 def format_table(rows: list[Row]) -> str:
-    head = ("fault", "intended check", "caught by (raise mode)", "figure", "KL", "verdict")
+    head = ("fault", "intended check", "caught by (raise mode)", "figure", "KL (± s.e.)", "verdict")
     body = [(r.fault, r.intended, ",".join(r.caught_by) or "-", "-" if r.figure is None else f"{r.figure:.4g}",
-             "nan" if not math.isfinite(r.kl) else f"{r.kl:.4g}", r.verdict) for r in rows]
+             "nan" if not math.isfinite(r.kl) else f"{r.kl:.2g} ± {r.kl_se:.1g}", r.verdict) for r in rows]
     widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))  # noqa: E731
     return "\n".join([line(head), line(tuple("-" * w for w in widths)), *(line(b) for b in body)])
