@@ -229,6 +229,14 @@ def _megatron_tp_worker(rank: int, world: int, port: int, d: str, out_dir: str) 
             verdict = "not refused"
         except LayoutError as exc:
             verdict = str(exc)
+        from miles_lp.errors import ConfigError
+        from miles_lp.train.quant_linear import learner_weights
+
+        try:  # the per-module walker would yield a shard: refused, pointing at the gathering export
+            list(learner_weights(meg))
+            verdict += "\nlearner_weights not refused"
+        except ConfigError as exc:
+            verdict += "\n" + str(exc)
         if rank == 0:
             with open(os.path.join(out_dir, "fault.txt"), "w") as f:
                 f.write(verdict)
@@ -259,4 +267,5 @@ def test_real_megatron_tp2_export_equals_the_embedded_export(tiny, tmp_path):
         assert got.keys() == want.keys()
         bad = [k for k in want if not same_bytes(got[k], want[k])]
         assert not bad, (tag, bad[:5])
-    assert "differs between tensor-parallel ranks" in (tmp_path / "fault.txt").read_text()
+    fault = (tmp_path / "fault.txt").read_text()
+    assert "differs between tensor-parallel ranks" in fault and "megatron_export_weights" in fault

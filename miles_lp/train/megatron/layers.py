@@ -97,8 +97,9 @@ class _QuantParallelMixin:
         if self.grid is None:
             return
         if self._tp_world() > 1:
-            raise ConfigError(f"learner_weights of a tensor-parallel Megatron layer ({self.members[0]}...) needs "
-                              "a gather of the shards; export from tp=1 or gather the rowwise grids first")
+            raise ConfigError(f"learner_weights of a tensor-parallel Megatron layer ({self.members[0]}...) would yield "
+                              "this rank's shard; export with miles_lp.train.megatron.export.megatron_export_weights("
+                              "model, hf_config, tp_group=...), which all-gathers the shards first")
         q = self.grid.rowwise(self.weight)
         for name, rows in self.export_rows or [(self.members[0], None)]:
             yield name, q if rows is None else select_rows(q, rows)
