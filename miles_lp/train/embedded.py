@@ -438,16 +438,18 @@ class SourceInfo:
 
     @classmethod
     def from_checkpoint(cls, path: str | Path) -> SourceInfo:
-        """Names and dtypes from the safetensors headers (block-FP8 weights count as BF16, as convert writes
-        them; their ``weight_scale_inv`` companions are not model tensors)."""
+        """Names and dtypes from the safetensors headers. A DeepSeek-style block-FP8 checkpoint is refused: the
+        trainer loads BF16 / FP16 / FP32 weights (``miles-lp convert`` decodes block-FP8 exactly)."""
         from miles_lp.checkpoint.safetensors_io import torch_dtype
         from miles_lp.checkpoint.validate import validate_source
+        from miles_lp.errors import CheckpointError
 
         src = validate_source(path)
-        dtypes = {}
-        for n in src.logical:
-            st = src.tensors[n].dtype
-            dtypes[n] = torch.bfloat16 if n in src.fp8_scale_of else torch_dtype(st)
+        if src.is_fp8_block:
+            raise CheckpointError(f"{src.root} holds block-FP8 weights (e.g. '{next(iter(src.fp8_scale_of))}' with "
+                                  "weight_scale_inv); the embedded learner loads BF16 / FP16 / FP32 checkpoints: use "
+                                  "`miles-lp convert`, which decodes block-FP8 exactly, or a BF16 copy of the model")
+        dtypes = {n: torch_dtype(src.tensors[n].dtype) for n in src.logical}
         cfg_dtype = src.config.get("dtype") or src.config.get("torch_dtype")
         default = getattr(torch, cfg_dtype) if isinstance(cfg_dtype, str) and hasattr(torch, cfg_dtype) else None
         return cls(tuple(src.logical), dtypes, default if isinstance(default, torch.dtype) else DEFAULT_DTYPE)

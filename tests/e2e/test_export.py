@@ -178,3 +178,14 @@ def test_convert_with_the_learners_plan_object(tiny, tmp_path):
     with pytest.raises(ConfigError, match="plan was not compiled for"):
         convert_with_plan(d, tmp_path / "x", other, progress=False, log=lambda s: None)
     assert not (tmp_path / "x").exists()
+
+
+def test_block_fp8_source_is_refused_with_a_pointer_to_convert(tiny, tmp_path, capsys):
+    from tests.e2e.test_convert import _to_block_fp8
+
+    fp8 = tmp_path / "fp8"
+    _to_block_fp8(tiny("deepseek_v3"), fp8)
+    rc = main(["export", "--hf-checkpoint", str(fp8), "--format", "mxfp8", "--output", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "holds block-FP8 weights" in err and "miles-lp convert" in err
+    assert not (tmp_path / "o").exists()
