@@ -251,7 +251,7 @@ class WeightSync:
         timed("version", lambda: checks.version(self.expected_version, int(self.engine.weight_version)))
         pre = verdicts["completeness"]
         timed("completeness", lambda: _combine("completeness", [pre, checks.completeness(ledger, len(buckets))]))
-        timed("grid", lambda: self._grid(items, full_compare))
+        timed("grid", lambda: self._grid(items, full_compare, engine_q))
         timed("self_check", lambda: checks.self_check(self._self_check(), self.config.self_check_tolerance))
         timed("storage", lambda: checks.storage_identity(self.pointers, self.engine.storage_pointers()))
         raising = [v for n, v in verdicts.items() if v.failed and self.mode(n) == "raise"]
@@ -269,7 +269,7 @@ class WeightSync:
         return report
 
     # ---- check helpers ---------------------------------------------------------------------------------
-    def _grid(self, items: list[Item], full: bool) -> Verdict:
+    def _grid(self, items: list[Item], full: bool, engine_q: Mapping[str, Any]) -> Verdict:
         expected = {it.name: it.tensor for it in items}
         if full:
             got = self.engine.read_weights(list(expected))
@@ -280,9 +280,8 @@ class WeightSync:
             main = checks.grid_digests({n: tensor_digest(t) for n, t in expected.items()},
                                        self.engine.weight_digests(list(expected)))
         parts = [main]
-        if self.plan is not None:
-            groups = checks.global_scale_names(self.target, self.plan.groups,
-                                               {n: e.format for n, e in self.plan.entries.items()})
+        if self.plan is not None:  # the plan's gate/up groups that the engine holds in NVFP4 (its live formats)
+            groups = checks.global_scale_names(self.target, self.plan.groups, engine_q)
             if groups:
                 names = [n for _, ns in groups for n in ns]
                 parts.append(checks.joint_scales(groups, self.engine.read_weights(names)))

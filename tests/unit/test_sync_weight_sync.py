@@ -318,3 +318,22 @@ def test_a_backend_that_cannot_answer_digests_or_self_checks_gets_skip_verdicts_
     assert r.ok and r.verdict("grid").status == "skipped" and "no canonical tensors" in r.verdict("grid").reason
     assert r.verdict("self_check").status == "skipped" and "no serving kernel" in r.verdict("self_check").reason
     assert r.verdict("completeness").ok and r.verdict("storage").ok
+
+
+def test_a_bf16_gate_up_sampler_arm_skips_the_joint_scale_check_instead_of_failing_it():
+    class BF16GateUp(Learner):  # a comparison arm: the sampler's own plan keeps gate/up BF16
+        def export_weights(self):
+            for n, q in super().export_weights():
+                yield n, (self.w[n].to(torch.bfloat16) if n in (GATE, UP) else q)
+
+    class Engine(StubEngine):
+        def __init__(self):
+            super().__init__()
+            self.t = {it.name: it.tensor.clone() for it in engine_items(BF16GateUp(0).export_weights(), "sglang")}
+            self.q = {DOWN: "mxfp8"}
+            self._rebuild()
+
+    _, ws, _ = _sync(Engine(), mode="warn")
+    r = ws.sync(BF16GateUp())
+    assert [v.name for v in r.failed] == ["layer_audit"]  # the learner runs gate/up NVFP4: C1 says so
+    assert r.verdict("grid").ok and "NVFP4 gate/up" not in r.verdict("grid").reason
