@@ -2,8 +2,9 @@
 # The Triton codec kernels on the H200 in one device call: byte identity (pytest -m gpu, selfcheck), then
 # `miles-lp bench quantize` (kernels vs torchao vs a device copy) and `miles-lp bench linear`.
 # Logs under $OUT (or ./h200_logs), at most 8 files (the device tool brings back 8):
-#   session.log (everything), pytest_gpu.txt, selfcheck.jsonl, bench_quantize.txt, bench_quantize.json,
-#   bench_linear.txt, bench_linear.json
+#   session.log (everything), pytest_gpu.txt, selfcheck.jsonl (default launch shapes), selfcheck_int.jsonl
+#   (MILES_LP_KERNELS_HW=0: the integer encoders on CUDA), selfcheck_swept.jsonl (the shapes the bench
+#   sweep chose), bench_quantize.txt, bench_quantize.json, bench_linear.json
 # Usage (from a clean export of one commit, so the table names the tree it ran on):
 #   MILES_LP_COMMIT=<sha> bash scripts/h200_kernels.sh [--no-sweep] [--no-linear] [--tests-only]
 # Carry torchao as a wheel in .whl/ (README of the device tool); without it the torchao anchor is skipped.
@@ -31,7 +32,8 @@ failed=()
 step() {  # step NAME LOGFILE CMD...: run (at most $STEP_TIMEOUT s), tee to $out/LOGFILE, remember failures
   local name=$1 log=$2; shift 2
   echo "=== $name: $*"; local t0=$SECONDS
-  timeout "${STEP_TIMEOUT:-300}" "$@" 2>&1 | tee "$out/$log"
+  local dest="$out/$log"; [ "$log" = /dev/null ] && dest=/dev/null
+  timeout "${STEP_TIMEOUT:-300}" "$@" 2>&1 | tee "$dest"
   local rc=${PIPESTATUS[0]}
   echo "=== $name: rc=$rc ($((SECONDS - t0)) s)"
   [ "$rc" -eq 0 ] || failed+=("$name")
@@ -40,12 +42,16 @@ step pytest_gpu pytest_gpu.txt python3 -m pytest -q -p no:cacheprovider -m gpu \
   tests/unit/test_formats_kernels_gpu.py tests/unit/test_formats_gpu.py tests/unit/test_formats_nvfp4.py \
   tests/unit/test_train_quant_linear.py
 step selfcheck selfcheck.jsonl python3 -m miles_lp.formats.kernels.selfcheck --device cuda
+step selfcheck_int selfcheck_int.jsonl env MILES_LP_KERNELS_HW=0 python3 -m miles_lp.formats.kernels.selfcheck \
+  --device cuda
 if [ "$bench" = 1 ]; then
   step bench_quantize bench_quantize.txt python3 -m miles_lp.cli bench quantize --device cuda --rows 16384 \
     --cols 8192 $sweep --json "$out/bench_quantize.json"
+  step selfcheck_swept selfcheck_swept.jsonl python3 -m miles_lp.formats.kernels.selfcheck --device cuda \
+    --config "$out/bench_quantize.json" --no-encoders
 fi
 if [ "$linear" = 1 ]; then
-  step bench_linear bench_linear.txt python3 -m miles_lp.cli bench linear --shapes large,small \
+  step bench_linear /dev/null python3 -m miles_lp.cli bench linear --shapes large,small \
     --kernels compiled --json "$out/bench_linear.json"
 fi
 echo "failed steps: ${failed[*]:-none}"

@@ -46,13 +46,14 @@ __all__ = [
 # Launch shapes (tuned on the H200; the bench can override them). MXFP8 tiles are [32*BMB, 32*NB];
 # NVFP4 tiles [TA*TB, 16*NB]; ROWS_* are the rows per program of the one-pass per-row kernel.
 CONFIG = {
-    "mxfp8": {"BMB": 1, "NB": 4, "num_warps": 4},
-    "mxfp8_dq": {"BMB": 1, "NB": 4, "num_warps": 4},
-    "nvfp4": {"TA": 16, "NB": 8, "num_warps": 4},
-    "nvfp4_2d": {"TA": 1, "NB": 8, "num_warps": 4},
-    "nvfp4_rows": {"ROWS": 4, "NB": 16, "num_warps": 4},
+    "mxfp8": {"BMB": 1, "NB": 4, "num_warps": 4},  # one grid
+    "mxfp8_both": {"BMB": 1, "NB": 4, "num_warps": 4},  # rowwise + columnwise in one pass
+    "mxfp8_dq": {"BMB": 1, "NB": 8, "num_warps": 4},
+    "nvfp4": {"TA": 16, "NB": 16, "num_warps": 4},
+    "nvfp4_2d": {"TA": 1, "NB": 16, "num_warps": 4},
+    "nvfp4_rows": {"ROWS": 4, "NB": 32, "num_warps": 4},
     "nvfp4_dq": {"BM": 16, "NB": 8, "num_warps": 4},
-    "amax": {"BM": 16, "BK": 256, "num_warps": 4},
+    "amax": {"BM": 32, "BK": 256, "num_warps": 4},
 }
 
 _OUT_KIND = {None: 0, torch.float32: 1, torch.bfloat16: 2}
@@ -218,7 +219,7 @@ def mxfp8_quantize(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = Fal
         wr = torch.zeros((*lead, _ru(m, 128), _ru(k // MXFP8_BLOCK, 4)), dtype=torch.uint8, device=dev)
     if swizzle and colwise:
         wc = torch.zeros((*lead, _ru(k, 128), _ru(m // MXFP8_BLOCK, 4)), dtype=torch.uint8, device=dev)
-    cfg = CONFIG["mxfp8"]
+    cfg = CONFIG["mxfp8_both" if (rowwise and colwise) else "mxfp8"]
     bmb, nb = cfg["BMB"], cfg["NB"]
     if colwise and m % (32 * bmb):
         bmb = 1  # a tile must not straddle two matrices' column blocks (M is a multiple of 32)

@@ -24,11 +24,19 @@ Inputs: bf16 arrives as its int16 bit pattern (widened by a shift, exact), fp32 
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
 from miles_lp.formats import bits
 
+# Hardware conversions on CUDA (sm_89+: cvt.rn.satfinite.e4m3x2.f32, cvt.rn.f16x2.e4m3x2, cvt.rn.bf16.f32,
+# max.f32 / min.f32 that ignore NaN); the integer forms in Triton's interpreter, whose float8 / bf16 casts do
+# not round to nearest even and whose max propagates NaN. Fixed when this module is imported (kernels._load);
+# MILES_LP_KERNELS_HW=0 runs the integer forms on CUDA too (same bytes, more instructions: for A/B checks).
+HW = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes")
+                  and os.environ.get("MILES_LP_KERNELS_HW", "1") != "0")
 INV448 = tl.constexpr(bits.FP32_INV_448)  # 0x3B124925, exactly an fp32 value
 INV6 = tl.constexpr(bits.FP32_INV_6)  # 0x3E2AAAAB
 FLT_MAX = tl.constexpr(bits.FP32_MAX)
@@ -42,17 +50,49 @@ TWO_M9 = tl.constexpr(2.0 ** -9)
 def _load_f32(ptr, offs, mask, IN_KIND: tl.constexpr):
     """IN_KIND 1: bf16 passed as int16 bits (widened exactly); 0: fp32 / fp16 loaded and upcast."""
     if IN_KIND == 1:
-        b = tl.load(ptr + offs, mask=mask, other=0).to(tl.int32)
-        return ((b & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+        b = tl.load(ptr + offs, mask=mask, other=0)
+        if HW:
+            return b.to(tl.bfloat16, bitcast=True).to(tl.float32)
+        else:
+            return ((b.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
     else:
         return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _abs_nz(x):
-    """|x| with NaN -> 0 (inf kept): a max over it ignores NaN like CUDA fmaxf."""
+    """|x| for a NaN-ignoring max (CUDA fmaxf): on CUDA max.f32 ignores NaN itself (``_amax_fix`` then maps
+    an all-NaN block's NaN to 0); in the interpreter (numpy max propagates NaN) NaN -> 0 here. inf kept."""
     a = tl.abs(x)
-    return tl.where(a == a, a, 0.0)
+    if not HW:
+        a = tl.where(a == a, a, 0.0)
+    return a
+
+
+@triton.jit
+def _amax_fix(amax):
+    """A block amax from ``_abs_nz`` values: NaN (a block of only NaN, CUDA) -> 0, as fmaxf from 0 gives."""
+    if HW:
+        amax = tl.where(amax == amax, amax, 0.0)
+    return amax
+
+
+@triton.jit
+def _e4m3_byte(y):
+    """fp32 -> E4M3 byte (uint8), cvt.rn.satfinite.e4m3 semantics: the instruction on CUDA, else _e4m3_code."""
+    if HW:
+        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        return _e4m3_code(y).to(tl.uint8)
+
+
+@triton.jit
+def _e4m3_byte_value(q):
+    """E4M3 byte (uint8) -> fp32: cvt.rn.f16x2.e4m3x2 (exact) on CUDA, else _e4m3_value."""
+    if HW:
+        return q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        return _e4m3_value(q.to(tl.int32))
 
 
 @triton.jit
@@ -122,17 +162,30 @@ def _e4m3_value(code):
 
 @triton.jit
 def _e2m1_code(y):
-    """fp32 -> E2M1 code (int32 0..15), cvt.rn.satfinite.e2m1 semantics (the integer form of
-    ``bits.e2m1_codes``: RNE on {0, .5, 1, 1.5, 2, 3, 4, 6}, saturate to 6, NaN -> +6, sign kept)."""
+    """fp32 -> E2M1 code (int32 0..15), cvt.rn.satfinite.e2m1 semantics (RNE on {0, .5, 1, 1.5, 2, 3, 4, 6},
+    saturate to 6, NaN -> +6, sign kept: ``bits.e2m1_codes``).
+
+    With a = min(|y|, 6) and E = floor(log2(max(a, 1))) in {0, 1, 2}, c = 2^(E+22) has the grid step
+    2^(E-1) as its ulp, so fp32(a + c) rounds a to the grid (RNE) and k = bits(a + c) - bits(c) counts
+    the steps: code = k + 2E. On CUDA in float ops (min.f32 maps NaN to 6; the ALU pipe is the limit of
+    NVFP4, so fewer integer ops); in the interpreter on the bit patterns (numpy's min propagates NaN).
+    """
     yb = y.to(tl.int32, bitcast=True)
-    a = yb & 0x7FFFFFFF
-    sign = (((a - 0x7F800001) >> 31) & yb) >> 31
-    sign = sign & 0x8
-    a = tl.minimum(a, 0x40C00000)  # 6.0
-    c = (tl.maximum(a, 0x3F800000) & 0x7F800000) + (22 << 23)  # 2^(E + 22)
-    s = a.to(tl.float32, bitcast=True) + c.to(tl.float32, bitcast=True)
-    k = s.to(tl.int32, bitcast=True) - c
-    return (k + ((c - 0x4A800000) >> 22)) | sign
+    if HW:
+        a = tl.minimum(tl.abs(y), 6.0)  # NaN -> 6
+        c = (tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True) * 4194304.0
+        cb = c.to(tl.int32, bitcast=True)
+        code = (a + c).to(tl.int32, bitcast=True) - cb + ((cb >> 22) - 298)
+        return code + tl.where(y == y, (yb >> 28) & 8, 0)  # the sign (none for NaN)
+    else:
+        a = yb & 0x7FFFFFFF
+        sign = (((a - 0x7F800001) >> 31) & yb) >> 31
+        sign = sign & 0x8
+        a = tl.minimum(a, 0x40C00000)  # 6.0
+        c = (tl.maximum(a, 0x3F800000) & 0x7F800000) + (22 << 23)  # 2^(E + 22)
+        s = a.to(tl.float32, bitcast=True) + c.to(tl.float32, bitcast=True)
+        k = s.to(tl.int32, bitcast=True) - c
+        return (k + ((c - 0x4A800000) >> 22)) | sign
 
 
 @triton.jit
@@ -156,10 +209,19 @@ def _bf16_bits(v):
 
 
 @triton.jit
+def _bf16_out(v):
+    """fp32 -> bf16 bits as int16, RNE: cvt.rn.bf16.f32 on CUDA, ``_bf16_bits`` in the interpreter."""
+    if HW:
+        return v.to(tl.bfloat16).to(tl.int16, bitcast=True)
+    else:
+        return _bf16_bits(v).to(tl.int16)
+
+
+@triton.jit
 def _store_out(ptr, offs, v, mask, OUT_KIND: tl.constexpr):
     """OUT_KIND 1: fp32; 2: bf16 (stored as its int16 bits)."""
     if OUT_KIND == 2:
-        tl.store(ptr + offs, _bf16_bits(v).to(tl.int16), mask=mask)
+        tl.store(ptr + offs, _bf16_out(v), mask=mask)
     else:
         tl.store(ptr + offs, v, mask=mask)
 
@@ -189,42 +251,49 @@ def mxfp8_quantize_kernel(
 ):
     """One [BMB*32, NB*32] tile of x [R, K] (R = all rows; M rows per matrix, for the swizzle).
 
-    The tile is held as [BMB, 32, NB, 32] (row block, row, col block, col): rowwise 1x32 blocks reduce
-    over the last axis, columnwise 32x1 blocks over axis 1, from the same registers.
+    The tile is loaded once as a 2-D block; rowwise 1x32 blocks are its [BM, NB, 32] view reduced over the
+    last axis, columnwise 32x1 blocks its [BMB, 32, BK] view reduced over the middle one.
     Outputs (each only when its flag is set): q* uint8 E4M3 like x; sr [R, K/32] / sc [R/32, K] uint8
-    E8M0; d* the decode in fp32 / bf16 (OUT_KIND 1 / 2; DQ_ROW / DQ_COL say which); wr / wc the swizzled scales (SWZ):
-    rowwise [R/M, ru(M,128), ru(K/32,4)], columnwise of the transposed operand [R/M, ru(K,128),
-    ru(M/32,4)] (the layout a GEMM over the transposed matrix reads).
+    E8M0; d* the decode in fp32 / bf16 (OUT_KIND 1 / 2; DQ_ROW / DQ_COL say which); wr / wc the swizzled
+    scales (SWZ): rowwise [R/M, ru(M,128), ru(K/32,4)], columnwise of the transposed operand
+    [R/M, ru(K,128), ru(M/32,4)] (the layout a GEMM over the transposed matrix reads).
     """
+    BM: tl.constexpr = BMB * 32
+    BK: tl.constexpr = NB * 32
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    ib = tl.arange(0, BMB)[:, None, None, None]
-    ir = tl.arange(0, 32)[None, :, None, None]
-    jb = tl.arange(0, NB)[None, None, :, None]
-    jc = tl.arange(0, 32)[None, None, None, :]
-    rows = pid_m * (BMB * 32) + ib * 32 + ir  # [BMB, 32, 1, 1]
-    cols = pid_k * (NB * 32) + jb * 32 + jc  # [1, 1, NB, 32]
-    mask = (rows < R) & (cols < K)
-    offs = rows.to(tl.int64) * K + cols
-    x = _load_f32(x_ptr, offs, mask, IN_KIND)
+    r2 = pid_m * BM + tl.arange(0, BM)[:, None]  # [BM, 1]
+    c2 = pid_k * BK + tl.arange(0, BK)[None, :]  # [1, BK]
+    x = _load_f32(x_ptr, r2.to(tl.int64) * K + c2, (r2 < R) & (c2 < K), IN_KIND)  # [BM, BK]
     a = _abs_nz(x)
     if ROW:
-        e = _e8m0_round_up(tl.max(a, axis=3, keep_dims=True) * INV448)  # [BMB, 32, NB, 1]
-        q = _e4m3_code(x * _e8m0_inverse(e))
-        tl.store(qr_ptr + offs, q.to(tl.uint8), mask=mask)
-        srow = rows  # [BMB, 32, 1, 1]
-        scol = pid_k * NB + jb  # [1, 1, NB, 1]
-        smask = (srow < R) & (scol < K // 32)
-        tl.store(sr_ptr + srow.to(tl.int64) * (K // 32) + scol, e.to(tl.uint8), mask=smask)
+        rows = pid_m * BM + tl.arange(0, BM)[:, None, None]  # [BM, 1, 1]
+        jb = tl.arange(0, NB)[None, :, None]
+        cols = pid_k * BK + jb * 32 + tl.arange(0, 32)[None, None, :]  # [1, NB, 32]
+        mask = (rows < R) & (cols < K)
+        offs = rows.to(tl.int64) * K + cols
+        xr = tl.reshape(x, [BM, NB, 32])
+        e = _e8m0_round_up(_amax_fix(tl.max(tl.reshape(a, [BM, NB, 32]), axis=2, keep_dims=True)) * INV448)
+        q = _e4m3_byte(xr * _e8m0_inverse(e))  # [BM, NB, 32]
+        tl.store(qr_ptr + offs, q, mask=mask)
+        scol = pid_k * NB + jb  # [1, NB, 1]
+        smask = (rows < R) & (scol < K // 32)
+        tl.store(sr_ptr + rows.to(tl.int64) * (K // 32) + scol, e.to(tl.uint8), mask=smask)
         if SWZ:
-            tl.store(wr_ptr + _swizzled(srow, scol, M, K // 32), e.to(tl.uint8), mask=smask)
+            tl.store(wr_ptr + _swizzled(rows, scol, M, K // 32), e.to(tl.uint8), mask=smask)
         if DQ_ROW:
-            _store_out(dr_ptr, offs, _e4m3_value(q) * _e8m0_value(e), mask, OUT_KIND)
+            _store_out(dr_ptr, offs, _e4m3_byte_value(q) * _e8m0_value(e), mask, OUT_KIND)
     if COL:
-        e = _e8m0_round_up(tl.max(a, axis=1, keep_dims=True) * INV448)  # [BMB, 1, NB, 32]
-        q = _e4m3_code(x * _e8m0_inverse(e))
-        tl.store(qc_ptr + offs, q.to(tl.uint8), mask=mask)
-        srow = pid_m * BMB + ib  # [BMB, 1, 1, 1]
+        ib = tl.arange(0, BMB)[:, None, None]
+        rows = pid_m * BM + ib * 32 + tl.arange(0, 32)[None, :, None]  # [BMB, 32, 1]
+        cols = pid_k * BK + tl.arange(0, BK)[None, None, :]  # [1, 1, BK]
+        mask = (rows < R) & (cols < K)
+        offs = rows.to(tl.int64) * K + cols
+        xc = tl.reshape(x, [BMB, 32, BK])
+        e = _e8m0_round_up(_amax_fix(tl.max(tl.reshape(a, [BMB, 32, BK]), axis=1, keep_dims=True)) * INV448)
+        q = _e4m3_byte(xc * _e8m0_inverse(e))  # [BMB, 32, BK]
+        tl.store(qc_ptr + offs, q, mask=mask)
+        srow = pid_m * BMB + ib  # [BMB, 1, 1]
         smask = (srow < R // 32) & (cols < K)
         tl.store(sc_ptr + srow.to(tl.int64) * K + cols, e.to(tl.uint8), mask=smask)
         if SWZ:  # the transposed scale [K, M/32] of each matrix: (col, scale row within its matrix)
@@ -233,7 +302,7 @@ def mxfp8_quantize_kernel(
             t_c = srow % (M // 32)
             tl.store(wc_ptr + _swizzled(t_r, t_c, K, M // 32), e.to(tl.uint8), mask=smask)
         if DQ_COL:
-            _store_out(dc_ptr, offs, _e4m3_value(q) * _e8m0_value(e), mask, OUT_KIND)
+            _store_out(dc_ptr, offs, _e4m3_byte_value(q) * _e8m0_value(e), mask, OUT_KIND)
 
 
 @triton.jit
@@ -250,14 +319,14 @@ def mxfp8_dequantize_kernel(q_ptr, s_ptr, out_ptr, R, K, COLWISE: tl.constexpr, 
     cols = pid_k * (NB * 32) + jb * 32 + jc
     mask = (rows < R) & (cols < K)
     offs = rows.to(tl.int64) * K + cols
-    q = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.int32)
+    q = tl.load(q_ptr + offs, mask=mask, other=0)
     if COLWISE:
         srow = pid_m * BMB + ib
         e = tl.load(s_ptr + srow.to(tl.int64) * K + cols, mask=(srow < R // 32) & (cols < K), other=0)
     else:
         scol = pid_k * NB + jb
         e = tl.load(s_ptr + rows.to(tl.int64) * (K // 32) + scol, mask=(rows < R) & (scol < K // 32), other=0)
-    _store_out(out_ptr, offs, _e4m3_value(q) * _e8m0_value(e.to(tl.int32)), mask, OUT_KIND)
+    _store_out(out_ptr, offs, _e4m3_byte_value(q) * _e8m0_value(e.to(tl.int32)), mask, OUT_KIND)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -302,9 +371,9 @@ def _global_scales(amax_g):
 @triton.jit
 def _nvfp4_tile(x, amax_b, s_dec, sf_scale):
     """Blocks of 16 on the last axis of x [..., 16]; amax_b / s_dec / sf_scale broadcast as [..., 1].
-    Returns (codes [..., 16] int32, sf code [..., 1] int32, sf value fp32)."""
-    sf = _e4m3_code(amax_b * sf_scale)  # amax_b >= 0: no sign, no NaN; inf saturates to 448
-    sf_f = _e4m3_value(sf)
+    Returns (codes [..., 16] int32, sf byte [..., 1] uint8, sf value fp32)."""
+    sf = _e4m3_byte(amax_b * sf_scale)  # uint8; amax_b >= 0: no sign, no NaN; inf saturates to 448
+    sf_f = _e4m3_byte_value(sf)
     den = sf_f * s_dec
     enc = tl.math.div_rn(tl.zeros_like(den) + 1.0, den)
     enc = tl.where(enc < FLT_MAX, enc, FLT_MAX)  # sf == 0 -> 1/0 = inf -> FLT_MAX
@@ -318,7 +387,8 @@ def nvfp4_quantize_kernel(
     IN_KIND: tl.constexpr, SCOPE: tl.constexpr, OUT_KIND: tl.constexpr,
     TA: tl.constexpr, TB: tl.constexpr, NB: tl.constexpr,
 ):
-    """One [TA*TB, NB*16] tile of matrix ``program_id(2)`` of x [E, M, K], held as [TA, TB, NB, 16].
+    """One [TA*TB, NB*16] tile of matrix ``program_id(2)`` of x [E, M, K], loaded as a 2-D block and viewed
+    as [TA, TB, NB, 16].
 
     TB = 16: 16x16 tiles (the block amax is the max over the tile's 16 rows, repeated); TB = 1: 1x16.
     SCOPE 0: the global amax is amax_ptr[matrix]; 1: amax_ptr[row] (per token, given or computed first).
@@ -326,36 +396,33 @@ def nvfp4_quantize_kernel(
     program at tile (0, 0) writes the matrix's in scope 0, the programs of column tile 0 their rows' in
     scope 1) and, with OUT_KIND 1 / 2, the dequantized d [E, M, K] in fp32 / bf16.
     """
+    BM: tl.constexpr = TA * TB
+    BK: tl.constexpr = NB * 16
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     mat = tl.program_id(2)
-    ia = tl.arange(0, TA)[:, None, None, None]
-    ibb = tl.arange(0, TB)[None, :, None, None]
-    jb = tl.arange(0, NB)[None, None, :, None]
-    jc = tl.arange(0, 16)[None, None, None, :]
-    rows = pid_m * (TA * TB) + ia * TB + ibb  # [TA, TB, 1, 1]
-    cols = pid_k * (NB * 16) + jb * 16 + jc  # [1, 1, NB, 16]
-    mask = (rows < M) & (cols < K)
     base = mat.to(tl.int64) * M
-    offs = (base + rows) * K + cols
-    x = _load_f32(x_ptr, offs, mask, IN_KIND)
-    amax_b = tl.max(_abs_nz(x), axis=3, keep_dims=True)  # [TA, TB, NB, 1]
+    r2 = pid_m * BM + tl.arange(0, BM)[:, None]  # [BM, 1]
+    c2 = pid_k * BK + tl.arange(0, BK)[None, :]  # [1, BK]
+    mask2 = (r2 < M) & (c2 < K)
+    x2 = _load_f32(x_ptr, (base + r2) * K + c2, mask2, IN_KIND)  # [BM, BK]
+    x = tl.reshape(x2, [TA, TB, NB, 16])
+    amax_b = _amax_fix(tl.max(_abs_nz(x), axis=3, keep_dims=True))  # [TA, TB, NB, 1]
     if TB > 1:
         amax_b = tl.max(amax_b, axis=1, keep_dims=True)  # [TA, 1, NB, 1]: the 16x16 tile
+    rows = pid_m * BM + tl.arange(0, TA)[:, None, None, None] * TB + tl.arange(0, TB)[None, :, None, None]
     if SCOPE == 0:
         amax_g = tl.load(amax_ptr + mat)
     else:
         amax_g = tl.load(amax_ptr + base + rows, mask=rows < M, other=1.0)  # [TA, TB, 1, 1]
     s_dec, sf_scale = _global_scales(amax_g)
-    codes, sf, sf_f = _nvfp4_tile(x, amax_b, s_dec, sf_scale)
-    pairs = tl.reshape(codes, [TA, TB, NB, 8, 2])
-    lo, hi = tl.split(pairs)
-    pc = pid_k * (NB * 8) + tl.arange(0, NB)[None, None, :, None] * 8 + tl.arange(0, 8)[None, None, None, :]
-    tl.store(q_ptr + (base + rows) * (K // 2) + pc, (lo | (hi << 4)).to(tl.uint8),
-             mask=(rows < M) & (pc < K // 2))
-    scol = pid_k * NB + jb  # [1, 1, NB, 1]
-    sf_full = sf + tl.zeros([TA, TB, NB, 1], dtype=tl.int32)  # the 2-D tile scale, repeated over its rows
-    tl.store(s_ptr + (base + rows) * (K // 16) + scol, sf_full.to(tl.uint8), mask=(rows < M) & (scol < K // 16))
+    codes, sf, sf_f = _nvfp4_tile(x, amax_b, s_dec, sf_scale)  # codes [TA, TB, NB, 16]
+    lo, hi = tl.split(tl.reshape(codes, [BM, BK // 2, 2]))
+    pc = pid_k * (BK // 2) + tl.arange(0, BK // 2)[None, :]  # [1, BK/2]
+    tl.store(q_ptr + (base + r2) * (K // 2) + pc, (lo | (hi << 4)).to(tl.uint8), mask=(r2 < M) & (pc < K // 2))
+    scol = pid_k * NB + tl.arange(0, NB)[None, None, :, None]  # [1, 1, NB, 1]
+    sf_full = tl.broadcast_to(sf, [TA, TB, NB, 1])  # the 2-D tile scale, repeated over its rows
+    tl.store(s_ptr + (base + rows) * (K // 16) + scol, sf_full, mask=(rows < M) & (scol < K // 16))
     if SCOPE == 0:
         if (pid_m == 0) & (pid_k == 0):
             tl.store(gs_ptr + mat, s_dec)
@@ -363,7 +430,8 @@ def nvfp4_quantize_kernel(
         if pid_k == 0:
             tl.store(gs_ptr + base + rows, s_dec, mask=rows < M)
     if OUT_KIND != 0:
-        _store_out(d_ptr, (base + rows) * K + cols, (_e2m1_value(codes) * sf_f) * s_dec, mask, OUT_KIND)
+        d = tl.reshape((_e2m1_value(codes) * sf_f) * s_dec, [BM, BK])
+        _store_out(d_ptr, (base + r2) * K + c2, d, mask2, OUT_KIND)
 
 
 @triton.jit
@@ -382,7 +450,7 @@ def nvfp4_dequantize_kernel(q_ptr, s_ptr, gs_ptr, out_ptr, M, K, GS_PER_ROW: tl.
     byte = tl.load(q_ptr + (base + rows) * (K // 2) + pc, mask=pmask, other=0).to(tl.int32)
     scol = pid_k * NB + jb  # [1, NB, 1]
     sf = tl.load(s_ptr + (base + rows) * (K // 16) + scol, mask=(rows < M) & (scol < K // 16), other=0)
-    sf_f = _e4m3_value(sf.to(tl.int32))
+    sf_f = _e4m3_byte_value(sf)
     if GS_PER_ROW:
         gs = tl.load(gs_ptr + base + rows, mask=rows < M, other=1.0)
     else:
@@ -427,13 +495,13 @@ def nvfp4_quantize_rows_kernel(
         cols = k0 + jb * 16 + jc  # [1, NB, 16]
         mask = rmask & (cols < K)
         x = _load_f32(x_ptr, (base + rows) * K + cols, mask, IN_KIND)
-        amax_b = tl.max(_abs_nz(x), axis=2, keep_dims=True)  # [ROWS, NB, 1]
+        amax_b = _amax_fix(tl.max(_abs_nz(x), axis=2, keep_dims=True))  # [ROWS, NB, 1]
         codes, sf, sf_f = _nvfp4_tile(x, amax_b, s_dec, sf_scale)
         lo, hi = tl.split(tl.reshape(codes, [ROWS, NB, 8, 2]))
         pc = k0 // 2 + jb * 8 + tl.arange(0, 8)[None, None, :]
         tl.store(q_ptr + (base + rows) * (K // 2) + pc, (lo | (hi << 4)).to(tl.uint8), mask=rmask & (pc < K // 2))
         scol = k0 // 16 + jb  # [1, NB, 1]
-        tl.store(s_ptr + (base + rows) * (K // 16) + scol, sf.to(tl.uint8), mask=rmask & (scol < K // 16))
+        tl.store(s_ptr + (base + rows) * (K // 16) + scol, sf, mask=rmask & (scol < K // 16))
         if OUT_KIND != 0:
             _store_out(d_ptr, (base + rows) * K + cols, (_e2m1_value(codes) * sf_f) * s_dec, mask, OUT_KIND)
 
@@ -445,9 +513,9 @@ def encoders_kernel(x_ptr, code_ptr, e4_ptr, e2_ptr, bf_ptr, v4_ptr, v2_ptr, n, 
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     x = tl.load(x_ptr + i, mask=m, other=0.0)
-    tl.store(e4_ptr + i, _e4m3_code(x), mask=m)
+    tl.store(e4_ptr + i, _e4m3_byte(x).to(tl.int32), mask=m)  # the paths the kernels take (HW on CUDA)
     tl.store(e2_ptr + i, _e2m1_code(x), mask=m)
-    tl.store(bf_ptr + i, _bf16_bits(x), mask=m)
+    tl.store(bf_ptr + i, _bf16_out(x).to(tl.int32) & 0xFFFF, mask=m)
     c = tl.load(code_ptr + i, mask=m, other=0)
-    tl.store(v4_ptr + i, _e4m3_value(c), mask=m)
+    tl.store(v4_ptr + i, _e4m3_byte_value(c.to(tl.uint8)), mask=m)
     tl.store(v2_ptr + i, _e2m1_value(c & 15), mask=m)

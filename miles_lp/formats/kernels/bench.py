@@ -36,20 +36,20 @@ def _sweep(kernels, x, amax_t, log) -> None:
         log(f"  sweep {key}: best {results[0][1]} {results[0][0] * 1e3:.1f} us; "
             + "; ".join(f"{v} {t * 1e3:.1f}" for t, v in results[1:4]))
 
-    mx = [{"BMB": b, "NB": n, "num_warps": w} for b in (1, 2) for n in (2, 4, 8) for w in (4, 8) if b * n <= 8]
-    best("mxfp8", mx, lambda: kernels.mxfp8_quantize(x, rowwise=True, colwise=True, dequant_dtype=torch.bfloat16))
+    mx = [{"BMB": b, "NB": n, "num_warps": w} for b in (1, 2) for n in (2, 4, 8) for w in (1, 2, 4, 8)
+          if b * n <= 8 and b * n * 8 >= w]
+    best("mxfp8", mx, lambda: kernels.mxfp8_quantize(x))
+    best("mxfp8_both", mx, lambda: kernels.mxfp8_quantize(x, rowwise=True, colwise=True))
     best("mxfp8_dq", [{"BMB": b, "NB": n, "num_warps": w} for b in (1, 2) for n in (4, 8) for w in (4, 8)],
          lambda: kernels.mxfp8_dequantize(kernels.mxfp8_quantize(x).row, torch.bfloat16))
-    best("nvfp4", [{"TA": a, "NB": n, "num_warps": w} for a in (8, 16, 32) for n in (4, 8, 16) for w in (4, 8)
+    best("nvfp4", [{"TA": a, "NB": n, "num_warps": w} for a in (8, 16, 32) for n in (8, 16) for w in (1, 2, 4)
                    if a * n <= 256],
          lambda: kernels.nvfp4_quantize(x, "tensor", amax=amax_t))
-    best("nvfp4_2d", [{"TA": a, "NB": n, "num_warps": w} for a in (1, 2) for n in (4, 8, 16) for w in (4, 8)],
+    best("nvfp4_2d", [{"TA": a, "NB": n, "num_warps": w} for a in (1, 2) for n in (8, 16) for w in (1, 2, 4)],
          lambda: kernels.nvfp4_quantize(x, "tensor", amax=amax_t, block_2d=True))
-    best("nvfp4_rows", [{"ROWS": r, "NB": n, "num_warps": w} for r in (1, 2, 4, 8) for n in (8, 16, 32)
-                        for w in (4, 8) if r * n <= 128],
+    best("nvfp4_rows", [{"ROWS": r, "NB": n, "num_warps": w} for r in (1, 2, 4, 8) for n in (16, 32)
+                        for w in (1, 2, 4) if r * n <= 128],
          lambda: kernels.nvfp4_quantize(x, "row"))
-    best("amax", [{"BM": b, "BK": k, "num_warps": w} for b in (8, 16, 32) for k in (256, 512) for w in (4, 8)],
-         lambda: kernels.matrix_amax(x))
 
 
 def _small_shape(x, log) -> list[dict]:

@@ -235,8 +235,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernels", default=None, help="kernel names joined by ';' (default: all)")
     p.add_argument("--inject-fault", action="store_true")
     p.add_argument("--no-encoders", action="store_true")
+    p.add_argument("--config", default=None,
+                   help="a bench quantize --json file: check with its launch shapes (kernels.CONFIG)")
     args = p.parse_args(argv)
-    cases = all_cases(small=args.cases != "all")
+    if args.config:
+        from miles_lp.formats import kernels as k
+
+        with open(args.config) as f:
+            k.CONFIG.update(json.load(f)["config"])
+        print(json.dumps({"config": k.CONFIG}))
+    cases = all_cases(small=args.cases == "small")
     if args.cases not in ("all", "small"):
         names = args.cases.split(";")
         missing = [n for n in names if n not in cases]
