@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from miles_lp.checkpoint import pipeline
 from miles_lp.checkpoint.atomic import atomic_output_dir, check_output_target
 from miles_lp.checkpoint.configs import emit_configs
 from miles_lp.checkpoint.safetensors_io import INDEX_NAME, ShardWriter, TensorHeader
@@ -361,42 +362,43 @@ def convert_with_plan(src: str | Path | SourceCheckpoint, out: str | Path, plan,
     counts = collections.Counter(str(plan.format_for(n)) for n in source.logical
                                  if n.endswith(".weight") and len(source.tensors[n].shape) == 2)
     bar = _progress(bytes_in, progress)
-    reader = _HashingReader()
-    held: list = []  # (name, header, tensor) of an inline group being read
+    clock = pipeline.Clock()
+    reader = pipeline.HashingReader(clock)  # storage order, sha256 on its own thread
+    jobs = pipeline.jobs_in_storage_order([n for n in source.tensors if n in source.logical], inline)
 
-    def emit(name: str, h: TensorHeader, x, group_amax_) -> None:
-        fmt = quantized.get(name)
-        if fmt is None:
-            if name in source.fp8_scale_of:
-                x = x.to(torch.bfloat16)
-            writer.add(name, x.cpu())
-        else:
-            q = quantize(x, fmt, **codec_options(plan.entry(name), amax=group_amax_,
-                                                 compile=compile and x.numel() >= COMPILE_MIN_NUMEL, name=name))
-            writer.add_many({k: v.cpu() for k, v in naming.encode(target, fmt, name, q).items()})
-        bar.update(h.nbytes + (source.tensors[source.fp8_scale_of[name]].nbytes
-                               if name in source.fp8_scale_of else 0))
+    def job_bytes(job) -> int:
+        return sum(h.nbytes + (source.tensors[source.fp8_scale_of[h.name]].nbytes if h.name in source.fp8_scale_of
+                               else 0) for h in (source.tensors[n] for n in job))
+
+    def load(job):  # the reader thread, in storage order
+        return [_load(source, source.tensors[n], reader.read, device) for n in job]
+
+    def work(job, xs):  # a worker thread; an inline group's joint amax from its members in memory
+        bad: list[str] = []
+        for name, x in zip(job, xs, strict=True):
+            _check_finite(name, x, allow_nonfinite, bad)
+        joint = _joint_amax(nvfp4_global_amax(t).cpu() for t in xs) if job[0] in inline else amax.get(job[0])
+        tensors: dict = {}
+        for name, x in zip(job, xs, strict=True):
+            fmt = quantized.get(name)
+            if fmt is None:
+                tensors[name] = (x.to(torch.bfloat16) if name in source.fp8_scale_of else x).cpu()
+            else:
+                q = quantize(x, fmt, **codec_options(plan.entry(name), amax=joint,
+                                                     compile=compile and x.numel() >= COMPILE_MIN_NUMEL, name=name))
+                tensors.update({k: v.cpu() for k, v in naming.encode(target, fmt, name, q).items()})
+        return bad, tensors
+
+    def sink(job, result) -> None:  # the writer thread, in storage order: the shards of a sequential loop
+        bad, tensors = result
+        nonfinite.extend(bad)
+        writer.add_many(tensors)
+        bar.update(job_bytes(job))
     try:
         with atomic_output_dir(out, overwrite) as tmp:
             writer = ShardWriter(tmp, max_shard_bytes)
-            for name, h in source.tensors.items():
-                if name not in source.logical:  # a weight_scale_inv: read with its weight
-                    continue
-                x = _load(source, h, reader.read, device)
-                _check_finite(name, x, allow_nonfinite, nonfinite)
-                group = inline.get(name)
-                if group is not None:  # hold the group's members until its last one is read
-                    held.append((name, h, x))
-                    if len(held) < len(group):
-                        continue
-                    joint = _joint_amax(nvfp4_global_amax(t).cpu() for _, _, t in held)
-                    for n, hn, t in held:
-                        emit(n, hn, t, joint)
-                    held.clear()
-                else:
-                    emit(name, h, x, amax.get(name))
-            if held:  # cannot happen: an inline group's members are consecutive
-                raise CheckpointError(f"internal: joint-scale group members {[n for n, _, _ in held]} left unwritten")
+            pipeline.run(jobs, load, work, sink, nbytes=job_bytes, clock=clock,
+                         max_inflight_bytes=1 << 28)
             reader.close()
             index = writer.finish()
             digests = {p.name: reader.digests.get(p) or sha256_file(p) for p in source.files.files}
