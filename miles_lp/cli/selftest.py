@@ -62,11 +62,15 @@ def run(args) -> int:
         raise ConfigError(f"--off {bad[0]}: no such check; known: {', '.join(CHECKS)}")
     if args.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+    threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory(prefix="miles-lp-selftest-") as tmp:
-        workdir = Path(args.workdir) if args.workdir else Path(tmp)
-        workdir.mkdir(parents=True, exist_ok=True)
-        rows = run_selftest(args.arch, args.recipe, workdir=workdir, only=args.only, off=tuple(args.off))
+    try:
+        with tempfile.TemporaryDirectory(prefix="miles-lp-selftest-") as tmp:
+            workdir = Path(args.workdir) if args.workdir else Path(tmp)
+            workdir.mkdir(parents=True, exist_ok=True)
+            rows = run_selftest(args.arch, args.recipe, workdir=workdir, only=args.only, off=tuple(args.off))
+    finally:
+        torch.set_num_threads(threads)  # when called in-process (tests), leave the caller's setting
     table = format_table(rows)
     print()
     print(table)

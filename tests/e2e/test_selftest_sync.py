@@ -17,8 +17,10 @@ from miles_lp.sync.selftest import Stack
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a shared 2-core CPU: one thread is ~10x faster than two oversubscribed
-    return Stack("qwen3_moe", None, tmp_path_factory.mktemp("sync-stack"), log=lambda s: None)
+    yield Stack("qwen3_moe", None, tmp_path_factory.mktemp("sync-stack"), log=lambda s: None)
+    torch.set_num_threads(threads)
 
 
 def _engine(stack):
