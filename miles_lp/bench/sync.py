@@ -185,10 +185,6 @@ def bench_format(hf, fmt: str, workdir, device, args, log) -> dict:
 
 
 def run(args) -> int:
-    import json
-    import tempfile
-    from pathlib import Path
-
     import torch
 
     from miles_lp.errors import ConfigError
@@ -201,8 +197,20 @@ def run(args) -> int:
     if args.iters < 1:
         raise ConfigError(f"--iters must be >= 1, got {args.iters}")
     threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else None)
+    before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
+    try:
+        return _run(args, device, torch)
+    finally:
+        torch.set_num_threads(before)  # in-process callers (tests) keep their setting
+
+
+def _run(args, device, torch) -> int:
+    import json
+    import tempfile
+    from pathlib import Path
+
     params = args.params if args.params is not None else (1e9 if device.type == "cuda" else 2e7)
     formats = [args.format] if args.format else list(FORMATS)
 
