@@ -185,6 +185,11 @@ class ReferenceEngine:
         # transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name warns)
         self._cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         ck = self.ckpt
+        from miles_lp.policy import get_layout
+
+        # in-memory (transformers-5) names -> the checkpoint's canonical names (Mixtral: mlp.experts.gate_up_proj
+        # holds block_sparse_moe.experts.{e}.w1/w3; mlp.gate is block_sparse_moe.gate)
+        self.layout = get_layout(ck.config)
         tied = bool(getattr(cfg, "tie_word_embeddings", False)) and "lm_head.weight" not in ck.tensors
         if tied:
             model.tie_weights()  # lm_head reads the embedding's tensor (from_config under no_init_weights leaves them apart)
@@ -195,22 +200,27 @@ class ReferenceEngine:
             if isinstance(module, torch.nn.Linear):
                 if name == "lm_head" and tied:
                     continue  # shares the embedding's tensor (loaded once, under its embedding name)
-                _set_child(model, name, self._engine_linear(name, module.in_features, module.out_features,
-                                                            module.bias is not None))
-                quantized_weights.discard(f"{name}.weight")
+                canon = self._canonical(f"{name}.weight")
+                _set_child(model, name, self._engine_linear(canon[: -len(".weight")], module.in_features,
+                                                            module.out_features, module.bias is not None))
+                quantized_weights.discard(canon)
             elif _is_fused_experts(module):
                 if getattr(module, "is_transposed", False) or getattr(module, "has_bias", False):
                     raise CheckpointError(f"'{name}': experts module {type(module).__name__} (transposed or biased "
                                           "experts) is not supported by the reference engine")
                 e_count, two_i, hidden = module.gate_up_proj.shape
                 inter = two_i // 2
-                experts = [EngineExpert(self._engine_linear(f"{name}.{e}.gate_proj", hidden, inter, False),
-                                        self._engine_linear(f"{name}.{e}.up_proj", hidden, inter, False),
-                                        self._engine_linear(f"{name}.{e}.down_proj", inter, hidden, False))
+                gu = self.layout.describe(f"{name}.gate_up_proj").members  # (e0.gate, e0.up, e1.gate, ...)
+                dn = self.layout.describe(f"{name}.down_proj").members
+                if len(gu) != 2 * e_count or len(dn) != e_count:
+                    raise CheckpointError(f"'{name}': the layout names {len(gu)} gate/up and {len(dn)} down tensors "
+                                          f"for {e_count} experts")
+                strip = (lambda w: w[: -len(".weight")])
+                experts = [EngineExpert(self._engine_linear(strip(gu[2 * e]), hidden, inter, False),
+                                        self._engine_linear(strip(gu[2 * e + 1]), hidden, inter, False),
+                                        self._engine_linear(strip(dn[e]), inter, hidden, False))
                            for e in range(e_count)]
-                for e in range(e_count):
-                    for p in ("gate_proj", "up_proj", "down_proj"):
-                        quantized_weights.discard(f"{name}.{e}.{p}.weight")
+                quantized_weights.difference_update([*gu, *dn])
                 apply_gate = None
                 if getattr(type(module), "_apply_gate", None) is not None and \
                         type(module)._apply_gate.__name__ != "_default_apply_gate":
@@ -224,7 +234,13 @@ class ReferenceEngine:
                                   f"has no linear layer for, e.g. {sorted(quantized_weights)[:3]}")
         return model
 
+    def _canonical(self, name: str) -> str:
+        """The checkpoint name of in-memory tensor ``name`` (itself unless the layout maps it to one other)."""
+        members = self.layout.describe(name).members  # unknown names describe as themselves
+        return members[0] if len(members) == 1 else name
+
     def _engine_linear(self, name: str, k: int, n: int, bias: bool) -> EngineLinear:
+        """An ``EngineLinear`` for the checkpoint module ``name`` (its canonical prefix, without ``.weight``)."""
         ck = self.ckpt
         wname = f"{name}.weight"
         fmt = ck.format_of(wname)
@@ -246,7 +262,10 @@ class ReferenceEngine:
             local = list(module.named_parameters(recurse=False)) + [
                 (b, t) for b, t in module.named_buffers(recurse=False) if b not in module._non_persistent_buffers_set]
             for attr, t in local:
-                full = f"{mname}.{attr}" if mname else attr
+                if isinstance(module, EngineLinear):
+                    full = module.prefix + attr  # the checkpoint's name, whatever the module path
+                else:
+                    full = self._canonical(f"{mname}.{attr}" if mname else attr)
                 if id(t) in seen:  # a tied tensor: loaded and updated under its first name
                     continue
                 seen[id(t)] = full

@@ -275,3 +275,23 @@ def test_tied_embeddings(tmp_path):
     with torch.no_grad():
         lp = torch.log_softmax(ref(input_ids=torch.tensor([seq])).logits[0], -1)[:-1]
     assert float((eng.score([seq])[0] - lp.gather(-1, torch.tensor(seq[1:])[:, None])[:, 0]).abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("arch, precision", [("llama", "mxfp8"), ("qwen2_moe", RECIPE), ("mixtral", RECIPE),
+                                             ("deepseek_v3", "deepseek_v3_mxfp8.yaml")])
+def test_architectures_match_learner(arch, precision):
+    """Other layouts (shared experts, Mixtral's w1/w2/w3 and block_sparse_moe names, MLA + sigmoid router): the
+    engine serves the checkpoint's canonical names and equals the learner on the shared grid."""
+    from miles_lp.rollout.testing import policy_for
+    from miles_lp.train.config import TrainConfig
+    from miles_lp.train.embedded import EmbeddedTrainer, plan_for_model
+
+    eng = ReferenceEngine(tiny_checkpoint(arch, precision), device="cpu")
+    assert set(eng.param_specs()) == set(eng.ckpt.tensors)
+    gens = eng.generate(PROMPTS[:2], SamplingParams(max_new_tokens=5, seed=0))
+    src = tiny_hf(arch)
+    trainer = EmbeddedTrainer(src, plan_for_model(policy_for(precision), src), TrainConfig(device="cpu"))
+    lps, _ = trainer.logprobs([torch.tensor(p + g.output_ids) for p, g in zip(PROMPTS, gens, strict=False)])
+    assert max(float((lp[len(p) - 1:] - g.logprobs).abs().max()) for lp, p, g in zip(lps, PROMPTS, gens,
+                                                                                       strict=False)) < 1e-4
+    assert eng.self_check()["ok"]
