@@ -565,7 +565,8 @@ class ReferenceEngine:
             out = []
             for s in seqs:
                 ids = torch.tensor([s], device=self.device)
-                logits = self.model(input_ids=ids, use_cache=False).logits[0].float()
+                cache = make_cache(self.hf_config, self.kv_cache, *self.kv_scales)  # K/V through the cache's rounding
+                logits = self.model(input_ids=ids, use_cache=True, **{self._cache_kwarg: cache}).logits[0].float()
                 lp = torch.log_softmax(logits, -1)[:-1]
                 out.append(lp.gather(-1, ids[0, 1:, None])[:, 0].cpu())
             return out

@@ -42,6 +42,8 @@ from miles_lp.errors import BackendUnavailable
 from miles_lp.rollout.engine import EngineBusy, EngineError, Generation, SamplingParams, WeightUpdateError
 
 REPO = Path(__file__).resolve().parents[2]
+#: ``kv_cache`` (policy / RolloutConfig) -> vLLM's ``kv_cache_dtype`` (scales 1.0 without calibrated k/v scales)
+KV_CACHE_DTYPE = {"bf16": "auto", "fp8_e4m3": "fp8_e4m3"}
 
 
 def vllm_python() -> str | None:
@@ -58,7 +60,7 @@ class VLLMEngine:
 
     def __init__(self, checkpoint: str | Path, *, python: str | None = None, dtype: str = "bfloat16",
                  max_model_len: int = 256, max_num_seqs: int = 64, start_timeout_s: float = 900.0,
-                 log_path: str | Path | None = None):
+                 log_path: str | Path | None = None, kv_cache: str = "bf16"):
         from multiprocessing.connection import Listener
 
         from miles_lp.rollout.checkpoint import open_checkpoint
@@ -77,7 +79,7 @@ class VLLMEngine:
         self._listener = Listener(address, family="AF_UNIX", authkey=key)
         env = dict(os.environ, MILES_LP_VLLM_AUTHKEY=key.hex(), MILES_LP_VLLM_WORKER=json.dumps({
             "address": address, "model": str(self.checkpoint), "dtype": dtype, "max_model_len": max_model_len,
-            "max_num_seqs": max_num_seqs}))
+            "max_num_seqs": max_num_seqs, "kv_cache_dtype": KV_CACHE_DTYPE[kv_cache]}))
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         # vLLM logs to stdout: keep it off ours (a benchmark's table, a test's output); ``log_path`` keeps both streams
         self._log = open(log_path, "ab") if log_path else None

@@ -73,7 +73,8 @@ def main() -> None:
 
         llm = LLM(model=cfg["model"], skip_tokenizer_init=True, enforce_eager=True, dtype=cfg["dtype"],
                   max_model_len=cfg["max_model_len"], max_num_seqs=cfg["max_num_seqs"], seed=0,
-                  distributed_executor_backend="uni", enable_prefix_caching=True)
+                  distributed_executor_backend="uni", enable_prefix_caching=True,
+                  kv_cache_dtype=cfg.get("kv_cache_dtype", "auto"))
         _answer(conn, {"ok": True, "seconds": time.perf_counter() - t0})
     except Exception as exc:
         _answer(conn, {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]})
