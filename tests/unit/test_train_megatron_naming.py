@@ -85,10 +85,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _tp_worker(rank: int, world: int, port: int, jobs: list) -> None:
-    """One TP rank: its shards (written by the parent: no transformers import here), the forward grid of each
-    quantized weight with the NVFP4 amax all-reduced over the group, all-gathered, named; rank 0 writes them.
-    Several (folder, recipes, config) jobs per spawn: the child's imports are most of its time."""
+def _tp_worker(rank: int, world: int, port: int, jobs: list, megatron_job: tuple | None) -> None:
+    """One TP rank (spawned: a fork of a long pytest process can crash in gloo/Megatron set-up). Phase 1, per
+    (folder, recipes, config) job: its shards (written by the parent), the forward grid of each quantized weight
+    with the NVFP4 amax all-reduced over the group, all-gathered, named; rank 0 writes them. Phase 2: a real
+    Megatron model at tp = world (``_megatron_phase``). One spawn for both: the child's imports are most of its
+    time."""
     from safetensors.torch import load_file, save_file
 
     from miles_lp.export.tensors import is_quantized
@@ -118,20 +120,20 @@ def _tp_worker(rank: int, world: int, port: int, jobs: list) -> None:
                     for k, t in (v.components() if is_quantized(v) else {"tensor": v}).items():
                         flat[f"{n}::{k}"] = t.contiguous().clone()  # gate/up share one scale tensor
                 save_file(flat, os.path.join(shard_dir, "gathered.safetensors"))
+        if megatron_job is not None:
+            _megatron_phase(rank, world, *megatron_job)
     finally:
         torch.distributed.destroy_process_group()
 
 
-def test_tp2_gloo_grids_equal_the_converter(tiny, tmp_path):
-    """Two gloo ranks, each quantizing its shards (the NVFP4 global amax all-reduced MAX over the TP group); the
-    grids all-gathered and named equal, byte for byte, what `miles-lp convert` writes for the same weights:
-    qwen3_moe with MXFP8 + NVFP4 experts, qwen3 all NVFP4 (q/k/v and gate/up share one scale)."""
-    from safetensors.torch import load_file, save_file
+@pytest.fixture(scope="module")
+def tp2_run(tiny, tmp_path_factory):
+    """One spawn of two gloo ranks for both TP tests below; returns (folder, cases, plans)."""
+    pytest.importorskip("megatron.core")
+    tmp_path = tmp_path_factory.mktemp("tp2")
+    from safetensors.torch import save_file
 
-    from miles_lp.checkpoint.convert import convert_checkpoint
     from miles_lp.cli.convert import policy_for_format
-    from miles_lp.export import naming
-    from miles_lp.formats import Format
     from miles_lp.train.embedded import plan_for_model
     from miles_lp.train.recipe import LinearRecipe
 
@@ -153,10 +155,23 @@ def test_tp2_gloo_grids_equal_the_converter(tiny, tmp_path):
                 if recipe is not None:
                     recipes[name] = recipe
         jobs.append((str(tmp_path / arch), recipes, cfg.to_dict()))
-    # fork: the children inherit the imported modules (a spawned interpreter spends most of its time importing
-    # torch); nothing here has touched CUDA, so forking is safe
-    torch.multiprocessing.start_processes(_tp_worker, args=(2, _free_port(), jobs), nprocs=2, join=True,
-                                          start_method="fork")
+    (tmp_path / "megatron").mkdir()
+    megatron_job = (str(tiny("qwen3")[0]), str(tmp_path / "megatron"))
+    torch.multiprocessing.spawn(_tp_worker, args=(2, _free_port(), jobs, megatron_job), nprocs=2, join=True)
+    return tmp_path, cases, plans
+
+
+def test_tp2_gloo_grids_equal_the_converter(tiny, tp2_run):
+    """Two gloo ranks, each quantizing its shards (the NVFP4 global amax all-reduced MAX over the TP group); the
+    grids all-gathered and named equal, byte for byte, what `miles-lp convert` writes for the same weights:
+    qwen3_moe with MXFP8 + NVFP4 experts, qwen3 all NVFP4 (q/k/v and gate/up share one scale)."""
+    from safetensors.torch import load_file
+
+    from miles_lp.checkpoint.convert import convert_checkpoint
+    from miles_lp.export import naming
+    from miles_lp.formats import Format
+
+    tmp_path, cases, plans = tp2_run
     for arch, policy in cases.items():
         d, plan = tiny(arch)[0], plans[arch]
         got: dict = {}
@@ -187,7 +202,7 @@ def test_tp2_gloo_grids_equal_the_converter(tiny, tmp_path):
         assert checked > 50 and set(got) == set(open_checkpoint(d).tensors)
 
 
-def _megatron_tp_worker(rank: int, world: int, port: int, d: str, out_dir: str) -> None:
+def _megatron_phase(rank: int, world: int, d: str, out_dir: str) -> None:
     """One rank of a real Megatron GPT model at tp = 2 (gloo, CPU): build, load HF weights, attach each plan,
     export under HF names (grids gathered over the TP group); rank 0 writes the results."""
     import transformers
@@ -201,8 +216,6 @@ def _megatron_tp_worker(rank: int, world: int, port: int, d: str, out_dir: str) 
     from miles_lp.train.megatron.model import build_gpt_model, load_hf_weights
     from miles_lp.train.quant_linear import invalidate_grids
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     ps.initialize_model_parallel(world, 1)
     try:
         group = ps.get_tensor_model_parallel_group()
@@ -242,24 +255,19 @@ def _megatron_tp_worker(rank: int, world: int, port: int, d: str, out_dir: str) 
                 f.write(verdict)
     finally:
         ps.destroy_model_parallel()
-        torch.distributed.destroy_process_group()
 
 
-def test_real_megatron_tp2_export_equals_the_embedded_export(tiny, tmp_path):
+def test_real_megatron_tp2_export_equals_the_embedded_export(tiny, tp2_run):
     """Megatron's own ColumnParallel / RowParallel linears at tp = 2 on 2 gloo ranks: the learner's export under HF
     names (grids all-gathered; NVFP4 amax MAX-reduced over the TP group by set_recipe) equals the embedded
     learner's export (= `miles-lp convert`) byte for byte, all NVFP4 and all MXFP8; without the reduction the
     ranks' global scales differ and the gather refuses it."""
-    pytest.importorskip("megatron.core")
     from safetensors.torch import load_file
 
     from miles_lp.export import engine_tensors
     from miles_lp.export.writer import learner_from_hf
 
-    d = tiny("qwen3")[0]
-    assert not torch.distributed.is_initialized()
-    torch.multiprocessing.start_processes(_megatron_tp_worker, args=(2, _free_port(), str(d), str(tmp_path)),
-                                          nprocs=2, join=True, start_method="fork")
+    d, tmp_path = tiny("qwen3")[0], tp2_run[0] / "megatron"
     for tag, raw in (("nvfp4", {"default": "nvfp4", "backward": "high_precision"}), ("mxfp8", {"default": "mxfp8"})):
         learner = learner_from_hf(d, parse_policy(raw, Where("<t>", "precision")))
         want = dict(engine_tensors(learner.export_weights(), learner.plan, "sglang"))
