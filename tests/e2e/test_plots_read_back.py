@@ -56,7 +56,9 @@ def test_convert_plot_draws_the_summary(tmp_path, figures):
     a1, a2 = fig.axes[:2]
     assert _bars(a1) == pytest.approx([2.1, 1.2, 0.9])
     assert [t.get_text() for t in a1.get_xticklabels()] == ["copy", "mxfp8", "mxfp8+nvfp4-experts"]
-    assert _hlines(a1) == pytest.approx([0.5 * 2.1])  # the 0.5x-copy target
+    # the throughput targets are drawn as fractions of the copy speed (issue 4: 0.5x; issue 16: 0.6x / 0.7x)
+    targets = [round(y / 2.1, 6) for y in _hlines(a1)]
+    assert targets and set(targets) <= {0.5, 0.6, 0.7}, targets
     assert _bars(a2) == pytest.approx([0.5, 1.1, 1.3])  # GB: largest shard, then each conversion's peak RSS
     assert _hlines(a2) == pytest.approx([0.3, 1.5])  # import-only RSS, the 3x-largest-shard target
     assert "2.10 GB checkpoint -> sglang" in a1.get_title()
