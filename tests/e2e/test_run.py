@@ -102,7 +102,9 @@ def test_nonfinite_rollout_logprobs_stop_the_run_naming_the_step(recipe_file):
         def generate(inputs, sampling):
             gens = real(inputs, sampling)
             if eng.weight_version >= 2:  # from the second step on
-                gens[3].logprobs[0] = float("nan")
+                lp = gens[3].logprobs.clone()  # the engine's are inference tensors
+                lp[0] = float("nan")
+                gens[3].logprobs = lp
             return gens
         eng.generate = generate
         return eng
