@@ -11,6 +11,10 @@ Update semantics (SGLang's): ``begin_weight_update()`` stops serving; each ``upd
 validated whole (names, shapes, dtypes) before any byte is written, then written in place into the
 canonical tensors (storage and data pointers unchanged); ``finish_weight_update()`` rebuilds derived
 state (swizzled scales, dequantized GEMM operands), bumps ``weight_version`` and serves again.
+``generate`` between begin and finish raises ``EngineBusy``.
+
+Log-probs: ``Generation.logprobs`` are the raw policy log-probs (temperature 1, before top-k/top-p) unless
+``SamplingParams.logprob_mode == "processed"``; see ``miles_lp.rollout.sampling``.
 """
 
 from __future__ import annotations
@@ -67,10 +71,10 @@ class Generation:
     """One completion: the sampled tokens and the engine's log-prob of each (fp32 on CPU)."""
 
     output_ids: list[int]
-    logprobs: torch.Tensor  # [len(output_ids)] log p_engine(token_t | prefix), of the distribution sampled
+    logprobs: torch.Tensor  # [len(output_ids)] log p_engine(token_t | prefix): raw (T=1) unless logprob_mode
     finish_reason: str  # "stop" | "length" | "abort"
     weight_version: int
-    routed_experts: torch.Tensor | None = None  # [len(prompt)+len(output)-1, layers, top_k] int, MoE only
+    routed_experts: torch.Tensor | None = None  # [len(prompt)+len(output)-1, MoE layers, top_k] int, MoE only
 
 
 @runtime_checkable
