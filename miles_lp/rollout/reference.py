@@ -165,6 +165,8 @@ class ReferenceEngine:
         self._updating = False
         self._stepping = False
         self._cache_epoch = 0
+        self._in_flight = 0  # generate calls running
+        self.parked = 0  # times an in-flight generation parked at a step boundary (pause / update)
         self._touched: set[str] = set()
         self._written: set[str] = set()
         self._closed = False
@@ -411,7 +413,8 @@ class ReferenceEngine:
                 "dtype": str(self.act_dtype).removeprefix("torch."), "kv_cache": self.kv_cache,
                 "activation_mode": self.activation_mode,
                 "kv_cache_mismatch_source": self.kv_cache != "bf16", "quantized_layers": counts,
-                "context_len": self.context_len, "faults": self.faults.active()}
+                "context_len": self.context_len, "in_flight": self._in_flight, "parked": self.parked,
+                "faults": self.faults.active()}
 
     # ------------------------------------------------------------------------------------------------
     # serving state
@@ -554,8 +557,12 @@ class ReferenceEngine:
                                       "finish_weight_update); generation is refused until it finishes")
                 if self._paused and not self._cond.wait_for(lambda: not self._paused, timeout=self.pause_timeout_s):
                     raise EngineBusy("generate: the engine is paused; call resume() (continue_generation)")
-            with torch.inference_mode():
-                return self._run(prompts, sampling)
+            self._in_flight += 1
+            try:
+                with torch.inference_mode():
+                    return self._run(prompts, sampling)
+            finally:
+                self._in_flight -= 1
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Teacher-forced raw log-probs ``log p(x_t | x_<t)`` for t = 1..L-1 of each sequence (fp32, CPU): the
@@ -624,6 +631,7 @@ class ReferenceEngine:
                 if mode == "abort":
                     return "abort"
                 epoch, version = self._cache_epoch, self.weight_version
+                self.parked += 1
                 self._cond.wait_for(lambda: not (self._paused or self._updating) or self._closed)
                 if self._closed:
                     return "abort"

@@ -168,36 +168,44 @@ def test_drop_updates_and_lm_head_faults(ckpts, new_weights):
     assert {k for k in mine if ".experts." in k and k.endswith("proj.weight")} <= differ
 
 
+def _when_in_flight(e) -> None:
+    deadline = time.monotonic() + 30
+    while e.health()["in_flight"] == 0:
+        assert time.monotonic() < deadline, "the generation never started"
+        time.sleep(0.005)
+
+
 def test_pause_retract_resumes_with_new_weights(ckpts, new_weights):
     """An in-flight generation parks at pause(retract); after an update it recomputes its KV with the new weights."""
     e = ReferenceEngine(ckpts[0], device="cpu")
     out = {}
 
     def run():
-        out["g"] = e.generate([[1, 2, 3]], SamplingParams(max_new_tokens=120, seed=0, temperature=1.0))[0]
+        out["g"] = e.generate([[1, 2, 3]], SamplingParams(max_new_tokens=250, seed=0, temperature=1.0))[0]
 
     th = threading.Thread(target=run)
     th.start()
-    time.sleep(0.2)
+    _when_in_flight(e)
     e.pause("retract")
     assert e.health()["status"] == "paused"
     _full_update(e, new_weights)
     e.resume()
-    th.join(30)
+    th.join(60)
     g = out["g"]
-    assert g.weight_version == 1 and len(g.output_ids) == 120 and g.finish_reason == "length"
+    assert g.weight_version == 1 and len(g.output_ids) == 250 and g.finish_reason == "length"
+    assert e.parked == 1  # it was in flight and parked once
 
 
 def test_pause_abort_and_paused_refusal(ckpts):
     e = ReferenceEngine(ckpts[0], device="cpu")
     out = {}
     th = threading.Thread(target=lambda: out.setdefault("g", e.generate([[1, 2]], SamplingParams(
-        max_new_tokens=200, seed=0))[0]))
+        max_new_tokens=250, seed=0))[0]))
     th.start()
-    time.sleep(0.2)
+    _when_in_flight(e)
     e.pause("abort")
-    th.join(30)
-    assert out["g"].finish_reason == "abort" and len(out["g"].output_ids) < 200
+    th.join(60)
+    assert out["g"].finish_reason == "abort" and len(out["g"].output_ids) < 250
     with pytest.raises(EngineError, match="paused"):
         e.generate([[1]], SamplingParams(max_new_tokens=1))
     e.resume()
