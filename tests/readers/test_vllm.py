@@ -215,6 +215,26 @@ def test_vllm_reads_the_mixed_moe_config_as_planned(served):
             assert got[m.name] == expected, (m.name, got[m.name], expected)
 
 
+def test_plugin_adds_the_cpu_kernels_once():
+    """Without the plugin vLLM's CPU platform has no MXFP8 / NVFP4 linear kernel (an MXFP8 checkpoint then fails
+    with "Failed to find a kernel that can implement the MXFP8 linear layer"); register() adds vLLM's emulation
+    kernels once, however often vLLM calls it, and is what the installed entry point names."""
+    code = ("import json; from importlib.metadata import entry_points; "
+            "from miles_lp.rollout.vllm_plugin import register, cpu_kernels; "
+            "before = cpu_kernels(); first = register(); second = register(); "
+            "eps = [e.value for e in entry_points(group='vllm.general_plugins') if e.name == 'miles_lp_cpu_kernels']; "
+            "print('RESULT ' + json.dumps([before, first, second, cpu_kernels(), eps]))")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    r = subprocess.run([VLLM_PYTHON, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert line, r.stdout[-2000:] + r.stderr[-2000:]
+    before, first, second, after, eps = json.loads(line[0][len("RESULT "):])
+    assert before == {"mxfp8": [], "nvfp4": []}
+    assert first == ["EmulationMxfp8LinearKernel", "EmulationNvFp4LinearKernel"] and second == []
+    assert after == {"mxfp8": ["EmulationMxfp8LinearKernel"], "nvfp4": ["EmulationNvFp4LinearKernel"]}
+    assert eps == ["miles_lp.rollout.vllm_plugin:register"]
+
+
 def test_no_split_global_scale_warning(served):
     """Item 3: vLLM warns "the weight global scale is different for parallel layers" when the shards it fuses
     carry different NVFP4 global scales (and keeps one of them). Our checkpoints give it one."""
