@@ -52,12 +52,14 @@ class Learner(Protocol):
         ...
 
     def executed_quantized(self) -> Mapping[str, str]:
-        """The canonical weights the last forward actually ran quantized, with their format (C1: recorded
-        during forward, not read from the plan)."""
+        """``{canonical weight: "mxfp8" | "nvfp4"}``: what the forwards so far actually ran quantized (C1:
+        recorded by the quantized modules while computing, not read from the plan; a module's record is set by
+        its first quantized forward and kept, since its recipe is fixed). Empty before the first forward."""
         ...
 
     def state_dict(self) -> dict[str, Any]:
-        """What a bit-identical resume needs: model, optimizer, step, RNG states."""
+        """What a bit-identical resume needs: model, optimizer, step, RNG states (tensors by reference, as
+        torch's; ``miles_lp.train.state_io.save_learner_state`` writes it as safetensors + JSON)."""
         ...
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
