@@ -156,7 +156,7 @@ def tp2_run(tiny, tmp_path_factory):
                     recipes[name] = recipe
         jobs.append((str(tmp_path / arch), recipes, cfg.to_dict()))
     (tmp_path / "megatron").mkdir()
-    megatron_job = (str(tiny("qwen3")[0]), str(tmp_path / "megatron"))
+    megatron_job = (str(tiny("qwen3")[0]), str(tiny("qwen3_moe")[0]), str(tmp_path / "megatron"))
     torch.multiprocessing.spawn(_tp_worker, args=(2, _free_port(), jobs, megatron_job), nprocs=2, join=True)
     return tmp_path, cases, plans
 
@@ -202,7 +202,38 @@ def test_tp2_gloo_grids_equal_the_converter(tiny, tp2_run):
         assert checked > 50 and set(got) == set(open_checkpoint(d).tensors)
 
 
-def _megatron_phase(rank: int, world: int, d: str, out_dir: str) -> None:
+def _megatron_ep_phase(rank: int, world: int, d: str, out_dir: str) -> None:
+    """A real Megatron MoE at expert parallel = world (tp = 1): each rank holds E/world experts; the export
+    all-gathers them over the EP group under their global names; rank 0 writes the engine tensors."""
+    import transformers
+    from megatron.core import parallel_state as ps
+    from safetensors.torch import save_file
+
+    from miles_lp.cli.convert import policy_for_format
+    from miles_lp.export import engine_tensors
+    from miles_lp.train.embedded import SourceInfo, plan_for_model
+    from miles_lp.train.megatron.export import megatron_export_weights
+    from miles_lp.train.megatron.layers import attach_plan
+    from miles_lp.train.megatron.model import build_gpt_model, load_hf_weights
+
+    ps.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
+    try:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+        meg = build_gpt_model(hf.config, quantized=True, ep=world)
+        load_hf_weights(meg, hf.state_dict(), hf.config)
+        assert len(meg.decoder.layers[0].mlp.experts.local_experts) == hf.config.num_experts // world
+        plan = plan_for_model(policy_for_format("mxfp8+nvfp4-experts"), d)
+        attach_plan(meg, plan, plan.layout)
+        exported = list(megatron_export_weights(meg, hf.config, ep_group=ps.get_expert_model_parallel_group(),
+                                                dtypes=SourceInfo.from_checkpoint(d).dtypes))
+        if rank == 0:
+            flat = {k: v.contiguous().clone() for k, v in engine_tensors(exported, plan, "sglang")}
+            save_file(flat, os.path.join(out_dir, "ep.safetensors"))
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _megatron_phase(rank: int, world: int, d: str, d_moe: str, out_dir: str) -> None:
     """One rank of a real Megatron GPT model at tp = 2 (gloo, CPU): build, load HF weights, attach each plan,
     export under HF names (grids gathered over the TP group); rank 0 writes the results."""
     import transformers
@@ -255,6 +286,7 @@ def _megatron_phase(rank: int, world: int, d: str, out_dir: str) -> None:
                 f.write(verdict)
     finally:
         ps.destroy_model_parallel()
+    _megatron_ep_phase(rank, world, d_moe, out_dir)
 
 
 def test_real_megatron_tp2_export_equals_the_embedded_export(tiny, tp2_run):
@@ -277,3 +309,21 @@ def test_real_megatron_tp2_export_equals_the_embedded_export(tiny, tp2_run):
         assert not bad, (tag, bad[:5])
     fault = (tmp_path / "fault.txt").read_text()
     assert "differs between tensor-parallel ranks" in fault and "megatron_export_weights" in fault
+
+
+def test_real_megatron_ep2_export_gathers_the_experts(tiny, tp2_run):
+    """Megatron MoE at expert parallel 2 (each rank 2 of 4 experts): the export all-gathers the experts over the
+    EP group under their global names and equals the embedded learner's export byte for byte."""
+    from safetensors.torch import load_file
+
+    from miles_lp.cli.convert import policy_for_format
+    from miles_lp.export import engine_tensors
+    from miles_lp.export.writer import learner_from_hf
+
+    d = tiny("qwen3_moe")[0]
+    learner = learner_from_hf(d, policy_for_format("mxfp8+nvfp4-experts"))
+    want = dict(engine_tensors(learner.export_weights(), learner.plan, "sglang"))
+    got = load_file(str(tp2_run[0] / "megatron" / "ep.safetensors"))
+    assert got.keys() == want.keys() and "model.layers.2.mlp.experts.3.down_proj.weight_scale_2" in got
+    bad = [k for k in want if not same_bytes(got[k], want[k])]
+    assert not bad, bad[:5]

@@ -11,12 +11,14 @@ checkpoint's dtype (``dtypes``, BF16 by default). All ranks must call it (collec
 The grid equals the converter's (C2): MXFP8 has no global scale; an NVFP4 fused Megatron weight (``linear_qkv``,
 ``linear_fc1``) has one global scale over its members, which the plan's joint-scale groups (q/k/v, gate/up)
 give the converter too, and DeepSeek's q_a / kv_a (two Megatron linears, one plan group) share theirs through
-``attach_plan``'s amax partners. Expert parallelism (ep > 1) is not gathered here: export at ep = 1.
+``attach_plan``'s amax partners. Expert parallelism: every rank's local experts are all-gathered over the EP
+group and renamed to their global index (after the expert-TP gather).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -75,20 +77,39 @@ def quantized_grids(model: torch.nn.Module) -> dict[str, Any]:
     return out
 
 
-def megatron_export_weights(model: torch.nn.Module, hf_config: Any, *, tp_group=None,
-                            dtypes: Mapping[str, torch.dtype] | None = None,
+_LOCAL_EXPERT = re.compile(r"(.*\.local_experts\.)(\d+)(\..*)")
+
+
+def megatron_export_weights(model: torch.nn.Module, hf_config: Any, *, tp_group=None, ep_group=None,
+                            etp_group=None, dtypes: Mapping[str, torch.dtype] | None = None,
                             default_dtype: torch.dtype = DEFAULT_DTYPE) -> Iterator[tuple[str, Any]]:
-    """``(canonical HF name, grid | tensor)`` for every tensor of the HF checkpoint the model was built from."""
+    """``(canonical HF name, grid | tensor)`` for every tensor of the HF checkpoint the model was built from.
+
+    ``tp_group``: the tensor-parallel group (dense weights); ``etp_group``: the expert tensor-parallel group
+    (default: ``tp_group``, Megatron's default ``etp = tp``); ``ep_group``: the expert-parallel group: each rank's
+    local experts ``local_experts.{l}`` are gathered and renamed to the global index ``ep_rank * E/ep + l``.
+    """
     from miles_lp.train.megatron.model import megatron_targets
 
     dtypes = dtypes or {}
+    etp_group = tp_group if etp_group is None else etp_group
     grids = quantized_grids(model)
     state: dict[str, Any] = {}
+    targets = {}
     for name, p in megatron_targets(model).items():
         while name.startswith("module."):
             name = name[len("module."):]
+        targets[name] = p
+    per_rank = len({m.group(2) for n in targets if (m := _LOCAL_EXPERT.fullmatch(n))})
+    for name, p in targets.items():
         value = grids[name][0] if name in grids else p.detach()
-        state[name] = gather_shards(name, all_gather_value(value, tp_group))
+        m = _LOCAL_EXPERT.fullmatch(name)
+        if m is None:
+            state[name] = gather_shards(name, all_gather_value(value, tp_group))
+            continue
+        full = gather_shards(name, all_gather_value(value, etp_group))
+        for ep_rank, v in enumerate(all_gather_value(full, ep_group)):
+            state[f"{m.group(1)}{ep_rank * per_rank + int(m.group(2))}{m.group(3)}"] = v
     for hf_name, v in megatron_to_hf(state, hf_config).items():
         if isinstance(v, torch.Tensor) and v.is_floating_point():
             v = v.to(dtypes.get(hf_name, default_dtype))
