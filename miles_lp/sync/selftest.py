@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import fnmatch
 import math
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from miles_lp.errors import ConfigError
 from miles_lp.sync.config import SyncConfig
 from miles_lp.sync.sentinel import rollout_kl
 from miles_lp.sync.verdict import SyncCheckError, SyncError
@@ -56,7 +58,7 @@ class Fault:
     transport: str | None = None  # "drop_last" | "skip_scales"
     engine_wrap: str | None = None  # "block128" | "floor"
     learner_wrap: str | None = None  # "split_scales"
-    needs: str | None = None  # "nvfp4_groups" | "experts": skip when the model/recipe has none
+    needs: str | None = None  # "nvfp4_groups" | "experts" | "mxfp8": N/A when the model/recipe has none
 
 
 def _drop_layer_rules(policy: dict) -> dict:
@@ -67,23 +69,27 @@ def _drop_layer_rules(policy: dict) -> dict:
     return p
 
 
+DENSE = "<first quantized dense weight>"  # resolved per model (q_proj, MLA's q_a_proj, ...; else any quantized)
+
 FAULTS: list[Fault] = [
     Fault("lm_head quantized on the sampler", "layer_audit", engine_faults={"quantize_lm_head": True}),
     # A rule meant for the router ("gate") that matches the fused gate_up_proj by substring (seed 000, F2): a
     # dense MLP keeps gate and up BF16; a fused MoE layer (one FusedMoE: every expert one format) keeps all.
     Fault("router rule matches gate_up_proj by substring", "layer_audit",
-          sampler_rules=[{"match": r"re:.*\.mlp\.(experts\..*|gate_proj|up_proj)", "format": "bf16"}]),
+          sampler_rules=[{"match": r"re:.*\.(mlp|block_sparse_moe)\.(experts\..*|gate_proj|up_proj)",
+                          "format": "bf16"}]),
     Fault("first/last BF16 layers disagree", "layer_audit", sampler_policy=_drop_layer_rules),
     Fault("stale derived layout (finish without rebuild)", "self_check",
           engine_faults={"skip_rebuild": ("*",)}),
     Fault("stale expert layout only", "self_check", engine_faults={"skip_rebuild": ("*.experts.*",)},
           needs="experts"),
-    Fault("re-bound parameter", "storage", engine_faults={"rebind": ("*.self_attn.q_proj.weight",)}),
+    Fault("re-bound parameter", "storage", engine_faults={"rebind": (DENSE,)}),
     Fault("dropped last bucket", "completeness", transport="drop_last"),
     Fault("missing scales (unwritten staging)", "completeness", transport="skip_scales"),
-    Fault("engine loader skips names", "grid", engine_faults={"drop_updates": ("*.mlp.*down_proj.weight",)}),
-    Fault("different grid: 128x128 FP32-scale blocks", "grid", engine_wrap="block128"),
-    Fault("different grid: sampler re-quantizes BF16 (floor scales)", "grid", engine_wrap="floor"),
+    Fault("engine loader skips names", "grid",
+          engine_faults={"drop_updates": ("*.mlp.*down_proj.weight", "*.experts.*.w2.weight")}),
+    Fault("different grid: 128x128 FP32-scale blocks", "grid", engine_wrap="block128", needs="mxfp8"),
+    Fault("different grid: sampler re-quantizes BF16 (floor scales)", "grid", engine_wrap="floor", needs="mxfp8"),
     Fault("NVFP4 gate/up with separate global scales", "grid", learner_wrap="split_scales", needs="nvfp4_groups"),
 ]
 
@@ -108,7 +114,9 @@ class Stack:
         self.learner = self._learner(train_steps, lr, seed)
         # the learner at the checkpoint's own weights: the reference for a sampler whose update was refused
         self.learner0 = self._learner(0, lr, seed)
-        self.has_experts = any(".experts." in n for n in self.plan.entries)
+        quantized = self.plan.quantized()
+        self.has_experts = any(".experts." in n for n in quantized)  # quantized experts (derived expert state)
+        self.has_mxfp8 = any(e.format.value == "mxfp8" for e in quantized.values())
         self.has_nvfp4_groups = any(
             all(self.plan.entries[m].format.value == "nvfp4" for m in g) for g in self.plan.groups.values())
 
@@ -188,17 +196,32 @@ class SelfTest:
         self.max_new_tokens = max_new_tokens
 
     # ---- building one side of a fault ----------------------------------------------------------------
-    def _engine(self, fault: Fault | None):
-        from miles_lp.rollout.reference import EngineFaults, ReferenceEngine
-        from miles_lp.sync.faults import RegridEngine
-
+    def _sampler_policy(self, fault: Fault | None) -> dict:
         mapping = self.stack.policy_map
         if fault is not None and fault.sampler_rules:
             mapping = {**mapping, "rules": [*fault.sampler_rules, *mapping.get("rules", [])]}
         if fault is not None and fault.sampler_policy:
             mapping = fault.sampler_policy(mapping)
-        faults = EngineFaults(**(fault.engine_faults if fault else {}))
-        engine = ReferenceEngine(self.stack.checkpoint(mapping), device="cpu", faults=faults)
+        return mapping
+
+    def _engine(self, fault: Fault | None):
+        from miles_lp.rollout.reference import EngineFaults, ReferenceEngine
+        from miles_lp.sync.faults import RegridEngine
+
+        mapping = self._sampler_policy(fault)
+        hooks = dict(fault.engine_faults) if fault else {}
+        quantized = list(self.stack.plan.quantized())
+        dense = next((n for n in quantized if ".experts." not in n), quantized[0] if quantized else DENSE)
+        for key in ("rebind", "drop_updates"):  # a hook that matches nothing would be a fault never injected
+            if key in hooks:
+                hooks[key] = tuple(dense if p == DENSE else p for p in hooks[key])
+        engine = ReferenceEngine(self.stack.checkpoint(mapping), device="cpu", faults=EngineFaults(**hooks))
+        names = list(engine.param_specs())
+        for key in ("rebind", "drop_updates"):
+            pats = hooks.get(key, ())
+            if pats and not any(fnmatch.fnmatchcase(n, p) for n in names for p in pats):
+                raise ConfigError(f"selftest fault '{fault.name}': engine hook {key}={pats!r} matches no tensor "
+                                  f"of this {self.stack.arch} checkpoint; the fault would not be injected")
         if fault is not None and fault.engine_wrap:
             engine = RegridEngine(engine, fault.engine_wrap)
         return engine
@@ -249,9 +272,21 @@ class SelfTest:
     def fault(self, fault: Fault) -> Row:
         st = self.stack
         if (fault.needs == "experts" and not st.has_experts) or (
-                fault.needs == "nvfp4_groups" and not st.has_nvfp4_groups):
+                fault.needs == "nvfp4_groups" and not st.has_nvfp4_groups) or (
+                fault.needs == "mxfp8" and not st.has_mxfp8):
             return Row(fault.name, fault.intended, [], None, float("nan"), "N/A",
                        f"the model/recipe has no {fault.needs.replace('_', ' ')}")
+        if fault.sampler_rules or fault.sampler_policy:  # a sampler rule that changes nothing injects nothing
+            def fmts(plan):
+                return {n: e.format.value for n, e in plan.entries.items()}
+            try:
+                same = fmts(st._plan(self._sampler_policy(fault))) == fmts(st.plan)
+            except ConfigError as exc:  # e.g. the rule leaves nothing quantized: no converted sampler to start
+                return Row(fault.name, fault.intended, [], None, float("nan"), "N/A",
+                           f"the sampler's policy does not compile for {st.arch}: {exc}")
+            if same:
+                return Row(fault.name, fault.intended, [], None, float("nan"), "N/A",
+                           f"the sampler's rule changes no tensor's format on {st.arch}")
         self.log(f"fault: {fault.name} (raise mode)")
         _, _, err = self._sync(fault, "raise")
         caught = [v.name for v in err.verdicts] if isinstance(err, SyncCheckError) else []

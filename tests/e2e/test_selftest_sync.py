@@ -143,3 +143,12 @@ def test_bench_sync_runs_on_cpu(capsys):
     assert main(["bench", "sync", "--device", "cpu", "--params", "2e6", "--iters", "1", "--format", "mxfp8"]) == 0
     out = capsys.readouterr().out
     assert "tensor-copy" in out and "checks %" in out
+
+
+def test_a_fault_the_model_cannot_have_is_not_applicable_not_missed(tmp_path):
+    out = tmp_path / "t.json"
+    rc = main(["selftest", "sync", "--arch", "qwen3", "--only", "separate global", "--only", "stale expert",
+               "--json", str(out), "--workdir", str(tmp_path / "w")])
+    rows = json.loads(out.read_text())["rows"]
+    assert rc == 0 and [r["verdict"] for r in rows] == ["clean", "N/A", "N/A"]
+    assert all("has no" in r["detail"] for r in rows[1:])
