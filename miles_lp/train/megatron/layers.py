@@ -36,7 +36,7 @@ from miles_lp.errors import ConfigError
 from miles_lp.formats.spec import Format
 from miles_lp.train.gemm import quantized_linear
 from miles_lp.train.grid import WeightGrid
-from miles_lp.train.megatron.naming import tp_amax_reduce
+from miles_lp.train.megatron.naming import qkv_row_indices, tp_amax_reduce
 from miles_lp.train.operands import select_rows
 from miles_lp.train.recipe import LinearRecipe
 
@@ -236,12 +236,8 @@ def _global_expert_name(name: str, module: Any) -> str:
 def _qkv_rows(config: Any, members: tuple[str, ...]) -> list[tuple[str, torch.Tensor]]:
     """Row indices of q, k, v inside Megatron's interleaved ``linear_qkv`` (per query group: q heads, k, v)."""
     ng, nh, hn = config.num_query_groups, config.num_attention_heads, config.kv_channels
-    per = nh // ng
-    block = (per + 2) * hn
-    q = torch.cat([torch.arange(g * block, g * block + per * hn) for g in range(ng)])
-    k = torch.cat([torch.arange(g * block + per * hn, g * block + (per + 1) * hn) for g in range(ng)])
-    v = torch.cat([torch.arange(g * block + (per + 1) * hn, (g + 1) * block) for g in range(ng)])
-    return list(zip(members, (q, k, v), strict=True))
+    rows = qkv_row_indices((nh + 2 * ng) * hn, ng, nh // ng * hn)
+    return list(zip(members, rows, strict=True))
 
 
 def attach_plan(model: torch.nn.Module, plan, layout) -> dict[str, str]:
