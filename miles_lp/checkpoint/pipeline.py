@@ -230,7 +230,7 @@ class HashingReader:
     before ``close()`` (it may still be waiting to be hashed). One thread calls ``read`` (the reader).
     """
 
-    def __init__(self, clock: Clock | None = None, max_backlog: int = 1 << 28) -> None:
+    def __init__(self, clock: Clock | None = None, max_backlog: int = 1 << 27) -> None:
         self.clock = clock or Clock()
         self.digests: dict[Path, str] = {}
         self._f = None

@@ -29,7 +29,7 @@ from miles_lp.formats import _native
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("speed-tiny")
-    return {a: make_tiny_model(a, root / a, seed=3, max_shard_size="150KB") for a in ("qwen3", "qwen3_moe", "deepseek_v3")}
+    return {a: make_tiny_model(a, root / a, seed=3, max_shard_size="150KB") for a in ("qwen3_moe", "deepseek_v3")}
 
 
 def _convert(src, out, fmt, target, *, fast: bool, monkeypatch, **kw):
@@ -55,7 +55,7 @@ def _assert_same_output(a: Path, b: Path) -> None:
     assert not differ, f"files differ: {differ}"
 
 
-CASES = [("qwen3", "mxfp8", "sglang"), ("qwen3_moe", "mxfp8+nvfp4-experts", "sglang"),
+CASES = [("qwen3_moe", "mxfp8", "sglang"), ("qwen3_moe", "mxfp8+nvfp4-experts", "sglang"),
          ("qwen3_moe", "nvfp4-experts", "compressed-tensors"), ("deepseek_v3", "mxfp8+nvfp4-experts", "vllm")]
 
 
@@ -108,7 +108,7 @@ def test_gate_up_split_across_shards_and_nonfinite(tiny, tmp_path, monkeypatch):
 def test_failure_mid_way_raises_the_error_and_writes_nothing(tiny, tmp_path, monkeypatch):
     src = tmp_path / "src"
     src.mkdir()
-    for p in Path(tiny["qwen3"]).iterdir():
+    for p in Path(tiny["qwen3_moe"]).iterdir():
         src.joinpath(p.name).write_bytes(p.read_bytes())
     shard = sorted(src.glob("*.safetensors"))[1]
     tensors = load_file(shard)
@@ -122,9 +122,9 @@ def test_failure_mid_way_raises_the_error_and_writes_nothing(tiny, tmp_path, mon
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
-def test_block_fp8_input(tmp_path, monkeypatch):
+def test_block_fp8_input(tiny, tmp_path, monkeypatch):
     """DeepSeek-style block-FP8 input (weight + weight_scale_inv read in one job): same bytes."""
-    src = make_tiny_model("deepseek_v3", tmp_path / "bf16", seed=4, max_shard_size="150KB")
+    src = tiny["deepseek_v3"]
     fp8 = tmp_path / "fp8"
     fp8.mkdir()
     from miles_lp.formats import quantize_fp8_blockwise
