@@ -26,6 +26,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("export", "miles_lp.cli.export"),
     ("explain", "miles_lp.cli.explain"),
     ("run", "miles_lp.cli.run"),
+    ("report", "miles_lp.cli.report"),
     ("bench", "miles_lp.cli.bench"),
     ("selftest", "miles_lp.cli.selftest"),
     ("serve", "miles_lp.cli.serve"),
