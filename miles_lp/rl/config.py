@@ -111,7 +111,12 @@ class RolloutCorrection:
         if self.bypass_mode and self.rollout_is is not None:
             raise where.child("rollout_is").error(
                 "bypass_mode uses the PPO ratio to the rollout policy itself as the importance weight; "
-                "set rollout_is: null (rejection sampling, rollout_rs, still applies)")
+                "set rollout_is: null")
+        if self.bypass_mode and self.rollout_rs is not None:
+            raise where.child("rollout_rs").error(
+                "rollout_rs with bypass_mode is not supported here yet: verl rejects against the CURRENT policy "
+                "inside the loss in bypass mode, this loop rejects against the old-log-prob pass, which bypass "
+                "skips; set rollout_rs: null or bypass_mode: false")
 
     def rs_options(self, where: Where | None = None) -> list[str]:
         if self.rollout_rs is None:

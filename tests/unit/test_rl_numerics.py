@@ -198,6 +198,8 @@ def test_rl_config_strict():
         parse({"prompts_per_step": 2, "group_size": 4, "mini_batches": 3})
     with pytest.raises(ConfigError, match="bypass_mode uses the PPO ratio"):
         parse({"rollout_correction": {"bypass_mode": True, "rollout_is": "token"}})
+    with pytest.raises(ConfigError, match="rollout_rs with bypass_mode is not supported"):
+        parse({"rollout_correction": {"bypass_mode": True, "rollout_rs": "token_k1", "rollout_rs_threshold": 2.0}})
     with pytest.raises(ConfigError, match="must be one of 'token-mean'"):
         parse({"loss_agg": "token_mean"})
     assert isinstance(parse(None).rollout_correction, RolloutCorrection)
