@@ -43,15 +43,16 @@ __all__ = [
     "nvfp4_quantize", "nvfp4_dequantize", "nvfp4_amax", "matrix_amax", "quantize_nvfp4", "CONFIG",
 ]
 
-# Launch shapes (tuned on the H200; the bench can override them). MXFP8 tiles are [32*BMB, 32*NB];
-# NVFP4 tiles [TA*TB, 16*NB]; ROWS_* are the rows per program of the one-pass per-row kernel.
+# Launch shapes: the fastest of `miles-lp bench quantize --sweep` on the H200 (2026-12-01, run 2, commit
+# 7deb728, [16384, 8192] bf16; byte identity re-checked with exactly these: selfcheck --config). MXFP8 tiles are
+# [32*BMB, 32*NB]; NVFP4 tiles [TA*TB, 16*NB]; ROWS = rows per program of the one-pass per-token kernel.
 CONFIG = {
-    "mxfp8": {"BMB": 1, "NB": 4, "num_warps": 4},  # one grid
-    "mxfp8_both": {"BMB": 1, "NB": 4, "num_warps": 4},  # rowwise + columnwise in one pass
-    "mxfp8_dq": {"BMB": 1, "NB": 8, "num_warps": 4},
-    "nvfp4": {"TA": 16, "NB": 16, "num_warps": 4},
-    "nvfp4_2d": {"TA": 1, "NB": 16, "num_warps": 4},
-    "nvfp4_rows": {"ROWS": 4, "NB": 32, "num_warps": 4},
+    "mxfp8": {"BMB": 1, "NB": 8, "num_warps": 2},  # one grid
+    "mxfp8_both": {"BMB": 1, "NB": 8, "num_warps": 2},  # rowwise + columnwise in one pass
+    "mxfp8_dq": {"BMB": 1, "NB": 8, "num_warps": 8},
+    "nvfp4": {"TA": 16, "NB": 16, "num_warps": 2},
+    "nvfp4_2d": {"TA": 2, "NB": 8, "num_warps": 2},
+    "nvfp4_rows": {"ROWS": 1, "NB": 32, "num_warps": 1},
     "nvfp4_dq": {"BM": 16, "NB": 8, "num_warps": 4},
     "amax": {"BM": 32, "BK": 256, "num_warps": 4},
 }
