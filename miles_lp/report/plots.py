@@ -84,3 +84,34 @@ def save(fig, path: Path, dpi: int = 90) -> Path:
         if tmp.exists():
             tmp.unlink()
     return path
+
+
+def cost_figure(runs: Sequence[RunData], fits: Sequence[dict]):
+    """Per stage: each run's (tokens, seconds) points (label ``<run>``) and its fitted line (``<run> fit``)."""
+    plt = _plt()
+    stages = [s for s in ("generate", "old_log_prob", "ref", "update_actor") if any(s in f for f in fits)]
+    fig, axes = plt.subplots(1, max(1, len(stages)), figsize=(4.6 * max(1, len(stages)), 3.6), squeeze=False)
+    for ax, stage in zip(axes.flat, stages, strict=False):
+        for k, (run, fit) in enumerate(zip(runs, fits, strict=True)):
+            if stage not in fit:
+                continue
+            f = fit[stage]
+            T, t = [], []
+            for r in run.rows:
+                n, s = r.get(f"tokens/{stage}"), r.get(f"timing_s/{stage}")
+                if isinstance(n, int | float) and isinstance(s, int | float) and n > 0:
+                    T.append(n)
+                    t.append(s)
+            color = f"C{k}"
+            ax.plot(T, t, "o", ms=3, alpha=0.5, color=color, label=run.name)
+            lo, hi = f.tokens
+            ax.plot([lo, hi], [f.F + f.c * lo, f.F + f.c * hi], "-", color=color,
+                    label=f"{run.name} fit: F={f.F:.3g}s c={f.c * 1e6:.3g}us/tok")
+        ax.set_title(f"timing_s/{stage}")
+        ax.set_xlabel(f"tokens/{stage} per step")
+        ax.set_ylabel("s per step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.suptitle("t = F + c*T per stage")
+    fig.tight_layout()
+    return fig

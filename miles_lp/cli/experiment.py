@@ -1,0 +1,129 @@
+"""``miles-lp experiment``: seed 000's controlled experiments as commands (``cost``, ``matching``)."""
+
+from __future__ import annotations
+
+HELP = "seed 000's experiments: the per-stage cost fit and break-even (cost), the sampler matching table (matching)"
+DESCRIPTION = HELP + """
+
+  miles-lp experiment cost runs/tiny-bf16 runs/tiny-mxfp8 --out /tmp/cost
+      fits t = F + c*T per stage (T = tokens/<stage> per step) across each run's steps, intervals from
+      resampling steps, compares every run with the first (--base), prints the break-even tokens per
+      micro-batch (added cost per micro-batch / saved cost per token) and plots the fits.
+  miles-lp experiment matching recipes/tiny-mxfp8.yaml --out /tmp/matching
+      learning rate 0 (weights never change), the same prompts every step, five samplers against one
+      MXFP8 learner (plus BF16/BF16); rollout_corr/kl per arm with paired bootstrap intervals over prompts.
+"""
+
+
+def add_arguments(p) -> None:
+    sub = p.add_subparsers(dest="experiment", metavar="EXPERIMENT", required=True)
+    c = sub.add_parser("cost", help="fit t = F + c*T per stage; break-even tokens per micro-batch")
+    c.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    c.add_argument("--base", default=None, help="name of the base (BF16) run; default the first RUN_DIR")
+    c.add_argument("--names", nargs="+", default=None, help="display names, one per RUN_DIR")
+    c.add_argument("--skip", type=int, default=1, help="warm-up steps left out of the fit (default 1)")
+    c.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples of steps (default 2000)")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--out", default=None, help="folder for cost_fit.png and cost.json")
+    c.add_argument("--micro-batch-sweep", action="store_true",
+                   help="replay recorded trajectories at several micro-batch sizes (not available yet: runs do "
+                        "not record trajectories; the command says so)")
+    m = sub.add_parser("matching", help="seed 000's Table 2: sampler pairings at learning rate 0")
+    m.add_argument("recipe", metavar="RECIPE")
+    m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe overrides")
+    m.add_argument("--steps", type=int, default=6, help="steps pooled (the same prompts each step; default 6)")
+    m.add_argument("--prompts", type=int, default=None, help="prompts per step (default: the recipe's)")
+    m.add_argument("--resamples", type=int, default=10_000, help="paired bootstrap resamples of prompts")
+    m.add_argument("--arms", default=None, help="comma-separated subset of the arms (default all five)")
+    m.add_argument("--workdir", default=None, help="where the tiny model and engine checkpoints are built "
+                   "(default a temporary folder)")
+    m.add_argument("--out", default=None, help="folder for matching.json, matching.md and matching.png")
+    m.add_argument("--seed", type=int, default=0)
+
+
+def run(args) -> int:
+    if args.experiment == "cost":
+        return _cost(args)
+    return _matching(args)
+
+
+def _us(x: float) -> str:
+    return f"{x * 1e6:.3g}"
+
+
+def _cost(args) -> int:
+    import json
+    import math
+    from pathlib import Path
+
+    from miles_lp.errors import ConfigError
+    from miles_lp.report.cost import compare, doubts, fit_run
+    from miles_lp.report.runs import load_runs
+
+    if args.micro_batch_sweep:
+        raise ConfigError("--micro-batch-sweep: not implemented yet: run folders keep metrics, not the sampled "
+                          "trajectories a replay needs (requested from the rl helper: record them); fit a run "
+                          "instead (without the flag)")
+    runs = load_runs(args.run_dirs, args.names)
+    names = [r.name for r in runs]
+    base_name = args.base or names[0]
+    if base_name not in names:
+        raise ConfigError(f"--base {base_name}: no such run; runs are {', '.join(names)}")
+    fits = [fit_run(r, args.skip, args.resamples, args.seed) for r in runs]
+    out: dict = {"runs": {}, "comparisons": {}}
+    print("t = F + c*T per stage (T = tokens of the stage per step); 95% intervals from resampling steps")
+    print(f"{'run':28s} {'stage':13s} {'n':>3s} {'F s/step':>22s} {'c us/token':>24s} {'r2':>5s} {'T range':>11s}"
+          f" {'mb/step':>7s}")
+    for r, fit in zip(runs, fits, strict=True):
+        out["runs"][r.name] = {}
+        for s, f in fit.items():
+            print(f"{r.name:28s} {s:13s} {f.n:3d} {f.F:8.3g} [{f.F_ci[0]:.3g}, {f.F_ci[1]:.3g}]"
+                  f" {_us(f.c):>8s} [{_us(f.c_ci[0])}, {_us(f.c_ci[1])}] {f.r2:5.2f}"
+                  f" {f.tokens[0]:5.0f}-{f.tokens[1]:<5.0f} {f.micro_batches:7.1f}")
+            out["runs"][r.name][s] = {"n": f.n, "F": f.F, "F_ci": f.F_ci, "c": f.c, "c_ci": f.c_ci, "r2": f.r2,
+                                      "tokens": f.tokens, "micro_batches": f.micro_batches, "doubts": doubts(f)}
+            for d in doubts(f):
+                print(f"{'':28s}   note: {d}")
+    bi = names.index(base_name)
+    for r, fit in zip(runs, fits, strict=True):
+        if r.name == base_name:
+            continue
+        print(f"\n{r.name} against {base_name}:")
+        out["comparisons"][r.name] = {}
+        for s, f in fit.items():
+            if s not in fits[bi]:
+                continue
+            cmp = compare(fits[bi][s], f)
+            shaky = bool(doubts(fits[bi][s]) or doubts(f))
+            be = "none" if cmp.break_even is None else f"{cmp.break_even:,.0f}"
+            ci = "" if math.isnan(cmp.break_even_ci[0]) else \
+                f" [{cmp.break_even_ci[0]:,.0f}, {cmp.break_even_ci[1]:,.0f}]"
+            print(f"  {s:13s} saved/token {_us(cmp.saved_per_token)} us [{_us(cmp.saved_ci[0])}, "
+                  f"{_us(cmp.saved_ci[1])}]  added/micro-batch {cmp.added_per_micro_batch * 1e3:.3g} ms "
+                  f"[{cmp.added_ci[0] * 1e3:.3g}, {cmp.added_ci[1] * 1e3:.3g}]  break-even {be}{ci} tokens/mb: "
+                  f"{cmp.verdict}" + (" (UNRELIABLE: see the fit notes above)" if shaky else ""))
+            out["comparisons"][r.name][s] = {
+                "saved_per_token_s": cmp.saved_per_token, "saved_ci": cmp.saved_ci,
+                "added_per_micro_batch_s": cmp.added_per_micro_batch, "added_ci": cmp.added_ci,
+                "break_even_tokens_per_micro_batch": cmp.break_even, "break_even_ci": cmp.break_even_ci,
+                "verdict": cmp.verdict, "reliable": not shaky}
+    if args.out:
+        import matplotlib.pyplot as plt
+
+        from miles_lp.report.plots import cost_figure, save
+
+        d = Path(args.out)
+        fig = cost_figure(runs, fits)
+        print(f"\nwrote {save(fig, d / 'cost_fit.png')}")
+        plt.close(fig)
+        tmp = d / ".cost.json.tmp"
+        tmp.write_text(json.dumps(out, indent=1))
+        tmp.replace(d / "cost.json")
+        print(f"wrote {d / 'cost.json'}")
+    return 0
+
+
+def _matching(args) -> int:
+    from miles_lp.report.matching import main
+
+    return main(args)
