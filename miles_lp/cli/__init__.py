@@ -27,6 +27,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("explain", "miles_lp.cli.explain"),
     ("run", "miles_lp.cli.run"),
     ("report", "miles_lp.cli.report"),
+    ("experiment", "miles_lp.cli.experiment"),
     ("bench", "miles_lp.cli.bench"),
     ("selftest", "miles_lp.cli.selftest"),
     ("serve", "miles_lp.cli.serve"),
