@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The rollout / sync / RL checks of miles-lp on one CUDA device, in one device call; logs under $OUT.
+#   pytest -m gpu for the reference engine and the sync; bench sync (1B random Qwen3-MoE, MXFP8 and
+#   MXFP8 + NVFP4 experts, vs a device copy of the same bytes); bench rollout (0.5B random Qwen3, reference
+#   engine vs transformers generate); short RL runs on the GPU (learner and engine colocated, ray off, checks
+#   in raise mode). Each step reports its own verdict; the script exits non-zero if any failed.
+# Usage: MILES_LP_COMMIT=<sha> bash scripts/h200_lead.sh [--skip-bench]
+set -uo pipefail
+out="${OUT:-h200_logs}"; mkdir -p "$out"
+exec > >(tee "$out/session.log") 2>&1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+bench=1; [ "${1:-}" = --skip-bench ] && bench=0
+echo "commit ${MILES_LP_COMMIT:-unknown}"; date -u; nvidia-smi -L
+failed=()
+step() {  # step NAME TIMEOUT CMD...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name: $*"; local t0=$SECONDS
+  timeout "$limit" "$@"; local rc=$?
+  echo "=== $name: rc=$rc ($((SECONDS - t0)) s)"
+  [ "$rc" -eq 0 ] || failed+=("$name")
+}
+cli="python3 -m miles_lp.cli"
+step pytest_gpu 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_rollout_gpu.py \
+  $(grep -l "mark.gpu" tests/unit/test_sync_*.py tests/e2e/test_*sync*.py 2>/dev/null)
+if [ "$bench" = 1 ]; then
+  step bench_sync 300 $cli bench sync --device cuda --params 1e9 --iters 3 --json
+  step bench_rollout 180 $cli bench rollout --model 0.5b --device cuda --new-tokens 128 --json "$out/bench_rollout.json"
+fi
+r=$(mktemp -d)
+for recipe in tiny-mxfp8 tiny-nvfp4-experts; do
+  step "run_$recipe" 240 $cli run "recipes/$recipe.yaml" --set steps=8 --set train.device=cuda \
+    --set rollout.device=cuda --set sync.checks.self_check=raise --set logging.output_dir="$r/$recipe"
+  cp "$r/$recipe"/*/metrics.jsonl "$out/run_$recipe.jsonl" 2>/dev/null
+done
+echo "failed steps: ${failed[*]:-none}"
+[ ${#failed[@]} -eq 0 ]
