@@ -65,3 +65,13 @@ def test_plot_runs(tmp_path):
             rd.append_metrics(s, {"reward/mean": k * s, "rollout_corr/kl": 0.0})
     out = plot_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "img" / "p.png", keys=("reward/mean", "rollout_corr/kl"))
     assert out.stat().st_size > 1000 and out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_tensorboard_missing_is_one_line_not_a_failure(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from miles_lp.launch.runner import _tensorboard
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
+    assert _tensorboard(tmp_path) is None
+    assert "tensorboard package is not installed; metrics go to metrics.jsonl only" in capsys.readouterr().err
