@@ -6,16 +6,18 @@
 #   (MILES_LP_KERNELS_HW=0: the integer encoders on CUDA), selfcheck_swept.jsonl (the shapes the bench
 #   sweep chose), bench_quantize.txt, bench_quantize.json, bench_linear.json
 # Usage (from a clean export of one commit, so the table names the tree it ran on):
-#   MILES_LP_COMMIT=<sha> bash scripts/h200_kernels.sh [--no-sweep] [--no-linear] [--tests-only]
+#   MILES_LP_COMMIT=<sha> bash scripts/h200_kernels.sh [--no-sweep] [--no-linear] [--tests-only] [--quick]
+# --quick: the kernels' own GPU tests, one selfcheck, bench quantize without sweep or torch.compile rows.
 # Carry torchao as a wheel in .whl/ (README of the device tool); without it the torchao anchor is skipped.
 set -uo pipefail
 out="${OUT:-h200_logs}"; mkdir -p "$out"
 exec > >(tee "$out/session.log") 2>&1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-sweep=--sweep; linear=1; bench=1
+sweep=--sweep; linear=1; bench=1; quick=0
 for a in "$@"; do
   case $a in
     --no-sweep) sweep= ;; --no-linear) linear=0 ;; --tests-only) bench=0; linear=0 ;;
+    --quick) quick=1; sweep=--no-compile; linear=0 ;;
     *) echo "unknown option $a"; exit 2 ;;
   esac
 done
@@ -38,17 +40,17 @@ step() {  # step NAME LOGFILE CMD...: run (at most $STEP_TIMEOUT s), tee to $out
   echo "=== $name: rc=$rc ($((SECONDS - t0)) s)"
   [ "$rc" -eq 0 ] || failed+=("$name")
 }
-step pytest_gpu pytest_gpu.txt python3 -m pytest -q -p no:cacheprovider -m gpu \
-  tests/unit/test_formats_kernels_gpu.py tests/unit/test_formats_gpu.py tests/unit/test_formats_nvfp4.py \
-  tests/unit/test_train_quant_linear.py
+tests=(tests/unit/test_formats_kernels_gpu.py)
+[ "$quick" = 1 ] || tests+=(tests/unit/test_formats_gpu.py tests/unit/test_formats_nvfp4.py tests/unit/test_train_quant_linear.py)
+step pytest_gpu pytest_gpu.txt python3 -m pytest -q -p no:cacheprovider -m gpu "${tests[@]}"
 step selfcheck selfcheck.jsonl python3 -m miles_lp.formats.kernels.selfcheck --device cuda
-step selfcheck_int selfcheck_int.jsonl env MILES_LP_KERNELS_HW=0 python3 -m miles_lp.formats.kernels.selfcheck \
-  --device cuda
+[ "$quick" = 1 ] || step selfcheck_int selfcheck_int.jsonl env MILES_LP_KERNELS_HW=0 \
+  python3 -m miles_lp.formats.kernels.selfcheck --device cuda
 if [ "$bench" = 1 ]; then
   step bench_quantize bench_quantize.txt python3 -m miles_lp.cli bench quantize --device cuda --rows 16384 \
     --cols 8192 $sweep --json "$out/bench_quantize.json"
-  step selfcheck_swept selfcheck_swept.jsonl python3 -m miles_lp.formats.kernels.selfcheck --device cuda \
-    --config "$out/bench_quantize.json" --no-encoders
+  [ "$quick" = 1 ] || step selfcheck_swept selfcheck_swept.jsonl python3 -m miles_lp.formats.kernels.selfcheck \
+    --device cuda --config "$out/bench_quantize.json" --no-encoders
 fi
 if [ "$linear" = 1 ]; then
   step bench_linear /dev/null python3 -m miles_lp.cli bench linear --shapes large,small \

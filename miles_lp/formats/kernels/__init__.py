@@ -52,7 +52,8 @@ CONFIG = {
     "mxfp8_dq": {"BMB": 1, "NB": 8, "num_warps": 8},
     "nvfp4": {"TA": 16, "NB": 16, "num_warps": 2},
     "nvfp4_2d": {"TA": 2, "NB": 8, "num_warps": 2},
-    "nvfp4_rows": {"ROWS": 1, "NB": 32, "num_warps": 1},
+    "nvfp4_rows": {"ROWS": 1, "NB": 32, "num_warps": 1},  # rows longer than nvfp4_rows_reg.max_k: two loops
+    "nvfp4_rows_reg": {"max_k": 16384, "el_per_thread": 32},  # a whole row in registers, one read
     "nvfp4_dq": {"BM": 16, "NB": 8, "num_warps": 4},
     "amax": {"BM": 32, "BK": 256, "num_warps": 4},
 }
@@ -325,11 +326,16 @@ def nvfp4_quantize(x: torch.Tensor, scope: str = "tensor", *, amax: torch.Tensor
         amax_flat = _amax_launch(mod, xi, in_kind, mats, m, k, per_row=False)
     if amax_flat is None:
         cfg = CONFIG["nvfp4_rows"]
+        rows, nb, warps = cfg["ROWS"], cfg["NB"], cfg["num_warps"]
+        reg = CONFIG["nvfp4_rows_reg"]
+        if k <= reg["max_k"]:  # a whole row in registers: one read (K_ITERS == 1)
+            rows, nb = 1, triton_next_pow2(k // NVFP4_BLOCK)
+            warps = max(1, min(16, nb * NVFP4_BLOCK // (32 * reg["el_per_thread"])))
         amax_out = torch.empty(mats * m, dtype=torch.float32, device=dev)
-        grid = (triton_cdiv(m, cfg["ROWS"]), mats)
+        grid = (triton_cdiv(m, rows), mats)
         mod.nvfp4_quantize_rows_kernel[grid](
-            xi, m, k, amax_out, q, s, gs, d, IN_KIND=in_kind, OUT_KIND=out_kind, ROWS=cfg["ROWS"],
-            NB=cfg["NB"], K_ITERS=triton_cdiv(k, 16 * cfg["NB"]), num_warps=cfg["num_warps"])
+            xi, m, k, amax_out, q, s, gs, d, IN_KIND=in_kind, OUT_KIND=out_kind, ROWS=rows,
+            NB=nb, K_ITERS=triton_cdiv(k, 16 * nb), num_warps=warps)
         amax_flat = amax_out
     else:
         cfg = CONFIG["nvfp4_2d" if block_2d else "nvfp4"]
@@ -375,3 +381,7 @@ def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> tor
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

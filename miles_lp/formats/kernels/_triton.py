@@ -167,17 +167,18 @@ def _e2m1_code(y):
 
     With a = min(|y|, 6) and E = floor(log2(max(a, 1))) in {0, 1, 2}, c = 2^(E+22) has the grid step
     2^(E-1) as its ulp, so fp32(a + c) rounds a to the grid (RNE) and k = bits(a + c) - bits(c) counts
-    the steps: code = k + 2E. On CUDA in float ops (min.f32 maps NaN to 6; the ALU pipe is the limit of
-    NVFP4, so fewer integer ops); in the interpreter on the bit patterns (numpy's min propagates NaN).
+    the steps: code = k + 2E. On CUDA mostly in float ops (min.f32 maps NaN to +6: instruction issue is
+    NVFP4's limit, so the fewest ops); in the interpreter on the bit patterns (numpy's min propagates NaN).
     """
-    yb = y.to(tl.int32, bitcast=True)
     if HW:
-        a = tl.minimum(tl.abs(y), 6.0)  # NaN -> 6
+        ys = tl.maximum(tl.minimum(y, 6.0), -6.0)  # min.f32 maps NaN to +6 (then max keeps it); -0.0 kept
+        a = tl.abs(ys)
         c = (tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True) * 4194304.0
         cb = c.to(tl.int32, bitcast=True)
         code = (a + c).to(tl.int32, bitcast=True) - cb + ((cb >> 22) - 298)
-        return code + tl.where(y == y, (yb >> 28) & 8, 0)  # the sign (none for NaN)
+        return code + ((ys.to(tl.int32, bitcast=True) >> 28) & 8)  # the sign bit -> 8
     else:
+        yb = y.to(tl.int32, bitcast=True)
         a = yb & 0x7FFFFFFF
         sign = (((a - 0x7F800001) >> 31) & yb) >> 31
         sign = sign & 0x8
@@ -463,15 +464,33 @@ def nvfp4_dequantize_kernel(q_ptr, s_ptr, gs_ptr, out_ptr, M, K, GS_PER_ROW: tl.
 
 
 @triton.jit
+def _rows_chunk(x, amax_b, s_dec, sf_scale, k0, rows, rmask, base, K, q_ptr, s_ptr, d_ptr,
+                ROWS: tl.constexpr, NB: tl.constexpr, OUT_KIND: tl.constexpr):
+    """Quantize and store one [ROWS, NB, 16] chunk of rows starting at column k0 (nvfp4_quantize_rows_kernel)."""
+    jb = tl.arange(0, NB)[None, :, None]
+    codes, sf, sf_f = _nvfp4_tile(x, amax_b, s_dec, sf_scale)
+    lo, hi = tl.split(tl.reshape(codes, [ROWS, NB, 8, 2]))
+    pc = k0 // 2 + jb * 8 + tl.arange(0, 8)[None, None, :]
+    tl.store(q_ptr + (base + rows) * (K // 2) + pc, (lo | (hi << 4)).to(tl.uint8), mask=rmask & (pc < K // 2))
+    scol = k0 // 16 + jb  # [1, NB, 1]
+    tl.store(s_ptr + (base + rows) * (K // 16) + scol, sf, mask=rmask & (scol < K // 16))
+    if OUT_KIND != 0:
+        cols = k0 + jb * 16 + tl.arange(0, 16)[None, None, :]
+        _store_out(d_ptr, (base + rows) * K + cols, (_e2m1_value(codes) * sf_f) * s_dec, rmask & (cols < K),
+                   OUT_KIND)
+
+
+@triton.jit
 def nvfp4_quantize_rows_kernel(
     x_ptr, M, K, amax_ptr, q_ptr, s_ptr, gs_ptr, d_ptr,
     IN_KIND: tl.constexpr, OUT_KIND: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, K_ITERS: tl.constexpr,
 ):
     """Per-token NVFP4 in one launch: ``ROWS`` whole rows of matrix ``program_id(1)`` per program.
 
-    Loop 1 takes each row's NaN-ignoring amax (the global amax of scope "row"); loop 2 reads the same rows
-    again (from cache: a program's rows were just read) and quantizes them. Writes amax [E*M], gs (S_dec)
-    [E*M], q, s and optionally d as ``nvfp4_quantize_kernel``.
+    K_ITERS == 1 (a row fits the tile: ``kernels`` picks NB = next power of two of K/16 up to a bound): the
+    rows are read once into registers, their amax (the global amax of scope "row") taken, then quantized.
+    Otherwise loop 1 takes the amax and loop 2 reads the rows again (from cache) and quantizes them.
+    Writes amax [E*M], gs (S_dec) [E*M], q, s and optionally d as ``nvfp4_quantize_kernel``.
     """
     pid = tl.program_id(0)
     mat = tl.program_id(1)
@@ -480,30 +499,32 @@ def nvfp4_quantize_rows_kernel(
     jc = tl.arange(0, 16)[None, None, :]
     base = mat.to(tl.int64) * M
     rmask = rows < M
-    acc = tl.zeros([ROWS, NB, 16], dtype=tl.float32)
-    for it in range(K_ITERS):  # cdiv(K, NB * 16), constexpr (see amax_kernel)
-        k0 = it * (NB * 16)
-        cols = k0 + jb * 16 + jc
+    if K_ITERS == 1:
+        cols = jb * 16 + jc
         x = _load_f32(x_ptr, (base + rows) * K + cols, rmask & (cols < K), IN_KIND)
-        acc = tl.maximum(acc, _abs_nz(x))
-    amax_g = tl.max(tl.max(acc, axis=2, keep_dims=True), axis=1, keep_dims=True)  # [ROWS, 1, 1]
-    s_dec, sf_scale = _global_scales(amax_g)
-    tl.store(amax_ptr + base + rows, amax_g, mask=rmask)
-    tl.store(gs_ptr + base + rows, s_dec, mask=rmask)
-    for it in range(K_ITERS):
-        k0 = it * (NB * 16)
-        cols = k0 + jb * 16 + jc  # [1, NB, 16]
-        mask = rmask & (cols < K)
-        x = _load_f32(x_ptr, (base + rows) * K + cols, mask, IN_KIND)
         amax_b = _amax_fix(tl.max(_abs_nz(x), axis=2, keep_dims=True))  # [ROWS, NB, 1]
-        codes, sf, sf_f = _nvfp4_tile(x, amax_b, s_dec, sf_scale)
-        lo, hi = tl.split(tl.reshape(codes, [ROWS, NB, 8, 2]))
-        pc = k0 // 2 + jb * 8 + tl.arange(0, 8)[None, None, :]
-        tl.store(q_ptr + (base + rows) * (K // 2) + pc, (lo | (hi << 4)).to(tl.uint8), mask=rmask & (pc < K // 2))
-        scol = k0 // 16 + jb  # [1, NB, 1]
-        tl.store(s_ptr + (base + rows) * (K // 16) + scol, sf, mask=rmask & (scol < K // 16))
-        if OUT_KIND != 0:
-            _store_out(d_ptr, (base + rows) * K + cols, (_e2m1_value(codes) * sf_f) * s_dec, mask, OUT_KIND)
+        amax_g = tl.max(amax_b, axis=1, keep_dims=True)  # [ROWS, 1, 1]
+        s_dec, sf_scale = _global_scales(amax_g)
+        tl.store(amax_ptr + base + rows, amax_g, mask=rmask)
+        tl.store(gs_ptr + base + rows, s_dec, mask=rmask)
+        _rows_chunk(x, amax_b, s_dec, sf_scale, 0, rows, rmask, base, K, q_ptr, s_ptr, d_ptr, ROWS, NB, OUT_KIND)
+    else:
+        acc = tl.zeros([ROWS, NB, 16], dtype=tl.float32)
+        for it in range(K_ITERS):  # cdiv(K, NB * 16), constexpr (see amax_kernel)
+            cols = it * (NB * 16) + jb * 16 + jc
+            x = _load_f32(x_ptr, (base + rows) * K + cols, rmask & (cols < K), IN_KIND)
+            acc = tl.maximum(acc, _abs_nz(x))
+        amax_g = tl.max(tl.max(acc, axis=2, keep_dims=True), axis=1, keep_dims=True)  # [ROWS, 1, 1]
+        s_dec, sf_scale = _global_scales(amax_g)
+        tl.store(amax_ptr + base + rows, amax_g, mask=rmask)
+        tl.store(gs_ptr + base + rows, s_dec, mask=rmask)
+        for it in range(K_ITERS):
+            k0 = it * (NB * 16)
+            cols = k0 + jb * 16 + jc  # [1, NB, 16]
+            x = _load_f32(x_ptr, (base + rows) * K + cols, rmask & (cols < K), IN_KIND)
+            amax_b = _amax_fix(tl.max(_abs_nz(x), axis=2, keep_dims=True))  # [ROWS, NB, 1]
+            _rows_chunk(x, amax_b, s_dec, sf_scale, k0, rows, rmask, base, K, q_ptr, s_ptr, d_ptr, ROWS, NB,
+                        OUT_KIND)
 
 
 @triton.jit

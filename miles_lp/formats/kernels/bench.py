@@ -170,6 +170,14 @@ def run_cuda(args) -> int:
           moved=nv_bytes + n * eb, anchor=a_nv, note="reads x twice")
     bench("nvfp4 per-tensor, amax given", lambda: k.nvfp4_quantize(x, "tensor", amax=amax_t), nv_bytes, anchor=a_nv)
     bench("nvfp4 per-token, one pass", lambda: k.nvfp4_quantize(x, "row"), nv_bytes + 8 * rows, anchor=a_nv)
+    reg = kernels.CONFIG["nvfp4_rows_reg"]
+    default_ept = reg["el_per_thread"]
+    for ept in (16, 32, 64):  # the register-resident per-token kernel at other thread counts (same bytes)
+        if ept != default_ept:
+            reg["el_per_thread"] = ept
+            bench(f"nvfp4 per-token, one pass, {ept} elem/thread", lambda: k.nvfp4_quantize(x, "row"),
+                  nv_bytes + 8 * rows, anchor=a_nv)
+    reg["el_per_thread"] = default_ept
     bench("nvfp4 16x16 tiles (weights), amax given",
           lambda: k.nvfp4_quantize(x, "tensor", amax=amax_t, block_2d=True), nv_bytes, anchor=a_nv)
     bench("nvfp4 qdq per-token (+ bf16 decode)", lambda: k.nvfp4_quantize(x, "row", dequant_dtype=bf16),

@@ -119,6 +119,14 @@ def kernel_pairs() -> list[tuple[str, Callable, Callable]]:
         a, c = quantize_mxfp8(x), quantize_mxfp8(x, axis=-2)
         return {"row.data": a.data, "col.data": c.data, "col.deq": c.dequantize(torch.bfloat16)}
 
+    def nv_row_loops(x):  # rows longer than the register bound: the two-loop form of the per-token kernel
+        reg = k.CONFIG["nvfp4_rows_reg"]
+        old, reg["max_k"] = reg["max_k"], 0
+        try:
+            return _nv(*k.nvfp4_quantize(x, "row", dequant_dtype=torch.bfloat16))
+        finally:
+            reg["max_k"] = old
+
     return [
         ("mxfp8 row+col+deq+swizzle", _mx_both, _mx_both_ref),
         ("mxfp8 row+col, col deq only", mx_col_deq_only, mx_col_deq_only_ref),
@@ -133,6 +141,8 @@ def kernel_pairs() -> list[tuple[str, Callable, Callable]]:
          lambda x: (lambda q: _nv(q, q.dequantize(torch.bfloat16)))(quantize_nvfp4(x))),
         ("nvfp4 row (one pass) +deq", lambda x: _nv(*k.nvfp4_quantize(x, "row", dequant_dtype=torch.float32)),
          lambda x: (lambda q: _nv(q, q.dequantize(torch.float32)))(quantize_nvfp4(x, scale_scope="row"))),
+        ("nvfp4 row (two loops) +deq", nv_row_loops,
+         lambda x: (lambda q: _nv(q, q.dequantize(torch.bfloat16)))(quantize_nvfp4(x, scale_scope="row"))),
         ("nvfp4 2d +deq", lambda x: _nv(*k.nvfp4_quantize(x, "tensor", block_2d=True, dequant_dtype=torch.float32)),
          lambda x: (lambda q: _nv(q, q.dequantize(torch.float32)))(quantize_nvfp4(x, block_2d=True))),
         ("nvfp4 pair amax", nv_pair, nv_pair_ref),
