@@ -53,9 +53,8 @@ def register() -> list[str]:
 
 def cpu_kernels() -> dict[str, list[str]]:
     """The MXFP8 / NVFP4 kernel names vLLM would consider on CPU now (for tests and diagnostics)."""
-    from vllm.platforms import PlatformEnum
-
     import vllm.model_executor.kernels.linear as linear
+    from vllm.platforms import PlatformEnum
 
     return {kind: [c.__name__ for c in getattr(linear, table).get(PlatformEnum.CPU, [])]
             for _, kind, table in KERNELS}

@@ -82,7 +82,7 @@ def served(store, tmp_path_factory):
     jobs = {"prompts": PROMPTS, "jobs": [{"name": n, "model": str(models[n]),
                                           "weights_out": str(work / f"engine-{i}.safetensors")}
                                          for i, n in enumerate(JOBS)]}
-    for n, (arch, fmt, _) in RESOLVE.items():
+    for n in RESOLVE:
         plan = _plan_of(models[n])
         jobs["jobs"].append({"name": n, "model": str(models[n]),
                              "resolve": {m.name: m.moe for m in emit.engine_modules(plan).values()}})

@@ -45,7 +45,6 @@ def _engine_weights(model) -> dict:
     ``dequantize_to_dtype`` (packed E2M1, E4M3 block scales, the ONE global scale it kept for a fused module);
     BF16 weights as they are. Compared with our dequantization in the test (C2 against the engine)."""
     import torch
-
     from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import dequantize_to_dtype
 
     out = {}
