@@ -46,7 +46,8 @@ def run(args) -> int:
 
         summary = run_with_ray(recipe, resume=args.resume, run_name=args.run_name, progress=not args.no_progress)
     else:
-        from miles_lp.launch.runner import Run, summary as summarize
+        from miles_lp.launch.runner import Run
+        from miles_lp.launch.runner import summary as summarize
 
         run_ = Run.resume(args.resume, recipe) if args.resume else Run.start(recipe, args.run_name)
         try:

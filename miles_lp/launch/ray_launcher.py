@@ -407,9 +407,8 @@ class RayRun:
 def run_with_ray(recipe: Recipe, *, resume: str | None = None, run_name: str | None = None,
                  progress: bool = True, on_step=None) -> dict[str, Any]:
     """Run ``recipe`` under Ray; returns a summary. ``on_step(run, metrics)`` is called after each step."""
-    import time
-
     import json
+    import time
 
     from miles_lp.launch.run_dir import RunDir
     from miles_lp.launch.runner import resumed_recipe, summary

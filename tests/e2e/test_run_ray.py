@@ -7,7 +7,6 @@ import pytest
 
 from miles_lp.launch.recipe import load_recipe
 from miles_lp.launch.run_dir import RunDir
-
 from tests.e2e.test_run import RECIPE
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,13 @@ from miles_lp.config import Where, parse_dataclass
 from miles_lp.errors import ConfigError
 from miles_lp.rl.advantages import group_advantages, keep_groups, overlong_penalty
 from miles_lp.rl.config import RLConfig, RolloutCorrection
-from miles_lp.rl.corrections import is_metrics, is_weights, offpolicy_metrics, rejection_mask, rollout_correction
+from miles_lp.rl.corrections import (
+    is_metrics,
+    is_weights,
+    offpolicy_metrics,
+    rejection_mask,
+    rollout_correction,
+)
 from miles_lp.rl.loss import agg_loss, clipped_policy_loss, kl_penalty
 
 L = math.log
