@@ -145,6 +145,10 @@ def compare(base: Fit, quant: Fit) -> Comparison:
         be, verdict = None, "slower per token but cheaper per micro-batch: faster only BELOW some size"
     else:
         be, verdict = None, "slower at every size: the quantized arm costs more per token and per micro-batch"
+    unresolved = [what for what, (lo, hi) in (("saved per token", interval(bs)), ("added per micro-batch",
+                                                                                   interval(ba))) if lo < 0 < hi]
+    if unresolved:
+        verdict += f"; the sign of {' and '.join(unresolved)} is not resolved (its interval spans 0)"
     frac = float(np.isfinite(be_boot).mean()) if n else 0.0
     be_ci = interval(be_boot) if frac >= 0.5 else (math.nan, math.nan)
     if be is not None and frac < 0.975:
