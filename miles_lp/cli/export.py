@@ -5,24 +5,28 @@ from __future__ import annotations
 HELP = "write an engine checkpoint (sglang / vllm / compressed-tensors) from the learner's weights"
 DESCRIPTION = HELP + """
 
-The learner is the embedded trainer on --hf-checkpoint IN with the policy from --recipe (its `precision:`
-section) or from --format and the BF16 flags, as in `miles-lp convert`. Quantized weights are written as the
+The learner is either a run's (--run-dir RUN: the latest checkpoint of `miles-lp run`, with the run's own
+recipe and model: the RL-trained low-precision policy) or the embedded trainer on --hf-checkpoint IN with the
+policy from --recipe (its `precision:` section) or from --format and the BF16 flags, as in `miles-lp convert`. Quantized weights are written as the
 learner's own forward grid; everything else in the checkpoint's dtype. For the same weights the output equals
 `miles-lp convert`'s, tensor for tensor, byte for byte, with the same configs (an engine started from either
 starts on the learner's grid). The output folder appears only when complete. Check it with
 `miles-lp verify OUT --source IN`.
 
-example:
+examples:
   miles-lp export --hf-checkpoint /tmp/tiny --format mxfp8 --target sglang --output /tmp/tiny-mxfp8
+  miles-lp export --run-dir runs/tiny-mxfp8-20261201-101737 --target sglang --output /tmp/trained-mxfp8
 """
 
 
 def add_arguments(p) -> None:
     from miles_lp.cli.convert import FORMATS, TARGETS
 
-    p.add_argument("--hf-checkpoint", required=True, metavar="IN", help="HF checkpoint folder the learner loads")
+    p.add_argument("--hf-checkpoint", metavar="IN", help="HF checkpoint folder the learner loads")
     p.add_argument("--output", required=True, metavar="OUT", help="output folder (written atomically)")
     src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run-dir", metavar="RUN", help="a `miles-lp run` folder: export its latest checkpoint "
+                     "(its recipe and model; no --hf-checkpoint)")
     src.add_argument("--recipe", metavar="R.yaml", help="recipe whose `precision:` section is the policy")
     src.add_argument("--format", choices=FORMATS, help="build the policy from flags (as convert)")
     p.add_argument("--num-layers-at-start-in-bf16", type=int, default=0, metavar="N",
@@ -39,22 +43,63 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from miles_lp.cli.convert import build_policy, parse_size
+    from miles_lp.cli.convert import parse_size
     from miles_lp.errors import ConfigError
-    from miles_lp.export.writer import export_learner, learner_from_hf, preflight
+    from miles_lp.export.writer import export_learner, preflight
 
-    policy = build_policy(args)
     if args.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise ConfigError("--device cuda: no CUDA device is available here; use --device cpu")
     max_shard = parse_size(args.max_shard_size) if args.max_shard_size else None
-    preflight(args.output, args.hf_checkpoint, args.target, args.overwrite)  # before loading the model
-    learner = learner_from_hf(args.hf_checkpoint, policy, device=args.device)
-    summary = export_learner(learner, args.output, target=args.target, base=args.hf_checkpoint,
-                             overwrite=args.overwrite, max_shard_bytes=max_shard)
+    if args.run_dir is not None:
+        if args.hf_checkpoint is not None:
+            raise ConfigError("--run-dir exports the run's own model: drop --hf-checkpoint")
+        base, load = _run_learner(args)
+    else:
+        if args.hf_checkpoint is None:
+            raise ConfigError("--hf-checkpoint IN is required with --recipe / --format (or export a run with "
+                              "--run-dir RUN)")
+        base, load = args.hf_checkpoint, lambda: _hf_learner(args)
+    preflight(args.output, base, args.target, args.overwrite)  # before loading the model
+    learner = load()
+    summary = export_learner(learner, args.output, target=args.target, base=base, overwrite=args.overwrite,
+                             max_shard_bytes=max_shard)
     print("exported:")
     print(summary.table())
-    print(f"next: miles-lp verify {summary.out} --source {args.hf_checkpoint}")
+    print(f"next: miles-lp verify {summary.out}" + ("" if args.run_dir else f" --source {args.hf_checkpoint}"))
     return 0
+
+
+def _hf_learner(args):
+    from miles_lp.cli.convert import build_policy
+    from miles_lp.export.writer import learner_from_hf
+
+    return learner_from_hf(args.hf_checkpoint, build_policy(args), device=args.device)
+
+
+def _run_learner(args):
+    """(the run's model folder, a loader of the learner at the run's latest checkpoint)."""
+    from pathlib import Path
+
+    from miles_lp.errors import ConfigError
+    from miles_lp.launch.recipe import load_recipe
+    from miles_lp.launch.run_dir import RunDir, load_run_checkpoint
+    from miles_lp.launch.runner import make_learner, plan_for
+
+    if args.format is not None or args.bf16_patterns or args.num_layers_at_start_in_bf16 or \
+            args.num_layers_at_end_in_bf16:
+        raise ConfigError("--run-dir uses the run's own precision policy: drop --format and the BF16 flags")
+    rd = RunDir(args.run_dir)
+    if not rd.recipe_path.is_file():
+        raise ConfigError(f"--run-dir {args.run_dir}: no recipe.yaml there; is it a `miles-lp run` folder?")
+    recipe = load_recipe(rd.recipe_path)
+    model_dir = Path(rd.info()["model_dir"])
+
+    def load():
+        learner = make_learner(recipe, model_dir, plan_for(recipe, model_dir))
+        load_run_checkpoint(rd.path, learner)
+        return learner
+
+    return model_dir, load

@@ -61,6 +61,38 @@ def test_smoke_cli_run(recipe_file, tmp_path, capsys):
     assert (rd.path / "recipe.yaml").is_file() and json.loads((rd.path / "run.json").read_text())["plan_hash"]
     assert rd.latest().name == "step_000003"
     assert json.loads(capsys.readouterr().out)["steps"] == 3
+    _export_run_dir_is_the_trained_grid(rd, tmp_path)
+
+
+def _export_run_dir_is_the_trained_grid(rd: RunDir, tmp_path) -> None:
+    """`miles-lp export --run-dir`: the engine checkpoint of the run's latest learner state, i.e. every quantized
+    weight the codec's grid of the TRAINED master (not of the initial model), every other tensor its BF16."""
+    from safetensors.torch import load_file
+
+    from miles_lp.formats import quantize_mxfp8
+    from miles_lp.train.state_io import load_learner_state
+
+    out = tmp_path / "trained-mxfp8"
+    assert main(["export", "--run-dir", str(rd.path), "--target", "sglang", "--output", str(out)]) == 0
+    assert main(["verify", str(out)]) == 0
+    exported = {}
+    for f in out.glob("*.safetensors"):
+        exported.update(load_file(f))
+    master = load_learner_state(rd.latest() / "learner")["model"]
+    initial = {}
+    for f in (rd.path / "model").glob("*.safetensors"):
+        initial.update(load_file(f))
+    q = quantize_mxfp8(master["model.layers.0.mlp.down_proj.weight"], axis=-1)
+    data = exported["model.layers.0.mlp.down_proj.weight"]
+    assert torch.equal(data.view(torch.uint8), q.data.view(torch.uint8))
+    assert torch.equal(exported["model.layers.0.mlp.down_proj.weight_scale_inv"], q.scale)
+    assert not torch.equal(master["model.layers.0.mlp.down_proj.weight"].to(initial[
+        "model.layers.0.mlp.down_proj.weight"].dtype), initial["model.layers.0.mlp.down_proj.weight"])  # trained
+    assert torch.equal(exported["model.norm.weight"], master["model.norm.weight"].to(torch.bfloat16))
+    with pytest.raises(SystemExit):  # the run's own policy: --format is refused by the parser
+        main(["export", "--run-dir", str(rd.path), "--format", "mxfp8", "--output", str(tmp_path / "x")])
+    assert main(["export", "--run-dir", str(rd.path), "--hf-checkpoint", str(rd.path / "model"),
+                 "--output", str(tmp_path / "x")]) == 2
 
 
 @pytest.mark.slow
