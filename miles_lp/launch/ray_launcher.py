@@ -312,8 +312,7 @@ class RayRun:
         self.engine_actor = self._start_engine()
         self.engine = EngineProxy(self.engine_actor)
         self.sync = WeightSync(self.engine, self.plan, _target(recipe), recipe.sync)
-        for k, v in (loop_state.get("sentinel") or {}).items():
-            setattr(self.sync.sentinel, k, v)
+        self.sync.sentinel.load_state_dict(loop_state.get("sentinel") or {})
         self.initial = self.sync.initial_sync(self.learner)
         self.version_offset = int(loop_state.get("engine_weight_version", 0))
         self.restarts = 0
@@ -355,7 +354,7 @@ class RayRun:
         loop = {"data_position": self.step,
                 "engine_weight_version": int(self.sync.expected_version) - int(self.initial.weight_version)
                 + self.version_offset,
-                "sentinel": {k: getattr(sent, k) for k in ("_clip_streak", "_cap_streak", "steps") if hasattr(sent, k)}}
+                "sentinel": sent.state_dict()}
         return Path(ray.get(self.learner_actor.save_state.remote(str(self.dir.path), self.step, loop)))
 
     def step_once(self) -> dict[str, float]:

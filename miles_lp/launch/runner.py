@@ -145,8 +145,7 @@ class Run:
             self.sync = SyncVia(self.sync, view(self.learner))
         loop_state = dict(loop_state or {})
         if "sentinel" in loop_state:  # the C6 streaks, so a resumed run trips exactly when a straight one would
-            for k, v in loop_state["sentinel"].items():
-                setattr(self.sync.sentinel, k, v)
+            self.sync.sentinel.load_state_dict(loop_state["sentinel"])
         self.initial = self.sync.initial_sync(self.learner)
         # the engine's version counts syncs since ITS start; report the run's count
         self.version_offset = int(loop_state.get("engine_weight_version", 0))
@@ -196,8 +195,7 @@ class Run:
         sent = self.sync.sentinel
         loop = {"data_position": self.step, "engine_weight_version": int(self.engine.weight_version)
                 + self.version_offset - int(self.initial.weight_version),
-                "sentinel": {k: getattr(sent, k) for k in ("_clip_streak", "_cap_streak", "steps")
-                             if hasattr(sent, k)}}
+                "sentinel": sent.state_dict()}
         return self.dir.save_checkpoint(self.step, self.learner.state_dict(), loop)
 
     def train(self, progress: bool | None = None, tensorboard: bool | None = None) -> list[dict[str, float]]:
