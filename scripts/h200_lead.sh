@@ -24,15 +24,15 @@ step() {  # step NAME TIMEOUT CMD...
   [ "$rc" -eq 0 ] || failed+=("$name")
 }
 cli="python3 -m miles_lp.cli"
-step pytest_gpu 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_rollout_gpu.py \
+step pytest_gpu 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_rollout_gpu.py \
   $(grep -l "mark.gpu" tests/unit/test_sync_*.py tests/e2e/test_*sync*.py 2>/dev/null)
 if [ "$bench" = 1 ]; then
-  step bench_sync 300 $cli bench sync --device cuda --params 1e9 --iters 3 --json
-  step bench_rollout 180 $cli bench rollout --model 0.5b --device cuda --new-tokens 128 --json "$out/bench_rollout.json"
+  step bench_sync 200 $cli bench sync --device cuda --params 1e9 --iters 3 --json
+  step bench_rollout 100 $cli bench rollout --model 0.5b --device cuda --new-tokens 128 --json "$out/bench_rollout.json"
 fi
 r=$(mktemp -d)
 for recipe in tiny-mxfp8 tiny-nvfp4-experts; do
-  step "run_$recipe" 240 $cli run "recipes/$recipe.yaml" --set steps=8 --set train.device=cuda \
+  step "run_$recipe" 70 $cli run "recipes/$recipe.yaml" --set steps=8 --set train.device=cuda \
     --set rollout.device=cuda --set sync.checks.self_check=raise --set logging.output_dir="$r/$recipe"
   cp "$r/$recipe"/*/metrics.jsonl "$out/run_$recipe.jsonl" 2>/dev/null
 done
