@@ -1,0 +1,361 @@
+"""The Megatron-Core learner: ``Learner`` over a Megatron ``GPTModel`` (tp = pp = ep = 1), the embedded semantics.
+
+    learner = MegatronLearner("/tmp/tiny", plan, TrainConfig(backend="megatron", lr=1e-5))
+    lp, ent = learner.logprobs([seq0, seq1])       # per sequence: log p(x_t | x_<t), entropy, [L-1], fp32 CPU
+    stats = learner.train_step(samples, loss_fn)   # token-budget micro-batches, grad clip, AdamW, grids dropped
+    for name, t in learner.export_weights(): ...   # megatron_export_weights: forward grids + checkpoint dtypes
+    learner.load_state_dict(learner.state_dict())  # model, AdamW, step, RNG: a bit-identical resume
+
+Same contract as ``miles_lp.train.embedded.EmbeddedTrainer`` (``Learner`` protocol), same helpers for what does
+not depend on the model (``split_by_token_budget``, ``pack_sequences``, ``token_logprobs_and_entropy``; loss
+functions take ``(logprobs, entropy, samples, totals)``):
+
+* Packing: the sequences of a micro-batch are packed into ONE row, padded with one filler segment to a multiple
+  of 32 tokens under MXFP8 (``pad_multiple_for``), exactly the embedded trainer's row, so MXFP8's token-dim
+  blocks (``quantized`` backward) group the same tokens. Megatron's local attention takes the block-diagonal
+  causal mask explicitly (``attention_mask`` ``[1, 1, T, T]``, True = masked); Megatron's RoPE is computed for
+  positions 0..T-1, so ``_PackedRotary`` indexes it with the row's ``position_ids`` (restart at 0 per sequence),
+  giving each token the angle the embedded trainer and the engines give it. (MLA computes its rope inside the
+  attention from absolute positions; with the block mask that is the same math, RoPE being relative.)
+* The model: ``build_gpt_model`` (local spec, miles-lp's quantized parallel linears) + ``load_hf_weights`` +
+  ``attach_plan``; masters in ``config.master_dtype``; ``torch.optim.AdamW`` over the Megatron parameters, with
+  ``invalidate_on_step`` (Megatron layers hold the per-step grid like ``QuantLinear``).
+* Distributed: a world of one is created when ``torch.distributed`` is not initialised (gloo on CPU, nccl on
+  CUDA) and Megatron's model-parallel state at tp = pp = ep = 1; larger sizes are refused (``ConfigError``).
+* CPU: megatron-core 0.16.1 calls ``torch.cuda.current_device()`` (RoPE, router, attention buffers) and forks the
+  CUDA RNG tracker around attention dropout (0 here); on a CPU-only torch ``_cpu_megatron`` redirects those two
+  names while the learner builds or runs the model, and restores them after (no global patch left behind).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import socket
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from miles_lp.errors import ConfigError
+from miles_lp.train.config import TrainConfig
+from miles_lp.train.embedded import (
+    LossFn,
+    Pack,
+    SourceInfo,
+    _loss_mask,
+    _resolve_device,
+    nll_loss,
+    pack_sequences,
+    pad_multiple_for,
+    split_by_token_budget,
+    token_logprobs_and_entropy,
+)
+from miles_lp.train.quant_linear import executed_quantized, invalidate_grids, invalidate_on_step
+
+KIND = "megatron"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Process groups and the CPU redirections
+# ---------------------------------------------------------------------------------------------------------
+
+
+def ensure_model_parallel(device: torch.device, config: TrainConfig) -> bool:
+    """A world of one (if none exists) and Megatron's model-parallel state at tp = pp = ep = 1.
+
+    Returns whether a process group was created here. Refuses parallel sizes this learner does not run.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    m = config.megatron
+    if (m.tp, m.pp, m.ep) != (1, 1, 1) or (m.etp not in (None, 1)) or m.impl != "local":
+        raise ConfigError(f"MegatronLearner runs train.megatron tp=1 pp=1 ep=1 impl=local (one process); got "
+                          f"tp={m.tp} pp={m.pp} ep={m.ep} etp={m.etp} impl={m.impl}: set those to 1 / local "
+                          "(multi-rank launch is not implemented)")
+    created = False
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(port))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+        created = True
+    if dist.get_world_size() != 1:
+        raise ConfigError(f"MegatronLearner runs in a world of one process; torch.distributed has "
+                          f"{dist.get_world_size()} ranks (multi-rank launch is not implemented)")
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)
+    elif (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+          ps.get_expert_model_parallel_world_size()) != (1, 1, 1):
+        raise ConfigError("Megatron's model-parallel state is already initialised with sizes other than 1; "
+                          "MegatronLearner runs tp=pp=ep=1")
+    return created
+
+
+@contextlib.contextmanager
+def _cpu_megatron(device: torch.device) -> Iterator[None]:
+    """While Megatron builds or runs on a CPU-only torch: ``torch.cuda.current_device`` -> "cpu" and a CUDA RNG
+    tracker whose ``fork()`` does nothing (attention dropout is 0). No-op on CUDA or when CUDA is available."""
+    if device.type != "cpu" or torch.cuda.is_available():
+        yield
+        return
+    import megatron.core.tensor_parallel as tp
+
+    class _NoFork:
+        def fork(self, *a, **k):
+            return contextlib.nullcontext()
+
+    saved = (torch.cuda.current_device, tp.get_cuda_rng_tracker)
+    torch.cuda.current_device = lambda: "cpu"
+    tp.get_cuda_rng_tracker = lambda *a, **k: _NoFork()
+    try:
+        yield
+    finally:
+        torch.cuda.current_device, tp.get_cuda_rng_tracker = saved
+
+
+class _PackedRotary(torch.nn.Module):
+    """Megatron's ``RotaryEmbedding`` indexed by the packed row's position ids (restarting per sequence).
+
+    ``GPTModel`` asks its rotary module for the embedding of positions 0..T-1; this returns, for token t, the
+    embedding of ``positions[t]``, so a packed sequence sees the angles it would see alone.
+    """
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.positions: torch.Tensor | None = None
+
+    def get_rotary_seq_len(self, *args, **kwargs):
+        return self.inner.get_rotary_seq_len(*args, **kwargs)
+
+    def forward(self, max_seq_len: int, *args, **kwargs) -> torch.Tensor:
+        if self.positions is None:
+            return self.inner(max_seq_len, *args, **kwargs)
+        if self.positions.numel() != max_seq_len:
+            raise ConfigError(f"packed rotary: {self.positions.numel()} position ids for a row of {max_seq_len}")
+        emb = self.inner(int(self.positions.max()) + 1, *args, **kwargs)  # [P, 1, 1, dim]
+        return emb[self.positions.to(emb.device)]
+
+
+def block_causal_mask(pack: Pack, device) -> torch.Tensor:
+    """``[1, 1, T, T]`` bool, True = masked: causal within each sequence and within the filler, nothing across."""
+    T = pack.tokens
+    seg = torch.empty(T, dtype=torch.long)
+    o = 0
+    for i, (off, n) in enumerate(zip(pack.offsets, pack.lengths, strict=True)):
+        seg[off:off + n] = i
+        o = off + n
+    seg[o:] = len(pack.lengths)  # the filler is its own segment
+    idx = torch.arange(T)
+    allowed = (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])
+    return (~allowed)[None, None].to(device)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The learner
+# ---------------------------------------------------------------------------------------------------------
+
+
+class MegatronLearner:
+    """A Megatron-Core GPT model under a precision plan, trained with AdamW (see the module docstring)."""
+
+    def __init__(self, hf_folder_or_model: torch.nn.Module | str | Path, plan=None,
+                 config: TrainConfig | None = None):
+        """``hf_folder_or_model``: an HF checkpoint folder or an in-memory transformers model (its weights are
+        copied into the Megatron model); ``plan``: a compiled ``PrecisionPlan`` for that model or ``None``."""
+        from miles_lp.policy.plan import PrecisionPlan
+
+        if plan is not None and not isinstance(plan, PrecisionPlan):
+            raise ConfigError(f"MegatronLearner takes a compiled PrecisionPlan (or None: all BF16), got a "
+                              f"{type(plan).__name__}; compile one with miles_lp.train.embedded.plan_for_model")
+        from miles_lp.train.megatron import megatron_available
+
+        reason = megatron_available()
+        if reason is not None:
+            from miles_lp.errors import BackendUnavailable
+
+            raise BackendUnavailable(f"train.backend: megatron: {reason}")
+        from miles_lp.train.megatron.layers import attach_plan
+        from miles_lp.train.megatron.model import build_gpt_model, load_hf_weights
+
+        self.config = cfg = config or TrainConfig(backend="megatron")
+        torch.manual_seed(cfg.seed)
+        self.device = _resolve_device(cfg.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self._created_group = ensure_model_parallel(self.device, cfg)
+        if self.device.type == "cuda":
+            from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(cfg.seed)
+        if isinstance(hf_folder_or_model, str | Path):
+            import transformers
+
+            self.source = SourceInfo.from_checkpoint(hf_folder_or_model)
+            hf = transformers.AutoModelForCausalLM.from_pretrained(str(hf_folder_or_model), dtype=torch.float32)
+        else:
+            self.source = SourceInfo.from_module(hf_folder_or_model)
+            hf = hf_folder_or_model
+        self.hf_config = hf.config
+        self.plan = plan
+        if plan is not None and plan.layout is not None:
+            self.layout = plan.layout
+        else:
+            from miles_lp.policy import get_layout
+
+            self.layout = get_layout(self.hf_config)
+        with _cpu_megatron(self.device):
+            model = build_gpt_model(self.hf_config, quantized=plan is not None, params_dtype=cfg.torch_master_dtype)
+            load_hf_weights(model, hf.state_dict(), self.hf_config)
+        del hf
+        self.model = model.to(self.device)
+        self.model.train()
+        if getattr(self.model, "rotary_pos_emb", None) is not None and not getattr(
+                self.model.config, "multi_latent_attention", False):
+            self.model.rotary_pos_emb = _PackedRotary(self.model.rotary_pos_emb)
+        self.attached = attach_plan(self.model, plan, self.layout) if plan is not None else {}
+        if plan is not None:
+            self._check_complete()
+        self.pad_multiple = pad_multiple_for(plan)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                                           weight_decay=cfg.weight_decay, foreach=False)
+        invalidate_on_step(self.model, self.optimizer)  # the next forward / export re-quantizes once
+        self.step = 0
+
+    def _check_complete(self) -> None:
+        from miles_lp.train.megatron.layers import _QuantParallelMixin
+
+        held = {m for mod in self.model.modules() if isinstance(mod, _QuantParallelMixin) and mod.recipe is not None
+                for m in mod.members}
+        missing = sorted(set(self.plan.quantized()) - held)
+        if missing:
+            raise ConfigError(f"the plan quantizes {len(missing)} tensor(s) that no Megatron linear runs quantized, "
+                              f"e.g. {missing[:5]}; is the plan compiled for this model?")
+
+    # ---- forward ------------------------------------------------------------------------------------
+    def _forward(self, pack: Pack) -> torch.Tensor:
+        ids = pack.input_ids.to(self.device)
+        pos = pack.position_ids.to(self.device)
+        rot = self.model.rotary_pos_emb if isinstance(getattr(self.model, "rotary_pos_emb", None),
+                                                        _PackedRotary) else None
+        with _cpu_megatron(self.device):
+            if rot is not None:
+                rot.positions = pos[0]
+            try:
+                return self.model(ids, pos, attention_mask=block_causal_mask(pack, self.device))  # [1, T, V]
+            finally:
+                if rot is not None:
+                    rot.positions = None
+
+    def micro_batches(self, seqs: Sequence[torch.Tensor]) -> list[Pack]:
+        groups = split_by_token_budget([int(s.numel()) for s in seqs], self.config.micro_batch_tokens,
+                                       self.pad_multiple)
+        return [pack_sequences([seqs[i] for i in g], g, self.pad_multiple) for g in groups]
+
+    @torch.no_grad()
+    def logprobs(self, batch: Sequence[torch.Tensor | Mapping[str, Any]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per sequence (in order): log-probs of tokens 1..L-1 and entropies, fp32 on CPU."""
+        seqs = [b["tokens"] if isinstance(b, Mapping) else b for b in batch]
+        lps: list[torch.Tensor | None] = [None] * len(seqs)
+        ents: list[torch.Tensor | None] = [None] * len(seqs)
+        for pack in self.micro_batches(seqs):
+            lp, ent = token_logprobs_and_entropy(self._forward(pack), pack)
+            for i, a, b in zip(pack.indices, lp, ent, strict=True):
+                lps[i], ents[i] = a.cpu(), b.cpu()
+        return lps, ents  # type: ignore[return-value]
+
+    # ---- one optimizer step -------------------------------------------------------------------------
+    def train_step(self, samples: Sequence[Mapping[str, Any]], loss_fn: LossFn = nll_loss) -> dict[str, Any]:
+        """Forward/backward over micro-batches (token budget), clip, AdamW step (the embedded trainer's
+        statistics). A non-finite gradient norm skips the optimizer step (``skipped``)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        seqs = [s["tokens"] for s in samples]
+        totals = {"tokens": int(sum(float(_loss_mask(s).sum()) for s in samples)), "sequences": len(samples)}
+        loss_sum, packs = 0.0, self.micro_batches(seqs)
+        for pack in packs:
+            lp, ent = token_logprobs_and_entropy(self._forward(pack), pack)
+            loss = loss_fn(lp, ent, [samples[i] for i in pack.indices], totals)
+            loss.backward()
+            loss_sum += float(loss.detach())
+        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if self.config.grad_clip is not None:
+            norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip))
+        else:
+            norm = float(torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in params])))
+        finite = math.isfinite(norm)
+        if finite:
+            self.optimizer.step()  # post-hook: invalidate_grids(model)
+            self.step += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": loss_sum, "grad_norm": norm, "finite": finite, "skipped": not finite,
+                "micro_batches": len(packs), "tokens": sum(int(s["tokens"].numel()) for s in samples),
+                "padded_tokens": sum(p.tokens for p in packs), "step": self.step}
+
+    # ---- export -------------------------------------------------------------------------------------
+    def export_weights(self) -> Iterator[tuple[str, Any]]:
+        """Every tensor of the HF checkpoint once, under its canonical name: quantized weights as the forward
+        grid, the others in the source checkpoint's dtype (``megatron_export_weights``)."""
+        from miles_lp.train.megatron.export import megatron_export_weights
+
+        with _cpu_megatron(self.device):
+            yield from megatron_export_weights(self.model, self.hf_config, dtypes=self.source.dtypes,
+                                               default_dtype=self.source.default_dtype)
+
+    def executed_quantized(self) -> dict[str, str]:
+        """``{canonical: format}`` the forwards so far ran quantized, as the Megatron linears recorded it (C1)."""
+        return executed_quantized(self.model)
+
+    # ---- resume -------------------------------------------------------------------------------------
+    def _targets(self) -> dict[str, torch.Tensor]:
+        from miles_lp.train.megatron.model import megatron_targets
+
+        return megatron_targets(self.model)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model (Megatron parameter names + the router expert-bias buffers), AdamW state, step, RNG states.
+
+        Tensors are references: save them (``miles_lp.train.state_io``) or copy them before training on.
+        """
+        rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {"kind": KIND, "plan_hash": None if self.plan is None else self.plan.hash, "step": self.step,
+                "model": dict(self._targets()), "optimizer": self.optimizer.state_dict(), "rng": rng}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what ``state_dict`` returned (refuses another backend's state, another plan's or another
+        model's tensor names / shapes)."""
+        if state.get("kind") != KIND:
+            raise ConfigError(f"learner state of kind {state.get('kind')!r} cannot be loaded into the Megatron "
+                              "learner (train.backend must match the run that saved it)")
+        want = None if self.plan is None else self.plan.hash
+        if state.get("plan_hash") != want:
+            raise ConfigError(f"learner state was saved under plan {str(state.get('plan_hash'))[:16]}, this learner "
+                              f"runs plan {str(want)[:16]}; resume with the recipe the run started with")
+        targets, saved = self._targets(), state["model"]
+        if set(targets) != set(saved):
+            raise ConfigError(f"learner state model tensors differ from this Megatron model's: missing "
+                              f"{sorted(set(targets) - set(saved))[:4]}, unexpected {sorted(set(saved) - set(targets))[:4]}")
+        with torch.no_grad():
+            for name, t in targets.items():
+                src = saved[name]
+                if tuple(src.shape) != tuple(t.shape) or src.dtype != t.dtype:
+                    raise ConfigError(f"learner state '{name}': {tuple(src.shape)} {src.dtype}, the model has "
+                                      f"{tuple(t.shape)} {t.dtype}")
+                t.copy_(src)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+        rng = state["rng"]
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        if "cuda" in rng and self.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], self.device)
+        invalidate_grids(self.model)  # the loaded master weights get a fresh grid
