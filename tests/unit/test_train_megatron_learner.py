@@ -216,3 +216,23 @@ def test_refusals(ckpts):
         MegatronLearner(d, None, TrainConfig(backend="megatron", device="cpu", megatron=MegatronSection(tp=2)))
     with pytest.raises(ConfigError, match="compiled PrecisionPlan"):
         MegatronLearner(d, {"default": "mxfp8"}, CFG)
+
+
+def test_packing_equals_one_sequence_at_a_time_and_the_mask_matters(ckpts, monkeypatch):
+    """A packed micro-batch gives each sequence the logprobs it gets alone (block mask + restarting RoPE
+    positions); fault injection: a plain causal mask over the row lets later sequences see earlier ones."""
+    import miles_lp.train.megatron.learner as ml
+
+    m = ml.MegatronLearner(ckpts["qwen3"], None, CFG)
+    seqs = _seqs()[:3]  # 17 + 30 + 9 tokens: one micro-batch of 56
+    packed = m.logprobs(seqs)[0]
+    alone = [m.logprobs([s])[0][0] for s in seqs]
+    assert max(float((x - y).abs().max()) for x, y in zip(packed, alone, strict=True)) < 1e-5
+
+    def causal(pack, device):
+        return torch.triu(torch.ones(pack.tokens, pack.tokens, dtype=torch.bool), 1)[None, None].to(device)
+
+    monkeypatch.setattr(ml, "block_causal_mask", causal)
+    leaky = m.logprobs(seqs)[0]
+    assert torch.allclose(leaky[0], alone[0], atol=1e-5)  # the first sequence sees nothing earlier either way
+    assert float((leaky[1] - alone[1]).abs().max()) > 1e-2
