@@ -230,7 +230,8 @@ def _pct(r: dict[str, Any], metric: str) -> tuple[str, str]:
     if v is None:
         return ("n/a" if f"{metric}_pct_vs_ref_note" in r else "-"), "-"
     lo, hi = r[f"{metric}_pct_vs_ref_ci"]
-    return f"{v:+.1f}%", f"{lo:+.1f}% .. {hi:+.1f}%"
+    f = ".4f" if max(abs(v), abs(lo), abs(hi)) >= 99.95 else ".1f"  # -99.9996% must not print as -100.0%
+    return f"{v:+{f}}%", f"{lo:+{f}}% .. {hi:+{f}}%"
 
 
 def markdown(table: dict[str, dict[str, Any]], verdicts: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -261,22 +262,27 @@ def markdown(table: dict[str, dict[str, Any]], verdicts: Sequence[dict[str, Any]
 
 
 def figure(table: dict[str, dict[str, Any]]):
-    """Bar per arm (``rollout_corr/kl``) with its interval as an error bar; bar labels are the arm names."""
+    """One bar per arm with its interval as an error bar: ``rollout_corr/kl`` (k1) on the first axes, ``k3_kl``
+    on the second (log scale); bar labels are the arm names."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     arms = list(table)
-    kl = [table[a]["kl"] for a in arms]
-    lo = [table[a]["kl"] - table[a]["kl_ci"][0] for a in arms]
-    hi = [table[a]["kl_ci"][1] - table[a]["kl"] for a in arms]
-    fig, ax = plt.subplots(figsize=(7.5, 3.6))
-    ax.bar(range(len(arms)), kl, yerr=[lo, hi], capsize=4, color=[f"C{i}" for i in range(len(arms))])
-    ax.set_xticks(range(len(arms)), arms, rotation=15, fontsize=8)
-    ax.axhline(0, color="k", lw=0.6)
-    ax.set_title("rollout_corr/kl by sampler (learning rate 0, same prompts)")
-    ax.set_ylabel("mean(lp_rollout - lp_train)")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
+    for ax, metric, title in ((axes[0], "kl", "rollout_corr/kl (k1)"), (axes[1], "k3_kl", "k3_kl")):
+        v = [table[a][metric] for a in arms]
+        lo = [max(0.0, table[a][metric] - table[a][f"{metric}_ci"][0]) for a in arms]
+        hi = [max(0.0, table[a][f"{metric}_ci"][1] - table[a][metric]) for a in arms]
+        ax.bar(range(len(arms)), v, yerr=[lo, hi], capsize=4, color=[f"C{i}" for i in range(len(arms))])
+        ax.set_xticks(range(len(arms)), arms, rotation=15, fontsize=8)
+        ax.axhline(0, color="k", lw=0.6)
+        ax.set_title(title)
+        if metric == "k3_kl" and all(x > 0 for x in v):
+            ax.set_yscale("log")
+    axes[0].set_ylabel("token mean, 95% paired-bootstrap CI")
+    fig.suptitle("sampler matching at fixed weights, same prompts")
     fig.tight_layout()
     return fig
 
