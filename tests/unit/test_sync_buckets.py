@@ -164,7 +164,10 @@ def _ipc_child(q_in, q_out):
     staging = Staging("cuda")
     index, slots, handle = q_in.get()
     got = cuda_ipc_receive(handle, slots, staging)
-    q_out.put({n: t.cpu().clone() for n, t in got})
+    # plain bytes back: a CPU tensor through a torch.multiprocessing queue is shared by file descriptor, which
+    # the parent can no longer open once this process has exited (ConnectionResetError on the H200)
+    q_out.put({n: (str(t.dtype).removeprefix("torch."), tuple(t.shape),
+                   t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()) for n, t in got})
 
 
 @pytest.mark.gpu
@@ -181,7 +184,9 @@ def test_cuda_ipc_between_two_processes():
     tx = make_transport("cuda_ipc", "cuda")
     tx.handles = lambda index, slots, handle: q_in.put((index, slots, handle))
     assert tx.send(b) == []
-    got = q_out.get(timeout=120)  # the sender's buffer stays alive until the child has copied it
+    raw = q_out.get(timeout=120)  # the sender's buffer stays alive until the child has copied it
     child.join(timeout=60)
     assert child.exitcode == 0
+    got = {n: torch.frombuffer(bytearray(b), dtype=torch.uint8).view(getattr(torch, dt)).reshape(shape)
+           for n, (dt, shape, b) in raw.items()}
     _assert_identical(items, list(got.items()))
