@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import random
 import socket
 from collections.abc import Iterator, Mapping, Sequence
@@ -82,9 +81,9 @@ def ensure_model_parallel(device: torch.device, config: TrainConfig) -> bool:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(port))
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+        # an explicit address (not MASTER_ADDR/MASTER_PORT): a stale port left in the environment cannot collide
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=0, world_size=1)
         created = True
     if dist.get_world_size() != 1:
         raise ConfigError(f"MegatronLearner runs in a world of one process; torch.distributed has "
@@ -188,8 +187,8 @@ class MegatronLearner:
         self.config = cfg = config or TrainConfig(backend="megatron")
         torch.manual_seed(cfg.seed)
         self.device = _resolve_device(cfg.device)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # "cuda" without an index: the current device
         self._created_group = ensure_model_parallel(self.device, cfg)
         if self.device.type == "cuda":
             from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
