@@ -111,6 +111,13 @@ def test_is_a_learner_and_block_mask(ckpts):
 
     m = MegatronLearner(ckpts["qwen3"], None, CFG)
     assert isinstance(m, Learner) and m.step == 0 and m.executed_quantized() == {}
+    import transformers  # an in-memory transformers model: the same model, exported in its own dtype (BF16)
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(ckpts["qwen3"]), dtype=torch.bfloat16)
+    mem = MegatronLearner(hf, None, CFG)
+    seqs = _seqs()[:2]
+    assert all(torch.equal(x, y) for x, y in zip(m.logprobs(seqs)[0], mem.logprobs(seqs)[0], strict=True))
+    assert not _differing(dict(m.export_weights()), dict(mem.export_weights()))
     pack = pack_sequences([torch.arange(3), torch.arange(2)], [0, 1], 8)
     allowed = (~block_causal_mask(pack, "cpu"))[0, 0].int()
     assert allowed.tolist() == [[1, 0, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0, 0],
