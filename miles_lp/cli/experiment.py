@@ -26,8 +26,11 @@ def add_arguments(p) -> None:
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--out", default=None, help="folder for cost_fit.png and cost.json")
     c.add_argument("--micro-batch-sweep", action="store_true",
-                   help="replay recorded trajectories at several micro-batch sizes (not available yet: runs do "
-                        "not record trajectories; the command says so)")
+                   help="train every run's learner on one identical set of trajectories (re-sampled from the first "
+                        "run's recipe: runs do not record theirs) at several micro-batch sizes; fit t = F + a*n_mb")
+    c.add_argument("--sizes", default="64,128,256,1024,8192",
+                   help="micro_batch_tokens of the sweep (default 64,128,256,1024,8192)")
+    c.add_argument("--repeats", type=int, default=2, help="timed update passes per size (default 2)")
     m = sub.add_parser("matching", help="seed 000's Table 2: sampler pairings at learning rate 0")
     m.add_argument("recipe", metavar="RECIPE")
     m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe overrides")
@@ -60,11 +63,9 @@ def _cost(args) -> int:
     from miles_lp.report.cost import compare, doubts, fit_run
     from miles_lp.report.runs import load_runs
 
-    if args.micro_batch_sweep:
-        raise ConfigError("--micro-batch-sweep: not implemented yet: run folders keep metrics, not the sampled "
-                          "trajectories a replay needs (requested from the rl helper: record them); fit a run "
-                          "instead (without the flag)")
     runs = load_runs(args.run_dirs, args.names)
+    if args.micro_batch_sweep:
+        return _sweep(args, runs)
     names = [r.name for r in runs]
     base_name = args.base or names[0]
     if base_name not in names:
@@ -120,6 +121,63 @@ def _cost(args) -> int:
         tmp.write_text(json.dumps(out, indent=1))
         tmp.replace(d / "cost.json")
         print(f"wrote {d / 'cost.json'}")
+    return 0
+
+
+def _sweep(args, runs) -> int:
+    import json
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+
+    from miles_lp.errors import ConfigError
+    from miles_lp.report.sweep import fit_per_micro_batch, sweep_one, trajectories
+
+    try:
+        sizes = [int(x) for x in args.sizes.split(",")]
+    except ValueError:
+        raise ConfigError(f"--sizes {args.sizes}: comma-separated integers (micro_batch_tokens)") from None
+    if len(sizes) < 2 or min(sizes) < 1 or args.repeats < 1:
+        raise ConfigError(f"--sizes {args.sizes} needs >= 2 sizes >= 1 and --repeats >= 1")
+    for r in runs:
+        if not (r.path / "recipe.yaml").is_file():
+            raise ConfigError(f"{r.path}: no recipe.yaml; the sweep rebuilds the run's learner from it")
+    with tempfile.TemporaryDirectory(prefix="miles-lp-sweep-") as tmp:
+        work = Path(tmp)
+        batch = trajectories(runs[0].path, work)
+        ntok = sum(int(s["tokens"].numel()) for s in batch)
+        print(f"trajectories: {len(batch)} sequences, {ntok} tokens (step 0 of {runs[0].name}), the same for every run")
+        fits = {}
+        for r in runs:
+            fits[r.name] = fit_per_micro_batch(sweep_one(r.path, batch, sizes, args.repeats, work), args.resamples,
+                                               args.seed)
+    base = args.base or runs[0].name
+    out = {"tokens": ntok, "sizes": sizes, "runs": {}}
+    print(f"{'run':28s} {'n_mb -> s per update pass':40s} per micro-batch (ms) [95%]")
+    for name, f in fits.items():
+        pts = {}
+        for _, n, t in f["points"]:
+            pts.setdefault(n, []).append(t)
+        desc = " ".join(f"{n}:{np.mean(v):.2f}" for n, v in sorted(pts.items()))
+        lo, hi = f["per_micro_batch_ci"]
+        print(f"{name:28s} {desc:40s} {f['per_micro_batch'] * 1e3:.3g} [{lo * 1e3:.3g}, {hi * 1e3:.3g}]")
+        out["runs"][name] = {k: v for k, v in f.items() if k != "boot"}
+    if base in fits:
+        for name, f in fits.items():
+            if name == base:
+                continue
+            n = min(len(f["boot"]), len(fits[base]["boot"]))
+            d = f["boot"][:n] - fits[base]["boot"][:n]
+            delta = f["per_micro_batch"] - fits[base]["per_micro_batch"]
+            lo, hi = np.quantile(d, [0.025, 0.975])
+            print(f"{name} - {base}: added per micro-batch {delta * 1e3:.3g} ms [{lo * 1e3:.3g}, {hi * 1e3:.3g}]")
+            out["runs"][name]["added_per_micro_batch_vs_base"] = [delta, [float(lo), float(hi)]]
+    if args.out:
+        d = Path(args.out)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "sweep.json").write_text(json.dumps(out, indent=1))
+        print(f"wrote {d / 'sweep.json'}")
     return 0
 
 

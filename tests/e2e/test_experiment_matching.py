@@ -39,3 +39,15 @@ def test_matching_bad_input(tmp_path, capsys):
     assert "unknown arm 'shared'" in capsys.readouterr().err
     assert main(["experiment", "matching", "recipes/tiny-mxfp8.yaml", *SMALL, "--set", "rl.nope=1"]) != 0
     assert "nope" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_micro_batch_sweep_on_tiny_runs(tmp_path, capsys):
+    """The sweep rebuilds each run's learner from its recipe and trains on one identical batch (~50 s)."""
+    runs = "docs/results/experiments-cpu-2026-12-01"
+    assert main(["experiment", "cost", f"{runs}/tiny-bf16-varlen", f"{runs}/tiny-mxfp8-varlen", "--micro-batch-sweep",
+                 "--sizes", "64,512,8192", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    j = json.loads((tmp_path / "sweep.json").read_text())
+    for r in j["runs"].values():
+        assert len(r["points"]) == 3 and min(p[1] for p in r["points"]) == 1 < max(p[1] for p in r["points"])
+    assert "added_per_micro_batch_vs_base" in j["runs"]["tiny-mxfp8-varlen"]

@@ -74,8 +74,19 @@ def test_cli_cost(tmp_path, capsys):
     be = out["comparisons"]["mxfp8"]["update_actor"]["break_even_tokens_per_micro_batch"]
     assert 3500 < be < 6000
     assert "break-even" in capsys.readouterr().out
-    assert main(["experiment", "cost", str(tmp_path / "bf16"), "--micro-batch-sweep"]) != 0
-    assert "--micro-batch-sweep: not implemented yet" in capsys.readouterr().err
+    assert main(["experiment", "cost", str(tmp_path / "bf16"), "--micro-batch-sweep", "--sizes", "64"]) != 0
+    assert "needs >= 2 sizes" in capsys.readouterr().err
+    assert main(["experiment", "cost", str(tmp_path / "bf16"), "--micro-batch-sweep", "--sizes", "a,b"]) != 0
+    assert "comma-separated integers" in capsys.readouterr().err
+
+
+def test_sweep_fit_per_micro_batch():
+    from miles_lp.report.sweep import fit_per_micro_batch
+
+    pts = [(s, n, 0.3 + 0.0515 * n) for s, n in ((8192, 1), (1024, 4), (256, 16), (64, 64)) for _ in range(2)]
+    f = fit_per_micro_batch(pts, 300)
+    assert f["per_micro_batch"] == pytest.approx(0.0515) and f["F"] == pytest.approx(0.3)
+    assert f["per_micro_batch_ci"][0] == pytest.approx(0.0515)
 
 
 def test_cost_plot_holds_points_and_fit(tmp_path):
