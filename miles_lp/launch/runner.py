@@ -99,8 +99,10 @@ def make_engine(recipe: Recipe, checkpoint: Path):
 
 
 def make_learner(recipe: Recipe, model_dir: Path, plan):
-    if recipe.train.backend != "embedded":
-        raise ConfigError(f"train.backend {recipe.train.backend}: the run wires the embedded learner only so far")
+    if recipe.train.backend == "megatron":  # Megatron-Core at tp = pp = ep = 1 (one process)
+        from miles_lp.train.megatron.learner import MegatronLearner
+
+        return MegatronLearner(model_dir, plan, recipe.train)
     from miles_lp.train.embedded import EmbeddedTrainer
 
     return EmbeddedTrainer(model_dir, plan, recipe.train)

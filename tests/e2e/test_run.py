@@ -185,3 +185,19 @@ def test_dry_run(recipe_file, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["quantized_tensors"] > 0 and out["samples_per_step"] == 8
 
+
+
+def test_megatron_learner_runs_the_main_job(tmp_path):
+    """`train.backend: megatron`: the same loop on the Megatron-Core learner (tp = 1, CPU), every check in raise
+    mode, the engine on the learner's own grid at the start (kl 0) and after each sync (grid check 1)."""
+    pytest.importorskip("megatron.core")
+    p = tmp_path / "meg.yaml"
+    p.write_text(RECIPE.replace("OUT", str(tmp_path / "runs")).replace(
+        "train: {lr: 3.0e-3, device: cpu}", "train: {backend: megatron, lr: 3.0e-3, device: cpu}").replace(
+        "steps: 3", "steps: 2"))
+    assert main(["run", str(p), "--run-name", "meg", "--no-progress"]) == 0
+    rows = RunDir(tmp_path / "runs" / "meg").read_metrics()
+    assert [r["step"] for r in rows] == [0, 1]
+    assert rows[0]["rollout_corr/kl"] == 0.0
+    assert all(r["sync/check/grid"] == 1.0 and r["sync/check/layer_audit"] == 1.0 for r in rows)
+    assert rows[-1]["actor/step"] == 4.0  # two mini-batches per step
