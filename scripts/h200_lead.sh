@@ -4,7 +4,8 @@
 #   MXFP8 + NVFP4 experts, vs a device copy of the same bytes); bench rollout (0.5B random Qwen3, reference
 #   engine vs transformers generate); short RL runs on the GPU (learner and engine colocated, ray off, checks
 #   in raise mode). Each step reports its own verdict; the script exits non-zero if any failed.
-# Usage: MILES_LP_COMMIT=<sha> bash scripts/h200_lead.sh [--skip-bench]
+# Usage: MILES_LP_COMMIT=<sha> bash scripts/h200_lead.sh [--skip-bench]   (carry megatron-core in .whl/ for
+# the Megatron learner runs)
 set -uo pipefail
 out="${OUT:-h200_logs}"; mkdir -p "$out"
 exec > >(tee "$out/session.log") 2>&1
@@ -31,10 +32,15 @@ if [ "$bench" = 1 ]; then
   step bench_rollout 100 $cli bench rollout --model 0.5b --device cuda --new-tokens 128 --json "$out/bench_rollout.json"
 fi
 r=$(mktemp -d)
-for recipe in tiny-mxfp8 tiny-nvfp4-experts; do
-  step "run_$recipe" 70 $cli run "recipes/$recipe.yaml" --set steps=8 --set train.device=cuda \
-    --set rollout.device=cuda --set sync.checks.self_check=raise --set logging.output_dir="$r/$recipe"
-  cp "$r/$recipe"/*/metrics.jsonl "$out/run_$recipe.jsonl" 2>/dev/null
+for backend in embedded megatron; do
+  for recipe in tiny-mxfp8 tiny-nvfp4-experts; do
+    name="run_${recipe}_$backend"
+    step "$name" 90 $cli run "recipes/$recipe.yaml" --set steps=8 --set train.device=cuda \
+      --set train.backend=$backend --set rollout.device=cuda --set sync.checks.self_check=raise \
+      --set logging.output_dir="$r/$name"
+    [ "$bench" = 1 ] && [ "$backend" = megatron ] && continue  # 8 files come back at most
+    cp "$r/$name"/*/metrics.jsonl "$out/$name.jsonl" 2>/dev/null
+  done
 done
 echo "failed steps: ${failed[*]:-none}"
 [ ${#failed[@]} -eq 0 ]
