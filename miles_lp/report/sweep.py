@@ -16,8 +16,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from miles_lp.report.cost import bootstrap_fit, fit_line, interval
 
 

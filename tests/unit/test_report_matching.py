@@ -5,8 +5,15 @@ verdict; and each arm's recipe overrides give the sampler grid the arm names."""
 import numpy as np
 import pytest
 
-from miles_lp.report.matching import (ARMS, ArmResult, arm_overrides, figure, markdown, order_verdict,
-                                      paired_bootstrap)
+from miles_lp.report.matching import (
+    ARMS,
+    ArmResult,
+    arm_overrides,
+    figure,
+    markdown,
+    order_verdict,
+    paired_bootstrap,
+)
 
 
 def arm(name, kl, n=64, tok=50, noise=0.2, seed=0):
