@@ -62,6 +62,12 @@ def tiny_nvfp4_experts(name: str, n: int) -> Format:
     return (NV if ".mlp.experts." in name else MX) if m else BF16
 
 
+def qwen3_moe_mxfp8(name: str, n: int) -> Format:
+    """Qwen3-30B-A3B MXFP8 end to end, last 15% of layers BF16 (recipes/qwen3-30b-a3b-mxfp8.yaml)."""
+    m = LINEAR.match(name)
+    return MX if m and int(m[1]) < _last(n, 15) else BF16
+
+
 def all_bf16(name: str, n: int) -> Format:
     return BF16
 
@@ -85,6 +91,13 @@ RECIPES = {
     "tiny-mxfp8-bf16-sampler.yaml": ("qwen3", 2, tiny_mxfp8, "dequantized", None),
     "tiny-nvfp4-experts.yaml": ("qwen3_moe", 2, tiny_nvfp4_experts, "dequantized", "token"),
     "tiny-nvfp4-experts-hp.yaml": ("qwen3_moe", 2, tiny_nvfp4_experts, "high_precision", "token"),
+    # full-scale RL recipes (issue 13)
+    "qwen3-8b-mxfp8.yaml": ("qwen3", 36, tiny_mxfp8, "dequantized", None),  # every decoder linear MXFP8
+    "qwen3-30b-a3b-mxfp8.yaml": ("qwen3_moe", 48, qwen3_moe_mxfp8, "dequantized", None),
+    "qwen3-30b-a3b-nvfp4-experts.yaml": ("qwen3_moe", 48, qwen3_moe_mxfp8_nvfp4_experts, "dequantized", "token"),
+    "qwen3-30b-a3b-nvfp4-experts-hp.yaml": ("qwen3_moe", 48, qwen3_moe_mxfp8_nvfp4_experts, "high_precision",
+                                            "token"),
+    "deepseek-v3-mxfp8.yaml": ("deepseek_v3_full", 61, deepseek_v3_mxfp8, "dequantized", None),
 }
 
 
