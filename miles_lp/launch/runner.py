@@ -95,6 +95,10 @@ def make_engine(recipe: Recipe, checkpoint: Path):
     from miles_lp.rollout.reference import ReferenceEngine
 
     kw = {k: getattr(ro, k) for k in ("device", "dtype", "kv_cache") if hasattr(ro, k)}
+    if kw.get("dtype") == "auto":
+        # the learner's activation dtype (its master dtype): on CUDA the engine's own default is bf16, which put
+        # an fp32-master run at kl 2e-4 on the H200 before any update; matched, it is exactly 0 (2026-12-01)
+        kw["dtype"] = recipe.train.master_dtype
     return ReferenceEngine(checkpoint, **kw)
 
 

@@ -6,7 +6,7 @@ Parsed with ``miles_lp.config.parse_dataclass`` (unknown keys refused with a sug
       backend: reference        # reference (embedded, default) | vllm | sglang (HTTP client of a server)
       url: null                 # sglang: http://127.0.0.1:30000 (API key from MILES_LP_API_KEY / SGLANG_API_KEY)
       device: auto              # reference: auto (cuda if available) | cpu | cuda | cuda:N
-      dtype: auto               # reference: activation dtype, auto = fp32 on CPU, bf16 on CUDA (as the learner)
+      dtype: auto               # reference: activation dtype; auto = the learner's master dtype in `miles-lp run`
       kv_cache: bf16            # bf16 | fp8_e4m3 (per-tensor scale, 1.0 unless the checkpoint has k/v scales)
       max_response_len: 1024    # max_new_tokens of every rollout
       sampling: {temperature: 1.0, top_p: 1.0, top_k: -1, seed: 0}
