@@ -43,7 +43,7 @@ def samples(lengths=(40, 33, 50, 20), seed=0):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_every_arch_swaps_and_trains(tiny_dir, arch):
+def test_every_arch_swaps_and_steps(tiny_dir, arch):
     d = tiny_dir(arch)
     tr = EmbeddedTrainer(d, plan_for(d, MXFP8_NVFP4_EXPERTS), TrainConfig(lr=1e-3, micro_batch_tokens=96))
     kinds = {type(m) for m in tr.model.modules()}
