@@ -246,9 +246,10 @@ class Run:
         return out
 
     def close(self) -> None:
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
+        for part in (self.engine, self.learner):  # the engine's threads, the Megatron learner's process group
+            close = getattr(part, "close", None)
+            if close is not None:
+                close()
 
 
 def resumed_recipe(rd: RunDir, recipe: Recipe | None) -> Recipe:

@@ -63,10 +63,10 @@ KIND = "megatron"
 # ---------------------------------------------------------------------------------------------------------
 
 
-def ensure_model_parallel(device: torch.device, config: TrainConfig) -> bool:
+def ensure_model_parallel(device: torch.device, config: TrainConfig) -> tuple[bool, bool]:
     """A world of one (if none exists) and Megatron's model-parallel state at tp = pp = ep = 1.
 
-    Returns whether a process group was created here. Refuses parallel sizes this learner does not run.
+    Returns (whether the process group, whether the model-parallel state was created here). Refuses parallel sizes this learner does not run.
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -76,7 +76,7 @@ def ensure_model_parallel(device: torch.device, config: TrainConfig) -> bool:
         raise ConfigError(f"MegatronLearner runs train.megatron tp=1 pp=1 ep=1 impl=local (one process); got "
                           f"tp={m.tp} pp={m.pp} ep={m.ep} etp={m.etp} impl={m.impl}: set those to 1 / local "
                           "(multi-rank launch is not implemented)")
-    created = False
+    created, created_mp = False, False
     if not dist.is_initialized():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -90,11 +90,12 @@ def ensure_model_parallel(device: torch.device, config: TrainConfig) -> bool:
                           f"{dist.get_world_size()} ranks (multi-rank launch is not implemented)")
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(1, 1)
+        created_mp = True
     elif (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
           ps.get_expert_model_parallel_world_size()) != (1, 1, 1):
         raise ConfigError("Megatron's model-parallel state is already initialised with sizes other than 1; "
                           "MegatronLearner runs tp=pp=ep=1")
-    return created
+    return created, created_mp
 
 
 @contextlib.contextmanager
@@ -189,7 +190,7 @@ class MegatronLearner:
         self.device = _resolve_device(cfg.device)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # "cuda" without an index: the current device
-        self._created_group = ensure_model_parallel(self.device, cfg)
+        self._created_group, self._created_mp = ensure_model_parallel(self.device, cfg)
         if self.device.type == "cuda":
             from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -228,6 +229,18 @@ class MegatronLearner:
                                            weight_decay=cfg.weight_decay, foreach=False)
         invalidate_on_step(self.model, self.optimizer)  # the next forward / export re-quantizes once
         self.step = 0
+
+    def close(self) -> None:
+        """Tear down the model-parallel state and process group this learner created (so another Megatron user
+        in the same process, e.g. the next test or a second learner, can initialise its own)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        if self._created_mp and ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        if self._created_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._created_mp = self._created_group = False
 
     def _check_complete(self) -> None:
         from miles_lp.train.megatron.layers import _QuantParallelMixin
