@@ -276,7 +276,67 @@ def _resolve_device(spec: str) -> torch.device:
     return torch.device(spec)
 
 
-class EmbeddedTrainer:
+class PackedLearnerSteps:
+    """``logprobs`` and ``train_step`` on packed micro-batches, shared by the learners (embedded, Megatron).
+
+    The learner provides ``config`` (``TrainConfig``), ``pad_multiple``, ``optimizer``, ``step`` and
+    ``_forward(pack) -> logits [1, T, V]``; everything else about batching, losses and the step is here once.
+    """
+
+    def micro_batches(self, seqs: Sequence[torch.Tensor]) -> list[Pack]:
+        groups = split_by_token_budget([int(s.numel()) for s in seqs], self.config.micro_batch_tokens,
+                                       self.pad_multiple)
+        return [pack_sequences([seqs[i] for i in g], g, self.pad_multiple) for g in groups]
+
+    @torch.no_grad()
+    def logprobs(self, batch: Sequence[torch.Tensor | Mapping[str, Any]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per sequence (in order): log-probs of tokens 1..L-1 and entropies, fp32 on CPU."""
+        seqs = [b["tokens"] if isinstance(b, Mapping) else b for b in batch]
+        lps: list[torch.Tensor | None] = [None] * len(seqs)
+        ents: list[torch.Tensor | None] = [None] * len(seqs)
+        for pack in self.micro_batches(seqs):
+            lp, ent = token_logprobs_and_entropy(self._forward(pack), pack)
+            for i, a, b in zip(pack.indices, lp, ent, strict=True):
+                lps[i], ents[i] = a.cpu(), b.cpu()
+        return lps, ents  # type: ignore[return-value]
+
+    def accumulate_grads(self, samples: Sequence[Mapping[str, Any]], loss_fn: LossFn = nll_loss
+                         ) -> tuple[float, list[Pack]]:
+        """Forward/backward every micro-batch of ``samples``, accumulating ``.grad``. Returns (loss, packs)."""
+        seqs = [s["tokens"] for s in samples]
+        totals = {"tokens": int(sum(float(_loss_mask(s).sum()) for s in samples)), "sequences": len(samples)}
+        loss_sum, packs = 0.0, self.micro_batches(seqs)
+        for pack in packs:
+            lp, ent = token_logprobs_and_entropy(self._forward(pack), pack)
+            loss = loss_fn(lp, ent, [samples[i] for i in pack.indices], totals)
+            loss.backward()
+            loss_sum += float(loss.detach())
+        return loss_sum, packs
+
+    def train_step(self, samples: Sequence[Mapping[str, Any]], loss_fn: LossFn = nll_loss) -> dict[str, Any]:
+        """Forward/backward over micro-batches (token budget), clip, AdamW step. Returns step statistics.
+
+        A non-finite gradient norm skips the optimizer step (reported as ``skipped``).
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, packs = self.accumulate_grads(samples, loss_fn)
+        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if self.config.grad_clip is not None:
+            norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip))
+        else:
+            norm = float(torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in params])))
+        finite = math.isfinite(norm)
+        if finite:
+            self.optimizer.step()
+            self.step += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": loss_sum, "grad_norm": norm, "finite": finite, "skipped": not finite,
+                "micro_batches": len(packs), "tokens": sum(int(s["tokens"].numel()) for s in samples),
+                "padded_tokens": sum(p.tokens for p in packs), "step": self.step}
+
+
+
+class EmbeddedTrainer(PackedLearnerSteps):
     """A transformers causal LM under a precision plan, trained with AdamW (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module | str | Path, plan=None, config: TrainConfig | None = None):
@@ -324,58 +384,6 @@ class EmbeddedTrainer:
         out = self.model(input_ids=pack.input_ids.to(self.device), position_ids=pack.position_ids.to(self.device),
                          use_cache=False)
         return out.logits
-
-    def micro_batches(self, seqs: Sequence[torch.Tensor]) -> list[Pack]:
-        groups = split_by_token_budget([int(s.numel()) for s in seqs], self.config.micro_batch_tokens,
-                                       self.pad_multiple)
-        return [pack_sequences([seqs[i] for i in g], g, self.pad_multiple) for g in groups]
-
-    @torch.no_grad()
-    def logprobs(self, batch: Sequence[torch.Tensor | Mapping[str, Any]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per sequence (in order): log-probs of tokens 1..L-1 and entropies, fp32 on CPU."""
-        seqs = [b["tokens"] if isinstance(b, Mapping) else b for b in batch]
-        lps: list[torch.Tensor | None] = [None] * len(seqs)
-        ents: list[torch.Tensor | None] = [None] * len(seqs)
-        for pack in self.micro_batches(seqs):
-            lp, ent = token_logprobs_and_entropy(self._forward(pack), pack)
-            for i, a, b in zip(pack.indices, lp, ent, strict=True):
-                lps[i], ents[i] = a.cpu(), b.cpu()
-        return lps, ents  # type: ignore[return-value]
-
-    # ---- one optimizer step -------------------------------------------------------------------------
-    def accumulate_grads(self, samples: Sequence[Mapping[str, Any]], loss_fn: LossFn = nll_loss
-                         ) -> tuple[float, list[Pack]]:
-        """Forward/backward every micro-batch of ``samples``, accumulating ``.grad``. Returns (loss, packs)."""
-        seqs = [s["tokens"] for s in samples]
-        totals = {"tokens": int(sum(float(_loss_mask(s).sum()) for s in samples)), "sequences": len(samples)}
-        loss_sum, packs = 0.0, self.micro_batches(seqs)
-        for pack in packs:
-            lp, ent = token_logprobs_and_entropy(self._forward(pack), pack)
-            loss = loss_fn(lp, ent, [samples[i] for i in pack.indices], totals)
-            loss.backward()
-            loss_sum += float(loss.detach())
-        return loss_sum, packs
-
-    def train_step(self, samples: Sequence[Mapping[str, Any]], loss_fn: LossFn = nll_loss) -> dict[str, Any]:
-        """Forward/backward over micro-batches (token budget), clip, AdamW step. Returns step statistics.
-
-        A non-finite gradient norm skips the optimizer step (reported as ``skipped``).
-        """
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum, packs = self.accumulate_grads(samples, loss_fn)
-        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if self.config.grad_clip is not None:
-            norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip))
-        else:
-            norm = float(torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in params])))
-        finite = math.isfinite(norm)
-        if finite:
-            self.optimizer.step()
-            self.step += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss_sum, "grad_norm": norm, "finite": finite, "skipped": not finite,
-                "micro_batches": len(packs), "tokens": sum(int(s["tokens"].numel()) for s in samples),
-                "padded_tokens": sum(p.tokens for p in packs), "step": self.step}
 
     # ---- export -------------------------------------------------------------------------------------
     def learner_weights(self) -> Iterator[tuple[str, Any]]:

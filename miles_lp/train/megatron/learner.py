@@ -30,10 +30,9 @@ functions take ``(logprobs, entropy, samples, totals)``):
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import socket
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,16 +41,11 @@ import torch
 from miles_lp.errors import ConfigError
 from miles_lp.train.config import TrainConfig
 from miles_lp.train.embedded import (
-    LossFn,
     Pack,
+    PackedLearnerSteps,
     SourceInfo,
-    _loss_mask,
     _resolve_device,
-    nll_loss,
-    pack_sequences,
     pad_multiple_for,
-    split_by_token_budget,
-    token_logprobs_and_entropy,
 )
 from miles_lp.train.quant_linear import executed_quantized, invalidate_grids, invalidate_on_step
 
@@ -163,7 +157,7 @@ def block_causal_mask(pack: Pack, device) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------
 
 
-class MegatronLearner:
+class MegatronLearner(PackedLearnerSteps):
     """A Megatron-Core GPT model under a precision plan, trained with AdamW (see the module docstring)."""
 
     def __init__(self, hf_folder_or_model: torch.nn.Module | str | Path, plan=None,
@@ -266,50 +260,6 @@ class MegatronLearner:
             finally:
                 if rot is not None:
                     rot.positions = None
-
-    def micro_batches(self, seqs: Sequence[torch.Tensor]) -> list[Pack]:
-        groups = split_by_token_budget([int(s.numel()) for s in seqs], self.config.micro_batch_tokens,
-                                       self.pad_multiple)
-        return [pack_sequences([seqs[i] for i in g], g, self.pad_multiple) for g in groups]
-
-    @torch.no_grad()
-    def logprobs(self, batch: Sequence[torch.Tensor | Mapping[str, Any]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per sequence (in order): log-probs of tokens 1..L-1 and entropies, fp32 on CPU."""
-        seqs = [b["tokens"] if isinstance(b, Mapping) else b for b in batch]
-        lps: list[torch.Tensor | None] = [None] * len(seqs)
-        ents: list[torch.Tensor | None] = [None] * len(seqs)
-        for pack in self.micro_batches(seqs):
-            lp, ent = token_logprobs_and_entropy(self._forward(pack), pack)
-            for i, a, b in zip(pack.indices, lp, ent, strict=True):
-                lps[i], ents[i] = a.cpu(), b.cpu()
-        return lps, ents  # type: ignore[return-value]
-
-    # ---- one optimizer step -------------------------------------------------------------------------
-    def train_step(self, samples: Sequence[Mapping[str, Any]], loss_fn: LossFn = nll_loss) -> dict[str, Any]:
-        """Forward/backward over micro-batches (token budget), clip, AdamW step (the embedded trainer's
-        statistics). A non-finite gradient norm skips the optimizer step (``skipped``)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        seqs = [s["tokens"] for s in samples]
-        totals = {"tokens": int(sum(float(_loss_mask(s).sum()) for s in samples)), "sequences": len(samples)}
-        loss_sum, packs = 0.0, self.micro_batches(seqs)
-        for pack in packs:
-            lp, ent = token_logprobs_and_entropy(self._forward(pack), pack)
-            loss = loss_fn(lp, ent, [samples[i] for i in pack.indices], totals)
-            loss.backward()
-            loss_sum += float(loss.detach())
-        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if self.config.grad_clip is not None:
-            norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip))
-        else:
-            norm = float(torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in params])))
-        finite = math.isfinite(norm)
-        if finite:
-            self.optimizer.step()  # post-hook: invalidate_grids(model)
-            self.step += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss_sum, "grad_norm": norm, "finite": finite, "skipped": not finite,
-                "micro_batches": len(packs), "tokens": sum(int(s["tokens"].numel()) for s in samples),
-                "padded_tokens": sum(p.tokens for p in packs), "step": self.step}
 
     # ---- export -------------------------------------------------------------------------------------
     def export_weights(self) -> Iterator[tuple[str, Any]]:
