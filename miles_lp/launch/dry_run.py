@@ -2,7 +2,11 @@
 
 Checks what can be checked here: the schema (already parsed), the model folder's config (a tiny model is not
 built: its config is derived from the architecture), the compiled plan, the task against the vocabulary, the
-placement. Returns a JSON-able summary.
+placement; the engine's quantization config for the rollout target (emitted, then re-read with the engine's own
+matching rules: every planned weight must load in its planned format, as `miles-lp convert` proves), and for
+`train.backend: megatron` the Megatron/TE arguments and environment from the plan with the parallel sizes
+checked against the model. What the runner would still refuse at start is listed, not hidden. Returns a
+JSON-able summary; a recipe the engine or Megatron cannot express raises ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ def dry_run(recipe: Recipe) -> dict[str, Any]:
     if not (pol.default is Format.BF16 and all(r.format is Format.BF16 for r in pol.rules)):
         plan = compile_plan(pol, get_layout(config))
     task = make_task(recipe.task, int(config["vocab_size"]))
-    return {
+    would_refuse = _would_refuse(recipe)
+    out = {
         "recipe": recipe.source, "model": recipe.model.path, "model_type": config.get("model_type"),
         "plan_hash": None if plan is None else plan.hash,
         "quantized_tensors": 0 if plan is None else len(plan.quantized()),
@@ -46,4 +51,71 @@ def dry_run(recipe: Recipe) -> dict[str, Any]:
         "train_backend": recipe.train.backend, "rollout_backend": recipe.rollout.backend,
         "ray": {"enabled": recipe.ray.enabled, "address": recipe.ray.address or "local",
                 "placement": recipe.ray.placement},
+        "would_refuse_at_start": would_refuse,
     }
+    if plan is not None:
+        out["engine_config"] = engine_config(plan, _engine_target(recipe))
+        if recipe.train.backend == "megatron":
+            out["megatron"] = megatron_config(plan, config, recipe.train.megatron)
+    return out
+
+
+def _engine_target(recipe: Recipe) -> str:
+    return "vllm" if recipe.rollout.backend == "vllm" else getattr(recipe.rollout, "target", "sglang")
+
+
+def engine_config(plan, target: str) -> dict[str, Any]:
+    """The quantization config the engine gets (what convert writes), re-read with the engine's matching."""
+    from miles_lp.checkpoint.configs import emit_configs, engine_formats_for
+    from miles_lp.errors import ConfigError
+    from miles_lp.formats.spec import Format
+
+    quant_config, files = emit_configs(plan, target)
+    engine = engine_formats_for(target, quant_config, files, plan)
+    wrong = [n for n, e in plan.entries.items() if n.endswith(".weight") and len(e.shape) == 2
+             and engine.get(n, Format.BF16) is not e.format]
+    if wrong:
+        raise ConfigError(f"the {target} engine would load {len(wrong)} weight(s) in another format than the plan, "
+                          f"e.g. {wrong[0]} (engine: {engine.get(wrong[0], Format.BF16).value}, plan: "
+                          f"{plan.entries[wrong[0]].format.value})")
+    return {"target": target, "quantization_config": quant_config, "extra_files": sorted(files),
+            "engine_reads_plan": True}
+
+
+def megatron_config(plan, hf_config: dict, mp) -> dict[str, Any]:
+    """Megatron-Core / TE arguments and environment from the plan, and the parallel sizes against the model."""
+    from miles_lp.errors import ConfigError
+    from miles_lp.policy import emit, get_layout
+
+    heads = int(hf_config.get("num_attention_heads", 1))
+    kv = int(hf_config.get("num_key_value_heads") or heads)
+    layers = int(hf_config["num_hidden_layers"])
+    experts = get_layout(hf_config).num_experts
+    problems = []
+    if heads % mp.tp or kv % mp.tp:
+        problems.append(f"train.megatron.tp={mp.tp} must divide the attention heads ({heads}) and the key/value "
+                        f"heads ({kv})")
+    if mp.pp > layers:
+        problems.append(f"train.megatron.pp={mp.pp} exceeds the {layers} layers")
+    if mp.ep > 1 and (not experts or experts % mp.ep):
+        problems.append(f"train.megatron.ep={mp.ep} must divide the {experts} experts")
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return {"kwargs": emit.megatron_kwargs(plan, strict=False), "env": emit.te_env(plan),
+            "bf16_overrides": len(emit.megatron_overrides(plan)),
+            "parallel": {"tp": mp.tp, "pp": mp.pp, "ep": mp.ep, "etp": mp.etp},
+            # Megatron splits unevenly only with decoder_first/last_pipeline_num_layers (DeepSeek-V3: 61 on 8)
+            "uneven_pipeline": bool(layers % mp.pp)}
+
+
+def _would_refuse(recipe: Recipe) -> list[str]:
+    """What ``miles-lp run`` itself does not start yet for this recipe (the dry run still validates the rest)."""
+    out = []
+    if recipe.rollout.backend != "reference":
+        out.append(f"rollout.backend {recipe.rollout.backend}: the run wires the reference engine only so far "
+                   "(the engine adapters exist: miles_lp.rollout.sglang / vllm)")
+    m = recipe.train.megatron
+    if recipe.train.backend == "megatron" and ((m.tp, m.pp, m.ep) != (1, 1, 1) or m.impl != "local"):
+        out.append(f"train.megatron tp={m.tp} pp={m.pp} ep={m.ep} impl={m.impl}: the Megatron learner runs one "
+                   "process (tp = pp = ep = 1, impl local) so far; multi-rank launch is not implemented")
+    return out

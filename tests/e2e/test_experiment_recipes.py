@@ -32,6 +32,22 @@ def test_dry_run_full_scale(name, capsys):
     assert out["train_backend"] == "megatron" and out["rollout_backend"] == "sglang"
     assert out["ray"] == {"enabled": True, "address": "auto", "placement": "split"}
     assert out["plan_hash"] and out["quantized_tensors"] > 0 and out["plan_warnings"] == []
+    # the engine's config, emitted and re-read with SGLang's own matching: every planned weight as planned
+    eng = out["engine_config"]
+    assert eng["target"] == "sglang" and eng["engine_reads_plan"] is True
+    assert eng["quantization_config"]["quant_method"] in ("mxfp8", "modelopt")
+    # Megatron/TE from the plan; the sizes were checked against the model; the one-process limit is stated
+    meg = out["megatron"]
+    assert meg["parallel"]["tp"] >= 1 and meg["kwargs"] and isinstance(meg["env"], dict)
+    assert any("multi-rank launch is not implemented" in w for w in out["would_refuse_at_start"]) == (
+        (meg["parallel"]["tp"], meg["parallel"]["pp"], meg["parallel"]["ep"]) != (1, 1, 1))
+
+
+def test_dry_run_refuses_a_tp_that_does_not_divide_the_heads(capsys):
+    """Qwen3-8B has 32 heads and 8 key/value heads: tp 3 cannot split them."""
+    assert main(["run", str(ROOT / "recipes" / "qwen3-8b-mxfp8.yaml"), "--dry-run", *sets("qwen3-8b"),
+                 "--set", "train.megatron.tp=3"]) == 2
+    assert "tp=3 must divide the attention heads" in capsys.readouterr().err
 
 
 def plan(name):
