@@ -276,6 +276,21 @@ def _resolve_device(spec: str) -> torch.device:
     return torch.device(spec)
 
 
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """The RNG states a bit-identical resume needs (torch CPU, Python, and the device's on CUDA)."""
+    rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    return rng
+
+
+def restore_rng(rng: Mapping[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if "cuda" in rng and device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"], device)
+
+
 class PackedLearnerSteps:
     """``logprobs`` and ``train_step`` on packed micro-batches, shared by the learners (embedded, Megatron).
 
@@ -409,9 +424,7 @@ class EmbeddedTrainer(PackedLearnerSteps):
         Tensors are references, as torch's ``state_dict``: save them (``miles_lp.train.state_io``) or copy
         them before training on.
         """
-        rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        if self.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        rng = rng_state(self.device)
         return {"kind": "embedded", "plan_hash": None if self.plan is None else self.plan.hash,
                 "step": self.step, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "rng": rng}
@@ -428,11 +441,7 @@ class EmbeddedTrainer(PackedLearnerSteps):
         self.model.load_state_dict(state["model"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
-        rng = state["rng"]
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
-        if "cuda" in rng and self.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"], self.device)
+        restore_rng(state["rng"], self.device)
         invalidate_grids(self.model)  # the loaded master weights get a fresh grid
 
 

@@ -7,8 +7,6 @@ Megatron's attention needs CUDA, so whole-model forward/backward runs in scripts
 from __future__ import annotations
 
 import os
-import socket
-import warnings
 
 import pytest
 import torch
@@ -22,28 +20,6 @@ mc = pytest.importorskip("megatron.core", reason="megatron-core not installed (e
 
 def _policy(raw):
     return parse_policy(raw, Where("<test>", "precision"))
-
-
-@pytest.fixture(scope="module")
-def mp():
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    warnings.filterwarnings("ignore")
-    created = False
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group("gloo", rank=0, world_size=1)
-        created = True
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-    if created:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,6 @@ for finiteness).
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
-import warnings
 
 import pytest
 import torch
@@ -26,28 +23,6 @@ from miles_lp.formats.spec import BackwardMode, Format
 from miles_lp.policy import compile_plan, get_layout, parse_policy
 
 mc = pytest.importorskip("megatron.core", reason="megatron-core not installed (extra 'megatron')")
-
-
-@pytest.fixture(scope="module")
-def mp():
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    warnings.filterwarnings("ignore")
-    created = False
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(port)
-        dist.init_process_group("gloo", rank=0, world_size=1)
-        created = True
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-    if created:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

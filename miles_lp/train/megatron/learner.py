@@ -30,7 +30,6 @@ functions take ``(logprobs, entropy, samples, totals)``):
 from __future__ import annotations
 
 import contextlib
-import random
 import socket
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -46,6 +45,8 @@ from miles_lp.train.embedded import (
     SourceInfo,
     _resolve_device,
     pad_multiple_for,
+    restore_rng,
+    rng_state,
 )
 from miles_lp.train.quant_linear import executed_quantized, invalidate_grids, invalidate_on_step
 
@@ -286,9 +287,7 @@ class MegatronLearner(PackedLearnerSteps):
 
         Tensors are references: save them (``miles_lp.train.state_io``) or copy them before training on.
         """
-        rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        if self.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        rng = rng_state(self.device)
         return {"kind": KIND, "plan_hash": None if self.plan is None else self.plan.hash, "step": self.step,
                 "model": dict(self._targets()), "optimizer": self.optimizer.state_dict(), "rng": rng}
 
@@ -315,9 +314,5 @@ class MegatronLearner(PackedLearnerSteps):
                 t.copy_(src)
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
-        rng = state["rng"]
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
-        if "cuda" in rng and self.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"], self.device)
+        restore_rng(state["rng"], self.device)
         invalidate_grids(self.model)  # the loaded master weights get a fresh grid
