@@ -43,6 +43,10 @@ def add_arguments(p) -> None:
                    help="measure nothing: read the rows of an earlier --json run (no GPU needed), print the "
                         "table and draw --plot")
     p.add_argument("--title", default=None, help="the plot's title (default: names the device)")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="instead of the table: per shape and mode, host time per call, isolated vs pipelined "
+                        "time, CUDA kernels per call with their device time, host syncs (torch profiler); "
+                        "written to FILE")
 
 
 def _parse_shape(text: str) -> tuple[int, int, int]:
@@ -104,19 +108,12 @@ def _peak_mib(device, fn) -> float | None:
 
 def _bench_shape(m: int, n: int, k: int, dev, timer, warmup: int, iters: int, modes, kernels,
                  on_row=None) -> list[dict]:
-    import torch
     import torch.nn.functional as F
 
     from miles_lp.formats.spec import BackwardMode, Format
     from miles_lp.train.quant_linear import LinearRecipe, QuantLinear
 
-    dtype = torch.bfloat16
-    g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(m, k, generator=g).to(dev, dtype).requires_grad_()
-    lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=dtype)
-    with torch.no_grad():
-        lin.weight.copy_(torch.randn(n, k, generator=g).to(dev, dtype) * 0.02)
-    dy = torch.randn(m, n, generator=g).to(dev, dtype)
+    x, lin, dy = _setup(m, n, k, dev)
 
     def step(module) -> None:
         x.grad = lin.weight.grad = None
@@ -269,6 +266,139 @@ def plot_linear(rows, path, title: str | None = None) -> None:
     plt.close(fig)
 
 
+def _setup(m: int, n: int, k: int, dev):
+    """(x, linear, dy): seeded bf16 operands for one shape (x requires grad)."""
+    import torch
+
+    dtype = torch.bfloat16
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(m, k, generator=g).to(dev, dtype).requires_grad_()
+    lin = torch.nn.Linear(k, n, bias=False, device=dev, dtype=dtype)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g).to(dev, dtype) * 0.02)
+    dy = torch.randn(m, n, generator=g).to(dev, dtype)
+    return x, lin, dy
+
+
+def profile_step(fn, dev, calls: int = 20) -> dict:
+    """What one call of ``fn`` (a fwd+bwd step) costs, split into host and device (METHOD.md: launches,
+    host time, device time). On CUDA:
+
+    * ``host_us``: median wall time of the call itself, no synchronisation inside (what the Python, autograd
+      and launch path cost; the GPU runs behind);
+    * ``isolated_ms``: events around one call from an idle GPU (what ``bench`` reports: host latency to the
+      first kernel included);
+    * ``pipelined_ms``: ``calls`` back-to-back calls / ``calls`` (the host runs ahead, as in a model's
+      layer stack; equals the device time when the host is faster);
+    * ``kernels``: CUDA kernels (and memsets / copies) per call, ``device_us`` their summed duration per call
+      (torch profiler), ``top``: the kernels by device time;
+    * ``syncs``: host synchronisations one call makes (``torch.cuda.set_sync_debug_mode``).
+    """
+    import time
+    import warnings
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    host = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t) * 1e6)
+        torch.cuda.synchronize()
+    iso = []
+    for _ in range(calls):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        iso.append(a.elapsed_time(b))
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(calls):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    pipelined = a.elapsed_time(b) / calls
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode(1)
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    syncs = sum(1 for w in caught if "synchroniz" in str(w.message).lower())
+    n_prof = 5
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n_prof):
+            fn()
+        torch.cuda.synchronize()
+    per: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per.setdefault(e.name, []).append(e.device_time_total if hasattr(e, "device_time_total")
+                                              else e.cuda_time_total)
+    n_k = sum(len(v) for v in per.values()) / n_prof
+    dev_us = sum(sum(v) for v in per.values()) / n_prof
+    top = sorted(((sum(v) / n_prof, len(v) / n_prof, name) for name, v in per.items()), reverse=True)[:12]
+    host.sort()
+    iso.sort()
+    return dict(host_us=host[len(host) // 2], isolated_ms=iso[len(iso) // 2], pipelined_ms=pipelined,
+                kernels=n_k, device_us=dev_us, syncs=syncs,
+                top=[dict(us=us, per_call=c, name=name[:90]) for us, c, name in top])
+
+
+def _profile_cases(m: int, n: int, k: int, dev, modes) -> list[tuple[str, object]]:
+    """(name, step) for bf16 F.linear and each QuantLinear mode (fresh weight grid) at one shape."""
+    import torch.nn.functional as F
+
+    from miles_lp.formats.spec import BackwardMode, Format
+    from miles_lp.train.quant_linear import LinearRecipe, QuantLinear
+
+    x, lin, dy = _setup(m, n, k, dev)
+
+    def bf16_step() -> None:
+        x.grad = lin.weight.grad = None
+        F.linear(x, lin.weight).backward(dy)
+
+    cases = [("bf16 F.linear", bf16_step)]
+    for fmt, bw in modes or MODES:
+        recipe = LinearRecipe(Format(fmt), BackwardMode(bw), "token" if fmt == "nvfp4" else None)
+        ql = QuantLinear.from_linear(lin, recipe, canonical="bench", kernel="compiled")
+
+        def fresh(ql=ql) -> None:
+            ql.grid.invalidate()
+            x.grad = lin.weight.grad = None
+            ql(x).backward(dy)
+
+        cases.append((f"{fmt}/{bw}", fresh))
+    return cases
+
+
+def profile(shapes, device: str = "cuda", modes=None, on_line=print) -> list[dict]:
+    """``profile_step`` of bf16 F.linear and each QuantLinear mode (fresh weight grid) per shape."""
+    import torch
+
+    dev = torch.device(device)
+    out = []
+    for m, n, k in shapes:
+        for name, fn in _profile_cases(m, n, k, dev, modes):
+            r = dict(shape=f"{m}x{n}x{k}", mode=name, **profile_step(fn, dev))
+            out.append(r)
+            on_line(f"{r['shape']:>16} {name:>22}: host {r['host_us']:7.1f} us/call, isolated "
+                    f"{r['isolated_ms']:.3f} ms, pipelined {r['pipelined_ms']:.3f} ms, {r['kernels']:.0f} kernels "
+                    f"= {r['device_us']:.1f} us device, {r['syncs']} host syncs")
+            for t in r["top"]:
+                on_line(f"{'':>20} {t['us']:9.1f} us  x{t['per_call']:.0f}  {t['name']}")
+        torch.cuda.empty_cache()
+    return out
+
+
 def run(args) -> int:
     import json
 
@@ -283,6 +413,21 @@ def run(args) -> int:
         return 0
     shapes = [_parse_shape(s.strip()) for s in args.shapes.split(",") if s.strip()]
     modes = None if args.modes == "all" else [tuple(m.split("/")) for m in args.modes.split(",")]
+    if args.profile:
+        from miles_lp.errors import BackendUnavailable
+
+        if not (args.device.startswith("cuda") and torch.cuda.is_available()):
+            raise BackendUnavailable("bench linear --profile needs a CUDA device (none is visible)")
+        with open(args.profile, "w") as f:
+            def line(text: str) -> None:
+                print(text, flush=True)
+                f.write(text + "\n")
+
+            rows = profile(shapes, args.device, modes, on_line=line)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
     kernels = [kn.strip() for kn in args.kernels.split(",") if kn.strip()]
     bad = [kn for kn in kernels if kn not in ("reference", "compiled")]
     if bad or not kernels:

@@ -59,6 +59,13 @@ CONFIG = {
 }
 
 _OUT_KIND = {None: 0, torch.float32: 1, torch.bfloat16: 2}
+# Launch path: after a kernel's first launch for a specialization (dtypes, 16-byte alignment of pointers,
+# ints equal to 1 / multiples of 16: what Triton specializes on, plus every constexpr and num_warps), later
+# launches call the compiled kernel's launcher directly and skip Triton's per-call binding, cache-key and
+# option formatting (host time per launch: bench quantize "small shape"). MILES_LP_KERNELS_FAST_LAUNCH=0
+# keeps Triton's JIT dispatch on every call (for A/B timing); so does a Triton launch hook (profilers).
+_FAST_LAUNCH = os.environ.get("MILES_LP_KERNELS_FAST_LAUNCH", "1") != "0"
+_LAUNCHERS: dict[tuple, object] = {}
 _MODULES: dict[bool, object] = {}
 _LOCK = threading.Lock()
 _PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_triton.py")
@@ -133,6 +140,55 @@ def _load(interpret: bool):
         else:
             os.environ["TRITON_INTERPRET"] = old
     return mod
+
+
+def _spec(a) -> object:
+    """What Triton specializes a runtime argument on (so one cached launcher never serves another variant)."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    if isinstance(a, bool):
+        return ("b", a)
+    if isinstance(a, int):
+        return ("i", a == 1, a % 16 == 0, -2**31 <= a < 2**31)
+    return (type(a).__name__, a)
+
+
+def _launch(mod, name: str, grid: tuple, args: tuple, num_warps: int, **consts) -> None:
+    """``mod.<name>[grid](*args, **consts, num_warps=num_warps)``, through the cached launcher when it can.
+
+    ``args`` are the kernel's runtime parameters in signature order and ``consts`` its constexprs (which
+    follow them in every kernel of ``_triton.py``).
+    """
+    fn = getattr(mod, name)
+    if not _FAST_LAUNCH or not args or not isinstance(args[0], torch.Tensor) or not args[0].is_cuda:
+        fn[grid](*args, **consts, num_warps=num_warps)
+        return
+    from triton import knobs
+
+    if knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
+        fn[grid](*args, **consts, num_warps=num_warps)
+        return
+    dev = args[0].device.index
+    key = (name, dev, num_warps, tuple(consts.items()), tuple(_spec(a) for a in args))
+    ent = _LAUNCHERS.get(key)
+    if ent is None:
+        ck = fn[grid](*args, **consts, num_warps=num_warps)  # compiles (first time) and launches
+        if hasattr(ck, "result"):
+            ck = ck.result()
+        rest = fn.arg_names[len(args):]
+        if len(fn.arg_names) != len(args) + len(consts) or set(rest) != set(consts) or not hasattr(ck, "run"):
+            return  # not the layout this path assumes: this key stays on the JIT path (no entry cached)
+        _LAUNCHERS[key] = (ck, tuple(consts[n] for n in rest))
+        return
+    ck, const_vals = ent
+    g = (*grid, 1, 1)
+    ck.run(g[0], g[1], g[2], _stream(dev), ck.function, ck.packed_metadata, None, None, None, *args, *const_vals)
+
+
+def _stream(dev: int) -> int:
+    """The current CUDA stream's handle (what Triton's own launch passes; a graph capture's stream too)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(dev) if raw is not None else torch.cuda.current_stream(dev).cuda_stream
 
 
 def _input(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -226,10 +282,9 @@ def mxfp8_quantize(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = Fal
     if colwise and m % (32 * bmb):
         bmb = 1  # a tile must not straddle two matrices' column blocks (M is a multiple of 32)
     grid = (triton_cdiv(r, 32 * bmb), triton_cdiv(k, 32 * nb))
-    mod.mxfp8_quantize_kernel[grid](
-        xi, r, k, m, qr, sr, dr, wr, qc, sc, dc, wc,
-        IN_KIND=in_kind, ROW=rowwise, COL=colwise, OUT_KIND=out_kind, DQ_ROW=dq_row, DQ_COL=dq_col, SWZ=bool(swizzle) and mats >= 1,
-        BMB=bmb, NB=nb, num_warps=cfg["num_warps"])
+    _launch(mod, "mxfp8_quantize_kernel", grid, (xi, r, k, m, qr, sr, dr, wr, qc, sc, dc, wc), cfg["num_warps"],
+            IN_KIND=in_kind, ROW=rowwise, COL=colwise, OUT_KIND=out_kind, DQ_ROW=dq_row, DQ_COL=dq_col,
+            SWZ=bool(swizzle) and mats >= 1, BMB=bmb, NB=nb)
     e4m3 = torch.float8_e4m3fn
     return MXFP8Result(
         row=MXFP8Tensor(data=qr.view(e4m3), scale=sr, axis=-1) if rowwise else None,
@@ -258,8 +313,8 @@ def mxfp8_dequantize(q: MXFP8Tensor, dtype: torch.dtype = torch.bfloat16) -> tor
     out = _out(tuple(data.shape), dtype, data.device)
     cfg = CONFIG["mxfp8_dq"]
     grid = (triton_cdiv(r, 32 * cfg["BMB"]), triton_cdiv(k, 32 * cfg["NB"]))
-    mod.mxfp8_dequantize_kernel[grid](data, scale, out, r, k, COLWISE=q.axis == -2, OUT_KIND=out_kind,
-                                      BMB=cfg["BMB"], NB=cfg["NB"], num_warps=cfg["num_warps"])
+    _launch(mod, "mxfp8_dequantize_kernel", grid, (data, scale, out, r, k), cfg["num_warps"],
+            COLWISE=q.axis == -2, OUT_KIND=out_kind, BMB=cfg["BMB"], NB=cfg["NB"])
     return _as(out, dtype)
 
 
@@ -273,8 +328,8 @@ def _amax_launch(mod, xi, in_kind: int, mats: int, m: int, k: int, per_row: bool
     else:
         out = torch.zeros(mats, dtype=torch.int32, device=xi.device)  # fp32 bits; atomic max from 0
     grid = (triton_cdiv(m, cfg["BM"]), mats)
-    mod.amax_kernel[grid](xi, m, k, out, PER_ROW=per_row, IN_KIND=in_kind, BM=cfg["BM"], BK=cfg["BK"],
-                          K_ITERS=triton_cdiv(k, cfg["BK"]), num_warps=cfg["num_warps"])
+    _launch(mod, "amax_kernel", grid, (xi, m, k, out), cfg["num_warps"], PER_ROW=per_row, IN_KIND=in_kind,
+            BM=cfg["BM"], BK=cfg["BK"], K_ITERS=triton_cdiv(k, cfg["BK"]))
     return out if per_row else out.view(torch.float32)
 
 
@@ -333,17 +388,15 @@ def nvfp4_quantize(x: torch.Tensor, scope: str = "tensor", *, amax: torch.Tensor
             warps = max(1, min(16, nb * NVFP4_BLOCK // (32 * reg["el_per_thread"])))
         amax_out = torch.empty(mats * m, dtype=torch.float32, device=dev)
         grid = (triton_cdiv(m, rows), mats)
-        mod.nvfp4_quantize_rows_kernel[grid](
-            xi, m, k, amax_out, q, s, gs, d, IN_KIND=in_kind, OUT_KIND=out_kind, ROWS=rows,
-            NB=nb, K_ITERS=triton_cdiv(k, 16 * nb), num_warps=warps)
+        _launch(mod, "nvfp4_quantize_rows_kernel", grid, (xi, m, k, amax_out, q, s, gs, d), warps,
+                IN_KIND=in_kind, OUT_KIND=out_kind, ROWS=rows, NB=nb, K_ITERS=triton_cdiv(k, 16 * nb))
         amax_flat = amax_out
     else:
         cfg = CONFIG["nvfp4_2d" if block_2d else "nvfp4"]
         tb = 16 if block_2d else 1
         grid = (triton_cdiv(m, cfg["TA"] * tb), triton_cdiv(k, 16 * cfg["NB"]), mats)
-        mod.nvfp4_quantize_kernel[grid](
-            xi, m, k, amax_flat, q, s, gs, d, IN_KIND=in_kind, SCOPE=1 if per_row else 0, OUT_KIND=out_kind,
-            TA=cfg["TA"], TB=tb, NB=cfg["NB"], num_warps=cfg["num_warps"])
+        _launch(mod, "nvfp4_quantize_kernel", grid, (xi, m, k, amax_flat, q, s, gs, d), cfg["num_warps"],
+                IN_KIND=in_kind, SCOPE=1 if per_row else 0, OUT_KIND=out_kind, TA=cfg["TA"], TB=tb, NB=cfg["NB"])
     if per_row:
         gshape = (*shape[:-1], 1)
     else:
@@ -373,9 +426,9 @@ def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> tor
     out = _out(shape, dtype, q.data.device)
     cfg = CONFIG["nvfp4_dq"]
     grid = (triton_cdiv(m, cfg["BM"]), triton_cdiv(k, 16 * cfg["NB"]), mats)
-    mod.nvfp4_dequantize_kernel[grid](q.data.contiguous(), q.scale.contiguous().view(torch.uint8), gs, out, m, k,
-                                      GS_PER_ROW=per_row, OUT_KIND=out_kind, BM=cfg["BM"], NB=cfg["NB"],
-                                      num_warps=cfg["num_warps"])
+    _launch(mod, "nvfp4_dequantize_kernel", grid,
+            (q.data.contiguous(), q.scale.contiguous().view(torch.uint8), gs, out, m, k), cfg["num_warps"],
+            GS_PER_ROW=per_row, OUT_KIND=out_kind, BM=cfg["BM"], NB=cfg["NB"])
     return _as(out, dtype)
 
 

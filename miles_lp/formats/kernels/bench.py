@@ -52,12 +52,40 @@ def _sweep(kernels, x, amax_t, log) -> None:
          lambda: kernels.nvfp4_quantize(x, "row"))
 
 
-def _small_shape(x, log) -> list[dict]:
-    """Per-call time (ms, do_bench median: GPU time, or the launch rate when the host is the limit) of the
-    QuantLinear operand calls at a small shape: the kernels vs the torch.compile path they replace."""
+class _Skip(Exception):
+    """The torch.compile comparison is off (--no-compile)."""
+
+
+def _host_us(fn, calls: int = 200) -> float:
+    """Median host time of one call (us), the GPU idle at each start (synchronised between calls)."""
+    import time
+
+    import torch
+
+    ts = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t) * 1e6)
+    torch.cuda.synchronize()
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def _small_shape(x, log, compiled: bool = True) -> list[dict]:
+    """Per call of the QuantLinear operand entry points at a small shape: the GPU time (do_bench median of
+    back-to-back calls), the host time of one call (``_host_us``) with the cached launcher and with Triton's
+    JIT dispatch on every call (``MILES_LP_KERNELS_FAST_LAUNCH=0``), and the torch.compile path they replace.
+    Then a cProfile of the rowwise qdq entry point (where the host time goes)."""
+    import cProfile
+    import io
+    import pstats
+
     import torch
     from triton.testing import do_bench
 
+    from miles_lp.formats import kernels
     from miles_lp.train import fused
 
     bf16 = torch.bfloat16
@@ -65,27 +93,55 @@ def _small_shape(x, log) -> list[dict]:
         "mxfp8_qdq rowwise": lambda: fused.mxfp8_qdq(x, -1, bf16),
         "mxfp8_qdq columnwise": lambda: fused.mxfp8_qdq(x, -2, bf16),
         "mxfp8_qdq_both": lambda: fused.mxfp8_qdq_both(x, bf16),
+        "mxfp8 quantize rowwise (no decode)": lambda: kernels.mxfp8_quantize(x),
         "nvfp4_qdq per-token": lambda: fused.nvfp4_qdq(x, "row", bf16),
         "nvfp4_qdq per-tensor": lambda: fused.nvfp4_qdq(x, "tensor", bf16),
+        "torch.empty_like (for scale)": lambda: torch.empty_like(x),
     }
     out = []
     for name, fn in calls.items():
-        times = {}
-        for mode in ("kernels", "compiled"):
-            if mode == "compiled":
-                os.environ["MILES_LP_KERNELS"] = "reference"
+        row: dict = {"name": name}
+        try:
+            fn()
+            torch.cuda.synchronize()
+            row["gpu_ms"] = do_bench(fn, warmup=25, rep=100, return_mode="median")
+            row["host_us"] = _host_us(fn)
+            kernels._FAST_LAUNCH = False
+            try:
+                row["host_us_jit"] = _host_us(fn)
+            finally:
+                kernels._FAST_LAUNCH = True
+            if not compiled:
+                raise _Skip
+            os.environ["MILES_LP_KERNELS"] = "reference"
             try:
                 fn()
                 torch.cuda.synchronize()
-                times[mode] = do_bench(fn, warmup=25, rep=100, return_mode="median")
-            except Exception as exc:
-                log(f"  small {name} {mode}: {type(exc).__name__}: {str(exc)[:160]}")
+                row["compiled_gpu_ms"] = do_bench(fn, warmup=25, rep=100, return_mode="median")
+                row["compiled_host_us"] = _host_us(fn, 50)
             finally:
                 os.environ.pop("MILES_LP_KERNELS", None)
-        out.append({"name": name, **times})
-        kt, ct = times.get("kernels"), times.get("compiled")
-        log(f"  {name:24s} kernels {kt * 1e3 if kt else float('nan'):8.1f} us   torch.compile "
-            f"{ct * 1e3 if ct else float('nan'):8.1f} us")
+        except _Skip:
+            pass
+        except Exception as exc:
+            log(f"  small {name}: {type(exc).__name__}: {str(exc)[:160]}")
+        out.append(row)
+        nan = float("nan")
+        log(f"  {name:36s} GPU {row.get('gpu_ms', nan) * 1e3:7.1f} us  host {row.get('host_us', nan):6.1f} us "
+            f"(JIT dispatch {row.get('host_us_jit', nan):6.1f})   torch.compile GPU "
+            f"{row.get('compiled_gpu_ms', nan) * 1e3:7.1f} us host {row.get('compiled_host_us', nan):6.1f} us")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(300):
+        fused.mxfp8_qdq(x, -1, bf16)
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
+    log("  cProfile, 300 calls of fused.mxfp8_qdq rowwise (tottime):")
+    for ln in buf.getvalue().splitlines():
+        if ln.strip() and not ln.startswith(("   Ordered", "         ")):
+            log("    " + ln.strip()[:150])
     return out
 
 
@@ -207,7 +263,7 @@ def run_cuda(args) -> int:
     sr, sc = getattr(args, "small_shape", (2048, 4096))
     xs = torch.randn(sr, sc, device=dev).to(dtype)
     log(f"small shape [{sr}, {sc}] {args.dtype}: per call, QuantLinear operand entry points (miles_lp.train.fused)")
-    small = _small_shape(xs, log)
+    small = _small_shape(xs, log, compiled=not args.no_compile)
     if args.json:
         tmp = args.json + ".tmp"
         with open(tmp, "w") as f:

@@ -160,8 +160,11 @@ def _comp(q):
 
 
 def compare(device: str, cases: dict[str, torch.Tensor] | None = None,
-            kernels: list[str] | None = None) -> Iterator[Row]:
-    """One Row per (kernel, case): kernel on ``device`` vs the reference on CPU, all outputs' bytes."""
+            kernels: list[str] | None = None, repeat: int = 1) -> Iterator[Row]:
+    """One Row per (kernel, case): kernel on ``device`` vs the reference on CPU, all outputs' bytes.
+
+    ``repeat`` > 1 runs each kernel call that many times and compares every result (the first launch of a
+    specialization goes through Triton's JIT, later ones through the cached launcher: both are checked)."""
     cases = all_cases() if cases is None else cases
     for name, fn, ref in kernel_pairs():
         if kernels is not None and name not in kernels:
@@ -171,15 +174,17 @@ def compare(device: str, cases: dict[str, torch.Tensor] | None = None,
                 want = ref(x)
             except FormatError:  # not applicable (rows not a multiple of 32 / 16, a 1-D input, ...)
                 continue
-            got = fn(x.to(device))
+            xd = x.to(device)
             compared = mismatched = 0
-            for key, a in want.items():
-                ba, bb = crosscheck._as_bytes(a), crosscheck._as_bytes(got[key])
-                if ba.shape != bb.shape:
-                    compared, mismatched = compared + ba.numel(), mismatched + ba.numel()
-                    continue
-                compared += ba.numel()
-                mismatched += int((ba != bb).sum())
+            for _ in range(repeat):
+                got = fn(xd)
+                for key, a in want.items():
+                    ba, bb = crosscheck._as_bytes(a), crosscheck._as_bytes(got[key])
+                    if ba.shape != bb.shape:
+                        compared, mismatched = compared + ba.numel(), mismatched + ba.numel()
+                        continue
+                    compared += ba.numel()
+                    mismatched += int((ba != bb).sum())
             yield Row(name, case, compared, mismatched)
 
 
@@ -245,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernels", default=None, help="kernel names joined by ';' (default: all)")
     p.add_argument("--inject-fault", action="store_true")
     p.add_argument("--no-encoders", action="store_true")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="calls per (kernel, case), each compared (2: the JIT launch and the cached launcher)")
     p.add_argument("--config", default=None,
                    help="a bench quantize --json file: check with its launch shapes (kernels.CONFIG)")
     args = p.parse_args(argv)
@@ -277,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
 
         globals()["kernel_pairs"] = flipped
     failed = False
-    for row in compare(args.device, cases, args.kernels.split(";") if args.kernels else None):
+    for row in compare(args.device, cases, args.kernels.split(";") if args.kernels else None, args.repeat):
         print(json.dumps(row.__dict__), flush=True)
         failed |= row.mismatches > 0
     if not args.no_encoders:
