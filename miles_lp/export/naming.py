@@ -157,10 +157,13 @@ def encode(target: str, fmt: Format, weight_name: str, q) -> dict:
     return out
 
 
-def decode_components(target: str, fmt: Format, weight_name: str, tensors: Mapping) -> dict:
+def decode_components(target: str, fmt: Format, weight_name: str, tensors: Mapping,
+                      lead: tuple[int, ...] = ()) -> dict:
     """Inverse of ``encode``: canonical components (``data``, ``scale``, ``global_scale``) from disk tensors.
 
-    ``global_scale`` is returned as the codec holds it (fp32 decode scale, 0-d for a 2-D weight).
+    ``global_scale`` is returned as the codec holds it (fp32 decode scale, 0-d for a 2-D weight). ``lead``: the
+    leading dims of tensors stacked over several weights (an engine's ``[E, ...]`` experts): scalar parts are
+    then ``[*lead]``.
     """
     import torch
 
@@ -176,7 +179,7 @@ def decode_components(target: str, fmt: Format, weight_name: str, tensors: Mappi
         if p.transform == "reciprocal":
             t = (1.0 / t.to(torch.float32))
         if p.shape in ("scalar", "one"):
-            t = t.reshape(())
+            t = t.reshape(lead)
         comps[p.component] = t
     return comps
 

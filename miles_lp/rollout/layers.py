@@ -161,6 +161,18 @@ class EngineLinear(torch.nn.Module):
         """The derived tensors the kernel reads, as the module attributes hold them now."""
         return {name: getattr(self, name) for name in self._derived}
 
+    def detached_copy(self) -> EngineLinear:
+        """A private ``EngineLinear`` of the same configuration holding a copy of the live canonical tensors
+        (own storage, not a view of any stack), derived state not built yet (the C3 fresh derivation)."""
+        new = EngineLinear(self.prefix, self.in_features, self.out_features, disk_format=self.disk_format,
+                           target=self.target, bias=self.has_bias, weight_dtype=self.weight_dtype,
+                           activation_scale=self.activation_scale, act_dtype=self.act_dtype, device=self.device_,
+                           serve_format=self.serve_format, activation_mode=self.activation_mode)
+        with torch.no_grad():
+            for suffix, t in self.canonical().items():
+                getattr(new, suffix).copy_(t)
+        return new
+
     # ---- step 3 ------------------------------------------------------------------------------------
     def _weight_operand(self) -> torch.Tensor:
         return self.operand if "operand" in self._derived else self.weight
@@ -283,17 +295,23 @@ def _quantize_weight(w: torch.Tensor, fmt: Format):
     return formats.quantize_nvfp4(w, scale_scope="tensor")
 
 
-def decode_weight(target: str, fmt: Format, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int]):
-    """Codec tensor of one weight from its on-disk tensors keyed by suffix (``weight``, ``weight_scale_inv``...)."""
+def decode_weight(target: str, fmt: Format, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int],
+                  lead: tuple[int, ...] = ()):
+    """Codec tensor of one weight from its on-disk tensors keyed by suffix (``weight``, ``weight_scale_inv``...).
+    ``lead``: leading dims of stacked tensors (``(E,)`` for a ``LinearStack``: one codec tensor ``[E, N, K]``,
+    NVFP4 global scale ``[E, 1, 1]``, as the codecs hold a stacked per-matrix scale)."""
     if fmt is Format.BF16:
         return None
     from miles_lp.formats import MXFP8Tensor, NVFP4Tensor
 
-    comps = _naming().decode_components(target, fmt, "w.weight", {f"w.{s}": t for s, t in tensors.items()})
+    comps = _naming().decode_components(target, fmt, "w.weight", {f"w.{s}": t for s, t in tensors.items()},
+                                        lead=lead)
     if fmt is Format.MXFP8:
         return MXFP8Tensor(comps["data"], comps["scale"], -1)
-    gs = comps["global_scale"].to(torch.float32).reshape(())
-    return NVFP4Tensor(comps["data"], comps["scale"], gs, gs * NVFP4_GLOBAL_DIVISOR, tuple(shape), "tensor", False)
+    gs = comps["global_scale"].to(torch.float32)
+    gs = gs.reshape(()) if not lead else gs.reshape(*lead, 1, 1)
+    return NVFP4Tensor(comps["data"], comps["scale"], gs, gs * NVFP4_GLOBAL_DIVISOR, (*lead, *shape), "tensor",
+                       False)
 
 
 class EngineExpert(torch.nn.Module):
@@ -350,6 +368,141 @@ class EngineExperts(torch.nn.Module):
             h = h * top_k_weights[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, h.to(final.dtype))
         return final
+
+
+STACK_CHUNK_BYTES = 256 << 20  # canonical bytes derived per batched pass (bounds the temporaries)
+
+
+class LinearStack:
+    """Sibling ``EngineLinear`` of one shape, format and target (one projection of every expert of every MoE
+    layer; the q_proj of every layer; ...) whose canonical and derived tensors are slices ``[i]`` of stacked
+    ``[L, ...]`` storage, as SGLang's and vLLM's fused MoE layers hold ``w13`` / ``w2``. Each layer keeps its
+    checkpoint-named parameters (views), so names, loads and updates are unchanged; an update of many of them
+    lands in a few strided copies (``miles_lp.sync.strided.batched_copy``), and ``process_weights_after_loading``
+    derives all of them in a few batched passes (the same elementwise ops on a leading dim: the same bytes as
+    one pass per layer; ``tests/unit/test_rollout_stacks.py``).
+
+    The batched pass is used only while every layer still serves from its slice (``aliased``: the module
+    attribute is the view made here); otherwise each layer is derived from what it actually serves
+    (``EngineLinear.process_weights_after_loading``), so a re-bound parameter stays as stale as it is (C4)."""
+
+    def __init__(self, layers: list[EngineLinear]):
+        if not layers:
+            raise ValueError("LinearStack needs at least one layer")
+        first = layers[0]
+        key = _stack_key(first)
+        for layer in layers[1:]:
+            if _stack_key(layer) != key:
+                raise CheckpointError(f"'{layer.prefix}weight' cannot share a stack with '{first.prefix}weight': "
+                                      "stacked layers must have one shape and format")
+        self.layers = list(layers)
+        self.canonical: dict[str, torch.Tensor] = {}  # suffix -> [L, ...]
+        self.views: list[dict[str, torch.nn.Parameter]] = [{} for _ in layers]  # what each layer must serve
+        for suffix, (dtype, shape) in first.canonical_specs().items():
+            stack = torch.empty((len(layers), *shape), dtype=dtype, device=first.device_)
+            self.canonical[suffix] = stack
+            for i, layer in enumerate(layers):
+                p = torch.nn.Parameter(stack[i], requires_grad=False)  # a view: the stack's storage
+                layer.register_parameter(suffix, p)
+                self.views[i][suffix] = p
+        self.derived: dict[str, torch.Tensor] = {}  # name -> [L, ...]
+        per_layer = sum(t[0].numel() * t.element_size() for t in self.canonical.values())
+        self.chunk = max(1, STACK_CHUNK_BYTES // max(per_layer, 1))
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    @property
+    def prefixes(self) -> list[str]:
+        return [layer.prefix for layer in self.layers]
+
+    def aliased(self) -> bool:
+        """Every layer's canonical attributes are still the views of this stack (not re-bound)."""
+        return all(getattr(layer, s) is p for layer, views in zip(self.layers, self.views, strict=True)
+                   for s, p in views.items())
+
+    def pointers(self) -> dict[str, int]:
+        """``data_ptr()`` of the stacked storage (canonical and derived), by ``<first layer prefix>stack.<name>``:
+        the storage the layers' views must stay in (C4 with views)."""
+        head = self.layers[0].prefix + "stack."
+        out = {head + s: t.data_ptr() for s, t in self.canonical.items()}
+        out.update({head + n: t.data_ptr() for n, t in self.derived.items()})
+        return out
+
+    def _derive(self, lo: int, hi: int) -> tuple[dict[str, torch.Tensor], Format]:
+        """Derived state of layers ``lo:hi`` (``EngineLinear.process_weights_after_loading`` with a leading dim)."""
+        from miles_lp.formats import swizzle_scales, unswizzle_scales
+
+        first = self.layers[0]
+        n, k = first.out_features, first.in_features
+        canon = {s: t[lo:hi] for s, t in self.canonical.items()}
+        new: dict[str, torch.Tensor] = {}
+        q = decode_weight(first.target, first.disk_format, canon, (n, k), lead=(hi - lo,))
+        if q is None:
+            if canon["weight"].dtype != first.op_dtype:
+                new["operand"] = canon["weight"].to(first.op_dtype)
+            fmt = Format.BF16
+        else:
+            block = MXFP8_BLOCK if q.format is Format.MXFP8 else NVFP4_BLOCK
+            new["scale_swizzled"] = swizzle_scales(q.scale)  # [L, ru(N,128), ru(K/block,4)]
+            kernel_scale = unswizzle_scales(new["scale_swizzled"], n, k // block)
+            new["operand"] = _with_scale(q, kernel_scale).dequantize(first.op_dtype)
+            fmt = q.format
+        if first.has_bias and canon["bias"].dtype != first.op_dtype:
+            new["bias_operand"] = canon["bias"].to(first.op_dtype)
+        return new, fmt
+
+    def process_weights_after_loading(self) -> int:
+        """Derive every layer's kernel state in batched passes of ``self.chunk`` layers; returns the count."""
+        first = self.layers[0]
+        if first.serve_format is not first.disk_format or not self.aliased():
+            for layer in self.layers:
+                layer.process_weights_after_loading()
+            return len(self.layers)
+        fmt = None
+        fresh = False
+        for lo in range(0, len(self.layers), self.chunk):
+            hi = min(lo + self.chunk, len(self.layers))
+            new, fmt = self._derive(lo, hi)
+            if lo == 0:  # the layout of the derived state: allocate it once, then rebuild in place
+                fresh = set(new) != set(self.derived) or any(
+                    self.derived[n].shape[1:] != t.shape[1:] or self.derived[n].dtype != t.dtype
+                    for n, t in new.items()) or not all(set(new) <= layer._derived for layer in self.layers)
+                if fresh:
+                    self.derived = {n: torch.empty((len(self.layers), *t.shape[1:]), dtype=t.dtype,
+                                                   device=t.device) for n, t in new.items()}
+            for name, t in new.items():
+                self.derived[name][lo:hi].copy_(t)  # in place: the layers' views (a captured graph) read this
+        if fresh:
+            for i, layer in enumerate(self.layers):
+                for name in list(layer._derived):
+                    layer._derived.discard(name)
+                    delattr(layer, name)
+                for name, t in self.derived.items():
+                    layer.register_buffer(name, t[i], persistent=False)
+                    layer._derived.add(name)
+        for layer in self.layers:
+            layer.kernel_format = fmt
+        return len(self.layers)
+
+
+def _stack_key(m: EngineLinear) -> tuple:
+    return (m.in_features, m.out_features, m.disk_format, m.serve_format, m.target, m.has_bias, m.weight_dtype,
+            m.act_dtype, m.op_dtype, m.activation_scale, m.activation_mode, m.device_)
+
+
+def stack_linears(model: torch.nn.Module) -> list[LinearStack]:
+    """Stack the ``EngineLinear`` of ``model`` that differ only by their layer / expert indices (the prefix with
+    every numeric component replaced) and share shape and format: one ``LinearStack`` per projection (every
+    expert of every layer in one, ``model.layers.#.mlp.experts.#.gate_proj``). Call before the tensors are
+    indexed and loaded (it replaces the parameters by views of the stacks)."""
+    import re
+
+    groups: dict[tuple, list[EngineLinear]] = {}
+    for _, m in engine_linears(model):
+        pattern = re.sub(r"\.\d+(?=\.)", ".#", "." + m.prefix)
+        groups.setdefault((pattern, _stack_key(m)), []).append(m)
+    return [LinearStack(ms) for ms in groups.values() if len(ms) > 1]
 
 
 def engine_linears(model: torch.nn.Module) -> Iterator[tuple[str, EngineLinear]]:

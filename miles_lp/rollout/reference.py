@@ -32,7 +32,7 @@ import dataclasses
 import fnmatch
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +54,11 @@ from miles_lp.rollout.layers import (
     EngineExpert,
     EngineExperts,
     EngineLinear,
+    LinearStack,
     describe_layer,
     engine_linears,
     share_input_caches,
+    stack_linears,
 )
 from miles_lp.rollout.sampling import sample
 
@@ -149,9 +151,18 @@ class ReferenceEngine:
         t0 = time.perf_counter()
         self.ckpt: EngineCheckpoint = open_checkpoint(checkpoint)
         self.model = self._build_model()
+        # the module tree is fixed from here on (updates write tensors, never modules): walk it once
+        self._linears: list[EngineLinear] = [m for _, m in engine_linears(self.model)]
+        # every projection's layers (all experts of all layers; the q_proj of all layers; ...) in one stacked
+        # storage: updates land in a few strided copies and finish derives them in a few batched passes
+        self._stacks: list[LinearStack] = stack_linears(self.model)
+        stacked = {p for st in self._stacks for p in st.prefixes}
+        self._singles: list[EngineLinear] = [m for m in self._linears if m.prefix not in stacked]
         self._index_tensors()
         self._load_all()
-        for _, layer in engine_linears(self.model):
+        for st in self._stacks:
+            st.process_weights_after_loading()
+        for layer in self._singles:
             layer.process_weights_after_loading()
         self.load_seconds = time.perf_counter() - t0
         self.weight_version = 0
@@ -329,13 +340,13 @@ class ReferenceEngine:
         """``{"<module>.weight": format}`` of every layer whose kernel computes in low precision, read from what
         each live layer built at its last ``process_weights_after_loading`` (C1)."""
         out = {}
-        for _, layer in engine_linears(self.model):
+        for layer in self._linears:
             if layer.kernel_format is not None and layer.kernel_format.quantized:
                 out[f"{layer.prefix}weight"] = layer.kernel_format.value
         return out
 
     def layers(self) -> dict[str, dict[str, Any]]:
-        return {f"{layer.prefix}weight": describe_layer(layer) for _, layer in engine_linears(self.model)}
+        return {f"{layer.prefix}weight": describe_layer(layer) for layer in self._linears}
 
     def weight_digests(self, names: Iterable[str] | None = None) -> dict[str, str]:
         names = list(self._owner) if names is None else list(names)
@@ -351,6 +362,14 @@ class ReferenceEngine:
         self._known(names)
         return fingerprints({n: self._live(n) for n in names})
 
+    def weight_group_fingerprints(self, groups: Mapping[str, Sequence[str]]) -> dict[str, str]:
+        """``miles_lp.sync.digest.group_fingerprints`` of the live canonical tensors, one per group of names (in
+        the given order): the sync's per-sync C2 at one reduction per atomic group."""
+        from miles_lp.sync.digest import group_fingerprints
+
+        self._known([n for ns in groups.values() for n in ns])
+        return group_fingerprints({g: [self._live(n) for n in ns] for g, ns in groups.items()})
+
     def read_weights(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         names = list(names)
         self._known(names)
@@ -363,23 +382,27 @@ class ReferenceEngine:
 
     def storage_pointers(self) -> dict[str, int]:
         """``data_ptr()`` of every tensor the serving kernels read: canonical (live module attributes) and derived
-        (``<module>.<derived>``: ``operand``, ``scale_swizzled``, ...)."""
+        (``<module>.<derived>``: ``operand``, ``scale_swizzled``, ...). Stacked experts serve from views: each
+        expert's pointer is that of its own view (where its kernel reads), and the stacks themselves are listed as
+        ``<expert 0 prefix>stack.<name>`` (the storage the views and the batched rebuild must stay in)."""
         out = {}
         for name, (module, attr, _) in self._owner.items():
             out[name] = getattr(module, attr).data_ptr()
-        for _, layer in engine_linears(self.model):
-            for k, t in layer.derived().items():
-                out[f"{layer.prefix}{k}"] = t.data_ptr()
+        for layer in self._linears:
+            for k in layer._derived:
+                out[f"{layer.prefix}{k}"] = getattr(layer, k).data_ptr()
+        for st in self._stacks:
+            out.update(st.pointers())
         return out
 
     def self_check(self, seed: int = 0) -> dict[str, Any]:
         """C3: one quantized dense layer and one quantized expert through the serving ``apply`` on random input,
         vs a float64 GEMM on the dequantized canonical weights; relative Frobenius error per layer."""
         dense = expert = None
-        for name, layer in engine_linears(self.model):
+        for layer in self._linears:
             if layer.kernel_format is None or not layer.kernel_format.quantized or layer.disk_format is Format.BF16:
                 continue
-            if ".experts." in f".{name}.":
+            if ".experts." in f".{layer.prefix}":
                 expert = expert or layer
             else:
                 dense = dense or layer
@@ -470,15 +493,19 @@ class ReferenceEngine:
                 raise WeightUpdateError(f"update bucket: '{name}' appears twice")
             seen.add(name)
             self._check(name, t.dtype, t.shape, where="update bucket")
+        pairs = []
+        for name, t in bucket:
+            if self.faults.drop_updates and _match(name, self.faults.drop_updates):
+                continue
+            pairs.append((self._captured[name], t))  # in place: the storage captured at load
+            self._written.add(name)
+            layer = self._owner[name][2]
+            if layer is not None:
+                self._touched.add(layer.prefix)
+        from miles_lp.sync.strided import batched_copy
+
         with torch.no_grad():
-            for name, t in bucket:
-                if self.faults.drop_updates and _match(name, self.faults.drop_updates):
-                    continue
-                self._captured[name].copy_(t)  # in place: the storage captured at load
-                self._written.add(name)
-                layer = self._owner[name][2]
-                if layer is not None:
-                    self._touched.add(layer.prefix)
+            batched_copy(pairs)  # a stacked expert projection: a few strided copies, not one per expert
 
     def finish_weight_update(self, weight_version: int | None = None) -> dict[str, Any]:
         """Rebuild the derived state of the touched layers, bump (or set) ``weight_version``, serve again.
@@ -487,8 +514,17 @@ class ReferenceEngine:
         if not self._updating:
             raise EngineError("finish_weight_update without begin_weight_update")
         rebuilt = 0
-        for _, layer in engine_linears(self.model):
-            if layer.prefix in self._touched and not _match(layer.prefix, self.faults.skip_rebuild):
+        skip = self.faults.skip_rebuild
+        for st in self._stacks:  # all experts of a projection at once when the whole stack was updated
+            todo = [m for m in st.layers if m.prefix in self._touched and not (skip and _match(m.prefix, skip))]
+            if len(todo) == len(st.layers):
+                rebuilt += st.process_weights_after_loading()
+            else:
+                for layer in todo:
+                    layer.process_weights_after_loading()
+                rebuilt += len(todo)
+        for layer in self._singles:
+            if layer.prefix in self._touched and not (skip and _match(layer.prefix, skip)):
                 layer.process_weights_after_loading()
                 rebuilt += 1
         report = {"rebuilt": rebuilt, "written": len(self._written),
@@ -732,10 +768,8 @@ class ReferenceEngine:
 
 
 def _freshly_derived(layer):
-    """A private copy of ``layer`` whose derived kernel state is rebuilt from its canonical tensors now."""
-    import copy
-
-    fresh = copy.deepcopy(layer)
-    fresh.input_cache = None  # never share the live siblings' cached input
+    """A private copy of ``layer`` whose derived kernel state is rebuilt from its canonical tensors now (its
+    own storage: never a view of a stack, never the live siblings' cached input)."""
+    fresh = layer.detached_copy()
     fresh.process_weights_after_loading()
     return fresh

@@ -11,11 +11,18 @@ per-tensor launch cost, not the bytes, dominates a sync of ~1000 small tensors):
 * per tensor, ``sum_r rows[r] * wrow(r)`` (int64 wrap-around) with ``wrow`` an odd hash of the row's index
   *within its tensor*, so a tensor's fingerprint does not depend on its neighbours.
 
+``group_fingerprints`` is the same sum over a group's tensors concatenated (the sync's atomic groups: all experts
+of a layer, q/k/v, ...): one value per group, so the per-sync C2 comparison and its host work scale with the
+number of groups, not tensors; per-tensor fingerprints are computed only to name the tensors of a group that
+differs.
+
 Changing any word changes the sum (odd weights); moving a word to another row or column changes its weight.
 It detects corruption and staleness, not adversaries; the full byte compare (``sync.full_compare``) is exact.
 """
 
 from __future__ import annotations
+
+import zlib
 
 import torch
 
@@ -36,30 +43,71 @@ def _wcol(device: torch.device) -> torch.Tensor:
     return w
 
 
-def _chunk_sums(ts: list[torch.Tensor]) -> torch.Tensor:
-    """One int64 fingerprint value per tensor of ``ts`` (all on one device), in a few kernels."""
-    raws = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in ts]
-    rows_of = [max(1, -(-r.numel() // ROW_BYTES)) for r in raws]  # whole rows, at least one
-    flat = torch.empty(sum(rows_of) * ROW_BYTES, dtype=torch.uint8, device=raws[0].device)
-    off = 0
-    for r, n in zip(raws, rows_of, strict=True):  # one copy per tensor into its zero-padded rows
-        flat[off:off + r.numel()].copy_(r)
-        if r.numel() < n * ROW_BYTES:
-            flat[off + r.numel():off + n * ROW_BYTES].zero_()
-        off += n * ROW_BYTES
+_ZEROS: dict[str, torch.Tensor] = {}
+
+
+def _zeros(n: int, device: torch.device) -> torch.Tensor:
+    """``n`` zero bytes on ``device`` (a slice of one cached buffer: the row padding, no kernel per tensor)."""
+    key = str(device)
+    z = _ZEROS.get(key)
+    if z is None or z.numel() < n:
+        z = torch.zeros(max(n, ROW_BYTES), dtype=torch.uint8, device=device)
+        _ZEROS[key] = z
+    return z[:n]
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _segment_sums(segments: list[list[torch.Tensor]]) -> torch.Tensor:
+    """One int64 fingerprint value per segment (all tensors on one device): a segment's bytes are its tensors'
+    bytes concatenated, zero-padded to whole rows. A one-tensor segment is that tensor's fingerprint.
+
+    All segments go into one padded buffer with one ``torch.cat`` (a few batched kernels whatever the number of
+    tensors), then a handful of reductions: the launch count does not grow with the number of tensors."""
+    raws: list[torch.Tensor] = []
+    rows_of: list[int] = []
+    for seg in segments:
+        parts = [_raw(t) for t in seg]
+        n = sum(r.numel() for r in parts)
+        rows = max(1, -(-n // ROW_BYTES))  # whole rows, at least one
+        raws.extend(parts)
+        if rows * ROW_BYTES > n:
+            raws.append(_zeros(rows * ROW_BYTES - n, parts[0].device if parts else torch.device("cpu")))
+        rows_of.append(rows)
+    flat = torch.cat(raws) if len(raws) > 1 else raws[0]
     words = flat.view(torch.int32).reshape(-1, ROW)  # [R, 1024]
     # int32 products and row sums, both wrapping mod 2^32 (vectorized; an int64 accumulation is ~10x slower on
-    # CPU); the per-tensor combination below is int64
+    # CPU); the per-segment combination below is int64
     rows = (words * _wcol(words.device)).sum(dim=1, dtype=torch.int32).to(torch.int64)  # [R]
     dev = words.device
     counts = torch.tensor(rows_of, dtype=torch.int64).to(dev)
-    seg = torch.repeat_interleave(torch.arange(len(ts), device=dev), counts, output_size=rows.numel())  # row -> tensor
+    seg = torch.repeat_interleave(torch.arange(len(segments), device=dev), counts, output_size=rows.numel())
     starts = torch.cumsum(counts, 0) - counts
-    pos = torch.arange(rows.numel(), device=words.device, dtype=torch.int64) - starts[seg]  # row within tensor
+    pos = torch.arange(rows.numel(), device=dev, dtype=torch.int64) - starts[seg]  # row within its segment
     wrow = pos * -7046029254386353131 + 0x7F4A7C15  # an odd-ish int64 hash of the index (wraps)
     wrow = wrow | 1
-    out = torch.zeros(len(ts), dtype=torch.int64, device=words.device)
+    out = torch.zeros(len(segments), dtype=torch.int64, device=dev)
     return out.index_add_(0, seg, rows * wrow)
+
+
+def _chunk_sums(ts: list[torch.Tensor]) -> torch.Tensor:
+    """One int64 fingerprint value per tensor of ``ts`` (all on one device)."""
+    return _segment_sums([[t] for t in ts])
+
+
+def _chunks(sizes: list[int]) -> list[list[int]]:
+    """Consecutive index chunks of at most ``CHUNK_BYTES`` (an item larger than that is a chunk of its own)."""
+    chunks: list[list[int]] = [[]]
+    size = 0
+    for i, nb in enumerate(sizes):
+        if chunks[-1] and size + nb > CHUNK_BYTES:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(i)
+        size += nb
+    return chunks
 
 
 def _format(t: torch.Tensor, v: int) -> str:
@@ -74,18 +122,33 @@ def fingerprints(named: dict[str, torch.Tensor]) -> dict[str, str]:
     for n, t in named.items():
         by_dev.setdefault(t.device, []).append(n)
     for names in by_dev.values():
-        chunks: list[list[str]] = [[]]
-        size = 0
-        for n in names:
-            nb = named[n].numel() * named[n].element_size()
-            if chunks[-1] and size + nb > CHUNK_BYTES:
-                chunks.append([])
-                size = 0
-            chunks[-1].append(n)
-            size += nb
-        sums = torch.cat([_chunk_sums([named[n] for n in c]) for c in chunks]).cpu().tolist()
-        flat_names = [n for c in chunks for n in c]
+        chunks = _chunks([named[n].numel() * named[n].element_size() for n in names])
+        sums = torch.cat([_chunk_sums([named[names[i]] for i in c]) for c in chunks]).cpu().tolist()
+        flat_names = [names[i] for c in chunks for i in c]
         out.update({n: _format(named[n], v) for n, v in zip(flat_names, sums, strict=True)})
+    return out
+
+
+def group_fingerprints(groups: dict[str, list[torch.Tensor]]) -> dict[str, str]:
+    """One fingerprint per group of tensors: ``<count>x<bytes>/<signature>:<64-bit hex>`` of the group's
+    bytes concatenated in order (the signature hashes the members' dtypes and shapes, so a member of another
+    dtype or shape differs too). Both sides of a C2 check compute it over the same ordered names; one
+    reduction per group instead of one per tensor. A mismatch says which group, not which tensor: compare
+    ``fingerprints`` of its members then (``miles_lp.sync.weight_sync``)."""
+    out: dict[str, str] = {}
+    by_dev: dict[torch.device, list[str]] = {}
+    for g, ts in groups.items():
+        dev = ts[0].device if ts else torch.device("cpu")
+        by_dev.setdefault(dev, []).append(g)
+    for gids in by_dev.values():
+        sizes = [sum(t.numel() * t.element_size() for t in groups[g]) for g in gids]
+        chunks = _chunks(sizes)
+        sums = torch.cat([_segment_sums([groups[gids[i]] for i in c]) for c in chunks]).cpu().tolist()
+        order = [i for c in chunks for i in c]
+        for i, v in zip(order, sums, strict=True):
+            ts = groups[gids[i]]
+            sig = zlib.crc32(repr([(str(t.dtype), tuple(t.shape)) for t in ts]).encode())  # same in any process
+            out[gids[i]] = f"{len(ts)}x{sizes[i]}/{sig:08x}:{v & _MASK:016x}"
     return out
 
 

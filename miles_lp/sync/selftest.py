@@ -7,7 +7,8 @@ learner is the embedded trainer on the same HF model and plan, moved away from t
 steps (so a sync is a real change and stale state is visible). Every fault comes through an explicit hook:
 the engine's ``EngineFaults``, a checkpoint converted with a modified policy (the sampler's rule), a transport
 or learner wrapper (``miles_lp.sync.faults``). Each fault runs twice on a fresh engine: in ``raise`` mode
-(the intended check must be among those that raise) and in ``warn`` mode, after which the KL of the engine's
+(the intended check must be among those that raise; a ``grid`` fault also once with ``full_compare: off``, so
+the per-sync group digest must catch it too, not only the first sync's full byte compare) and in ``warn`` mode, after which the KL of the engine's
 generations against the learner is measured (``rollout_corr/kl``, what a divergence alarm sees).
 """
 
@@ -244,9 +245,11 @@ class SelfTest:
             return SplitScalesLearner(self.stack.learner)
         return self.stack.learner
 
-    def _sync(self, fault: Fault | None, mode: str, engine=None) -> tuple[Any, SyncReport | None, SyncError | None]:
+    def _sync(self, fault: Fault | None, mode: str, engine=None, full_compare: str = "initial"
+              ) -> tuple[Any, SyncReport | None, SyncError | None]:
         engine = engine or self._engine(fault)
-        cfg = SyncConfig(bucket_mb=self.bucket_mb).with_modes(all=mode).with_modes(**{c: "off" for c in self.off})
+        cfg = SyncConfig(bucket_mb=self.bucket_mb, full_compare=full_compare).with_modes(all=mode).with_modes(
+            **{c: "off" for c in self.off})
         ws = WeightSync(engine, self.stack.plan, self.stack.target, cfg, transport=self._transport(fault), env={},
                         log=lambda line: self.log("    " + line))
         try:
@@ -290,6 +293,12 @@ class SelfTest:
         self.log(f"fault: {fault.name} (raise mode)")
         _, _, err = self._sync(fault, "raise")
         caught = [v.name for v in err.verdicts] if isinstance(err, SyncCheckError) else []
+        digest_missed = ""
+        if fault.intended == "grid":  # C2 both ways: the first sync's full compare and every later sync's digest
+            self.log(f"fault: {fault.name} (raise mode, per-sync digest: no full compare)")
+            _, _, derr = self._sync(fault, "raise", full_compare="off")
+            if not (isinstance(derr, SyncCheckError) and "grid" in [v.name for v in derr.verdicts]):
+                digest_missed = "the per-sync digest (full_compare off) did not catch it; "
         self.log(f"fault: {fault.name} (warn mode, then KL)")
         engine, report, _ = self._sync(fault, "warn")
         warned = [v.name for v in report.verdicts if v.failed] if report else []
@@ -305,8 +314,9 @@ class SelfTest:
         except Exception as exc:  # an engine a fault broke may refuse to generate: the table says so
             kl, se = float("nan"), float("nan")
             self.log(f"    KL not measured: {type(exc).__name__}: {exc}")
-        verdict = "CAUGHT" if fault.intended in caught else "MISSED"
+        verdict = "CAUGHT" if fault.intended in caught and not digest_missed else "MISSED"
         detail = "" if err is None else str(err).split(": ", 1)[-1][:300]
+        detail = digest_missed + detail
         if err is not None and not isinstance(err, SyncCheckError):
             detail = f"{type(err).__name__}: {err}"[:300]
         if warned and set(warned) != set(caught):

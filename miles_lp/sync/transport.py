@@ -28,7 +28,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from miles_lp.errors import BackendUnavailable, ConfigError
-from miles_lp.sync.buckets import NAN_FILL, Bucket, Slot, iter_received, write_slot
+from miles_lp.sync.buckets import NAN_FILL, Bucket, Slot, iter_received
+from miles_lp.sync.strided import batched_copy
 
 Received = list[tuple[str, torch.Tensor]]
 
@@ -62,13 +63,22 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
+def fill_slots(buf: torch.Tensor, bucket: Bucket) -> Received:
+    """Copy the bucket's payload into its slots of the uint8 buffer ``buf``; the slots as typed views of it.
+
+    The payload's per-expert tensors are views of a few stacked grids and the slots follow each other at a
+    fixed stride, so ``batched_copy`` writes a whole projection of a MoE layer in one strided copy (the bytes
+    of the per-slot copies, in a handful of kernels instead of one per tensor)."""
+    received = list(iter_received(bucket.slots, buf))
+    pairs = [(v, bucket.payload[n].detach()) for n, v in received if n in bucket.payload]
+    batched_copy(pairs)
+    return received
+
+
 def flatten(bucket: Bucket, device: torch.device | str = "cpu") -> torch.Tensor:
     """The bucket as one uint8 buffer on ``device`` (0xFF where no payload byte was written)."""
     buf = torch.full((max(bucket.nbytes, 1),), NAN_FILL, dtype=torch.uint8, device=device)[:bucket.nbytes]
-    for s in bucket.slots:
-        t = bucket.payload.get(s.name)
-        if t is not None:
-            write_slot(buf, s, t)
+    fill_slots(buf, bucket)
     return buf
 
 
@@ -81,12 +91,7 @@ class InProcessTransport:
         self.staging = Staging(self.device)
 
     def send(self, bucket: Bucket) -> Received:
-        buf = self.staging.take(bucket.nbytes)
-        for s in bucket.slots:
-            t = bucket.payload.get(s.name)
-            if t is not None:
-                write_slot(buf, s, t)
-        return list(iter_received(bucket.slots, buf))
+        return fill_slots(self.staging.take(bucket.nbytes), bucket)
 
     def close(self) -> None:
         self.staging.release()

@@ -42,7 +42,7 @@ from miles_lp.rollout.engine import EngineError, tensor_digest
 from miles_lp.sync import checks
 from miles_lp.sync.buckets import Ledger, make_buckets
 from miles_lp.sync.config import CHECKS, SyncConfig
-from miles_lp.sync.digest import fingerprints
+from miles_lp.sync.digest import fingerprints, group_fingerprints
 from miles_lp.sync.items import Item, engine_items, group_items
 from miles_lp.sync.sentinel import Sentinel, rollout_kl
 from miles_lp.sync.transport import BroadcastTransport, Transport, make_transport
@@ -52,6 +52,7 @@ from miles_lp.sync.verdict import (
     SyncCheckError,
     Verdict,
     failed,
+    ok,
     skipped,
 )
 
@@ -274,6 +275,8 @@ class WeightSync:
         if full:
             got = self.engine.read_weights(list(expected))
             main = checks.grid_full(expected, got)
+        elif hasattr(self.engine, "weight_group_fingerprints"):
+            main = self._grid_groups(items, expected)
         elif hasattr(self.engine, "weight_fingerprints"):
             main = checks.grid_digests(fingerprints(expected), self.engine.weight_fingerprints(list(expected)))
         else:
@@ -286,6 +289,27 @@ class WeightSync:
                 names = [n for _, ns in groups for n in ns]
                 parts.append(checks.joint_scales(groups, self.engine.read_weights(names)))
         return _combine("grid", parts)
+
+    def _grid_groups(self, items: list[Item], expected: Mapping[str, torch.Tensor]) -> Verdict:
+        """C2 by atomic group: one fingerprint per group (all experts of a layer, q/k/v, ...) of its tensors'
+        bytes in export order, on each side; only the tensors of a group that differs are fingerprinted one by
+        one, to name them."""
+        groups: dict[str, list[str]] = {}
+        for it in items:
+            groups.setdefault(it.group, []).append(it.name)
+        mine = group_fingerprints({g: [expected[n] for n in ns] for g, ns in groups.items()})
+        theirs = self.engine.weight_group_fingerprints(groups)
+        differ = [g for g, d in mine.items() if theirs.get(g) != d]
+        if not differ:
+            return ok("grid", 0.0, f"{len(expected)} tensors in {len(groups)} groups equal the learner's export "
+                      "(group digest)")
+        names = [n for g in differ for n in groups[g]]
+        main = checks.grid_digests(fingerprints({n: expected[n] for n in names}),
+                                   self.engine.weight_fingerprints(names))
+        if main.ok:  # the groups differ but no member does: the order or the set of tensors differs
+            return failed("grid", float(len(differ)), f"{len(differ)} of {len(groups)} groups differ from the "
+                          "learner's export (group digest) although each tensor matches", differ)
+        return dataclasses.replace(main, reason=main.reason + f" in {len(differ)} of {len(groups)} groups")
 
     def _self_check(self) -> Mapping[str, Any] | None:
         try:

@@ -1,0 +1,89 @@
+"""Many small copies as a few strided ones: the per-tensor launch cost, not the bytes, dominates a sync.
+
+A sync moves ~1000 tensors, most of them the per-expert slices of a few stacked tensors: the learner's grid of
+one projection is ``[E, N, K]`` and each expert's export is a view of it; the engine's experts are views of its
+``[E, ...]`` stacks (``miles_lp.rollout.layers.LinearStack``); a bucket's slots follow each other at a fixed
+stride. ``batched_copy(pairs)`` finds, among ``(dst, src)`` pairs of equal shape and dtypes whose destinations
+share one storage and whose sources share one storage, runs where both advance by a constant number of elements,
+and copies each run with one ``as_strided`` view per side: one kernel instead of one per tensor. It reads only
+host metadata (pointers, shapes, strides: no device synchronization) and falls back to ``dst.copy_(src)``
+for anything it cannot prove safe (non-contiguous tensors, overlapping destinations, misaligned offsets).
+The bytes written are exactly those of the per-tensor copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+Pair = tuple[torch.Tensor, torch.Tensor]  # (dst, src)
+
+
+def _base(t: torch.Tensor) -> tuple[int, int]:
+    """(storage pointer, offset of ``t`` in elements of its dtype from it)."""
+    ptr = t.untyped_storage().data_ptr()
+    return ptr, t.storage_offset()
+
+
+def _runs(offsets: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Split ``offsets`` (dst, src element offsets, in order) into maximal runs of constant (dst, src) steps;
+    ``(start, length)`` each."""
+    out, i, n = [], 0, len(offsets)
+    while i < n:
+        j = i + 1
+        if j < n:
+            dd, ds = offsets[j][0] - offsets[i][0], offsets[j][1] - offsets[i][1]
+            while j + 1 < n and offsets[j + 1][0] - offsets[j][0] == dd and offsets[j + 1][1] - offsets[j][1] == ds:
+                j += 1
+            j += 1
+        out.append((i, j - i))
+        i = j
+    return out
+
+
+def batched_copy(pairs: Sequence[Pair]) -> int:
+    """``dst.copy_(src)`` for every pair, as few strided copies as the layout allows; returns the copies issued.
+
+    A run is copied through ``dst0.as_strided((n, *shape), (step_dst, *stride))`` and the same for the source
+    (``step_src`` may be 0: one source read by several destinations). The destinations must be distinct tensors
+    (every caller writes each tensor once); a run's destinations must not overlap (``step_dst >= numel``) and
+    every tensor must be contiguous, else those pairs are copied one by one."""
+    groups: dict[tuple, list[int]] = {}
+    meta: list[tuple[int, int] | None] = []
+    for i, (d, s) in enumerate(pairs):
+        if d.is_contiguous() and s.is_contiguous() and d.numel() > 0:
+            dp, do = _base(d)
+            sp, so = _base(s)
+            key = (dp, sp, d.dtype, s.dtype, tuple(d.shape), tuple(s.shape), d.device, s.device)
+            groups.setdefault(key, []).append(i)
+            meta.append((do, so))
+        else:
+            meta.append(None)
+    copies = 0
+    done = [False] * len(pairs)
+    for idx in groups.values():
+        if len(idx) < 2:
+            continue
+        offs = [meta[i] for i in idx]
+        for start, length in _runs(offs):
+            if length < 2:
+                continue
+            run = idx[start:start + length]
+            d0, s0 = pairs[run[0]]
+            dd = offs[start + 1][0] - offs[start][0]
+            ds = offs[start + 1][1] - offs[start][1]
+            if dd < d0.numel() or ds < 0:  # overlapping or backwards destinations: one by one
+                continue
+            shape = (length, *d0.shape)
+            dv = d0.as_strided(shape, (dd, *d0.stride()), d0.storage_offset())
+            sv = s0.as_strided(shape, (ds, *s0.stride()), s0.storage_offset())
+            dv.copy_(sv)
+            copies += 1
+            for i in run:
+                done[i] = True
+    for i, (d, s) in enumerate(pairs):
+        if not done[i]:
+            d.copy_(s)
+            copies += 1
+    return copies
