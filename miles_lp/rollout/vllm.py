@@ -14,10 +14,12 @@ JSON and safetensors only.
   post-processing; ``model.load_weights`` alone fails or corrupts quantized layers), then
   ``reset_prefix_cache()``.
 * introspection: ``apply_model`` lists each linear module's quant method / scheme / kernel and its tensors
-  (``quantized_params``, ``kernels``, ``storage_pointers``). vLLM fuses q/k/v and gate/up and its MXFP8
-  emulation dequantizes the weight at load, so the canonical on-disk tensors do not exist in the engine:
-  ``weight_digests`` / ``read_weights`` / ``self_check`` raise ``BackendUnavailable`` instead of answering from
-  files.
+  (``quantized_params``, ``kernels``). vLLM fuses q/k/v and gate/up and its MXFP8 emulation replaces the weight by
+  a BF16 dequantization at load, so the canonical on-disk tensors exist in the engine only between vLLM's
+  weight loaders and ``process_weights_after_loading``: ``miles_lp.rollout.vllm_state`` captures them there, in
+  the engine process, and answers ``weight_digests`` / ``read_weights`` (C2), ``self_check`` (C3: the serving
+  ``quant_method.apply`` vs a float64 GEMM of the captured weights, plus ``fresh_diff``) and
+  ``storage_pointers`` (C4) from the live model. ``set_faults`` injects the faults that prove each can fail.
 
 What vLLM CPU serves (measured by the readers helper): MXFP8 and NVFP4 dense linears through the
 ``vllm.general_plugins`` entry point (``miles_lp.rollout.vllm_plugin``); MXFP8 emulation does not quantize
@@ -60,7 +62,8 @@ class VLLMEngine:
 
     def __init__(self, checkpoint: str | Path, *, python: str | None = None, dtype: str = "bfloat16",
                  max_model_len: int = 256, max_num_seqs: int = 64, start_timeout_s: float = 900.0,
-                 log_path: str | Path | None = None, kv_cache: str = "bf16"):
+                 log_path: str | Path | None = None, kv_cache: str = "bf16",
+                 faults: dict[str, list[str]] | None = None):
         from multiprocessing.connection import Listener
 
         from miles_lp.rollout.checkpoint import open_checkpoint
@@ -79,7 +82,7 @@ class VLLMEngine:
         self._listener = Listener(address, family="AF_UNIX", authkey=key)
         env = dict(os.environ, MILES_LP_VLLM_AUTHKEY=key.hex(), MILES_LP_VLLM_WORKER=json.dumps({
             "address": address, "model": str(self.checkpoint), "dtype": dtype, "max_model_len": max_model_len,
-            "max_num_seqs": max_num_seqs, "kv_cache_dtype": KV_CACHE_DTYPE[kv_cache]}))
+            "max_num_seqs": max_num_seqs, "kv_cache_dtype": KV_CACHE_DTYPE[kv_cache], "faults": faults or {}}))
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         # vLLM logs to stdout: keep it off ours (a benchmark's table, a test's output); ``log_path`` keeps both streams
         self._log = open(log_path, "ab") if log_path else None
@@ -193,7 +196,7 @@ class VLLMEngine:
 
     def quantized_params(self) -> dict[str, str]:
         """``{"<canonical module>.weight": format}`` from the live modules (fused modules expanded to shards)."""
-        from miles_lp.rollout.vllm_worker import FUSED
+        from miles_lp.rollout.vllm_state import FUSED
 
         out = {}
         for name, info in self.kernels().items():
@@ -205,15 +208,41 @@ class VLLMEngine:
         return out
 
     def storage_pointers(self) -> dict[str, int]:
-        return {f"{m}.{p}": v[2] for m, info in self.kernels().items() for p, v in info["params"].items()}
+        """C4: ``data_ptr()`` of every parameter of every module with a quant method (vLLM module names)."""
+        return {k: int(v) for k, v in self._call("pointers")["pointers"].items()}
 
-    def _unavailable(self, *a, **k):
-        raise BackendUnavailable("vLLM fuses q/k/v and gate/up and post-processes quantized weights at load (MXFP8 "
-                                 "emulation keeps only a dequantized copy): the canonical on-disk tensors are not in "
-                                 "the engine, so there is nothing to digest, read or self-check; use the reference "
-                                 "engine for the C2/C3 checks")
+    # C2 / C3: answered inside the engine process (miles_lp.rollout.vllm_state, see the module docstring there)
+    def weight_digests(self, names: Iterable[str] | None = None) -> dict[str, str | None]:
+        """``tensor_digest`` of each checkpoint tensor as vLLM's loaders placed it: the (fused) parameters copied
+        just before ``process_weights_after_loading`` and split back into checkpoint names; norms (which no
+        quant method transforms) live. ``None``: the engine holds no such tensor."""
+        names = list(self.ckpt.tensors) if names is None else list(names)
+        out = self._call("digests", names=names)
+        self.last_digest_sources = out["sources"]
+        return out["digests"]
 
-    weight_digests = read_weights = self_check = _unavailable
+    def read_weights(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Copies of the same tensors ``weight_digests`` hashes (C2 full compare)."""
+        from safetensors.torch import load
+
+        self._call("read", names=list(names))
+        try:
+            return load(self._conn.recv_bytes())
+        except (EOFError, OSError) as exc:
+            raise EngineError(f"the vLLM engine process died (exit code {self._proc.poll()}): {exc}") from None
+
+    def self_check(self, seed: int = 0) -> dict[str, Any]:
+        """C3 in the engine: the first and last quantized linear through the serving ``quant_method.apply`` on
+        random BF16 input vs a float64 GEMM of the captured canonical weights (``rel_err``), and ``fresh_diff``
+        (the served BF16 operand vs the captured bytes dequantized again: 0 when rebuilt) for MXFP8."""
+        res = self._call("self_check", seed=seed)["result"]
+        res.setdefault("tolerance", 0.25)
+        return res
+
+    def set_faults(self, **faults: Any) -> None:
+        """Fault injection for the check tests (``drop`` / ``stale`` / ``rebind``: fnmatch patterns; see
+        ``miles_lp.rollout.vllm_state``). Off by default; ``set_faults()`` turns every fault off."""
+        self._call("faults", faults={k: list(v) for k, v in faults.items()})
 
     def health(self) -> dict[str, Any]:
         alive = self._proc.poll() is None

@@ -19,7 +19,7 @@ import sys
 import time
 import traceback
 
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+from miles_lp.rollout.vllm_state import FUSED, fmt_of  # noqa: F401  (FUSED: re-exported for rollout.vllm)
 
 
 def _reload(worker, tensors):
@@ -28,13 +28,27 @@ def _reload(worker, tensors):
     return True
 
 
-def _fmt(names: str) -> str | None:
-    n = names.lower()
-    if "mxfp8" in n:
-        return "mxfp8"
-    if "nvfp4" in n or "fp4" in n:
-        return "nvfp4"
-    return None
+def _checkpoint_tensors(folder: str) -> dict:
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    out: dict = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _reload_checked(llm, tensors: dict) -> None:
+    """The reload, with the fault hooks of the fault-injection tests around it (all off unless set)."""
+    from miles_lp.rollout import vllm_state
+
+    st = vllm_state.STATE
+    tensors = st.filter_update(tensors)
+    snap = st.snapshot_stale()
+    llm.collective_rpc(_reload, args=(tensors,))
+    st.restore_stale(snap)
+    st.rebind()
 
 
 def _introspect(model):
@@ -50,7 +64,7 @@ def _introspect(model):
         classes = [type(x).__name__ for x in (qm, scheme, kernel) if x is not None]
         params = {k: [str(v.dtype).removeprefix("torch."), list(v.shape), v.data_ptr()]
                   for k, v in mod.named_parameters(recurse=False)}
-        out[name] = {"classes": classes, "format": _fmt(" ".join(classes)), "params": params}
+        out[name] = {"classes": classes, "format": fmt_of(classes), "params": params}
     return out
 
 
@@ -75,7 +89,15 @@ def main() -> None:
                   max_model_len=cfg["max_model_len"], max_num_seqs=cfg["max_num_seqs"], seed=0,
                   distributed_executor_backend="uni", enable_prefix_caching=True,
                   kv_cache_dtype=cfg.get("kv_cache_dtype", "auto"))
-        _answer(conn, {"ok": True, "seconds": time.perf_counter() - t0})
+        # the C2 capture hook, then one reload of the served checkpoint through it: the canonical bytes as
+        # vLLM's loaders placed them exist from the start (miles_lp.rollout.vllm_state)
+        from miles_lp.rollout import vllm_state
+
+        hooked = llm.apply_model(vllm_state.attach)[0]
+        vllm_state.STATE.faults = dict(cfg.get("faults") or {})
+        _reload_checked(llm, _checkpoint_tensors(cfg["model"]))
+        llm.reset_prefix_cache()
+        _answer(conn, {"ok": True, "seconds": time.perf_counter() - t0, "hooked": hooked})
     except Exception as exc:
         _answer(conn, {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]})
         return
@@ -112,7 +134,7 @@ def main() -> None:
                 _answer(conn, {"ok": True, "pending": len(pending)})
             elif op == "finish":
                 t = time.perf_counter()
-                llm.collective_rpc(_reload, args=(pending,))
+                _reload_checked(llm, pending)
                 llm.reset_prefix_cache()
                 n = len(pending)
                 pending = {}
@@ -125,6 +147,24 @@ def main() -> None:
                 _answer(conn, {"ok": True})
             elif op == "introspect":
                 _answer(conn, {"ok": True, "layers": llm.apply_model(_introspect)[0]})
+            elif op == "digests":
+                st = vllm_state.STATE
+                _answer(conn, {"ok": True, "digests": st.digests(req["names"]), "sources": st.sources(req["names"]),
+                               "captures": st.captures})
+            elif op == "read":
+                from safetensors.torch import save
+
+                st = vllm_state.STATE
+                got = {n: st.tensor(n) for n in req["names"]}
+                _answer(conn, {"ok": True, "missing": sorted(n for n, t in got.items() if t is None)})
+                conn.send_bytes(save({n: t.contiguous() for n, t in got.items() if t is not None}))
+            elif op == "pointers":
+                _answer(conn, {"ok": True, "pointers": vllm_state.STATE.pointers()})
+            elif op == "self_check":
+                _answer(conn, {"ok": True, "result": vllm_state.STATE.self_check(int(req.get("seed", 0)))})
+            elif op == "faults":
+                vllm_state.STATE.faults = dict(req.get("faults") or {})
+                _answer(conn, {"ok": True})
             elif op == "shutdown":
                 _answer(conn, {"ok": True})
                 return

@@ -1,0 +1,256 @@
+"""What a live vLLM model holds, in the checkpoint's own names: the sync checks C2/C3/C4 inside the engine process.
+
+Runs in the vLLM engine process (``miles_lp.rollout.vllm_worker``, the vLLM venv's torch); imports no vllm at
+module level so the pure parts are testable anywhere.
+
+Why a capture hook (C2): vLLM fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``, and its
+``process_weights_after_loading`` transforms quantized weights (MXFP8 emulation: the E4M3 weight is replaced by
+its BF16 dequantization; NVFP4: scales swizzled, one global scale per fused module; CPU BF16 linears may be
+repacked). The canonical bytes exist in the engine only between vLLM's weight loaders writing them into the
+(fused) parameters and ``process_weights_after_loading``. ``Canonical.install`` wraps every module's
+``quant_method.process_weights_after_loading`` so each load / reload copies the parameters at exactly that
+point, split back into the checkpoint's tensors (``q_proj.weight`` = rows of ``qkv_proj.weight``). Those are the
+bytes vLLM's loaders put where vLLM reads them, not what we sent: a loader that skips or misplaces a name shows
+up. Parameters no quant method transforms (norms) are digested live.
+
+What each check compares (``docs/rollout.md``):
+
+* C2 ``digests``: ``tensor_digest`` of the captured canonical tensors (quantized and BF16 linears, embeddings:
+  loaded bytes before post-processing) and of the live parameters otherwise (norms), vs the learner's export.
+* C3 ``self_check``: one quantized linear's serving ``quant_method.apply`` on random BF16 input vs a float64 GEMM
+  of the captured canonical weights dequantized here (relative error), plus ``fresh_diff``: the tensor the
+  serving kernel reads vs vLLM's own transformation re-applied to the captured canonical bytes (MXFP8
+  dequant-at-load: ``dequant_mxfp8_to_bf16``; 0 when the derived state was rebuilt from the synced bytes).
+* C4 ``pointers``: ``data_ptr()`` of every parameter of every module with a quant method.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def fmt_of(classes: Iterable[str]) -> str | None:
+    n = " ".join(classes).lower()
+    if "mxfp8" in n:
+        return "mxfp8"
+    if "nvfp4" in n or "fp4" in n:
+        return "nvfp4"
+    return None
+
+
+def split_fused(module: str, param: str, t: torch.Tensor, sizes: list[int] | None) -> dict[str, torch.Tensor]:
+    """A (possibly fused) module parameter -> ``{checkpoint name: tensor}``.
+
+    Fused modules: rows split by the shards' output sizes (weights, block scales); a per-shard vector of
+    length #shards (vLLM's per-tensor scales before post-processing) element by element; anything else is one
+    value shared by every shard."""
+    prefix, _, leaf = module.rpartition(".")
+    shards = FUSED.get(leaf)
+    if shards is None or not sizes:
+        return {f"{module}.{param}": t}
+    if t.ndim >= 1 and t.shape[0] == sum(sizes):
+        out, start = {}, 0
+        for s, n in zip(shards, sizes, strict=True):
+            out[f"{prefix}.{s}.{param}"] = t[start:start + n]
+            start += n
+        return out
+    if t.ndim == 1 and t.shape[0] == len(shards):
+        return {f"{prefix}.{s}.{param}": t[i].reshape(()) for i, s in enumerate(shards)}
+    return {f"{prefix}.{s}.{param}": t.reshape(()) if t.numel() == 1 else t for s in shards}
+
+
+def dequant_mxfp8_f64(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """E4M3 ``[N, K]`` with E8M0 ``[N, K/32]`` -> float64 (CONTRACT 1's decode; independent of vLLM's code)."""
+    s = torch.pow(2.0, scale.to(torch.float64) - 127.0)
+    return w.to(torch.float32).to(torch.float64) * s.repeat_interleave(32, dim=1)[:, : w.shape[1]]
+
+
+def dequant_nvfp4_f64(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    """Packed E2M1 ``[N, K/2]`` (even element in the low nibble), E4M3 ``[N, K/16]``, FP32 decode scale -> float64."""
+    p = packed.to(torch.int64)
+    codes = torch.stack([p & 0xF, p >> 4], dim=-1).reshape(p.shape[0], -1)
+    table = torch.tensor(E2M1, dtype=torch.float64)
+    v = table[codes & 7] * torch.where(codes & 8 > 0, -1.0, 1.0).to(torch.float64)
+    s = scale.to(torch.float32).to(torch.float64).repeat_interleave(16, dim=1)[:, : v.shape[1]]
+    return v * s * float(scale_2.reshape(-1)[0])
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    d = (y.to(torch.float64) - ref).norm()
+    return float(d / ref.norm().clamp_min(1e-300))
+
+
+class Canonical:
+    """The capture hook and the per-check answers for one live vLLM model (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.modules = dict(model.named_modules())
+        self.tensors: dict[str, torch.Tensor] = {}  # checkpoint name -> copy taken before post-processing
+        self.captures = 0
+        self.faults: dict[str, list[str]] = {}
+
+    # ---- the hook ---------------------------------------------------------------------------------------
+    def install(self) -> int:
+        by_id = {id(m): n for n, m in self.modules.items()}
+        done = set()
+        for mod in self.modules.values():
+            qm = getattr(mod, "quant_method", None)
+            if qm is None or not hasattr(qm, "process_weights_after_loading") or id(qm) in done:
+                continue
+            done.add(id(qm))
+            orig = qm.process_weights_after_loading
+
+            def wrapped(layer, *a, _orig=orig, **k):
+                n = by_id.get(id(layer))
+                if n is not None:
+                    self.capture(n, layer)
+                return _orig(layer, *a, **k)
+
+            qm.process_weights_after_loading = wrapped
+        return len(done)
+
+    def capture(self, name: str, layer: torch.nn.Module) -> None:
+        sizes = getattr(layer, "output_sizes", None)
+        for p, t in layer.named_parameters(recurse=False):
+            for cname, part in split_fused(name, p, t.detach(), sizes).items():
+                self.tensors[cname] = part.clone()
+        self.captures += 1
+
+    # ---- C2 ---------------------------------------------------------------------------------------------
+    def tensor(self, name: str) -> torch.Tensor | None:
+        """The canonical tensor ``name``: captured before post-processing, else the live parameter."""
+        if name in self.tensors:
+            return self.tensors[name]
+        try:
+            return self.model.get_parameter(name).detach()
+        except AttributeError:
+            return None
+
+    def digests(self, names: Iterable[str]) -> dict[str, str | None]:
+        from miles_lp.rollout.engine import tensor_digest
+
+        out = {}
+        for n in names:
+            t = self.tensor(n)
+            out[n] = None if t is None else tensor_digest(t)
+        return out
+
+    def sources(self, names: Iterable[str]) -> dict[str, str]:
+        return {n: ("loaded, before process_weights_after_loading" if n in self.tensors else
+                    "live parameter" if self.tensor(n) is not None else "absent") for n in names}
+
+    # ---- C4 ---------------------------------------------------------------------------------------------
+    def pointers(self) -> dict[str, int]:
+        out = {}
+        for name, mod in self.modules.items():
+            if getattr(mod, "quant_method", None) is None:
+                continue
+            for p, t in mod.named_parameters(recurse=False):
+                out[f"{name}.{p}"] = t.data_ptr()
+        return out
+
+    # ---- C3 ---------------------------------------------------------------------------------------------
+    def quantized_modules(self) -> list[tuple[str, str]]:
+        out = []
+        for name, mod in self.modules.items():
+            qm = getattr(mod, "quant_method", None)
+            if qm is None or not hasattr(mod, "weight"):
+                continue
+            scheme = getattr(mod, "scheme", None)
+            kernel = getattr(scheme, "kernel", None) or getattr(qm, "kernel", None)
+            f = fmt_of(type(x).__name__ for x in (qm, scheme, kernel) if x is not None)
+            if f is not None:
+                out.append((name, f))
+        return out
+
+    def _dequant(self, name: str, fmt: str, sizes: list[int] | None) -> torch.Tensor:
+        prefix, _, leaf = name.rpartition(".")
+        shards = [f"{prefix}.{s}" for s in FUSED[leaf]] if (leaf in FUSED and sizes) else [name]
+        parts = []
+        for s in shards:
+            t = self.tensors
+            if fmt == "mxfp8":
+                parts.append(dequant_mxfp8_f64(t[f"{s}.weight"], t[f"{s}.weight_scale"]))
+            else:
+                parts.append(dequant_nvfp4_f64(t[f"{s}.weight"], t[f"{s}.weight_scale"], t[f"{s}.weight_scale_2"]))
+        return torch.cat(parts, dim=0)
+
+    def self_check(self, seed: int = 0, tokens: int = 8) -> dict[str, Any]:
+        """The first and the last quantized linear: serving ``apply`` on random input vs float64 of the captured
+        canonical weights; ``fresh_diff`` where vLLM's derived operand can be re-derived here (MXFP8)."""
+        mods = self.quantized_modules()
+        if not mods:
+            return {"layers": {}, "reason": "the live model has no quantized linear module"}
+        pick = [mods[0]] + ([mods[-1]] if len(mods) > 1 else [])
+        g = torch.Generator().manual_seed(seed)
+        layers = {}
+        with torch.no_grad():
+            for name, fmt in pick:
+                mod = self.modules[name]
+                sizes = getattr(mod, "output_sizes", None)
+                try:
+                    w64 = self._dequant(name, fmt, sizes)
+                except KeyError as exc:
+                    layers[name] = {"rel_err": float("inf"), "kind": "dense", "format": fmt,
+                                    "reason": f"no captured canonical tensor {exc}"}
+                    continue
+                x = torch.randn(tokens, w64.shape[1], generator=g).to(torch.bfloat16)
+                y = mod.quant_method.apply(mod, x, None)
+                ref = x.to(torch.float64) @ w64.T
+                entry: dict[str, Any] = {"rel_err": rel_err(y, ref), "kind": "dense", "format": fmt}
+                served = mod.weight.detach()
+                if fmt == "mxfp8" and served.dtype == torch.bfloat16 and tuple(served.shape) == tuple(w64.shape):
+                    fresh = w64.to(torch.float32).to(torch.bfloat16)  # exact: E4M3 x 2^k is a bf16 value
+                    entry["fresh_diff"] = float((served.to(torch.float32) - fresh.to(torch.float32)).abs().max())
+                layers[name] = entry
+        return {"layers": layers, "what": "serving quant_method.apply on random bf16 input vs a float64 GEMM of "
+                "the canonical weights captured before process_weights_after_loading"}
+
+    # ---- faults (fault-injection tests only) -------------------------------------------------------------
+    def matching_modules(self, key: str) -> list[str]:
+        pats = self.faults.get(key) or []
+        return [n for n in self.modules if any(fnmatch.fnmatchcase(n, p) for p in pats)]
+
+    def filter_update(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        pats = self.faults.get("drop") or []
+        return {n: t for n, t in tensors.items() if not any(fnmatch.fnmatchcase(n, p) for p in pats)}
+
+    def snapshot_stale(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {n: {p: t.detach().clone() for p, t in self.modules[n].named_parameters(recurse=False)}
+                for n in self.matching_modules("stale")}
+
+    def restore_stale(self, snap: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """Fault: the derived (served) state of these modules is left as before the update, in place."""
+        with torch.no_grad():
+            for n, params in snap.items():
+                for p, old in params.items():
+                    getattr(self.modules[n], p).data.copy_(old)
+
+    def rebind(self) -> None:
+        """Fault: these modules' parameters re-bound to fresh copies (later loads land where nothing reads)."""
+        for n in self.matching_modules("rebind"):
+            mod = self.modules[n]
+            for p, t in list(mod.named_parameters(recurse=False)):
+                new = torch.nn.Parameter(t.detach().clone(), requires_grad=False)
+                for attr, val in vars(t).items():  # vLLM's weight_loader and friends live on the Parameter
+                    setattr(new, attr, val)
+                setattr(mod, p, new)
+
+
+#: the engine process's one ``Canonical`` (set by ``attach``, run through ``LLM.apply_model`` in-process)
+STATE: Canonical | None = None
+
+
+def attach(model: torch.nn.Module) -> int:
+    """``apply_model`` target: build the process's ``Canonical`` for the live model and install the hook."""
+    global STATE
+    STATE = Canonical(model)
+    return STATE.install()

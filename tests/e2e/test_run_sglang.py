@@ -1,0 +1,150 @@
+"""``rollout.backend: sglang`` in ``miles-lp run``: the runner as the client of an SGLang-protocol server.
+
+The server is our own ``miles-lp serve`` (a real process, loopback, API key from the environment), serving the
+converted checkpoint of the run's tiny model. Two update paths:
+
+* ``server: miles-lp``: tensor updates (safetensors bodies) and the live checks through ``/miles_lp/*``;
+  3 RL steps with every check in raise mode.
+* ``server: sglang`` (what a stock SGLang server needs, its tensor path being pickle): each sync exported as a
+  checkpoint folder and loaded through ``/update_weights_from_disk`` (our server's disk endpoint); the checks a
+  stock server cannot answer are skipped with the reason, and the served weights are verified here through the
+  miles-lp endpoints the stock client does not use.
+
+An unreachable url fails before step 1, naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from miles_lp.errors import ConfigError
+from miles_lp.launch.recipe import load_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "recipes" / "tiny-mxfp8.yaml"
+KEY = "test-key-engines"
+SMALL = ["rl.prompts_per_step=4", "rl.group_size=4", "checkpoint_every=0", "logging.progress=false",
+         "sync.checks.self_check=raise"]
+
+
+def _recipe(tmp: Path, *sets: str):
+    return load_recipe(RECIPE, [*SMALL, f"logging.output_dir={tmp / 'runs'}", *sets])
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`miles-lp serve` on the converted checkpoint of tiny-mxfp8's model (the names/dtypes/shapes the run syncs)."""
+    from miles_lp.launch.model import prepare_model
+    from miles_lp.launch.runner import engine_side, plan_for
+
+    tmp = tmp_path_factory.mktemp("sglang-server")
+    recipe = _recipe(tmp)
+    model = prepare_model(recipe.model, tmp / "model")
+    ckpt, _, _ = engine_side(recipe, model, plan_for(recipe, model), tmp / "engine")
+    env = dict(os.environ, MILES_LP_API_KEY=KEY)
+    p = subprocess.Popen([sys.executable, "-m", "miles_lp.cli", "serve", str(ckpt), "--port", "0", "--device", "cpu",
+                          "--threads", "1"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while "on http://" not in line:
+            line = p.stderr.readline()
+            assert line or p.poll() is None, "server exited"
+        yield line.rsplit(" on ", 1)[1].split()[0]
+    finally:
+        p.terminate()
+        p.wait(30)
+
+
+@pytest.fixture
+def api_key(monkeypatch):
+    monkeypatch.setenv("MILES_LP_API_KEY", KEY)  # the runner's client reads it from the environment
+
+
+def _get(url: str, path: str):
+    req = urllib.request.Request(url + path, headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def _train(recipe):
+    from miles_lp.launch.runner import Run
+
+    run = Run.start(recipe)
+    try:
+        return run, run.train(progress=False)
+    finally:
+        run.close()
+
+
+def test_run_against_miles_lp_serve_tensor_path(server, api_key, tmp_path):
+    recipe = _recipe(tmp_path, "rollout.backend=sglang", f"rollout.url={server}", "steps=3")
+    run, rows = _train(recipe)
+    assert len(rows) == 3
+    for i, m in enumerate(rows):  # every check answered by the live server and clean, in raise mode
+        for c in ("layer_audit", "grid", "self_check", "storage", "completeness", "version"):
+            assert m[f"sync/check/{c}"] == 1.0, (i, c)
+        assert m["rollout/weight_version"] == i + 1
+    assert run.initial.verdict("grid").reason.endswith("(full compare)")
+    # the shared grid on the same reference engine, over HTTP: the rollout log-probs are the learner's
+    assert all(abs(m["rollout_corr/kl"]) < 1e-3 for m in rows)
+    assert int(_get(server, "/get_weight_version")["weight_version"]) >= 4  # initial sync + 3 steps
+
+
+def test_run_updates_from_disk_like_stock_sglang(server, api_key, tmp_path):
+    """``server: sglang``: no tensor path, no introspection; every sync is a checkpoint folder on disk."""
+    from miles_lp.rollout.engine import tensor_digest
+    from miles_lp.rollout.sglang import SGLangHTTPEngine
+
+    recipe = _recipe(tmp_path, "rollout.backend=sglang", f"rollout.url={server}", "rollout.server=sglang", "steps=2")
+    before = int(_get(server, "/get_weight_version")["weight_version"])
+    run, rows = _train(recipe)
+    assert int(_get(server, "/get_weight_version")["weight_version"]) == before + 3  # initial sync + 2 steps
+    m = rows[-1]
+    assert m["sync/check/completeness"] == 1.0 and m["sync/check/version"] == 1.0
+    assert m["sync/check/layer_audit"] == 1.0  # from the served checkpoint's config (no live introspection)
+    for c in ("grid", "self_check", "storage"):  # a stock server cannot answer these: skipped, never "ok"
+        assert m[f"sync/check/{c}"] == -1.0, c
+    folders = sorted((run.dir.path / "engine_updates").glob("update_*"))
+    assert len(folders) == 1 and (folders[0] / "config.json").is_file()  # the newest kept, older removed
+    # what the server now serves is the learner's last export, byte for byte (checked through the miles-lp
+    # endpoints, which the stock client does not use)
+    from safetensors.torch import load_file
+
+    exported = load_file(folders[0] / "model.safetensors")
+    assert set(exported) == set(run.sync.spec)  # every tensor of the served checkpoint, once
+    served = SGLangHTTPEngine(server, api_key=KEY).weight_digests(list(exported))
+    assert served == {n: tensor_digest(t) for n, t in exported.items()}
+
+
+def test_stock_client_without_update_dir_refuses_tensor_path(server):
+    from miles_lp.errors import BackendUnavailable
+    from miles_lp.rollout.sglang import SGLangHTTPEngine
+
+    c = SGLangHTTPEngine(server, api_key=KEY, flavor="sglang")
+    with pytest.raises(BackendUnavailable, match="pickle"):
+        c.begin_weight_update()
+    with pytest.raises(BackendUnavailable, match="stock SGLang server"):
+        c.weight_digests()
+
+
+def test_unreachable_url_fails_before_step_one(tmp_path):
+    from miles_lp.launch.runner import Run
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    url = f"http://127.0.0.1:{port}"
+    recipe = _recipe(tmp_path, "rollout.backend=sglang", f"rollout.url={url}", "steps=1")
+    with pytest.raises(ConfigError, match=rf"rollout.url {url}: no engine answers there"):
+        Run.start(recipe)
+    assert not list((tmp_path / "runs").glob("*/metrics.jsonl")) or all(
+        p.stat().st_size == 0 for p in (tmp_path / "runs").glob("*/metrics.jsonl"))

@@ -1,0 +1,211 @@
+"""``rollout.backend: vllm`` in ``miles-lp run`` (vLLM 0.32 CPU in its own venv and process), and the sync checks
+C1-C4 answered by the live vLLM model, each shown able to fail there by fault injection.
+
+Default suite: one 2-step RL smoke of ``recipes/tiny-mxfp8-vllm.yaml`` (every check in raise mode; ~40 s idle, one
+vLLM start). Slow (``pytest -m slow tests/e2e/test_run_vllm.py``): the fault-injection tests (one vLLM start for
+all), the BF16 recipe, and the Ray launcher on vLLM. Skipped with the reason without a vLLM interpreter
+(``MILES_LP_VLLM_PYTHON`` or ``build/venv-vllm``; ``.ci/run`` builds it).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles_lp.launch.recipe import load_recipe
+from miles_lp.rollout.vllm import vllm_python
+
+pytestmark = pytest.mark.skipif(vllm_python() is None, reason="no vLLM interpreter: set MILES_LP_VLLM_PYTHON or "
+                                "create build/venv-vllm (.ci/run)")
+REPO = Path(__file__).resolve().parents[2]
+CHECKS = ("layer_audit", "grid", "self_check", "storage", "completeness", "version")
+
+
+def _run(recipe_name: str, tmp: Path, *sets: str):
+    from miles_lp.launch.runner import Run
+
+    recipe = load_recipe(REPO / "recipes" / recipe_name, [f"logging.output_dir={tmp / 'runs'}", "checkpoint_every=0",
+                                                          "logging.progress=false", *sets])
+    run = Run.start(recipe)
+    try:
+        return run, run.train(progress=False)
+    finally:
+        run.close()
+
+
+def test_rl_smoke_on_vllm(tmp_path):
+    """2 GRPO steps, vLLM sampling and receiving every sync, every check in raise mode and answered (not skipped)."""
+    run, rows = _run("tiny-mxfp8-vllm.yaml", tmp_path, "steps=2", "rl.prompts_per_step=4", "rl.group_size=4")
+    assert len(rows) == 2
+    init = run.initial
+    assert init.verdict("grid").ok and "full compare" in init.verdict("grid").reason
+    for i, m in enumerate(rows):
+        for c in CHECKS:
+            assert m[f"sync/check/{c}"] == 1.0, (i, c)
+        assert m["rollout/weight_version"] == i + 1
+        assert 0 < m["sync/check/self_check/figure"] < 0.01  # vLLM's bf16 GEMM vs float64: bf16 rounding only
+        # a different activation grid (vLLM CPU: bf16, MXFP8 activations unquantized) -> small but nonzero
+        assert math.isfinite(m["rollout_corr/kl"]) and 0 < m["rollout_corr/logprob_abs_diff_mean"] < 0.1
+    assert (run.dir.path / "vllm-engine.log").stat().st_size > 0
+
+
+# ---- fault injection: each check answered by vLLM can fail ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """A vLLM engine serving model A (MXFP8, vLLM target) and learners on A's and B's weights (same shapes)."""
+    from miles_lp.checkpoint.convert import convert_checkpoint
+    from miles_lp.checkpoint.tiny import make_tiny_model
+    from miles_lp.config import Where
+    from miles_lp.policy import parse_policy
+    from miles_lp.rollout.vllm import VLLMEngine
+    from miles_lp.train.config import TrainConfig
+    from miles_lp.train.embedded import EmbeddedTrainer, plan_for_model
+
+    tmp = tmp_path_factory.mktemp("vllm-faults")
+    pol = parse_policy({"default": "mxfp8"}, Where("<test>", "precision"))
+    a = make_tiny_model("qwen3", tmp / "a", seed=0, num_layers=2)
+    b = make_tiny_model("qwen3", tmp / "b", seed=1, num_layers=2)
+    plan = plan_for_model(pol, a)
+    ck = tmp / "a-vllm"
+    convert_checkpoint(a, ck, pol, target="vllm", progress=False, log=lambda s: None)
+    cfg = TrainConfig(device="cpu")
+    la, lb = EmbeddedTrainer(a, plan, cfg), EmbeddedTrainer(b, plan, cfg)
+    eng = VLLMEngine(ck, log_path=tmp / "vllm.log")
+    yield {"engine": eng, "plan": plan, "a": la, "b": lb, "tmp": tmp, "model": a}
+    eng.close()
+
+
+def _sync(stack, full_compare: str = "off"):
+    """Every check raise (C6 off: no RL loop here); the per-sync digest path unless ``full_compare``."""
+    import dataclasses
+
+    from miles_lp.sync import SyncConfig, WeightSync
+
+    config = dataclasses.replace(SyncConfig().with_modes(all="raise", sentinel="off"), full_compare=full_compare)
+    return WeightSync(stack["engine"], stack["plan"], "vllm", config, env={})
+
+
+def _healthy(stack) -> None:
+    eng = stack["engine"]
+    eng.set_faults()
+    eng.resume()
+    rep = _sync(stack, "initial").initial_sync(stack["a"])
+    assert rep.ok, rep.log_line
+
+
+def _fails(stack, fault: dict, check: str, learner: str = "b"):
+    from miles_lp.sync import SyncCheckError
+
+    _healthy(stack)
+    ws = _sync(stack)
+    stack["engine"].set_faults(**fault)
+    with pytest.raises(SyncCheckError) as ei:
+        ws.sync(stack[learner])
+    rep = ei.value.report
+    failed = {v.name for v in rep.failed}
+    assert check in failed, rep.log_line
+    return rep
+
+
+@pytest.mark.slow
+def test_grid_fails_when_vllm_loader_skips_names(stack):
+    """C2: the update reaches vLLM without layer 1's down_proj (a loader that skips names): the engine's bytes
+    (captured as vLLM's loaders placed them) are A's for that module while the learner exported B's."""
+    rep = _fails(stack, {"drop": ["model.layers.1.mlp.down_proj.*"]}, "grid")
+    v = rep.verdict("grid")
+    assert "(digest)" in v.reason
+    assert sorted(v.examples) == ["model.layers.1.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight_scale"]
+    assert rep.verdict("self_check").ok  # the layers C3 looks at were rebuilt: only C2 sees this
+
+
+@pytest.mark.slow
+def test_self_check_fails_on_stale_vllm_derived_state(stack):
+    """C3: qkv_proj's served BF16 operand left as it was (not rebuilt from the new bytes): the canonical bytes
+    are B's (C2 passes), the serving kernel computes A."""
+    rep = _fails(stack, {"stale": ["model.layers.0.self_attn.qkv_proj"]}, "self_check")
+    assert rep.verdict("grid").ok
+    v = rep.verdict("self_check")
+    assert v.figure > 0.25  # ~1.4 measured: A's weights vs B's
+    assert any("fresh derivation" in e for e in v.examples)
+
+
+@pytest.mark.slow
+def test_storage_fails_on_rebound_vllm_parameter(stack):
+    """C4: a parameter re-bound to a fresh tensor after the load (what CUDA graphs captured is no longer served)."""
+    rep = _fails(stack, {"rebind": ["model.layers.1.self_attn.o_proj"]}, "storage")
+    assert sorted(rep.verdict("storage").examples) == ["model.layers.1.self_attn.o_proj.weight",
+                                                       "model.layers.1.self_attn.o_proj.weight_scale"]
+
+
+@pytest.mark.slow
+def test_layer_audit_fails_when_vllm_serves_another_layer_set(stack):
+    """C1 from vLLM's live quant methods: a learner whose plan keeps layer 0's attention in BF16 against the
+    vLLM engine that serves it MXFP8; refused before any byte is written."""
+    from miles_lp.config import Where
+    from miles_lp.policy import parse_policy
+    from miles_lp.sync import SyncCheckError, SyncConfig, WeightSync
+    from miles_lp.train.config import TrainConfig
+    from miles_lp.train.embedded import EmbeddedTrainer, plan_for_model
+
+    _healthy(stack)
+    pol = parse_policy({"default": "mxfp8", "rules": [{"match": "model.layers.0.self_attn.*", "format": "bf16"}]},
+                       Where("<test>", "precision"))
+    plan = plan_for_model(pol, stack["model"])
+    learner = EmbeddedTrainer(stack["model"], plan, TrainConfig(device="cpu"))
+    ws = WeightSync(stack["engine"], plan, "vllm", SyncConfig().with_modes(all="raise", sentinel="off"), env={})
+    v_before = stack["engine"].weight_version
+    with pytest.raises(SyncCheckError, match="before any byte was written") as ei:
+        ws.sync(learner)
+    v = ei.value.report.verdict("layer_audit")
+    assert v.failed and v.figure == 4  # q, k, v, o of layer 0: engine mxfp8, plan bf16
+    assert all("engine mxfp8" in e and "plan bf16" in e for e in v.examples)
+    assert stack["engine"].weight_version == v_before
+
+
+@pytest.mark.slow
+def test_healthy_vllm_sync_is_clean_and_byte_identical(stack):
+    """Every check answered by vLLM and clean for a real update (A -> B), full byte compare of every tensor."""
+    _healthy(stack)
+    rep = _sync(stack, "initial").initial_sync(stack["b"])
+    assert rep.ok, rep.log_line
+    assert {v.name for v in rep.verdicts if v.ok} >= set(CHECKS)
+    assert "full compare" in rep.verdict("grid").reason
+    sc = stack["engine"].self_check()
+    assert all(e["fresh_diff"] == 0.0 for e in sc["layers"].values())
+    got = stack["engine"].read_weights(["model.layers.0.self_attn.k_proj.weight"])
+    from miles_lp.sync.items import engine_items
+
+    exp = {it.name: it.tensor for it in engine_items(stack["b"].export_weights(), "vllm", None)}
+    k = "model.layers.0.self_attn.k_proj.weight"
+    assert torch.equal(got[k].view(torch.uint8), exp[k].view(torch.uint8))
+
+
+# ---- slow: the BF16 recipe and Ray ---------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_bf16_recipe_on_vllm(tmp_path):
+    run, rows = _run("tiny-bf16-vllm.yaml", tmp_path, "steps=2", "rl.prompts_per_step=4", "rl.group_size=4")
+    for m in rows:
+        for c in ("grid", "storage", "completeness", "version", "layer_audit"):
+            assert m[f"sync/check/{c}"] == 1.0, c
+        assert m["sync/check/self_check"] == -1.0  # no quantized layer to self-check in a BF16 model
+
+
+@pytest.mark.slow
+def test_ray_launcher_on_vllm(tmp_path):
+    from miles_lp.launch.ray_launcher import run_with_ray
+
+    recipe = load_recipe(REPO / "recipes" / "tiny-mxfp8-vllm.yaml",
+                         [f"logging.output_dir={tmp_path / 'runs'}", "checkpoint_every=0", "logging.progress=false",
+                          "steps=2", "rl.prompts_per_step=4", "rl.group_size=4", "ray.enabled=true",
+                          "ray.num_cpus=2"])
+    rows = []
+    out = run_with_ray(recipe, progress=False, on_step=lambda run, m: rows.append(m))
+    assert out["steps"] == 2 and len(rows) == 2
+    for m in rows:
+        for c in CHECKS:
+            assert m[f"sync/check/{c}"] == 1.0, c
