@@ -10,18 +10,20 @@
 #     [--no-tests] [--linear] [--profile]
 # --quick: the kernels' own GPU tests, one selfcheck, bench quantize without sweep or torch.compile rows.
 # --no-tests: skip pytest -m gpu (selfcheck still runs); --linear: bench linear even with --quick;
-# --profile: also `bench linear --profile` (host vs device time, kernels per call) -> profile_linear.txt.
+# --profile: also `bench linear --profile` (host vs device time, kernels per call) -> profile_linear.txt
+#   (shapes: $PROFILE_SHAPES, default small,large); --graph: bench linear also replays each mode as CUDA graphs.
+# PYTEST_FILES="a.py b.py" replaces the pytest -m gpu file list.
 # Carry torchao as a wheel in .whl/ (README of the device tool); without it the torchao anchor is skipped.
 set -uo pipefail
 out="${OUT:-h200_logs}"; mkdir -p "$out"
 exec > >(tee "$out/session.log") 2>&1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-sweep=--sweep; linear=1; bench=1; quick=0; tests=1; prof=0; force_linear=0
+sweep=--sweep; linear=1; bench=1; quick=0; tests=1; prof=0; force_linear=0; graph=
 for a in "$@"; do
   case $a in
     --no-sweep) sweep= ;; --no-linear) linear=0 ;; --tests-only) bench=0; linear=0 ;;
     --quick) quick=1; sweep=--no-compile; linear=0 ;;
-    --no-tests) tests=0 ;; --linear) force_linear=1 ;; --profile) prof=1 ;;
+    --no-tests) tests=0 ;; --linear) force_linear=1 ;; --profile) prof=1 ;; --graph) graph=--graph ;;
     *) echo "unknown option $a"; exit 2 ;;
   esac
 done
@@ -47,6 +49,7 @@ step() {  # step NAME LOGFILE CMD...: run (at most $STEP_TIMEOUT s), tee to $out
 [ "$force_linear" = 1 ] && linear=1
 files=(tests/unit/test_formats_kernels_gpu.py)
 [ "$quick" = 1 ] || files+=(tests/unit/test_formats_gpu.py tests/unit/test_formats_nvfp4.py tests/unit/test_train_quant_linear.py)
+[ -n "${PYTEST_FILES:-}" ] && read -r -a files <<< "$PYTEST_FILES"
 [ "$tests" = 1 ] && step pytest_gpu pytest_gpu.txt python3 -m pytest -q -p no:cacheprovider -m gpu "${files[@]}"
 step selfcheck selfcheck.jsonl python3 -m miles_lp.formats.kernels.selfcheck --device cuda --repeat 2
 [ "$quick" = 1 ] || step selfcheck_int selfcheck_int.jsonl env MILES_LP_KERNELS_HW=0 \
@@ -58,11 +61,11 @@ if [ "$bench" = 1 ]; then
     --device cuda --config "$out/bench_quantize.json" --no-encoders
 fi
 if [ "$linear" = 1 ]; then
-  step bench_linear /dev/null python3 -m miles_lp.cli bench linear --shapes large,small \
-    --kernels compiled --json "$out/bench_linear.json"
+  step bench_linear bench_linear.txt python3 -m miles_lp.cli bench linear --shapes large,small \
+    --kernels compiled $graph --json "$out/bench_linear.json"
 fi
 if [ "$prof" = 1 ]; then
-  step profile_linear /dev/null python3 -m miles_lp.cli bench linear --shapes small,large --profile \
+  step profile_linear /dev/null python3 -m miles_lp.cli bench linear --shapes "${PROFILE_SHAPES:-small,large}" --profile \
     "$out/profile_linear.txt"
 fi
 echo "failed steps: ${failed[*]:-none}"

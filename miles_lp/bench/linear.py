@@ -43,6 +43,9 @@ def add_arguments(p) -> None:
                    help="measure nothing: read the rows of an earlier --json run (no GPU needed), print the "
                         "table and draw --plot")
     p.add_argument("--title", default=None, help="the plot's title (default: names the device)")
+    p.add_argument("--graph", action="store_true",
+                   help="CUDA: also replay each compiled mode's fwd+bwd (and bf16's) as CUDA graphs "
+                        "(torch.cuda.make_graphed_callables), with a bit-equality check against eager")
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="instead of the table: per shape and mode, host time per call, isolated vs pipelined "
                         "time, CUDA kernels per call with their device time, host syncs (torch profiler); "
@@ -62,35 +65,74 @@ def _parse_shape(text: str) -> tuple[int, int, int]:
 
 
 def _timer(device):
+    """``run(fns, warmup, iters)`` -> the median ms of each of ``fns``, measured round-robin (one call of each
+    per round), so a slow drift of the clocks (the H200 heats up under back-to-back GEMMs) moves all of them
+    alike instead of favouring whichever ran first. CUDA: events around one call from an idle GPU."""
     import time
 
     import torch
 
-    if device.type == "cuda":
-        def run(fn, warmup, iters):
-            for _ in range(warmup):
-                fn()
+    cuda = device.type == "cuda"
+
+    def one(fn) -> float:
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
             torch.cuda.synchronize()
-            times = []
-            for _ in range(iters):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
+            return a.elapsed_time(b)
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+
+    def run(fns, warmup, iters):
+        for _ in range(warmup):
+            for fn in fns:
                 fn()
-                b.record()
-                torch.cuda.synchronize()
-                times.append(a.elapsed_time(b))
-            return sorted(times)[len(times) // 2]
-    else:
-        def run(fn, warmup, iters):
-            for _ in range(warmup):
-                fn()
-            times = []
-            for _ in range(iters):
-                t = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t) * 1e3)
-            return sorted(times)[len(times) // 2]
+        if cuda:
+            torch.cuda.synchronize()
+        times = [[] for _ in fns]
+        for _ in range(iters):
+            for t, fn in zip(times, fns, strict=True):
+                t.append(one(fn))
+        return [sorted(t)[len(t) // 2] for t in times]
     return run
+
+
+def _graphed(module, x, dy):
+    """``step()`` running ``module``'s forward and backward as two CUDA graphs
+    (``torch.cuda.make_graphed_callables``), and the graphed output / grads of one step for the byte check."""
+    import torch
+
+    g = torch.cuda.make_graphed_callables(module, (x,), num_warmup_iters=3)
+
+    def step():
+        x.grad = None
+        for p in module.parameters():
+            p.grad = None
+        y = g(x)
+        y.backward(dy)
+        return y
+    return step
+
+
+class _Fresh:
+    """A QuantLinear whose weight grid is dropped before each forward: captured in a graph, the weight
+    quantization is then part of every replay (one micro-batch per optimizer step, ``fresh``)."""
+
+    def __new__(cls, ql):
+        import torch
+
+        class Fresh(torch.nn.Module):
+            def __init__(self, inner):
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, x):
+                self.inner.grid.invalidate()
+                return self.inner(x)
+        return Fresh(ql)
 
 
 def _peak_mib(device, fn) -> float | None:
@@ -107,7 +149,8 @@ def _peak_mib(device, fn) -> float | None:
 
 
 def _bench_shape(m: int, n: int, k: int, dev, timer, warmup: int, iters: int, modes, kernels,
-                 on_row=None) -> list[dict]:
+                 on_row=None, graph: bool = False) -> list[dict]:
+    import torch
     import torch.nn.functional as F
 
     from miles_lp.formats.spec import BackwardMode, Format
@@ -124,11 +167,15 @@ def _bench_shape(m: int, n: int, k: int, dev, timer, warmup: int, iters: int, mo
         F.linear(x, lin.weight).backward(dy)
 
     shape = f"{m}x{n}x{k}"
-    base_ms = timer(step_bf16, warmup, iters)
-    rows = [dict(shape=shape, mode="bf16 F.linear", kernel="-", ms_fresh=base_ms, ms_cached=base_ms,
+    rows = [dict(shape=shape, mode="bf16 F.linear", kernel="-", ms_fresh=0.0, ms_cached=0.0,
                  ratio_fresh=1.0, ratio_cached=1.0, peak_mib=_peak_mib(dev, step_bf16))]
-    if on_row:
-        on_row(rows[-1])
+    base_all: list[float] = []
+    out_rows = []
+    g_bf16 = None
+    if graph:
+        bf16_mod = torch.nn.Linear(k, n, bias=False, device=dev, dtype=lin.weight.dtype)
+        bf16_mod.weight = lin.weight
+        g_bf16 = _graphed(bf16_mod, x, dy)
     for fmt, bw in modes or MODES:
         recipe = LinearRecipe(Format(fmt), BackwardMode(bw), "token" if fmt == "nvfp4" else None)
         for kernel in kernels:
@@ -138,20 +185,50 @@ def _bench_shape(m: int, n: int, k: int, dev, timer, warmup: int, iters: int, mo
                 ql.grid.invalidate()
                 step(ql)
 
-            ms_fresh = timer(fresh, warmup, iters)
-            ms_cached = timer(lambda ql=ql: step(ql), warmup, iters)
-            rows.append(dict(shape=shape, mode=f"{fmt}/{bw}", kernel=kernel, ms_fresh=ms_fresh,
-                             ms_cached=ms_cached, ratio_fresh=ms_fresh / base_ms,
-                             ratio_cached=ms_cached / base_ms, peak_mib=_peak_mib(dev, fresh)))
+            # round-robin with the bf16 step: each ratio is to the bf16 time measured beside it
+            base_ms, ms_fresh, ms_cached = timer([step_bf16, fresh, lambda ql=ql: step(ql)], warmup, iters)
+            base_all.append(base_ms)
+            out_rows.append(dict(shape=shape, mode=f"{fmt}/{bw}", kernel=kernel, ms_fresh=ms_fresh,
+                                 ms_cached=ms_cached, ratio_fresh=ms_fresh / base_ms,
+                                 ratio_cached=ms_cached / base_ms, peak_mib=_peak_mib(dev, fresh)))
             if on_row:
-                on_row(rows[-1])
+                on_row(out_rows[-1])
+            if kernel == "compiled" and graph:
+                out_rows.append(_graph_row(ql, x, dy, lin, g_bf16, timer, warmup, iters, shape, f"{fmt}/{bw}"))
+                if on_row:
+                    on_row(out_rows[-1])
             del ql
-    return rows
+    base = sorted(base_all)[len(base_all) // 2] if base_all else timer([step_bf16], warmup, iters)[0]
+    rows[0].update(ms_fresh=base, ms_cached=base)  # the median of the bf16 times measured beside each mode
+    if on_row:
+        on_row(rows[0])
+    return rows + out_rows
+
+
+def _graph_row(ql, x, dy, lin, g_bf16, timer, warmup, iters, shape, mode) -> dict:
+    """The fwd+bwd of ``ql`` (fresh grid) replayed as CUDA graphs vs bf16 F.linear replayed the same way;
+    ``identical``: output and both gradients of a replay bit-equal to an eager step's."""
+    import torch
+
+    g = _graphed(_Fresh(ql), x, dy)
+    y_g = g().detach().clone()
+    gx, gw = x.grad.clone(), lin.weight.grad.clone()
+    ql.grid.invalidate()
+    x.grad = lin.weight.grad = None
+    y_e = ql(x)
+    y_e.backward(dy)
+    same = (torch.equal(y_g.view(torch.int16), y_e.detach().view(torch.int16))
+            and torch.equal(gx.view(torch.int16), x.grad.view(torch.int16))
+            and torch.equal(gw.view(torch.int16), lin.weight.grad.view(torch.int16)))
+    base_ms, ms = timer([g_bf16, g], warmup, iters)
+    return dict(shape=shape, mode=mode, kernel="graphed", ms_fresh=ms, ms_cached=ms, ratio_fresh=ms / base_ms,
+                ratio_cached=ms / base_ms, peak_mib=None, graph_bf16_ms=base_ms, identical=bool(same))
 
 
 def bench(shapes, device: str = "cuda", warmup: int = 3, iters: int = 10, modes=None,
-          kernels=("reference", "compiled"), on_row=None) -> list[dict]:
-    """Rows of timings (see the module docstring); ``on_row(row)`` is called as each row is measured."""
+          kernels=("reference", "compiled"), on_row=None, graph: bool = False) -> list[dict]:
+    """Rows of timings (see the module docstring); ``on_row(row)`` is called as each row is measured.
+    ``graph`` (CUDA): also a ``graphed`` row per compiled mode (``_graph_row``)."""
     import torch
 
     from miles_lp.errors import BackendUnavailable
@@ -163,7 +240,7 @@ def bench(shapes, device: str = "cuda", warmup: int = 3, iters: int = 10, modes=
     timer = _timer(dev)
     rows: list[dict] = []
     for m, n, k in shapes:
-        rows += _bench_shape(m, n, k, dev, timer, warmup, iters, modes, kernels, on_row)
+        rows += _bench_shape(m, n, k, dev, timer, warmup, iters, modes, kernels, on_row, graph=graph)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -175,16 +252,20 @@ _HEAD = (f"{'shape (MxNxK)':>16} {'mode':>22} {'kernel':>9} {'fwd+bwd ms':>11} {
 
 def format_row(r) -> str:
     mem = "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}"
-    return (f"{r['shape']:>16} {r['mode']:>22} {r['kernel']:>9} {r['ms_fresh']:>11.3f} "
+    line = (f"{r['shape']:>16} {r['mode']:>22} {r['kernel']:>9} {r['ms_fresh']:>11.3f} "
             f"{r['ratio_fresh']:>6.2f}x {r['ms_cached']:>10.3f} {r['ratio_cached']:>6.2f}x {mem:>9}")
+    if r.get("kernel") == "graphed":
+        line += (f"   (bf16 graphed {r['graph_bf16_ms']:.3f} ms; replay bit-equal to eager: "
+                 f"{r['identical']})")
+    return line
 
 
 def format_table(rows) -> str:
     return "\n".join([_HEAD, "-" * len(_HEAD), *(format_row(r) for r in rows)])
 
 
-_ROW_RE = re.compile(r"^\s*(\d+x\d+x\d+)\s+(.+?)\s+(-|reference|compiled)\s+([\d.]+)\s+([\d.]+)x"
-                     r"\s+([\d.]+)\s+([\d.]+)x\s+(-|[\d.]+)\s*$")
+_ROW_RE = re.compile(r"^\s*(\d+x\d+x\d+)\s+(.+?)\s+(-|reference|compiled|graphed)\s+([\d.]+)\s+([\d.]+)x"
+                     r"\s+([\d.]+)\s+([\d.]+)x\s+(-|[\d.]+)(?:\s+\(bf16 graphed.*\))?\s*$")
 
 
 def parse_table(text: str) -> list[dict]:
@@ -442,7 +523,7 @@ def run(args) -> int:
     print(_HEAD)
     print("-" * len(_HEAD), flush=True)
     rows = bench(shapes, args.device, args.warmup, args.iters, modes, kernels,
-                 on_row=lambda r: print(format_row(r), flush=True))
+                 on_row=lambda r: print(format_row(r), flush=True), graph=args.graph)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

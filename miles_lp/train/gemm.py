@@ -102,12 +102,21 @@ class QuantLinearFn(torch.autograd.Function):
         recipe = grid.recipe
         op = _operand_dtype(x)
         compiled = grid.use_compiled(x)
-        w_deq_cached = None
+        w_deq_cached = wc = xc = None
+        # quantized mode on the compiled path: both grids of the weight, and of x when its tokens need no
+        # padding, from one read each
+        both = compiled and recipe.backward is BackwardMode.QUANTIZED
         if compiled:
             check_operand(x, recipe, -1, "input")
-            wq, w_deq = grid.rowwise_dequantized(weight, op)
+            if both and weight.shape[-2] % MXFP8_BLOCK == 0:
+                wq, w_deq, wc = grid.both_dequantized(weight, op)
+            else:
+                wq, w_deq = grid.rowwise_dequantized(weight, op)
             w_deq_cached = w_deq if grid.cache_dequantized else None
-            xq, x_deq = fused_activation(x, recipe, op)
+            if both and x.shape[0] % MXFP8_BLOCK == 0:
+                xq, x_deq, xc, _ = fused.mxfp8_qdq_both(x.detach(), op, dequant=("row",))
+            else:
+                xq, x_deq = fused_activation(x, recipe, op)
         else:
             wq = grid.rowwise(weight)
             xq = quantize_activation(x, recipe)
@@ -131,8 +140,10 @@ class QuantLinearFn(torch.autograd.Function):
             # reuses it instead of decoding wq again.
             ctx.w_deq = w_deq_cached
         else:  # QUANTIZED: columnwise copies from full precision (x along tokens, w along N)
-            wc = grid.columnwise(weight)
-            xc = quantize_columnwise_checked(_pad_rows(x, MXFP8_BLOCK), recipe, "input", compiled=compiled)
+            if wc is None:
+                wc = grid.columnwise(weight)
+            if xc is None:
+                xc = quantize_columnwise_checked(_pad_rows(x, MXFP8_BLOCK), recipe, "input", compiled=compiled)
             ctx.xp, ctx.wp = _Packed(xc), _Packed(wc)
             ctx.save_for_backward(*ctx.xp.tensors(xc), *ctx.wp.tensors(wc))
         return y
@@ -163,20 +174,26 @@ class QuantLinearFn(torch.autograd.Function):
         else:
             nx = len(ctx.xp.names)
             xc, wc = ctx.xp.rebuild(saved[:nx]), ctx.wp.rebuild(saved[nx:])
+            g_row = g_col = None
+            if compiled and need_x and need_w and dy.shape[0] % MXFP8_BLOCK == 0:
+                check_operand(dy, recipe, -1, "grad_output")
+                check_operand(dy, recipe, -2, "grad_output")
+                _, g_row, _, g_col = fused.mxfp8_qdq_both(dy, op)  # both grids of dy from one read
             if need_x:  # blocks along N (dgrad reduces over N)
-                if compiled:
+                if g_row is None and compiled:
                     check_operand(dy, recipe, -1, "grad_output")
                     g_row = fused.mxfp8_qdq(dy, -1, op)[1]
-                else:
+                elif g_row is None:
                     g_row = quantize_rowwise(dy, recipe).dequantize(op)
                 dx = g_row @ dequantize(wc, op)
             if need_w:
-                dy_p = _pad_rows(dy, MXFP8_BLOCK)
-                if compiled:
-                    check_operand(dy_p, recipe, -2, "grad_output")
-                    g_col = fused.mxfp8_qdq(dy_p, -2, op)[1]
-                else:
-                    g_col = quantize_columnwise_checked(dy_p, recipe, "grad_output").dequantize(op)
+                if g_col is None:
+                    dy_p = _pad_rows(dy, MXFP8_BLOCK)
+                    if compiled:
+                        check_operand(dy_p, recipe, -2, "grad_output")
+                        g_col = fused.mxfp8_qdq(dy_p, -2, op)[1]
+                    else:
+                        g_col = quantize_columnwise_checked(dy_p, recipe, "grad_output").dequantize(op)
                 dw = g_col.t() @ dequantize(xc, op)  # padded zero rows add nothing
         if need_b:
             db = dy.float().sum(0)

@@ -136,6 +136,27 @@ class WeightGrid:
         self._deq = deq if self.cache_dequantized else None
         return self._row, deq
 
+    def both_dequantized(self, weight: torch.Tensor, dtype: torch.dtype) -> tuple[Any, torch.Tensor, Any]:
+        """(rowwise grid, its decode in ``dtype``, columnwise grid): the ``quantized`` mode's weight operands
+        from ONE read of the master (``fused.mxfp8_qdq_both``; compiled path, MXFP8, N a multiple of 32).
+        Cached per step like ``rowwise_dequantized`` / ``columnwise`` (whichever ran first is reused)."""
+        key = self._key(weight)
+        row_fresh = self._fresh(key) and (self._deq is not None and self._deq.dtype == dtype)
+        col_fresh = self._col is not None and key == self._col_key
+        if row_fresh and col_fresh:
+            return self._row, self._deq, self._col
+        if row_fresh or col_fresh or weight.shape[-2] % 32:
+            q, deq = self.rowwise_dequantized(weight, dtype)
+            return q, deq, self.columnwise(weight)
+        check_operand(weight, self.recipe, -1, "weight")
+        with torch.no_grad():
+            q, deq, col, _ = fused.mxfp8_qdq_both(weight.detach(), dtype, dequant=("row",))
+        self._row, self._row_key = q, key
+        self._deq = deq if self.cache_dequantized else None
+        self._col, self._col_key = col, key
+        self.quantize_calls += 1
+        return q, deq, col
+
     def columnwise(self, weight: torch.Tensor):
         key = self._key(weight)
         if self._col is None or key != self._col_key:

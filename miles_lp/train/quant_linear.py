@@ -206,6 +206,10 @@ class _ExpertView(WeightGrid):
     def columnwise(self, weight_e: torch.Tensor):
         return select_expert(self.parent.columnwise(self.fused_weight), self.e)
 
+    def both_dequantized(self, weight_e: torch.Tensor, dtype: torch.dtype):
+        q, deq, col = self.parent.both_dequantized(self.fused_weight, dtype)
+        return select_expert(q, self.e), deq[self.e], select_expert(col, self.e)
+
 
 def _expert_linear(x: torch.Tensor, fused_weight: torch.Tensor, e: int, grid: WeightGrid) -> torch.Tensor:
     """``x @ fused_weight[e].T`` on the fused grid; the gradient lands in row ``e`` of the fused weight."""

@@ -452,6 +452,7 @@ def test_compiled_mxfp8_equals_reference_cuda():
     _check_fused_codecs("cuda", torch.float32, 256, 512, fmts=(Format.MXFP8,))
     _check_compiled_linear_equals_reference("cuda", torch.bfloat16, 512, 1024, 768, MX_CASES)
     _check_compiled_linear_equals_reference("cuda", torch.bfloat16, 96, 256, 128, MX_CASES)  # 2nd shape: dynamic
+    _check_compiled_linear_equals_reference("cuda", torch.bfloat16, 100, 256, 128, MX_CASES)  # tokens padded
     ql = QuantLinear.from_linear(torch.nn.Linear(256, 128, bias=False, device="cuda"), LinearRecipe(Format.MXFP8))
     assert ql.grid.use_compiled(ql.weight)  # kernel="auto" picks the compiled path for MXFP8 on CUDA
 

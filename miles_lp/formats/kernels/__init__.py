@@ -163,9 +163,7 @@ def _launch(mod, name: str, grid: tuple, args: tuple, num_warps: int, **consts) 
     if not _FAST_LAUNCH or not args or not isinstance(args[0], torch.Tensor) or not args[0].is_cuda:
         fn[grid](*args, **consts, num_warps=num_warps)
         return
-    from triton import knobs
-
-    if knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
+    if _hooks_set():
         fn[grid](*args, **consts, num_warps=num_warps)
         return
     dev = args[0].device.index
@@ -185,6 +183,19 @@ def _launch(mod, name: str, grid: tuple, args: tuple, num_warps: int, **consts) 
     ck.run(g[0], g[1], g[2], _stream(dev), ck.function, ck.packed_metadata, None, None, None, *args, *const_vals)
 
 
+def _hooks_set() -> bool:
+    """Whether a Triton launch hook is installed (a profiler's): then every launch goes through the JIT,
+    which calls it. Triton 3.6 keeps the hooks as (possibly empty) ``HookChain``s, older ones None or a
+    function."""
+    from triton import knobs
+
+    for h in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        calls = getattr(h, "calls", None)
+        if (bool(calls) if calls is not None else h is not None):
+            return True
+    return False
+
+
 def _stream(dev: int) -> int:
     """The current CUDA stream's handle (what Triton's own launch passes; a graph capture's stream too)."""
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -193,10 +204,22 @@ def _stream(dev: int) -> int:
 
 def _input(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(the tensor the kernel reads, IN_KIND): bf16 as its int16 bits, fp32 / fp16 as they are."""
-    x = x.detach().contiguous()
+    if not x.is_contiguous():  # (the check is cheaper than a contiguous() call on the hot path)
+        x = x.contiguous()
     if x.dtype == torch.bfloat16:
-        return x.view(torch.int16), 1
-    return x, 0
+        return x.detach().view(torch.int16), 1
+    return x, 0  # the launch reads only its data pointer
+
+
+_EMPTY: dict[torch.device, torch.Tensor] = {}
+
+
+def _none(dev: torch.device) -> torch.Tensor:
+    """The placeholder for an output a launch does not write (one 0-element tensor per device, reused)."""
+    t = _EMPTY.get(dev)
+    if t is None:
+        t = _EMPTY[dev] = torch.empty(0, dtype=torch.uint8, device=dev)
+    return t
 
 
 def _out_kind(dtype: torch.dtype | None, what: str) -> int:
@@ -264,7 +287,7 @@ def mxfp8_quantize(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = Fal
     lead = shape[:-2]
     mats = r // m
     dev = x.device
-    empty = torch.empty(0, dtype=torch.uint8, device=dev)
+    empty = _none(dev)
     qr = torch.empty(shape, dtype=torch.uint8, device=dev) if rowwise else empty
     sr = torch.empty((*shape[:-1], k // MXFP8_BLOCK), dtype=torch.uint8, device=dev) if rowwise else empty
     qc = torch.empty(shape, dtype=torch.uint8, device=dev) if colwise else empty
@@ -372,7 +395,7 @@ def nvfp4_quantize(x: torch.Tensor, scope: str = "tensor", *, amax: torch.Tensor
     s = torch.empty((*shape[:-1], k // NVFP4_BLOCK), dtype=torch.uint8, device=dev)
     per_row = scope == "row"
     gs = torch.empty(mats * m if per_row else mats, dtype=torch.float32, device=dev)
-    d = _out(shape, dequant_dtype, dev) if out_kind else torch.empty(0, dtype=torch.uint8, device=dev)
+    d = _out(shape, dequant_dtype, dev) if out_kind else _none(dev)
     if amax is not None:
         amax_flat = amax.to(device=dev, dtype=torch.float32).contiguous().reshape(-1)
     elif per_row:
