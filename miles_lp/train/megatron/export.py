@@ -82,18 +82,20 @@ _LOCAL_EXPERT = re.compile(r"(.*\.local_experts\.)(\d+)(\..*)")
 
 def megatron_export_weights(model: torch.nn.Module, hf_config: Any, *, tp_group=None, ep_group=None,
                             etp_group=None, dtypes: Mapping[str, torch.dtype] | None = None,
-                            default_dtype: torch.dtype = DEFAULT_DTYPE) -> Iterator[tuple[str, Any]]:
+                            default_dtype: torch.dtype = DEFAULT_DTYPE, grids: bool = True,
+                            cast: bool = True) -> Iterator[tuple[str, Any]]:
     """``(canonical HF name, grid | tensor)`` for every tensor of the HF checkpoint the model was built from.
 
     ``tp_group``: the tensor-parallel group (dense weights); ``etp_group``: the expert tensor-parallel group
     (default: ``tp_group``, Megatron's default ``etp = tp``); ``ep_group``: the expert-parallel group: each rank's
     local experts ``local_experts.{l}`` are gathered and renamed to the global index ``ep_rank * E/ep + l``.
+    ``grids=False, cast=False``: the gathered master tensors themselves (tests compare the grids to them).
     """
     from miles_lp.train.megatron.model import megatron_targets
 
     dtypes = dtypes or {}
     etp_group = tp_group if etp_group is None else etp_group
-    grids = quantized_grids(model)
+    grids = quantized_grids(model) if grids else {}
     state: dict[str, Any] = {}
     targets = {}
     for name, p in megatron_targets(model).items():
@@ -111,6 +113,6 @@ def megatron_export_weights(model: torch.nn.Module, hf_config: Any, *, tp_group=
         for ep_rank, v in enumerate(all_gather_value(full, ep_group)):
             state[f"{m.group(1)}{ep_rank * per_rank + int(m.group(2))}{m.group(3)}"] = v
     for hf_name, v in megatron_to_hf(state, hf_config).items():
-        if isinstance(v, torch.Tensor) and v.is_floating_point():
+        if cast and isinstance(v, torch.Tensor) and v.is_floating_point():
             v = v.to(dtypes.get(hf_name, default_dtype))
         yield hf_name, v

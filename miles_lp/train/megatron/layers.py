@@ -31,6 +31,7 @@ from megatron.core.tensor_parallel.mappings import (
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from miles_lp.errors import ConfigError
 from miles_lp.formats.spec import Format
@@ -157,31 +158,34 @@ _SWAP_ALWAYS = {TopKRouter: TorchGatingTopKRouter}
 _KEEP_IN_SPEC = {"linear_q_down_proj", "linear_kv_down_proj"}
 
 
-def quant_layer_spec(spec: Any, quantized: bool = True) -> Any:
+def quant_layer_spec(spec: Any, quantized: bool = True, norm: Any = None) -> Any:
     """A copy of a Megatron layer spec with miles-lp's classes substituted.
 
     ``quantized``: local parallel linears -> their quantized subclasses (MLA's down projections excepted, see
     ``quantize_mla_down_projections``). Always: ``TopKRouter`` -> ``TorchGatingTopKRouter``, and in MLA specs
-    ``DotProductAttention`` -> ``MLADotProductAttention`` (see their docstrings).
+    ``DotProductAttention`` -> ``MLADotProductAttention`` (see their docstrings). ``norm``: a class that replaces
+    the local spec's ``WrappedTorchNorm`` (``parallel.SequenceParallelNorm`` under sequence parallelism).
     """
     if isinstance(spec, type):
+        if norm is not None and spec is WrappedTorchNorm:
+            return norm
         spec = _SWAP_ALWAYS.get(spec, spec)
         return _SWAP_QUANT.get(spec, spec) if quantized else spec
     if isinstance(spec, ModuleSpec):
         new = copy.copy(spec)
-        new.module = quant_layer_spec(spec.module, quantized)
-        new.submodules = quant_layer_spec(spec.submodules, quantized)
+        new.module = quant_layer_spec(spec.module, quantized, norm)
+        new.submodules = quant_layer_spec(spec.submodules, quantized, norm)
         return new
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
         mla = type(spec).__name__ == "MLASelfAttentionSubmodules"
         keep = _KEEP_IN_SPEC if mla else set()
-        new = dataclasses.replace(spec, **{f.name: quant_layer_spec(getattr(spec, f.name), quantized)
+        new = dataclasses.replace(spec, **{f.name: quant_layer_spec(getattr(spec, f.name), quantized, norm)
                                            for f in dataclasses.fields(spec) if f.init and f.name not in keep})
         if mla and new.core_attention is DotProductAttention:
             new = dataclasses.replace(new, core_attention=MLADotProductAttention)
         return new
     if isinstance(spec, list | tuple):
-        return type(spec)(quant_layer_spec(s, quantized) for s in spec)
+        return type(spec)(quant_layer_spec(s, quantized, norm) for s in spec)
     return spec
 
 

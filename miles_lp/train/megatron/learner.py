@@ -30,6 +30,7 @@ functions take ``(logprobs, entropy, samples, totals)``):
 from __future__ import annotations
 
 import contextlib
+import math
 import socket
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -58,19 +59,26 @@ KIND = "megatron"
 # ---------------------------------------------------------------------------------------------------------
 
 
-def ensure_model_parallel(device: torch.device, config: TrainConfig) -> tuple[bool, bool]:
-    """A world of one (if none exists) and Megatron's model-parallel state at tp = pp = ep = 1.
+def ensure_model_parallel(device: torch.device, config: TrainConfig, sizes=None) -> tuple[bool, bool]:
+    """The process group (a world of one is created if none exists) and Megatron's model-parallel state at
+    ``sizes`` (``parallel.ParallelSizes``; default tp = pp = ep = 1).
 
-    Returns (whether the process group, whether the model-parallel state was created here). Refuses parallel sizes this learner does not run.
+    Returns (whether the process group, whether the model-parallel state was created here). A multi-rank size
+    needs the group already initialised with ``sizes.world`` ranks (``miles_lp.train.megatron.group`` does it).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from miles_lp.train.megatron.parallel import ParallelSizes
+
+    sizes = sizes or ParallelSizes()
     m = config.megatron
-    if (m.tp, m.pp, m.ep) != (1, 1, 1) or (m.etp not in (None, 1)) or m.impl != "local":
-        raise ConfigError(f"MegatronLearner runs train.megatron tp=1 pp=1 ep=1 impl=local (one process); got "
-                          f"tp={m.tp} pp={m.pp} ep={m.ep} etp={m.etp} impl={m.impl}: set those to 1 / local "
-                          "(multi-rank launch is not implemented)")
+    if m.impl != "local" or m.pp != 1:
+        raise ConfigError(f"MegatronLearner runs train.megatron pp=1 impl=local; got pp={m.pp} impl={m.impl}")
+    if sizes.world > 1 and not (dist.is_initialized() and dist.get_world_size() == sizes.world):
+        raise ConfigError(f"train.megatron tp={sizes.tp} ep={sizes.ep} etp={sizes.etp} runs in {sizes.world} "
+                          "processes: build the learner with miles_lp.train.megatron.group.MegatronGroup (which "
+                          "spawns the ranks), not MegatronLearner in one process")
     created, created_mp = False, False
     if not dist.is_initialized():
         with socket.socket() as s:
@@ -80,16 +88,18 @@ def ensure_model_parallel(device: torch.device, config: TrainConfig) -> tuple[bo
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                                 rank=0, world_size=1)
         created = True
-    if dist.get_world_size() != 1:
-        raise ConfigError(f"MegatronLearner runs in a world of one process; torch.distributed has "
-                          f"{dist.get_world_size()} ranks (multi-rank launch is not implemented)")
+    if dist.get_world_size() != sizes.world:
+        raise ConfigError(f"MegatronLearner at tp={sizes.tp} ep={sizes.ep} etp={sizes.etp} needs a world of "
+                          f"{sizes.world} process(es); torch.distributed has {dist.get_world_size()} ranks")
+    want = (sizes.tp, 1, sizes.ep, sizes.etp)
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(1, 1)
+        ps.initialize_model_parallel(sizes.tp, 1, expert_model_parallel_size=sizes.ep,
+                                     expert_tensor_parallel_size=sizes.etp)
         created_mp = True
     elif (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-          ps.get_expert_model_parallel_world_size()) != (1, 1, 1):
-        raise ConfigError("Megatron's model-parallel state is already initialised with sizes other than 1; "
-                          "MegatronLearner runs tp=pp=ep=1")
+          ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()) != want:
+        raise ConfigError(f"Megatron's model-parallel state is already initialised with other sizes; this learner "
+                          f"runs tp={sizes.tp} ep={sizes.ep} etp={sizes.etp}")
     return created, created_mp
 
 
@@ -162,9 +172,11 @@ class MegatronLearner(PackedLearnerSteps):
     """A Megatron-Core GPT model under a precision plan, trained with AdamW (see the module docstring)."""
 
     def __init__(self, hf_folder_or_model: torch.nn.Module | str | Path, plan=None,
-                 config: TrainConfig | None = None):
+                 config: TrainConfig | None = None, *, engine_tp: int = 1, engine_etp: int | None = None):
         """``hf_folder_or_model``: an HF checkpoint folder or an in-memory transformers model (its weights are
-        copied into the Megatron model); ``plan``: a compiled ``PrecisionPlan`` for that model or ``None``."""
+        copied into the Megatron model); ``plan``: a compiled ``PrecisionPlan`` for that model or ``None``;
+        ``engine_tp`` / ``engine_etp``: the engine's tensor / MoE tensor parallel sizes, for the NVFP4
+        activation-partition rule (``parallel.check_activation_partition``; the reference engine: 1)."""
         from miles_lp.policy.plan import PrecisionPlan
 
         if plan is not None and not isinstance(plan, PrecisionPlan):
@@ -185,11 +197,6 @@ class MegatronLearner(PackedLearnerSteps):
         self.device = _resolve_device(cfg.device)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # "cuda" without an index: the current device
-        self._created_group, self._created_mp = ensure_model_parallel(self.device, cfg)
-        if self.device.type == "cuda":
-            from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-            model_parallel_cuda_manual_seed(cfg.seed)
         if isinstance(hf_folder_or_model, str | Path):
             import transformers
 
@@ -199,6 +206,15 @@ class MegatronLearner(PackedLearnerSteps):
             self.source = SourceInfo.from_module(hf_folder_or_model)
             hf = hf_folder_or_model
         self.hf_config = hf.config
+        from miles_lp.train.megatron.parallel import check_activation_partition, resolve_parallel
+
+        self.parallel = sizes = resolve_parallel(cfg.megatron, self.hf_config)
+        check_activation_partition(plan, tp=sizes.tp, etp=sizes.etp, engine_tp=engine_tp, engine_etp=engine_etp)
+        self._created_group, self._created_mp = ensure_model_parallel(self.device, cfg, sizes)
+        if self.device.type == "cuda":
+            from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(cfg.seed)
         self.plan = plan
         if plan is not None and plan.layout is not None:
             self.layout = plan.layout
@@ -207,7 +223,9 @@ class MegatronLearner(PackedLearnerSteps):
 
             self.layout = get_layout(self.hf_config)
         with _cpu_megatron(self.device):
-            model = build_gpt_model(self.hf_config, quantized=plan is not None, params_dtype=cfg.torch_master_dtype)
+            model = build_gpt_model(self.hf_config, quantized=plan is not None, params_dtype=cfg.torch_master_dtype,
+                                    tp=sizes.tp, ep=sizes.ep, etp=sizes.etp,
+                                    sequence_parallel=sizes.sequence_parallel, parallel_output=False)
             load_hf_weights(model, hf.state_dict(), self.hf_config)
         del hf
         self.model = model.to(self.device)
@@ -219,11 +237,22 @@ class MegatronLearner(PackedLearnerSteps):
         if plan is not None:
             self._check_complete()
         self.pad_multiple = pad_multiple_for(plan)
+        if sizes.sequence_parallel:  # the packed row is cut into tp sequence slices
+            self.pad_multiple = math.lcm(self.pad_multiple, sizes.tp)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                                            weight_decay=cfg.weight_decay, foreach=False)
         invalidate_on_step(self.model, self.optimizer)  # the next forward / export re-quantizes once
         self.step = 0
+
+    @property
+    def world(self) -> int:
+        return self.parallel.world
+
+    def rank(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank() if self.world > 1 else 0
 
     def close(self) -> None:
         """Tear down the model-parallel state and process group this learner created (so another Megatron user
@@ -242,6 +271,12 @@ class MegatronLearner(PackedLearnerSteps):
 
         held = {m for mod in self.model.modules() if isinstance(mod, _QuantParallelMixin) and mod.recipe is not None
                 for m in mod.members}
+        if self.world > 1:  # under expert parallelism each rank holds its own experts: the union over ranks
+            import torch.distributed as dist
+
+            every: list[Any] = [None] * self.world
+            dist.all_gather_object(every, held)
+            held = set().union(*every)
         missing = sorted(set(self.plan.quantized()) - held)
         if missing:
             raise ConfigError(f"the plan quantizes {len(missing)} tensor(s) that no Megatron linear runs quantized, "
@@ -262,19 +297,75 @@ class MegatronLearner(PackedLearnerSteps):
                 if rot is not None:
                     rot.positions = None
 
+    # ---- the step under tensor / expert parallelism ---------------------------------------------------
+    def train_step(self, samples, loss_fn=None) -> dict[str, Any]:
+        """``PackedLearnerSteps.train_step`` at tp = ep = 1. On several ranks (every rank runs the same samples):
+        forward/backward, Megatron's gradient reductions (``parallel.finalize_grads``), the global gradient norm
+        and clipping over all shards (``parallel.clip_grads``), AdamW on each rank's shards."""
+        from miles_lp.train.embedded import nll_loss
+
+        loss_fn = loss_fn or nll_loss
+        if self.world == 1:
+            with _cpu_megatron(self.device):  # the backward runs Megatron code too (SP's gather buffers)
+                return super().train_step(samples, loss_fn)
+        from miles_lp.train.megatron.parallel import clip_grads, finalize_grads
+
+        self.optimizer.zero_grad(set_to_none=True)
+        with _cpu_megatron(self.device):
+            loss_sum, packs = self.accumulate_grads(samples, loss_fn)
+        finalize_grads(self.model, self.parallel)
+        norm = clip_grads(self.model, self.parallel, self.config.grad_clip)
+        finite = math.isfinite(norm)
+        if finite:
+            self.optimizer.step()
+            self.step += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": loss_sum, "grad_norm": norm, "finite": finite, "skipped": not finite,
+                "micro_batches": len(packs), "tokens": sum(int(s["tokens"].numel()) for s in samples),
+                "padded_tokens": sum(p.tokens for p in packs), "step": self.step}
+
     # ---- export -------------------------------------------------------------------------------------
+    def _groups(self) -> dict[str, Any]:
+        if self.world == 1:
+            return {}
+        from megatron.core import parallel_state as ps
+
+        return {"tp_group": ps.get_tensor_model_parallel_group(), "ep_group": ps.get_expert_model_parallel_group(),
+                "etp_group": ps.get_expert_tensor_parallel_group()}
+
     def export_weights(self) -> Iterator[tuple[str, Any]]:
         """Every tensor of the HF checkpoint once, under its canonical name: quantized weights as the forward
-        grid, the others in the source checkpoint's dtype (``megatron_export_weights``)."""
+        grid, the others in the source checkpoint's dtype (``megatron_export_weights``). On several ranks every
+        rank must call it (the shards are all-gathered over TP / ETP / EP); every rank gets the whole model."""
         from miles_lp.train.megatron.export import megatron_export_weights
 
         with _cpu_megatron(self.device):
             yield from megatron_export_weights(self.model, self.hf_config, dtypes=self.source.dtypes,
-                                               default_dtype=self.source.default_dtype)
+                                               default_dtype=self.source.default_dtype, **self._groups())
+
+    def gathered_masters(self) -> dict[str, torch.Tensor]:
+        """The master weights, gathered over every parallel group, under HF names in the master dtype (what a
+        TP-1 learner holds; all ranks must call it). For tests and debugging: the export's source of truth."""
+        from miles_lp.train.megatron.export import megatron_export_weights
+
+        with _cpu_megatron(self.device):
+            return dict(megatron_export_weights(self.model, self.hf_config, grids=False, cast=False,
+                                                **self._groups()))
 
     def executed_quantized(self) -> dict[str, str]:
-        """``{canonical: format}`` the forwards so far ran quantized, as the Megatron linears recorded it (C1)."""
-        return executed_quantized(self.model)
+        """``{canonical: format}`` the forwards so far ran quantized, as the Megatron linears recorded it (C1);
+        on several ranks the union over all ranks (each holds its experts' records; all ranks must call it)."""
+        mine = executed_quantized(self.model)
+        if self.world == 1:
+            return mine
+        import torch.distributed as dist
+
+        every: list[Any] = [None] * self.world
+        dist.all_gather_object(every, mine)
+        out: dict[str, str] = {}
+        for d in every:
+            out.update(d)
+        return dict(sorted(out.items()))
 
     # ---- resume -------------------------------------------------------------------------------------
     def _targets(self) -> dict[str, torch.Tensor]:
@@ -288,8 +379,12 @@ class MegatronLearner(PackedLearnerSteps):
         Tensors are references: save them (``miles_lp.train.state_io``) or copy them before training on.
         """
         rng = rng_state(self.device)
-        return {"kind": KIND, "plan_hash": None if self.plan is None else self.plan.hash, "step": self.step,
-                "model": dict(self._targets()), "optimizer": self.optimizer.state_dict(), "rng": rng}
+        out = {"kind": KIND, "plan_hash": None if self.plan is None else self.plan.hash, "step": self.step,
+               "model": dict(self._targets()), "optimizer": self.optimizer.state_dict(), "rng": rng}
+        if self.world > 1:  # this rank's shards: a resume needs the same sizes and rank
+            p = self.parallel
+            out["parallel"] = {"tp": p.tp, "ep": p.ep, "etp": p.etp, "sp": p.sequence_parallel, "rank": self.rank()}
+        return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` returned (refuses another backend's state, another plan's or another
@@ -301,6 +396,12 @@ class MegatronLearner(PackedLearnerSteps):
         if state.get("plan_hash") != want:
             raise ConfigError(f"learner state was saved under plan {str(state.get('plan_hash'))[:16]}, this learner "
                               f"runs plan {str(want)[:16]}; resume with the recipe the run started with")
+        if self.world > 1 or "parallel" in state:
+            p = self.parallel
+            mine = {"tp": p.tp, "ep": p.ep, "etp": p.etp, "sp": p.sequence_parallel, "rank": self.rank()}
+            if state.get("parallel") != mine:
+                raise ConfigError(f"learner state was saved by rank/sizes {state.get('parallel')}, this learner is "
+                                  f"{mine}; resume with the same train.megatron sizes")
         targets, saved = self._targets(), state["model"]
         if set(targets) != set(saved):
             raise ConfigError(f"learner state model tensors differ from this Megatron model's: missing "

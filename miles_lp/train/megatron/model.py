@@ -176,12 +176,15 @@ def transformer_config_kwargs(hf_config: Any, *, tp: int = 1, ep: int = 1, etp: 
 
 
 def build_gpt_model(hf_config: Any, *, quantized: bool = True, tp: int = 1, ep: int = 1, etp: int | None = None,
-                    sequence_parallel: bool = False, params_dtype=torch.float32, device=None):
+                    sequence_parallel: bool = False, params_dtype=torch.float32, device=None,
+                    parallel_output: bool = True):
     """A Megatron ``GPTModel`` with the local layer spec (``quantized``: miles-lp's parallel linears).
 
     Model-parallel state must be initialized (``parallel_state.initialize_model_parallel``) first. Models whose
     dense and MoE layers mix (DeepSeek ``first_k_dense_replace``, Qwen ``mlp_only_layers``) get one layer spec per
-    layer.
+    layer. ``sequence_parallel``: every norm (layer, q/k and final) is ``parallel.SequenceParallelNorm`` (the local
+    spec's ``WrappedTorchNorm`` refuses SP). ``parallel_output=False``: the logits are gathered over TP (full
+    vocabulary on every rank; the gather's backward hands each rank its vocabulary slice of the gradient).
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -203,25 +206,33 @@ def build_gpt_model(hf_config: Any, *, quantized: bool = True, tp: int = 1, ep: 
     # MLA: the q_a / kv_a latent norms are the spec's q_layernorm / kv_layernorm (built when qk_layernorm)
     qk_norm = bool(kw["qk_layernorm"] or mla)
 
+    norm = None
+    if sequence_parallel:
+        from miles_lp.train.megatron.parallel import SequenceParallelNorm
+
+        norm = SequenceParallelNorm
+
     def layer_spec(experts):
         spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=qk_norm,
                                         multi_latent_attention=mla, normalization="RMSNorm")
-        return quant_layer_spec(spec, quantized=quantized)
+        return quant_layer_spec(spec, quantized=quantized, norm=norm)
 
     pattern = kw.get("moe_layer_freq")
-    if not n_exp or all(pattern):
+    if norm is None and (not n_exp or all(pattern)):
         spec = layer_spec(n_exp)
     else:
         from megatron.core.transformer.transformer_block import LayerNormImpl
 
         dense, moe = layer_spec(None), layer_spec(n_exp)
-        spec = TransformerBlockSubmodules(layer_specs=[moe if m else dense for m in pattern],
-                                          layer_norm=LayerNormImpl)
+        spec = TransformerBlockSubmodules(layer_specs=[moe if (pattern and m) else dense
+                                                       for m in (pattern or [0] * kw["num_layers"])],
+                                          layer_norm=norm or LayerNormImpl)
     with mla_without_te() if mla else contextlib.nullcontext():
         model = GPTModel(config, spec, vocab_size=int(_get(hf_config, "vocab_size")),
                          max_sequence_length=int(_get(hf_config, "max_position_embeddings")),
                          position_embedding_type="rope", rotary_base=_rope_theta(hf_config),
-                         share_embeddings_and_output_weights=bool(_get(hf_config, "tie_word_embeddings", False)))
+                         share_embeddings_and_output_weights=bool(_get(hf_config, "tie_word_embeddings", False)),
+                         parallel_output=parallel_output)
     if quantized and mla:
         quantize_mla_down_projections(model)
     if device is not None:

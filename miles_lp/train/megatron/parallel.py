@@ -1,0 +1,279 @@
+"""Tensor / expert parallelism for the Megatron learner: the sizes, the norm that supports sequence parallelism,
+the gradient reductions Megatron's DDP would do, the global gradient norm, and the NVFP4 activation-partition rule.
+
+    sizes = resolve_parallel(config.megatron, hf_config)    # tp, ep, etp, sequence_parallel, world
+    finalize_grads(model, sizes)                             # after backward, before the norm / optimizer step
+    norm = clip_grads(params, sizes, max_norm)               # the norm of the whole (unsharded) gradient
+
+Every rank of the group runs the SAME batch (the driver, ``group.py``, sends each command to all ranks): the
+data-parallel replicas (``dp = world / tp``) see identical tokens. Megatron's rules then give the TP-1 gradient:
+
+* tensor-parallel shards (``tensor_model_parallel``): each rank's gradient is its shard's, nothing to reduce;
+* sequence parallelism (``tp > 1``; Megatron's MoE layer refuses TP without it in training): a replicated
+  parameter that sees only this rank's sequence slice (the norms, the router, the shared-expert gate: Megatron
+  marks them ``sequence_parallel``) holds a partial gradient: SUM over the TP group (Megatron's
+  ``finalize_model_grads``). The q/k layernorms (Qwen3) see this rank's heads only: SUM over TP whatever SP says;
+* dense parameters over the DP group and expert parameters over the expert-DP group: SUM, then x 1/dp (Megatron
+  DDP's ``gradient_scaling_factor = 1/dp`` for both). With identical data, a dense gradient is the same on every
+  replica (the average is exact), and an expert under EP receives every replica's copy of the tokens (the
+  all-gather dispatcher), dp copies summed, hence the 1/dp.
+
+Sequence parallelism and the norm: megatron-core 0.16's local spec uses ``WrappedTorchNorm``, which asserts
+``not sequence_parallel``; Megatron's own SP-capable norms are TE's ``TENorm`` and Apex's ``FusedLayerNorm``, neither
+installed here. ``SequenceParallelNorm`` builds the same ``torch.nn.RMSNorm`` (the same math as the TP-1 model) and
+marks its weight ``sequence_parallel`` as those do, so ``finalize_grads`` reduces it.
+
+NVFP4 per-token activation scales and the partition (CONTRACT 2: "computed on the same partition on both sides"):
+the per-token global amax of a GEMM's input is taken over the K columns the rank holds. Column-parallel GEMMs
+(q/k/v, gate/up, every expert's fc1) see the whole hidden (all-gathered input): any partition gives the same
+scale. Row-parallel GEMMs see a 1/p slice of K: p = TP for o_proj / a dense or shared-expert down_proj, p = the
+expert-tensor-parallel size (ETP) for a routed expert's down_proj. The rule: the learner's p for such a GEMM must
+be the engine's (its TP, its MoE TP for experts), so ``check_activation_partition`` refuses a plan whose NVFP4
+per-token row-parallel GEMMs would be quantized on another partition than the engine's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from miles_lp.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelSizes:
+    tp: int = 1
+    ep: int = 1
+    etp: int = 1
+    sequence_parallel: bool = False
+
+    @property
+    def world(self) -> int:
+        """Ranks the group needs: both Megatron grids (tp x dp and etp x ep x edp) must tile it."""
+        return math.lcm(self.tp, self.ep * self.etp)
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.tp
+
+    @property
+    def edp(self) -> int:
+        return self.world // (self.ep * self.etp)
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    return cfg.get(key, default) if isinstance(cfg, Mapping) else getattr(cfg, key, default)
+
+
+def resolve_parallel(section: Any, hf_config: Any) -> ParallelSizes:
+    """``train.megatron`` -> the sizes the learner runs, or ``ConfigError`` naming the key.
+
+    ``etp: null`` is Megatron's default (= tp). Sequence parallelism is switched on for an MoE model at tp > 1
+    (Megatron's MoE layer refuses TP without it in training); a dense model uses it when asked.
+    """
+    from miles_lp.train.megatron.model import MLA_TYPES, _num_experts
+
+    tp, ep, pp = int(section.tp), int(section.ep), int(section.pp)
+    etp = tp if section.etp is None else int(section.etp)
+    where = "train.megatron"
+    if pp != 1:
+        raise ConfigError(f"{where}.pp={pp}: pipeline parallelism is not implemented (set pp: 1)")
+    if section.impl != "local":
+        raise ConfigError(f"{where}.impl={section.impl}: only the local path (miles-lp GEMMs in Megatron's linears) "
+                          "runs here; the Transformer Engine path needs Blackwell + TE")
+    n_exp = _num_experts(hf_config)
+    if not n_exp and (ep != 1 or section.etp not in (None, tp)):
+        raise ConfigError(f"{where}: ep={ep} etp={section.etp} on a dense model ({_get(hf_config, 'model_type')}); "
+                          "set ep: 1 and etp: null")
+    if tp > 1 or ep > 1 or etp > 1:
+        mt = _get(hf_config, "model_type")
+        if mt in MLA_TYPES:
+            raise ConfigError(f"{where}: tp={tp} ep={ep} on {mt} (MLA): multi-rank MLA is not mapped here "
+                              "(tested: qwen3, qwen3_moe); run tp=ep=1")
+        heads = int(_get(hf_config, "num_attention_heads"))
+        groups = int(_get(hf_config, "num_key_value_heads") or heads)
+        for what, n, p in (("num_attention_heads", heads, tp), ("num_key_value_heads", groups, tp),
+                           ("vocab_size", int(_get(hf_config, "vocab_size")), tp),
+                           ("intermediate_size", int(_get(hf_config, "intermediate_size")), tp)):
+            if n % p:
+                raise ConfigError(f"{where}.tp={tp} does not divide {what}={n}")
+        if n_exp:
+            if n_exp % ep:
+                raise ConfigError(f"{where}.ep={ep} does not divide the {n_exp} experts")
+            inter = int(_get(hf_config, "moe_intermediate_size") or _get(hf_config, "intermediate_size"))
+            if inter % etp:
+                raise ConfigError(f"{where}.etp={etp} does not divide moe_intermediate_size={inter}")
+    sp = bool(section.sequence_parallel) or (bool(n_exp) and tp > 1)
+    return ParallelSizes(tp=tp, ep=ep, etp=etp, sequence_parallel=sp)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The norm
+# ---------------------------------------------------------------------------------------------------------
+
+
+class SequenceParallelNorm:
+    """``WrappedTorchNorm`` without its ``not sequence_parallel`` assertion: the same ``torch.nn.RMSNorm`` /
+    ``LayerNorm``, its weight (and bias) marked ``sequence_parallel`` as TE's ``TENorm`` and Apex's
+    ``FusedLayerNorm`` mark theirs, so ``finalize_grads`` sums the partial gradients over the TP group."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
+        if config.layernorm_zero_centered_gamma or config.persist_layer_norm or config.memory_efficient_layer_norm:
+            raise ConfigError("SequenceParallelNorm: zero-centred gamma, persist_layer_norm and memory-efficient "
+                              "norms are not supported (the local torch norm has none of them)")
+        norm_cls = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}.get(config.normalization)
+        if norm_cls is None:
+            raise ConfigError(f"SequenceParallelNorm: normalization {config.normalization!r} (RMSNorm or LayerNorm)")
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Gradient reductions, norm, clipping
+# ---------------------------------------------------------------------------------------------------------
+
+
+def is_expert_param(name: str) -> bool:
+    return ".experts." in name
+
+
+def _tp_partial(name: str, p: torch.Tensor, sizes: ParallelSizes) -> bool:
+    """A replicated (not TP-sharded) parameter whose gradient on each TP rank is a partial sum."""
+    if sizes.tp == 1 or is_expert_param(name):
+        return False
+    if getattr(p, "sequence_parallel", False):
+        return True
+    return name.endswith(("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"))
+
+
+def _groups():
+    from megatron.core import parallel_state as ps
+
+    return {"tp": ps.get_tensor_model_parallel_group(), "dp": ps.get_data_parallel_group(),
+            "edp": ps.get_expert_data_parallel_group()}
+
+
+def finalize_grads(model: torch.nn.Module, sizes: ParallelSizes) -> None:
+    """Megatron's gradient reductions for a group whose ranks all ran the same batch (module docstring)."""
+    if sizes.world == 1:
+        return
+    import torch.distributed as dist
+
+    g = _groups()
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        if _tp_partial(name, p, sizes):
+            dist.all_reduce(p.grad, group=g["tp"])
+        if is_expert_param(name):
+            if sizes.edp > 1:
+                dist.all_reduce(p.grad, group=g["edp"])
+        elif sizes.dp > 1:
+            dist.all_reduce(p.grad, group=g["dp"])
+        if sizes.dp > 1:
+            p.grad.mul_(1.0 / sizes.dp)
+
+
+def sharded_params(model: torch.nn.Module) -> set[str]:
+    """Names of the parameters split over a tensor-parallel group: the weights of Megatron's column / row
+    parallel linears and vocab-parallel embedding, and a column-parallel bias. (Megatron marks them
+    ``tensor_model_parallel`` only in its init functions, which ``perform_initialization=False`` skips.)"""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
+
+    out = set()
+    for mname, module in model.named_modules():
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding):
+            for pname, _ in module.named_parameters(recurse=False):
+                if pname == "weight" or (pname == "bias" and isinstance(module, ColumnParallelLinear)):
+                    out.add(f"{mname}.{pname}" if mname else pname)
+    return out
+
+
+def _copies(name: str, sharded: bool, sizes: ParallelSizes) -> int:
+    """How many ranks hold this very gradient (so the global norm counts it once)."""
+    if is_expert_param(name):
+        distinct = sizes.ep * (sizes.etp if sharded else 1)
+    else:
+        distinct = sizes.tp if sharded else 1
+    return sizes.world // distinct
+
+
+def clip_grads(model: torch.nn.Module, sizes: ParallelSizes, max_norm: float | None) -> float:
+    """The L2 norm of the whole model's gradient (each distinct shard once, all-reduced over the world), then
+    ``torch.nn.utils.clip_grad_norm_``'s scaling (``max_norm / (norm + 1e-6)``, at most 1). Same value on every
+    rank."""
+    import torch.distributed as dist
+
+    named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+    if not named:
+        return 0.0
+    sharded = sharded_params(model)
+    dev = named[0][1].grad.device
+    sq = torch.zeros((), dtype=torch.float32, device=dev)
+    for name, p in named:
+        sq += p.grad.detach().float().pow(2).sum() / _copies(name, name in sharded, sizes)
+    if sizes.world > 1:
+        dist.all_reduce(sq)
+    norm = sq.sqrt()
+    if max_norm is not None:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for _, p in named:
+            p.grad.detach().mul_(coef.to(p.grad.dtype))
+    return float(norm)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# NVFP4 per-token activation scales: the partition rule
+# ---------------------------------------------------------------------------------------------------------
+
+
+_ROW_PARALLEL = ("self_attn.o_proj.weight", ".down_proj.weight")
+
+
+def activation_partition(name: str, *, tp: int, etp: int) -> int:
+    """Into how many K slices the input of the GEMM of HF weight ``name`` is cut on a rank (1: the whole K)."""
+    if not name.endswith(_ROW_PARALLEL):
+        return 1  # column-parallel: the input is the whole hidden (all-gathered)
+    return etp if ".experts." in name and ".shared_expert" not in name else tp
+
+
+def check_activation_partition(plan, *, tp: int, etp: int, engine_tp: int = 1, engine_etp: int | None = None
+                               ) -> None:
+    """Refuse NVFP4 GEMMs whose activation global scale (per token, or per tensor) would be computed on another
+    K partition than the engine's.
+
+    ``engine_tp`` / ``engine_etp``: the engine's tensor-parallel and MoE tensor-parallel sizes (the reference
+    engine: 1 / 1; ``engine_etp`` None: = engine_tp, SGLang's and vLLM's default without expert parallelism).
+    """
+    if plan is None:
+        return
+    from miles_lp.formats.spec import Format
+
+    engine_etp = engine_tp if engine_etp is None else engine_etp
+    bad = []
+    for name, entry in plan.quantized().items():
+        if entry.format is not Format.NVFP4:  # per-token (the RL recipe) or per-tensor: both take an amax over K
+            continue
+        mine = activation_partition(name, tp=tp, etp=etp)
+        theirs = activation_partition(name, tp=engine_tp, etp=engine_etp)
+        if mine != theirs:
+            bad.append((name, mine, theirs))
+    if bad:
+        n, mine, theirs = bad[0]
+        raise ConfigError(
+            f"NVFP4 per-token activation scales: {len(bad)} row-parallel GEMM(s), e.g. {n}, would compute each "
+            f"token's amax over 1/{mine} of K on the learner and over 1/{theirs} on the engine (learner tp={tp} "
+            f"etp={etp}, engine tp={engine_tp} etp={engine_etp}); the scale must come from the same partition "
+            "(CONTRACT 2): set train.megatron.etp (experts) / tp (dense) to the engine's, or tell the learner the "
+            "engine's sizes")
