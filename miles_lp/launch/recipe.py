@@ -194,6 +194,39 @@ def _int(value: Any, where: Where, minimum: int) -> int:
     return value
 
 
+#: tiny architectures with MoE layers (``checkpoint.tiny``); routing replay needs one
+MOE_TINY_ARCHS = ("qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral")
+_MOE_CONFIG_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _is_moe_model(model: ModelConfig) -> bool | None:
+    """True / False when the recipe tells (a tiny arch, or an HF folder's config.json); None when it cannot."""
+    if model.is_tiny:
+        return model.arch in MOE_TINY_ARCHS
+    cfg = Path(model.path) / "config.json"
+    try:
+        import json
+
+        data = json.loads(cfg.read_text())
+    except (OSError, ValueError):
+        return None  # the learner checks when it sees the routes
+    data = data.get("text_config", data)
+    return any(isinstance(data.get(k), int) and data[k] > 0 for k in _MOE_CONFIG_KEYS)
+
+
+def _check_routing_replay(model: ModelConfig, train: TrainConfig, rl: RLConfig, where: Where) -> None:
+    """``rl.routing_replay`` needs an MoE model and a learner with the replay hook (the embedded trainer)."""
+    if not rl.routing_replay:
+        return
+    if train.backend != "embedded":
+        raise where.error(f"routing replay (Miles R3) is not implemented in the {train.backend} learner yet (its "
+                          "MoE routers have no replay hook); use train.backend: embedded or set "
+                          "rl.routing_replay: false")
+    if _is_moe_model(model) is False:
+        raise where.error(f"model {model.path} is dense (no MoE layers): there are no routed experts to replay; set "
+                          "rl.routing_replay: false")
+
+
 def parse_recipe(doc: YamlDoc) -> Recipe:
     """Build a ``Recipe`` from a loaded YAML document; every section is validated here."""
     from miles_lp.policy import parse_policy
@@ -208,14 +241,17 @@ def parse_recipe(doc: YamlDoc) -> Recipe:
         if required not in data:
             raise ConfigError(f"missing section '{required}'", source=doc.source, line=1)
     model = parse_dataclass(ModelConfig, data["model"], w.child("model"))
+    train = parse_dataclass(TrainConfig, data.get("train"), w.child("train"))
+    rl = parse_dataclass(RLConfig, data.get("rl"), w.child("rl"))
+    _check_routing_replay(model, train, rl, w.child("rl").child("routing_replay"))
     return Recipe(
         model=model,
         precision=parse_policy(data["precision"], w.child("precision")),
         sampler_precision=_sampler_policy(data.get("sampler_precision"), w.child("sampler_precision")),
-        train=parse_dataclass(TrainConfig, data.get("train"), w.child("train")),
+        train=train,
         rollout=_rollout(data.get("rollout"), w.child("rollout")),
         sync=_sync(data.get("sync"), w.child("sync")),
-        rl=parse_dataclass(RLConfig, data.get("rl"), w.child("rl")),
+        rl=rl,
         task=parse_dataclass(TaskConfig, data.get("task"), w.child("task")),
         ray=parse_dataclass(RayConfig, data.get("ray"), w.child("ray")),
         logging=parse_dataclass(LoggingConfig, data.get("logging"), w.child("logging")),

@@ -20,13 +20,20 @@ from miles_lp.rl.loss import agg_loss, clipped_policy_loss, kl_penalty
 from miles_lp.rl.masked import masked_mean, pad
 
 
-def make_sample(prompt: Sequence[int], output: Sequence[int], rollout_lp: torch.Tensor, index: int) -> dict[str, Any]:
+def make_sample(prompt: Sequence[int], output: Sequence[int], rollout_lp: torch.Tensor, index: int,
+                routed_experts: torch.Tensor | None = None) -> dict[str, Any]:
+    """``routed_experts`` (routing replay): the engine's ``[len(prompt) + len(output) - 1, MoE layers, top_k]``
+    routes, row ``t`` = token ``t`` of ``tokens``; the learner validates and replays them
+    (``miles_lp.train.routing_replay``). Absent: the learner routes on its own."""
     tokens = torch.tensor([*prompt, *output], dtype=torch.long)
     start, n = len(prompt) - 1, len(output)
     loss_mask = torch.zeros(tokens.numel() - 1)
     loss_mask[start:start + n] = 1.0
-    return {"tokens": tokens, "loss_mask": loss_mask, "start": start, "n": n, "index": index,
-            "rollout_logprobs": rollout_lp.float().reshape(-1)[:n]}
+    sample = {"tokens": tokens, "loss_mask": loss_mask, "start": start, "n": n, "index": index,
+              "rollout_logprobs": rollout_lp.float().reshape(-1)[:n]}
+    if routed_experts is not None:
+        sample["routed_experts"] = routed_experts
+    return sample
 
 
 def response_rows(full: Sequence[torch.Tensor], samples: Sequence[Mapping[str, Any]]) -> list[torch.Tensor]:

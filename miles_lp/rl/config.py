@@ -14,7 +14,7 @@
       entropy_coef: 0.0
       dynamic_sampling: false     # DAPO: drop groups whose rewards are all equal
       overlong: {enable: false, buffer_len: 4, penalty_factor: 1.0}   # DAPO soft overlong punishment
-      routing_replay: false       # Miles R3 (needs the learner hook; refused until it exists)
+      routing_replay: false       # Miles R3: the learner replays the engine's routed experts (MoE)
       rollout_correction:         # verl's algorithm.rollout_correction, same names and semantics
         rollout_is: null          # null | token | sequence
         rollout_is_threshold: 2.0 # a number: TIS (truncate); "0.5_2.0": IcePop-style mask outside [lo, hi]
@@ -200,7 +200,3 @@ class RLConfig:
         for key in ("kl_coef", "entropy_coef"):
             if getattr(self, key) < 0:
                 raise where.child(key).error(f"must be >= 0, got {getattr(self, key)}")
-        if self.routing_replay:
-            raise where.child("routing_replay").error(
-                "routing replay (Miles R3) is not available yet: the learner has no hook to reuse the engine's "
-                "routed experts in its forward (requested from the learner owners); set routing_replay: false")

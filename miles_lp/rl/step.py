@@ -78,9 +78,14 @@ def grpo_step(p: StepParts, step: int) -> dict[str, float]:
     # 1. rollout: group_size samples per prompt, sampling seeded by (seed, step)
     prompts = p.task.prompts(step, rl.prompts_per_step)
     inputs = [list(pr.ids) for pr in prompts for _ in range(n_group)]
+    sampling = dataclasses.replace(p.sampling, seed=step_seed(p.seed, step))
+    if rl.routing_replay:  # Miles R3: the engine returns each token's routed experts, the learner replays them
+        sampling = dataclasses.replace(sampling, return_routed_experts=True)
     with t("generate"):
-        gens = p.engine.generate(inputs, dataclasses.replace(p.sampling, seed=step_seed(p.seed, step)))
+        gens = p.engine.generate(inputs, sampling)
     _finite([g.logprobs for g in gens], "rollout log-probs from the engine", step)
+    if rl.routing_replay:
+        _check_routes_present(gens, inputs, step)
     # 2. reward (+ DAPO overlong punishment), dynamic sampling
     with t("reward"):
         scores = torch.tensor([p.task.reward(prompts[i // n_group], g.output_ids) for i, g in enumerate(gens)])
@@ -91,11 +96,15 @@ def grpo_step(p: StepParts, step: int) -> dict[str, float]:
                                         rl.overlong.penalty_factor)
         keep = keep_groups(rewards, n_group) if rl.dynamic_sampling else torch.ones(len(prompts), dtype=torch.bool)
         adv = group_advantages(rewards, n_group, norm_by_std=rl.norm_adv_by_std)
-    batch = [make_sample(inputs[i], g.output_ids, g.logprobs, i) for i, g in enumerate(gens)]
-    # 3. old log-probs (the learner before the update) and the frozen reference
+    batch = [make_sample(inputs[i], g.output_ids, g.logprobs, i, g.routed_experts if rl.routing_replay else None)
+             for i, g in enumerate(gens)]
+    # 3. old log-probs (the learner before the update; routes replayed) and the frozen reference (its own
+    # routing, as Miles runs the reference model with replay off: the engine's routes are the policy's)
+    routing: dict[str, float] = {}
     if not rl.rollout_correction.bypass_mode:
         with t("old_log_prob"):
-            old_full, ent_full = p.learner.logprobs([s["tokens"] for s in batch])
+            old_full, ent_full = p.learner.logprobs(_learner_inputs(batch, rl.routing_replay))
+        routing = dict(getattr(p.learner, "routing_stats", None) or {})
         old = response_rows(old_full, batch)
         _finite(old, "learner log-probs", step)
         m["actor/entropy"] = float(masked_mean(*_padded(response_rows(ent_full, batch))))
@@ -135,6 +144,8 @@ def grpo_step(p: StepParts, step: int) -> dict[str, float]:
             if not all(math.isfinite(float(s[k])) for s in stats[-1:] for k in ("loss", "grad_norm")):
                 raise RunError(f"step {step}: non-finite loss or gradient (loss {stats[-1]['loss']}, grad norm "
                                f"{stats[-1]['grad_norm']}) in mini-batch {mb_index}; stopping")
+    if rl.routing_replay:
+        _routing_metrics(m, routing, stats)
     if rc.bypass_mode and loss_fn.recorded:  # mismatch measured on mini-batch 0 (before any update)
         idx = sorted(loss_fn.recorded)
         cur, cmask = _padded([loss_fn.recorded[i] for i in idx])
@@ -179,6 +190,41 @@ def grpo_step(p: StepParts, step: int) -> dict[str, float]:
 
 def _padded(rows):
     return pad(rows)
+
+
+def _learner_inputs(batch: list[dict[str, Any]], replay: bool) -> list:
+    """What the old-log-prob pass sends the learner: the tokens, plus the routes (and sample index, for error
+    messages) under routing replay."""
+    if not replay:
+        return [s["tokens"] for s in batch]
+    return [{"tokens": s["tokens"], "routed_experts": s["routed_experts"], "index": s["index"]} for s in batch]
+
+
+def _check_routes_present(gens, inputs, step: int) -> None:
+    missing = [i for i, g in enumerate(gens) if getattr(g, "routed_experts", None) is None]
+    if not missing:
+        return
+    if len(missing) == len(gens):
+        raise RunError(f"step {step}: rl.routing_replay is on but the engine returned no routed experts for any "
+                       "sample: a dense model (no MoE layers) has nothing to replay, or the engine does not "
+                       "support return_routed_experts; set rl.routing_replay: false")
+    i = missing[0]
+    raise RunError(f"step {step}: rl.routing_replay is on but the engine returned no routed experts for sample {i} "
+                   f"(prompt {list(inputs[i])}; {len(missing)} of {len(gens)} samples lack them); stopping")
+
+
+def _routing_metrics(m: dict[str, float], old_pass: dict[str, float], stats: list[dict[str, Any]]) -> None:
+    """``rollout_corr/routing_agreement``: share of (token, MoE layer) pairs where the learner's own top-k set
+    equals the engine's replayed set, before any update (the old-log-prob pass; without one, or through a
+    learner proxy that does not expose ``routing_stats``, the first mini-batch's forward, also before the
+    update). ``_token``: every layer agrees. ``actor/routing_agreement``: mean over the training forwards."""
+    first = old_pass or (stats[0] if stats else {})
+    for k in ("routing_agreement", "routing_agreement_token"):
+        if k in first:
+            m[f"rollout_corr/{k}"] = float(first[k])
+    per_mb = [float(s["routing_agreement"]) for s in stats if "routing_agreement" in s]
+    if per_mb:
+        m["actor/routing_agreement"] = sum(per_mb) / len(per_mb)
 
 
 def _split(samples: list, parts: int) -> list[list]:

@@ -45,6 +45,16 @@ from miles_lp.train.quant_linear import (
     invalidate_on_step,
     learner_weights,
 )
+from miles_lp.train.routing_replay import (
+    AgreementCounter,
+    MoERouter,
+    RoutingReplayError,
+    check_batch_routes,
+    moe_routers,
+    pack_routes,
+    replay_routes,
+    sample_routes,
+)
 
 # ---------------------------------------------------------------------------------------------------------
 # Applying the plan
@@ -167,6 +177,8 @@ class Pack:
     offsets: list[int]  # start of each sequence in the row
     lengths: list[int]
     indices: list[int]  # the sequences' indices in the caller's batch
+    #: routing replay: each sequence's validated routes ``[len - 1, MoE layers, top_k]`` (None: own routing)
+    routes: list[torch.Tensor] | None = None
 
     @property
     def tokens(self) -> int:
@@ -296,36 +308,77 @@ class PackedLearnerSteps:
 
     The learner provides ``config`` (``TrainConfig``), ``pad_multiple``, ``optimizer``, ``step`` and
     ``_forward(pack) -> logits [1, T, V]``; everything else about batching, losses and the step is here once.
+
+    Routing replay (Miles R3, ``miles_lp.train.routing_replay``): batch items that carry ``routed_experts``
+    are replayed by a learner with ``supports_routing_replay = True`` (its ``_forward`` reads ``pack.routes``
+    and adds to ``self._routing_counter``); any other learner refuses them (``RoutingReplayError``), so routes
+    are never silently ignored. After ``logprobs`` / ``train_step``, ``routing_stats`` holds the agreement of
+    that call's forwards (``{}`` without replay).
     """
 
-    def micro_batches(self, seqs: Sequence[torch.Tensor]) -> list[Pack]:
+    #: set by a learner whose ``_forward`` replays ``pack.routes`` (the embedded trainer)
+    supports_routing_replay = False
+    routing_stats: dict[str, float] = {}  # noqa: RUF012 (replaced per call, never mutated)
+    _routing_counter: AgreementCounter | None = None
+
+    def micro_batches(self, seqs: Sequence[torch.Tensor], routes: Sequence[torch.Tensor] | None = None) -> list[Pack]:
         groups = split_by_token_budget([int(s.numel()) for s in seqs], self.config.micro_batch_tokens,
                                        self.pad_multiple)
-        return [pack_sequences([seqs[i] for i in g], g, self.pad_multiple) for g in groups]
+        packs = [pack_sequences([seqs[i] for i in g], g, self.pad_multiple) for g in groups]
+        if routes is not None:
+            for pack in packs:
+                pack.routes = [routes[i] for i in pack.indices]
+        return packs
+
+    def _batch_routes(self, batch: Sequence[Any]) -> list[torch.Tensor] | None:
+        """The batch's routes, validated for this learner's model (``None``: no item carries any)."""
+        self._routing_counter = AgreementCounter()
+        routes = sample_routes(batch)
+        if routes is None:
+            return None
+        if not self.supports_routing_replay:
+            raise RoutingReplayError(
+                f"{type(self).__name__} cannot replay routed experts yet (Miles R3: its MoE routers have no replay "
+                "hook; /work/notes/requests/replay-to-megatron.md); use train.backend: embedded or set "
+                "rl.routing_replay: false")
+        return self._check_routes(batch, routes)
+
+    def _check_routes(self, batch: Sequence[Any], routes: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        raise NotImplementedError  # a learner with supports_routing_replay validates against its model
+
+    def _finish_routing(self) -> dict[str, float]:
+        counter, self._routing_counter = self._routing_counter, None
+        self.routing_stats = counter.metrics() if counter is not None else {}
+        return self.routing_stats
 
     @torch.no_grad()
     def logprobs(self, batch: Sequence[torch.Tensor | Mapping[str, Any]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per sequence (in order): log-probs of tokens 1..L-1 and entropies, fp32 on CPU."""
+        """Per sequence (in order): log-probs of tokens 1..L-1 and entropies, fp32 on CPU. Items that are
+        mappings with ``routed_experts`` are computed with those routes replayed."""
         seqs = [b["tokens"] if isinstance(b, Mapping) else b for b in batch]
+        routes = self._batch_routes(batch)
         lps: list[torch.Tensor | None] = [None] * len(seqs)
         ents: list[torch.Tensor | None] = [None] * len(seqs)
-        for pack in self.micro_batches(seqs):
+        for pack in self.micro_batches(seqs, routes):
             lp, ent = token_logprobs_and_entropy(self._forward(pack), pack)
             for i, a, b in zip(pack.indices, lp, ent, strict=True):
                 lps[i], ents[i] = a.cpu(), b.cpu()
+        self._finish_routing()
         return lps, ents  # type: ignore[return-value]
 
     def accumulate_grads(self, samples: Sequence[Mapping[str, Any]], loss_fn: LossFn = nll_loss
                          ) -> tuple[float, list[Pack]]:
         """Forward/backward every micro-batch of ``samples``, accumulating ``.grad``. Returns (loss, packs)."""
         seqs = [s["tokens"] for s in samples]
+        routes = self._batch_routes(samples)
         totals = {"tokens": int(sum(float(_loss_mask(s).sum()) for s in samples)), "sequences": len(samples)}
-        loss_sum, packs = 0.0, self.micro_batches(seqs)
+        loss_sum, packs = 0.0, self.micro_batches(seqs, routes)
         for pack in packs:
             lp, ent = token_logprobs_and_entropy(self._forward(pack), pack)
             loss = loss_fn(lp, ent, [samples[i] for i in pack.indices], totals)
             loss.backward()
             loss_sum += float(loss.detach())
+        self._finish_routing()
         return loss_sum, packs
 
     def train_step(self, samples: Sequence[Mapping[str, Any]], loss_fn: LossFn = nll_loss) -> dict[str, Any]:
@@ -347,12 +400,14 @@ class PackedLearnerSteps:
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": loss_sum, "grad_norm": norm, "finite": finite, "skipped": not finite,
                 "micro_batches": len(packs), "tokens": sum(int(s["tokens"].numel()) for s in samples),
-                "padded_tokens": sum(p.tokens for p in packs), "step": self.step}
+                "padded_tokens": sum(p.tokens for p in packs), "step": self.step, **self.routing_stats}
 
 
 
 class EmbeddedTrainer(PackedLearnerSteps):
     """A transformers causal LM under a precision plan, trained with AdamW (see the module docstring)."""
+
+    supports_routing_replay = True
 
     def __init__(self, model: torch.nn.Module | str | Path, plan=None, config: TrainConfig | None = None):
         """``model``: an HF checkpoint folder or a transformers model; ``plan``: a compiled ``PrecisionPlan``
@@ -396,9 +451,27 @@ class EmbeddedTrainer(PackedLearnerSteps):
 
     # ---- forward ------------------------------------------------------------------------------------
     def _forward(self, pack: Pack) -> torch.Tensor:
-        out = self.model(input_ids=pack.input_ids.to(self.device), position_ids=pack.position_ids.to(self.device),
-                         use_cache=False)
-        return out.logits
+        def run():
+            return self.model(input_ids=pack.input_ids.to(self.device),
+                              position_ids=pack.position_ids.to(self.device), use_cache=False).logits
+
+        if pack.routes is None:
+            return run()
+        routers = self.moe_routers()
+        packed, replayed = pack_routes(pack.routes, pack.offsets, pack.lengths, pack.tokens, len(routers),
+                                       routers[0].top_k)
+        with replay_routes(routers, packed, replayed, self._routing_counter):
+            return run()
+
+    def moe_routers(self) -> list[MoERouter]:
+        """The model's MoE routers in layer order (routing replay); ``[]`` for a dense model."""
+        if getattr(self, "_moe_routers", None) is None:
+            self._moe_routers = moe_routers(self.model)
+        return self._moe_routers
+
+    def _check_routes(self, batch, routes):
+        return check_batch_routes(batch, routes, self.moe_routers(), str(getattr(self.model.config, "model_type",
+                                                                                  "?")))
 
     # ---- export -------------------------------------------------------------------------------------
     def learner_weights(self) -> Iterator[tuple[str, Any]]:

@@ -77,9 +77,26 @@ def test_set_overrides_are_validated(tmp_path):
         apply_override({"steps": 3}, "steps.x=1")
 
 
-def test_routing_replay_refused_until_the_learner_hook_exists(tmp_path):
-    with pytest.raises(ConfigError, match="routing replay .* not available yet"):
-        load_recipe(write(tmp_path, GOOD), ["rl.routing_replay=true"])
+def test_routing_replay_needs_an_moe_model_and_the_embedded_learner(tmp_path):
+    f = write(tmp_path, GOOD)
+    with pytest.raises(ConfigError, match=r"--set rl.routing_replay=true: 'rl.routing_replay'.*tiny:qwen3 is dense "
+                                          r"\(no MoE layers\).*set rl.routing_replay: false"):
+        load_recipe(f, ["rl.routing_replay=true"])
+    with pytest.raises(ConfigError, match=r"routing replay \(Miles R3\) is not implemented in the megatron learner"):
+        load_recipe(f, ["rl.routing_replay=true", "model.path=tiny:qwen3_moe", "train.backend=megatron"])
+    r = load_recipe(f, ["rl.routing_replay=true", "model.path=tiny:qwen3_moe"])
+    assert r.rl.routing_replay
+    # an HF folder: its config.json tells dense from MoE
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    (dense / "config.json").write_text('{"model_type": "llama", "hidden_size": 8}')
+    with pytest.raises(ConfigError, match=r"is dense"):
+        load_recipe(f, ["rl.routing_replay=true", f"model.path={dense}"])
+    (dense / "config.json").write_text('{"model_type": "qwen3_moe", "num_experts": 8}')
+    assert load_recipe(f, ["rl.routing_replay=true", f"model.path={dense}"]).rl.routing_replay
+    text = GOOD.replace("  group_size: 4\n", "  group_size: 4\n  routing_replay: true\n")
+    with pytest.raises(ConfigError, match=r"r2.yaml:\d+: 'rl.routing_replay'"):
+        load_recipe(write(tmp_path, text, "r2.yaml"))
 
 
 def test_shipped_tiny_recipes_parse():

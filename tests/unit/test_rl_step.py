@@ -177,3 +177,74 @@ def test_nonfinite_values_stop_the_step_naming_it():
             return s
     with pytest.raises(RunError, match="step 4: non-finite loss or gradient .* mini-batch 0"):
         grpo_step(parts(rl(), learner=NanLoss()), 4)
+
+
+# ---- routing replay (Miles R3): the step's plumbing; the learner side is tests/unit/test_train_routing_replay.py
+class RoutingEngine(Engine):
+    """Engine that returns routes [len(prompt) + len(output) - 1, 1 layer, top 2] (``drop``: samples without)."""
+
+    def __init__(self, drop=()):
+        super().__init__()
+        self.drop, self.sampling = set(drop), None
+
+    def generate(self, inputs, sampling):
+        self.sampling = sampling
+        out = super().generate(inputs, sampling)
+        for i, (ids, g) in enumerate(zip(inputs, out, strict=True)):
+            if i not in self.drop:
+                g.routed_experts = torch.full((len(ids) + len(g.output_ids) - 1, 1, 2), i)
+        return out
+
+
+class RoutingLearner(Learner):
+    def __init__(self):
+        super().__init__()
+        self.seen, self.routing_stats = [], {}
+
+    def logprobs(self, batch):
+        self.seen.append(("logprobs", list(batch)))
+        self.routing_stats = {"routing_agreement": 0.75, "routing_agreement_token": 0.5}
+        return super().logprobs(batch)
+
+    def train_step(self, samples, loss_fn):
+        self.seen.append(("train_step", list(samples)))
+        return {**super().train_step(samples, loss_fn), "routing_agreement": 0.25 * len(self.seen)}
+
+
+def test_routing_replay_routes_travel_to_the_learner_not_the_reference():
+    eng, lrn, ref = RoutingEngine(), RoutingLearner(), RoutingLearner()
+    p = parts(rl(routing_replay=True, kl_coef=0.1), engine=eng, learner=lrn)
+    p.reference = ref
+    m = grpo_step(p, 0)
+    assert eng.sampling.return_routed_experts  # asked of the engine
+    kind, items = lrn.seen[0]
+    assert kind == "logprobs" and all(isinstance(b, dict) for b in items)
+    for i, b in enumerate(items):  # sample i carries the engine's routes for sample i, aligned with its tokens
+        assert b["index"] == i and b["routed_experts"].shape == (b["tokens"].numel() - 1, 1, 2)
+        assert int(b["routed_experts"][0, 0, 0]) == i
+    for kind, samples in lrn.seen[1:]:  # both mini-batches train on the replayed routes
+        assert kind == "train_step" and all(int(s["routed_experts"][0, 0, 0]) == s["index"] for s in samples)
+    assert all(isinstance(b, torch.Tensor) for b in ref.seen[0][1])  # the frozen reference: tokens only
+    assert m["rollout_corr/routing_agreement"] == 0.75 and m["rollout_corr/routing_agreement_token"] == 0.5
+    assert m["actor/routing_agreement"] == pytest.approx((0.5 + 0.75) / 2)
+    # off: no routes asked for, none sent, no routing figures
+    eng2, lrn2 = RoutingEngine(), RoutingLearner()
+    m2 = grpo_step(parts(rl(), engine=eng2, learner=lrn2), 0)
+    assert not eng2.sampling.return_routed_experts and isinstance(lrn2.seen[0][1][0], torch.Tensor)
+    assert "routing_replayed" not in str(m2) and "rollout_corr/routing_agreement" not in m2
+
+
+def test_routing_replay_bypass_mode_takes_agreement_from_the_first_mini_batch():
+    lrn = RoutingLearner()
+    m = grpo_step(parts(rl(routing_replay=True, rollout_correction={"bypass_mode": True}), engine=RoutingEngine(),
+                        learner=lrn), 0)
+    assert [k for k, _ in lrn.seen] == ["train_step", "train_step"]
+    assert m["rollout_corr/routing_agreement"] == 0.25  # mini-batch 0 (before any update)
+
+
+def test_routing_replay_missing_routes_stop_the_step_naming_the_sample():
+    with pytest.raises(RunError, match=r"step 4: rl.routing_replay is on but the engine returned no routed experts "
+                                       r"for sample 2 \(prompt \[1, 5\]; 1 of 4 samples lack them\)"):
+        grpo_step(parts(rl(routing_replay=True), engine=RoutingEngine(drop={2}), learner=RoutingLearner()), 4)
+    with pytest.raises(RunError, match=r"no routed experts for any sample: a dense model \(no MoE layers\)"):
+        grpo_step(parts(rl(routing_replay=True), engine=RoutingEngine(drop=range(4)), learner=RoutingLearner()), 0)
