@@ -218,7 +218,9 @@ def _check_routing_replay(model: ModelConfig, train: TrainConfig, rl: RLConfig, 
     """``rl.routing_replay`` needs an MoE model and a learner with the replay hook (the embedded trainer)."""
     if not rl.routing_replay:
         return
-    if train.backend != "embedded":
+    from miles_lp.train.routing_replay import REPLAY_BACKENDS
+
+    if train.backend not in REPLAY_BACKENDS:
         raise where.error(f"routing replay (Miles R3) is not implemented in the {train.backend} learner yet (its "
                           "MoE routers have no replay hook); use train.backend: embedded or set "
                           "rl.routing_replay: false")

@@ -222,3 +222,14 @@ def test_router_output_matches_hf_when_not_replayed():
             assert torch.equal(i2, idx) and torch.equal(s2, scores) and s2.dtype == scores.dtype, arch
             assert torch.equal(F.linear(h.to(l2.dtype), r.module.weight.to(l2.dtype)) if arch != "deepseek_v3"
                                else logits, l2), arch
+
+
+def test_megatron_learner_refuses_routes_until_it_has_the_hook():
+    pytest.importorskip("megatron.core")
+    from miles_lp.train.megatron.learner import MegatronLearner
+
+    if MegatronLearner.supports_routing_replay:
+        pytest.skip("the Megatron learner replays routes (its own tests cover it)")
+    learner = object.__new__(MegatronLearner)  # the refusal needs no model
+    with pytest.raises(RoutingReplayError, match=r"MegatronLearner cannot replay routed experts yet"):
+        learner._batch_routes([{"tokens": torch.arange(4, 9), "routed_experts": torch.zeros(4, 2, 2)}])
