@@ -431,7 +431,30 @@ def profile_step(fn, dev, calls: int = 20) -> dict:
     iso.sort()
     return dict(host_us=host[len(host) // 2], isolated_ms=iso[len(iso) // 2], pipelined_ms=pipelined,
                 kernels=n_k, device_us=dev_us, syncs=syncs,
-                top=[dict(us=us, per_call=c, name=name[:90]) for us, c, name in top])
+                top=[dict(us=us, per_call=c, name=name[:90]) for us, c, name in top], host_top=_host_top(fn))
+
+
+def _host_top(fn, calls: int = 30, n: int = 10) -> list[dict]:
+    """Where a call's host time goes: cProfile over ``calls`` calls, the ``n`` largest own times (us per call;
+    cProfile's own overhead inflates them, the ranking is what counts)."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    st = pstats.Stats(prof)
+    rows = []
+    for (file, line, func), (_cc, nc, tt, _ct, _callers) in st.stats.items():
+        rows.append((tt / calls * 1e6, nc / calls, f"{file.rsplit('/', 2)[-1]}:{line}({func})"))
+    rows.sort(reverse=True)
+    return [dict(us=us, per_call=c, name=name[:90]) for us, c, name in rows[:n]]
 
 
 def _profile_cases(m: int, n: int, k: int, dev, modes) -> list[tuple[str, object]]:
@@ -475,6 +498,9 @@ def profile(shapes, device: str = "cuda", modes=None, on_line=print) -> list[dic
                     f"{r['isolated_ms']:.3f} ms, pipelined {r['pipelined_ms']:.3f} ms, {r['kernels']:.0f} kernels "
                     f"= {r['device_us']:.1f} us device, {r['syncs']} host syncs")
             for t in r["top"]:
+                on_line(f"{'':>20} {t['us']:9.1f} us  x{t['per_call']:.0f}  {t['name']}")
+            on_line(f"{'':>20} host (cProfile own time per call):")
+            for t in r["host_top"]:
                 on_line(f"{'':>20} {t['us']:9.1f} us  x{t['per_call']:.0f}  {t['name']}")
         torch.cuda.empty_cache()
     return out
