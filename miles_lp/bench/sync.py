@@ -29,6 +29,9 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: 1 on cpu)")
     p.add_argument("--workdir", default=None, help="where to write the model and checkpoints (default: temp)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON too")
+    p.add_argument("--profile", action="store_true",
+                   help="one more sync per format counting the torch ops each stage dispatches (on CUDA: about one "
+                        "kernel launch each) and, on CUDA, the kernels' summed device time (torch.profiler)")
 
 
 def bench_config(params: float, big: bool) -> dict:
@@ -122,6 +125,82 @@ def _tensorwise_copy_seconds(tensors, device, iters: int) -> float:
     return min(times[1:])
 
 
+_VIEWS = ("aten.view", "aten._reshape_alias", "aten.as_strided", "aten.slice", "aten.select", "aten.alias",
+          "aten.unsqueeze", "aten.squeeze", "aten.t.", "aten.expand", "aten.permute", "aten._unsafe_view",
+          "aten.detach", "aten.unflatten", "aten.split", "aten.unbind", "aten.lift_fresh")
+
+
+def op_counts(ws, learner, device) -> dict:
+    """One sync with every dispatched torch op counted by stage (export, transfer, apply, finish, each check;
+    metadata-only ops such as views are not counted): on CUDA about one kernel launch per op, the number that
+    bounds a sync of ~1000 tensors. On CUDA also the summed device time of its kernels (torch.profiler)."""
+    import collections
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import miles_lp.sync.weight_sync as W
+
+    stage = ["other"]
+    counts: collections.Counter = collections.Counter()
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not str(func).startswith(_VIEWS):
+                counts[stage[0]] += 1
+            return func(*args, **(kwargs or {}))
+
+    patched = []
+
+    def wrap(obj, name, st):
+        f = getattr(obj, name)
+
+        def g(*a, **k):
+            old = stage[0]
+            stage[0] = st
+            try:
+                return f(*a, **k)
+            finally:
+                stage[0] = old
+        patched.append((obj, name, f))
+        setattr(obj, name, g)
+
+    wrap(ws.transport, "send", "transfer")
+    wrap(ws.engine, "update_weights", "apply")
+    wrap(ws.engine, "finish_weight_update", "finish")
+    wrap(W, "engine_items", "export")
+    wrap(ws, "_grid", "check:grid")
+    wrap(ws, "_self_check", "check:self_check")
+    wrap(ws.engine, "storage_pointers", "check:storage")
+    wrap(W.checks, "completeness", "check:completeness")
+    wrap(W.checks, "validate_update", "check:completeness")
+    wrap(W.checks, "layer_audit", "check:layer_audit")
+    _perturb(learner, seed=1000)
+    out: dict = {}
+    try:
+        with Count():
+            ws.sync(learner)
+        out["ops"] = dict(sorted(counts.items()))
+        out["ops_total"] = sum(counts.values())
+        if device.type == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+
+            _perturb(learner, seed=1001)
+            torch.cuda.synchronize(device)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                ws.sync(learner)
+                torch.cuda.synchronize(device)
+            kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+            out["cuda_kernels"] = len(kernels)
+            out["cuda_kernel_seconds"] = sum(e.device_time_total for e in kernels) / 1e6
+    except Exception as exc:  # a profiler that does not run here: say so, keep the timings
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        for obj, name, f in reversed(patched):
+            setattr(obj, name, f)
+    return out
+
+
 def bench_format(hf, fmt: str, workdir, device, args, log) -> dict:
     import statistics
     import time
@@ -145,7 +224,8 @@ def bench_format(hf, fmt: str, workdir, device, args, log) -> dict:
     cfg = SyncConfig(bucket_mb=args.bucket_mb, full_compare="off")
     ws = WeightSync(engine, plan, "sglang", cfg, transport=InProcessTransport(device), env={}, device=device,
                     log=lambda s: log("  " + s))
-    c2 = "device fingerprint" if hasattr(engine, "weight_fingerprints") else "host blake2b digest"
+    c2 = ("device group digest" if hasattr(engine, "weight_group_fingerprints") else "device fingerprint"
+          if hasattr(engine, "weight_fingerprints") else "host blake2b digest")
     reports = []
     for i in range(args.iters + 1):  # the first sync warms up (allocations, compiled kernels)
         _perturb(learner, seed=i)
@@ -156,6 +236,7 @@ def bench_format(hf, fmt: str, workdir, device, args, log) -> dict:
         wall = time.perf_counter() - t0
         if i:
             reports.append((wall, r))
+    prof = op_counts(ws, learner, device) if getattr(args, "profile", False) else None
     bad = [v.describe() for _, r in reports for v in r.failed]
     walls = [w for w, _ in reports]
     sync_s = statistics.median(walls)
@@ -181,7 +262,7 @@ def bench_format(hf, fmt: str, workdir, device, args, log) -> dict:
             "tensorwise_copy_seconds": piece_s,
             "ratio_tensorwise": sync_s / piece_s if piece_s > 0 else math.inf,
             "check_seconds": checks, "check_share": checks / sync_s, "stages": stage, "per_check": per_check,
-            "c2": c2, "failed_checks": bad, "syncs": len(walls)}
+            "c2": c2, "failed_checks": bad, "syncs": len(walls), "profile": prof}
 
 
 def run(args) -> int:
@@ -239,6 +320,11 @@ def _run(args, device, torch) -> int:
         print(f"  {r['format']}: checks {r['check_seconds']:.4f} s (C2 by {r['c2']}); slowest: "
               + ", ".join(f"{k} {v:.4f} s" for k, v in worst)
               + (f"; FAILED: {r['failed_checks'][:2]}" if r["failed_checks"] else ""))
+        p = r.get("profile")
+        if p:
+            print(f"  {r['format']}: {p.get('ops_total', '?')} torch ops per sync " + str(p.get("ops", {}))
+                  + (f"; {p['cuda_kernels']} CUDA kernels, {p['cuda_kernel_seconds']:.4f} s of kernel time"
+                     if "cuda_kernels" in p else "") + (f"; profile error: {p['error']}" if "error" in p else ""))
     print("targets (issue 11): sync <= 3x the copy; checks < 2% of the sync")
     if args.json:
         print(json.dumps({"device": str(device), "parameters": n, "results": results}, indent=2))

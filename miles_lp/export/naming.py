@@ -135,8 +135,12 @@ def expected(target: str, fmt: Format, weight_name: str, shape: tuple[int, ...])
     return {prefix + p.suffix: (p.dtype, _shape(p.shape, shape)) for p in parts(target, fmt)}
 
 
-def encode(target: str, fmt: Format, weight_name: str, q) -> dict:
-    """On-disk tensors for quantized tensor ``q`` (an ``MXFP8Tensor``/``NVFP4Tensor`` from the codecs)."""
+def encode(target: str, fmt: Format, weight_name: str, q, constants: dict | None = None) -> dict:
+    """On-disk tensors for quantized tensor ``q`` (an ``MXFP8Tensor``/``NVFP4Tensor`` from the codecs).
+
+    ``constants``: a cache the caller keeps across calls (the live sync): a constant part (``input_scale``) is
+    then ONE tensor on ``q``'s device shared by every module, not a new host tensor per module. Leave it out
+    where each module needs its own tensor (a checkpoint writer: safetensors refuses shared storage)."""
     import torch
 
     prefix = module_prefix(weight_name)
@@ -144,6 +148,13 @@ def encode(target: str, fmt: Format, weight_name: str, q) -> dict:
     out = {}
     for p in parts(target, fmt):
         if p.component is None:
+            if constants is not None:
+                key = (p.suffix, p.transform, p.shape, comps["data"].device)
+                t = constants.get(key)
+                if t is None:
+                    t = constants[key] = _constant_tensor(p).to(comps["data"].device)
+                out[prefix + p.suffix] = t
+                continue
             t = torch.tensor(_constant(p), dtype=torch.float32)
         else:
             t = comps[p.component]
@@ -155,6 +166,13 @@ def encode(target: str, fmt: Format, weight_name: str, q) -> dict:
             t = t.reshape(1)
         out[prefix + p.suffix] = t.contiguous()
     return out
+
+
+def _constant_tensor(p: Part):
+    import torch
+
+    t = torch.tensor(_constant(p), dtype=torch.float32)
+    return t.reshape(()) if p.shape == "scalar" else t.reshape(1) if p.shape == "one" else t
 
 
 def decode_components(target: str, fmt: Format, weight_name: str, tensors: Mapping,

@@ -40,12 +40,16 @@ _ST_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8, "F32": torch.fl
 
 
 def _naming():
-    """``miles_lp.export.naming`` (CONTRACT 4 names per target); the older path until the move has landed."""
-    try:
+    """``miles_lp.export.naming`` (CONTRACT 4 names per target), imported on first use (layering)."""
+    global _NAMING
+    if _NAMING is None:
         from miles_lp.export import naming
-    except ImportError:  # pragma: no cover - before the export helper's move
-        from miles_lp.checkpoint import engine_formats as naming
-    return naming
+
+        _NAMING = naming
+    return _NAMING
+
+
+_NAMING = None
 
 
 #: "plan": activations quantized as the recipe says (the learner's grid). "vllm": as vLLM's CPU emulation kernels
@@ -482,7 +486,8 @@ class LinearStack:
                     layer.register_buffer(name, t[i], persistent=False)
                     layer._derived.add(name)
         for layer in self.layers:
-            layer.kernel_format = fmt
+            if layer.kernel_format is not fmt:  # nn.Module.__setattr__ costs ~10 us: only on a change
+                layer.kernel_format = fmt
         return len(self.layers)
 
 
@@ -503,6 +508,38 @@ def stack_linears(model: torch.nn.Module) -> list[LinearStack]:
         pattern = re.sub(r"\.\d+(?=\.)", ".#", "." + m.prefix)
         groups.setdefault((pattern, _stack_key(m)), []).append(m)
     return [LinearStack(ms) for ms in groups.values() if len(ms) > 1]
+
+
+def stack_params(model: torch.nn.Module) -> int:
+    """Give the plain parameters outside ``EngineLinear`` (norms, routers) that differ only by layer index and
+    share dtype, shape and device one stacked storage each (every parameter becomes a view of it): an update of
+    all layers' ``input_layernorm.weight`` then lands in one strided copy. Tied parameters (one tensor under two
+    names) are left alone. Returns how many stacks were made. Call before the tensors are indexed and loaded."""
+    import re
+
+    seen: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        seen[id(p)] = seen.get(id(p), 0) + 1
+    groups: dict[tuple, list[tuple[torch.nn.Module, str, torch.Tensor]]] = {}
+    for mname, module in model.named_modules():
+        if isinstance(module, EngineLinear):
+            continue
+        for attr, p in module.named_parameters(recurse=False):
+            if seen.get(id(p), 0) > 1:
+                continue
+            pattern = re.sub(r"\.\d+(?=\.)", ".#", f".{mname}.{attr}")
+            groups.setdefault((pattern, p.dtype, tuple(p.shape), p.device), []).append((module, attr, p))
+    made = 0
+    for (_, dtype, shape, device), members in groups.items():
+        if len(members) < 2:
+            continue
+        stack = torch.empty((len(members), *shape), dtype=dtype, device=device)
+        with torch.no_grad():
+            for i, (module, attr, p) in enumerate(members):
+                stack[i].copy_(p)
+                setattr(module, attr, torch.nn.Parameter(stack[i], requires_grad=p.requires_grad))
+        made += 1
+    return made
 
 
 def engine_linears(model: torch.nn.Module) -> Iterator[tuple[str, EngineLinear]]:

@@ -59,6 +59,7 @@ from miles_lp.rollout.layers import (
     engine_linears,
     share_input_caches,
     stack_linears,
+    stack_params,
 )
 from miles_lp.rollout.sampling import sample
 
@@ -156,6 +157,7 @@ class ReferenceEngine:
         # every projection's layers (all experts of all layers; the q_proj of all layers; ...) in one stacked
         # storage: updates land in a few strided copies and finish derives them in a few batched passes
         self._stacks: list[LinearStack] = stack_linears(self.model)
+        stack_params(self.model)  # the norms and routers of all layers too
         stacked = {p for st in self._stacks for p in st.prefixes}
         self._singles: list[EngineLinear] = [m for m in self._linears if m.prefix not in stacked]
         self._index_tensors()

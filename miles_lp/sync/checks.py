@@ -99,18 +99,35 @@ def global_scale_names(target: str, plan_groups: Mapping[str, Sequence[str]],
 
 def joint_scales(groups: Sequence[tuple[str, list[str]]], engine: Mapping[str, torch.Tensor]) -> Verdict:
     """C2 (joint scale): the members of each NVFP4 gate/up group hold ONE global scale in the engine (SGLang
-    and vLLM fuse gate and up into one GEMM with one scale; CONTRACT 2)."""
+    and vLLM fuse gate and up into one GEMM with one scale; CONTRACT 2). ``engine``: the global-scale tensors
+    by name (the engine's, or the export's once the grid check proved the engine equals it byte for byte)."""
     if not groups:
         return skipped("grid", "no NVFP4 gate/up group in the plan")
     bad = []
-    for group, names in groups:
+    pairs: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (group index, first member, another member)
+    for gi, (group, names) in enumerate(groups):
         vals = [engine.get(n) for n in names]
         if any(v is None for v in vals):
             bad.append(f"{group} (missing {[n for n, v in zip(names, vals, strict=True) if v is None]})")
             continue
-        first = vals[0].reshape(-1).view(torch.uint8)
-        if any(not torch.equal(first, v.reshape(-1).view(torch.uint8).to(first.device)) for v in vals[1:]):
-            bad.append(f"{group} ({', '.join(f'{float(v.reshape(-1)[0]):.6g}' for v in vals)})")
+        pairs.extend((gi, vals[0], v) for v in vals[1:])
+    # all comparisons in one batched op and one device->host transfer (not one per group)
+    by_dev: dict[torch.device, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+    for p in pairs:
+        by_dev.setdefault(p[1].device, []).append(p)
+    differ: set[int] = set()
+    for ps in by_dev.values():
+        if all(a.numel() == 1 and a.element_size() == 4 and b.numel() == 1 and b.element_size() == 4 for _, a, b in ps):
+            a = torch.stack([x.reshape(()) for _, x, _ in ps]).view(torch.int32)
+            b = torch.stack([y.reshape(()).to(x.device) for _, x, y in ps]).view(torch.int32)
+            ne = (a != b).tolist()
+        else:
+            ne = [not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8).to(x.device))
+                  for _, x, y in ps]
+        differ.update(gi for (gi, _, _), d in zip(ps, ne, strict=True) if d)
+    for gi in sorted(differ):
+        group, names = groups[gi]
+        bad.append(f"{group} ({', '.join(f'{float(engine[n].reshape(-1)[0]):.6g}' for n in names)})")
     if bad:
         return failed("grid", float(len(bad)), f"{len(bad)} of {len(groups)} NVFP4 gate/up groups hold separate "
                       "global scales in the engine (one fused GEMM needs one)", bad)

@@ -79,15 +79,25 @@ def engine_items(export: Iterable[tuple[str, Any]], target: str, layout: Any = N
     naming.check_target(target)
     items: list[Item] = []
     seen: dict[str, str] = {}
+    consts: dict[tuple, torch.Tensor] = {}  # one tensor per constant value and device, for every module
+    keys = _group_keys(layout)
     for source, obj in export:
         if is_quantized(obj):
             fmt = Format(obj.format)
-            encoded = naming.encode(target, fmt, source, obj)
+            # a constant part (the static input_scale) is one tensor on the data's device for every module: one
+            # transfer source, not a new host tensor each
+            encoded = naming.encode(target, fmt, source, obj, constants=consts)
             parts = naming.parts(target, fmt)
             for (name, t), part in zip(encoded.items(), parts, strict=True):
-                items.append(Item(name, t, source, fmt, part.component or "const", group_key(name, layout)))
+                group = keys.get(name)
+                if group is None:
+                    group = keys[name] = group_key(name, layout)
+                items.append(Item(name, t, source, fmt, part.component or "const", group))
         elif isinstance(obj, torch.Tensor):
-            items.append(Item(source, obj.detach(), source, Format.BF16, None, group_key(source, layout)))
+            group = keys.get(source)
+            if group is None:
+                group = keys[source] = group_key(source, layout)
+            items.append(Item(source, obj.detach(), source, Format.BF16, None, group))
         else:
             raise SyncInputError(f"learner export yielded '{source}' as {type(obj).__name__}; expected a "
                                  "torch.Tensor or a quantized tensor from miles_lp.formats")
@@ -97,6 +107,20 @@ def engine_items(export: Iterable[tuple[str, Any]], target: str, layout: Any = N
                                      f"'{seen[it.name]}' and '{it.source}'); every tensor must be exported once")
             seen[it.name] = it.source
     return items
+
+
+_KEYS: dict[int, tuple[Any, dict[str, str]]] = {}
+
+
+def _group_keys(layout: Any) -> dict[str, str]:
+    """A cache of ``group_key(name, layout)`` per layout object (the names repeat every sync; describing each
+    through the layout costs more than the rest of the export's host work)."""
+    hit = _KEYS.get(id(layout))
+    if hit is None or hit[0] is not layout:  # an id reused by another object: start over
+        hit = _KEYS[id(layout)] = (layout, {})
+        if len(_KEYS) > 64:
+            _KEYS.pop(next(iter(_KEYS)))
+    return hit[1]
 
 
 def group_items(items: Sequence[Item]) -> Iterator[list[Item]]:

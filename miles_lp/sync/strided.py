@@ -42,6 +42,31 @@ def _runs(offsets: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
+def _grid2(offsets: list[tuple[int, int]]) -> tuple[tuple[int, int], int, int, int] | None:
+    """``((rows, cols), step_dst, src_row_step, src_col_step)`` when the destinations advance by one constant step
+    and the sources follow a 2-D pattern ``s0 + row * a + col * b`` (gate and up of expert e reading one NVFP4
+    global scale, the next expert the next one: ``b = 0``); ``None`` otherwise (one constant step included: the
+    1-D runs handle it)."""
+    n = len(offsets)
+    if n < 4:
+        return None
+    d0, s0 = offsets[0]
+    dd = offsets[1][0] - d0
+    b = offsets[1][1] - s0
+    cols = 1
+    while cols < n and offsets[cols][1] - offsets[cols - 1][1] == b:
+        cols += 1
+    if cols in (1, n) or n % cols:
+        return None
+    a = offsets[cols][1] - s0
+    for j, (d, s) in enumerate(offsets):
+        if d != d0 + j * dd or s != s0 + (j // cols) * a + (j % cols) * b:
+            return None
+    if a < 0 or b < 0:
+        return None
+    return (n // cols, cols), dd, a, b
+
+
 def batched_copy(pairs: Sequence[Pair]) -> int:
     """``dst.copy_(src)`` for every pair, as few strided copies as the layout allows; returns the copies issued.
 
@@ -66,6 +91,17 @@ def batched_copy(pairs: Sequence[Pair]) -> int:
         if len(idx) < 2:
             continue
         offs = [meta[i] for i in idx]
+        grid = _grid2(offs)
+        if grid is not None and grid[1] >= pairs[idx[0]][0].numel():
+            (rows, cols), (dd, a, b) = grid[0], grid[1:]
+            d0, s0 = pairs[idx[0]]
+            dv = d0.as_strided((rows, cols, *d0.shape), (cols * dd, dd, *d0.stride()), d0.storage_offset())
+            sv = s0.as_strided((rows, cols, *s0.shape), (a, b, *s0.stride()), s0.storage_offset())
+            dv.copy_(sv)
+            copies += 1
+            for i in idx:
+                done[i] = True
+            continue
         for start, length in _runs(offs):
             if length < 2:
                 continue

@@ -41,11 +41,14 @@ class Staging:
         self.device = torch.device(device)
         self._buf: torch.Tensor | None = None
 
-    def take(self, nbytes: int) -> torch.Tensor:
+    def take(self, nbytes: int, fill: bool = True) -> torch.Tensor:
+        """``nbytes`` of staging, refilled with 0xFF (``fill=False`` only for a writer that writes every byte,
+        payload or 0xFF: ``fill_slots``)."""
         if self._buf is None or self._buf.numel() < nbytes:
             self._buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
         buf = self._buf[:nbytes]
-        buf.fill_(NAN_FILL)
+        if fill:
+            buf.fill_(NAN_FILL)
         return buf
 
     def release(self) -> None:
@@ -63,14 +66,45 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
+_FILL: dict[str, torch.Tensor] = {}
+
+
+def _fill(n: int, device: torch.device) -> torch.Tensor:
+    """``n`` bytes of the 0xFF fill on ``device`` (slices of one cached buffer)."""
+    key = str(device)
+    f = _FILL.get(key)
+    if f is None or f.numel() < n:
+        f = torch.full((max(n, 1 << 16),), NAN_FILL, dtype=torch.uint8, device=device)
+        _FILL[key] = f
+    return f[:n]
+
+
 def fill_slots(buf: torch.Tensor, bucket: Bucket) -> Received:
     """Copy the bucket's payload into its slots of the uint8 buffer ``buf``; the slots as typed views of it.
 
-    The payload's per-expert tensors are views of a few stacked grids and the slots follow each other at a
-    fixed stride, so ``batched_copy`` writes a whole projection of a MoE layer in one strided copy (the bytes
-    of the per-slot copies, in a handful of kernels instead of one per tensor)."""
+    The bucket is written with ONE ``torch.cat(..., out=buf)`` of the payload's bytes in slot order, the
+    alignment gaps and any slot without a payload filled from a 0xFF buffer (as the staging fill: an unwritten
+    byte stays a NaN code): a few batched kernels for the whole bucket instead of one copy per tensor. A payload
+    on another device than ``buf`` goes through ``batched_copy`` (strided copies per stacked projection)."""
     received = list(iter_received(bucket.slots, buf))
-    pairs = [(v, bucket.payload[n].detach()) for n, v in received if n in bucket.payload]
+    dev = buf.device
+    payload = bucket.payload
+    if all(t.device == dev for t in payload.values()):
+        parts: list[torch.Tensor] = []
+        off = 0
+        for s in bucket.slots:
+            if s.offset > off:
+                parts.append(_fill(s.offset - off, dev))
+            t = payload.get(s.name)
+            parts.append(t.detach().contiguous().reshape(-1).view(torch.uint8) if t is not None
+                         else _fill(s.nbytes, dev))
+            off = s.offset + s.nbytes
+        if off < buf.numel():
+            parts.append(_fill(buf.numel() - off, dev))
+        if parts:
+            torch.cat(parts, out=buf) if len(parts) > 1 else buf.copy_(parts[0])
+        return received
+    pairs = [(v, payload[n].detach()) for n, v in received if n in payload]
     batched_copy(pairs)
     return received
 
@@ -91,7 +125,10 @@ class InProcessTransport:
         self.staging = Staging(self.device)
 
     def send(self, bucket: Bucket) -> Received:
-        return fill_slots(self.staging.take(bucket.nbytes), bucket)
+        buf = self.staging.take(bucket.nbytes, fill=False)
+        if not all(t.device == buf.device for t in bucket.payload.values()):
+            buf.fill_(NAN_FILL)  # fill_slots writes every byte (payload or 0xFF) only from buf's own device
+        return fill_slots(buf, bucket)
 
     def close(self) -> None:
         self.staging.release()

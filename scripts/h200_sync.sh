@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The weight sync (issue 11) on one CUDA device, in one device call; logs under $OUT.
+#   pytest -m gpu for the sync and the reference engine; bench sync (1B random Qwen3-MoE: 9 layers, hidden 2048,
+#   16 experts; MXFP8 and MXFP8 + NVFP4 experts; vs a flat device copy and a tensor-by-tensor copy of the same
+#   bytes; with --profile: torch ops per stage and CUDA kernel count/time). Each step reports its verdict; the
+#   script exits non-zero if any failed.
+# Usage: MILES_LP_COMMIT=<sha> bash scripts/h200_sync.sh [--skip-tests]
+set -uo pipefail
+out="${OUT:-h200_logs}"; mkdir -p "$out"
+exec > >(tee "$out/session.log") 2>&1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+tests=1; [ "${1:-}" = --skip-tests ] && tests=0
+echo "commit ${MILES_LP_COMMIT:-unknown}"; date -u; nvidia-smi -L
+failed=()
+step() {  # step NAME TIMEOUT CMD...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name: $*"; local t0=$SECONDS
+  timeout "$limit" "$@"; local rc=$?
+  echo "=== $name: rc=$rc ($((SECONDS - t0)) s)"
+  [ "$rc" -eq 0 ] || failed+=("$name")
+}
+if [ "$tests" = 1 ]; then
+  step pytest_gpu 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
+    $(grep -l "mark.gpu" tests/unit/test_rollout_*.py tests/unit/test_sync_*.py tests/e2e/test_*sync*.py 2>/dev/null)
+fi
+step bench_sync 240 bash -c "python3 -m miles_lp.cli bench sync --device cuda --params 1e9 --iters 3 --json --profile \
+  > '$out/bench_sync.txt' 2>&1; rc=\$?; grep -v '^  sync v' '$out/bench_sync.txt' | sed -n '/^format/,/^{/p'; exit \$rc"
+python3 - "$out/bench_sync.txt" "$out/bench_sync.json" <<'PY'
+import json, sys
+text = open(sys.argv[1]).read()
+start = text.find('\n{\n')
+if start >= 0:
+    doc = json.loads(text[start + 1:])
+    json.dump(doc, open(sys.argv[2], "w"), indent=2)
+    for r in doc["results"]:
+        st = r["stages"]
+        print(f"{r['format']}: sync {r['sync_seconds']:.4f} s = {r['ratio']:.1f}x flat copy ({r['copy_seconds']:.5f} s), "
+              f"{r['ratio_tensorwise']:.1f}x tensor copy; checks {100 * r['check_share']:.1f}%; stages "
+              + "/".join(f"{st[k]:.4f}" for k in ("export", "transfer", "apply", "finish")))
+PY
+echo "failed steps: ${failed[*]:-none}"
+[ ${#failed[@]} -eq 0 ]
