@@ -32,6 +32,9 @@ logger = logging.getLogger("miles_lp.run")
 #: metric keys that vary between identical runs (wall-clock): left out of bit-identity comparisons
 NONDETERMINISTIC_PREFIXES = ("timing_s/", "perf/")
 
+#: fresh engines (after its process died while generating) before a run stops instead
+MAX_ENGINE_RESTARTS = 3
+
 VERSION_KEYS = ("rollout/weight_version", "sync/weight_version", "sync/check/version/figure")
 
 HEADLINE = (("reward/mean", "reward"), ("rollout_corr/kl", "kl"), ("actor/entropy", "ent"),
@@ -189,6 +192,7 @@ class Run:
         # the engine's version counts syncs since ITS start; report the run's count
         self.version_offset = int(loop_state.get("engine_weight_version", 0))
         self.step = start_step
+        self.restarts = 0
         self.parts = StepParts(learner=self.learner, engine=self.engine, sync=self.sync, task=self.task,
                                sampling=sampling_for(recipe, self.task), rl=recipe.rl, seed=recipe.seed,
                                reference=self.reference)
@@ -219,16 +223,68 @@ class Run:
     # ---- the loop -------------------------------------------------------------------------------------
     def step_once(self) -> dict[str, float]:
         step = self.step
-        m = grpo_step(self.parts, step)
+        learner_at = self._learner_steps()  # to tell "died before any update" (re-run the step) from after
+        while True:
+            try:
+                m = grpo_step(self.parts, step)
+                break
+            except Exception as exc:
+                if not self._engine_dead():
+                    raise
+                self._engine_died(step, exc, learner_at)  # restarts the engine (the step re-runs) or raises
         for k in VERSION_KEYS:  # engine-side counts restart with the engine; report the run's count
             if k in m:
                 m[k] += self.version_offset
+        if self.restarts:
+            m["rollout/engine_restarts"] = float(self.restarts)
         self.dir.append_metrics(step, m)
         self.step += 1
         every = self.recipe.checkpoint_every
         if (every and self.step % every == 0) or self.step == self.recipe.steps:
             self.checkpoint()
         return m
+
+    # ---- an engine process that died (vLLM's) ---------------------------------------------------------
+    def _engine_dead(self) -> bool:
+        """The engine's process is gone (only engines with a process of their own report ``dead``)."""
+        try:
+            return str(self.engine.health().get("status")) == "dead"
+        except Exception:
+            return False  # cannot tell (an HTTP server that stopped answering): not restartable from here
+
+    def _engine_died(self, step: int, exc: BaseException, learner_at: int) -> None:
+        """As the Ray launcher does for its rollout actor: died while generating (no update yet) -> a fresh engine,
+        a full resync, the step re-run; died later in the step (the learner already stepped) or too often ->
+        checkpoint the learner and stop with an error naming the resume command."""
+        learner_moved = self._learner_steps() != learner_at
+        if learner_moved or self.restarts >= MAX_ENGINE_RESTARTS:
+            self.step = step + int(learner_moved)
+            ck = self.checkpoint() if learner_moved else self.dir.latest()
+            raise RunError(f"step {step}: the engine process died ({type(exc).__name__}: {exc}); stopped (engine "
+                           f"restarts so far: {self.restarts}); resume from {ck or 'the start'} with --resume "
+                           f"{self.dir.path}") from exc
+        print(f"miles-lp run: step {step}: the engine process died ({exc}); restarting it and resyncing every "
+              "tensor", file=sys.stderr)
+        self.restart_engine()
+
+    def _learner_steps(self) -> int:
+        v = self.learner.step  # the Learner protocol's attribute (a method on some proxies)
+        return int(v() if callable(v) else v)
+
+    def restart_engine(self) -> None:
+        """A fresh engine from the same checkpoint, recorded anew by the sync, then a full resync (full compare)."""
+        try:
+            self.engine.close()
+        except Exception:  # already gone
+            pass
+        self.restarts += 1
+        ws = getattr(self.sync, "inner", self.sync)  # a comparison arm's SyncVia wraps the WeightSync
+        served = ws.expected_version - int(self.initial.weight_version)  # syncs since the last (re)start
+        self.engine = self.build_engine()
+        ws.engine = self.engine
+        self.parts.engine = self.engine
+        self.initial = self.sync.initial_sync(self.learner)
+        self.version_offset += served
 
     def checkpoint(self) -> Path:
         sent = self.sync.sentinel

@@ -109,9 +109,12 @@ class VLLMEngine:
             raise EngineError(f"the vLLM engine process died (exit code {self._proc.poll()}): {exc}") from None
 
     def _call(self, op: str, payload: bytes | None = None, **kw) -> dict:
-        self._conn.send_bytes(json.dumps({"op": op, **kw}).encode())
-        if payload is not None:
-            self._conn.send_bytes(payload)
+        try:
+            self._conn.send_bytes(json.dumps({"op": op, **kw}).encode())
+            if payload is not None:
+                self._conn.send_bytes(payload)
+        except OSError as exc:
+            raise EngineError(f"the vLLM engine process died (exit code {self._proc.poll()}): {exc}") from None
         out = self._recv()
         if not out.get("ok"):
             raise EngineError(f"vLLM {op}: {out.get('error')}")

@@ -111,11 +111,17 @@ def main() -> None:
         try:
             if op == "generate":
                 s = req["sampling"]
-                sp = SamplingParams(max_tokens=s["max_new_tokens"], temperature=s["temperature"], top_p=s["top_p"],
-                                    top_k=s["top_k"] if s["top_k"] > 0 else -1, seed=s.get("seed"), logprobs=0,
-                                    stop_token_ids=s.get("stop_token_ids") or None, detokenize=False,
-                                    ignore_eos=True)  # only explicit stop tokens stop (the Engine protocol)
-                outs = llm.generate([{"prompt_token_ids": p} for p in req["prompts"]], sp, use_tqdm=False)
+                # vLLM seeds a generator PER REQUEST: one seed for all would give every copy of a prompt (a GRPO
+                # group) the same sample. Request i gets its own seed derived from (seed, i), as the reference
+                # engine's draws depend on the batch index.
+                seed = s.get("seed")
+                sps = [SamplingParams(max_tokens=s["max_new_tokens"], temperature=s["temperature"], top_p=s["top_p"],
+                                      top_k=s["top_k"] if s["top_k"] > 0 else -1,
+                                      seed=None if seed is None else (int(seed) * 1_000_003 + i) % (2 ** 63),
+                                      logprobs=0, stop_token_ids=s.get("stop_token_ids") or None, detokenize=False,
+                                      ignore_eos=True)  # only explicit stop tokens stop (the Engine protocol)
+                       for i in range(len(req["prompts"]))]
+                outs = llm.generate([{"prompt_token_ids": p} for p in req["prompts"]], sps, use_tqdm=False)
                 res = []
                 for o in outs:
                     c = o.outputs[0]

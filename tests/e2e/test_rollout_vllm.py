@@ -118,3 +118,32 @@ def test_vllm_update_then_finish_equals_fresh_load(vllm_engine, fmt):
     assert all(torch.equal(x.logprobs, y.logprobs) for x, y in zip(back_gen, fresh_a_gen, strict=True))
     _record(figure="vllm_reload", format=fmt, tensors=rep["reloaded"], seconds=rep["seconds"],
             max_abs_dlogprob_updated_vs_reference_b=d_b)
+
+
+def test_vllm_checks_answered_in_the_engine(vllm_engine, fmt):
+    """C2 digests of every checkpoint tensor as vLLM's loaders placed them equal the files' (MXFP8 and NVFP4, fused
+    q/k/v and gate/up split back); C3 through the serving kernel within tolerance; C4 pointers for every module."""
+    from safetensors.torch import load_file
+
+    from miles_lp.rollout.engine import tensor_digest
+
+    ck = tiny_checkpoint("qwen3", fmt, target="vllm")
+    files = {}
+    for f in sorted(ck.glob("*.safetensors")):
+        files.update(load_file(f))
+    vllm_engine.begin_weight_update()  # back to the checkpoint (an earlier test may have left other weights)
+    vllm_engine.update_weights(files.items())
+    vllm_engine.finish_weight_update()
+    got = vllm_engine.weight_digests(list(files))
+    assert got == {n: tensor_digest(t) for n, t in files.items()}
+    assert set(vllm_engine.last_digest_sources.values()) == {"loaded, before process_weights_after_loading",
+                                                             "live parameter"}
+    sc = vllm_engine.self_check(seed=3)
+    errs = {n: e["rel_err"] for n, e in sc["layers"].items()}
+    _record(figure="vllm_self_check", format=fmt, rel_err=errs,
+            fresh_diff={n: e.get("fresh_diff") for n, e in sc["layers"].items()})
+    assert len(errs) == 2 and all(0 < e < 0.25 for e in errs.values())
+    if fmt == "mxfp8":
+        assert all(e["fresh_diff"] == 0.0 for e in sc["layers"].values())
+    ptrs = vllm_engine.storage_pointers()
+    assert any(k.endswith("qkv_proj.weight") for k in ptrs) and all(v > 0 for v in ptrs.values())

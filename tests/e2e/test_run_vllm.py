@@ -24,21 +24,36 @@ REPO = Path(__file__).resolve().parents[2]
 CHECKS = ("layer_audit", "grid", "self_check", "storage", "completeness", "version")
 
 
-def _run(recipe_name: str, tmp: Path, *sets: str):
+def _run(recipe_name: str, tmp: Path, *sets: str, inspect=None):
     from miles_lp.launch.runner import Run
 
     recipe = load_recipe(REPO / "recipes" / recipe_name, [f"logging.output_dir={tmp / 'runs'}", "checkpoint_every=0",
                                                           "logging.progress=false", *sets])
     run = Run.start(recipe)
     try:
-        return run, run.train(progress=False)
+        rows = run.train(progress=False)
+        if inspect is not None:
+            inspect(run)
+        return run, rows
     finally:
         run.close()
 
 
+def _group_sampling(run) -> None:
+    """Copies of one prompt in one call (a GRPO group) get different samples (vLLM seeds each request; one seed
+    for all would make every group identical and every advantage 0), and the same call is reproducible."""
+    from miles_lp.rollout.engine import SamplingParams
+
+    sp = SamplingParams(max_new_tokens=4, temperature=1.0, seed=7)
+    a = [g.output_ids for g in run.engine.generate([[1, 5, 3]] * 8, sp)]
+    assert len({tuple(x) for x in a}) > 1
+    assert a == [g.output_ids for g in run.engine.generate([[1, 5, 3]] * 8, sp)]
+
+
 def test_rl_smoke_on_vllm(tmp_path):
     """2 GRPO steps, vLLM sampling and receiving every sync, every check in raise mode and answered (not skipped)."""
-    run, rows = _run("tiny-mxfp8-vllm.yaml", tmp_path, "steps=2", "rl.prompts_per_step=4", "rl.group_size=4")
+    run, rows = _run("tiny-mxfp8-vllm.yaml", tmp_path, "steps=2", "rl.prompts_per_step=4", "rl.group_size=4",
+                     inspect=_group_sampling)
     assert len(rows) == 2
     init = run.initial
     assert init.verdict("grid").ok and "full compare" in init.verdict("grid").reason
@@ -206,6 +221,36 @@ def test_ray_launcher_on_vllm(tmp_path):
     rows = []
     out = run_with_ray(recipe, progress=False, on_step=lambda run, m: rows.append(m))
     assert out["steps"] == 2 and len(rows) == 2
+    for m in rows:
+        for c in CHECKS:
+            assert m[f"sync/check/{c}"] == 1.0, c
+
+
+@pytest.mark.slow
+def test_vllm_process_killed_between_steps_is_restarted_and_resynced(tmp_path):
+    """The vLLM engine process dies: the next step's generate fails, a fresh engine is started from the same
+    checkpoint, fully resynced (full compare) and the step re-run; versions keep counting."""
+    import os
+    import signal
+
+    from miles_lp.launch.runner import Run
+
+    recipe = load_recipe(REPO / "recipes" / "tiny-mxfp8-vllm.yaml",
+                         [f"logging.output_dir={tmp_path / 'runs'}", "checkpoint_every=0", "logging.progress=false",
+                          "steps=3", "rl.prompts_per_step=4", "rl.group_size=4"])
+    run = Run.start(recipe)
+    try:
+        first = run.step_once()
+        old = run.engine
+        os.kill(old._proc.pid, signal.SIGKILL)
+        old._proc.wait(30)
+        rows = [first] + run.train(progress=False)
+    finally:
+        run.close()
+    assert run.restarts == 1 and run.engine is not old
+    assert "full compare" in run.initial.verdict("grid").reason and run.initial.ok
+    assert [m["rollout/weight_version"] for m in rows] == [1.0, 2.0, 3.0]
+    assert rows[-1]["rollout/engine_restarts"] == 1.0
     for m in rows:
         for c in CHECKS:
             assert m[f"sync/check/{c}"] == 1.0, c
