@@ -53,9 +53,10 @@ CONFIG = {
     "nvfp4": {"TA": 16, "NB": 16, "num_warps": 2},
     "nvfp4_2d": {"TA": 2, "NB": 8, "num_warps": 2},
     "nvfp4_rows": {"ROWS": 1, "NB": 32, "num_warps": 1},  # rows longer than nvfp4_rows_reg.max_k: two loops
-    # a whole row in registers, one read; 64 elements per thread: 0.145 vs 0.149 ms (32) at [16384, 8192] in
-    # two runs (2026-12-01 run 3 and 12-01b run 2), bytes checked by selfcheck with this default
-    "nvfp4_rows_reg": {"max_k": 16384, "el_per_thread": 64},
+    # a whole row in registers, one read. Quantize only: 64 elements per thread, 0.144-0.145 vs 0.148-0.149 ms
+    # (32) at [16384, 8192] in three runs; with the decode output (qdq, QuantLinear's per-token x) 64 was slower,
+    # 0.415 vs 0.274 ms (12-01b run 3), so qdq keeps 32. Bytes checked by selfcheck with each as the default.
+    "nvfp4_rows_reg": {"max_k": 16384, "el_per_thread": 64, "el_per_thread_dq": 32},
     "nvfp4_dq": {"BM": 16, "NB": 8, "num_warps": 4},
     "amax": {"BM": 32, "BK": 256, "num_warps": 4},
 }
@@ -408,7 +409,8 @@ def nvfp4_quantize(x: torch.Tensor, scope: str = "tensor", *, amax: torch.Tensor
         reg = CONFIG["nvfp4_rows_reg"]
         if k <= reg["max_k"]:  # a whole row in registers: one read (K_ITERS == 1)
             rows, nb = 1, triton_next_pow2(k // NVFP4_BLOCK)
-            warps = max(1, min(16, nb * NVFP4_BLOCK // (32 * reg["el_per_thread"])))
+            ept = reg.get("el_per_thread_dq", reg["el_per_thread"]) if out_kind else reg["el_per_thread"]
+            warps = max(1, min(16, nb * NVFP4_BLOCK // (32 * ept)))
         amax_out = torch.empty(mats * m, dtype=torch.float32, device=dev)
         grid = (triton_cdiv(m, rows), mats)
         _launch(mod, "nvfp4_quantize_rows_kernel", grid, (xi, m, k, amax_out, q, s, gs, d), warps,
