@@ -91,6 +91,7 @@ RECIPES = {
     "tiny-fp8-blockwise.yaml": ("qwen3", 2, tiny_mxfp8, "dequantized", None),
     "tiny-fp8-tensorwise.yaml": ("qwen3", 2, tiny_mxfp8, "dequantized", None),
     "tiny-mxfp8-bf16-sampler.yaml": ("qwen3", 2, tiny_mxfp8, "dequantized", None),
+    "tiny-mxfp8-moe-replay.yaml": ("qwen3_moe", 2, tiny_mxfp8, "dequantized", None),  # routed experts MXFP8 too
     "tiny-nvfp4-experts.yaml": ("qwen3_moe", 2, tiny_nvfp4_experts, "dequantized", "token"),
     "tiny-nvfp4-experts-hp.yaml": ("qwen3_moe", 2, tiny_nvfp4_experts, "high_precision", "token"),
     # full-scale RL recipes (issue 13)
