@@ -153,3 +153,24 @@ def test_from_json_refuses_other_files(tmp_path):
         load_rows(str(bad))
     with pytest.raises(ConfigError, match=r"--from-json .*missing.json: cannot read it"):
         load_rows(str(tmp_path / "missing.json"))
+
+
+def test_h200_graphed_results_parse():
+    """The 2026-12-01b run 4 table (with `graphed` rows and their note) reads back as its saved JSON; every
+    graph replay there was bit-equal to the eager step."""
+    from pathlib import Path
+
+    run = Path(__file__).parents[2] / "docs/results/h200-2026-12-01b/kernels/run4"
+    rows = parse_table((run / "bench_linear.txt").read_text())
+    saved = json.loads((run / "bench_linear.json").read_text())
+    key = ("shape", "mode", "kernel")
+    assert len(rows) == len(saved) == 22 and sum(r["kernel"] == "graphed" for r in rows) == 10
+    by_key = {tuple(r[k] for k in key): r for r in saved}
+    for r in rows:
+        s = by_key[tuple(r[k] for k in key)]
+        assert r["ms_fresh"] == round(s["ms_fresh"], 3) and r["ratio_fresh"] == round(s["ratio_fresh"], 2)
+    assert all(s["identical"] is True for s in saved if s["kernel"] == "graphed")
+    # read by hand from the file: the small-shape dequantized replay
+    r = next(r for r in rows if r["shape"] == "2048x4096x4096" and r["mode"] == "mxfp8/dequantized"
+             and r["kernel"] == "graphed")
+    assert (r["ms_fresh"], r["ratio_fresh"]) == (0.413, 1.01)
