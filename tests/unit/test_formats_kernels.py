@@ -95,3 +95,38 @@ def test_missing_triton_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(BackendUnavailable, match="Triton is not importable.*pip install triton"):
         kernels.nvfp4_quantize(torch.randn(16, 16))
+
+
+def test_cached_launcher_key_separates_every_triton_specialization():
+    """kernels._launch reuses a compiled kernel for a key; two arguments Triton would compile differently
+    (dtype, 16-byte pointer alignment, an int of 1, a multiple of 16, 64-bit) must never share one."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    a = torch.zeros(64, dtype=torch.uint8)
+    pool = [a, a[1:], a[16:], a.view(torch.int8), torch.zeros(0, dtype=torch.uint8), torch.zeros(4),
+            1, 2, 7, 16, 48, 40, 2**31 - 16, 2**31, -16, True, False]
+    triton_spec = [native_specialize_impl(BaseBackend, v, False, True, True) for v in pool]
+    ours = [kernels._spec((v,)) for v in pool]
+    for i in range(len(pool)):
+        for j in range(len(pool)):
+            if triton_spec[i] != triton_spec[j]:
+                assert ours[i] != ours[j], (pool[i], pool[j])
+    assert kernels._spec((a, 7)) == kernels._spec((a[16:], 9))  # same specialization: one launcher
+
+
+def test_a_launch_hook_sends_launches_through_the_jit():
+    """A profiler's Triton launch hook must see every launch: the cached path is then off."""
+    from triton import knobs
+
+    assert not kernels._hooks_set()
+    chain = knobs.runtime.launch_enter_hook
+    if not hasattr(chain, "add"):
+        pytest.skip("this Triton keeps launch hooks as plain attributes")
+    hook = lambda *a: None  # noqa: E731
+    chain.add(hook)
+    try:
+        assert kernels._hooks_set()
+    finally:
+        chain.remove(hook)
+    assert not kernels._hooks_set()
