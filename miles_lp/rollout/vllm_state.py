@@ -27,6 +27,7 @@ What each check compares (``docs/rollout.md``):
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -96,6 +97,8 @@ class Canonical:
         self.tensors: dict[str, torch.Tensor] = {}  # checkpoint name -> copy taken before post-processing
         self.captures = 0
         self.faults: dict[str, list[str]] = {}
+        #: the checkpoint's tensor shapes: vLLM holds a per-tensor scale as ``[1]`` where the file has ``[]``
+        self.shapes: dict[str, tuple[int, ...]] = {}
 
     # ---- the hook ---------------------------------------------------------------------------------------
     def install(self) -> int:
@@ -121,6 +124,9 @@ class Canonical:
         sizes = getattr(layer, "output_sizes", None)
         for p, t in layer.named_parameters(recurse=False):
             for cname, part in split_fused(name, p, t.detach(), sizes).items():
+                want = self.shapes.get(cname)
+                if want is not None and tuple(part.shape) != want and part.numel() == math.prod(want):
+                    part = part.reshape(want)  # same bytes, the checkpoint's shape
                 self.tensors[cname] = part.clone()
         self.captures += 1
 

@@ -95,7 +95,9 @@ def main() -> None:
 
         hooked = llm.apply_model(vllm_state.attach)[0]
         vllm_state.STATE.faults = dict(cfg.get("faults") or {})
-        _reload_checked(llm, _checkpoint_tensors(cfg["model"]))
+        served = _checkpoint_tensors(cfg["model"])
+        vllm_state.STATE.shapes = {n: tuple(t.shape) for n, t in served.items()}
+        _reload_checked(llm, served)
         llm.reset_prefix_cache()
         _answer(conn, {"ok": True, "seconds": time.perf_counter() - t0, "hooked": hooked})
     except Exception as exc:
