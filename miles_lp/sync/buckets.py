@@ -156,6 +156,19 @@ class Ledger:
         if got:
             self._received.append(([n for n, _ in got], ff_counts([t for _, t in got])))
 
+    def receipt(self, index: int, names: Iterable[str], ff: Mapping[str, int]) -> None:
+        """A bucket received and applied in another process (``miles_lp.sync.remote.Receipt``): its names and
+        the 0xFF byte counts of its scales as that process counted them."""
+        names = list(names)
+        if not names:
+            return
+        self.buckets_received += 1
+        for name in names:
+            self.writes[name] = self.writes.get(name, 0) + 1
+            self.last_bucket[name] = index
+        if ff:
+            self._received.append((list(ff), torch.tensor(list(ff.values()), dtype=torch.int64)))
+
     @staticmethod
     def _host(parts: list[tuple[list[str], torch.Tensor]]) -> dict[str, int]:
         out: dict[str, int] = {}

@@ -226,28 +226,38 @@ class CudaIpcTransport:
         self._inflight = None
 
 
-_END = "__end__"
+_END = ("end",)
 
 
 @dataclasses.dataclass
 class BroadcastTransport:
     """The learner's half of a ``torch.distributed`` broadcast (NCCL on GPU, gloo on CPU) to engine ranks.
 
-    ``send`` broadcasts the layout then the bytes and returns ``[]`` (the receivers hold the tensors);
-    ``close`` tells the receivers the update is over."""
+    ``send`` broadcasts the layout (``("bucket", index, slots, nbytes)``) then the bytes. Without ``receipts`` it
+    returns ``[]`` (the receivers hold the tensors: ``BroadcastReceiver.receive``). With ``receipts`` (an engine
+    rank running ``BroadcastReceiver.serve``, driven by ``WeightSync`` through ``miles_lp.sync.remote.
+    RemoteEngine``) it waits for the ``Receipt`` that rank ``reply_from`` broadcasts once its engine applied the
+    bucket, and returns it. ``close`` tells the receivers to stop."""
 
     group: Any = None
     src: int = 0
     device: torch.device | str = "cpu"
     name: str = "nccl"
+    receipts: bool = False
+    reply_from: int = 1
 
-    def send(self, bucket: Bucket) -> Received:
+    def send(self, bucket: Bucket):
         import torch.distributed as dist
 
-        dist.broadcast_object_list([(bucket.index, bucket.slots, bucket.nbytes)], src=self.src, group=self.group)
+        dist.broadcast_object_list([("bucket", bucket.index, bucket.slots, bucket.nbytes)], src=self.src,
+                                   group=self.group)
         flat = flatten(bucket, self.device)
         dist.broadcast(flat, src=self.src, group=self.group)
-        return []
+        if not self.receipts:
+            return []
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=self.reply_from, group=self.group)
+        return box[0]
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -257,8 +267,12 @@ class BroadcastTransport:
 
 @dataclasses.dataclass
 class BroadcastReceiver:
-    """An engine rank's half of ``BroadcastTransport``: ``receive()`` yields ``(index, slots, received)``
-    per bucket until the sender closes; the bytes land in a 0xFF-filled staging buffer."""
+    """An engine rank's half of ``BroadcastTransport``; the bytes land in a 0xFF-filled staging buffer.
+
+    ``receive()`` yields ``(index, slots, received)`` per bucket until the sender closes (a receiver that applies
+    the tensors itself). ``serve(engine, rank)`` is the engine process's loop for a ``WeightSync`` on the
+    learner's rank: it answers the learner's calls (``miles_lp.sync.remote``) and applies each bucket with
+    ``engine.update_weights`` on arrival, replying with a ``Receipt``, until the learner ends it."""
 
     group: Any = None
     src: int = 0
@@ -267,18 +281,55 @@ class BroadcastReceiver:
     def __post_init__(self):
         self.staging = Staging(self.device)
 
-    def receive(self):
+    def _next(self) -> Any:
         import torch.distributed as dist
 
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=self.src, group=self.group)
+        return box[0]
+
+    def _bucket(self, msg) -> tuple[int, tuple[Slot, ...], Received]:
+        import torch.distributed as dist
+
+        _, index, slots, nbytes = msg
+        buf = self.staging.take(nbytes)
+        dist.broadcast(buf, src=self.src, group=self.group)
+        return index, slots, list(iter_received(slots, buf))
+
+    def receive(self):
         while True:
-            box: list[Any] = [None]
-            dist.broadcast_object_list(box, src=self.src, group=self.group)
-            if box[0] == _END:
+            msg = self._next()
+            if msg == _END:
                 return
-            index, slots, nbytes = box[0]
-            buf = self.staging.take(nbytes)
-            dist.broadcast(buf, src=self.src, group=self.group)
-            yield index, slots, list(iter_received(slots, buf))
+            yield self._bucket(msg)
+
+    def serve(self, engine: Any, rank: int) -> int:
+        """Serve ``engine`` to the learner until it ends the loop; returns the buckets applied. ``rank``: this
+        process's rank in the group (the one the learner's ``reply_from`` / ``RemoteEngine(engine_rank=)``)."""
+        import torch.distributed as dist
+
+        from miles_lp.sync.buckets import ff_counts
+        from miles_lp.sync.remote import Receipt, answer
+
+        applied = 0
+        while True:
+            msg = self._next()
+            if msg == _END:
+                return applied
+            if msg[0] == "bucket":
+                index, slots, received = self._bucket(msg)
+                error = None
+                try:
+                    engine.update_weights(received)
+                    applied += 1
+                except Exception as exc:  # noqa: BLE001 - the learner's sync reports it (SyncAbortedError)
+                    error = f"{type(exc).__name__}: {exc}"
+                scales = [(n, t) for (n, t), s in zip(received, slots, strict=True) if s.is_scale]
+                ff = dict(zip([n for n, _ in scales], ff_counts([t for _, t in scales]).tolist(), strict=True))
+                reply: Any = Receipt(index, tuple(n for n, _ in received), ff, error)
+            else:
+                reply = answer(engine, msg)
+            dist.broadcast_object_list([reply], src=rank, group=self.group)
 
 
 def make_transport(name: str, device: torch.device | str = "cpu", **kw) -> Transport:

@@ -44,6 +44,7 @@ from miles_lp.sync.buckets import Ledger, make_buckets
 from miles_lp.sync.config import CHECKS, SyncConfig
 from miles_lp.sync.digest import fingerprints, group_fingerprints
 from miles_lp.sync.items import Item, engine_items, group_items
+from miles_lp.sync.remote import Receipt
 from miles_lp.sync.sentinel import Sentinel, rollout_kl
 from miles_lp.sync.transport import BroadcastTransport, Transport, make_transport
 from miles_lp.sync.verdict import (
@@ -118,15 +119,17 @@ class WeightSync:
         self.config = (config or SyncConfig()).with_env(os.environ if env is None else env)
         if transport is None:
             if self.config.transport == "nccl":
-                raise ConfigError("sync.transport 'nccl': the receiving half runs in the engine's processes "
-                                  "(miles_lp.sync.transport.BroadcastReceiver); WeightSync drives an engine it can "
-                                  "call directly: use inprocess, ray or cuda_ipc, or pass a transport")
+                raise ConfigError("sync.transport 'nccl' needs the process group and ranks: pass "
+                                  "transport=BroadcastTransport(src=<learner rank>, receipts=True, reply_from=<engine "
+                                  "rank>) and engine=miles_lp.sync.remote.RemoteEngine(...), with "
+                                  "BroadcastReceiver(src=<learner rank>).serve(engine, rank) in the engine's process")
             # stage where the engine computes (its ``device`` attribute, if it has one): one hop, not two
             device = device or getattr(engine, "device", None) or "cpu"
             transport = make_transport(self.config.transport, device)
-        if isinstance(transport, BroadcastTransport):
-            raise ConfigError("WeightSync cannot check an engine on the far side of a broadcast; see "
-                              "BroadcastReceiver")
+        if isinstance(transport, BroadcastTransport) and not transport.receipts:
+            raise ConfigError("WeightSync cannot check an engine on the far side of a broadcast that sends no "
+                              "receipts: use BroadcastTransport(receipts=True) with BroadcastReceiver.serve(engine) "
+                              "in the engine's process and a miles_lp.sync.remote.RemoteEngine here")
         self.transport = transport
         self.sentinel = sentinel or Sentinel(self.config.sentinel)
         self.log = log or logger.info
@@ -226,6 +229,12 @@ class WeightSync:
                 received = self.transport.send(b)
                 _barrier()
                 t_transfer += time.perf_counter() - s
+                if isinstance(received, Receipt):  # applied in the engine's process on arrival (its time: transfer)
+                    stage = "apply"
+                    if received.error:
+                        raise EngineError(f"the engine rank refused bucket {b.index + 1}: {received.error}")
+                    ledger.receipt(b.index, received.names, received.ff)
+                    continue
                 ledger.received(b.index, received, scales)
                 stage = "apply"
                 s = time.perf_counter()
