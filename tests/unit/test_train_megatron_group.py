@@ -8,7 +8,7 @@ dtype.
 
 Measured here (2026-12-01, torch 2.13 CPU, megatron-core 0.16.1, tiny 2-layer models, lr 1e-3, grad clip 1), TP 2
 or EP 2 vs TP 1: logprobs max |diff| 0.0 in every quantized case (qwen3 MXFP8 TP 2 with and without sequence
-parallelism; qwen3_moe MXFP8 and MXFP8 + NVFP4 experts at TP 2 / ETP 1, at EP 2, and MXFP8 at TP 2 / ETP 2), 4.8e-7
+parallelism; qwen3_moe MXFP8 and MXFP8 + NVFP4 experts at TP 2 / ETP 1, at EP 2, at TP 2 x EP 2 / ETP 1 (2 ranks), and MXFP8 at TP 2 / ETP 2), 4.8e-7
 for qwen3 without a plan; grad norm relative difference <= 1.3e-7; gathered masters after the step max |diff|
 0.7e-6 .. 1.1e-5 (AdamW's first step is lr * g / (|g| + eps): gradient summation order moves tiny-gradient
 elements). Tolerances below: logprobs 1e-5, masters 1e-4, grad norm 1e-5 relative.
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import warnings
 
@@ -35,7 +36,9 @@ from miles_lp.errors import ConfigError  # noqa: E402
 from miles_lp.train.config import MegatronSection, TrainConfig  # noqa: E402
 from miles_lp.train.embedded import nll_loss, plan_for_model  # noqa: E402
 
-CFG = TrainConfig(backend="megatron", lr=1e-3, device="cpu", micro_batch_tokens=64, seed=3)
+#: MILES_LP_MEGATRON_DEVICE=cuda runs the same cases on NCCL, rank r on cuda:r (scripts/h200_megatron.sh)
+DEVICE = os.environ.get("MILES_LP_MEGATRON_DEVICE", "cpu")
+CFG = TrainConfig(backend="megatron", lr=1e-3, device=DEVICE, micro_batch_tokens=64, seed=3)
 LP_TOL, MASTER_TOL, NORM_RTOL = 1e-5, 1e-4, 1e-5
 
 
@@ -85,12 +88,19 @@ def _run(learner, with_export=True):
     try:
         lp = learner.logprobs(seqs)[0]
         stats = learner.train_step([{"tokens": s} for s in seqs], nll_loss)
-        masters = learner.gathered_masters()
-        exported = list(learner.export_weights()) if with_export else None
+        masters = {k: v.cpu() for k, v in learner.gathered_masters().items()}
+        exported = [(n, _cpu(v)) for n, v in learner.export_weights()] if with_export else None
         executed = learner.executed_quantized()
     finally:
         learner.close()
     return {"lp": lp, "stats": stats, "masters": masters, "export": exported, "executed": executed}
+
+
+def _cpu(v):
+    if isinstance(v, torch.Tensor):
+        return v.cpu()
+    return dataclasses.replace(v, **{f.name: getattr(v, f.name).cpu() for f in dataclasses.fields(v)
+                                     if f.init and isinstance(getattr(v, f.name), torch.Tensor)})
 
 
 def _tp1(d, plan):
@@ -213,13 +223,14 @@ SLOW_CASES = [
     ("qwen3_moe", "mxfp8+nvfp4-experts", {"ep": 2}),
     ("qwen3_moe", "mxfp8", {"ep": 2}),
     ("qwen3_moe", "mxfp8", {"tp": 2}),  # ETP 2: MXFP8 has no per-token global scale, the partition is free
+    ("qwen3_moe", "mxfp8+nvfp4-experts", {"tp": 2, "ep": 2, "etp": 1}),  # EP over the TP ranks: still 2 ranks
 ]
 
 
 @pytest.mark.slow  # a TP-1 learner and a 2-rank group per case: ~12 s each on 2 cores
 @pytest.mark.parametrize("arch,fmt,sizes", SLOW_CASES,
                          ids=["qwen3-mxfp8-tp2", "qwen3-mxfp8-tp2-sp", "qwen3-noplan-tp2", "moe-mxfp8-tp2-etp1",
-                              "moe-nvfp4experts-ep2", "moe-mxfp8-ep2", "moe-mxfp8-tp2-etp2"])
+                              "moe-nvfp4experts-ep2", "moe-mxfp8-ep2", "moe-mxfp8-tp2-etp2", "moe-nvfp4experts-tp2-ep2"])
 def test_parallel_cases_equal_tp1_and_export_the_codecs(ckpts, tmp_path, arch, fmt, sizes):
     d, policy = ckpts[arch], _policy(fmt)
     plan = None if policy is None else plan_for_model(policy, d)
@@ -359,8 +370,9 @@ def test_resolve_parallel_and_group_refusals(ckpts):
         MegatronGroup(ckpts["qwen3"], None, CFG)
     with pytest.raises(ConfigError, match="from an HF checkpoint folder"):
         MegatronGroup(str(ckpts["qwen3"] / "nope"), None, _cfg(tp=2))
-    with pytest.raises(ConfigError, match="needs 2 GPUs"):
-        MegatronGroup(ckpts["qwen3"], None, dataclasses.replace(_cfg(tp=2), device="cuda"))
+    if torch.cuda.device_count() < 2:
+        with pytest.raises(ConfigError, match="needs 2 GPUs"):
+            MegatronGroup(ckpts["qwen3"], None, dataclasses.replace(_cfg(tp=2), device="cuda"))
     one = make_megatron_learner(ckpts["qwen3"], None, CFG)
     try:
         assert type(one).__name__ == "MegatronLearner"

@@ -259,6 +259,12 @@ class MegatronGroup:
         """Rank 0's shards (read-only use; training goes through ``train_step``)."""
         return self.learner.model
 
+    @property
+    def routing_stats(self) -> dict[str, float]:
+        """Routing-replay agreement of the last ``logprobs`` / ``train_step`` (rank 0's counter, which sees every
+        position: under sequence parallelism the flags are all-gathered)."""
+        return self.learner.routing_stats
+
     def logprobs(self, batch):
         return self._call("logprobs", batch)[0]
 

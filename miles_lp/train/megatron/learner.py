@@ -171,6 +171,9 @@ def block_causal_mask(pack: Pack, device) -> torch.Tensor:
 class MegatronLearner(PackedLearnerSteps):
     """A Megatron-Core GPT model under a precision plan, trained with AdamW (see the module docstring)."""
 
+    #: routing replay through the routers' ``router_replay`` slot (``miles_lp.train.megatron.replay``)
+    supports_routing_replay = True
+
     def __init__(self, hf_folder_or_model: torch.nn.Module | str | Path, plan=None,
                  config: TrainConfig | None = None, *, engine_tp: int = 1, engine_etp: int | None = None):
         """``hf_folder_or_model``: an HF checkpoint folder or an in-memory transformers model (its weights are
@@ -288,7 +291,7 @@ class MegatronLearner(PackedLearnerSteps):
         pos = pack.position_ids.to(self.device)
         rot = self.model.rotary_pos_emb if isinstance(getattr(self.model, "rotary_pos_emb", None),
                                                         _PackedRotary) else None
-        with _cpu_megatron(self.device):
+        with _cpu_megatron(self.device), self._replaying(pack):
             if rot is not None:
                 rot.positions = pos[0]
             try:
@@ -296,6 +299,36 @@ class MegatronLearner(PackedLearnerSteps):
             finally:
                 if rot is not None:
                     rot.positions = None
+
+    # ---- routing replay (Miles R3: megatron.replay) ---------------------------------------------------
+    def moe_routers(self):
+        """The Megatron MoE routers in layer order (``[]`` for a dense model)."""
+        if getattr(self, "_moe_routers", None) is None:
+            from miles_lp.train.megatron.replay import megatron_routers
+
+            self._moe_routers = megatron_routers(self.model)
+        return self._moe_routers
+
+    def _check_routes(self, batch, routes):
+        from miles_lp.train.routing_replay import check_batch_routes
+
+        return check_batch_routes(batch, routes, self.moe_routers(), str(getattr(self.hf_config, "model_type", "?")))
+
+    def _replaying(self, pack: Pack):
+        if pack.routes is None:
+            return contextlib.nullcontext()
+        from miles_lp.train.megatron.replay import replay_megatron_routes
+        from miles_lp.train.routing_replay import pack_routes
+
+        routers = self.moe_routers()
+        packed, replayed = pack_routes(pack.routes, pack.offsets, pack.lengths, pack.tokens, len(routers),
+                                       routers[0].top_k)
+        sp_group = None
+        if self.parallel.sequence_parallel:
+            from megatron.core import parallel_state as ps
+
+            sp_group = ps.get_tensor_model_parallel_group()
+        return replay_megatron_routes(routers, packed, replayed, self._routing_counter, sp_group=sp_group)
 
     # ---- the step under tensor / expert parallelism ---------------------------------------------------
     def train_step(self, samples, loss_fn=None) -> dict[str, Any]:
@@ -322,7 +355,7 @@ class MegatronLearner(PackedLearnerSteps):
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": loss_sum, "grad_norm": norm, "finite": finite, "skipped": not finite,
                 "micro_batches": len(packs), "tokens": sum(int(s["tokens"].numel()) for s in samples),
-                "padded_tokens": sum(p.tokens for p in packs), "step": self.step}
+                "padded_tokens": sum(p.tokens for p in packs), "step": self.step, **self.routing_stats}
 
     # ---- export -------------------------------------------------------------------------------------
     def _groups(self) -> dict[str, Any]:
