@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The Triton codec kernels on the H200 in one device call: byte identity (pytest -m gpu, selfcheck), then
 # `miles-lp bench quantize` (kernels vs torchao vs a device copy) and `miles-lp bench linear`.
-# Logs under $OUT (or ./h200_logs), at most 8 files (the device tool brings back 8):
+# Logs under $OUT (or ./h200_logs); the device tool brings back 8 files at most, so pick the options to fit:
 #   session.log (everything), pytest_gpu.txt, selfcheck.jsonl (default launch shapes), selfcheck_int.jsonl
 #   (MILES_LP_KERNELS_HW=0: the integer encoders on CUDA), selfcheck_swept.jsonl (the shapes the bench
-#   sweep chose), bench_quantize.txt, bench_quantize.json, bench_linear.json
+#   sweep chose), bench_quantize.txt, bench_quantize.json, bench_linear.txt, bench_linear.json,
+#   profile_linear.txt (--profile). The full run (no --quick) with --profile writes 10: drop one of them.
+# 2026-12-01b: `--quick --linear --graph --profile` (8 files) per round, results in
+#   docs/results/h200-2026-12-01b/kernels/.
 # Usage (from a clean export of one commit, so the table names the tree it ran on):
 #   MILES_LP_COMMIT=<sha> bash scripts/h200_kernels.sh [--no-sweep] [--no-linear] [--tests-only] [--quick]
-#     [--no-tests] [--linear] [--profile]
+#     [--no-tests] [--linear] [--profile] [--graph]
 # --quick: the kernels' own GPU tests, one selfcheck, bench quantize without sweep or torch.compile rows.
 # --no-tests: skip pytest -m gpu (selfcheck still runs); --linear: bench linear even with --quick;
 # --profile: also `bench linear --profile` (host vs device time, kernels per call) -> profile_linear.txt
