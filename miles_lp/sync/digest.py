@@ -76,8 +76,11 @@ def _segment_sums(segments: list[list[torch.Tensor]]) -> torch.Tensor:
         if rows * ROW_BYTES > n:
             raws.append(_zeros(rows * ROW_BYTES - n, parts[0].device if parts else torch.device("cpu")))
         rows_of.append(rows)
-    flat = torch.cat(raws) if len(raws) > 1 else raws[0]
-    words = flat.view(torch.int32).reshape(-1, ROW)  # [R, 1024]
+    from miles_lp.sync.strided import as_words, wide_dtype
+
+    dt = wide_dtype(raws)  # concatenated as 8-byte words where every size allows (same bytes, fewer elements)
+    flat = torch.cat([as_words(r, dt) for r in raws]) if len(raws) > 1 else as_words(raws[0], dt)
+    words = flat.view(torch.uint8).view(torch.int32).reshape(-1, ROW)  # [R, 1024]
     # int32 products and row sums, both wrapping mod 2^32 (vectorized; an int64 accumulation is ~10x slower on
     # CPU); the per-segment combination below is int64
     rows = (words * _wcol(words.device)).sum(dim=1, dtype=torch.int32).to(torch.int64)  # [R]

@@ -29,7 +29,7 @@ import torch
 
 from miles_lp.errors import BackendUnavailable, ConfigError
 from miles_lp.sync.buckets import NAN_FILL, Bucket, Slot, iter_received
-from miles_lp.sync.strided import batched_copy
+from miles_lp.sync.strided import as_words, batched_copy, wide_dtype
 
 Received = list[tuple[str, torch.Tensor]]
 
@@ -102,7 +102,9 @@ def fill_slots(buf: torch.Tensor, bucket: Bucket) -> Received:
         if off < buf.numel():
             parts.append(_fill(buf.numel() - off, dev))
         if parts:
-            torch.cat(parts, out=buf) if len(parts) > 1 else buf.copy_(parts[0])
+            dt = wide_dtype([buf, *parts])  # 8-byte words when every size allows: ~8x fewer elements to copy
+            words = [as_words(p, dt) for p in parts]
+            torch.cat(words, out=as_words(buf, dt)) if len(words) > 1 else as_words(buf, dt).copy_(words[0])
         return received
     pairs = [(v, payload[n].detach()) for n, v in received if n in payload]
     batched_copy(pairs)
