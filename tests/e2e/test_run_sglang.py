@@ -148,3 +148,18 @@ def test_unreachable_url_fails_before_step_one(tmp_path):
         Run.start(recipe)
     assert not list((tmp_path / "runs").glob("*/metrics.jsonl")) or all(
         p.stat().st_size == 0 for p in (tmp_path / "runs").glob("*/metrics.jsonl"))
+
+
+@pytest.mark.slow
+def test_ray_launcher_against_miles_lp_serve(server, api_key, tmp_path):
+    """The same client inside the Ray launcher's rollout actor (a local cluster): 2 steps, every check raise."""
+    from miles_lp.launch.ray_launcher import run_with_ray
+
+    recipe = _recipe(tmp_path, "rollout.backend=sglang", f"rollout.url={server}", "steps=2", "ray.enabled=true",
+                     "ray.num_cpus=2")
+    rows = []
+    out = run_with_ray(recipe, progress=False, on_step=lambda run, m: rows.append(m))
+    assert out["steps"] == 2
+    for m in rows:
+        for c in ("layer_audit", "grid", "self_check", "storage", "completeness", "version"):
+            assert m[f"sync/check/{c}"] == 1.0, c
