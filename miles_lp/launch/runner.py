@@ -137,15 +137,16 @@ def make_engine(recipe: Recipe, checkpoint: Path, *, run_dir: Path | None = None
     if kw.get("dtype") == "auto":
         # the learner's activation dtype (its master dtype): on CUDA the engine's own default is bf16, which put
         # an fp32-master run at kl 2e-4 on the H200 before any update; matched, it is exactly 0 (2026-12-01)
-        kw["dtype"] = recipe.train.master_dtype
+        # (``compute_dtype``: the learner's forward dtype, = master_dtype unless train.param_dtype is set)
+        kw["dtype"] = getattr(recipe.train, "compute_dtype", recipe.train.master_dtype)
     return ReferenceEngine(checkpoint, **kw)
 
 
 def make_learner(recipe: Recipe, model_dir: Path, plan):
-    if recipe.train.backend == "megatron":  # Megatron-Core at tp = pp = ep = 1 (one process)
-        from miles_lp.train.megatron.learner import MegatronLearner
+    if recipe.train.backend == "megatron":  # tp = ep = 1: one process; tp * ep > 1: MegatronGroup (spawned ranks)
+        from miles_lp.train.megatron.group import make_megatron_learner
 
-        return MegatronLearner(model_dir, plan, recipe.train)
+        return make_megatron_learner(model_dir, plan, recipe.train)
     from miles_lp.train.embedded import EmbeddedTrainer
 
     return EmbeddedTrainer(model_dir, plan, recipe.train)
