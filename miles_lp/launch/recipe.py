@@ -229,6 +229,20 @@ def _check_routing_replay(model: ModelConfig, train: TrainConfig, rl: RLConfig, 
                           "rl.routing_replay: false")
 
 
+def _check_param_dtype(train: TrainConfig, rollout: Any, where: Where) -> None:
+    """``train.param_dtype: bf16`` (BF16 compute copies of FP32 masters) needs an engine computing in BF16 too:
+    ``rollout.dtype: auto`` still follows ``master_dtype`` in the runner (request replay-to-engines), so it must
+    be set explicitly; an fp32 engine against a BF16-computing learner is refused as a likely mistake."""
+    if not train.mixed_precision:
+        return
+    dtype = getattr(rollout, "dtype", None)
+    if dtype in ("auto", "fp32"):
+        raise where.error(f"the learner computes in {train.compute_dtype} (BF16 copies of the {train.master_dtype} "
+                          f"master) but rollout.dtype is {dtype}" + (" (auto follows train.master_dtype)" if dtype ==
+                          "auto" else "") + f"; set rollout.dtype: {train.compute_dtype} so the engine computes the "
+                          "same policy")
+
+
 def parse_recipe(doc: YamlDoc) -> Recipe:
     """Build a ``Recipe`` from a loaded YAML document; every section is validated here."""
     from miles_lp.policy import parse_policy
@@ -246,12 +260,14 @@ def parse_recipe(doc: YamlDoc) -> Recipe:
     train = parse_dataclass(TrainConfig, data.get("train"), w.child("train"))
     rl = parse_dataclass(RLConfig, data.get("rl"), w.child("rl"))
     _check_routing_replay(model, train, rl, w.child("rl").child("routing_replay"))
+    rollout = _rollout(data.get("rollout"), w.child("rollout"))
+    _check_param_dtype(train, rollout, w.child("train").child("param_dtype"))
     return Recipe(
         model=model,
         precision=parse_policy(data["precision"], w.child("precision")),
         sampler_precision=_sampler_policy(data.get("sampler_precision"), w.child("sampler_precision")),
         train=train,
-        rollout=_rollout(data.get("rollout"), w.child("rollout")),
+        rollout=rollout,
         sync=_sync(data.get("sync"), w.child("sync")),
         rl=rl,
         task=parse_dataclass(TaskConfig, data.get("task"), w.child("task")),

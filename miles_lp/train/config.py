@@ -13,6 +13,8 @@ plan implies, e.g. 32 tokens under MXFP8, is derived by the trainer, not stored 
       micro_batch_tokens: 8192   # token budget of one micro-batch (after padding)
       seed: 1234
       master_dtype: fp32         # fp32 | bf16: dtype of the parameters the optimizer updates
+      param_dtype: null          # null (= master_dtype) | bf16: the model computes with BF16 copies of the
+                                 # FP32 masters (Megatron-style mixed precision; embedded backend)
       megatron: {tp: 2, pp: 1, ep: 1}
 """
 
@@ -61,6 +63,9 @@ class TrainConfig:
     micro_batch_tokens: int = 8192
     seed: int = 0
     master_dtype: Literal["fp32", "bf16"] = "fp32"
+    #: the dtype the model's parameters (hence its forward) have; None = master_dtype. ``bf16`` with an fp32
+    #: master: the optimizer keeps fp32 masters, the model BF16 copies (gradients accumulated in fp32)
+    param_dtype: Literal["fp32", "bf16"] | None = None
     device: str = "auto"  # embedded backend: auto (cuda if available) | cpu | cuda | cuda:N
     megatron: MegatronSection = dataclasses.field(default_factory=MegatronSection)
 
@@ -80,12 +85,36 @@ class TrainConfig:
             raise where.child("micro_batch_tokens").error(f"must be >= 1, got {self.micro_batch_tokens}")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise where.child("device").error(f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.param_dtype == "fp32" and self.master_dtype == "bf16":
+            raise where.child("param_dtype").error("fp32 compute copies of a bf16 master hold nothing the master "
+                                                   "does not; use master_dtype: fp32 (optionally param_dtype: bf16)")
+        if self.mixed_precision and self.backend != "embedded":
+            raise where.child("param_dtype").error(
+                f"param_dtype {self.param_dtype} with master_dtype {self.master_dtype} is implemented by the "
+                f"embedded learner only; the {self.backend} learner computes in its master dtype (drop param_dtype)")
 
     @property
     def torch_master_dtype(self):
         import torch
 
         return {"fp32": torch.float32, "bf16": torch.bfloat16}[self.master_dtype]
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype the learner's forward computes in (``param_dtype``, else ``master_dtype``): what an engine
+        must compute in to match it (``rollout.dtype: auto``)."""
+        return self.param_dtype or self.master_dtype
+
+    @property
+    def torch_param_dtype(self):
+        import torch
+
+        return {"fp32": torch.float32, "bf16": torch.bfloat16}[self.compute_dtype]
+
+    @property
+    def mixed_precision(self) -> bool:
+        """BF16 compute copies of FP32 masters (``param_dtype`` set and different from ``master_dtype``)."""
+        return self.compute_dtype != self.master_dtype
 
 
 def parse_train_config(mapping: Any, where: Where | None = None) -> TrainConfig:

@@ -346,6 +346,12 @@ class PackedLearnerSteps:
     def _check_routes(self, batch: Sequence[Any], routes: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         raise NotImplementedError  # a learner with supports_routing_replay validates against its model
 
+    def _after_backward(self) -> None:
+        """After each micro-batch's backward (mixed precision: gradients into the fp32 masters)."""
+
+    def _after_step(self) -> None:
+        """After the optimizer step (mixed precision: the masters rounded into the compute copies)."""
+
     def _finish_routing(self) -> dict[str, float]:
         counter, self._routing_counter = self._routing_counter, None
         self.routing_stats = counter.metrics() if counter is not None else {}
@@ -377,6 +383,7 @@ class PackedLearnerSteps:
             lp, ent = token_logprobs_and_entropy(self._forward(pack), pack)
             loss = loss_fn(lp, ent, [samples[i] for i in pack.indices], totals)
             loss.backward()
+            self._after_backward()
             loss_sum += float(loss.detach())
         self._finish_routing()
         return loss_sum, packs
@@ -396,6 +403,7 @@ class PackedLearnerSteps:
         finite = math.isfinite(norm)
         if finite:
             self.optimizer.step()
+            self._after_step()
             self.step += 1
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": loss_sum, "grad_norm": norm, "finite": finite, "skipped": not finite,
@@ -432,6 +440,7 @@ class EmbeddedTrainer(PackedLearnerSteps):
             self.source = SourceInfo.from_module(model)
         self.model = model.to(device=self.device, dtype=dtype)
         self.model.train()
+        self.masters = self._split_masters() if cfg.mixed_precision else None
         self.plan = plan
         if plan is not None and plan.layout is not None:
             self.layout = plan.layout
@@ -444,10 +453,46 @@ class EmbeddedTrainer(PackedLearnerSteps):
             self.swap.check_complete(plan)
         self.pad_multiple = pad_multiple_for(plan)
         params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.masters is not None:
+            params = [m for _, m in self.masters.values()]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                                            weight_decay=cfg.weight_decay, foreach=False)
         invalidate_on_step(self.model, self.optimizer)  # the next forward / export re-quantizes once
         self.step = 0
+
+    # ---- mixed precision (train.param_dtype: bf16 with an fp32 master) ---------------------------------
+    def _split_masters(self) -> dict[str, tuple[torch.nn.Parameter, torch.Tensor]]:
+        """Megatron-style mixed precision: every trainable parameter becomes a compute copy in ``param_dtype``
+        (the model's forward, the export and the quantized grids read it), its fp32 master moves to the optimizer.
+        Buffers keep their dtype (e.g. DeepSeek's fp32 ``e_score_correction_bias``). Tied parameters once."""
+        pdtype = self.config.torch_param_dtype
+        masters: dict[str, tuple[torch.nn.Parameter, torch.Tensor]] = {}
+        for name, prm in self.model.named_parameters():  # tied weights appear once
+            if not prm.requires_grad:
+                continue
+            master = prm.detach().clone()
+            prm.data = prm.data.to(pdtype)
+            masters[name] = (prm, master.requires_grad_(True))
+        invalidate_grids(self.model)
+        return masters
+
+    def _after_backward(self) -> None:
+        if self.masters is None:
+            return
+        for prm, master in self.masters.values():  # accumulate in fp32, as Megatron's main_grad
+            if prm.grad is None:
+                continue
+            g = prm.grad.to(master.dtype)
+            master.grad = g if master.grad is None else master.grad.add_(g)
+            prm.grad = None
+
+    def _after_step(self) -> None:
+        if self.masters is None:
+            return
+        with torch.no_grad():
+            for prm, master in self.masters.values():
+                prm.copy_(master)  # rounded to the compute dtype (round to nearest even)
+        invalidate_grids(self.model)
 
     # ---- forward ------------------------------------------------------------------------------------
     def _forward(self, pack: Pack) -> torch.Tensor:
@@ -498,9 +543,12 @@ class EmbeddedTrainer(PackedLearnerSteps):
         them before training on.
         """
         rng = rng_state(self.device)
-        return {"kind": "embedded", "plan_hash": None if self.plan is None else self.plan.hash,
-                "step": self.step, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "rng": rng}
+        state = {"kind": "embedded", "plan_hash": None if self.plan is None else self.plan.hash,
+                 "step": self.step, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "rng": rng}
+        if self.masters is not None:  # mixed precision: the fp32 masters the optimizer updates
+            state["master"] = {name: m for name, (_, m) in self.masters.items()}
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` returned (refuses another backend's state or another plan's)."""
@@ -511,7 +559,19 @@ class EmbeddedTrainer(PackedLearnerSteps):
         if state.get("plan_hash") != want:
             raise ConfigError(f"learner state was saved under plan {str(state.get('plan_hash'))[:16]}, this trainer "
                               f"runs plan {str(want)[:16]}; resume with the recipe the run started with")
+        if (self.masters is None) != ("master" not in state):
+            raise ConfigError("learner state was saved with train.param_dtype " +
+                              ("different from" if "master" in state else "equal to") + " master_dtype, this trainer "
+                              "runs the other mode; resume with the recipe the run started with")
         self.model.load_state_dict(state["model"], strict=True)
+        if self.masters is not None:
+            saved = state["master"]
+            if set(saved) != set(self.masters):
+                raise ConfigError(f"learner state: master weights for {sorted(set(saved) ^ set(self.masters))[:3]} "
+                                  "do not match this model's parameters")
+            with torch.no_grad():
+                for name, (_, m) in self.masters.items():
+                    m.copy_(saved[name])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
         restore_rng(state["rng"], self.device)
