@@ -73,6 +73,9 @@ class LearnerWorker:
     def export_list(self):
         return pack(list(self.learner.export_weights()))
 
+    def routing_stats(self) -> dict:
+        return pack(dict(getattr(self.learner, "routing_stats", None) or {}))
+
     def train_step(self, samples, loss_fn):
         stats = self.learner.train_step(unpack(samples), loss_fn)
         return pack((stats, dict(loss_fn.stats), dict(loss_fn.recorded)))
@@ -139,6 +142,14 @@ class LearnerProxy:
         import ray
 
         return ray.get(self.actor.get.remote("step"))
+
+    @property
+    def routing_stats(self) -> dict[str, float]:
+        """The learner's routing agreement after its last ``logprobs`` / ``train_step`` (routing replay), as
+        in-process: ``grpo_step`` reads it right after the old-log-prob pass."""
+        import ray
+
+        return unpack(ray.get(self.actor.routing_stats.remote()))
 
     def logprobs(self, batch):
         return self._call("logprobs", batch)
