@@ -2,7 +2,7 @@
 items 1-2) against the TP-1 ``MegatronLearner`` on the same checkpoint, plan, batch and loss.
 
 Per case: logprobs before the step, one optimizer step (loss, grad norm), the gathered masters after it, and the
-export after it: every quantized tensor byte-equal to the codecs applied to the gathered masters AND to
+export after it (and, in the fast case, the export before the step: byte-equal to the TP-1 learner's): every quantized tensor byte-equal to the codecs applied to the gathered masters AND to
 ``miles-lp convert`` of those masters (saved as an HF checkpoint); every other tensor the master in the checkpoint
 dtype.
 
@@ -82,10 +82,12 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
         a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
-def _run(learner, with_export=True):
-    """logprobs, one step, the gathered masters (and the export) after it; the learner is closed."""
+def _run(learner, with_export=True, export_before=False):
+    """logprobs, one step, the gathered masters (and the export) after it; the learner is closed.
+    ``export_before``: the export before the step too."""
     seqs = _seqs()
     try:
+        before = [(n, _cpu(v)) for n, v in learner.export_weights()] if export_before else None
         lp = learner.logprobs(seqs)[0]
         stats = learner.train_step([{"tokens": s} for s in seqs], nll_loss)
         masters = {k: v.cpu() for k, v in learner.gathered_masters().items()}
@@ -93,7 +95,8 @@ def _run(learner, with_export=True):
         executed = learner.executed_quantized()
     finally:
         learner.close()
-    return {"lp": lp, "stats": stats, "masters": masters, "export": exported, "executed": executed}
+    return {"lp": lp, "stats": stats, "masters": masters, "export": exported, "executed": executed,
+            "before": before}
 
 
 def _cpu(v):
@@ -103,16 +106,33 @@ def _cpu(v):
                                      if f.init and isinstance(getattr(v, f.name), torch.Tensor)})
 
 
-def _tp1(d, plan):
+def _tp1(d, plan, export_before=False):
     from miles_lp.train.megatron.learner import MegatronLearner
 
-    return _run(MegatronLearner(d, plan, CFG), with_export=False)
+    return _run(MegatronLearner(d, plan, CFG), with_export=False, export_before=export_before)
 
 
-def _group(d, plan, cfg, **kw):
+def _group(d, plan, cfg, export_before=False, **kw):
     from miles_lp.train.megatron.group import MegatronGroup
 
-    return _run(MegatronGroup(d, plan, cfg, **kw))
+    return _run(MegatronGroup(d, plan, cfg, **kw), export_before=export_before)
+
+
+def _same_export(a, b) -> list[str]:
+    """Names whose tensors / grid components are not byte-equal (both exports must hold the same names)."""
+    a, b = dict(a), dict(b)
+    assert a.keys() == b.keys()
+    bad = []
+    for k, v in a.items():
+        w = b[k]
+        if isinstance(v, torch.Tensor):
+            ok = isinstance(w, torch.Tensor) and same_bytes(v, w)
+        else:
+            ok = not isinstance(w, torch.Tensor) and all(same_bytes(x, w.components()[n])
+                                                         for n, x in v.components().items())
+        if not ok:
+            bad.append(k)
+    return bad
 
 
 def _codec_of_masters(plan, masters):
@@ -200,8 +220,9 @@ def test_tp2_moe_mxfp8_nvfp4_experts_equals_tp1_and_exports_the_codecs(ckpts, tm
     one fast multi-rank test of the default suite (~15 s on 2 cores)."""
     d, policy = ckpts["qwen3_moe"], _policy("mxfp8+nvfp4-experts")
     plan = plan_for_model(policy, d)
-    ref = _tp1(d, plan)
-    got = _group(d, plan, _cfg(tp=2, etp=1))
+    ref = _tp1(d, plan, export_before=True)
+    got = _group(d, plan, _cfg(tp=2, etp=1), export_before=True)
+    assert not _same_export(ref["before"], got["before"])  # the same weights: the TP-1 export, byte for byte
     _compare(ref, got)
     assert len(got["executed"]) == len(plan.quantized())
     _check_export(d, plan, policy, got, tmp_path)
