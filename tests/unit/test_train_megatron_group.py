@@ -408,10 +408,9 @@ def test_resolve_parallel_and_group_refusals(ckpts):
 
 @pytest.mark.slow  # the main job on a 2-rank group and on the TP-1 learner: ~60 s on 2 cores
 def test_the_main_job_runs_on_a_tp2_group(tmp_path, monkeypatch):
-    """`miles-lp run` with `train.megatron.tp: 2` on a tiny MoE, every sync check in raise mode, with the runner's
-    make_learner pointed at make_megatron_learner (the one-line change requested of the runner's owner): the loop
-    uses the group unchanged, the engine starts on the learner's own grid (kl 0) and every sync's grid check
-    passes."""
+    """`miles-lp run` with `train.megatron.tp: 2` on a tiny MoE, every sync check in raise mode (the runner's
+    make_learner calls make_megatron_learner; wrapped here to record which learner it built): the loop uses the
+    group unchanged, every sync's grid check passes, step 0 equals the TP-1 learner's run."""
     import miles_lp.launch.runner as runner
     from miles_lp.cli import main
     from miles_lp.launch.run_dir import RunDir
