@@ -149,6 +149,34 @@ def test_self_check_fails_on_stale_vllm_derived_state(stack):
 
 
 @pytest.mark.slow
+def test_self_check_catches_stale_vllm_state_after_a_small_update(stack):
+    """C3's exact half: after an RL-sized change (A's weights x (1 + 1e-3 noise)) a stale qkv_proj stays inside
+    the 0.25 tolerance (the weights barely moved), but its served operand differs from the synced bytes
+    dequantized again, so ``fresh_diff`` > 0 fails the check (docs/sync.md: the tolerance alone misses this)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from miles_lp.train.config import TrainConfig
+    from miles_lp.train.embedded import EmbeddedTrainer
+
+    src, dst = stack["model"], stack["tmp"] / "a-nudged"
+    if not dst.exists():
+        shutil.copytree(src, dst)
+        g = torch.Generator().manual_seed(5)
+        for f in dst.glob("*.safetensors"):
+            t = load_file(f)
+            save_file({k: (v * (1 + 1e-3 * torch.randn(v.shape, generator=g))).to(v.dtype)
+                       if v.is_floating_point() else v for k, v in t.items()}, f, metadata={"format": "pt"})
+    nudged = EmbeddedTrainer(dst, stack["plan"], TrainConfig(device="cpu"))
+    stack["nudged"] = nudged
+    rep = _fails(stack, {"stale": ["model.layers.0.self_attn.qkv_proj"]}, "self_check", learner="nudged")
+    v = rep.verdict("self_check")
+    assert v.figure < 0.25  # the tolerance alone would pass it
+    assert any("model.layers.0.self_attn.qkv_proj (serving differs from a fresh derivation" in e for e in v.examples)
+
+
+@pytest.mark.slow
 def test_storage_fails_on_rebound_vllm_parameter(stack):
     """C4: a parameter re-bound to a fresh tensor after the load (what CUDA graphs captured is no longer served)."""
     rep = _fails(stack, {"rebind": ["model.layers.1.self_attn.o_proj"]}, "storage")
