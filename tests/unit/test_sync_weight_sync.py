@@ -337,3 +337,27 @@ def test_a_bf16_gate_up_sampler_arm_skips_the_joint_scale_check_instead_of_faili
     r = ws.sync(BF16GateUp())
     assert [v.name for v in r.failed] == ["layer_audit"]  # the learner runs gate/up NVFP4: C1 says so
     assert r.verdict("grid").ok and "NVFP4 gate/up" not in r.verdict("grid").reason
+
+
+class NoLiveFormats(StubEngine):
+    """A backend that cannot report its live quantized parameters (a stock SGLang server)."""
+
+    def quantized_params(self):
+        from miles_lp.errors import BackendUnavailable
+
+        raise BackendUnavailable("stock server: no live quantization state")
+
+
+def test_an_engine_without_live_formats_skips_c1_with_the_reason_and_still_validates_the_update():
+    engine, ws, _ = _sync(NoLiveFormats())
+    r = ws.sync(Learner())
+    v = r.verdict("layer_audit")
+    assert r.ok and v.status == "skipped" and "cannot report its live quantized parameters" in v.reason
+    assert r.verdict("grid").ok and r.verdict("completeness").ok
+    # the update is still checked against the plan's formats before any byte is written
+    from tests.e2e.test_selftest_sync import _BadLearner
+
+    writes = engine.writes
+    with pytest.raises(SyncCheckError, match="refused before any byte"):
+        ws.sync(_BadLearner(Learner(), "model.norm.weight"))
+    assert engine.writes == writes
