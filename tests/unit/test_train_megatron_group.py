@@ -288,7 +288,7 @@ def test_nvfp4_activation_partition_mismatch_is_detected_numerically(ckpts, tmp_
 def test_group_resume_is_bit_identical_and_a_failing_rank_is_named(ckpts, tmp_path):
     """TP 2: save after one step (state_io), a fresh group loads it, both step again: same stats, masters and
     export bytes. A rank that fails (a loss function that raises on rank 1 only) is reported with its traceback,
-    and the group refuses further calls."""
+    and the group refuses further calls; a rank that fails while starting is reported before the rendezvous."""
     from miles_lp.train.megatron.group import GroupError, MegatronGroup
     from miles_lp.train.state_io import load_learner_state, save_learner_state
 
@@ -333,6 +333,23 @@ def test_group_resume_is_bit_identical_and_a_failing_rank_is_named(ckpts, tmp_pa
             b.logprobs(_seqs())
     finally:
         b.close()
+
+    class _PlanThatFailsInTheWorker:  # rank 0 reads it; unpickling it on rank 1 raises (int("not a plan"))
+        def quantized(self):
+            return {}
+
+        def __reduce__(self):
+            return (int, ("not a plan",))
+
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(GroupError, match=r"(?s)Megatron rank 1 failed while starting:.*invalid literal for int"):
+        MegatronGroup(d, _PlanThatFailsInTheWorker(), _cfg(tp=2, etp=1))
+    assert time.monotonic() - t0 < 60  # reported at once, not after the rendezvous timeout
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -91,10 +91,12 @@ def _worker(rank: int, world: int, port: int, source: str, plan_bytes: bytes, co
     torch.set_num_threads(threads)
     learner = None
     try:
+        plan = _loads(plan_bytes)
+        conn.send_bytes(_dumps(("hello", None)))  # imported and unpickled: rank 0 may now wait in the rendezvous
         _init(rank, world, port, _backend(config), timeout_s)
         from miles_lp.train.megatron.learner import MegatronLearner
 
-        learner = MegatronLearner(source, _loads(plan_bytes), _rank_config(config, rank), **engine)
+        learner = MegatronLearner(source, plan, _rank_config(config, rank), **engine)
         conn.send_bytes(_dumps(("ready", None)))
         while True:
             method, args = _loads(conn.recv_bytes())
@@ -174,6 +176,7 @@ class MegatronGroup:
             self._procs.append(p)
         self.learner = None
         try:
+            self._hello(timeout_s)
             _init(0, self.world, port, backend, timeout_s)
             from miles_lp.train.megatron.learner import MegatronLearner
 
@@ -184,6 +187,22 @@ class MegatronGroup:
             self._fail(exc, "start")
 
     # ---- plumbing -------------------------------------------------------------------------------------
+    def _hello(self, timeout_s: float) -> None:
+        """Wait for every worker to have started (imports done, plan unpickled) before the rendezvous, so a worker
+        that dies on the way is reported at once instead of after the rendezvous timeout."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        for rank, (conn, p) in enumerate(zip(self._conns, self._procs, strict=True), start=1):
+            while not conn.poll(0.5):
+                if not p.is_alive():
+                    raise GroupError(f"Megatron rank {rank} exited (code {p.exitcode}) before it started")
+                if time.monotonic() > deadline:
+                    raise GroupError(f"Megatron rank {rank} did not start within {timeout_s:.0f} s")
+            status, value = _loads(conn.recv_bytes())
+            if status == "error":
+                raise GroupError(f"Megatron rank {rank} failed while starting:\n{value}")
+
     def _replies(self, what: str) -> list[Any]:
         out = []
         for rank, conn in enumerate(self._conns, start=1):
