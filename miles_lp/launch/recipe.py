@@ -230,17 +230,16 @@ def _check_routing_replay(model: ModelConfig, train: TrainConfig, rl: RLConfig, 
 
 
 def _check_param_dtype(train: TrainConfig, rollout: Any, where: Where) -> None:
-    """``train.param_dtype: bf16`` (BF16 compute copies of FP32 masters) needs an engine computing in BF16 too:
-    ``rollout.dtype: auto`` still follows ``master_dtype`` in the runner (request replay-to-engines), so it must
-    be set explicitly; an fp32 engine against a BF16-computing learner is refused as a likely mistake."""
+    """``train.param_dtype: bf16`` (BF16 compute copies of FP32 masters) needs an engine computing in BF16 too
+    (``rollout.dtype: auto`` = ``train.compute_dtype`` in the runner); an fp32 engine is refused as a likely
+    mistake."""
     if not train.mixed_precision:
         return
     dtype = getattr(rollout, "dtype", None)
-    if dtype in ("auto", "fp32"):
+    if dtype == "fp32":  # auto follows train.compute_dtype in the runner (make_engine)
         raise where.error(f"the learner computes in {train.compute_dtype} (BF16 copies of the {train.master_dtype} "
-                          f"master) but rollout.dtype is {dtype}" + (" (auto follows train.master_dtype)" if dtype ==
-                          "auto" else "") + f"; set rollout.dtype: {train.compute_dtype} so the engine computes the "
-                          "same policy")
+                          f"master) but rollout.dtype is fp32; set rollout.dtype: auto or {train.compute_dtype} so the "
+                          "engine computes the same policy")
 
 
 def parse_recipe(doc: YamlDoc) -> Recipe:

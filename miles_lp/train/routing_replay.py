@@ -44,10 +44,9 @@ import torch.nn.functional as F
 
 from miles_lp.errors import MilesLPError
 
-#: ``train.backend`` values whose learner replays routes (the recipe refuses ``rl.routing_replay`` with any other).
-#: The Megatron helper adds "megatron" here when ``MegatronLearner.supports_routing_replay`` is True
-#: (/work/notes/requests/replay-to-megatron.md).
-REPLAY_BACKENDS = frozenset({"embedded"})
+#: ``train.backend`` values whose learner replays routes (the recipe refuses ``rl.routing_replay`` with any other):
+#: the embedded trainer and ``MegatronLearner`` (``miles_lp.train.megatron.replay``).
+REPLAY_BACKENDS = frozenset({"embedded", "megatron"})
 
 #: The sample key the routes travel under (``miles_lp.rl.batch.make_sample``; Miles: ``rollout_routed_experts``).
 ROUTES_KEY = "routed_experts"

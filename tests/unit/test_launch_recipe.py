@@ -77,13 +77,21 @@ def test_set_overrides_are_validated(tmp_path):
         apply_override({"steps": 3}, "steps.x=1")
 
 
-def test_routing_replay_needs_an_moe_model_and_the_embedded_learner(tmp_path):
+def test_routing_replay_needs_an_moe_model_and_a_learner_with_the_hook(tmp_path):
     f = write(tmp_path, GOOD)
     with pytest.raises(ConfigError, match=r"--set rl.routing_replay=true: 'rl.routing_replay'.*tiny:qwen3 is dense "
                                           r"\(no MoE layers\).*set rl.routing_replay: false"):
         load_recipe(f, ["rl.routing_replay=true"])
-    with pytest.raises(ConfigError, match=r"routing replay \(Miles R3\) is not implemented in the megatron learner"):
-        load_recipe(f, ["rl.routing_replay=true", "model.path=tiny:qwen3_moe", "train.backend=megatron"])
+    import dataclasses
+
+    from miles_lp.launch import recipe as recipe_mod
+
+    # both learners replay (embedded, Megatron); a backend outside REPLAY_BACKENDS is refused
+    assert load_recipe(f, ["rl.routing_replay=true", "model.path=tiny:qwen3_moe", "train.backend=megatron"]).rl.routing_replay
+    r = load_recipe(f, ["rl.routing_replay=true", "model.path=tiny:qwen3_moe"])
+    with pytest.raises(ConfigError, match=r"routing replay \(Miles R3\) is not implemented in the other learner"):
+        recipe_mod._check_routing_replay(r.model, dataclasses.replace(r.train, backend="other"), r.rl,
+                                         recipe_mod.Where("<t>", "rl").child("routing_replay"))
     r = load_recipe(f, ["rl.routing_replay=true", "model.path=tiny:qwen3_moe"])
     assert r.rl.routing_replay
     # an HF folder: its config.json tells dense from MoE

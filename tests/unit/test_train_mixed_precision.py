@@ -134,7 +134,7 @@ def test_refusals():
 
     text = ("model: {path: 'tiny:qwen3', num_layers: 1}\nprecision: {default: mxfp8}\n"
             "train: {device: cpu, param_dtype: bf16}\nrollout: {device: cpu, dtype: DT}\nsteps: 1\n")
-    with pytest.raises(ConfigError, match=r"'train.param_dtype'.*rollout.dtype is auto \(auto follows "
-                                          r"train.master_dtype\); set rollout.dtype: bf16"):
-        load_recipe_text(text.replace("DT", "auto"))
+    with pytest.raises(ConfigError, match=r"'train.param_dtype'.*rollout.dtype is fp32; set rollout.dtype: auto or bf16"):
+        load_recipe_text(text.replace("DT", "fp32"))
     assert load_recipe_text(text.replace("DT", "bf16")).train.mixed_precision
+    assert load_recipe_text(text.replace("DT", "auto")).train.compute_dtype == "bf16"

@@ -224,12 +224,13 @@ def test_router_output_matches_hf_when_not_replayed():
                                else logits, l2), arch
 
 
-def test_megatron_learner_refuses_routes_until_it_has_the_hook():
+def test_every_replay_backend_has_a_learner_with_the_hook():
+    """The recipe accepts rl.routing_replay for the backends in REPLAY_BACKENDS: each one's learner replays."""
+    from miles_lp.train.routing_replay import REPLAY_BACKENDS
+
+    assert REPLAY_BACKENDS == {"embedded", "megatron"}
+    assert EmbeddedTrainer.supports_routing_replay
     pytest.importorskip("megatron.core")
     from miles_lp.train.megatron.learner import MegatronLearner
 
-    if MegatronLearner.supports_routing_replay:
-        pytest.skip("the Megatron learner replays routes (its own tests cover it)")
-    learner = object.__new__(MegatronLearner)  # the refusal needs no model
-    with pytest.raises(RoutingReplayError, match=r"MegatronLearner cannot replay routed experts yet"):
-        learner._batch_routes([{"tokens": torch.arange(4, 9), "routed_experts": torch.zeros(4, 2, 2)}])
+    assert MegatronLearner.supports_routing_replay  # tests/unit/test_train_megatron_replay.py covers its semantics
