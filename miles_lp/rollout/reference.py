@@ -182,6 +182,8 @@ class ReferenceEngine:
         self.parked = 0  # times an in-flight generation parked at a step boundary (pause / update)
         self._touched: set[str] = set()
         self._written: set[str] = set()
+        self._plans: dict[tuple, tuple] = {}  # bucket signature -> (copy plan, names written, layers touched)
+        self._cache_plans = True
         self._closed = False
 
     # ------------------------------------------------------------------------------------------------
@@ -486,28 +488,49 @@ class ReferenceEngine:
         if not self._updating:
             raise EngineError("update_weights outside begin_weight_update() ... finish_weight_update(); call "
                               "begin_weight_update first")
-        bucket = list(named_tensors)
-        seen: set[str] = set()
-        for name, t in bucket:  # the whole bucket is checked before any byte is written
-            if not isinstance(t, torch.Tensor):
-                raise WeightUpdateError(f"update bucket: '{name}' is a {type(t).__name__}, not a tensor")
-            if name in seen:
-                raise WeightUpdateError(f"update bucket: '{name}' appears twice")
-            seen.add(name)
-            self._check(name, t.dtype, t.shape, where="update bucket")
-        pairs = []
-        for name, t in bucket:
-            if self.faults.drop_updates and _match(name, self.faults.drop_updates):
-                continue
-            pairs.append((self._captured[name], t))  # in place: the storage captured at load
-            self._written.add(name)
-            layer = self._owner[name][2]
-            if layer is not None:
-                self._touched.add(layer.prefix)
-        from miles_lp.sync.strided import batched_copy
+        from miles_lp.sync.strided import copy_plan, run_plan
 
+        bucket = list(named_tensors)
+        # A bucket with the same names, dtypes, shapes and source addresses as one already applied (the sync's
+        # staging buffer, reused every step) replays that bucket's copy plan: the checks below depend on nothing
+        # else, and the plan's views keep their storage alive, so an address cannot be reused by another buffer.
+        try:
+            key = tuple((name, t.data_ptr(), t.dtype, t.shape) for name, t in bucket)
+        except AttributeError:  # not a tensor: the checks below say which
+            key = None
+        hit = self._plans.get(key) if key is not None else None
+        if hit is None:
+            seen: set[str] = set()
+            for name, t in bucket:  # the whole bucket is checked before any byte is written
+                if not isinstance(t, torch.Tensor):
+                    raise WeightUpdateError(f"update bucket: '{name}' is a {type(t).__name__}, not a tensor")
+                if name in seen:
+                    raise WeightUpdateError(f"update bucket: '{name}' appears twice")
+                seen.add(name)
+                self._check(name, t.dtype, t.shape, where="update bucket")
+            pairs, written, touched = [], set(), set()
+            for name, t in bucket:
+                if self.faults.drop_updates and _match(name, self.faults.drop_updates):
+                    continue
+                pairs.append((self._captured[name], t))  # in place: the storage captured at load
+                written.add(name)
+                layer = self._owner[name][2]
+                if layer is not None:
+                    touched.add(layer.prefix)
+            hit = (copy_plan(pairs), frozenset(written), frozenset(touched))  # stacks: a few strided copies
+            # kept only for a bucket staged in ONE buffer (a transport's reused staging): the plan's views hold
+            # that buffer alive, so at most a few buckets' worth, and never tensors loaded from disk
+            staged = key is not None and self._cache_plans and len(
+                {t.untyped_storage().data_ptr() for _, t in bucket}) == 1
+            if staged:
+                if len(self._plans) >= 4:  # a sync's buckets; a new layout replaces them
+                    self._plans.clear()
+                self._plans[key] = hit
+        plan, written, touched = hit
+        self._written |= written
+        self._touched |= touched
         with torch.no_grad():
-            batched_copy(pairs)  # a stacked expert projection: a few strided copies, not one per expert
+            run_plan(plan)
 
     def finish_weight_update(self, weight_version: int | None = None) -> dict[str, Any]:
         """Rebuild the derived state of the touched layers, bump (or set) ``weight_version``, serve again.
@@ -554,15 +577,18 @@ class ReferenceEngine:
         try:
             from safetensors import safe_open
 
+            self._cache_plans = False  # file tensors: new every call, never kept alive by a cached plan
             for f in sorted({h.file for h in headers.values()}):
                 with safe_open(str(f), framework="pt") as sf:
                     self.update_weights((n, sf.get_tensor(n)) for n in sf.keys())
         finally:
+            self._cache_plans = True
             report = self.finish_weight_update(weight_version)
         return report
 
     def close(self) -> None:
         self._closed = True
+        self._plans.clear()
         self.model = None  # type: ignore[assignment]
 
     # ------------------------------------------------------------------------------------------------

@@ -62,9 +62,9 @@ def _runs(offsets: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _strided_copy(d0: torch.Tensor, s0: torch.Tensor, counts, dsteps, ssteps) -> None:
+def _strided_views(d0: torch.Tensor, s0: torch.Tensor, counts, dsteps, ssteps) -> Pair:
     """``counts`` (an int or a (rows, cols) pair) copies of ``s0``'s shape, advancing by ``dsteps`` / ``ssteps``
-    elements, as one strided copy; when both sides hold the same dtype, in the widest word that divides every
+    elements, as one strided (dst, src) view pair; when both sides hold the same dtype, in the widest word that divides every
     size and offset (the same bytes, a fraction of the elements)."""
     counts = (counts,) if isinstance(counts, int) else tuple(counts)
     dsteps = (dsteps,) if isinstance(dsteps, int) else tuple(dsteps)
@@ -82,11 +82,10 @@ def _strided_copy(d0: torch.Tensor, s0: torch.Tensor, counts, dsteps, ssteps) ->
             dw, sw = as_words(d0, dt), as_words(s0, dt)
             dv = dw.as_strided((*counts, dw.numel()), (*(x // k for x in dsteps), 1), dw.storage_offset())
             sv = sw.as_strided((*counts, sw.numel()), (*(x // k for x in ssteps), 1), sw.storage_offset())
-            dv.copy_(sv)
-            return
+            return dv, sv
     dv = d0.as_strided((*counts, *d0.shape), (*dsteps, *d0.stride()), d0.storage_offset())
     sv = s0.as_strided((*counts, *s0.shape), (*ssteps, *s0.stride()), s0.storage_offset())
-    dv.copy_(sv)
+    return dv, sv
 
 
 def _grid2(offsets: list[tuple[int, int]]) -> tuple[tuple[int, int], int, int, int] | None:
@@ -115,7 +114,22 @@ def _grid2(offsets: list[tuple[int, int]]) -> tuple[tuple[int, int], int, int, i
 
 
 def batched_copy(pairs: Sequence[Pair]) -> int:
-    """``dst.copy_(src)`` for every pair, as few strided copies as the layout allows; returns the copies issued.
+    """``dst.copy_(src)`` for every pair, as few strided copies as the layout allows; returns the copies issued
+    (``copy_plan`` then ``run_plan``)."""
+    return run_plan(copy_plan(pairs))
+
+
+def run_plan(plan: Sequence[Pair]) -> int:
+    """Issue the copies of a ``copy_plan`` (it stays valid while its tensors' storage does: a receiver whose
+    buckets arrive in the same staging buffer every sync can keep it)."""
+    for d, s in plan:
+        d.copy_(s)
+    return len(plan)
+
+
+def copy_plan(pairs: Sequence[Pair]) -> list[Pair]:
+    """The ``(dst view, src view)`` copies that write every pair: one strided view pair per run, the pair itself
+    where no run applies.
 
     A run is copied through ``dst0.as_strided((n, *shape), (step_dst, *stride))`` and the same for the source
     (``step_src`` may be 0: one source read by several destinations). The destinations must be distinct tensors
@@ -132,7 +146,7 @@ def batched_copy(pairs: Sequence[Pair]) -> int:
             meta.append((do, so))
         else:
             meta.append(None)
-    copies = 0
+    plan: list[Pair] = []
     done = [False] * len(pairs)
     for idx in groups.values():
         if len(idx) < 2:
@@ -142,8 +156,7 @@ def batched_copy(pairs: Sequence[Pair]) -> int:
         if grid is not None and grid[1] >= pairs[idx[0]][0].numel():
             (rows, cols), (dd, a, b) = grid[0], grid[1:]
             d0, s0 = pairs[idx[0]]
-            _strided_copy(d0, s0, (rows, cols), (cols * dd, dd), (a, b))
-            copies += 1
+            plan.append(_strided_views(d0, s0, (rows, cols), (cols * dd, dd), (a, b)))
             for i in idx:
                 done[i] = True
             continue
@@ -156,12 +169,8 @@ def batched_copy(pairs: Sequence[Pair]) -> int:
             ds = offs[start + 1][1] - offs[start][1]
             if dd < d0.numel() or ds < 0:  # overlapping or backwards destinations: one by one
                 continue
-            _strided_copy(d0, s0, length, dd, ds)
-            copies += 1
+            plan.append(_strided_views(d0, s0, length, dd, ds))
             for i in run:
                 done[i] = True
-    for i, (d, s) in enumerate(pairs):
-        if not done[i]:
-            d.copy_(s)
-            copies += 1
-    return copies
+    plan.extend(p for i, p in enumerate(pairs) if not done[i])
+    return plan

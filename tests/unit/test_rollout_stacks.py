@@ -101,8 +101,8 @@ def test_an_update_of_whole_stacks_is_a_few_copies(monkeypatch):
     import miles_lp.sync.strided as strided
 
     calls = []
-    real = strided.batched_copy
-    monkeypatch.setattr(strided, "batched_copy", lambda pairs: calls.append((len(pairs), real(pairs))) or calls[-1][1])
+    real = strided.copy_plan
+    monkeypatch.setattr(strided, "copy_plan", lambda pairs: calls.append((len(pairs), len(real(pairs)))) or real(pairs))
     engine = ReferenceEngine(tiny_checkpoint("qwen3_moe", RECIPE), device="cpu")
     update = _moved(engine, 2)
     # the update as a bucket delivers it: one staging buffer, slots in export order
@@ -132,3 +132,33 @@ def test_stacks_on_cuda_derive_the_bytes_of_one_pass_per_layer():
             for name, t in layer.derived().items():
                 assert torch.equal(_bytes(t), _bytes(fresh.derived()[name])), (layer.prefix, name)
     assert engine.self_check()["ok"]
+
+
+def test_a_bucket_staged_in_the_same_buffer_replays_its_copy_plan_with_the_same_bytes():
+    from miles_lp.sync.buckets import make_buckets
+    from miles_lp.sync.items import Item
+    from miles_lp.sync.transport import InProcessTransport
+
+    ckpt = tiny_checkpoint("qwen3_moe", RECIPE)
+    engine, ref = ReferenceEngine(ckpt, device="cpu"), ReferenceEngine(ckpt, device="cpu")
+    tx = InProcessTransport("cpu")
+    for seed in (4, 5):  # the second update hits the plan of the first (same staging, names, shapes)
+        update = _moved(ref, seed)
+        bucket = make_buckets([[Item(n, t, n, None, None, "g") for n, t in update]], 1 << 30)[0]
+        for e in (engine, ref):
+            e.begin_weight_update()
+        engine.update_weights(tx.send(bucket))
+        ref.update_weights(update)  # from the update's own tensors: no plan reuse
+        for e in (engine, ref):
+            e.finish_weight_update()
+        assert len(engine._plans) == 1 and len(ref._plans) == 0  # only a bucket in one staging buffer is kept
+        got, want = engine.weight_digests(), ref.weight_digests()
+        assert got == want
+    # another dtype is another signature: never a cached plan, the checks run and refuse it
+    engine.begin_weight_update()
+    bad = [(n, t.float()) if t.dtype == torch.bfloat16 else (n, t) for n, t in tx.send(bucket)]
+    from miles_lp.rollout.engine import WeightUpdateError
+
+    with pytest.raises(WeightUpdateError, match="dtype"):
+        engine.update_weights(bad)
+    engine.finish_weight_update()
