@@ -183,6 +183,7 @@ class ReferenceEngine:
         self._touched: set[str] = set()
         self._written: set[str] = set()
         self._plans: dict[tuple, tuple] = {}  # bucket signature -> (copy plan, names written, layers touched)
+        self._plans_storage: int | None = None  # the one staging buffer the cached plans read
         self._cache_plans = True
         self._closed = False
 
@@ -518,13 +519,15 @@ class ReferenceEngine:
                 if layer is not None:
                     touched.add(layer.prefix)
             hit = (copy_plan(pairs), frozenset(written), frozenset(touched))  # stacks: a few strided copies
-            # kept only for a bucket staged in ONE buffer (a transport's reused staging): the plan's views hold
-            # that buffer alive, so at most a few buckets' worth, and never tensors loaded from disk
-            staged = key is not None and self._cache_plans and len(
-                {t.untyped_storage().data_ptr() for _, t in bucket}) == 1
-            if staged:
-                if len(self._plans) >= 4:  # a sync's buckets; a new layout replaces them
+            # kept only for a bucket staged in ONE buffer (a transport's reused staging), and only for the latest
+            # such buffer: the plans' views hold it alive (one buffer, whatever the number of buckets), never
+            # tensors loaded from disk
+            storages = {t.untyped_storage().data_ptr() for _, t in bucket} if key is not None else set()
+            if self._cache_plans and len(storages) == 1:
+                (storage,) = storages
+                if storage != self._plans_storage or len(self._plans) >= 1024:  # another buffer / layout
                     self._plans.clear()
+                    self._plans_storage = storage
                 self._plans[key] = hit
         plan, written, touched = hit
         self._written |= written
