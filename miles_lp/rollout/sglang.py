@@ -275,15 +275,10 @@ class SGLangHTTPEngine:
         return self._request("POST", "/update_weights_from_disk", body)
 
     def quantized_params(self) -> dict[str, str]:
-        """Live (``miles-lp serve``). A stock server cannot report it: then the served checkpoint's
-        ``quantization_config`` read with SGLang's own matching (``rollout.checkpoint``) -- a configuration, not
-        the live modules, so C1 against a stock server is only as good as that config (``health()`` says so)."""
-        if self.flavor == "sglang":
-            if self.checkpoint is None:
-                self._stock("quantized_params")
-            from miles_lp.rollout.checkpoint import open_checkpoint
-
-            return {n: f.value for n, f in open_checkpoint(self.checkpoint).formats.items()}
+        """The live modules' formats (``miles-lp serve``). A stock server cannot report them: ``BackendUnavailable``
+        (the sync then skips C1 with the reason and validates the update against the plan; never guessed from the
+        served checkpoint's config)."""
+        self._stock("quantized_params")
         return self._request("GET", "/miles_lp/quantized_params")
 
     def param_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -319,8 +314,7 @@ class SGLangHTTPEngine:
             return self._request("GET", "/miles_lp/health")
         except BackendUnavailable:
             return {"status": base.get("status", "ok"), "backend": "sglang", "weight_version": self.weight_version,
-                    "updates": "from disk" if self.flavor == "sglang" else "tensor",
-                    "layer_audit_source": "the served checkpoint's quantization_config (no live introspection)"}
+                    "updates": "from disk" if self.flavor == "sglang" else "tensor"}
 
     def close(self) -> None:
         pass
