@@ -224,6 +224,14 @@ class VLLMEngine:
         self.last_digest_sources = out["sources"]
         return out["digests"]
 
+    def weight_fingerprints(self, names: Iterable[str]) -> dict[str, str | None]:
+        """``miles_lp.sync.digest.fingerprints`` of the tensors ``weight_digests`` hashes (the per-sync C2 path)."""
+        return self._call("fingerprints", names=list(names))["fingerprints"]
+
+    def weight_group_fingerprints(self, groups: dict[str, list[str]]) -> dict[str, str | None]:
+        """``miles_lp.sync.digest.group_fingerprints`` per atomic group (members in the given order)."""
+        return self._call("group_fingerprints", groups={g: list(ns) for g, ns in groups.items()})["fingerprints"]
+
     def read_weights(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """Copies of the same tensors ``weight_digests`` hashes (C2 full compare)."""
         from safetensors.torch import load

@@ -149,6 +149,25 @@ class Canonical:
             out[n] = None if t is None else tensor_digest(t)
         return out
 
+    def fingerprints(self, names: Iterable[str]) -> dict[str, str | None]:
+        """``miles_lp.sync.digest.fingerprints`` of the same tensors (the per-sync C2 checksum both sides share)."""
+        from miles_lp.sync.digest import fingerprints
+
+        got = {n: self.tensor(n) for n in names}
+        out: dict[str, str | None] = dict(fingerprints({n: t for n, t in got.items() if t is not None}))
+        out.update({n: None for n, t in got.items() if t is None})
+        return out
+
+    def group_fingerprints(self, groups: Mapping[str, list[str]]) -> dict[str, str | None]:
+        """``miles_lp.sync.digest.group_fingerprints`` per atomic group, members in the given order."""
+        from miles_lp.sync.digest import group_fingerprints
+
+        got = {g: [self.tensor(n) for n in ns] for g, ns in groups.items()}
+        out: dict[str, str | None] = dict(group_fingerprints({g: ts for g, ts in got.items()
+                                                               if all(t is not None for t in ts)}))
+        out.update({g: None for g, ts in got.items() if any(t is None for t in ts)})
+        return out
+
     def sources(self, names: Iterable[str]) -> dict[str, str]:
         return {n: ("loaded, before process_weights_after_loading" if n in self.tensors else
                     "live parameter" if self.tensor(n) is not None else "absent") for n in names}

@@ -159,6 +159,10 @@ def main() -> None:
                 st = vllm_state.STATE
                 _answer(conn, {"ok": True, "digests": st.digests(req["names"]), "sources": st.sources(req["names"]),
                                "captures": st.captures})
+            elif op == "fingerprints":
+                _answer(conn, {"ok": True, "fingerprints": vllm_state.STATE.fingerprints(req["names"])})
+            elif op == "group_fingerprints":
+                _answer(conn, {"ok": True, "fingerprints": vllm_state.STATE.group_fingerprints(req["groups"])})
             elif op == "read":
                 from safetensors.torch import save
 

@@ -132,7 +132,7 @@ def test_grid_fails_when_vllm_loader_skips_names(stack):
     (captured as vLLM's loaders placed them) are A's for that module while the learner exported B's."""
     rep = _fails(stack, {"drop": ["model.layers.1.mlp.down_proj.*"]}, "grid")
     v = rep.verdict("grid")
-    assert "(digest)" in v.reason
+    assert "(digest)" in v.reason and "groups" in v.reason  # the group fingerprints, then the members named
     assert sorted(v.examples) == ["model.layers.1.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight_scale"]
     assert rep.verdict("self_check").ok  # the layers C3 looks at were rebuilt: only C2 sees this
 
@@ -217,6 +217,10 @@ def test_healthy_vllm_sync_is_clean_and_byte_identical(stack):
     assert rep.ok, rep.log_line
     assert {v.name for v in rep.verdicts if v.ok} >= set(CHECKS)
     assert "full compare" in rep.verdict("grid").reason
+    again = _sync(stack).sync(stack["a"])  # the per-sync path: one fingerprint per atomic group, from vLLM
+    assert again.ok and "(group digest)" in again.verdict("grid").reason, again.log_line
+    _healthy(stack)
+    _sync(stack, "initial").initial_sync(stack["b"])
     sc = stack["engine"].self_check()
     assert all(e["fresh_diff"] == 0.0 for e in sc["layers"].values())
     got = stack["engine"].read_weights(["model.layers.0.self_attn.k_proj.weight"])
