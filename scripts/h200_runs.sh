@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Short RL runs of miles-lp on one CUDA device in one device call (learner and reference engine colocated on
+# the GPU, ray off, every check in raise mode): routing replay (Miles R3) on the embedded and the Megatron
+# learner, MXFP8 and NVFP4 experts, and train.param_dtype bf16. Each run's metrics.jsonl comes back under $OUT
+# (at most 8 files: the device tool's limit). Exits non-zero if any run failed.
+# Usage: MILES_LP_COMMIT=<sha> bash scripts/h200_runs.sh   (carry megatron-core in .whl/ for the Megatron runs)
+set -uo pipefail
+out="${OUT:-h200_logs}"; mkdir -p "$out"
+exec > >(tee "$out/session.log") 2>&1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+echo "commit ${MILES_LP_COMMIT:-unknown}"; date -u; nvidia-smi -L
+failed=()
+r=$(mktemp -d)
+run() {  # run NAME RECIPE --set ...
+  local name=$1 recipe=$2; shift 2
+  echo "=== $name: $recipe $*"; local t0=$SECONDS
+  timeout 100 python3 -m miles_lp.cli run "recipes/$recipe.yaml" --set steps=8 --set train.device=cuda \
+    --set rollout.device=cuda --set sync.checks.self_check=raise --set sync.checks.sentinel=raise \
+    --set logging.output_dir="$r/$name" "$@"
+  local rc=$?
+  echo "=== $name: rc=$rc ($((SECONDS - t0)) s)"
+  [ "$rc" -eq 0 ] || failed+=("$name")
+  cp "$r/$name"/*/metrics.jsonl "$out/$name.jsonl" 2>/dev/null
+}
+run replay_mxfp8_embedded tiny-mxfp8-moe-replay --set train.backend=embedded
+run replay_mxfp8_megatron tiny-mxfp8-moe-replay --set train.backend=megatron
+run replay_nvfp4_embedded tiny-nvfp4-experts --set rl.routing_replay=true --set train.backend=embedded
+run replay_nvfp4_megatron tiny-nvfp4-experts --set rl.routing_replay=true --set train.backend=megatron
+run bf16params_mxfp8 tiny-mxfp8 --set train.param_dtype=bf16 --set rollout.dtype=bf16
+run noreplay_mxfp8_embedded tiny-mxfp8-moe-replay --set rl.routing_replay=false
+echo "failed runs: ${failed[*]:-none}"
+[ ${#failed[@]} -eq 0 ]
