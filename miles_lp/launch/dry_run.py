@@ -40,7 +40,7 @@ def dry_run(recipe: Recipe) -> dict[str, Any]:
     if not (pol.default is Format.BF16 and all(r.format is Format.BF16 for r in pol.rules)):
         plan = compile_plan(pol, get_layout(config))
     task = make_task(recipe.task, int(config["vocab_size"]))
-    would_refuse = _would_refuse(recipe, plan)
+    would_refuse = _would_refuse(recipe, plan, config)
     out = {
         "recipe": recipe.source, "model": recipe.model.path, "model_type": config.get("model_type"),
         "plan_hash": None if plan is None else plan.hash,
@@ -103,12 +103,12 @@ def megatron_config(plan, hf_config: dict, mp) -> dict[str, Any]:
         raise ConfigError("; ".join(problems))
     return {"kwargs": emit.megatron_kwargs(plan, strict=False), "env": emit.te_env(plan),
             "bf16_overrides": len(emit.megatron_overrides(plan)),
-            "parallel": {"tp": mp.tp, "pp": mp.pp, "ep": mp.ep, "etp": mp.etp},
+            "parallel": {"tp": mp.tp, "pp": mp.pp, "ep": mp.ep, "etp": mp.etp, "impl": mp.impl},
             # Megatron splits unevenly only with decoder_first/last_pipeline_num_layers (DeepSeek-V3: 61 on 8)
             "uneven_pipeline": bool(layers % mp.pp)}
 
 
-def _would_refuse(recipe: Recipe, plan=None) -> list[str]:
+def _would_refuse(recipe: Recipe, plan=None, hf_config: dict | None = None) -> list[str]:
     """What ``miles-lp run`` itself does not start yet for this recipe (the dry run still validates the rest)."""
     out = []
     if recipe.rollout.backend == "vllm":
@@ -122,8 +122,14 @@ def _would_refuse(recipe: Recipe, plan=None) -> list[str]:
             out.append("rollout.backend vllm: quantized routed experts are Triton-only in vLLM (not runnable on the "
                        f"CPU build; {len(experts)} expert weights, e.g. {experts[0]}): keep experts bf16 or use "
                        "the reference engine")
-    m = recipe.train.megatron
-    if recipe.train.backend == "megatron" and ((m.tp, m.pp, m.ep) != (1, 1, 1) or m.impl != "local"):
-        out.append(f"train.megatron tp={m.tp} pp={m.pp} ep={m.ep} impl={m.impl}: the Megatron learner runs one "
-                   "process (tp = pp = ep = 1, impl local) so far; multi-rank launch is not implemented")
+    if recipe.train.backend == "megatron" and hf_config is not None:
+        # the learner's own size rules (tp/ep/etp > 1 run as a MegatronGroup of spawned ranks; pp > 1, the TE
+        # path and multi-rank MLA are refused there), read here so the dry run says what the start would
+        from miles_lp.errors import ConfigError
+        from miles_lp.train.megatron.parallel import resolve_parallel
+
+        try:
+            resolve_parallel(recipe.train.megatron, hf_config)
+        except ConfigError as e:
+            out.append(str(e))
     return out
