@@ -15,7 +15,7 @@ from miles_lp.rollout.reference import ReferenceEngine
 from miles_lp.rollout.testing import tiny_checkpoint
 from miles_lp.rollout.vllm import vllm_python
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(vllm_python() is None, reason="no vLLM interpreter: set "
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow, pytest.mark.skipif(vllm_python() is None, reason="no vLLM interpreter: set "
                                                    "MILES_LP_VLLM_PYTHON or create build/venv-vllm (.ci/run)")]
 PROMPTS = [[3, 17, 99, 4, 250, 7, 1, 2], [5, 6, 9, 11], [40, 41, 42, 43, 44, 45]]
 FIGURES = os.environ.get("MILES_LP_ROLLOUT_FIGURES")  # optional: append the measured figures (JSON lines) here
@@ -26,14 +26,6 @@ def _record(**kw) -> None:
     if FIGURES:
         with open(FIGURES, "a") as f:
             f.write(json.dumps(kw) + "\n")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module", params=["mxfp8", "nvfp4"])

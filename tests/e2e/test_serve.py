@@ -20,17 +20,11 @@ from miles_lp.rollout.server import serve_in_thread
 from miles_lp.rollout.sglang import SGLangHTTPEngine
 from miles_lp.rollout.testing import tiny_checkpoint
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 RECIPE = "qwen3_moe_mxfp8_nvfp4_experts.yaml"
 KEY = "test-key-123"
 PROMPTS = [[3, 17, 99, 4], [5, 6, 7]]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -14,17 +14,10 @@ from miles_lp.rollout.engine import Engine, SamplingParams
 from miles_lp.rollout.reference import ReferenceEngine
 from miles_lp.rollout.testing import tiny_checkpoint, tiny_hf
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 RECIPE = "qwen3_moe_mxfp8_nvfp4_experts.yaml"
 PROMPTS = [[3, 17, 99, 4, 250, 7, 1, 2, 8], [5, 6], [40, 41, 42, 43, 44]]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny GEMMs on a shared 2-core CPU: one intra-op thread is 10-30x faster than two spinning ones."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -13,15 +13,9 @@ import torch
 from miles_lp.rollout.reference import EngineFaults, ReferenceEngine
 from miles_lp.rollout.testing import tiny_checkpoint
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 RECIPE = "qwen3_moe_mxfp8_nvfp4_experts.yaml"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _nudged(engine: ReferenceEngine) -> list[tuple[str, torch.Tensor]]:

@@ -13,17 +13,11 @@ from miles_lp.rollout.engine import EngineError, SamplingParams, WeightUpdateErr
 from miles_lp.rollout.reference import EngineFaults, ReferenceEngine
 from miles_lp.rollout.testing import tiny_checkpoint
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 RECIPE = "qwen3_moe_mxfp8_nvfp4_experts.yaml"
 Q = "model.layers.0.self_attn.q_proj."
 EXPERT = "model.layers.0.mlp.experts.1.gate_proj."
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
@@ -169,8 +163,22 @@ def test_drop_updates_and_lm_head_faults(ckpts, new_weights):
 
 
 def _when_in_flight(e) -> None:
+    """Wait until a generation is running, and keep it running until ``pause()`` is called: its forwards after
+    the first wait for the pause flag, so a fast (or descheduled) test cannot see the generation finish first."""
+    forward, calls, seen_pause = e._forward, [], []
+
+    def held(*a, **kw):
+        calls.append(1)
+        if len(calls) > 1 and not seen_pause:  # hold once, until the first pause; then run freely
+            deadline = time.monotonic() + 30
+            while not e._paused and time.monotonic() < deadline:
+                time.sleep(0.001)
+            seen_pause.append(1)
+        return forward(*a, **kw)
+
+    e._forward = held
     deadline = time.monotonic() + 30
-    while e.health()["in_flight"] == 0:
+    while e.health()["in_flight"] == 0 or len(calls) < 2:
         assert time.monotonic() < deadline, "the generation never started"
         time.sleep(0.005)
 
