@@ -7,23 +7,9 @@
 # Usage: MILES_LP_COMMIT=<sha> bash scripts/h200_lead.sh [--skip-bench]   (carry megatron-core in .whl/ for
 # the Megatron learner runs)
 set -uo pipefail
-out="${OUT:-h200_logs}"; mkdir -p "$out"
-exec > >(tee "$out/session.log") 2>&1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
+source "$(dirname "$0")/h200_common.sh"
+h200_setup session.log
 bench=1; [ "${1:-}" = --skip-bench ] && bench=0
-echo "commit ${MILES_LP_COMMIT:-unknown}"; date -u; nvidia-smi -L
-failed=()
-step() {  # step NAME TIMEOUT CMD...
-  local name=$1 limit=$2; shift 2
-  echo "=== $name: $*"; local t0=$SECONDS
-  timeout "$limit" "$@"; local rc=$?
-  echo "=== $name: rc=$rc ($((SECONDS - t0)) s)"
-  [ "$rc" -eq 0 ] || failed+=("$name")
-}
 cli="python3 -m miles_lp.cli"
 step pytest_gpu 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_rollout_gpu.py \
   $(grep -l "mark.gpu" tests/unit/test_sync_*.py tests/e2e/test_*sync*.py 2>/dev/null)
@@ -42,5 +28,4 @@ for backend in embedded megatron; do
     cp "$r/$name"/*/metrics.jsonl "$out/$name.jsonl" 2>/dev/null
   done
 done
-echo "failed steps: ${failed[*]:-none}"
-[ ${#failed[@]} -eq 0 ]
+h200_finish

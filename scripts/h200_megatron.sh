@@ -7,25 +7,11 @@
 # non-zero exit if any failed. Not run yet: the two-GPU kind was not lent in the session that wrote it.
 # Usage: MILES_LP_COMMIT=<sha> bash scripts/h200_megatron.sh   (carry megatron-core in .whl/, as h200_lead.sh)
 set -uo pipefail
-out="${OUT:-h200_logs}"; mkdir -p "$out"
-exec > >(tee "$out/megatron.log") 2>&1
+source "$(dirname "$0")/h200_common.sh"
+h200_setup megatron.log
 # NVLink multicast stays off (KINDS.md): set here too, for the spawned ranks inherit this environment
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
-echo "commit ${MILES_LP_COMMIT:-unknown}"; date -u; nvidia-smi -L
 n=$(nvidia-smi -L | wc -l)
-failed=()
-step() {  # step NAME TIMEOUT CMD...
-  local name=$1 limit=$2; shift 2
-  echo "=== $name: $*"; local t0=$SECONDS
-  timeout "$limit" "$@"; local rc=$?
-  echo "=== $name: rc=$rc ($((SECONDS - t0)) s)"
-  [ "$rc" -eq 0 ] || failed+=("$name")
-}
 if [ "$n" -lt 2 ]; then
   echo "=== megatron_group_nccl: SKIPPED (needs 2 GPUs, this machine has $n)"; failed+=(megatron_group_nccl)
 else
@@ -34,5 +20,4 @@ else
 fi
 step megatron_replay 200 python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" \
   tests/unit/test_train_megatron_replay.py
-echo "=== failed: ${failed[*]:-none}"
-[ ${#failed[@]} -eq 0 ]
+h200_finish

@@ -5,15 +5,8 @@
 # (at most 8 files: the device tool's limit). Exits non-zero if any run failed.
 # Usage: MILES_LP_COMMIT=<sha> bash scripts/h200_runs.sh   (carry megatron-core in .whl/ for the Megatron runs)
 set -uo pipefail
-out="${OUT:-h200_logs}"; mkdir -p "$out"
-exec > >(tee "$out/session.log") 2>&1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
-echo "commit ${MILES_LP_COMMIT:-unknown}"; date -u; nvidia-smi -L
-failed=()
+source "$(dirname "$0")/h200_common.sh"
+h200_setup session.log
 r=$(mktemp -d)
 run() {  # run NAME RECIPE --set ...
   local name=$1 recipe=$2; shift 2
@@ -32,5 +25,4 @@ run replay_nvfp4_embedded tiny-nvfp4-experts --set rl.routing_replay=true --set 
 run replay_nvfp4_megatron tiny-nvfp4-experts --set rl.routing_replay=true --set train.backend=megatron
 run bf16params_mxfp8 tiny-mxfp8 --set train.param_dtype=bf16 --set rollout.dtype=bf16
 run noreplay_mxfp8_embedded tiny-mxfp8-moe-replay --set rl.routing_replay=false
-echo "failed runs: ${failed[*]:-none}"
-[ ${#failed[@]} -eq 0 ]
+h200_finish

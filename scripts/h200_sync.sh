@@ -6,19 +6,9 @@
 #   script exits non-zero if any failed.
 # Usage: MILES_LP_COMMIT=<sha> bash scripts/h200_sync.sh [--skip-tests]
 set -uo pipefail
-out="${OUT:-h200_logs}"; mkdir -p "$out"
-exec > >(tee "$out/session.log") 2>&1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+source "$(dirname "$0")/h200_common.sh"
+h200_setup session.log
 tests=1; [ "${1:-}" = --skip-tests ] && tests=0
-echo "commit ${MILES_LP_COMMIT:-unknown}"; date -u; nvidia-smi -L
-failed=()
-step() {  # step NAME TIMEOUT CMD...
-  local name=$1 limit=$2; shift 2
-  echo "=== $name: $*"; local t0=$SECONDS
-  timeout "$limit" "$@"; local rc=$?
-  echo "=== $name: rc=$rc ($((SECONDS - t0)) s)"
-  [ "$rc" -eq 0 ] || failed+=("$name")
-}
 if [ "$tests" = 1 ]; then
   step pytest_gpu 150 python3 -m pytest -q -p no:cacheprovider -m gpu \
     $(grep -l "mark.gpu" tests/unit/test_rollout_*.py tests/unit/test_sync_*.py tests/e2e/test_*sync*.py 2>/dev/null)
@@ -38,5 +28,4 @@ if start >= 0:
               f"{r['ratio_tensorwise']:.1f}x tensor copy; checks {100 * r['check_share']:.1f}%; stages "
               + "/".join(f"{st[k]:.4f}" for k in ("export", "transfer", "apply", "finish")))
 PY
-echo "failed steps: ${failed[*]:-none}"
-[ ${#failed[@]} -eq 0 ]
+h200_finish
