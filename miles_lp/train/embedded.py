@@ -339,7 +339,7 @@ class PackedLearnerSteps:
         if not self.supports_routing_replay:
             raise RoutingReplayError(
                 f"{type(self).__name__} cannot replay routed experts yet (Miles R3: its MoE routers have no replay "
-                "hook; /work/notes/requests/replay-to-megatron.md); use train.backend: embedded or set "
+                "hook, supports_routing_replay is False); use train.backend: embedded or megatron, or set "
                 "rl.routing_replay: false")
         return self._check_routes(batch, routes)
 
