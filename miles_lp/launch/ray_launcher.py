@@ -369,7 +369,7 @@ class RayRun:
         return Path(ray.get(self.learner_actor.save_state.remote(str(self.dir.path), self.step, loop)))
 
     def step_once(self) -> dict[str, float]:
-        from miles_lp.launch.runner import VERSION_KEYS
+        from miles_lp.launch.runner import record_step
         from miles_lp.rl.step import grpo_step
 
         step = self.step
@@ -386,16 +386,7 @@ class RayRun:
                 print(f"miles-lp run: step {step}: {exc}; restarting the engine and resyncing every tensor",
                       file=sys.stderr)
                 self.restart_engine()
-        for k in VERSION_KEYS:
-            if k in m:
-                m[k] += self.version_offset
-        m["rollout/engine_restarts"] = float(self.restarts)
-        self.dir.append_metrics(step, m)
-        self.step += 1
-        every = self.recipe.checkpoint_every
-        if (every and self.step % every == 0) or self.step == self.recipe.steps:
-            self.checkpoint()
-        return m
+        return record_step(self, step, m)
 
     def close(self) -> None:
         import ray

@@ -37,6 +37,23 @@ MAX_ENGINE_RESTARTS = 3
 
 VERSION_KEYS = ("rollout/weight_version", "sync/weight_version", "sync/check/version/figure")
 
+
+def record_step(run: Any, step: int, m: dict[str, float]) -> dict[str, float]:
+    """The end of a step, the same for the in-process run and the Ray run: the run's weight-version count (an
+    engine's own count restarts with the engine), the restart count (every row, so a plot has one series),
+    the metrics row, and a checkpoint every ``checkpoint_every`` steps and at the last one. ``run`` has ``dir``,
+    ``recipe``, ``step``, ``version_offset``, ``restarts`` and ``checkpoint()``."""
+    for k in VERSION_KEYS:
+        if k in m:
+            m[k] += run.version_offset
+    m["rollout/engine_restarts"] = float(run.restarts)
+    run.dir.append_metrics(step, m)
+    run.step += 1
+    every = run.recipe.checkpoint_every
+    if (every and run.step % every == 0) or run.step == run.recipe.steps:
+        run.checkpoint()
+    return m
+
 HEADLINE = (("reward/mean", "reward"), ("rollout_corr/kl", "kl"), ("actor/entropy", "ent"),
             ("response_length/mean", "len"), ("timing_s/step", "s/step"))
 
@@ -240,17 +257,7 @@ class Run:
                 if not self._engine_dead():
                     raise
                 self._engine_died(step, exc, learner_at)  # restarts the engine (the step re-runs) or raises
-        for k in VERSION_KEYS:  # engine-side counts restart with the engine; report the run's count
-            if k in m:
-                m[k] += self.version_offset
-        if self.restarts:
-            m["rollout/engine_restarts"] = float(self.restarts)
-        self.dir.append_metrics(step, m)
-        self.step += 1
-        every = self.recipe.checkpoint_every
-        if (every and self.step % every == 0) or self.step == self.recipe.steps:
-            self.checkpoint()
-        return m
+        return record_step(self, step, m)
 
     # ---- an engine process that died (vLLM's) ---------------------------------------------------------
     def _engine_dead(self) -> bool:

@@ -55,6 +55,7 @@ from miles_lp.train.routing_replay import (
     replay_routes,
     sample_routes,
 )
+from miles_lp.train.state_io import check_learner_state
 
 # ---------------------------------------------------------------------------------------------------------
 # Applying the plan
@@ -552,13 +553,8 @@ class EmbeddedTrainer(PackedLearnerSteps):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` returned (refuses another backend's state or another plan's)."""
-        if state.get("kind") != "embedded":
-            raise ConfigError(f"learner state of kind {state.get('kind')!r} cannot be loaded into the embedded "
-                              "trainer (train.backend must match the run that saved it)")
-        want = None if self.plan is None else self.plan.hash
-        if state.get("plan_hash") != want:
-            raise ConfigError(f"learner state was saved under plan {str(state.get('plan_hash'))[:16]}, this trainer "
-                              f"runs plan {str(want)[:16]}; resume with the recipe the run started with")
+        check_learner_state(state, kind="embedded", plan_hash=None if self.plan is None else self.plan.hash,
+                            learner="the embedded trainer")
         if (self.masters is None) != ("master" not in state):
             raise ConfigError("learner state was saved with train.param_dtype " +
                               ("different from" if "master" in state else "equal to") + " master_dtype, this trainer "

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from miles_lp.errors import CheckpointError
+from miles_lp.errors import CheckpointError, ConfigError
 
 TENSORS_FILE = "tensors.safetensors"
 STATE_FILE = "state.json"
@@ -108,3 +108,15 @@ def load_learner_state(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{jfile}: learner state format version {doc.get('version') if isinstance(doc, dict) else None!r}"
                               f", this miles-lp reads version {FORMAT_VERSION}")
     return _decode(doc["state"], load_file(str(sfile)))
+
+
+def check_learner_state(state: Mapping[str, Any], *, kind: str, plan_hash: str | None, learner: str) -> None:
+    """Refuse a state another backend saved (``kind``) or one saved under another precision plan: its masters
+    were trained against another grid, so resuming would silently change the policy both sides compute.
+    ``learner`` names the learner in the message ("the embedded trainer")."""
+    if state.get("kind") != kind:
+        raise ConfigError(f"learner state of kind {state.get('kind')!r} cannot be loaded into {learner} "
+                          "(train.backend must match the run that saved it)")
+    if state.get("plan_hash") != plan_hash:
+        raise ConfigError(f"learner state was saved under plan {str(state.get('plan_hash'))[:16]}, {learner} "
+                          f"runs plan {str(plan_hash)[:16]}; resume with the recipe the run started with")

@@ -50,6 +50,7 @@ from miles_lp.train.embedded import (
     rng_state,
 )
 from miles_lp.train.quant_linear import executed_quantized, invalidate_grids, invalidate_on_step
+from miles_lp.train.state_io import check_learner_state
 
 KIND = "megatron"
 
@@ -422,13 +423,8 @@ class MegatronLearner(PackedLearnerSteps):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what ``state_dict`` returned (refuses another backend's state, another plan's or another
         model's tensor names / shapes)."""
-        if state.get("kind") != KIND:
-            raise ConfigError(f"learner state of kind {state.get('kind')!r} cannot be loaded into the Megatron "
-                              "learner (train.backend must match the run that saved it)")
-        want = None if self.plan is None else self.plan.hash
-        if state.get("plan_hash") != want:
-            raise ConfigError(f"learner state was saved under plan {str(state.get('plan_hash'))[:16]}, this learner "
-                              f"runs plan {str(want)[:16]}; resume with the recipe the run started with")
+        check_learner_state(state, kind=KIND, plan_hash=None if self.plan is None else self.plan.hash,
+                            learner="the Megatron learner")
         if self.world > 1 or "parallel" in state:
             p = self.parallel
             mine = {"tp": p.tp, "ep": p.ep, "etp": p.etp, "sp": p.sequence_parallel, "rank": self.rank()}
