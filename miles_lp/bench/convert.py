@@ -361,8 +361,8 @@ def plot_convert(summary: dict, path) -> None:
     medians = [statistics.median(r) for r in per_round]
     bars = a1.bar(fmts, medians, color="#1f77b4")
     a1.bar_label(bars, labels=[f"{m:.2f}x" + (f"\n(median of {len(r)})" if len(r) > 1 else "")
-                               for m, r in zip(medians, per_round)], fontsize=8)
-    for x, (fmt, r) in enumerate(zip(fmts, per_round)):
+                               for m, r in zip(medians, per_round, strict=True)], fontsize=8)
+    for x, (fmt, r) in enumerate(zip(fmts, per_round, strict=True)):
         if len(r) > 1:
             a1.scatter([x] * len(r), r, color="black", s=10, zorder=3, label="each round" if x == 0 else None)
         target, stretch = TARGETS.get(fmt, (None, None))

@@ -32,7 +32,7 @@ def recipe_path(name: str) -> Path:
     return Path(__file__).resolve().parents[2] / "recipes" / name
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_hf(arch: str, seed: int = 0, num_layers: int = 4) -> Path:
     from miles_lp.checkpoint.tiny import make_tiny_model
 
@@ -50,7 +50,7 @@ def policy_for(precision: str):
     return parse_policy({"default": precision, "backward": "dequantized"}, Where("<testing>", "precision"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_checkpoint(arch: str, precision: str | None = None, target: str = "sglang", seed: int = 0,
                     num_layers: int = 4) -> Path:
     src = tiny_hf(arch, seed, num_layers)

@@ -50,7 +50,7 @@ def test_dry_run_full_scale(name, capsys):
         expected.append("the Transformer Engine path needs Blackwell + TE")
     elif out["model_type"] == "deepseek_v3" and (meg["parallel"]["tp"], meg["parallel"]["ep"]) != (1, 1):
         expected.append("multi-rank MLA is not mapped here")
-    assert len(refusals) == len(expected) and all(e in r for e, r in zip(expected, refusals)), refusals
+    assert len(refusals) == len(expected) and all(e in r for e, r in zip(expected, refusals, strict=True)), refusals
     local = main(["run", str(ROOT / "recipes" / f"{name}.yaml"), "--dry-run", *sets(RECIPES[name]),
                   "--set", "train.megatron.impl=local", "--set", "train.megatron.pp=1"])
     assert local == 0

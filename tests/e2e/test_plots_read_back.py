@@ -4,7 +4,6 @@ the colour of every (role, layer) cell against the recipe's stated plan (written
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 

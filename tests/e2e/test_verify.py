@@ -405,7 +405,8 @@ def _requantize(out, src, weights, target, amax_of):
     new = {}
     for w in weights:
         new.update(V.expected_quantized(target, Format.NVFP4, w, src_t[w], amax=amax_of(w, src_t)))
-    _tamper(out, list(new), lambda t, it=iter(new.values()): next(it))
+    replacements = iter(new.values())
+    _tamper(out, list(new), lambda t: next(replacements))
 
 
 def _gate_up(out) -> tuple[str, str]:

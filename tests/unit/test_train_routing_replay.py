@@ -58,7 +58,7 @@ def _forced_forward(model, tokens, route):
     probabilities at it, from logits captured by a hook on the router). Returns log p(x_t | x_<t), t >= 1."""
     routers = moe_routers(model)
     logits_of, handles = {}, []
-    experts = [m for _, m in model.named_modules() if hasattr(m, "gate_up_proj") and getattr(m, "gate_up_proj").dim() == 3]
+    experts = [m for _, m in model.named_modules() if hasattr(m, "gate_up_proj") and m.gate_up_proj.dim() == 3]
     assert len(experts) == len(routers)
     for i, (r, ex) in enumerate(zip(routers, experts, strict=True)):
         handles.append(r.module.register_forward_hook(lambda m, a, out, i=i: logits_of.__setitem__(i, out[0])))
