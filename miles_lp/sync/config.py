@@ -2,7 +2,7 @@
 
     sync:
       bucket_mb: 512            # Miles' / slime's default (--update-weight-buffer-size)
-      transport: inprocess      # inprocess | ray | cuda_ipc | nccl
+      transport: inprocess      # inprocess | ray | cuda_ipc | nccl | gloo (nccl / gloo: ray.enabled, own actors)
       full_compare: initial     # C2 full byte compare: off | initial (first sync) | always
       self_check_tolerance: 0.25
       probe_tokens: 0           # > 0: a short generation after each sync feeds the sentinel (C6)
@@ -97,7 +97,7 @@ class SentinelConfig:
 @dataclasses.dataclass(frozen=True)
 class SyncConfig:
     bucket_mb: float = 512.0
-    transport: Literal["inprocess", "ray", "cuda_ipc", "nccl"] = "inprocess"
+    transport: Literal["inprocess", "ray", "cuda_ipc", "nccl", "gloo"] = "inprocess"
     checks: ChecksConfig = dataclasses.field(default_factory=ChecksConfig)
     full_compare: Literal["off", "initial", "always"] = "initial"
     self_check_tolerance: float = 0.25

@@ -353,6 +353,6 @@ def make_transport(name: str, device: torch.device | str = "cpu", **kw) -> Trans
         return RayTransport(device)
     if name == "cuda_ipc":
         return CudaIpcTransport(device)
-    if name == "nccl":
-        return BroadcastTransport(device=device, **kw)
-    raise ConfigError(f"sync.transport: unknown transport '{name}'; known: inprocess, ray, cuda_ipc, nccl")
+    if name in ("nccl", "gloo"):  # the torch.distributed backend of the default group decides; the name documents it
+        return BroadcastTransport(device=device, name=name, **kw)
+    raise ConfigError(f"sync.transport: unknown transport '{name}'; known: inprocess, ray, cuda_ipc, nccl, gloo")

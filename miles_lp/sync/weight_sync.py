@@ -118,8 +118,9 @@ class WeightSync:
         self.target = target
         self.config = (config or SyncConfig()).with_env(os.environ if env is None else env)
         if transport is None:
-            if self.config.transport == "nccl":
-                raise ConfigError("sync.transport 'nccl' needs the process group and ranks: pass "
+            if self.config.transport in ("nccl", "gloo"):
+                raise ConfigError(f"sync.transport '{self.config.transport}' needs the process group and ranks "
+                                  "(ray.enabled: true runs it between the learner and engine actors); here, pass "
                                   "transport=BroadcastTransport(src=<learner rank>, receipts=True, reply_from=<engine "
                                   "rank>) and engine=miles_lp.sync.remote.RemoteEngine(...), with "
                                   "BroadcastReceiver(src=<learner rank>).serve(engine, rank) in the engine's process")
