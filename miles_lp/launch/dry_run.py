@@ -51,6 +51,7 @@ def dry_run(recipe: Recipe) -> dict[str, Any]:
         "train_backend": recipe.train.backend, "rollout_backend": recipe.rollout.backend,
         "ray": {"enabled": recipe.ray.enabled, "address": recipe.ray.address or "local",
                 "placement": recipe.ray.placement},
+        "sync_transport": recipe.sync.transport,
         "would_refuse_at_start": would_refuse,
     }
     if plan is not None:
@@ -122,10 +123,16 @@ def _would_refuse(recipe: Recipe, plan=None, hf_config: dict | None = None) -> l
             out.append("rollout.backend vllm: quantized routed experts are Triton-only in vLLM (not runnable on the "
                        f"CPU build; {len(experts)} expert weights, e.g. {experts[0]}): keep experts bf16 or use "
                        "the reference engine")
+    from miles_lp.errors import ConfigError
+    from miles_lp.launch.actor_sync import check_broadcast
+
+    try:
+        check_broadcast(recipe)
+    except ConfigError as e:
+        out.append(str(e))
     if recipe.train.backend == "megatron" and hf_config is not None:
         # the learner's own size rules (tp/ep/etp > 1 run as a MegatronGroup of spawned ranks; pp > 1, the TE
         # path and multi-rank MLA are refused there), read here so the dry run says what the start would
-        from miles_lp.errors import ConfigError
         from miles_lp.train.megatron.parallel import resolve_parallel
 
         try:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_lp.errors import ConfigError
+from miles_lp.launch.actor_sync import BROADCAST, ActorSync, EngineSyncSide, LearnerSyncSide, check_broadcast
 from miles_lp.launch.recipe import Recipe
 from miles_lp.launch.wire import pack, unpack
 from miles_lp.rl.step import RunError
@@ -42,7 +43,7 @@ class EngineDied(RunError):
 # ---------------------------------------------------------------------------------------------------------
 # actors: thin wrappers around the in-process objects
 # ---------------------------------------------------------------------------------------------------------
-class LearnerWorker:
+class LearnerWorker(LearnerSyncSide):
     def __init__(self, recipe_yaml: str, source: str, model_dir: str, plan_json: str | None, threads: int,
                  learner_state_dir: str | None):
         import torch
@@ -58,6 +59,7 @@ class LearnerWorker:
             from miles_lp.launch.runner import plan_for
 
             plan = plan_for(recipe, Path(model_dir))
+        self.recipe, self.plan = recipe, plan
         self.learner = make_learner(recipe, Path(model_dir), plan)
         if learner_state_dir is not None:
             from miles_lp.train.state_io import load_learner_state
@@ -86,7 +88,7 @@ class LearnerWorker:
         return str(RunDir(run_dir).save_checkpoint(step, self.learner.state_dict(), loop))
 
 
-class EngineWorker:
+class EngineWorker(EngineSyncSide):
     def __init__(self, checkpoint: str, recipe_yaml: str, source: str, threads: int):
         import torch
 
@@ -95,7 +97,8 @@ class EngineWorker:
         from miles_lp.launch.runner import make_engine
 
         torch.set_num_threads(max(1, threads))
-        self.engine = make_engine(parse_recipe(load_yaml_text(recipe_yaml, source)), Path(checkpoint))
+        self.recipe = parse_recipe(load_yaml_text(recipe_yaml, source))
+        self.engine = make_engine(self.recipe, Path(checkpoint))
 
     def call(self, name: str, *args, **kwargs):
         out = getattr(self.engine, name)(*unpack(args), **unpack(kwargs))
@@ -288,7 +291,9 @@ class RayRun:
         from miles_lp.rl.step import StepParts
         from miles_lp.rl.tasks import make_task
         from miles_lp.sync import WeightSync
+        from miles_lp.sync.sentinel import Sentinel
 
+        check_broadcast(recipe)
         self.recipe, self.dir = recipe, run_dir
         self.model_dir = prepare_model(recipe.model, run_dir.path / "model")
         self.plan = plan_for(recipe, self.model_dir)
@@ -322,7 +327,11 @@ class RayRun:
             self.reference_actor = ref
         self.engine_actor = self._start_engine()
         self.engine = EngineProxy(self.engine_actor)
-        self.sync = WeightSync(self.engine, self.plan, _target(recipe), recipe.sync)
+        if recipe.sync.transport in BROADCAST:  # the sync runs in the learner actor, bytes straight to the engine's
+            sentinel = Sentinel(recipe.sync.sentinel)
+            self.sync = ActorSync(self.learner_actor, self.engine_actor, _target(recipe), sentinel)
+        else:  # the sync runs here, buckets relayed through the object store
+            self.sync = WeightSync(self.engine, self.plan, _target(recipe), recipe.sync)
         self.sync.sentinel.load_state_dict(loop_state.get("sentinel") or {})
         self.initial = self.sync.initial_sync(self.learner)
         self.version_offset = int(loop_state.get("engine_weight_version", 0))
@@ -355,6 +364,8 @@ class RayRun:
         self.engine_actor = self._start_engine()
         self.engine.actor = self.engine_actor
         self.engine._learn_surface()
+        if isinstance(self.sync, ActorSync):  # a new group with the new engine rank
+            self.sync.connect(self.engine_actor)
         self.initial = self.sync.initial_sync(self.learner)
         self.version_offset += served
 
@@ -392,6 +403,8 @@ class RayRun:
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        if isinstance(getattr(self, "sync", None), ActorSync):
+            self.sync.close()
         for a in (getattr(self, "engine_actor", None), getattr(self, "learner_actor", None),
                   getattr(self, "reference_actor", None)):
             if a is not None:

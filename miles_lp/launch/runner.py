@@ -181,10 +181,12 @@ class Run:
 
     def __init__(self, recipe: Recipe, run_dir: RunDir, *, start_step: int = 0, learner_state=None,
                  loop_state: Mapping[str, Any] | None = None, build_engine: Callable | None = None):
+        from miles_lp.launch.actor_sync import check_broadcast
         from miles_lp.launch.model import prepare_model, vocab_size
         from miles_lp.rl.tasks import make_task
         from miles_lp.sync import WeightSync
 
+        check_broadcast(recipe)  # nccl / gloo: the learner and engine in actors of their own (ray.enabled)
         self.recipe, self.dir = recipe, run_dir
         self.model_dir = prepare_model(recipe.model, run_dir.path / "model")
         self.plan = plan_for(recipe, self.model_dir)

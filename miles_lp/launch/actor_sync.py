@@ -1,0 +1,218 @@
+"""``sync.transport: nccl | gloo`` under Ray: the weight sync runs inside the learner actor, the bytes go
+straight to the engine actor over ``torch.distributed``.
+
+The default Ray path (``inprocess`` / ``ray``) runs ``WeightSync`` in the driver and relays every bucket
+through the object store. A broadcast transport is what slime and Miles do (SGLang's
+``update_weights_from_distributed``): learner and engine form a process group of two ranks (learner 0, engine 1;
+NCCL between GPUs, gloo on CPU) and the learner broadcasts each bucket. Here that is:
+
+* the learner actor runs the *same* ``WeightSync`` on a ``miles_lp.sync.remote.RemoteEngine`` with a
+  ``BroadcastTransport(receipts=True)``: export, buckets, every check (C1-C5 and C7 over the group), no byte
+  through the driver;
+* the engine actor runs ``BroadcastReceiver.serve(engine)`` in a background thread for the whole run, so the
+  driver's ``generate`` calls reach the same engine through Ray as before (grpo_step never generates during a
+  sync);
+* the driver keeps the sentinel (C6): ``grpo_step`` feeds it the step's rollouts, and it travels to the
+  learner actor with each sync and back (it is a few counters and the last verdict).
+
+An engine that dies breaks the group: ``reconnect`` builds a new one with the new engine actor (a new port) and
+gives the learner's ``WeightSync`` the new remote engine and transport; the caller then runs ``initial_sync``
+(full resync), as for the other transports. A collective waits at most ``TIMEOUT_S`` for a dead peer.
+
+One engine rank: tensor-parallel engine ranks would join the same broadcast (``BroadcastReceiver`` on each),
+which is not built. NCCL needs the two actors on different GPUs (``ray.placement: split``); on one GPU use
+``cuda_ipc``. The NCCL variant has not run here (no machine with two GPUs is lent); gloo runs in the tests.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from typing import Any
+
+from miles_lp.errors import ConfigError
+
+BROADCAST = ("nccl", "gloo")
+TIMEOUT_S = 300
+LEARNER_RANK, ENGINE_RANK = 0, 1
+
+
+def check_broadcast(recipe: Any) -> None:
+    """Refuse a broadcast transport the placement or devices cannot run, naming the recipe keys."""
+    name = recipe.sync.transport
+    if name not in BROADCAST:
+        return
+    if not recipe.ray.enabled:
+        raise ConfigError(f"sync.transport: {name} broadcasts between the learner and engine processes; set "
+                          "ray.enabled: true (or use inprocess in one process)")
+    devices = (str(recipe.train.device), str(getattr(recipe.rollout, "device", "auto")))
+    if name == "nccl":
+        if "cpu" in devices:
+            raise ConfigError(f"sync.transport: nccl needs CUDA devices for the learner and the engine (train.device "
+                              f"{devices[0]!r}, rollout.device {devices[1]!r}); on CPU use gloo")
+        if recipe.ray.placement != "split":
+            raise ConfigError("sync.transport: nccl needs the learner and the engine on different GPUs (NCCL refuses "
+                              "two ranks on one device): set ray.placement: split, or use cuda_ipc when colocated")
+
+
+def free_address() -> tuple[str, int]:
+    """This node's address and a free TCP port for the group's store (rank 0 hosts it)."""
+    import socket
+
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+def init_group(backend: str, host: str, port: int, rank: int, device: str) -> None:
+    """Join the two-rank group (a previous one, from before an engine restart, is destroyed first)."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if backend == "nccl":  # object collectives stage on the current device
+        torch.cuda.set_device(torch.device(device))
+    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+
+
+class LearnerSyncSide:
+    """Mixed into the learner actor: the group's rank 0 and the ``WeightSync`` that runs there."""
+
+    learner: Any
+    recipe: Any
+    plan: Any
+    weight_sync: Any = None
+
+    def group_address(self) -> tuple[str, int]:
+        return free_address()
+
+    def join_group(self, host: str, port: int) -> None:
+        init_group(self.recipe.sync.transport, host, port, LEARNER_RANK, str(self.learner.device))
+
+    def attach_engine(self, target: str) -> None:
+        """A ``RemoteEngine`` on the group's engine rank (which must be serving): a new ``WeightSync`` the
+        first time, afterwards (an engine restart) the same one with the new engine and transport."""
+        from miles_lp.sync import WeightSync
+        from miles_lp.sync.remote import RemoteEngine
+        from miles_lp.sync.transport import BroadcastTransport
+
+        engine = RemoteEngine(engine_rank=ENGINE_RANK, learner_rank=LEARNER_RANK)
+        transport = BroadcastTransport(src=LEARNER_RANK, device=self.learner.device,
+                                       name=self.recipe.sync.transport, receipts=True, reply_from=ENGINE_RANK)
+        if self.weight_sync is None:
+            self.weight_sync = WeightSync(engine, self.plan, target, self.recipe.sync,
+                                          transport=transport, log=print)
+        else:
+            self.weight_sync.engine, self.weight_sync.transport = engine, transport
+
+    def run_sync(self, sentinel: Any, initial: bool) -> tuple[Any, Any, int]:
+        """One sync (``initial``: after recording the engine anew, full compare); returns the report, the
+        sentinel as the sync left it, and the version the engine should now report."""
+        ws = self.weight_sync
+        ws.sentinel = sentinel
+        report = ws.initial_sync(self.learner) if initial else ws.sync(self.learner)
+        return report, ws.sentinel, int(ws.expected_version)
+
+    def leave_group(self) -> None:
+        import torch.distributed as dist
+
+        if self.weight_sync is not None:
+            self.weight_sync.engine.close()  # the engine rank's serving loop returns
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class EngineSyncSide:
+    """Mixed into the engine actor: the group's rank 1, serving weight updates in a background thread."""
+
+    engine: Any
+    recipe: Any
+    _serving: threading.Thread | None = None
+    _serve_error: BaseException | None = None
+
+    def join_group(self, host: str, port: int) -> None:
+        init_group(self.recipe.sync.transport, host, port, ENGINE_RANK,
+                   str(getattr(self.engine, "device", None) or "cpu"))
+
+    def serve_weights(self) -> None:
+        """Start answering the learner's calls and buckets (returns at once; the loop ends when the learner
+        closes its ``RemoteEngine``)."""
+        from miles_lp.sync.transport import BroadcastReceiver
+
+        receiver = BroadcastReceiver(src=LEARNER_RANK, device=getattr(self.engine, "device", None) or "cpu")
+
+        def loop() -> None:
+            try:
+                receiver.serve(self.engine, rank=ENGINE_RANK)
+            except BaseException as exc:  # reported by serving_error(); the learner's collective times out
+                self._serve_error = exc
+
+        self._serving = threading.Thread(target=loop, name="miles-lp-weight-receiver", daemon=True)
+        self._serving.start()
+
+    def serving_error(self) -> str | None:
+        e = self._serve_error
+        return None if e is None else f"{type(e).__name__}: {e}"
+
+
+class ActorSync:
+    """The driver's ``sync`` for grpo_step and the run: what ``WeightSync`` offers there (``sync``,
+    ``initial_sync``, ``sentinel``, ``expected_version``), carried out in the learner actor."""
+
+    def __init__(self, learner_actor: Any, engine_actor: Any, target: str, sentinel: Any):
+        self.learner_actor, self.target, self.sentinel = learner_actor, target, sentinel
+        self.expected_version = 0
+        self.connect(engine_actor)
+
+    def connect(self, engine_actor: Any) -> None:
+        """Form the group with ``engine_actor`` (again after a restart) and attach the learner's sync to it."""
+        import ray
+
+        self.engine_actor = engine_actor
+        host, port = ray.get(self.learner_actor.group_address.remote())
+        ray.get([self.learner_actor.join_group.remote(host, port), engine_actor.join_group.remote(host, port)])
+        ray.get(engine_actor.serve_weights.remote())
+        ray.get(self.learner_actor.attach_engine.remote(self.target))
+
+    def _run(self, initial: bool):
+        import ray
+
+        from miles_lp.launch.ray_launcher import EngineDied
+
+        try:
+            report, self.sentinel, self.expected_version = ray.get(
+                self.learner_actor.run_sync.remote(self.sentinel, initial))
+        except ray.exceptions.RayTaskError as exc:
+            if not _alive(self.engine_actor):  # the engine died under the sync: the run decides (checkpoint, stop)
+                raise EngineDied(f"the rollout actor died during the weight sync ({exc.cause})", "sync") from exc
+            raise
+        return report
+
+    def sync(self, learner: Any = None) -> Any:
+        return self._run(initial=False)
+
+    def initial_sync(self, learner: Any = None) -> Any:
+        return self._run(initial=True)
+
+    def close(self) -> None:
+        import ray
+
+        try:
+            ray.get(self.learner_actor.leave_group.remote(), timeout=30)
+        except Exception:  # an actor already gone: nothing left to close
+            pass
+
+
+def _alive(actor: Any) -> bool:
+    import ray
+
+    try:
+        ray.get(actor.pid.remote(), timeout=10)
+        return True
+    except Exception:
+        return False
