@@ -146,7 +146,7 @@ class EngineLinear(torch.nn.Module):
             block = MXFP8_BLOCK if q.format is Format.MXFP8 else NVFP4_BLOCK
             new["scale_swizzled"] = swizzle_scales(q.scale)  # cuBLAS 128x4 layout, [ru(N,128), ru(K/block,4)]
             kernel_scale = unswizzle_scales(new["scale_swizzled"], n, k // block)  # what the kernel reads back
-            new["operand"] = _with_scale(q, kernel_scale).dequantize(self.op_dtype)
+            new["operand"] = _dequantize(_with_scale(q, kernel_scale), self.op_dtype)
             self.kernel_format = q.format
         if self.has_bias and self.bias.dtype != self.op_dtype:
             new["bias_operand"] = self.bias.detach().to(self.op_dtype)
@@ -289,6 +289,18 @@ def _with_scale(q, scale: torch.Tensor):
     import dataclasses
 
     return dataclasses.replace(q, scale=scale)
+
+
+def _dequantize(q, dtype: torch.dtype) -> torch.Tensor:
+    """``q.dequantize(dtype)``; on CUDA one Triton launch of ``miles_lp.formats.kernels`` (byte-identical to
+    the codec's torch code, which builds fp32 temporaries of the whole stack: ~3x the operand's bytes more)."""
+    from miles_lp.formats import MXFP8Tensor, kernels
+
+    if dtype in (torch.bfloat16, torch.float32) and kernels.enabled(q.data):
+        if isinstance(q, MXFP8Tensor):
+            return kernels.mxfp8_dequantize(q, dtype)
+        return kernels.nvfp4_dequantize(q, dtype)
+    return q.dequantize(dtype)
 
 
 def _quantize_weight(w: torch.Tensor, fmt: Format):
@@ -450,7 +462,7 @@ class LinearStack:
             block = MXFP8_BLOCK if q.format is Format.MXFP8 else NVFP4_BLOCK
             new["scale_swizzled"] = swizzle_scales(q.scale)  # [L, ru(N,128), ru(K/block,4)]
             kernel_scale = unswizzle_scales(new["scale_swizzled"], n, k // block)
-            new["operand"] = _with_scale(q, kernel_scale).dequantize(first.op_dtype)
+            new["operand"] = _dequantize(_with_scale(q, kernel_scale), first.op_dtype)
             fmt = q.format
         if first.has_bias and canon["bias"].dtype != first.op_dtype:
             new["bias_operand"] = canon["bias"].to(first.op_dtype)

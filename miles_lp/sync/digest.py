@@ -2,19 +2,21 @@
 
 ``miles_lp.rollout.engine.tensor_digest`` (blake2b of the bytes, on the host) is the reference: exact, but
 about 1 s per GB, so on a GPU it would dominate a sync of a few tens of milliseconds. ``fingerprints`` is a
-position-sensitive checksum computed where the tensors live, for many tensors in a handful of kernels (the
-per-tensor launch cost, not the bytes, dominates a sync of ~1000 small tensors):
+position-sensitive checksum computed where the tensors live. A tensor's value:
 
-* each tensor's bytes, zero-padded to whole rows of 1024 int32 words, are concatenated (chunks of at most
-  ``CHUNK_BYTES``) into ``words [R, 1024]``;
+* its bytes, zero-padded to whole rows of 1024 little-endian int32 words: ``words [R, 1024]``;
 * ``rows = sum_c words[r, c] * wcol[c]`` (int32 wrap-around products and sums), ``wcol`` fixed odd numbers;
-* per tensor, ``sum_r rows[r] * wrow(r)`` (int64 wrap-around) with ``wrow`` an odd hash of the row's index
-  *within its tensor*, so a tensor's fingerprint does not depend on its neighbours.
+* ``sum_r rows[r] * wrow(r)`` (int64 wrap-around) with ``wrow`` an odd hash of the row's index within the
+  tensor, so a tensor's value does not depend on its neighbours.
 
-``group_fingerprints`` is the same sum over a group's tensors concatenated (the sync's atomic groups: all experts
-of a layer, q/k/v, ...): one value per group, so the per-sync C2 comparison and its host work scale with the
+``group_fingerprints`` gives one value per group (the sync's atomic groups: all experts of a layer, q/k/v, ...):
+``sum_k member_weight(k) * value(member k)``, so the per-sync C2 comparison and its host work scale with the
 number of groups, not tensors; per-tensor fingerprints are computed only to name the tensors of a group that
 differs.
+
+On CUDA both are ONE Triton launch over all the tensors of a device, each read once in place
+(``miles_lp.sync.kernels``); the torch code here (the tensors concatenated into a padded buffer, chunks of at
+most ``CHUNK_BYTES``) is the CPU path and the oracle the kernel is tested against bit for bit.
 
 Changing any word changes the sum (odd weights); moving a word to another row or column changes its weight.
 It detects corruption and staleness, not adversaries; the full byte compare (``sync.full_compare``) is exact.
@@ -25,6 +27,8 @@ from __future__ import annotations
 import zlib
 
 import torch
+
+from miles_lp.sync import kernels as _kernels
 
 ROW = 1024  # int32 words per row
 ROW_BYTES = 4 * ROW
@@ -110,6 +114,29 @@ def _chunk_sums(ts: list[torch.Tensor]) -> torch.Tensor:
     return _segment_sums([[t] for t in ts])
 
 
+def member_weight(k: int) -> int:
+    """The odd int64 weight of the ``k``-th member of a group (1 for the first: a one-tensor group's value is
+    its tensor's), so the same tensors in another order give another group value."""
+    v = ((k * 0x9E3779B97F4A7C15) | 1) & _MASK
+    return v - (1 << 64) if v >> 63 else v
+
+
+def _values(ts: list[torch.Tensor], slots: list[int], mults: list[int], nslots: int) -> torch.Tensor:
+    """``out[slots[i]] += mults[i] * value(ts[i])`` (int64, wrapping) on the tensors' device (all on one).
+    CUDA (and CPU under ``TRITON_INTERPRET=1``): one Triton launch reading every tensor in place
+    (``miles_lp.sync.kernels``); otherwise the torch reference in chunks of at most ``CHUNK_BYTES``."""
+    dev = ts[0].device if ts else torch.device("cpu")
+    if ts and _kernels.enabled(dev):
+        return _kernels.segment_values(ts, slots, mults, nslots, _wcol(dev))
+    out = torch.zeros(nslots, dtype=torch.int64, device=dev)
+    for c in _chunks([t.numel() * t.element_size() for t in ts]):
+        vals = _chunk_sums([ts[i] for i in c])
+        idx = torch.tensor([slots[i] for i in c], dtype=torch.int64).to(dev)
+        w = torch.tensor([mults[i] for i in c], dtype=torch.int64).to(dev)
+        out.index_add_(0, idx, vals * w)
+    return out
+
+
 def _chunks(sizes: list[int]) -> list[list[int]]:
     """Consecutive index chunks of at most ``CHUNK_BYTES`` (an item larger than that is a chunk of its own)."""
     chunks: list[list[int]] = [[]]
@@ -129,42 +156,51 @@ def _format(t: torch.Tensor, v: int) -> str:
 
 @torch.no_grad()
 def fingerprints(named: dict[str, torch.Tensor]) -> dict[str, str]:
-    """``dtype[shape]:<64-bit hex>`` per tensor; equal bytes give equal strings on any device. One
-    device->host transfer per device; memory bounded by chunks of ``CHUNK_BYTES``."""
+    """``dtype[shape]:<64-bit hex>`` per tensor; equal bytes give equal strings on any device (the kernel and
+    the torch reference compute the same value). One device->host transfer per device."""
     out: dict[str, str] = {}
     by_dev: dict[torch.device, list[str]] = {}
     for n, t in named.items():
         by_dev.setdefault(t.device, []).append(n)
     for names in by_dev.values():
-        chunks = _chunks([named[n].numel() * named[n].element_size() for n in names])
-        sums = torch.cat([_chunk_sums([named[names[i]] for i in c]) for c in chunks]).cpu().tolist()
-        flat_names = [names[i] for c in chunks for i in c]
-        out.update({n: _format(named[n], v) for n, v in zip(flat_names, sums, strict=True)})
+        ts = [named[n] for n in names]
+        sums = _values(ts, list(range(len(ts))), [1] * len(ts), len(ts)).cpu().tolist()
+        out.update({n: _format(t, v) for n, t, v in zip(names, ts, sums, strict=True)})
     return out
 
 
 @torch.no_grad()
 def group_fingerprints(groups: dict[str, list[torch.Tensor]]) -> dict[str, str]:
-    """One fingerprint per group of tensors: ``<count>x<bytes>/<signature>:<64-bit hex>`` of the group's
-    bytes concatenated in order (the signature hashes the members' dtypes and shapes, so a member of another
-    dtype or shape differs too). Both sides of a C2 check compute it over the same ordered names; one
-    reduction per group instead of one per tensor. A mismatch says which group, not which tensor: compare
-    ``fingerprints`` of its members then (``miles_lp.sync.weight_sync``)."""
+    """One fingerprint per group of tensors: ``<count>x<bytes>/<signature>:<64-bit hex>``, the hex being
+    ``sum_k member_weight(k) * value(member k)`` (int64, wrapping; ``value`` as in ``fingerprints``) and the
+    signature a hash of the members' dtypes and shapes, so a member of another dtype or shape, or the members
+    in another order, differ too. Both sides of a C2 check compute it over the same ordered names; one value
+    per group crosses to the host. A mismatch says which group, not which tensor: compare ``fingerprints`` of
+    its members then (``miles_lp.sync.weight_sync``)."""
     out: dict[str, str] = {}
     by_dev: dict[torch.device, list[str]] = {}
     for g, ts in groups.items():
         dev = ts[0].device if ts else torch.device("cpu")
         by_dev.setdefault(dev, []).append(g)
     for gids in by_dev.values():
-        sizes = [sum(t.nbytes for t in groups[g]) for g in gids]
-        chunks = _chunks(sizes)
-        sums = torch.cat([_segment_sums([groups[gids[i]] for i in c]) for c in chunks]).cpu().tolist()
-        order = [i for c in chunks for i in c]
-        for i, v in zip(order, sums, strict=True):
-            ts = groups[gids[i]]
-            sig = zlib.crc32(repr([(t.dtype, t.shape) for t in ts]).encode())  # same text in any process
-            out[gids[i]] = f"{len(ts)}x{sizes[i]}/{sig:08x}:{v & _MASK:016x}"
+        ts: list[torch.Tensor] = []
+        slots: list[int] = []
+        mults: list[int] = []
+        for i, g in enumerate(gids):
+            members = groups[g]
+            ts.extend(members)
+            slots.extend([i] * len(members))
+            mults.extend(_WEIGHTS[:len(members)] if len(members) <= len(_WEIGHTS)
+                         else [member_weight(k) for k in range(len(members))])
+        sums = _values(ts, slots, mults, len(gids)).cpu().tolist()
+        for g, v in zip(gids, sums, strict=True):
+            members = groups[g]
+            sig = zlib.crc32(repr([(t.dtype, t.shape) for t in members]).encode())  # same text in any process
+            out[g] = f"{len(members)}x{sum(t.nbytes for t in members)}/{sig:08x}:{v & _MASK:016x}"
     return out
+
+
+_WEIGHTS = [member_weight(k) for k in range(4096)]
 
 
 def fingerprint(t: torch.Tensor) -> str:

@@ -1,0 +1,214 @@
+"""Triton kernels of the sync: the C2 fingerprint over many tensors in one launch, read in place.
+
+``segment_values(tensors, slots, mults, nslots)`` is ``miles_lp.sync.digest``'s fingerprint arithmetic on a
+device: per tensor the position-sensitive sum of ``digest._segment_sums`` over its bytes (1024-word rows, int32
+column-weighted row sums, int64 row weights; zero padding to whole rows), times ``mults[i]``, added into output
+slot ``slots[i]`` (int64, wrapping). ``digest`` calls it for CUDA tensors when Triton imports (``enabled``); the
+torch code there stays the CPU path and the oracle, and the tests compare the two bit for bit (on CPU through
+Triton's interpreter, ``TRITON_INTERPRET=1`` or ``interpret=True``; on the H200 in ``pytest -m gpu``).
+
+One launch per call and alignment class (tensors whose address and size are multiples of 16 bytes take the
+vector-load variant, the others a byte-assembling one): a sync's ~1,200 tensors are read once each, in place,
+instead of being concatenated into a padded buffer first (the torch path moves ~5x the bytes). The launch's
+tables (byte offsets from a base pointer, sizes, slots, multipliers, and the program -> (tensor, first row)
+map) are built on the host with numpy and cached by the tensors' addresses and sizes (the layout repeats every
+sync), so a repeated call costs a tuple of ``data_ptr()`` per tensor, one ``torch.zeros`` and one launch.
+``MILES_LP_SYNC_KERNELS=reference`` turns the kernel off (the torch path then runs on CUDA too).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+ROW_BYTES = 4096
+ROWS = 8  # rows of 1024 words per program: 32 KiB read per program
+NUM_WARPS = 4
+_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_digest_triton.py")
+_MODULES: dict[bool, object] = {}
+_LOCK = threading.Lock()
+_TABLES: OrderedDict = OrderedDict()  # layout key -> (meta tensor, [(start, ntensors, nblocks, aligned, base index)])
+_TABLES_MAX = 16
+_TRITON: list[str | None] = []
+
+
+def _triton_missing() -> str | None:
+    if not _TRITON:
+        try:
+            import triton  # noqa: F401
+        except ImportError as exc:
+            _TRITON.append(f"Triton is not importable ({exc})")
+        else:
+            _TRITON.append(None)
+    return _TRITON[0]
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether ``digest`` should use the kernel for tensors on ``device``: CUDA (or CPU under
+    ``TRITON_INTERPRET=1``), Triton importable, ``MILES_LP_SYNC_KERNELS`` not ``reference``."""
+    if os.environ.get("MILES_LP_SYNC_KERNELS", "auto") == "reference":
+        return False
+    if device.type != "cuda" and not (device.type == "cpu" and _interpreting()):
+        return False
+    return _triton_missing() is None
+
+
+def _module(interpret: bool):
+    mod = _MODULES.get(interpret)
+    if mod is None:
+        with _LOCK:
+            mod = _MODULES.get(interpret)
+            if mod is None:
+                try:  # imported lazily by the interpreter's first launch, where it fails unless imported first
+                    import triton.experimental.gluon  # noqa: F401
+                except Exception:  # noqa: BLE001 (an older Triton without it needs nothing)
+                    pass
+                name = "miles_lp.sync._digest_triton" + ("_interpreted" if interpret else "")
+                old = os.environ.get("TRITON_INTERPRET")
+                os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+                try:
+                    spec = importlib.util.spec_from_file_location(name, _PATH)
+                    mod = importlib.util.module_from_spec(spec)
+                    spec.loader.exec_module(mod)
+                finally:
+                    if old is None:
+                        del os.environ["TRITON_INTERPRET"]
+                    else:
+                        os.environ["TRITON_INTERPRET"] = old
+                _MODULES[interpret] = mod
+    return mod
+
+
+def _tables(raws: Sequence[torch.Tensor], ptrs: tuple[int, ...], sizes: tuple[int, ...], slots: Sequence[int],
+            mults: Sequence[int], device: torch.device):
+    """The launch tables for these tensors (cached by addresses, sizes, slots and multipliers)."""
+    import numpy as np
+
+    key = (str(device), ptrs, sizes, tuple(slots), tuple(mults))
+    hit = _TABLES.get(key)
+    if hit is not None:
+        _TABLES.move_to_end(key)
+        return hit
+    p = np.array(ptrs, dtype=np.uint64)
+    n = np.array(sizes, dtype=np.int64)
+    aligned = ((p & np.uint64(15)) == 0) & ((n & 15) == 0)
+    metas, launches, words = [], [], 0
+    for cls in (True, False):
+        idx = np.nonzero(aligned == cls)[0]
+        if not idx.size:
+            continue
+        base = int(idx[0])  # offsets are from this tensor's address (the key holds every address)
+        off = (p[idx] - p[base]).astype(np.int64)  # wraps to the signed difference
+        rows = np.maximum(1, -(-n[idx] // ROW_BYTES))
+        nblk = -(-rows // ROWS)
+        tens = np.repeat(np.arange(idx.size, dtype=np.int64), nblk)
+        first = np.cumsum(nblk) - nblk
+        r0 = (np.arange(tens.size, dtype=np.int64) - first[tens]) * ROWS
+        ent = np.stack([off, n[idx], np.asarray(slots, dtype=np.int64)[idx],
+                        np.asarray(mults, dtype=np.int64)[idx]], axis=1).reshape(-1)
+        blocks = np.stack([tens, r0], axis=1).reshape(-1)
+        metas.append(np.concatenate([ent, blocks]))
+        launches.append((words, int(idx.size), int(tens.size), cls, base))
+        words += ent.size + blocks.size
+    meta = torch.from_numpy(np.concatenate(metas)).to(device)
+    hit = (meta, launches)
+    _TABLES[key] = hit
+    if len(_TABLES) > _TABLES_MAX:
+        _TABLES.popitem(last=False)
+    return hit
+
+
+def segment_values(tensors: Sequence[torch.Tensor], slots: Sequence[int], mults: Sequence[int], nslots: int,
+                   wcol: torch.Tensor, *, interpret: bool | None = None) -> torch.Tensor:
+    """``out[slots[i]] += mults[i] * value(tensors[i])`` (int64, wrapping) for tensors on one device, where
+    ``value`` is ``digest._segment_sums([[t]])`` of the tensor's bytes; ``out`` is int64 ``[nslots]`` on that
+    device, computed without a host synchronisation. ``wcol``: the digest's int32 column weights there."""
+    if not tensors:
+        dev = wcol.device
+        return torch.zeros(nslots, dtype=torch.int64, device=dev)
+    raws = [(t if t.is_contiguous() else t.contiguous()).reshape(-1).view(torch.uint8) for t in tensors]
+    dev = raws[0].device
+    if interpret is None:
+        interpret = dev.type != "cuda"
+    mod = _module(interpret)
+    ptrs = tuple(r.data_ptr() for r in raws)
+    sizes = tuple(r.numel() for r in raws)
+    meta, launches = _tables(raws, ptrs, sizes, slots, mults, dev)
+    out = torch.zeros(nslots, dtype=torch.int64, device=dev)
+    for start, nt, nblocks, aligned, base in launches:
+        mod.fingerprint_kernel[(nblocks,)](raws[base], meta[start:], nt, wcol, out, ROWS=ROWS, ALIGNED=aligned,
+                                           SUM64=interpret, num_warps=NUM_WARPS)
+    return out
+
+
+def selfcheck(device: str = "cpu", seed: int | None = None, large: bool = False) -> dict:
+    """The kernel against the torch reference (``digest._chunk_sums``, combined in Python ints) on fresh random
+    tensors of awkward sizes (0 bytes, partial words, partial rows, exactly ``ROWS`` rows, one byte more),
+    addresses (views at every offset mod 16), dtypes, a non-contiguous one, and views of one stacked storage,
+    per tensor and grouped with random slots and multipliers. Returns ``{"seed", "cases", "mismatches": [...]}``
+    (an empty list: bit for bit equal). ``large``: one more tensor of ~300 MB (on CUDA)."""
+    import random
+
+    from miles_lp.sync import digest
+
+    seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    dev = torch.device(device)
+    pool = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=g).to(dev)
+    ts: list[torch.Tensor] = []
+    for n in (0, 1, 3, 4, 15, 16, 17, 4095, 4096, 4097, ROWS * ROW_BYTES, ROWS * ROW_BYTES + 1,
+              9 * ROW_BYTES + 123, 40000):
+        off = rng.randrange(0, 64)
+        ts.append(pool[off:off + n])
+    ts.append(torch.randn(33, 65, generator=g).to(torch.bfloat16).to(dev))
+    ts.append(torch.randn(96, 256, generator=g).to(torch.float8_e4m3fn).to(dev))
+    ts.append(torch.randn(64, 48, generator=g).to(dev).t())  # non-contiguous
+    stack = torch.randint(-2**31, 2**31 - 1, (4, 3, 1024), dtype=torch.int32, generator=g).to(dev)
+    ts.extend(stack[i] for i in range(4))
+    ts.append(torch.randn(5, generator=g).to(torch.float64).to(dev))
+    if large:
+        ts.append(torch.randint(0, 256, (300_000_017,), dtype=torch.uint8, device=dev))
+    rng.shuffle(ts)
+    ref = [int(v) for v in digest._chunk_sums([t.cpu() for t in ts]).tolist()]
+    mismatches = []
+    got = segment_values(ts, list(range(len(ts))), [1] * len(ts), len(ts), digest._wcol(dev)).cpu().tolist()
+    for i, (a, b) in enumerate(zip(ref, got, strict=True)):
+        if a != b:
+            t = ts[i]
+            mismatches.append(f"tensor {i} ({t.dtype}, {list(t.shape)}, {t.nbytes} B, address mod 16 = "
+                              f"{t.data_ptr() & 15}): kernel {b:#x}, reference {a:#x}")
+    nslots = 5
+    slots = [rng.randrange(nslots) for _ in ts]
+    mults = [digest.member_weight(rng.randrange(1000)) for _ in ts]
+    exp = [0] * nslots
+    for s, m, v in zip(slots, mults, ref, strict=True):
+        exp[s] = (exp[s] + m * v) & digest._MASK
+    grouped = segment_values(ts, slots, mults, nslots, digest._wcol(dev)).cpu().tolist()
+    for s in range(nslots):
+        if grouped[s] & digest._MASK != exp[s]:
+            mismatches.append(f"group slot {s}: kernel {grouped[s] & digest._MASK:#x}, reference {exp[s]:#x}")
+    return {"seed": seed, "device": str(dev), "cases": len(ts), "mismatches": mismatches}
+
+
+if __name__ == "__main__":  # python -m miles_lp.sync.kernels [--device cuda] [--large]: one JSON line
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--large", action="store_true")
+    a = ap.parse_args()
+    res = selfcheck(a.device, a.seed, a.large)
+    print(json.dumps(res))
+    raise SystemExit(1 if res["mismatches"] else 0)

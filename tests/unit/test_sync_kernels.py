@@ -1,0 +1,98 @@
+"""The C2 fingerprint kernel (miles_lp.sync.kernels) equals the torch reference (miles_lp.sync.digest) bit for bit:
+on CPU through Triton's interpreter (a subprocess: it must be on before Triton is first imported), on CUDA
+compiled (``pytest -m gpu``, the H200 script). Fresh random inputs every run (the seed is in the failure)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from miles_lp.sync import digest, kernels  # noqa: E402
+
+_BOTH_PATHS = r"""
+import json, os, torch
+from miles_lp.sync import digest, kernels
+g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+pool = torch.randint(0, 256, (300000,), dtype=torch.uint8, generator=g)
+named = {"a": pool[5:5 + 70001], "b": torch.randn(40, 300, generator=g), "c": pool[64:64 + 4096 * 9],
+         "d": torch.randn(7, generator=g).to(torch.bfloat16), "e": pool[:0]}
+groups = {"g1": [named["a"], named["b"]], "g2": [named["c"], named["d"], named["e"]], "g3": [named["b"]]}
+assert kernels.enabled(torch.device("cpu"))
+k = (digest.fingerprints(named), digest.group_fingerprints(groups))
+os.environ["MILES_LP_SYNC_KERNELS"] = "reference"
+assert not kernels.enabled(torch.device("cpu"))
+r = (digest.fingerprints(named), digest.group_fingerprints(groups))
+print(json.dumps({"kernel": k, "reference": r}))
+"""
+
+
+def _interpreted(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+    env.pop("MILES_LP_SYNC_KERNELS", None)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_kernel_equals_the_reference_on_awkward_tensors_in_the_interpreter():
+    proc = _interpreted("-m", "miles_lp.sync.kernels", "--device", "cpu")
+    res = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {}
+    assert res.get("cases", 0) >= 20, proc.stderr[-3000:]
+    assert res["mismatches"] == [], f"seed {res['seed']}: {res['mismatches'][:5]}"
+    assert proc.returncode == 0
+
+
+def test_digest_takes_the_kernel_when_enabled_and_both_paths_agree():
+    proc = _interpreted("-c", _BOTH_PATHS)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["kernel"] == res["reference"]
+    fps, groups = res["kernel"]
+    assert len(set(fps.values())) == 5 and len(set(groups.values())) == 3
+
+
+def test_the_kernel_is_off_on_cpu_without_the_interpreter_and_when_turned_off(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not kernels.enabled(torch.device("cpu"))
+    monkeypatch.setenv("MILES_LP_SYNC_KERNELS", "reference")
+    assert not kernels.enabled(torch.device("cuda"))
+
+
+def test_group_value_is_the_weighted_sum_of_member_values():
+    g = torch.Generator().manual_seed(3)
+    ts = [torch.randn(10, 50, generator=g), torch.randint(0, 255, (9000,), generator=g, dtype=torch.uint8)]
+    vals = [int(v) for v in digest._chunk_sums(ts).tolist()]
+    exp = sum(digest.member_weight(k) * v for k, v in enumerate(vals)) & digest._MASK
+    assert digest.group_fingerprints({"g": ts})["g"].endswith(f":{exp:016x}")
+    assert digest.member_weight(0) == 1 and len({digest.member_weight(k) for k in range(5000)}) == 5000
+    assert all(digest.member_weight(k) & 1 for k in range(100))
+
+
+@pytest.mark.gpu
+def test_kernel_equals_the_reference_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    res = kernels.selfcheck("cuda", large=True)
+    assert res["mismatches"] == [], f"seed {res['seed']}: {res['mismatches'][:5]}"
+
+
+@pytest.mark.gpu
+def test_cuda_fingerprints_equal_the_cpu_reference():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    cpu = {"w": torch.randn(256, 2048, generator=g).to(torch.float8_e4m3fn),
+           "s": torch.randint(0, 255, (256, 64), generator=g, dtype=torch.uint8),
+           "b": torch.randn(2048, generator=g).to(torch.bfloat16), "odd": torch.randint(0, 255, (4099,), generator=g,
+                                                                                       dtype=torch.uint8)}
+    gpu = {n: t.cuda() for n, t in cpu.items()}
+    assert kernels.enabled(torch.device("cuda"))
+    assert digest.fingerprints(gpu) == digest.fingerprints(cpu)
+    groups = {"x": ["w", "s"], "y": ["b", "odd", "w"]}
+    assert (digest.group_fingerprints({k: [gpu[n] for n in ns] for k, ns in groups.items()})
+            == digest.group_fingerprints({k: [cpu[n] for n in ns] for k, ns in groups.items()}))
