@@ -24,3 +24,14 @@ def test_broadcast_transport_refusals(tmp_path):
     with pytest.raises(ConfigError, match=r"NCCL refuses two ranks on one device.*ray.placement: split"):
         check_broadcast(load_recipe(p, [*gpu, "ray.placement=colocate"]))
     check_broadcast(load_recipe(p, [*gpu, "ray.placement=split"]))  # accepted (not run here: no two GPUs)
+
+
+def test_dry_run_names_the_broadcast_refusal(tmp_path):
+    from miles_lp.launch.dry_run import dry_run
+
+    p = tmp_path / "r.yaml"
+    p.write_text(RECIPE.replace("OUT", str(tmp_path / "runs")))
+    out = dry_run(load_recipe(p, ["sync.transport=gloo"]))
+    assert out["sync_transport"] == "gloo"
+    assert any("set ray.enabled: true" in r for r in out["would_refuse_at_start"]), out["would_refuse_at_start"]
+    assert not dry_run(load_recipe(p, ["sync.transport=gloo", "ray.enabled=true"]))["would_refuse_at_start"]
