@@ -24,7 +24,8 @@ from miles_lp.errors import BackendUnavailable, FormatError  # noqa: E402
 from miles_lp.formats import kernels  # noqa: E402
 from miles_lp.formats.kernels import selfcheck  # noqa: E402
 
-FAST_CASES = ("nan_inf(64,128)", "subnormal(32,64)", "odd_rows(33,96)", "experts_fp16(2,32,64)")
+FAST_CASES = ("nan_inf(64,128)", "subnormal(32,64)", "odd_rows(33,96)", "experts_fp16(2,32,64)",
+              "specials_bf16(32,64)")
 
 
 def _selfcheck(*args: str) -> tuple[list[dict], dict, int]:
@@ -130,3 +131,34 @@ def test_a_launch_hook_sends_launches_through_the_jit():
     finally:
         chain.remove(hook)
     assert not kernels._hooks_set()
+
+
+_LAUNCH_NAMES = """
+import json, torch
+from miles_lp.formats import kernels
+names = []
+real = kernels._launch
+kernels._launch = lambda mod, name, *a, **k: (names.append(name), real(mod, name, *a, **k))
+x = torch.randn(4, 34, 64).bfloat16()
+out = []
+for t, dq in [(x[0], None), (x[0], torch.bfloat16), (x[0].float(), None), (x[0], torch.float32),
+              (x.flatten()[1:1 + 32 * 64].view(32, 64), None), ("off", None)]:
+    if isinstance(t, str):
+        kernels.CONFIG["nvfp4_pairs"]["enabled"] = False
+        t = x[0]
+    names.clear()
+    kernels.nvfp4_quantize(t, "row", dequant_dtype=dq)
+    out.append(list(names))
+print(json.dumps(out))
+"""
+
+
+def test_bf16_rows_take_the_pairs_kernel_and_others_the_general_one():
+    """Per-token NVFP4: bf16 (no decode / bf16 decode) reads int32 pairs; fp32 input, an fp32 decode, a
+    2-byte-offset view or the switch off take nvfp4_quantize_rows_kernel. Both paths' bytes are compared with
+    the reference in the selfcheck rows above ("nvfp4 row pairs*", "nvfp4 row (one pass)")."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-c", _LAUNCH_NAMES], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pairs, general = ["nvfp4_rows_pairs_kernel"], ["nvfp4_quantize_rows_kernel"]
+    assert json.loads(proc.stdout.splitlines()[-1]) == [pairs, pairs, general, general, general, general]

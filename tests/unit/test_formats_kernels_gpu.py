@@ -147,3 +147,33 @@ def test_kernels_capture_in_a_cuda_graph():
     assert _same(mx.row_deq, quantize_mxfp8(xr).dequantize(torch.bfloat16))
     assert _same(nr.data, quantize_nvfp4(xr, scale_scope="row").data)
     assert _same(nt.scale, quantize_nvfp4(xr).scale) and _same(nt.global_scale, quantize_nvfp4(xr).global_scale)
+
+
+@needs_cuda
+def test_pair_encoder_on_random_fp32_bit_patterns():
+    """``_e2m1_pair_code`` (the per-token bf16 kernel's encoder: code and value) and ``_bf16x2`` against the
+    torch reference (``bits.e2m1_codes``, torch's bf16 cast) on 2^24 random fp32 bit patterns (every sign,
+    exponent, NaN payload) plus every value of the E2M1 range [-8, 8] on a fine grid."""
+    from miles_lp.formats import bits
+    from miles_lp.formats import kernels as k
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    raw = torch.randint(-2**31, 2**31, (1 << 24,), dtype=torch.int64, device="cuda", generator=g).to(torch.int32)
+    fine = torch.linspace(-8, 8, 1 << 20, device="cuda")
+    x = torch.cat([raw.view(torch.float32), fine, torch.nextafter(fine, fine * 2)])
+    n = x.numel()
+    i32 = [torch.empty(n, dtype=torch.int32, device="cuda") for _ in range(5)]
+    f32 = [torch.empty(n, dtype=torch.float32, device="cuda") for _ in range(3)]
+    codes = torch.zeros(n, dtype=torch.int32, device="cuda")
+    mod = k._module(x)
+    mod.encoders_kernel[(-(-n // 1024),)](x, codes, i32[0], i32[1], i32[2], f32[0], f32[1], i32[3], f32[2], i32[4],
+                                          n, BLOCK=1024)
+    want = bits.e2m1_codes(x).to(torch.int32)
+    assert torch.equal(i32[3], want)
+    values = bits.e2m1_table("cuda")[want.long()]
+    assert torch.equal(f32[2].view(torch.int32), values.view(torch.int32))  # -0.0 included
+    ok = ~torch.isnan(x)  # NaN: any quiet NaN is right (selfcheck.check_encoders checks that)
+    ref = x.bfloat16().view(torch.int16).to(torch.int32) & 0xFFFF
+    assert torch.equal((i32[4] & 0xFFFF)[ok], ref[ok])
+    neg = (-x).bfloat16().view(torch.int16).to(torch.int32) & 0xFFFF
+    assert torch.equal(((i32[4] >> 16) & 0xFFFF)[ok], neg[ok])

@@ -57,6 +57,10 @@ CONFIG = {
     # (32) at [16384, 8192] in three runs; with the decode output (qdq, QuantLinear's per-token x) 64 was slower,
     # 0.415 vs 0.274 ms (12-01b run 3), so qdq keeps 32. Bytes checked by selfcheck with each as the default.
     "nvfp4_rows_reg": {"max_k": 16384, "el_per_thread": 64, "el_per_thread_dq": 32},
+    # bf16 per-token rows read as int32 pairs (nvfp4_rows_pairs_kernel; rows up to nvfp4_rows_reg.max_k):
+    # 19.1 SASS instructions per element at 64 elements/thread against the kernel above's 25.2 (offline
+    # count, `python -m miles_lp.formats.kernels.sass`); RS rows per program, the next one's load in flight.
+    "nvfp4_pairs": {"enabled": True, "el_per_thread": 64, "RS": 1, "el_per_thread_dq": 64, "RS_dq": 1},
     "nvfp4_dq": {"BM": 16, "NB": 8, "num_warps": 4},
     "amax": {"BM": 32, "BK": 256, "num_warps": 4},
 }
@@ -403,7 +407,9 @@ def nvfp4_quantize(x: torch.Tensor, scope: str = "tensor", *, amax: torch.Tensor
         amax_flat = None  # the one-pass kernel computes it
     else:
         amax_flat = _amax_launch(mod, xi, in_kind, mats, m, k, per_row=False)
-    if amax_flat is None:
+    if amax_flat is None and _pairs_ok(xi, in_kind, k, out_kind):
+        amax_flat = _nvfp4_rows_pairs(mod, xi, mats, m, k, q, s, gs, d, out_kind)
+    elif amax_flat is None:
         cfg = CONFIG["nvfp4_rows"]
         rows, nb, warps = cfg["ROWS"], cfg["NB"], cfg["num_warps"]
         reg = CONFIG["nvfp4_rows_reg"]
@@ -429,6 +435,25 @@ def nvfp4_quantize(x: torch.Tensor, scope: str = "tensor", *, amax: torch.Tensor
     qt = NVFP4Tensor(data=q, scale=s.view(torch.float8_e4m3fn), global_scale=gs.view(gshape),
                      amax=amax_flat.view(gshape), logical_shape=shape, scale_scope=scope, block_2d=block_2d)
     return qt, (_as(d, dequant_dtype) if out_kind else None)
+
+
+def _pairs_ok(xi: torch.Tensor, in_kind: int, k: int, out_kind: int) -> bool:
+    """Whether the per-token call takes ``nvfp4_rows_pairs_kernel``: bf16 in, a row that fits the registers,
+    no decode or a bf16 one, 4-byte aligned rows (the input is read as int32 pairs)."""
+    return (in_kind == 1 and out_kind in (0, 2) and k <= CONFIG["nvfp4_rows_reg"]["max_k"]
+            and CONFIG["nvfp4_pairs"]["enabled"] and not xi.data_ptr() & 3)
+
+
+def _nvfp4_rows_pairs(mod, xi, mats: int, m: int, k: int, q, s, gs, d, out_kind: int) -> torch.Tensor:
+    cfg = CONFIG["nvfp4_pairs"]
+    nb = triton_next_pow2(k // NVFP4_BLOCK)
+    ept, rs = (cfg["el_per_thread_dq"], cfg["RS_dq"]) if out_kind else (cfg["el_per_thread"], cfg["RS"])
+    warps = max(1, min(16, nb * NVFP4_BLOCK // (32 * ept)))
+    amax = torch.empty(mats * m, dtype=torch.float32, device=xi.device)
+    d32 = d.view(torch.int32) if out_kind else d
+    _launch(mod, "nvfp4_rows_pairs_kernel", (triton_cdiv(m, rs), mats),
+            (xi.view(torch.int32), m, k // 2, amax, q, s, gs, d32), warps, DQ=bool(out_kind), NB=nb, RS=rs)
+    return amax
 
 
 def quantize_nvfp4(x: torch.Tensor, scale_scope: str = "tensor", amax: torch.Tensor | None = None,

@@ -528,15 +528,114 @@ def nvfp4_quantize_rows_kernel(
 
 
 @triton.jit
-def encoders_kernel(x_ptr, code_ptr, e4_ptr, e2_ptr, bf_ptr, v4_ptr, v2_ptr, n, BLOCK: tl.constexpr):
+def encoders_kernel(x_ptr, code_ptr, e4_ptr, e2_ptr, bf_ptr, v4_ptr, v2_ptr, e2p_ptr, r2p_ptr, bfp_ptr, n,
+                    BLOCK: tl.constexpr):
     """The element encoders / decoders on a flat fp32 array (selfcheck.check_encoders compares them with
-    the exact scalar oracles): e4m3 / e2m1 codes and bf16 bits of x; decodes of the byte codes[i]."""
+    the exact scalar oracles): e4m3 / e2m1 codes and bf16 bits of x; decodes of the byte codes[i];
+    ``_e2m1_pair_code``'s code and value (e2p, r2p) and ``_bf16x2``'s bits of (x, -x) (bfp)."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     x = tl.load(x_ptr + i, mask=m, other=0.0)
     tl.store(e4_ptr + i, _e4m3_byte(x).to(tl.int32), mask=m)  # the paths the kernels take (HW on CUDA)
     tl.store(e2_ptr + i, _e2m1_code(x), mask=m)
+    c2, r2 = _e2m1_pair_code(x)
+    tl.store(e2p_ptr + i, c2, mask=m)
+    tl.store(r2p_ptr + i, r2, mask=m)
+    neg = (x.to(tl.int32, bitcast=True) ^ -2147483648).to(tl.float32, bitcast=True)  # -x, sign of zero too
+    tl.store(bfp_ptr + i, _bf16x2(x, neg), mask=m)
     tl.store(bf_ptr + i, _bf16_out(x).to(tl.int32) & 0xFFFF, mask=m)
     c = tl.load(code_ptr + i, mask=m, other=0)
     tl.store(v4_ptr + i, _e4m3_byte_value(c.to(tl.uint8)), mask=m)
     tl.store(v2_ptr + i, _e2m1_value(c & 15), mask=m)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# NVFP4 per token, bf16 input read as int32 pairs (the hot path: QuantLinear's activations, sync's rows)
+# ---------------------------------------------------------------------------------------------------------
+@triton.jit
+def _e2m1_pair_code(y):
+    """fp32 -> (E2M1 code int32 0..15, its value fp32 with the sign): ``_e2m1_code``'s rule and bytes, fewer
+    instructions (SASS per element, ``python -m miles_lp.formats.kernels.sass``): the magic constant is kept
+    as 2^E (``cm``), so one FFMA both scales it by 2^22 and adds (exact: a power of two times 2^22), and the
+    code is bits(a + c) - bits(cm) + (2E - (22 << 23)) with 2E = (bits(cm) >> 22) - 254 (no float c
+    materialised for the subtraction). The value ``r`` = (a + c) - c is exact (same binade), so the decode
+    (qdq) needs no code-to-value conversion. NaN -> +6 (min.f32 on CUDA; a where() in the interpreter).
+    """
+    ys = tl.maximum(tl.minimum(y, 6.0), -6.0)  # min.f32 maps NaN to +6 (then max keeps it); -0.0 kept
+    if not HW:
+        ys = tl.where(y == y, ys, 6.0)
+    a = tl.abs(ys)
+    cm = tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000  # bits of 2^E, E in {0, 1, 2}
+    cf = cm.to(tl.float32, bitcast=True) * 4194304.0  # c = 2^(E + 22), exact
+    s = a + cf  # RNE onto the grid step 2^(E - 1)
+    yb = ys.to(tl.int32, bitcast=True)
+    code = (s.to(tl.int32, bitcast=True) - cm) + ((cm >> 22) - ((22 << 23) + 254))
+    code = code | ((yb >> 28) & 8)
+    r = ((s - cf).to(tl.int32, bitcast=True) | (yb & -2147483648)).to(tl.float32, bitcast=True)
+    return code, r
+
+
+@triton.jit
+def _bf16x2(lo, hi):
+    """Two fp32 -> one int32 holding their bf16 bit patterns (lo in bits 0-15), RNE: one cvt.rn.bf16x2.f32
+    per pair on CUDA, ``_bf16_bits`` in the interpreter."""
+    if HW:
+        return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,r,r", [hi, lo], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    else:
+        return _bf16_bits(lo) | (_bf16_bits(hi) << 16)
+
+
+@triton.jit
+def _pairs_row(w, row, ok, pc, cmask, jb, K2, amax_ptr, q_ptr, s_ptr, gs_ptr, d_ptr, DQ: tl.constexpr):
+    """Quantize one row held as int32 pairs ``w`` [NB, 8] and store everything (``ok``: the row exists)."""
+    lo = (w << 16).to(tl.float32, bitcast=True)
+    hi = (w & -65536).to(tl.float32, bitcast=True)
+    amax_b = _amax_fix(tl.max(tl.maximum(_abs_nz(lo), _abs_nz(hi)), axis=1, keep_dims=True))  # [NB, 1]
+    amax_g = tl.max(amax_b, axis=0, keep_dims=True)  # [1, 1]
+    s_dec, sf_scale = _global_scales(amax_g)
+    one = tl.zeros([1, 1], tl.int64) + row
+    tl.store(amax_ptr + one, amax_g, mask=ok)
+    tl.store(gs_ptr + one, s_dec, mask=ok)
+    sf = _e4m3_byte(amax_b * sf_scale)  # [NB, 1]
+    sf_f = _e4m3_byte_value(sf)
+    enc = tl.math.div_rn(tl.zeros_like(sf_f) + 1.0, sf_f * s_dec)
+    enc = tl.where(enc < FLT_MAX, enc, FLT_MAX)
+    c_lo, r_lo = _e2m1_pair_code(lo * enc)
+    c_hi, r_hi = _e2m1_pair_code(hi * enc)
+    pmask = cmask & ok
+    tl.store(q_ptr + row * K2 + pc, (c_lo + (c_hi << 4)).to(tl.uint8), mask=pmask)  # one LEA per pair
+    tl.store(s_ptr + row * (K2 // 8) + jb, sf, mask=(jb < K2 // 8) & ok)
+    if DQ:
+        tl.store(d_ptr + row * K2 + pc, _bf16x2((r_lo * sf_f) * s_dec, (r_hi * sf_f) * s_dec), mask=pmask)
+
+
+@triton.jit
+def nvfp4_rows_pairs_kernel(
+    x_ptr, M, K2, amax_ptr, q_ptr, s_ptr, gs_ptr, d_ptr,
+    DQ: tl.constexpr, NB: tl.constexpr, RS: tl.constexpr,
+):
+    """Per-token NVFP4 of bf16 rows: ``RS`` rows of matrix ``program_id(1)`` per program, one after the
+    other, each whole row in registers (K/16 <= NB groups); row i+1 is loaded before row i is quantized, so
+    its load is in flight during that work.
+
+    x is read as int32 pairs [E*M, K/2] (``x_ptr``: the bf16 tensor viewed as int32; K2 = K/2): element 2j is
+    the low half of pair j, 2j+1 the high half, so widening to fp32 is one shift / one mask per element, and
+    the packed byte j of q is code(2j) | code(2j+1) << 4 with no split or interleave. Same outputs as
+    ``nvfp4_quantize_rows_kernel`` (amax, gs, q, s; with DQ the bf16 decode written as int32 pairs).
+    """
+    r0 = tl.program_id(0) * RS
+    base = tl.program_id(1).to(tl.int64) * M
+    jb = tl.arange(0, NB)[:, None]  # [NB, 1]: the 16-blocks of the row
+    pc = jb * 8 + tl.arange(0, 8)[None, :]  # pair column [NB, 8]
+    cmask = pc < K2
+    ok = r0 < M
+    w = tl.load(x_ptr + (base + r0) * K2 + pc, mask=cmask & ok, other=0)
+    for i in tl.static_range(RS):
+        if i + 1 < RS:
+            ok_next = r0 + i + 1 < M
+            w_next = tl.load(x_ptr + (base + r0 + i + 1) * K2 + pc, mask=cmask & ok_next, other=0)
+        _pairs_row(w, base + r0 + i, ok, pc, cmask, jb, K2, amax_ptr, q_ptr, s_ptr, gs_ptr, d_ptr, DQ)
+        if i + 1 < RS:
+            w = w_next
+            ok = ok_next

@@ -34,6 +34,18 @@ def extra_cases(seed: int = 0) -> dict[str, torch.Tensor]:
     out["odd_rows(33,96)"] = torch.randn(33, 96, generator=g).bfloat16()
     out["experts_pad(3,160,224)"] = torch.randn(3, 160, 224, generator=g).bfloat16()  # M % 128, K/32 % 4
     out["tiny_blocks(64,64)"] = torch.randn(64, 64, generator=g) * 1e-38  # scale bytes near 0
+    # bf16 bit patterns made here (a bf16 cast would make every NaN +0x7FC0): NaN of both signs and payloads
+    # (the E2M1 encode gives +6 for all), +-inf, -0.0, subnormals, bf16 max, E2M1 ties after scaling; a row
+    # of only NaN, a row of -0.0 and a row with one -NaN among zeros
+    v = (torch.randn(32, 64, generator=g) * 3).bfloat16().view(torch.int16)
+    specials = [0x7FC0, -64, 0x7F81, -127, 0x7F80, -128, -32768, 0x0001, -32767, 0x7F7F, -129, 0x3E80, -16768]
+    for i, b in enumerate(specials):  # -64 = 0xFFC0, -127 = 0xFF81, -128 = 0xFF80 (-inf), -32768 = -0.0
+        v[(5 * i) % 29, (11 * i) % 64] = b
+    v[29] = -64
+    v[30] = -32768
+    v[31] = 0
+    v[31, 17] = -63
+    out["specials_bf16(32,64)"] = v.view(torch.bfloat16)
     return out
 
 
@@ -127,7 +139,33 @@ def kernel_pairs() -> list[tuple[str, Callable, Callable]]:
         finally:
             reg["max_k"] = old
 
+    def nv_row_cfg(dequant, **cfg):  # the per-token kernel with launch settings / a kernel choice forced
+        def run(x):
+            pairs = k.CONFIG["nvfp4_pairs"]
+            old = dict(pairs)
+            pairs.update(cfg)
+            try:
+                return _nv(*k.nvfp4_quantize(x, "row", dequant_dtype=dequant))
+            finally:
+                pairs.clear()
+                pairs.update(old)
+        return run
+
+    def nv_row_ref(dequant):
+        def ref(x):
+            q = quantize_nvfp4(x, scale_scope="row")
+            return _nv(q, None if dequant is None else q.dequantize(dequant))
+        return ref
+
+    bf16 = torch.bfloat16
     return [
+        # bf16 rows take nvfp4_rows_pairs_kernel (other dtypes the kernel below it): both, and RS = 2 (two rows
+        # per program, the second one's load early; odd row counts exercise its masks)
+        ("nvfp4 row pairs", nv_row_cfg(None), nv_row_ref(None)),
+        ("nvfp4 row pairs +bf16 deq", nv_row_cfg(bf16), nv_row_ref(bf16)),
+        ("nvfp4 row pairs RS=2 +bf16 deq", nv_row_cfg(bf16, RS_dq=2, el_per_thread_dq=32), nv_row_ref(bf16)),
+        ("nvfp4 row pairs RS=2", nv_row_cfg(None, RS=2, el_per_thread=16), nv_row_ref(None)),
+        ("nvfp4 row pairs off +bf16 deq", nv_row_cfg(bf16, enabled=False), nv_row_ref(bf16)),
         ("mxfp8 row+col+deq+swizzle", _mx_both, _mx_both_ref),
         ("mxfp8 row+col, col deq only", mx_col_deq_only, mx_col_deq_only_ref),
         ("mxfp8 row+col fp32 deq", lambda x: _mx_both(x, torch.float32), lambda x: _mx_both_ref(x, torch.float32)),
@@ -211,21 +249,34 @@ def check_encoders(device: str) -> list[str]:
     n = x.numel()
     codes = torch.arange(n, dtype=torch.int32) % 256
     xd, cd = x.to(device), codes.to(device)
-    e4, e2, bf = (torch.empty(n, dtype=torch.int32, device=device) for _ in range(3))
-    v4, v2 = (torch.empty(n, dtype=torch.float32, device=device) for _ in range(2))
+    e4, e2, bf, e2p, bfp = (torch.empty(n, dtype=torch.int32, device=device) for _ in range(5))
+    v4, v2, r2p = (torch.empty(n, dtype=torch.float32, device=device) for _ in range(3))
     mod = k._module(xd)
     block = 1024
-    mod.encoders_kernel[(-(-n // block),)](xd, cd, e4, e2, bf, v4, v2, n, BLOCK=block)
-    e4, e2, bf, v4, v2 = (t.cpu() for t in (e4, e2, bf, v4, v2))
+    mod.encoders_kernel[(-(-n // block),)](xd, cd, e4, e2, bf, v4, v2, e2p, r2p, bfp, n, BLOCK=block)
+    e4, e2, bf, v4, v2, e2p, r2p, bfp = (t.cpu() for t in (e4, e2, bf, v4, v2, e2p, r2p, bfp))
     bad = []
-    for v, c4, c2, b in zip(x.tolist(), e4.tolist(), e2.tolist(), bf.tolist(), strict=True):
+
+    def bf16_bad(v: float, b: int) -> bool:
+        want = torch.tensor([v]).bfloat16().view(torch.int16).item() & 0xFFFF
+        return (b != want) if not math.isnan(v) else ((b & 0x7FFF) <= 0x7F80)
+
+    for v, c4, c2, b, cp, rp, bp in zip(x.tolist(), e4.tolist(), e2.tolist(), bf.tolist(), e2p.tolist(),
+                                        r2p.tolist(), bfp.tolist(), strict=True):
         if c4 != bits.e4m3_encode_exact(v):
             bad.append(f"e4m3({v!r}) = {c4:#x}, want {bits.e4m3_encode_exact(v):#x}")
-        if c2 != bits.e2m1_encode_exact(v):
-            bad.append(f"e2m1({v!r}) = {c2:#x}, want {bits.e2m1_encode_exact(v):#x}")
-        want = torch.tensor([v]).bfloat16().view(torch.int16).item() & 0xFFFF
-        if (b != want) if not math.isnan(v) else ((b & 0x7FFF) <= 0x7F80):
-            bad.append(f"bf16({v!r}) = {b:#06x}, want {want:#06x}")
+        w2 = bits.e2m1_encode_exact(v)
+        if c2 != w2:
+            bad.append(f"e2m1({v!r}) = {c2:#x}, want {w2:#x}")
+        if cp != w2:
+            bad.append(f"e2m1 pair code({v!r}) = {cp:#x}, want {w2:#x}")
+        wv = bits.E2M1_VALUES[w2]
+        if not (rp == wv and math.copysign(1, rp) == math.copysign(1, wv)):
+            bad.append(f"e2m1 pair value({v!r}) = {rp!r}, want {wv!r}")
+        if bf16_bad(v, b):
+            bad.append(f"bf16({v!r}) = {b:#06x}")
+        if bf16_bad(v, bp & 0xFFFF) or bf16_bad(-v, (bp >> 16) & 0xFFFF):
+            bad.append(f"bf16x2({v!r}, {-v!r}) = {bp & 0xFFFFFFFF:#010x}")
     for c, a4, a2 in zip(codes.tolist(), v4.tolist(), v2.tolist(), strict=True):
         w4 = bits.e4m3_value(c)
         same4 = (math.isnan(w4) and math.isnan(a4)) or (a4 == w4 and math.copysign(1, a4) == math.copysign(1, w4))

@@ -1,0 +1,154 @@
+"""Offline SASS of the codec kernels for sm_90 (H100 / H200), no GPU needed: instructions per element.
+
+``python -m miles_lp.formats.kernels.sass [--kernel NAME ...] [--dump DIR]`` compiles each kernel of
+``_triton.py`` at the launch shape ``kernels`` uses for a [16384, 8192] bf16 input (``CONFIG``) through
+Triton's own compiler and ``ptxas`` for ``GPUTarget("cuda", 90, 32)``, disassembles the cubin with the
+``cuobjdump`` that Triton's wheel ships, and prints the static instruction count per program divided by the
+elements one program handles, with the opcode histogram.
+
+Why static counts are the measure here: every kernel below is straight-line code for one tile (no loop:
+``K_ITERS == 1`` for the per-token kernel at K <= 16384), so the static count IS the dynamic count per
+program (bar the few branches around the global-scale stores). With the H200's ~33 T thread-instructions
+per second (132 SMs x 4 schedulers x 32 lanes x ~1.98 GHz) and its ~4.1 TB/s copy, a kernel that moves
+B bytes per element at a fraction f of copy has about 33e12 / (4.1e12 * f / B) instructions per element to
+spend: NVFP4 per-token (B = 2 + 0.5 + 1/16 = 2.56) at f = 0.80 -> ~26; MXFP8 row + col (B = 4.06) at
+f = 0.85 -> ~38 (METHOD.md: operations over rate vs bytes over bandwidth). These are issue slots for
+the whole thread, not a prediction of time: memory latency and occupancy decide how much of the two overlap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+SM90 = ("cuda", 90, 32)
+_INSN = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)(\.[A-Z0-9_.]+)?")
+
+
+def _bin(tool: str) -> str:
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{tool} not found in Triton's wheel ({path}); install a Triton wheel for CUDA")
+    return path
+
+
+def _module():
+    """``_triton.py`` compiled (not interpreted): the same loader the entry points use, forced to CUDA mode."""
+    from miles_lp.formats import kernels
+
+    return kernels._load(False)
+
+
+def compile_kernel(name: str, signature: dict, constexprs: dict, num_warps: int):
+    """Triton's ``CompiledKernel`` of ``_triton.<name>`` for sm_90, specialized as a launch at the bench shape
+    is: pointers 16-byte aligned (fresh allocations) and every int a multiple of 16 (``tt.divisibility``)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(_module(), name)
+    params = fn.arg_names
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if signature.get(p, "constexpr") != "constexpr"}
+    sig = {p: signature.get(p, "constexpr") for p in params}
+    src = ASTSource(fn, sig, constexprs, attrs)
+    return triton.compile(src, target=GPUTarget(*SM90), options={"num_warps": num_warps})
+
+
+def _cuobjdump(ck, flag: str) -> str:
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(ck.asm["cubin"])
+        return subprocess.run([_bin("cuobjdump"), flag, path], capture_output=True, text=True, check=True).stdout
+
+
+def sass_lines(ck) -> list[str]:
+    return [ln for ln in _cuobjdump(ck, "-sass").splitlines() if _INSN.match(ln)]
+
+
+def resources(ck) -> dict:
+    """Registers per thread, stack (spills land there), shared memory: ``cuobjdump -res-usage``."""
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", _cuobjdump(ck, "-res-usage"))
+    return {"registers": int(m.group(1)), "stack": int(m.group(2)), "shared": int(m.group(3))} if m else {}
+
+
+def histogram(lines: list[str]) -> collections.Counter:
+    c: collections.Counter = collections.Counter()
+    for ln in lines:
+        m = _INSN.match(ln)
+        if m and m.group(2) not in ("NOP",):
+            c[m.group(2)] += 1
+    return c
+
+
+# The launch shapes of a [16384, 8192] bf16 input (kernels.CONFIG / the entry points' choices).
+def cases(k: int = 8192) -> dict[str, tuple]:
+    from miles_lp.formats import kernels
+
+    cfg = kernels.CONFIG
+    reg = cfg["nvfp4_rows_reg"]
+    nb = kernels.triton_next_pow2(k // 16)
+    out = {}
+    for tag, ok, ept in (("nvfp4_rows", 0, reg["el_per_thread"]), ("nvfp4_rows_qdq", 2, reg["el_per_thread_dq"])):
+        warps = max(1, min(16, nb * 16 // (32 * ept)))
+        out[tag] = ("nvfp4_quantize_rows_kernel",
+                    {"x_ptr": "*i16", "M": "i32", "K": "i32", "amax_ptr": "*fp32", "q_ptr": "*u8", "s_ptr": "*u8",
+                     "gs_ptr": "*fp32", "d_ptr": "*i16" if ok else "*u8"},
+                    {"IN_KIND": 1, "OUT_KIND": ok, "ROWS": 1, "NB": nb, "K_ITERS": 1}, warps, nb * 16)
+    mx_sig = {"x_ptr": "*i16", "R": "i32", "K": "i32", "M": "i32", **{p: "*u8" for p in (
+        "qr_ptr", "sr_ptr", "dr_ptr", "wr_ptr", "qc_ptr", "sc_ptr", "dc_ptr", "wc_ptr")}}
+    for tag, row, col, key in (("mxfp8_row", 1, 0, "mxfp8"), ("mxfp8_both", 1, 1, "mxfp8_both")):
+        c = cfg[key]
+        out[tag] = ("mxfp8_quantize_kernel", mx_sig,
+                    {"IN_KIND": 1, "ROW": row, "COL": col, "OUT_KIND": 0, "DQ_ROW": 0, "DQ_COL": 0, "SWZ": 0,
+                     "BMB": c["BMB"], "NB": c["NB"]}, c["num_warps"], c["BMB"] * 32 * c["NB"] * 32)
+    c = cfg["nvfp4"]
+    out["nvfp4_tensor"] = ("nvfp4_quantize_kernel",
+                           {"x_ptr": "*i16", "M": "i32", "K": "i32", "amax_ptr": "*fp32", "q_ptr": "*u8",
+                            "s_ptr": "*u8", "gs_ptr": "*fp32", "d_ptr": "*u8"},
+                           {"IN_KIND": 1, "SCOPE": 0, "OUT_KIND": 0, "TA": c["TA"], "TB": 1, "NB": c["NB"]},
+                           c["num_warps"], c["TA"] * c["NB"] * 16)
+    return out
+
+
+def report(names: list[str] | None = None, dump: str | None = None, out=sys.stdout) -> dict:
+    res = {}
+    for tag, (name, sig, consts, warps, elems) in cases().items():
+        if names and tag not in names:
+            continue
+        ck = compile_kernel(name, sig, consts, warps)
+        lines = sass_lines(ck)
+        hist = histogram(lines)
+        total = sum(hist.values())
+        per_el = total / (elems / (32 * warps))
+        rs = resources(ck)
+        res[tag] = {"instructions": total, "elements_per_thread": elems / (32 * warps), "per_element": per_el,
+                    "num_warps": warps, **rs, "histogram": dict(hist.most_common())}
+        top = ", ".join(f"{op} {n}" for op, n in hist.most_common(14))
+        print(f"{tag:16s} {name} warps={warps} elements/thread={elems // (32 * warps)} SASS={total} "
+              f"-> {per_el:.1f} per element; regs {rs.get('registers')} stack {rs.get('stack')}; {top}", file=out)
+        if dump:
+            os.makedirs(dump, exist_ok=True)
+            with open(os.path.join(dump, f"{tag}.sass"), "w") as f:
+                f.write("\n".join(lines) + "\n")
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kernel", action="append", help="one of " + ", ".join(cases()))
+    p.add_argument("--dump", help="write each kernel's SASS to DIR/<kernel>.sass")
+    a = p.parse_args(argv)
+    report(a.kernel, a.dump)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
