@@ -201,7 +201,7 @@ def op_counts(ws, learner, device) -> dict:
                 if e.name.startswith("stage:") and e.device_type.name == "CPU":
                     per_stage[e.name[6:]] = per_stage.get(e.name[6:], 0.0) + e.device_time_total / 1e6
             out["stage_kernel_seconds"] = dict(sorted(per_stage.items()))
-            kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+            kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and not e.name.startswith("stage:")]
             out["cuda_kernels"] = len(kernels)
             out["cuda_kernel_seconds"] = sum(e.device_time_total for e in kernels) / 1e6
             by_name: dict[str, list[float]] = {}
@@ -280,6 +280,20 @@ def bench_format(hf, fmt: str, workdir, device, args, log) -> dict:
         if i:
             reports.append((wall, r))
     prof = op_counts(ws, learner, device) if getattr(args, "profile", False) else None
+    # the same syncs with every check off (the ledger and buckets still run): sync - this = what the checks cost
+    bare = WeightSync(engine, plan, "sglang", cfg.with_modes(all="off"), transport=InProcessTransport(device), env={},
+                      device=device, log=lambda s: None)
+    bare_walls = []
+    for i in range(args.iters + 1):
+        _perturb(learner, seed=2000 + i)
+        _sync_device(device)
+        t0 = time.perf_counter()
+        bare.sync(learner)
+        _sync_device(device)
+        if i:
+            bare_walls.append(time.perf_counter() - t0)
+    bare_s = statistics.median(bare_walls)
+    del bare
     bad = [v.describe() for _, r in reports for v in r.failed]
     walls = [w for w, _ in reports]
     sync_s = statistics.median(walls)
@@ -306,7 +320,9 @@ def bench_format(hf, fmt: str, workdir, device, args, log) -> dict:
             "tensorwise_copy_seconds": piece_s,
             "ratio_tensorwise": sync_s / piece_s if piece_s > 0 else math.inf,
             "check_seconds": checks, "check_share": checks / sync_s, "stages": stage, "per_check": per_check,
-            "c2": c2, "failed_checks": bad, "syncs": len(walls), "profile": prof, "floor": floor}
+            "c2": c2, "failed_checks": bad, "syncs": len(walls), "profile": prof, "floor": floor,
+            "sync_checks_off_seconds": bare_s, "ratio_checks_off": bare_s / copy_s if copy_s > 0 else math.inf,
+            "ratio_tensorwise_checks_off": bare_s / piece_s if piece_s > 0 else math.inf}
 
 
 def run(args) -> int:
@@ -374,6 +390,10 @@ def _run(args, device, torch) -> int:
                                                                    for k, v in p["stage_kernel_seconds"].items()))
             for k in p.get("top_kernels", [])[:10]:
                 print(f"      {k['seconds'] * 1e3:8.3f} ms {k['count']:5d}x  {k['name']}")
+    for r in results:
+        print(f"  {r['format']}: with every check off {r['sync_checks_off_seconds']:.4f} s = "
+              f"{r['ratio_checks_off']:.1f}x the flat copy, {r['ratio_tensorwise_checks_off']:.1f}x the tensor copy; "
+              f"checks on - off = {r['sync_seconds'] - r['sync_checks_off_seconds']:.4f} s")
     print("byte floor (the bytes each stage must read + write, at the flat copy's bandwidth) vs measured:")
     for r in results:
         f = r.get("floor")

@@ -186,18 +186,34 @@ def group_fingerprints(groups: dict[str, list[torch.Tensor]]) -> dict[str, str]:
         ts: list[torch.Tensor] = []
         slots: list[int] = []
         mults: list[int] = []
+        heads: list[str] = []
         for i, g in enumerate(gids):
             members = groups[g]
+            k = len(members)
             ts.extend(members)
-            slots.extend([i] * len(members))
-            mults.extend(_WEIGHTS[:len(members)] if len(members) <= len(_WEIGHTS)
-                         else [member_weight(k) for k in range(len(members))])
+            slots.extend([i] * k)
+            mults.extend(_WEIGHTS[:k] if k <= len(_WEIGHTS) else [member_weight(j) for j in range(k)])
+            heads.append(_head(members))
         sums = _values(ts, slots, mults, len(gids)).cpu().tolist()
-        for g, v in zip(gids, sums, strict=True):
-            members = groups[g]
-            sig = zlib.crc32(repr([(t.dtype, t.shape) for t in members]).encode())  # same text in any process
-            out[g] = f"{len(members)}x{sum(t.nbytes for t in members)}/{sig:08x}:{v & _MASK:016x}"
+        out.update({g: f"{h}:{v & _MASK:016x}" for g, h, v in zip(gids, heads, sums, strict=True)})
     return out
+
+
+_HEADS: dict[tuple, str] = {}
+
+
+def _head(members: list[torch.Tensor]) -> str:
+    """``<count>x<bytes>/<signature>`` of a group's members (their dtypes and shapes: the same text in any
+    process), cached by the (dtype, shape) list: a group's layout repeats every sync."""
+    key = tuple([(t.dtype, t.shape) for t in members])
+    h = _HEADS.get(key)
+    if h is None:
+        sig = zlib.crc32(repr([(t.dtype, t.shape) for t in members]).encode())
+        h = f"{len(members)}x{sum(t.nbytes for t in members)}/{sig:08x}"
+        if len(_HEADS) > 100_000:
+            _HEADS.clear()
+        _HEADS[key] = h
+    return h
 
 
 _WEIGHTS = [member_weight(k) for k in range(4096)]

@@ -88,9 +88,10 @@ def _module(interpret: bool):
     return mod
 
 
-def _tables(raws: Sequence[torch.Tensor], ptrs: tuple[int, ...], sizes: tuple[int, ...], slots: Sequence[int],
-            mults: Sequence[int], device: torch.device):
-    """The launch tables for these tensors (cached by addresses, sizes, slots and multipliers)."""
+def _tables(ptrs: tuple[int, ...], sizes: tuple[int, ...], slots: Sequence[int], mults: Sequence[int],
+            device: torch.device):
+    """The launch tables for tensors at these addresses and sizes (cached by them, the slots and multipliers):
+    ``(meta, [(start word, ntensors, nblocks, aligned, base tensor index)])``."""
     import numpy as np
 
     key = (str(device), ptrs, sizes, tuple(slots), tuple(mults))
@@ -106,7 +107,8 @@ def _tables(raws: Sequence[torch.Tensor], ptrs: tuple[int, ...], sizes: tuple[in
         idx = np.nonzero(aligned == cls)[0]
         if not idx.size:
             continue
-        base = int(idx[0])  # offsets are from this tensor's address (the key holds every address)
+        nonempty = idx[n[idx] > 0]
+        base = int(nonempty[0] if nonempty.size else idx[0])  # offsets are from this tensor's address
         off = (p[idx] - p[base]).astype(np.int64)  # wraps to the signed difference
         rows = np.maximum(1, -(-n[idx] // ROW_BYTES))
         nblk = -(-rows // ROWS)
@@ -131,21 +133,24 @@ def segment_values(tensors: Sequence[torch.Tensor], slots: Sequence[int], mults:
                    wcol: torch.Tensor, *, interpret: bool | None = None) -> torch.Tensor:
     """``out[slots[i]] += mults[i] * value(tensors[i])`` (int64, wrapping) for tensors on one device, where
     ``value`` is ``digest._segment_sums([[t]])`` of the tensor's bytes; ``out`` is int64 ``[nslots]`` on that
-    device, computed without a host synchronisation. ``wcol``: the digest's int32 column weights there."""
+    device, computed without a host synchronisation. ``wcol``: the digest's int32 column weights there.
+
+    Host work per tensor: its address, size and contiguity (a non-contiguous tensor is copied first); the
+    tables come from the cache when the layout repeats."""
     if not tensors:
-        dev = wcol.device
-        return torch.zeros(nslots, dtype=torch.int64, device=dev)
-    raws = [(t if t.is_contiguous() else t.contiguous()).reshape(-1).view(torch.uint8) for t in tensors]
-    dev = raws[0].device
+        return torch.zeros(nslots, dtype=torch.int64, device=wcol.device)
+    ts = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    dev = ts[0].device
     if interpret is None:
         interpret = dev.type != "cuda"
     mod = _module(interpret)
-    ptrs = tuple(r.data_ptr() for r in raws)
-    sizes = tuple(r.numel() for r in raws)
-    meta, launches = _tables(raws, ptrs, sizes, slots, mults, dev)
+    ptrs = tuple([t.data_ptr() for t in ts])
+    sizes = tuple([t.nbytes for t in ts])
+    meta, launches = _tables(ptrs, sizes, slots, mults, dev)
     out = torch.zeros(nslots, dtype=torch.int64, device=dev)
     for start, nt, nblocks, aligned, base in launches:
-        mod.fingerprint_kernel[(nblocks,)](raws[base], meta[start:], nt, wcol, out, ROWS=ROWS, ALIGNED=aligned,
+        b = ts[base].reshape(-1).view(torch.uint8)  # the kernel's byte pointer (offsets are from its address)
+        mod.fingerprint_kernel[(nblocks,)](b, meta[start:], nt, wcol, out, ROWS=ROWS, ALIGNED=aligned,
                                            SUM64=interpret, num_warps=NUM_WARPS)
     return out
 

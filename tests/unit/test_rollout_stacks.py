@@ -129,23 +129,28 @@ def test_stacks_on_cuda_derive_the_bytes_of_one_pass_per_layer():
 
 
 @pytest.mark.gpu
-def test_cuda_derivation_through_the_dequantize_kernels_equals_the_cpu_codecs():
-    """On CUDA the operands are rebuilt by miles_lp.formats.kernels (layers._dequantize); on CPU by the codecs'
-    torch code: the same bytes, every layer (MXFP8 dense, NVFP4 experts, stacked and single)."""
-    ckpt = tiny_checkpoint("qwen3_moe", RECIPE)
-    cpu, gpu = ReferenceEngine(ckpt, device="cpu"), ReferenceEngine(ckpt, device="cuda")
-    update = _moved(cpu, 7)
-    for e in (cpu, gpu):
-        e.begin_weight_update()
-        e.update_weights([(n, t.to(e.device)) for n, t in update])
-        e.finish_weight_update()
+def test_cuda_derivation_through_the_dequantize_kernels_equals_the_torch_codecs(monkeypatch):
+    """On CUDA the operands are rebuilt by miles_lp.formats.kernels (layers._dequantize); with
+    MILES_LP_KERNELS=reference by the codecs' torch code on the same device: the same bytes, every layer (MXFP8
+    dense, NVFP4 experts, stacked and single)."""
     from miles_lp.rollout.layers import engine_linears
 
-    pairs = list(zip(engine_linears(cpu.model), engine_linears(gpu.model), strict=True))
+    ckpt = tiny_checkpoint("qwen3_moe", RECIPE)
+    update = _moved(ReferenceEngine(ckpt, device="cpu"), 7)
+    engines = []
+    for mode in ("auto", "reference"):
+        monkeypatch.setenv("MILES_LP_KERNELS", mode)
+        e = ReferenceEngine(ckpt, device="cuda")
+        e.begin_weight_update()
+        e.update_weights([(n, t.cuda()) for n, t in update])
+        e.finish_weight_update()
+        engines.append(e)
+    pairs = list(zip(engine_linears(engines[0].model), engine_linears(engines[1].model), strict=True))
     assert any(m.kernel_format is not None and m.kernel_format.quantized for (_, m), _ in pairs)
     for (name, a), (_, b) in pairs:
+        assert set(a.derived()) == set(b.derived())
         for k, t in a.derived().items():
-            assert torch.equal(_bytes(t), _bytes(b.derived()[k]).cpu()), (name, k)
+            assert torch.equal(_bytes(t), _bytes(b.derived()[k])), (name, k)
 
 
 def test_a_bucket_staged_in_the_same_buffer_replays_its_copy_plan_with_the_same_bytes():

@@ -361,3 +361,29 @@ def test_an_engine_without_live_formats_skips_c1_with_the_reason_and_still_valid
     with pytest.raises(SyncCheckError, match="refused before any byte"):
         ws.sync(_BadLearner(Learner(), "model.norm.weight"))
     assert engine.writes == writes
+
+
+def test_a_repeated_layout_reuses_its_host_work_and_a_changed_one_is_validated_again():
+    """WeightSync._layout: the buckets' slots, C2 groups and the C5 validation verdict are reused while the export's
+    layout repeats (byte identity every sync); an export that differs in a dtype is validated again and refused."""
+    engine, ws, _ = _sync()
+    learner = Learner()
+    ws.initial_sync(learner)
+    r2 = ws.sync(learner)
+    lay = ws._layout_cache
+    learner.w = {n: t + 0.25 for n, t in learner.w.items()}  # new bytes, same layout
+    r3 = ws.sync(learner)
+    assert r2.ok and r3.ok and ws._layout_cache is lay and lay.validation is not None
+    for it in engine_items(learner.export_weights(), "sglang"):
+        assert torch.equal(engine.t[it.name].reshape(-1).view(torch.uint8), it.tensor.reshape(-1).view(torch.uint8))
+
+    class Float32Norm(Learner):
+        def export_weights(self):
+            for n, t in super().export_weights():
+                yield n, (t.float() if n == "model.norm.weight" else t)
+
+    bad = Float32Norm()
+    bad.w = learner.w
+    with pytest.raises(SyncCheckError, match="model.norm.weight.*float32"):
+        ws.sync(bad)
+    assert ws._layout_cache is not lay
