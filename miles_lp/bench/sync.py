@@ -211,6 +211,18 @@ def op_counts(ws, learner, device) -> dict:
                 c[1] += e.device_time_total / 1e6
             out["top_kernels"] = [{"name": k, "count": c, "seconds": t}
                                   for k, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:15]]
+        import cProfile
+        import pstats
+
+        _perturb(learner, seed=1002)  # the host side: one sync under cProfile, the functions with most own time
+        pr = cProfile.Profile()
+        pr.enable()
+        ws.sync(learner)
+        pr.disable()
+        st = pstats.Stats(pr)
+        top = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:20]
+        out["host_top"] = [{"function": f"{fn[0].rsplit('/', 2)[-1]}:{fn[1]}({fn[2]})", "calls": v[1],
+                            "own_seconds": v[2], "cumulative_seconds": v[3]} for fn, v in top]
     except Exception as exc:  # a profiler that does not run here: say so, keep the timings
         out["error"] = f"{type(exc).__name__}: {exc}"
     finally:
@@ -390,6 +402,10 @@ def _run(args, device, torch) -> int:
                                                                    for k, v in p["stage_kernel_seconds"].items()))
             for k in p.get("top_kernels", [])[:10]:
                 print(f"      {k['seconds'] * 1e3:8.3f} ms {k['count']:5d}x  {k['name']}")
+            if p.get("host_top"):
+                print("    host (one sync under cProfile; own time, calls, function):")
+            for h in p.get("host_top", [])[:12]:
+                print(f"      {h['own_seconds'] * 1e3:8.3f} ms {h['calls']:6d}  {h['function']}")
     for r in results:
         print(f"  {r['format']}: with every check off {r['sync_checks_off_seconds']:.4f} s = "
               f"{r['ratio_checks_off']:.1f}x the flat copy, {r['ratio_tensorwise_checks_off']:.1f}x the tensor copy; "
