@@ -7,12 +7,15 @@
 #   sweep chose), bench_quantize.txt, bench_quantize.json, bench_linear.txt, bench_linear.json,
 #   profile_linear.txt (--profile). The full run (no --quick) with --profile writes 10: drop one of them.
 # 2026-12-01b: `--quick --linear --graph --profile` (8 files) per round, results in
-#   docs/results/h200-2026-12-01b/kernels/.
+#   docs/results/h200-2026-12-01b/kernels/; 2026-12-01c: `--quick --sweep --linear --graph --profile`
+#   (docs/results/h200-2026-12-01c/kernels/).
 # Usage (from a clean export of one commit, so the table names the tree it ran on):
 #   MILES_LP_COMMIT=<sha> bash scripts/h200_kernels.sh [--no-sweep] [--no-linear] [--tests-only] [--quick]
 #     [--no-tests] [--linear] [--profile] [--graph]
 # --quick: the kernels' own GPU tests, one selfcheck, bench quantize without sweep or torch.compile rows.
 # --no-tests: skip pytest -m gpu (selfcheck still runs); --linear: bench linear even with --quick;
+# --sweep: with --quick, still sweep the launch shapes (no torch.compile rows) and selfcheck the chosen ones
+#   (that log in session.log only, to stay within 8 files);
 # --profile: also `bench linear --profile` (host vs device time, kernels per call) -> profile_linear.txt
 #   (shapes: $PROFILE_SHAPES, default small,large); --graph: bench linear also replays each mode as CUDA graphs.
 # PYTEST_FILES="a.py b.py" replaces the pytest -m gpu file list.
@@ -21,12 +24,13 @@ set -uo pipefail
 out="${OUT:-h200_logs}"; mkdir -p "$out"
 exec > >(tee "$out/session.log") 2>&1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-sweep=--sweep; linear=1; bench=1; quick=0; tests=1; prof=0; force_linear=0; graph=
+sweep=--sweep; linear=1; bench=1; quick=0; tests=1; prof=0; force_linear=0; graph=; force_sweep=0
 for a in "$@"; do
   case $a in
     --no-sweep) sweep= ;; --no-linear) linear=0 ;; --tests-only) bench=0; linear=0 ;;
     --quick) quick=1; sweep=--no-compile; linear=0 ;;
     --no-tests) tests=0 ;; --linear) force_linear=1 ;; --profile) prof=1 ;; --graph) graph=--graph ;;
+    --sweep) force_sweep=1 ;;
     *) echo "unknown option $a"; exit 2 ;;
   esac
 done
@@ -50,6 +54,7 @@ step() {  # step NAME LOGFILE CMD...: run (at most $STEP_TIMEOUT s), tee to $out
   [ "$rc" -eq 0 ] || failed+=("$name")
 }
 [ "$force_linear" = 1 ] && linear=1
+[ "$force_sweep" = 1 ] && sweep="--sweep --no-compile"
 files=(tests/unit/test_formats_kernels_gpu.py)
 [ "$quick" = 1 ] || files+=(tests/unit/test_formats_gpu.py tests/unit/test_formats_nvfp4.py tests/unit/test_train_quant_linear.py)
 [ -n "${PYTEST_FILES:-}" ] && read -r -a files <<< "$PYTEST_FILES"
@@ -60,7 +65,9 @@ step selfcheck selfcheck.jsonl python3 -m miles_lp.formats.kernels.selfcheck --d
 if [ "$bench" = 1 ]; then
   step bench_quantize bench_quantize.txt python3 -m miles_lp.cli bench quantize --device cuda --rows 16384 \
     --cols 8192 $sweep --json "$out/bench_quantize.json"
-  [ "$quick" = 1 ] || step selfcheck_swept selfcheck_swept.jsonl python3 -m miles_lp.formats.kernels.selfcheck \
+  # the byte identity of the launch shapes the sweep chose (its log lands in session.log only with --quick)
+  [ "$quick" = 1 ] && [ "$force_sweep" = 0 ] || step selfcheck_swept \
+    "$([ "$quick" = 1 ] && echo /dev/null || echo selfcheck_swept.jsonl)" python3 -m miles_lp.formats.kernels.selfcheck \
     --device cuda --config "$out/bench_quantize.json" --no-encoders
 fi
 if [ "$linear" = 1 ]; then

@@ -40,11 +40,20 @@ __all__ = ["exact_division_available", "mxfp8_dequantize", "mxfp8_qdq", "mxfp8_q
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
+_K: list = []  # miles_lp.formats.kernels, imported on first use (a function-level import costs per call)
+
+
+def _kernels():
+    if not _K:
+        from miles_lp.formats import kernels
+
+        _K.append(kernels)
+    return _K[0]
+
+
 def uses_kernels(x: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
     """Whether a call on ``x`` (output ``dtype``) runs the Triton kernels (else the compiled graphs)."""
-    from miles_lp.formats import kernels
-
-    return (dtype is None or dtype in _KERNEL_DTYPES) and kernels.enabled(x)
+    return (dtype is None or dtype in _KERNEL_DTYPES) and _kernels().enabled(x)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -110,8 +119,7 @@ def mxfp8_qdq(x: torch.Tensor, axis: int, dtype: torch.dtype) -> tuple[MXFP8Tens
     validate through the reference quantizers' messages first (see ``quant_linear._check_mxfp8``).
     """
     if uses_kernels(x, dtype):
-        from miles_lp.formats import kernels
-
+        kernels = _kernels()
         r = kernels.mxfp8_quantize(x, rowwise=axis == -1, colwise=axis == -2, dequant_dtype=dtype)
         return (r.row, r.row_deq) if axis == -1 else (r.col, r.col_deq)
     fn = _compiled(_mxfp8_qdq_row if axis == -1 else _mxfp8_qdq_col)
@@ -123,8 +131,7 @@ def mxfp8_qdq_both(x: torch.Tensor, dtype: torch.dtype, dequant: tuple[str, ...]
     """``(row, row_deq, col, col_deq)``: both MXFP8 grids of ``x`` [..., M, K] (M, K multiples of 32) and
     the decodes named in ``dequant`` (else None). One kernel launch on CUDA; two compiled passes elsewhere."""
     if uses_kernels(x, dtype):
-        from miles_lp.formats import kernels
-
+        kernels = _kernels()
         r = kernels.mxfp8_quantize(x, rowwise=True, colwise=True, dequant_dtype=dtype, dequant=dequant)
         return r.row, r.row_deq, r.col, r.col_deq
     row, row_deq = mxfp8_qdq(x, -1, dtype)
@@ -135,8 +142,7 @@ def mxfp8_qdq_both(x: torch.Tensor, dtype: torch.dtype, dequant: tuple[str, ...]
 def mxfp8_dequantize(q: MXFP8Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``q.dequantize(dtype)``: one kernel launch on CUDA, compiled elsewhere."""
     if uses_kernels(q.data, dtype):
-        from miles_lp.formats import kernels
-
+        kernels = _kernels()
         return kernels.mxfp8_dequantize(q, dtype)
     fn = _compiled(_mxfp8_dq_row if q.axis == -1 else _mxfp8_dq_col)
     return fn(q.data, q.scale, dtype)
@@ -153,8 +159,7 @@ def nvfp4_qdq(x: torch.Tensor, scope: str, dtype: torch.dtype, *, amax: torch.Te
     if amax is not None:
         amax = broadcast_nvfp4_amax(amax, x, scope)
     if uses_kernels(x, dtype):
-        from miles_lp.formats import kernels
-
+        kernels = _kernels()
         return kernels.nvfp4_quantize(x, scope, amax=amax, block_2d=block_2d, dequant_dtype=dtype)
     data, scale, gs, amax_g, deq = _compiled(_nvfp4_qdq)(x, amax, scope, block_2d, dtype)
     q = NVFP4Tensor(data=data, scale=scale, global_scale=gs, amax=amax_g, logical_shape=tuple(x.shape),
@@ -165,8 +170,7 @@ def nvfp4_qdq(x: torch.Tensor, scope: str, dtype: torch.dtype, *, amax: torch.Te
 def nvfp4_dequantize(q, dtype: torch.dtype) -> torch.Tensor:
     """``q.dequantize(dtype)`` for an ``NVFP4Tensor``: one kernel launch on CUDA, compiled elsewhere."""
     if uses_kernels(q.data, dtype):
-        from miles_lp.formats import kernels
-
+        kernels = _kernels()
         return kernels.nvfp4_dequantize(q, dtype)
     return _compiled(_nvfp4_dq)(q.data, q.scale, q.global_scale, dtype)
 

@@ -52,6 +52,20 @@ from miles_lp.train.operands import (
 )
 from miles_lp.train.recipe import LinearRecipe
 
+_FIELDS: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+
+
+def _fields(q: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(tensor field names, other init field names) of a quantized-tensor dataclass, once per class (which
+    fields hold tensors is fixed per class: MXFP8Tensor, NVFP4Tensor)."""
+    cls = type(q)
+    got = _FIELDS.get(cls)
+    if got is None:
+        fs = [f.name for f in dataclasses.fields(q) if f.init]
+        got = _FIELDS[cls] = (tuple(n for n in fs if isinstance(getattr(q, n), torch.Tensor)),
+                              tuple(n for n in fs if not isinstance(getattr(q, n), torch.Tensor)))
+    return got
+
 
 class _Packed:
     """The static part of a quantized-tensor dataclass; its tensor fields travel via save_for_backward."""
@@ -60,16 +74,8 @@ class _Packed:
 
     def __init__(self, q: Any):
         self.cls = type(q)
-        self.static: dict[str, Any] = {}
-        self.names: list[str] = []
-        for f in dataclasses.fields(q):
-            if not f.init:
-                continue
-            v = getattr(q, f.name)
-            if isinstance(v, torch.Tensor):
-                self.names.append(f.name)
-            else:
-                self.static[f.name] = v
+        self.names, static = _fields(q)
+        self.static: dict[str, Any] = {n: getattr(q, n) for n in static}
 
     def tensors(self, q: Any) -> list[torch.Tensor]:
         return [getattr(q, n) for n in self.names]
@@ -125,7 +131,8 @@ class QuantLinearFn(torch.autograd.Function):
         del x_deq, w_deq
         if bias is not None:
             y = y + bias.to(y.dtype)
-        y = y.to(x.dtype)
+        if y.dtype != x.dtype:  # (a no-op .to() still costs a dispatch on the hot path)
+            y = y.to(x.dtype)
 
         ctx.recipe, ctx.op, ctx.x_dtype, ctx.w_dtype = recipe, op, x.dtype, weight.dtype
         ctx.has_bias, ctx.compiled = bias is not None, compiled
@@ -157,20 +164,19 @@ class QuantLinearFn(torch.autograd.Function):
         dx = dw = db = None
         if mode is BackwardMode.HIGH_PRECISION:
             x, weight = saved
-            g = dy.to(op)
+            g = _as_dtype(dy, op)
             if need_x:
-                dx = g @ weight.to(op)
+                dx = torch.mm(g, _as_dtype(weight, op))
             if need_w:
-                dw = g.t() @ x.to(op)
+                dw = torch.mm(g.t(), _as_dtype(x, op))
         elif mode is BackwardMode.DEQUANTIZED:
             nx = len(ctx.xp.names)
-            xq, wq = ctx.xp.rebuild(saved[:nx]), ctx.wp.rebuild(saved[nx:])
-            g = dy.to(op)
+            g = _as_dtype(dy, op)
             if need_x:
-                w_deq = ctx.w_deq if ctx.w_deq is not None else dequantize(wq, op)
-                dx = g @ w_deq
+                w_deq = ctx.w_deq if ctx.w_deq is not None else dequantize(ctx.wp.rebuild(saved[nx:]), op)
+                dx = torch.mm(g, w_deq)
             if need_w:
-                dw = g.t() @ dequantize(xq, op)
+                dw = torch.mm(g.t(), dequantize(ctx.xp.rebuild(saved[:nx]), op))
         else:
             nx = len(ctx.xp.names)
             xc, wc = ctx.xp.rebuild(saved[:nx]), ctx.wp.rebuild(saved[nx:])
@@ -185,7 +191,7 @@ class QuantLinearFn(torch.autograd.Function):
                     g_row = fused.mxfp8_qdq(dy, -1, op)[1]
                 elif g_row is None:
                     g_row = quantize_rowwise(dy, recipe).dequantize(op)
-                dx = g_row @ dequantize(wc, op)
+                dx = torch.mm(g_row, dequantize(wc, op))
             if need_w:
                 if g_col is None:
                     dy_p = _pad_rows(dy, MXFP8_BLOCK)
@@ -194,15 +200,20 @@ class QuantLinearFn(torch.autograd.Function):
                         g_col = fused.mxfp8_qdq(dy_p, -2, op)[1]
                     else:
                         g_col = quantize_columnwise_checked(dy_p, recipe, "grad_output").dequantize(op)
-                dw = g_col.t() @ dequantize(xc, op)  # padded zero rows add nothing
+                dw = torch.mm(g_col.t(), dequantize(xc, op))  # padded zero rows add nothing
         if need_b:
             db = dy.float().sum(0)
         if dx is not None:
-            dx = dx.to(ctx.x_dtype)
+            dx = _as_dtype(dx, ctx.x_dtype)
         if dw is not None:
-            dw = dw.to(ctx.w_dtype)
+            dw = _as_dtype(dw, ctx.w_dtype)
         ctx.w_deq = None
         return dx, dw, db, None
+
+
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without the dispatch when it already is (the common case on CUDA: bf16 throughout)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 
@@ -217,6 +228,8 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, entry: Any, bias: to
         return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
     if grid is None:
         grid = WeightGrid(recipe)
+    if x.dim() == 2:  # (no reshape dispatches on the common 2-D path)
+        return QuantLinearFn.apply(x, weight, bias, grid)
     k = x.shape[-1]
     y = QuantLinearFn.apply(x.reshape(-1, k), weight, bias, grid)
     return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -27,10 +27,27 @@ from miles_lp.train.recipe import LinearRecipe
 
 
 def version_key(ts: Sequence[torch.Tensor]) -> tuple:
-    return tuple((t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape)) for t in ts)
+    return tuple((t.data_ptr(), t._version, t.dtype, t.device, t.shape) for t in ts)
 
 
 KERNELS = ("auto", "reference", "compiled")
+
+
+class _NullCtx:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL = _NullCtx()
+
+
+def _no_grad():
+    """``torch.no_grad()``, or nothing when grad mode is already off (inside an autograd Function's forward:
+    the hot path; entering no_grad costs a mode switch and an object per call)."""
+    return torch.no_grad() if torch.is_grad_enabled() else _NULL
 
 
 class WeightGrid:
@@ -64,6 +81,7 @@ class WeightGrid:
         self._col: Any = None
         self._col_key: tuple | None = None
         self.quantize_calls = 0  # observable in tests: once per step
+        self._exact_div: bool | None = None
 
     def use_compiled(self, t: torch.Tensor) -> bool:
         """``compiled``: always; ``auto``: on CUDA, MXFP8 always and NVFP4 when this torch's Inductor can
@@ -73,13 +91,17 @@ class WeightGrid:
             if not t.is_cuda:
                 return False
             if self.recipe.format is Format.NVFP4:
-                from miles_lp.formats._compile import exact_division_available
+                if self._exact_div is None:  # (asked once per grid: it is a property of this torch build)
+                    from miles_lp.formats._compile import exact_division_available
 
-                return exact_division_available()
+                    self._exact_div = exact_division_available()
+                return self._exact_div
             return self.recipe.format is Format.MXFP8
         return self.kernel == "compiled"
 
     def _key(self, weight: torch.Tensor) -> tuple:
+        if not self.amax_partners:  # (the common case, without building a list and a generator per call)
+            return ((weight.data_ptr(), weight._version, weight.dtype, weight.device, weight.shape),)
         return version_key([weight, *self.amax_partners])
 
     def _amax(self, weight: torch.Tensor) -> torch.Tensor | None:
@@ -124,8 +146,8 @@ class WeightGrid:
                 deq = fused_dequantize(self._row, dtype)
         else:
             check_operand(weight, self.recipe, -1, "weight")
-            with torch.no_grad():
-                w = weight.detach()
+            with _no_grad():
+                w = weight.detach() if weight.requires_grad else weight
                 if self.recipe.format is Format.MXFP8:
                     q, deq = fused.mxfp8_qdq(w, -1, dtype)
                 else:

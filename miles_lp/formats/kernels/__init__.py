@@ -60,7 +60,7 @@ CONFIG = {
     # bf16 per-token rows read as int32 pairs (nvfp4_rows_pairs_kernel; rows up to nvfp4_rows_reg.max_k):
     # 19.1 SASS instructions per element at 64 elements/thread against the kernel above's 25.2 (offline
     # count, `python -m miles_lp.formats.kernels.sass`); RS rows per program, the next one's load in flight.
-    "nvfp4_pairs": {"enabled": True, "el_per_thread": 64, "RS": 1, "el_per_thread_dq": 64, "RS_dq": 1},
+    "nvfp4_pairs": {"enabled": True, "el_per_thread": 64, "RS": 1, "el_per_thread_dq": 64, "RS_dq": 1, "EVICT": 0},
     "nvfp4_dq": {"BM": 16, "NB": 8, "num_warps": 4},
     "amax": {"BM": 32, "BK": 256, "num_warps": 4},
 }
@@ -158,12 +158,26 @@ def _spec(args: tuple) -> tuple:
                  else (type(a).__name__, a) for a in args)
 
 
-def _launch(mod, name: str, grid: tuple, args: tuple, num_warps: int, **consts) -> None:
+_SITES: dict[tuple, tuple] = {}  # plan key -> (compiled kernel, constexpr values): skips _spec on the hot path
+
+
+def _launch(mod, name: str, grid: tuple, args: tuple, num_warps: int, site: tuple | None = None,
+            **consts) -> None:
     """``mod.<name>[grid](*args, **consts, num_warps=num_warps)``, through the cached launcher when it can.
 
     ``args`` are the kernel's runtime parameters in signature order and ``consts`` its constexprs (which
-    follow them in every kernel of ``_triton.py``).
+    follow them in every kernel of ``_triton.py``). ``site``: a key the caller guarantees to determine the
+    launch's whole specialization (a plan key: shapes, dtypes, pointer alignment of every argument not
+    freshly allocated); then the launcher is looked up by it directly, without ``_spec(args)``.
     """
+    if site is not None and _FAST_LAUNCH:
+        ent = _SITES.get(site)
+        if ent is not None and not _hooks_set():
+            ck, const_vals = ent
+            g = (*grid, 1, 1)
+            ck.run(g[0], g[1], g[2], _stream(args[0].device.index), ck.function, ck.packed_metadata, None, None,
+                   None, *args, *const_vals)
+            return
     fn = getattr(mod, name)
     if not _FAST_LAUNCH or not args or not isinstance(args[0], torch.Tensor) or not args[0].is_cuda:
         fn[grid](*args, **consts, num_warps=num_warps)
@@ -174,6 +188,8 @@ def _launch(mod, name: str, grid: tuple, args: tuple, num_warps: int, **consts) 
     dev = args[0].device.index
     key = (name, dev, num_warps, tuple(consts.items()), _spec(args))
     ent = _LAUNCHERS.get(key)
+    if ent is not None and site is not None:
+        _SITES[site] = ent
     if ent is None:
         ck = fn[grid](*args, **consts, num_warps=num_warps)  # compiles (first time) and launches
         if hasattr(ck, "result"):
@@ -182,19 +198,27 @@ def _launch(mod, name: str, grid: tuple, args: tuple, num_warps: int, **consts) 
         if len(fn.arg_names) != len(args) + len(consts) or set(rest) != set(consts) or not hasattr(ck, "run"):
             return  # not the layout this path assumes: this key stays on the JIT path (no entry cached)
         _LAUNCHERS[key] = (ck, tuple(consts[n] for n in rest))
+        if site is not None:
+            _SITES[site] = _LAUNCHERS[key]
         return
     ck, const_vals = ent
     g = (*grid, 1, 1)
     ck.run(g[0], g[1], g[2], _stream(dev), ck.function, ck.packed_metadata, None, None, None, *args, *const_vals)
 
 
+_KNOBS: list = []
+
+
 def _hooks_set() -> bool:
     """Whether a Triton launch hook is installed (a profiler's): then every launch goes through the JIT,
     which calls it. Triton 3.6 keeps the hooks as (possibly empty) ``HookChain``s, older ones None or a
     function."""
-    from triton import knobs
+    if not _KNOBS:
+        from triton import knobs
 
-    for h in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        _KNOBS.append(knobs.runtime)
+    rt = _KNOBS[0]
+    for h in (rt.launch_enter_hook, rt.launch_exit_hook):
         calls = getattr(h, "calls", None)
         if (bool(calls) if calls is not None else h is not None):
             return True
@@ -212,8 +236,17 @@ def _input(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     if not x.is_contiguous():  # (the check is cheaper than a contiguous() call on the hot path)
         x = x.contiguous()
     if x.dtype == torch.bfloat16:
-        return x.detach().view(torch.int16), 1
+        return (x.detach() if x.requires_grad else x).view(torch.int16), 1
     return x, 0  # the launch reads only its data pointer
+
+
+_PLANS: dict[tuple, object] = {}  # entry point + everything its launch depends on -> the validated plan
+
+
+def _plan_key(x: torch.Tensor, *flags) -> tuple:
+    """What an entry point's validation, output shapes and launch depend on: the input's shape, dtype,
+    device, 16-byte alignment, contiguity and the call's flags (the launch shapes in CONFIG among them)."""
+    return (x.shape, x.dtype, x.device, x.data_ptr() & 15, x.is_contiguous(), *flags)
 
 
 _EMPTY: dict[torch.device, torch.Tensor] = {}
@@ -275,53 +308,76 @@ def mxfp8_quantize(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = Fal
 
     ``dequant_dtype`` (fp32 / bf16): also write the decode of the grids named in ``dequant``.
     Same checks and messages as ``quantize_mxfp8`` (K a multiple of 32; M too for ``colwise``).
+    The checks, output shapes and launch parameters are worked out once per input shape / dtype / flags
+    (``_PLANS``); a repeat call allocates its outputs and launches (QuantLinear's per-call host time).
     """
+    cfg = CONFIG["mxfp8_both" if (rowwise and colwise) else "mxfp8"]
+    if not isinstance(x, torch.Tensor):
+        check_input(x, "MXFP8", min_dim=1, name=name)
+    key = _plan_key(x, "mx", rowwise, colwise, dequant_dtype, dequant, swizzle, *cfg.values())
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _mxfp8_plan(x, rowwise, colwise, dequant_dtype, dequant, swizzle, name, cfg)
+        _PLANS[key] = plan
+    mod = _module(x)
+    xi, _ = _input(x)
+    dev = x.device
+    empty = _none(dev)
+    (qr_s, sr_s, qc_s, sc_s, dr_s, dc_s, wr_s, wc_s), out_dt = plan["shapes"], plan["out_dtype"]
+    u8 = torch.uint8
+    qr = torch.empty(qr_s, dtype=u8, device=dev) if qr_s else empty
+    sr = torch.empty(sr_s, dtype=u8, device=dev) if sr_s else empty
+    qc = torch.empty(qc_s, dtype=u8, device=dev) if qc_s else empty
+    sc = torch.empty(sc_s, dtype=u8, device=dev) if sc_s else empty
+    dr = torch.empty(dr_s, dtype=out_dt, device=dev) if dr_s else empty
+    dc = torch.empty(dc_s, dtype=out_dt, device=dev) if dc_s else empty
+    wr = torch.zeros(wr_s, dtype=u8, device=dev) if wr_s else empty
+    wc = torch.zeros(wc_s, dtype=u8, device=dev) if wc_s else empty
+    r, k, m = plan["rkm"]
+    _launch(mod, "mxfp8_quantize_kernel", plan["grid"], (xi, r, k, m, qr, sr, dr, wr, qc, sc, dc, wc),
+            plan["warps"], site=key, **plan["consts"])
+    e4m3 = torch.float8_e4m3fn
+    return MXFP8Result(
+        row=MXFP8Tensor(data=qr.view(e4m3), scale=sr, axis=-1) if rowwise else None,
+        col=MXFP8Tensor(data=qc.view(e4m3), scale=sc, axis=-2) if colwise else None,
+        row_deq=_as(dr, dequant_dtype) if dr_s else None,
+        col_deq=_as(dc, dequant_dtype) if dc_s else None,
+        row_swizzled=wr if wr_s else None,
+        col_swizzled=wc if wc_s else None,
+    )
+
+
+def _mxfp8_plan(x, rowwise: bool, colwise: bool, dequant_dtype, dequant, swizzle: bool, name, cfg) -> dict:
+    """``mxfp8_quantize``'s checks (same messages as the codec) and everything its launch needs."""
     check_input(x, "MXFP8", min_dim=2 if colwise else 1, name=name)
     if not (rowwise or colwise):
         raise BackendUnavailable("mxfp8_quantize: ask for rowwise and/or colwise")
     check_multiple(x, "MXFP8", -1, MXFP8_BLOCK, name=name, axis_label="axis=-1 (rowwise 32-blocks)")
     if colwise:
         check_multiple(x, "MXFP8", -2, MXFP8_BLOCK, name=name, axis_label="axis=-2 (columnwise 32-blocks)")
-    mod = _module(x)
+    _module(x)  # the availability refusal, before any allocation
     out_kind = _out_kind(dequant_dtype, "the dequantized operand")
-    xi, in_kind = _input(x)
+    in_kind = 1 if x.dtype == torch.bfloat16 else 0
     shape = tuple(x.shape)
     k = shape[-1]
     r = x.numel() // k
     m = shape[-2] if x.dim() >= 2 else 1
     lead = shape[:-2]
     mats = r // m
-    dev = x.device
-    empty = _none(dev)
-    qr = torch.empty(shape, dtype=torch.uint8, device=dev) if rowwise else empty
-    sr = torch.empty((*shape[:-1], k // MXFP8_BLOCK), dtype=torch.uint8, device=dev) if rowwise else empty
-    qc = torch.empty(shape, dtype=torch.uint8, device=dev) if colwise else empty
-    sc = torch.empty((*lead, m // MXFP8_BLOCK, k), dtype=torch.uint8, device=dev) if colwise else empty
     dq_row, dq_col = rowwise and out_kind > 0 and "row" in dequant, colwise and out_kind > 0 and "col" in dequant
-    dr = _out(shape, dequant_dtype, dev) if dq_row else empty
-    dc = _out(shape, dequant_dtype, dev) if dq_col else empty
-    wr = wc = empty
-    if swizzle and rowwise:
-        wr = torch.zeros((*lead, _ru(m, 128), _ru(k // MXFP8_BLOCK, 4)), dtype=torch.uint8, device=dev)
-    if swizzle and colwise:
-        wc = torch.zeros((*lead, _ru(k, 128), _ru(m // MXFP8_BLOCK, 4)), dtype=torch.uint8, device=dev)
-    cfg = CONFIG["mxfp8_both" if (rowwise and colwise) else "mxfp8"]
+    shapes = (shape if rowwise else None, (*shape[:-1], k // MXFP8_BLOCK) if rowwise else None,
+              shape if colwise else None, (*lead, m // MXFP8_BLOCK, k) if colwise else None,
+              shape if dq_row else None, shape if dq_col else None,
+              (*lead, _ru(m, 128), _ru(k // MXFP8_BLOCK, 4)) if swizzle and rowwise else None,
+              (*lead, _ru(k, 128), _ru(m // MXFP8_BLOCK, 4)) if swizzle and colwise else None)
     bmb, nb = cfg["BMB"], cfg["NB"]
     if colwise and m % (32 * bmb):
         bmb = 1  # a tile must not straddle two matrices' column blocks (M is a multiple of 32)
-    grid = (triton_cdiv(r, 32 * bmb), triton_cdiv(k, 32 * nb))
-    _launch(mod, "mxfp8_quantize_kernel", grid, (xi, r, k, m, qr, sr, dr, wr, qc, sc, dc, wc), cfg["num_warps"],
-            IN_KIND=in_kind, ROW=rowwise, COL=colwise, OUT_KIND=out_kind, DQ_ROW=dq_row, DQ_COL=dq_col,
-            SWZ=bool(swizzle) and mats >= 1, BMB=bmb, NB=nb)
-    e4m3 = torch.float8_e4m3fn
-    return MXFP8Result(
-        row=MXFP8Tensor(data=qr.view(e4m3), scale=sr, axis=-1) if rowwise else None,
-        col=MXFP8Tensor(data=qc.view(e4m3), scale=sc, axis=-2) if colwise else None,
-        row_deq=_as(dr, dequant_dtype) if dq_row else None,
-        col_deq=_as(dc, dequant_dtype) if dq_col else None,
-        row_swizzled=wr if (swizzle and rowwise) else None,
-        col_swizzled=wc if (swizzle and colwise) else None,
-    )
+    return {"shapes": shapes, "out_dtype": torch.int16 if dequant_dtype == torch.bfloat16 else dequant_dtype,
+            "rkm": (r, k, m), "grid": (triton_cdiv(r, 32 * bmb), triton_cdiv(k, 32 * nb)), "warps": cfg["num_warps"],
+            "consts": dict(IN_KIND=in_kind, ROW=rowwise, COL=colwise, OUT_KIND=out_kind, DQ_ROW=dq_row,
+                           DQ_COL=dq_col, SWZ=bool(swizzle) and mats >= 1, BMB=bmb, NB=nb,
+                           EVICT=cfg.get("EVICT", 0))}
 
 
 def quantize_mxfp8(x: torch.Tensor, axis: int = -1, name: str | None = None) -> MXFP8Tensor:
@@ -332,31 +388,43 @@ def quantize_mxfp8(x: torch.Tensor, axis: int = -1, name: str | None = None) -> 
 
 def mxfp8_dequantize(q: MXFP8Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``q.dequantize(dtype)`` in one launch (fp32 / bf16)."""
-    mod = _module(q.data)
-    out_kind = _out_kind(dtype, "MXFP8 dequantize")
-    data = q.data.contiguous().view(torch.uint8)
-    scale = q.scale.contiguous()
-    k = data.shape[-1]
-    r = data.numel() // k
-    out = _out(tuple(data.shape), dtype, data.device)
+    data, scale = q.data, q.scale
     cfg = CONFIG["mxfp8_dq"]
-    grid = (triton_cdiv(r, 32 * cfg["BMB"]), triton_cdiv(k, 32 * cfg["NB"]))
-    _launch(mod, "mxfp8_dequantize_kernel", grid, (data, scale, out, r, k), cfg["num_warps"],
-            COLWISE=q.axis == -2, OUT_KIND=out_kind, BMB=cfg["BMB"], NB=cfg["NB"])
+    key = (*_plan_key(data, "mxdq", q.axis, dtype, *cfg.values()), scale.shape, scale.data_ptr() & 15,
+           scale.is_contiguous())
+    plan = _PLANS.get(key)
+    if plan is None:
+        _module(data)
+        out_kind = _out_kind(dtype, "MXFP8 dequantize")
+        k = data.shape[-1]
+        r = data.numel() // k
+        plan = _PLANS[key] = {"rk": (r, k), "grid": (triton_cdiv(r, 32 * cfg["BMB"]), triton_cdiv(k, 32 * cfg["NB"])),
+                              "consts": dict(COLWISE=q.axis == -2, OUT_KIND=out_kind, BMB=cfg["BMB"], NB=cfg["NB"])}
+    mod = _module(data)
+    if not data.is_contiguous():
+        data = data.contiguous()
+    if not scale.is_contiguous():
+        scale = scale.contiguous()
+    out = _out(data.shape, dtype, data.device)
+    r, k = plan["rk"]
+    _launch(mod, "mxfp8_dequantize_kernel", plan["grid"], (data.view(torch.uint8), scale, out, r, k),
+            cfg["num_warps"], site=key, **plan["consts"])
     return _as(out, dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # NVFP4
 # ---------------------------------------------------------------------------------------------------------
-def _amax_launch(mod, xi, in_kind: int, mats: int, m: int, k: int, per_row: bool) -> torch.Tensor:
+def _amax_launch(mod, xi, in_kind: int, mats: int, m: int, k: int, per_row: bool, site: tuple | None = None
+                 ) -> torch.Tensor:
     cfg = CONFIG["amax"]
     if per_row:
         out = torch.empty(mats * m, dtype=torch.float32, device=xi.device)
     else:
         out = torch.zeros(mats, dtype=torch.int32, device=xi.device)  # fp32 bits; atomic max from 0
     grid = (triton_cdiv(m, cfg["BM"]), mats)
-    _launch(mod, "amax_kernel", grid, (xi, m, k, out), cfg["num_warps"], PER_ROW=per_row, IN_KIND=in_kind,
+    _launch(mod, "amax_kernel", grid, (xi, m, k, out), cfg["num_warps"], site=site and ("amax", *site),
+            PER_ROW=per_row, IN_KIND=in_kind,
             BM=cfg["BM"], BK=cfg["BK"], K_ITERS=triton_cdiv(k, cfg["BK"]))
     return out if per_row else out.view(torch.float32)
 
@@ -383,77 +451,98 @@ def nvfp4_quantize(x: torch.Tensor, scope: str = "tensor", *, amax: torch.Tensor
 
     ``amax``: None (computed, NaN ignored) or an fp32 tensor already of the global-scale shape
     (``nvfp4.broadcast_nvfp4_amax``: ``[..., 1, 1]`` for "tensor", ``[..., M, 1]`` for "row"; this function
-    does not read its values, so it stays free of host syncs).
+    does not read its values, so it stays free of host syncs). Checks and launch parameters are worked out
+    once per input shape / dtype / flags (``_PLANS``), as in ``mxfp8_quantize``.
     """
     from miles_lp.formats.nvfp4 import _check_nvfp4
 
-    _check_nvfp4(x, scope, block_2d, name)
+    if not isinstance(x, torch.Tensor):
+        _check_nvfp4(x, scope, block_2d, name)
+    given = amax is not None
+    cfgs = (CONFIG["nvfp4_pairs"], CONFIG["nvfp4_rows"], CONFIG["nvfp4_rows_reg"], CONFIG["nvfp4_2d"],
+            CONFIG["nvfp4"], CONFIG["amax"])
+    key = _plan_key(x, "nv", scope, given, block_2d, dequant_dtype, *(tuple(c.values()) for c in cfgs))
+    plan = _PLANS.get(key)
+    if plan is None:
+        _check_nvfp4(x, scope, block_2d, name)
+        plan = _PLANS[key] = _nvfp4_plan(x, scope, given, block_2d, dequant_dtype)
     mod = _module(x)
-    out_kind = _out_kind(dequant_dtype, "the dequantized operand")
     xi, in_kind = _input(x)
+    dev = x.device
+    out_kind = plan["out_kind"]
+    q = torch.empty(plan["q"], dtype=torch.uint8, device=dev)
+    s = torch.empty(plan["s"], dtype=torch.uint8, device=dev)
+    gs = torch.empty(plan["gs"], dtype=torch.float32, device=dev)
+    d = _out(plan["shape"], dequant_dtype, dev) if out_kind else _none(dev)
+    m, k, mats = plan["mkm"]
+    path = plan["path"]
+    if path == "tile":
+        if given:
+            amax_flat = amax.to(device=dev, dtype=torch.float32).contiguous().reshape(-1)
+            site = None  # the caller's amax: its alignment is not in the plan key
+        else:
+            amax_flat = _amax_launch(mod, xi, in_kind, mats, m, k, per_row=False, site=key)
+            site = key
+        _launch(mod, "nvfp4_quantize_kernel", plan["grid"], (xi, m, k, amax_flat, q, s, gs, d), plan["warps"],
+                site=site, **plan["consts"])
+    else:
+        amax_flat = torch.empty(mats * m, dtype=torch.float32, device=dev)
+        if path == "pairs":
+            d32 = d.view(torch.int32) if out_kind else d
+            args = (xi.view(torch.int32), m, k // 2, amax_flat, q, s, gs, d32)
+            _launch(mod, "nvfp4_rows_pairs_kernel", plan["grid"], args, plan["warps"], site=key, **plan["consts"])
+        else:
+            _launch(mod, "nvfp4_quantize_rows_kernel", plan["grid"], (xi, m, k, amax_flat, q, s, gs, d),
+                    plan["warps"], site=key, **plan["consts"])
+    gshape = plan["gshape"]
+    qt = NVFP4Tensor(data=q, scale=s.view(torch.float8_e4m3fn), global_scale=gs.view(gshape),
+                     amax=amax_flat.view(gshape), logical_shape=plan["shape"], scale_scope=scope, block_2d=block_2d)
+    return qt, (_as(d, dequant_dtype) if out_kind else None)
+
+
+def _nvfp4_plan(x, scope: str, given: bool, block_2d: bool, dequant_dtype) -> dict:
+    """``nvfp4_quantize``'s kernel choice and launch parameters for one input shape / dtype / flags.
+
+    Per-token bf16 rows (no amax given, no decode or a bf16 one, a row that fits the registers, 4-byte
+    aligned: read as int32 pairs) take ``nvfp4_rows_pairs_kernel``; other per-token calls the general
+    one-pass kernel; per-tensor scope (and a given amax) the tile kernel, after an amax pass if needed."""
+    _module(x)  # the availability refusal
+    out_kind = _out_kind(dequant_dtype, "the dequantized operand")
+    in_kind = 1 if x.dtype == torch.bfloat16 else 0
     shape = tuple(x.shape)
     m, k = shape[-2], shape[-1]
     lead = shape[:-2]
     mats = x.numel() // (m * k)
-    dev = x.device
-    q = torch.empty((*shape[:-1], k // 2), dtype=torch.uint8, device=dev)
-    s = torch.empty((*shape[:-1], k // NVFP4_BLOCK), dtype=torch.uint8, device=dev)
     per_row = scope == "row"
-    gs = torch.empty(mats * m if per_row else mats, dtype=torch.float32, device=dev)
-    d = _out(shape, dequant_dtype, dev) if out_kind else _none(dev)
-    if amax is not None:
-        amax_flat = amax.to(device=dev, dtype=torch.float32).contiguous().reshape(-1)
-    elif per_row:
-        amax_flat = None  # the one-pass kernel computes it
-    else:
-        amax_flat = _amax_launch(mod, xi, in_kind, mats, m, k, per_row=False)
-    if amax_flat is None and _pairs_ok(xi, in_kind, k, out_kind):
-        amax_flat = _nvfp4_rows_pairs(mod, xi, mats, m, k, q, s, gs, d, out_kind)
-    elif amax_flat is None:
+    plan = {"shape": shape, "q": (*shape[:-1], k // 2), "s": (*shape[:-1], k // NVFP4_BLOCK),
+            "gs": mats * m if per_row else mats, "out_kind": out_kind, "mkm": (m, k, mats),
+            "gshape": (*shape[:-1], 1) if per_row else (() if x.dim() == 2 else (*lead, 1, 1))}
+    reg = CONFIG["nvfp4_rows_reg"]
+    pairs = CONFIG["nvfp4_pairs"]
+    aligned4 = not x.data_ptr() & 3 or not x.is_contiguous()  # (a contiguous() copy is aligned)
+    if (per_row and not given and in_kind == 1 and out_kind in (0, 2) and k <= reg["max_k"] and pairs["enabled"]
+            and aligned4):
+        nb = triton_next_pow2(k // NVFP4_BLOCK)
+        ept, rs = (pairs["el_per_thread_dq"], pairs["RS_dq"]) if out_kind else (pairs["el_per_thread"], pairs["RS"])
+        plan.update(path="pairs", grid=(triton_cdiv(m, rs), mats),
+                    warps=max(1, min(16, nb * NVFP4_BLOCK // (32 * ept))),
+                    consts=dict(DQ=bool(out_kind), NB=nb, RS=rs, EVICT=pairs.get("EVICT", 0)))
+    elif per_row and not given:
         cfg = CONFIG["nvfp4_rows"]
         rows, nb, warps = cfg["ROWS"], cfg["NB"], cfg["num_warps"]
-        reg = CONFIG["nvfp4_rows_reg"]
         if k <= reg["max_k"]:  # a whole row in registers: one read (K_ITERS == 1)
             rows, nb = 1, triton_next_pow2(k // NVFP4_BLOCK)
             ept = reg.get("el_per_thread_dq", reg["el_per_thread"]) if out_kind else reg["el_per_thread"]
             warps = max(1, min(16, nb * NVFP4_BLOCK // (32 * ept)))
-        amax_out = torch.empty(mats * m, dtype=torch.float32, device=dev)
-        grid = (triton_cdiv(m, rows), mats)
-        _launch(mod, "nvfp4_quantize_rows_kernel", grid, (xi, m, k, amax_out, q, s, gs, d), warps,
-                IN_KIND=in_kind, OUT_KIND=out_kind, ROWS=rows, NB=nb, K_ITERS=triton_cdiv(k, 16 * nb))
-        amax_flat = amax_out
+        plan.update(path="rows", grid=(triton_cdiv(m, rows), mats), warps=warps,
+                    consts=dict(IN_KIND=in_kind, OUT_KIND=out_kind, ROWS=rows, NB=nb, K_ITERS=triton_cdiv(k, 16 * nb)))
     else:
         cfg = CONFIG["nvfp4_2d" if block_2d else "nvfp4"]
         tb = 16 if block_2d else 1
-        grid = (triton_cdiv(m, cfg["TA"] * tb), triton_cdiv(k, 16 * cfg["NB"]), mats)
-        _launch(mod, "nvfp4_quantize_kernel", grid, (xi, m, k, amax_flat, q, s, gs, d), cfg["num_warps"],
-                IN_KIND=in_kind, SCOPE=1 if per_row else 0, OUT_KIND=out_kind, TA=cfg["TA"], TB=tb, NB=cfg["NB"])
-    if per_row:
-        gshape = (*shape[:-1], 1)
-    else:
-        gshape = () if x.dim() == 2 else (*lead, 1, 1)
-    qt = NVFP4Tensor(data=q, scale=s.view(torch.float8_e4m3fn), global_scale=gs.view(gshape),
-                     amax=amax_flat.view(gshape), logical_shape=shape, scale_scope=scope, block_2d=block_2d)
-    return qt, (_as(d, dequant_dtype) if out_kind else None)
-
-
-def _pairs_ok(xi: torch.Tensor, in_kind: int, k: int, out_kind: int) -> bool:
-    """Whether the per-token call takes ``nvfp4_rows_pairs_kernel``: bf16 in, a row that fits the registers,
-    no decode or a bf16 one, 4-byte aligned rows (the input is read as int32 pairs)."""
-    return (in_kind == 1 and out_kind in (0, 2) and k <= CONFIG["nvfp4_rows_reg"]["max_k"]
-            and CONFIG["nvfp4_pairs"]["enabled"] and not xi.data_ptr() & 3)
-
-
-def _nvfp4_rows_pairs(mod, xi, mats: int, m: int, k: int, q, s, gs, d, out_kind: int) -> torch.Tensor:
-    cfg = CONFIG["nvfp4_pairs"]
-    nb = triton_next_pow2(k // NVFP4_BLOCK)
-    ept, rs = (cfg["el_per_thread_dq"], cfg["RS_dq"]) if out_kind else (cfg["el_per_thread"], cfg["RS"])
-    warps = max(1, min(16, nb * NVFP4_BLOCK // (32 * ept)))
-    amax = torch.empty(mats * m, dtype=torch.float32, device=xi.device)
-    d32 = d.view(torch.int32) if out_kind else d
-    _launch(mod, "nvfp4_rows_pairs_kernel", (triton_cdiv(m, rs), mats),
-            (xi.view(torch.int32), m, k // 2, amax, q, s, gs, d32), warps, DQ=bool(out_kind), NB=nb, RS=rs)
-    return amax
+        plan.update(path="tile", grid=(triton_cdiv(m, cfg["TA"] * tb), triton_cdiv(k, 16 * cfg["NB"]), mats),
+                    warps=cfg["num_warps"], consts=dict(IN_KIND=in_kind, SCOPE=1 if per_row else 0,
+                                                        OUT_KIND=out_kind, TA=cfg["TA"], TB=tb, NB=cfg["NB"]))
+    return plan
 
 
 def quantize_nvfp4(x: torch.Tensor, scale_scope: str = "tensor", amax: torch.Tensor | None = None,
@@ -469,7 +558,10 @@ def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> tor
     shape = tuple(q.shape)
     m, k = shape[-2], shape[-1]
     mats = q.data.numel() * 2 // (m * k)
-    gs = q.global_scale.to(torch.float32).contiguous().reshape(-1)
+    gs = q.global_scale
+    if gs.dtype != torch.float32 or not gs.is_contiguous():
+        gs = gs.to(torch.float32).contiguous()
+    gs = gs.reshape(-1)
     per_row = gs.numel() == mats * m and q.scale_scope == "row"
     if not per_row and gs.numel() != mats:
         gs = q.global_scale.to(torch.float32).expand(*shape[:-2], 1, 1).contiguous().reshape(-1)
@@ -477,9 +569,13 @@ def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> tor
     cfg = CONFIG["nvfp4_dq"]
     grid = (triton_cdiv(m, cfg["BM"]), triton_cdiv(k, 16 * cfg["NB"]), mats)
     _launch(mod, "nvfp4_dequantize_kernel", grid,
-            (q.data.contiguous(), q.scale.contiguous().view(torch.uint8), gs, out, m, k), cfg["num_warps"],
+            (_contig(q.data), _contig(q.scale).view(torch.uint8), gs, out, m, k), cfg["num_warps"],
             GS_PER_ROW=per_row, OUT_KIND=out_kind, BM=cfg["BM"], NB=cfg["NB"])
     return _as(out, dtype)
+
+
+def _contig(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def triton_cdiv(a: int, b: int) -> int:

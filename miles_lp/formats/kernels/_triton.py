@@ -47,8 +47,18 @@ TWO_M9 = tl.constexpr(2.0 ** -9)
 # Element helpers
 # ---------------------------------------------------------------------------------------------------------
 @triton.jit
-def _load_f32(ptr, offs, mask, IN_KIND: tl.constexpr):
-    """IN_KIND 1: bf16 passed as int16 bits (widened exactly); 0: fp32 / fp16 loaded and upcast."""
+def _load_f32(ptr, offs, mask, IN_KIND: tl.constexpr, EVICT: tl.constexpr = 0):
+    """IN_KIND 1: bf16 passed as int16 bits (widened exactly); 0: fp32 / fp16 loaded and upcast.
+    EVICT 1: an evict-first load (the input is read once; a launch-shape option, ``CONFIG[..]["EVICT"]``)."""
+    if EVICT:
+        if IN_KIND == 1:
+            b = tl.load(ptr + offs, mask=mask, other=0, eviction_policy="evict_first")
+            if HW:
+                return b.to(tl.bfloat16, bitcast=True).to(tl.float32)
+            else:
+                return ((b.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+        else:
+            return tl.load(ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
     if IN_KIND == 1:
         b = tl.load(ptr + offs, mask=mask, other=0)
         if HW:
@@ -249,6 +259,7 @@ def mxfp8_quantize_kernel(
     qc_ptr, sc_ptr, dc_ptr, wc_ptr,
     IN_KIND: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, OUT_KIND: tl.constexpr,
     DQ_ROW: tl.constexpr, DQ_COL: tl.constexpr, SWZ: tl.constexpr, BMB: tl.constexpr, NB: tl.constexpr,
+    EVICT: tl.constexpr = 0,
 ):
     """One [BMB*32, NB*32] tile of x [R, K] (R = all rows; M rows per matrix, for the swizzle).
 
@@ -265,7 +276,7 @@ def mxfp8_quantize_kernel(
     pid_k = tl.program_id(1)
     r2 = pid_m * BM + tl.arange(0, BM)[:, None]  # [BM, 1]
     c2 = pid_k * BK + tl.arange(0, BK)[None, :]  # [1, BK]
-    x = _load_f32(x_ptr, r2.to(tl.int64) * K + c2, (r2 < R) & (c2 < K), IN_KIND)  # [BM, BK]
+    x = _load_f32(x_ptr, r2.to(tl.int64) * K + c2, (r2 < R) & (c2 < K), IN_KIND, EVICT)  # [BM, BK]
     a = _abs_nz(x)
     if ROW:
         rows = pid_m * BM + tl.arange(0, BM)[:, None, None]  # [BM, 1, 1]
@@ -276,7 +287,10 @@ def mxfp8_quantize_kernel(
         xr = tl.reshape(x, [BM, NB, 32])
         e = _e8m0_round_up(_amax_fix(tl.max(tl.reshape(a, [BM, NB, 32]), axis=2, keep_dims=True)) * INV448)
         q = _e4m3_byte(xr * _e8m0_inverse(e))  # [BM, NB, 32]
-        tl.store(qr_ptr + offs, q, mask=mask)
+        if EVICT:  # streaming stores: the outputs are not read again by this kernel
+            tl.store(qr_ptr + offs, q, mask=mask, cache_modifier=".cs")
+        else:
+            tl.store(qr_ptr + offs, q, mask=mask)
         scol = pid_k * NB + jb  # [1, NB, 1]
         smask = (rows < R) & (scol < K // 32)
         tl.store(sr_ptr + rows.to(tl.int64) * (K // 32) + scol, e.to(tl.uint8), mask=smask)
@@ -293,7 +307,10 @@ def mxfp8_quantize_kernel(
         xc = tl.reshape(x, [BMB, 32, BK])
         e = _e8m0_round_up(_amax_fix(tl.max(tl.reshape(a, [BMB, 32, BK]), axis=1, keep_dims=True)) * INV448)
         q = _e4m3_byte(xc * _e8m0_inverse(e))  # [BMB, 32, BK]
-        tl.store(qc_ptr + offs, q, mask=mask)
+        if EVICT:
+            tl.store(qc_ptr + offs, q, mask=mask, cache_modifier=".cs")
+        else:
+            tl.store(qc_ptr + offs, q, mask=mask)
         srow = pid_m * BMB + ib  # [BMB, 1, 1]
         smask = (srow < R // 32) & (cols < K)
         tl.store(sc_ptr + srow.to(tl.int64) * K + cols, e.to(tl.uint8), mask=smask)
@@ -611,9 +628,17 @@ def _pairs_row(w, row, ok, pc, cmask, jb, K2, amax_ptr, q_ptr, s_ptr, gs_ptr, d_
 
 
 @triton.jit
+def _load_pairs(ptrs, mask, EVICT: tl.constexpr):
+    if EVICT:
+        return tl.load(ptrs, mask=mask, other=0, eviction_policy="evict_first")
+    else:
+        return tl.load(ptrs, mask=mask, other=0)
+
+
+@triton.jit
 def nvfp4_rows_pairs_kernel(
     x_ptr, M, K2, amax_ptr, q_ptr, s_ptr, gs_ptr, d_ptr,
-    DQ: tl.constexpr, NB: tl.constexpr, RS: tl.constexpr,
+    DQ: tl.constexpr, NB: tl.constexpr, RS: tl.constexpr, EVICT: tl.constexpr = 0,
 ):
     """Per-token NVFP4 of bf16 rows: ``RS`` rows of matrix ``program_id(1)`` per program, one after the
     other, each whole row in registers (K/16 <= NB groups); row i+1 is loaded before row i is quantized, so
@@ -630,11 +655,11 @@ def nvfp4_rows_pairs_kernel(
     pc = jb * 8 + tl.arange(0, 8)[None, :]  # pair column [NB, 8]
     cmask = pc < K2
     ok = r0 < M
-    w = tl.load(x_ptr + (base + r0) * K2 + pc, mask=cmask & ok, other=0)
+    w = _load_pairs(x_ptr + (base + r0) * K2 + pc, cmask & ok, EVICT)
     for i in tl.static_range(RS):
         if i + 1 < RS:
             ok_next = r0 + i + 1 < M
-            w_next = tl.load(x_ptr + (base + r0 + i + 1) * K2 + pc, mask=cmask & ok_next, other=0)
+            w_next = _load_pairs(x_ptr + (base + r0 + i + 1) * K2 + pc, cmask & ok_next, EVICT)
         _pairs_row(w, base + r0 + i, ok, pc, cmask, jb, K2, amax_ptr, q_ptr, s_ptr, gs_ptr, d_ptr, DQ)
         if i + 1 < RS:
             w = w_next

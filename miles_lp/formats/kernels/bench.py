@@ -39,7 +39,13 @@ def _sweep(kernels, x, amax_t, log) -> None:
     mx = [{"BMB": b, "NB": n, "num_warps": w} for b in (1, 2) for n in (2, 4, 8) for w in (1, 2, 4, 8)
           if b * n <= 8 and b * n * 8 >= w]
     best("mxfp8", mx, lambda: kernels.mxfp8_quantize(x))
-    best("mxfp8_both", mx, lambda: kernels.mxfp8_quantize(x, rowwise=True, colwise=True))
+    mx_both = mx + [{"BMB": b, "NB": n, "num_warps": w} for b, n in ((4, 2), (4, 4), (2, 8), (1, 16))
+                    for w in (2, 4, 8)]
+    best("mxfp8_both", mx_both, lambda: kernels.mxfp8_quantize(x, rowwise=True, colwise=True))
+    b = kernels.CONFIG["mxfp8_both"]  # the best tile again with evict-first loads / streaming stores
+    best("mxfp8_both", [b, {**b, "EVICT": 1}], lambda: kernels.mxfp8_quantize(x, rowwise=True, colwise=True))
+    b = kernels.CONFIG["mxfp8"]
+    best("mxfp8", [b, {**b, "EVICT": 1}], lambda: kernels.mxfp8_quantize(x))
     best("mxfp8_dq", [{"BMB": b, "NB": n, "num_warps": w} for b in (1, 2) for n in (4, 8) for w in (4, 8)],
          lambda: kernels.mxfp8_dequantize(kernels.mxfp8_quantize(x).row, torch.bfloat16))
     best("nvfp4", [{"TA": a, "NB": n, "num_warps": w} for a in (8, 16, 32) for n in (8, 16) for w in (1, 2, 4)
@@ -47,9 +53,22 @@ def _sweep(kernels, x, amax_t, log) -> None:
          lambda: kernels.nvfp4_quantize(x, "tensor", amax=amax_t))
     best("nvfp4_2d", [{"TA": a, "NB": n, "num_warps": w} for a in (1, 2) for n in (8, 16) for w in (1, 2, 4)],
          lambda: kernels.nvfp4_quantize(x, "tensor", amax=amax_t, block_2d=True))
-    best("nvfp4_rows", [{"ROWS": r, "NB": n, "num_warps": w} for r in (1, 2, 4, 8) for n in (16, 32)
-                        for w in (1, 2, 4) if r * n <= 128],
-         lambda: kernels.nvfp4_quantize(x, "row"))
+    pairs = [{"enabled": True, "el_per_thread": e, "RS": r, "el_per_thread_dq": e, "RS_dq": r, "EVICT": v}
+             for e in (32, 64, 128) for r in (1, 2) for v in (0, 1) if e * r <= 128]
+    if x.dtype == torch.bfloat16:  # the bf16 per-token kernel: quantize only, then with the bf16 decode
+        best("nvfp4_pairs", pairs, lambda: kernels.nvfp4_quantize(x, "row"))
+        q_cfg = kernels.CONFIG["nvfp4_pairs"]
+        best("nvfp4_pairs", [{**q_cfg, "el_per_thread_dq": v["el_per_thread"], "RS_dq": v["RS"]} for v in pairs
+                             if v["EVICT"] == q_cfg["EVICT"]],
+             lambda: kernels.nvfp4_quantize(x, "row", dequant_dtype=torch.bfloat16))
+    old = kernels.CONFIG["nvfp4_pairs"]["enabled"]
+    kernels.CONFIG["nvfp4_pairs"]["enabled"] = False
+    try:
+        best("nvfp4_rows", [{"ROWS": r, "NB": n, "num_warps": w} for r in (1, 2, 4, 8) for n in (16, 32)
+                            for w in (1, 2, 4) if r * n <= 128],
+             lambda: kernels.nvfp4_quantize(x, "row"))
+    finally:
+        kernels.CONFIG["nvfp4_pairs"]["enabled"] = old
 
 
 class _Skip(Exception):
@@ -225,19 +244,30 @@ def run_cuda(args) -> int:
     bench("nvfp4 per-tensor (amax pass + quantize)", lambda: k.nvfp4_quantize(x, "tensor"), nv_bytes,
           moved=nv_bytes + n * eb, anchor=a_nv, note="reads x twice")
     bench("nvfp4 per-tensor, amax given", lambda: k.nvfp4_quantize(x, "tensor", amax=amax_t), nv_bytes, anchor=a_nv)
-    bench("nvfp4 per-token, one pass", lambda: k.nvfp4_quantize(x, "row"), nv_bytes + 8 * rows, anchor=a_nv)
+    pcfg = kernels.CONFIG["nvfp4_pairs"]
+    pairs_note = (f"bf16 int32-pair kernel, {pcfg['el_per_thread']} el/thread, RS {pcfg['RS']}"
+                  if x.dtype == torch.bfloat16 and pcfg["enabled"] else "")
+    bench("nvfp4 per-token, one pass", lambda: k.nvfp4_quantize(x, "row"), nv_bytes + 8 * rows, anchor=a_nv,
+          note=pairs_note)
     reg = kernels.CONFIG["nvfp4_rows_reg"]
     default_ept = reg["el_per_thread"]
-    for ept in (16, 32, 64):  # the register-resident per-token kernel at other thread counts (same bytes)
-        if ept != default_ept:
+    pcfg["enabled"] = False  # the general per-token kernel (fp32 / fp16 inputs; bf16 before 12-01c)
+    try:
+        for ept in (32, 64):  # the register-resident per-token kernel at other thread counts (same bytes)
             reg["el_per_thread"] = ept
-            bench(f"nvfp4 per-token, one pass, {ept} elem/thread", lambda: k.nvfp4_quantize(x, "row"),
+            bench(f"nvfp4 per-token, general kernel, {ept} el/thread", lambda: k.nvfp4_quantize(x, "row"),
                   nv_bytes + 8 * rows, anchor=a_nv)
-    reg["el_per_thread"] = default_ept
+        reg["el_per_thread"] = default_ept
+        bench("nvfp4 qdq per-token, general kernel (+ bf16 decode)",
+              lambda: k.nvfp4_quantize(x, "row", dequant_dtype=bf16), nv_bytes + 8 * rows + 2 * n)
+    finally:
+        pcfg["enabled"] = True
+        reg["el_per_thread"] = default_ept
     bench("nvfp4 16x16 tiles (weights), amax given",
           lambda: k.nvfp4_quantize(x, "tensor", amax=amax_t, block_2d=True), nv_bytes, anchor=a_nv)
     bench("nvfp4 qdq per-token (+ bf16 decode)", lambda: k.nvfp4_quantize(x, "row", dequant_dtype=bf16),
-          nv_bytes + 8 * rows + 2 * n)
+          nv_bytes + 8 * rows + 2 * n, note=pairs_note and (f"bf16 int32-pair kernel, {pcfg['el_per_thread_dq']} "
+                                                          f"el/thread, RS {pcfg['RS_dq']}"))
     q_nv = k.nvfp4_quantize(x, "tensor")[0]
     bench("nvfp4 dequantize -> bf16", lambda: k.nvfp4_dequantize(q_nv, bf16), n // 2 + n // 16 + 2 * n)
     bench("amax (per matrix)", lambda: k.matrix_amax(x), n * eb)

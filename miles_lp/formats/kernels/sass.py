@@ -102,13 +102,22 @@ def cases(k: int = 8192) -> dict[str, tuple]:
                     {"x_ptr": "*i16", "M": "i32", "K": "i32", "amax_ptr": "*fp32", "q_ptr": "*u8", "s_ptr": "*u8",
                      "gs_ptr": "*fp32", "d_ptr": "*i16" if ok else "*u8"},
                     {"IN_KIND": 1, "OUT_KIND": ok, "ROWS": 1, "NB": nb, "K_ITERS": 1}, warps, nb * 16)
+    pairs = cfg["nvfp4_pairs"]
+    for tag, dq, ept, rs in (("nvfp4_pairs", 0, pairs["el_per_thread"], pairs["RS"]),
+                             ("nvfp4_pairs_qdq", 1, pairs["el_per_thread_dq"], pairs["RS_dq"])):
+        warps = max(1, min(16, nb * 16 // (32 * ept)))
+        out[tag] = ("nvfp4_rows_pairs_kernel",
+                    {"x_ptr": "*i32", "M": "i32", "K2": "i32", "amax_ptr": "*fp32", "q_ptr": "*u8", "s_ptr": "*u8",
+                     "gs_ptr": "*fp32", "d_ptr": "*i32" if dq else "*u8"},
+                    {"DQ": dq, "NB": nb, "RS": rs, "EVICT": pairs.get("EVICT", 0)}, warps, nb * 16 * rs)
     mx_sig = {"x_ptr": "*i16", "R": "i32", "K": "i32", "M": "i32", **{p: "*u8" for p in (
         "qr_ptr", "sr_ptr", "dr_ptr", "wr_ptr", "qc_ptr", "sc_ptr", "dc_ptr", "wc_ptr")}}
     for tag, row, col, key in (("mxfp8_row", 1, 0, "mxfp8"), ("mxfp8_both", 1, 1, "mxfp8_both")):
         c = cfg[key]
         out[tag] = ("mxfp8_quantize_kernel", mx_sig,
                     {"IN_KIND": 1, "ROW": row, "COL": col, "OUT_KIND": 0, "DQ_ROW": 0, "DQ_COL": 0, "SWZ": 0,
-                     "BMB": c["BMB"], "NB": c["NB"]}, c["num_warps"], c["BMB"] * 32 * c["NB"] * 32)
+                     "BMB": c["BMB"], "NB": c["NB"], "EVICT": c.get("EVICT", 0)}, c["num_warps"],
+                    c["BMB"] * 32 * c["NB"] * 32)
     c = cfg["nvfp4"]
     out["nvfp4_tensor"] = ("nvfp4_quantize_kernel",
                            {"x_ptr": "*i16", "M": "i32", "K": "i32", "amax_ptr": "*fp32", "q_ptr": "*u8",

@@ -157,6 +157,16 @@ def kernel_pairs() -> list[tuple[str, Callable, Callable]]:
             return _nv(q, None if dequant is None else q.dequantize(dequant))
         return ref
 
+    def mx_evict(x):  # evict-first loads / streaming stores (a launch-shape option the sweep may pick)
+        cfg = k.CONFIG["mxfp8_both"]
+        old = dict(cfg)
+        cfg["EVICT"] = 1
+        try:
+            return _mx_both(x)
+        finally:
+            cfg.clear()
+            cfg.update(old)
+
     bf16 = torch.bfloat16
     return [
         # bf16 rows take nvfp4_rows_pairs_kernel (other dtypes the kernel below it): both, and RS = 2 (two rows
@@ -166,6 +176,8 @@ def kernel_pairs() -> list[tuple[str, Callable, Callable]]:
         ("nvfp4 row pairs RS=2 +bf16 deq", nv_row_cfg(bf16, RS_dq=2, el_per_thread_dq=32), nv_row_ref(bf16)),
         ("nvfp4 row pairs RS=2", nv_row_cfg(None, RS=2, el_per_thread=16), nv_row_ref(None)),
         ("nvfp4 row pairs off +bf16 deq", nv_row_cfg(bf16, enabled=False), nv_row_ref(bf16)),
+        ("nvfp4 row pairs EVICT +bf16 deq", nv_row_cfg(bf16, EVICT=1), nv_row_ref(bf16)),
+        ("mxfp8 row+col+deq+swizzle EVICT", mx_evict, _mx_both_ref),
         ("mxfp8 row+col+deq+swizzle", _mx_both, _mx_both_ref),
         ("mxfp8 row+col, col deq only", mx_col_deq_only, mx_col_deq_only_ref),
         ("mxfp8 row+col fp32 deq", lambda x: _mx_both(x, torch.float32), lambda x: _mx_both_ref(x, torch.float32)),
