@@ -388,7 +388,15 @@ class ReferenceEngine:
         from miles_lp.sync.digest import group_fingerprints
 
         self._known([n for ns in groups.values() for n in ns])
-        return group_fingerprints({g: [self._live(n) for n in ns] for g, ns in groups.items()})
+        owner, expected = self._owner, self._expected
+
+        def live(n: str) -> torch.Tensor:  # _live without the detach (only read, under no_grad): ~2,000 per sync
+            module, attr, _ = owner[n]
+            t = _attr(module, attr)
+            dtype = expected[n][0]
+            return t if t.dtype == dtype else t.detach().to(dtype)
+
+        return group_fingerprints({g: [live(n) for n in ns] for g, ns in groups.items()})
 
     def read_weights(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         names = list(names)

@@ -50,3 +50,52 @@ def fingerprint_kernel(base_ptr, meta_ptr, ntensors, wcol_ptr, out_ptr, ROWS: tl
         wrow = (row * -7046029254386353131 + 0x7F4A7C15) | 1  # int64, wrapping
         acc += rs.to(tl.int64) * wrow
     tl.atomic_add(out_ptr + slot, acc * mult)
+
+
+@triton.jit
+def copy_kernel(src_ptr, dst_ptr, meta_ptr, ntensors, ROWS: tl.constexpr, ALIGNED: tl.constexpr):
+    # meta (int64): per tensor [source offset from src_ptr in bytes, nbytes, destination offset in dst_ptr, 0],
+    # then per program [tensor index, first row of 4096 bytes]: many tensors into one buffer, each read in place
+    pid = tl.program_id(0).to(tl.int64)
+    blk = meta_ptr + 4 * ntensors + 2 * pid
+    t = tl.load(blk)
+    r0 = tl.load(blk + 1)
+    ent = meta_ptr + 4 * t
+    soff = tl.load(ent)
+    n = tl.load(ent + 1)
+    doff = tl.load(ent + 2)
+    if ALIGNED:  # offsets and size multiples of 16 bytes: int32 words, vector loads and stores
+        cols = tl.arange(0, 1024)
+        sp = (src_ptr + tl.multiple_of(soff, 16)).to(tl.pointer_type(tl.int32))
+        dp = (dst_ptr + tl.multiple_of(doff, 16)).to(tl.pointer_type(tl.int32))
+        nw = tl.multiple_of(n // 4, 4)
+        for i in tl.static_range(ROWS):
+            w = (r0 + i) * 1024 + cols
+            m = w < nw
+            tl.store(dp + w, tl.load(sp + w, mask=m), mask=m)
+    else:
+        cols = tl.arange(0, 4096)
+        for i in tl.static_range(ROWS):
+            b = (r0 + i) * 4096 + cols
+            m = b < n
+            tl.store(dst_ptr + doff + b, tl.load(src_ptr + soff + b, mask=m), mask=m)
+
+
+@triton.jit
+def ff_count_kernel(base_ptr, meta_ptr, ntensors, out_ptr, ROWS: tl.constexpr):
+    # the fingerprint kernel's tables; adds the number of bytes equal to 0xFF (the staging fill) into the slot
+    pid = tl.program_id(0).to(tl.int64)
+    blk = meta_ptr + 4 * ntensors + 2 * pid
+    t = tl.load(blk)
+    r0 = tl.load(blk + 1)
+    ent = meta_ptr + 4 * t
+    off = tl.load(ent)
+    n = tl.load(ent + 1)
+    slot = tl.load(ent + 2)
+    cols = tl.arange(0, 4096)
+    acc = (r0 * 0).to(tl.int64)
+    for i in tl.static_range(ROWS):
+        b = (r0 + i) * 4096 + cols
+        v = tl.load(base_ptr + off + b, mask=b < n, other=0)
+        acc += tl.sum((v == 255).to(tl.int32), axis=0).to(tl.int64)
+    tl.atomic_add(out_ptr + slot, acc)

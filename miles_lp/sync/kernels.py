@@ -155,6 +155,85 @@ def segment_values(tensors: Sequence[torch.Tensor], slots: Sequence[int], mults:
     return out
 
 
+def ff_counts(tensors: Sequence[torch.Tensor], *, interpret: bool | None = None) -> torch.Tensor:
+    """Bytes equal to 0xFF in each tensor (int64 ``[len(tensors)]`` on their device, no host synchronisation):
+    ``buckets.ff_counts`` (C5's unwritten-byte count) in one or two launches reading each tensor in place."""
+    ts = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    dev = ts[0].device
+    if interpret is None:
+        interpret = dev.type != "cuda"
+    mod = _module(interpret)
+    n = len(ts)
+    meta, launches = _tables(tuple([t.data_ptr() for t in ts]), tuple([t.nbytes for t in ts]), range(n),
+                             (1,) * n, dev)
+    out = torch.zeros(n, dtype=torch.int64, device=dev)
+    for start, nt, nblocks, _, base in launches:
+        mod.ff_count_kernel[(nblocks,)](ts[base].reshape(-1).view(torch.uint8), meta[start:], nt, out, ROWS=ROWS,
+                                        num_warps=NUM_WARPS)
+    return out
+
+
+def _copy_tables(sptrs: tuple[int, ...], sizes: tuple[int, ...], dsts: tuple[int, ...], dst_ptr: int,
+                 device: torch.device):
+    """``copy_into``'s tables (cached by source addresses, sizes, destination offsets and buffer address):
+    ``(meta, [(start word, ntensors, nblocks, aligned, source base index)])``."""
+    import numpy as np
+
+    key = ("copy", str(device), sptrs, sizes, dsts, dst_ptr)
+    hit = _TABLES.get(key)
+    if hit is not None:
+        _TABLES.move_to_end(key)
+        return hit
+    p = np.array(sptrs, dtype=np.uint64)
+    n = np.array(sizes, dtype=np.int64)
+    d = np.array(dsts, dtype=np.int64)
+    aligned = ((p & np.uint64(15)) == 0) & ((n & 15) == 0) & (((d + dst_ptr) & 15) == 0)
+    metas, launches, words = [], [], 0
+    for cls in (True, False):
+        idx = np.nonzero(aligned & (n > 0) if cls else ~aligned & (n > 0))[0]
+        if not idx.size:
+            continue
+        base = int(idx[0])
+        off = (p[idx] - p[base]).astype(np.int64)
+        rows = -(-n[idx] // ROW_BYTES)
+        nblk = -(-rows // ROWS)
+        tens = np.repeat(np.arange(idx.size, dtype=np.int64), nblk)
+        first = np.cumsum(nblk) - nblk
+        r0 = (np.arange(tens.size, dtype=np.int64) - first[tens]) * ROWS
+        ent = np.stack([off, n[idx], d[idx], np.zeros(idx.size, dtype=np.int64)], axis=1).reshape(-1)
+        metas.append(np.concatenate([ent, np.stack([tens, r0], axis=1).reshape(-1)]))
+        launches.append((words, int(idx.size), int(tens.size), cls, base))
+        words += metas[-1].size
+    meta = torch.from_numpy(np.concatenate(metas) if metas else np.zeros(1, dtype=np.int64)).to(device)
+    hit = (meta, launches)
+    _TABLES[key] = hit
+    if len(_TABLES) > _TABLES_MAX:
+        _TABLES.popitem(last=False)
+    return hit
+
+
+def copy_into(buf: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int],
+              sizes: Sequence[int] | None = None, *, interpret: bool | None = None) -> None:
+    """``buf[offsets[i]:offsets[i] + sizes[i]] = the first sizes[i] bytes of sources[i]`` (default: all of
+    them) for every i, in at most two
+    launches (16-byte aligned pieces as int32 vectors, the rest bytewise), each source read in place: the
+    bucket fill without ~4 torch calls per tensor (views, the concatenation). ``buf``: uint8, contiguous, on
+    the sources' device; the caller keeps the ranges disjoint and inside ``buf``."""
+    ts = [t if t.is_contiguous() else t.contiguous() for t in sources]
+    if not ts:
+        return
+    dev = buf.device
+    if interpret is None:
+        interpret = dev.type != "cuda"
+    mod = _module(interpret)
+    meta, launches = _copy_tables(tuple([t.data_ptr() for t in ts]),
+                                  tuple([t.nbytes for t in ts] if sizes is None else sizes),
+                                  tuple(offsets), buf.data_ptr(), dev)
+    for start, nt, nblocks, aligned, base in launches:
+        src = ts[base].reshape(-1).view(torch.uint8)
+        mod.copy_kernel[(nblocks,)](src, buf, meta[start:], nt, ROWS=ROWS, ALIGNED=aligned, num_warps=NUM_WARPS)
+
+
 def selfcheck(device: str = "cpu", seed: int | None = None, large: bool = False) -> dict:
     """The kernel against the torch reference (``digest._chunk_sums``, combined in Python ints) on fresh random
     tensors of awkward sizes (0 bytes, partial words, partial rows, exactly ``ROWS`` rows, one byte more),
@@ -192,6 +271,16 @@ def selfcheck(device: str = "cpu", seed: int | None = None, large: bool = False)
             t = ts[i]
             mismatches.append(f"tensor {i} ({t.dtype}, {list(t.shape)}, {t.nbytes} B, address mod 16 = "
                               f"{t.data_ptr() & 15}): kernel {b:#x}, reference {a:#x}")
+    from miles_lp.sync.buckets import ff_counts_torch
+
+    for t in ts[:6]:  # plant some 0xFF bytes
+        if t.numel() and t.dtype == torch.uint8:
+            t.view(-1)[: max(1, t.numel() // 3)] = 0xFF
+    ref_ff = [int(c) for c in ff_counts_torch([t.cpu() for t in ts]).tolist()]
+    got_ff = ff_counts(ts).cpu().tolist()
+    if ref_ff != got_ff:
+        mismatches.append(f"0xFF counts: kernel {got_ff}, reference {ref_ff}")
+    ref = [int(v) for v in digest._chunk_sums([t.cpu() for t in ts]).tolist()]  # the planted bytes changed them
     nslots = 5
     slots = [rng.randrange(nslots) for _ in ts]
     mults = [digest.member_weight(rng.randrange(1000)) for _ in ts]
@@ -205,6 +294,50 @@ def selfcheck(device: str = "cpu", seed: int | None = None, large: bool = False)
     return {"seed": seed, "device": str(dev), "cases": len(ts), "mismatches": mismatches}
 
 
+def fill_check(device: str = "cpu", seed: int | None = None) -> dict:
+    """``transport.fill_slots`` through ``copy_into`` vs the torch path (``MILES_LP_SYNC_KERNELS=reference``) on
+    a bucket of awkward tensors (sizes 1..40000 bytes, views at odd addresses, a non-contiguous one, stacked
+    views, one slot without a payload): the staging buffers must be equal byte for byte, 0xFF gaps included.
+    Returns ``{"seed", "slots", "mismatched_bytes"}``."""
+    import random
+
+    from miles_lp.sync.buckets import make_buckets
+    from miles_lp.sync.items import Item
+    from miles_lp.sync.transport import fill_slots
+
+    seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    dev = torch.device(device)
+    pool = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8, generator=g).to(dev)  # no 0xFF byte
+    ts = []
+    for n in (1, 3, 16, 17, 4095, 4096, 4097, ROWS * ROW_BYTES + 5, 40000):
+        off = rng.randrange(0, 64)
+        ts.append(pool[off:off + n])
+    ts.append(torch.randn(64, 48, generator=g).to(dev).t())
+    ts.extend(torch.randn(4, 3, 256, generator=g).to(torch.bfloat16).to(dev).unbind(0))
+    items = [Item(f"t{i}", t, f"t{i}", None, "scale" if i % 3 == 0 else "data", f"g{i % 4}")
+             for i, t in enumerate(ts)]
+    (bucket,) = make_buckets([items], 1 << 30)
+    del bucket.payload["t5"]  # a slot nothing writes: stays the 0xFF fill
+    bufs = []
+    for mode in ("auto", "reference"):
+        old = os.environ.get("MILES_LP_SYNC_KERNELS")
+        os.environ["MILES_LP_SYNC_KERNELS"] = mode
+        try:
+            buf = torch.zeros(bucket.nbytes, dtype=torch.uint8, device=dev)
+            fill_slots(buf, bucket)
+            bufs.append(buf.cpu())
+        finally:
+            if old is None:
+                del os.environ["MILES_LP_SYNC_KERNELS"]
+            else:
+                os.environ["MILES_LP_SYNC_KERNELS"] = old
+    bad = int((bufs[0] != bufs[1]).sum())
+    return {"seed": seed, "slots": len(bucket.slots), "mismatched_bytes": bad,
+            "kernel_path": enabled(dev), "ff_bytes": int((bufs[0] == 0xFF).sum())}
+
+
 if __name__ == "__main__":  # python -m miles_lp.sync.kernels [--device cuda] [--large]: one JSON line
     import argparse
     import json
@@ -215,5 +348,6 @@ if __name__ == "__main__":  # python -m miles_lp.sync.kernels [--device cuda] [-
     ap.add_argument("--large", action="store_true")
     a = ap.parse_args()
     res = selfcheck(a.device, a.seed, a.large)
+    res["fill"] = fill_check(a.device, a.seed)
     print(json.dumps(res))
-    raise SystemExit(1 if res["mismatches"] else 0)
+    raise SystemExit(1 if res["mismatches"] or res["fill"]["mismatched_bytes"] else 0)

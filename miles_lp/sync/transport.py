@@ -28,6 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from miles_lp.errors import BackendUnavailable, ConfigError
+from miles_lp.sync import kernels as _kernels
 from miles_lp.sync.buckets import NAN_FILL, Bucket, Slot, iter_received
 from miles_lp.sync.strided import batched_copy
 
@@ -104,6 +105,40 @@ def fill_slots(buf: torch.Tensor, bucket: Bucket, views: dict | None = None) -> 
     received = received_views(buf, bucket.slots, views)
     dev = buf.device
     payload = bucket.payload
+    if buf.is_contiguous() and _kernels.enabled(dev) and all(t.device == dev for t in payload.values()):
+        # one or two Triton launches reading every payload tensor in place (miles_lp.sync.kernels.copy_into):
+        # per slot only its address and size on the host; the gaps and any slot without a payload from the
+        # 0xFF buffer, as below
+        srcs, offs, sizes = [], [], []
+        off = 0
+        for s in bucket.slots:
+            t = payload.get(s.name)
+            if s.offset > off:
+                offs.append(off)
+                sizes.append(s.offset - off)
+                srcs.append(None)
+            if t is None:
+                offs.append(s.offset)
+                sizes.append(s.nbytes)
+                srcs.append(None)
+            else:
+                if t.nbytes != s.nbytes:
+                    raise ValueError(f"bucket payload '{s.name}' has {t.nbytes} bytes, its slot {s.nbytes}")
+                offs.append(s.offset)
+                sizes.append(s.nbytes)
+                srcs.append(t)
+            off = s.offset + s.nbytes
+        if off < buf.numel():
+            offs.append(off)
+            sizes.append(buf.numel() - off)
+            srcs.append(None)
+        gaps = [n for t, n in zip(srcs, sizes, strict=True) if t is None]
+        if gaps:
+            ff = _fill(max(gaps), dev)
+            srcs = [ff if t is None else t for t in srcs]
+        with torch.no_grad():
+            _kernels.copy_into(buf, srcs, offs, sizes)
+        return received
     if all(t.device == dev for t in payload.values()):
         parts: list[torch.Tensor] = []
         off = 0

@@ -92,6 +92,9 @@ def test_ledger_reports_missing_repeated_unexpected_and_unwritten_scales():
     p = ledger.problems()
     assert p["missing"] == ["never"] and p["repeated"] == ["w"] and p["unexpected"] == ["ghost"]
     assert p["unwritten_scale_bytes"] == []
+    dup = Ledger(frozenset({"w"}))  # one name twice within one bucket
+    dup.received(0, [("w", got[0][1]), ("w", got[0][1])], {})
+    assert dup.problems()["repeated"] == ["w"] and dup.writes == {"w": 2}
     # a transport that skipped the scale's bytes leaves the 0xFF fill: detected
     b.payload.pop("s")
     ledger2 = Ledger(frozenset({"w", "s"}))

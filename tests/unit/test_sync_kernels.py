@@ -44,6 +44,9 @@ def test_kernel_equals_the_reference_on_awkward_tensors_in_the_interpreter():
     res = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {}
     assert res.get("cases", 0) >= 20, proc.stderr[-3000:]
     assert res["mismatches"] == [], f"seed {res['seed']}: {res['mismatches'][:5]}"
+    fill = res["fill"]  # the bucket fill through copy_into vs the torch concatenation
+    assert fill["kernel_path"] and fill["slots"] >= 14 and fill["ff_bytes"] > 0
+    assert fill["mismatched_bytes"] == 0, fill
     assert proc.returncode == 0
 
 
@@ -79,6 +82,14 @@ def test_kernel_equals_the_reference_on_cuda():
         pytest.skip("no CUDA device")
     res = kernels.selfcheck("cuda", large=True)
     assert res["mismatches"] == [], f"seed {res['seed']}: {res['mismatches'][:5]}"
+
+
+@pytest.mark.gpu
+def test_bucket_fill_through_the_copy_kernel_equals_the_torch_path_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    res = kernels.fill_check("cuda")
+    assert res["kernel_path"] and res["mismatched_bytes"] == 0, res
 
 
 @pytest.mark.gpu
