@@ -60,7 +60,11 @@ CONFIG = {
     # bf16 per-token rows read as int32 pairs (nvfp4_rows_pairs_kernel; rows up to nvfp4_rows_reg.max_k):
     # 19.1 SASS instructions per element at 64 elements/thread against the kernel above's 25.2 (offline
     # count, `python -m miles_lp.formats.kernels.sass`); RS rows per program, the next one's load in flight.
-    "nvfp4_pairs": {"enabled": True, "el_per_thread": 64, "RS": 1, "el_per_thread_dq": 64, "RS_dq": 1, "EVICT": 0},
+    # The sweep of 12-01c run 1 (42f2f46, [16384, 8192] bf16): quantize 64 el/thread, RS 1: 108.5 us with
+    # EVICT (evict-first loads, streaming stores), 109.4 without (noise); 32: 115.7; RS 2 slower. qdq: 32
+    # el/thread 165.9 us, 64: 175.6, RS 2: 209.8. Bytes checked with exactly these (selfcheck --config).
+    "nvfp4_pairs": {"enabled": True, "el_per_thread": 64, "RS": 1, "el_per_thread_dq": 32, "RS_dq": 1, "EVICT": 1,
+                    "maxnreg": 0, "maxnreg_dq": 0},
     "nvfp4_dq": {"BM": 16, "NB": 8, "num_warps": 4},
     "amax": {"BM": 32, "BK": 256, "num_warps": 4},
 }
@@ -162,13 +166,14 @@ _SITES: dict[tuple, tuple] = {}  # plan key -> (compiled kernel, constexpr value
 
 
 def _launch(mod, name: str, grid: tuple, args: tuple, num_warps: int, site: tuple | None = None,
-            **consts) -> None:
+            maxnreg: int = 0, **consts) -> None:
     """``mod.<name>[grid](*args, **consts, num_warps=num_warps)``, through the cached launcher when it can.
 
     ``args`` are the kernel's runtime parameters in signature order and ``consts`` its constexprs (which
     follow them in every kernel of ``_triton.py``). ``site``: a key the caller guarantees to determine the
     launch's whole specialization (a plan key: shapes, dtypes, pointer alignment of every argument not
     freshly allocated); then the launcher is looked up by it directly, without ``_spec(args)``.
+    ``maxnreg`` > 0: ptxas' register cap per thread (more programs resident per SM; CUDA only).
     """
     if site is not None and _FAST_LAUNCH:
         ent = _SITES.get(site)
@@ -179,19 +184,22 @@ def _launch(mod, name: str, grid: tuple, args: tuple, num_warps: int, site: tupl
                    None, *args, *const_vals)
             return
     fn = getattr(mod, name)
+    opts = {"num_warps": num_warps}
+    if maxnreg and args and isinstance(args[0], torch.Tensor) and args[0].is_cuda:
+        opts["maxnreg"] = maxnreg
     if not _FAST_LAUNCH or not args or not isinstance(args[0], torch.Tensor) or not args[0].is_cuda:
-        fn[grid](*args, **consts, num_warps=num_warps)
+        fn[grid](*args, **consts, **opts)
         return
     if _hooks_set():
-        fn[grid](*args, **consts, num_warps=num_warps)
+        fn[grid](*args, **consts, **opts)
         return
     dev = args[0].device.index
-    key = (name, dev, num_warps, tuple(consts.items()), _spec(args))
+    key = (name, dev, num_warps, maxnreg, tuple(consts.items()), _spec(args))
     ent = _LAUNCHERS.get(key)
     if ent is not None and site is not None:
         _SITES[site] = ent
     if ent is None:
-        ck = fn[grid](*args, **consts, num_warps=num_warps)  # compiles (first time) and launches
+        ck = fn[grid](*args, **consts, **opts)  # compiles (first time) and launches
         if hasattr(ck, "result"):
             ck = ck.result()
         rest = fn.arg_names[len(args):]
@@ -490,7 +498,8 @@ def nvfp4_quantize(x: torch.Tensor, scope: str = "tensor", *, amax: torch.Tensor
         if path == "pairs":
             d32 = d.view(torch.int32) if out_kind else d
             args = (xi.view(torch.int32), m, k // 2, amax_flat, q, s, gs, d32)
-            _launch(mod, "nvfp4_rows_pairs_kernel", plan["grid"], args, plan["warps"], site=key, **plan["consts"])
+            _launch(mod, "nvfp4_rows_pairs_kernel", plan["grid"], args, plan["warps"], site=key,
+                    maxnreg=plan["maxnreg"], **plan["consts"])
         else:
             _launch(mod, "nvfp4_quantize_rows_kernel", plan["grid"], (xi, m, k, amax_flat, q, s, gs, d),
                     plan["warps"], site=key, **plan["consts"])
@@ -526,7 +535,8 @@ def _nvfp4_plan(x, scope: str, given: bool, block_2d: bool, dequant_dtype) -> di
         ept, rs = (pairs["el_per_thread_dq"], pairs["RS_dq"]) if out_kind else (pairs["el_per_thread"], pairs["RS"])
         plan.update(path="pairs", grid=(triton_cdiv(m, rs), mats),
                     warps=max(1, min(16, nb * NVFP4_BLOCK // (32 * ept))),
-                    consts=dict(DQ=bool(out_kind), NB=nb, RS=rs, EVICT=pairs.get("EVICT", 0)))
+                    consts=dict(DQ=bool(out_kind), NB=nb, RS=rs, EVICT=pairs.get("EVICT", 0)),
+                    maxnreg=pairs.get("maxnreg_dq" if out_kind else "maxnreg", 0))
     elif per_row and not given:
         cfg = CONFIG["nvfp4_rows"]
         rows, nb, warps = cfg["ROWS"], cfg["NB"], cfg["num_warps"]

@@ -53,13 +53,15 @@ def _sweep(kernels, x, amax_t, log) -> None:
          lambda: kernels.nvfp4_quantize(x, "tensor", amax=amax_t))
     best("nvfp4_2d", [{"TA": a, "NB": n, "num_warps": w} for a in (1, 2) for n in (8, 16) for w in (1, 2, 4)],
          lambda: kernels.nvfp4_quantize(x, "tensor", amax=amax_t, block_2d=True))
-    pairs = [{"enabled": True, "el_per_thread": e, "RS": r, "el_per_thread_dq": e, "RS_dq": r, "EVICT": v}
-             for e in (32, 64, 128) for r in (1, 2) for v in (0, 1) if e * r <= 128]
+    # (elements/thread, rows/program, ptxas register cap): the cap trades spills for programs per SM
+    shapes = [(64, 1, 0), (64, 1, 80), (64, 1, 72), (32, 1, 0), (32, 2, 0), (32, 2, 80), (128, 1, 0)]
     if x.dtype == torch.bfloat16:  # the bf16 per-token kernel: quantize only, then with the bf16 decode
+        ev = kernels.CONFIG["nvfp4_pairs"].get("EVICT", 1)
+        pairs = [{**kernels.CONFIG["nvfp4_pairs"], "el_per_thread": e, "RS": r, "maxnreg": c, "EVICT": v}
+                 for e, r, c in shapes for v in {ev, 1 - ev}]
         best("nvfp4_pairs", pairs, lambda: kernels.nvfp4_quantize(x, "row"))
         q_cfg = kernels.CONFIG["nvfp4_pairs"]
-        best("nvfp4_pairs", [{**q_cfg, "el_per_thread_dq": v["el_per_thread"], "RS_dq": v["RS"]} for v in pairs
-                             if v["EVICT"] == q_cfg["EVICT"]],
+        best("nvfp4_pairs", [{**q_cfg, "el_per_thread_dq": e, "RS_dq": r, "maxnreg_dq": c} for e, r, c in shapes],
              lambda: kernels.nvfp4_quantize(x, "row", dequant_dtype=torch.bfloat16))
     old = kernels.CONFIG["nvfp4_pairs"]["enabled"]
     kernels.CONFIG["nvfp4_pairs"]["enabled"] = False

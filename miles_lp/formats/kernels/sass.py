@@ -79,6 +79,14 @@ def resources(ck) -> dict:
     return {"registers": int(m.group(1)), "stack": int(m.group(2)), "shared": int(m.group(3))} if m else {}
 
 
+def main_body(lines: list[str]) -> list[str]:
+    """The kernel's own code: up to its last EXIT. What follows are subroutines (the slow path of the exact
+    fp32 division, ``div.rn.f32``, taken only for denormal / huge operands), counted by ``histogram`` but
+    not executed on ordinary inputs."""
+    last = max((i for i, ln in enumerate(lines) if re.search(r"\bEXIT\b", ln)), default=len(lines) - 1)
+    return lines[:last + 1]
+
+
 def histogram(lines: list[str]) -> collections.Counter:
     c: collections.Counter = collections.Counter()
     for ln in lines:
@@ -138,11 +146,15 @@ def report(names: list[str] | None = None, dump: str | None = None, out=sys.stdo
         total = sum(hist.values())
         per_el = total / (elems / (32 * warps))
         rs = resources(ck)
+        body = sum(histogram(main_body(lines)).values())
+        per_body = body / (elems / (32 * warps))
         res[tag] = {"instructions": total, "elements_per_thread": elems / (32 * warps), "per_element": per_el,
+                    "body_instructions": body, "body_per_element": per_body,
                     "num_warps": warps, **rs, "histogram": dict(hist.most_common())}
         top = ", ".join(f"{op} {n}" for op, n in hist.most_common(14))
         print(f"{tag:16s} {name} warps={warps} elements/thread={elems // (32 * warps)} SASS={total} "
-              f"-> {per_el:.1f} per element; regs {rs.get('registers')} stack {rs.get('stack')}; {top}", file=out)
+              f"-> {per_el:.1f} per element ({per_body:.1f} without the division slow-path subroutine); "
+              f"regs {rs.get('registers')} stack {rs.get('stack')}; {top}", file=out)
         if dump:
             os.makedirs(dump, exist_ok=True)
             with open(os.path.join(dump, f"{tag}.sass"), "w") as f:
