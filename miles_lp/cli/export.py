@@ -36,7 +36,8 @@ def add_arguments(p) -> None:
     p.add_argument("--bf16-pattern", "--extra-high-precision-layers-hf", dest="bf16_patterns", action="append",
                    default=[], metavar="PAT", help="keep tensors matching PAT BF16 (repeatable; with --format)")
     p.add_argument("--target", choices=TARGETS, default="sglang", help="engine naming and config (default sglang)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the learner runs (default cpu)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="where the learner runs (default: cpu; with --run-dir, the run's train.device)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT once the new one is complete")
     p.add_argument("--max-shard-size", default=None, metavar="SIZE",
                    help="output shard size limit, e.g. 2GB (default: the largest input shard)")
@@ -76,7 +77,7 @@ def _hf_learner(args):
     from miles_lp.cli.convert import build_policy
     from miles_lp.export.writer import learner_from_hf
 
-    return learner_from_hf(args.hf_checkpoint, build_policy(args), device=args.device)
+    return learner_from_hf(args.hf_checkpoint, build_policy(args), device=args.device or "cpu")
 
 
 def _run_learner(args):
@@ -95,7 +96,16 @@ def _run_learner(args):
     if not rd.recipe_path.is_file():
         raise ConfigError(f"--run-dir {args.run_dir}: no recipe.yaml there; is it a `miles-lp run` folder?")
     recipe = load_recipe(rd.recipe_path)
+    if args.device is not None:  # the learner is rebuilt where asked, not where the run trained
+        import dataclasses
+
+        recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, device=args.device))
     model_dir = Path(rd.info()["model_dir"])
+    if not model_dir.is_dir() and (rd.path / "model").is_dir():  # a relative path recorded by an older run
+        model_dir = rd.path / "model"
+    if not model_dir.is_dir():
+        raise ConfigError(f"--run-dir {args.run_dir}: the run's model folder {model_dir} (run.json model_dir) does "
+                          "not exist here; the learner is rebuilt on it before the checkpoint is loaded: restore that folder")
 
     def load():
         learner = make_learner(recipe, model_dir, plan_for(recipe, model_dir))

@@ -19,6 +19,8 @@ An engine that dies breaks the group: ``reconnect`` builds a new one with the ne
 gives the learner's ``WeightSync`` the new remote engine and transport; the caller then runs ``initial_sync``
 (full resync), as for the other transports. A collective waits at most ``TIMEOUT_S`` for a dead peer.
 
+Refused with the Megatron learner: its actor's default group is Megatron's world, which the sync group would
+replace (a non-default communicator, as vLLM's ``StatelessProcessGroup``, is the lasting fix; not built).
 One engine rank: tensor-parallel engine ranks would join the same broadcast (``BroadcastReceiver`` on each),
 which is not built. NCCL needs the two actors on different GPUs (``ray.placement: split``); on one GPU use
 ``cuda_ipc``. The NCCL variant has not run here (no machine with two GPUs is lent); gloo runs in the tests.
@@ -45,6 +47,10 @@ def check_broadcast(recipe: Any) -> None:
     if not recipe.ray.enabled:
         raise ConfigError(f"sync.transport: {name} broadcasts between the learner and engine processes; set "
                           "ray.enabled: true (or use inprocess in one process)")
+    if recipe.train.backend == "megatron":
+        raise ConfigError(f"sync.transport: {name} with train.backend: megatron is not built: the sync group would "
+                          "replace the Megatron learner's own torch.distributed world in its actor; use "
+                          "sync.transport: ray (or train.backend: embedded)")
     devices = (str(recipe.train.device), str(getattr(recipe.rollout, "device", "auto")))
     if name == "nccl":
         if "cpu" in devices:
@@ -188,7 +194,7 @@ class ActorSync:
             report, self.sentinel, self.expected_version = ray.get(
                 self.learner_actor.run_sync.remote(self.sentinel, initial))
         except ray.exceptions.RayTaskError as exc:
-            if not _alive(self.engine_actor):  # the engine died under the sync: the run decides (checkpoint, stop)
+            if not actor_alive(self.engine_actor):  # the engine died under the sync: the run decides (checkpoint, stop)
                 raise EngineDied(f"the rollout actor died during the weight sync ({exc.cause})", "sync") from exc
             raise
         return report
@@ -208,7 +214,7 @@ class ActorSync:
             pass
 
 
-def _alive(actor: Any) -> bool:
+def actor_alive(actor: Any) -> bool:
     import ray
 
     try:

@@ -26,7 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from miles_lp.errors import ConfigError
-from miles_lp.launch.actor_sync import BROADCAST, ActorSync, EngineSyncSide, LearnerSyncSide, check_broadcast
+from miles_lp.launch.actor_sync import (
+    BROADCAST,
+    ActorSync,
+    EngineSyncSide,
+    LearnerSyncSide,
+    actor_alive,
+    check_broadcast,
+)
 from miles_lp.launch.recipe import Recipe
 from miles_lp.launch.wire import pack, unpack
 from miles_lp.rl.step import RunError
@@ -45,7 +52,7 @@ class EngineDied(RunError):
 # ---------------------------------------------------------------------------------------------------------
 class LearnerWorker(LearnerSyncSide):
     def __init__(self, recipe_yaml: str, source: str, model_dir: str, plan_json: str | None, threads: int,
-                 learner_state_dir: str | None):
+                 learner_state_dir: str | None, with_reference: bool = False):
         import torch
 
         from miles_lp.config import load_yaml_text
@@ -65,6 +72,14 @@ class LearnerWorker(LearnerSyncSide):
             from miles_lp.train.state_io import load_learner_state
 
             self.learner.load_state_dict(load_learner_state(learner_state_dir))
+        self.reference = None
+        if with_reference:  # as the in-process run builds it: a frozen BF16 EmbeddedTrainer on the learner's device
+            from miles_lp.train.embedded import EmbeddedTrainer
+
+            self.reference = EmbeddedTrainer(Path(model_dir), None, recipe.train)
+
+    def reference_logprobs(self, batch):
+        return pack(self.reference.logprobs(unpack(batch)))
 
     def call(self, name: str, *args, **kwargs):
         return pack(getattr(self.learner, name)(*unpack(args), **unpack(kwargs)))
@@ -181,6 +196,18 @@ class LearnerProxy:
         return self._call("load_state_dict", state)
 
 
+class ReferenceProxy:
+    """The frozen reference that lives in the learner actor (its devices, built as the in-process run builds it)."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    def logprobs(self, batch):
+        import ray
+
+        return unpack(ray.get(self.actor.reference_logprobs.remote(pack(batch))))
+
+
 class EngineProxy:
     """Every ``Engine`` method forwarded to the rollout actor; a dead actor raises ``EngineDied``."""
 
@@ -282,6 +309,13 @@ class RayRun:
 
     def __init__(self, recipe: Recipe, run_dir, *, resume: bool, start_step: int, loop_state: dict,
                  learner_state_dir: str | None):
+        try:
+            self._build(recipe, run_dir, start_step, loop_state, learner_state_dir)
+        except BaseException:  # no actor or placement group outlives a run that failed to start
+            self.close()
+            raise
+
+    def _build(self, recipe: Recipe, run_dir, start_step: int, loop_state: dict, learner_state_dir: str | None):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -298,14 +332,16 @@ class RayRun:
         self.model_dir = prepare_model(recipe.model, run_dir.path / "model")
         self.plan = plan_for(recipe, self.model_dir)
         self.task = make_task(recipe.task, vocab_size(self.model_dir))
-        if recipe.sampler_precision is not None:
-            raise ConfigError("sampler_precision (a comparison arm) runs without Ray only so far: the sampler's own "
-                              "re-quantization reads the learner's master weights in-process; set ray.enabled: false")
         self.engine_ckpt, _, _ = engine_side(recipe, self.model_dir, self.plan, run_dir.path / "engine_init")
         bundles = _bundles(recipe)
         strategy = "PACK" if len(bundles) == 1 else "SPREAD"
         self.pg = placement_group(bundles, strategy=strategy)
-        ray.get(self.pg.ready(), timeout=120)
+        try:
+            ray.get(self.pg.ready(), timeout=120)
+        except ray.exceptions.GetTimeoutError:
+            raise ConfigError(f"ray: the placement group {bundles} ({recipe.ray.placement}) was not granted in 120 s; "
+                              f"the cluster has {ray.available_resources()} free: lower ray.learner / ray.rollout "
+                              "num_cpus / num_gpus or add nodes") from None
         self._rollout_bundle = 0 if len(bundles) == 1 else 1
 
         def opts(res, bundle):
@@ -316,15 +352,9 @@ class RayRun:
         threads = int(max(1, recipe.ray.learner.num_cpus))
         self.learner_actor = ray.remote(LearnerWorker).options(**opts(recipe.ray.learner, 0)).remote(
             self._yaml, self._source, str(self.model_dir), None if self.plan is None else self.plan.to_json(),
-            threads, learner_state_dir)
+            threads, learner_state_dir, recipe.rl.kl_coef > 0)
         self.learner = LearnerProxy(self.learner_actor, self.plan)
-        self.reference = None
-        if recipe.rl.kl_coef > 0:  # the frozen BF16 reference shares the learner's bundle (no CPUs of its own)
-            ref = ray.remote(LearnerWorker).options(**{**opts(recipe.ray.learner, 0), "num_cpus": 0,
-                                                       "num_gpus": 0}).remote(
-                self._yaml, self._source, str(self.model_dir), None, threads, None)
-            self.reference = LearnerProxy(ref, None)
-            self.reference_actor = ref
+        self.reference = ReferenceProxy(self.learner_actor) if recipe.rl.kl_coef > 0 else None
         self.engine_actor = self._start_engine()
         self.engine = EngineProxy(self.engine_actor)
         if recipe.sync.transport in BROADCAST:  # the sync runs in the learner actor, bytes straight to the engine's
@@ -384,16 +414,22 @@ class RayRun:
         from miles_lp.rl.step import grpo_step
 
         step = self.step
+        learner_at = self.learner.step  # to tell "died before any update" (re-run the step) from after
         while True:
             try:
                 m = grpo_step(self.parts, step)
                 break
-            except EngineDied as exc:
-                if exc.method != "generate" or self.restarts >= MAX_ENGINE_RESTARTS:
-                    self.step = step + (exc.method != "generate")
-                    ck = self.checkpoint() if exc.method != "generate" else self.dir.latest()
-                    raise RunError(f"step {step}: {exc}; stopped (engine restarts so far: {self.restarts}); resume "
-                                   f"from {ck or 'the start'} with --resume {self.dir.path}") from exc
+            except Exception as exc:
+                # the sync wraps an engine's failure (SyncAbortedError): ask the actor, not the exception type
+                if not isinstance(exc, EngineDied) and actor_alive(self.engine_actor):
+                    raise
+                moved = self.learner.step != learner_at
+                if moved or self.restarts >= MAX_ENGINE_RESTARTS:
+                    self.step = step + int(moved)
+                    ck = self.checkpoint() if moved else self.dir.latest()
+                    raise RunError(f"step {step}: the rollout actor died ({type(exc).__name__}: {exc}); stopped "
+                                   f"(engine restarts so far: {self.restarts}); resume from {ck or 'the start'} "
+                                   f"with --resume {self.dir.path}") from exc
                 print(f"miles-lp run: step {step}: {exc}; restarting the engine and resyncing every tensor",
                       file=sys.stderr)
                 self.restart_engine()
@@ -405,8 +441,7 @@ class RayRun:
 
         if isinstance(getattr(self, "sync", None), ActorSync):
             self.sync.close()
-        for a in (getattr(self, "engine_actor", None), getattr(self, "learner_actor", None),
-                  getattr(self, "reference_actor", None)):
+        for a in (getattr(self, "engine_actor", None), getattr(self, "learner_actor", None)):
             if a is not None:
                 try:
                     ray.kill(a)
@@ -414,7 +449,7 @@ class RayRun:
                     pass
         try:
             remove_placement_group(self.pg)
-        except Exception:
+        except Exception:  # never created (a start that failed earlier) or already removed
             pass
 
 
@@ -444,9 +479,13 @@ def run_with_ray(recipe: Recipe, *, resume: str | None = None, run_name: str | N
             name = run_name or recipe.logging.run_name or (
                 f"{Path(recipe.source).stem}-ray-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
             rd = RunDir.create(recipe.logging.output_dir, name)
-            run = RayRun(recipe, rd, resume=False, start_step=0, loop_state={}, learner_state_dir=None)
+            try:
+                run = RayRun(recipe, rd, resume=False, start_step=0, loop_state={}, learner_state_dir=None)
+            except BaseException:  # failed or interrupted while starting: no half-made run folder
+                rd.discard_unstarted()
+                raise
             rd.write_header(recipe.to_yaml(), None if run.plan is None else run.plan.to_json(),
-                            {"plan_hash": None if run.plan is None else run.plan.hash, "model_dir": str(run.model_dir),
+                            {"plan_hash": None if run.plan is None else run.plan.hash, "model_dir": str(Path(run.model_dir).resolve()),
                              "recipe_source": recipe.source, "created": time.time(), "steps": recipe.steps,
                              "ray": dataclasses.asdict(recipe.ray)})
         rows = []

@@ -215,7 +215,8 @@ def _is_moe_model(model: ModelConfig) -> bool | None:
 
 
 def _check_routing_replay(model: ModelConfig, train: TrainConfig, rl: RLConfig, where: Where) -> None:
-    """``rl.routing_replay`` needs an MoE model and a learner with the replay hook (the embedded trainer)."""
+    """``rl.routing_replay`` needs an MoE model and a learner with the replay hook (``REPLAY_BACKENDS``: the
+    embedded trainer and the Megatron learner)."""
     if not rl.routing_replay:
         return
     from miles_lp.train.routing_replay import REPLAY_BACKENDS
@@ -242,6 +243,23 @@ def _check_param_dtype(train: TrainConfig, rollout: Any, where: Where) -> None:
                           "engine computes the same policy")
 
 
+def _check_combinations(data: dict[str, Any], train: TrainConfig, rollout: Any, rl: RLConfig, ray: RayConfig,
+                        w: Where) -> None:
+    """Sections that parse alone but cannot run together: refused here, before anything is built."""
+    if data.get("sampler_precision") is not None:
+        where = w.child("sampler_precision")
+        if ray.enabled:
+            raise where.error("a comparison arm runs without Ray only so far (the sampler's own re-quantization "
+                              "reads the learner's master weights in-process); set ray.enabled: false")
+        if train.backend != "embedded":
+            raise where.error(f"a comparison arm re-quantizes the embedded trainer's weights by their HF names; the "
+                              f"{train.backend} learner's are not (yet): use train.backend: embedded")
+    if rl.routing_replay and getattr(rollout, "backend", "reference") == "vllm":
+        raise w.child("rl").child("routing_replay").error(
+            "routing replay needs the routed experts of every generated token, which vLLM's offline engine does not "
+            "report; use rollout.backend: reference (or sglang, which returns them) or set rl.routing_replay: false")
+
+
 def parse_recipe(doc: YamlDoc) -> Recipe:
     """Build a ``Recipe`` from a loaded YAML document; every section is validated here."""
     from miles_lp.policy import parse_policy
@@ -261,6 +279,8 @@ def parse_recipe(doc: YamlDoc) -> Recipe:
     _check_routing_replay(model, train, rl, w.child("rl").child("routing_replay"))
     rollout = _rollout(data.get("rollout"), w.child("rollout"))
     _check_param_dtype(train, rollout, w.child("train").child("param_dtype"))
+    ray = parse_dataclass(RayConfig, data.get("ray"), w.child("ray"))
+    _check_combinations(data, train, rollout, rl, ray, w)
     return Recipe(
         model=model,
         precision=parse_policy(data["precision"], w.child("precision")),
@@ -270,7 +290,7 @@ def parse_recipe(doc: YamlDoc) -> Recipe:
         sync=_sync(data.get("sync"), w.child("sync")),
         rl=rl,
         task=parse_dataclass(TaskConfig, data.get("task"), w.child("task")),
-        ray=parse_dataclass(RayConfig, data.get("ray"), w.child("ray")),
+        ray=ray,
         logging=parse_dataclass(LoggingConfig, data.get("logging"), w.child("logging")),
         steps=_int(data["steps"], w.child("steps"), 1),
         seed=_int(data.get("seed", 0), w.child("seed"), 0),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,7 +34,10 @@ KEEP = 2  # checkpoints kept (the newest two: one may be mid-write when a failur
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        tmp.write_text(text)
+        with tmp.open("w") as f:  # on disk before the rename: a power loss cannot leave the new name empty
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         if tmp.exists():
@@ -49,10 +53,21 @@ class RunDir:
     def create(cls, root: str | Path, name: str) -> RunDir:
         path = Path(root) / name
         if path.exists() and any(path.iterdir()):
-            raise ConfigError(f"run folder {path} exists and is not empty; choose another logging.run_name or "
-                              f"continue it with --resume {path}")
+            if (path / "checkpoints" / LATEST).is_file():
+                raise ConfigError(f"run folder {path} exists and holds a run; choose another logging.run_name or "
+                                  f"continue it with --resume {path}")
+            raise ConfigError(f"run folder {path} exists, is not empty and holds no checkpoint to resume from; "
+                              "choose another logging.run_name or remove that folder")
         path.mkdir(parents=True, exist_ok=True)
         return cls(path)
+
+    def discard_unstarted(self) -> None:
+        """Remove this folder if the run never got as far as a metrics row or a checkpoint (it failed to
+        start, or was interrupted while starting): no half-made run folder is left behind."""
+        started = (self.checkpoints / LATEST).is_file() or (
+            self.metrics_path.is_file() and self.metrics_path.stat().st_size > 0)
+        if not started:
+            shutil.rmtree(self.path, ignore_errors=True)
 
     def write_header(self, recipe_yaml: str, plan_json: str | None, info: Mapping[str, Any]) -> None:
         _write_atomic(self.path / "recipe.yaml", recipe_yaml)
@@ -82,9 +97,26 @@ class RunDir:
             os.fsync(f.fileno())
 
     def read_metrics(self) -> list[dict[str, Any]]:
+        """The rows of ``metrics.jsonl``. A last line that does not parse can only be an append that a kill or a
+        full disk interrupted: it is dropped, with a warning (a resume re-runs that step). A bad line before
+        the last is damage: an error naming the file and line."""
         if not self.metrics_path.is_file():
             return []
-        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+        lines = self.metrics_path.read_text().splitlines()
+        rows = []
+        for i, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                if i == len(lines) - 1:
+                    print(f"miles-lp: {self.metrics_path}:{i + 1}: dropping a torn last line (an interrupted "
+                          "append)", file=sys.stderr)
+                    break
+                raise CheckpointError(f"{self.metrics_path}:{i + 1}: not a JSON metrics row ({exc.msg}); the file "
+                                      "is damaged: repair or remove that line") from None
+        return rows
 
     def truncate_metrics(self, before_step: int) -> None:
         """Keep only steps < ``before_step`` (a resume re-runs the steps after its checkpoint)."""

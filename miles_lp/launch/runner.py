@@ -184,7 +184,6 @@ class Run:
         from miles_lp.launch.actor_sync import check_broadcast
         from miles_lp.launch.model import prepare_model, vocab_size
         from miles_lp.rl.tasks import make_task
-        from miles_lp.sync import WeightSync
 
         check_broadcast(recipe)  # nccl / gloo: the learner and engine in actors of their own (ray.enabled)
         self.recipe, self.dir = recipe, run_dir
@@ -192,6 +191,16 @@ class Run:
         self.plan = plan_for(recipe, self.model_dir)
         self.task = make_task(recipe.task, vocab_size(self.model_dir))
         self.learner = make_learner(recipe, self.model_dir, self.plan)
+        try:
+            self._build(recipe, run_dir, start_step, learner_state, loop_state, build_engine)
+        except BaseException:  # no engine process or Megatron group outlives a run that failed to start
+            self.close()
+            raise
+
+    def _build(self, recipe: Recipe, run_dir: RunDir, start_step: int, learner_state, loop_state,
+               build_engine: Callable | None) -> None:
+        from miles_lp.sync import WeightSync
+
         if learner_state is not None:
             self.learner.load_state_dict(learner_state)
         self.reference = None
@@ -211,11 +220,7 @@ class Run:
         loop_state = dict(loop_state or {})
         if "sentinel" in loop_state:  # the C6 streaks, so a resumed run trips exactly when a straight one would
             self.sync.sentinel.load_state_dict(loop_state["sentinel"])
-        try:
-            self.initial = self.sync.initial_sync(self.learner)
-        except BaseException:  # an engine process (vLLM) must not outlive a run that failed to start
-            self.close()
-            raise
+        self.initial = self.sync.initial_sync(self.learner)
         # the engine's version counts syncs since ITS start; report the run's count
         self.version_offset = int(loop_state.get("engine_weight_version", 0))
         self.step = start_step
@@ -230,9 +235,13 @@ class Run:
         name = run_name or recipe.logging.run_name or (
             f"{Path(recipe.source).stem}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
         rd = RunDir.create(recipe.logging.output_dir, name)
-        run = cls(recipe, rd, **kw)
+        try:
+            run = cls(recipe, rd, **kw)
+        except BaseException:  # failed or interrupted while starting: no half-made run folder
+            rd.discard_unstarted()
+            raise
         rd.write_header(recipe.to_yaml(), None if run.plan is None else run.plan.to_json(),
-                        {"plan_hash": None if run.plan is None else run.plan.hash, "model_dir": str(run.model_dir),
+                        {"plan_hash": None if run.plan is None else run.plan.hash, "model_dir": str(Path(run.model_dir).resolve()),
                          "recipe_source": recipe.source, "created": time.time(), "steps": recipe.steps,
                          "miles_lp_version": _version()})
         return run
@@ -352,7 +361,8 @@ class Run:
         return out
 
     def close(self) -> None:
-        for part in (self.engine, self.learner):  # the engine's threads, the Megatron learner's process group
+        # the engine's threads / process, the Megatron learner's process group (also for a half-built run)
+        for part in (getattr(self, "engine", None), getattr(self, "learner", None)):
             close = getattr(part, "close", None)
             if close is not None:
                 close()

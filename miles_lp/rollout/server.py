@@ -131,6 +131,7 @@ class EngineServer(ThreadingHTTPServer):
 
 
 class _Handler(BaseHTTPRequestHandler):
+    timeout = 300  # seconds a client may stall mid-request before its handler thread is freed (socket timeout)
     server: EngineServer
     protocol_version = "HTTP/1.1"
 
@@ -157,12 +158,23 @@ class _Handler(BaseHTTPRequestHandler):
         got = self.headers.get("Authorization", "")
         return got.startswith("Bearer ") and hmac.compare_digest(got[7:].encode(), key.encode())
 
-    def _body(self, limit: int) -> bytes:
+    def _content_length(self) -> int | None:
+        """The request's Content-Length, or None if absent; anything but a decimal count is a bad request (a
+        negative one would make ``rfile.read`` wait for the client to hang up)."""
         n = self.headers.get("Content-Length")
         if n is None:
+            return None
+        if not n.strip().isdigit():
+            self.close_connection = True  # the body's end is unknown: this connection cannot be reused
+            raise BadRequest(f"Content-Length {n!r} is not a byte count")
+        return int(n)
+
+    def _body(self, limit: int) -> bytes:
+        n = self._content_length()
+        if n is None:
             raise BadRequest("Content-Length is required")
-        n = int(n)
         if n > limit:
+            self.close_connection = True  # the body is not read: the next bytes are not a request
             raise BadRequest(f"request body of {n} bytes is over the limit of {limit}")
         return self.rfile.read(n)
 
@@ -181,10 +193,12 @@ class _Handler(BaseHTTPRequestHandler):
     def _dispatch(self, table: dict) -> None:
         url = urllib.parse.urlsplit(self.path)
         if not self._authorized(url.path):
-            # drain the body so the connection stays usable
-            n = int(self.headers.get("Content-Length") or 0)
-            if 0 < n <= MAX_JSON_BYTES:
-                self.rfile.read(n)
+            # drain a small body so the connection stays usable; otherwise close it
+            n = self.headers.get("Content-Length", "0").strip()
+            if n.isdigit() and int(n) <= MAX_JSON_BYTES:
+                self.rfile.read(int(n))
+            else:
+                self.close_connection = True
             self._error(HTTPStatus.UNAUTHORIZED, "missing or wrong API key (Authorization: Bearer ...)")
             return
         fn = table.get(url.path)

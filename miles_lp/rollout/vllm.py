@@ -34,6 +34,7 @@ import secrets
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -89,17 +90,33 @@ class VLLMEngine:
         out = self._log or subprocess.DEVNULL
         self._proc = subprocess.Popen([python, "-m", "miles_lp.rollout.vllm_worker"], env=env, cwd=self._tmp.name,
                                       stdout=out, stderr=self._log or None)
-        self._listener._listener._socket.settimeout(start_timeout_s)
-        try:
-            self._conn = self._listener.accept()
-        except OSError as exc:
-            self._proc.kill()
-            raise EngineError(f"the vLLM engine process did not connect within {start_timeout_s:.0f} s ({exc})") from None
-        ready = self._recv()
-        if not ready.get("ok"):
+        try:  # a failed start leaves no process, socket folder or open log behind
+            self._conn = self._accept(start_timeout_s, log_path)
+            ready = self._recv()
+            if not ready.get("ok"):
+                raise EngineError(f"vLLM could not load {checkpoint}: {ready.get('error')}")
+        except BaseException:
             self.close()
-            raise EngineError(f"vLLM could not load {checkpoint}: {ready.get('error')}")
+            raise
         self.start_seconds = ready.get("seconds")
+
+    def _accept(self, timeout_s: float, log_path: str | Path | None):
+        """The worker's connection; a worker that exits first is reported at once, with its exit code and the
+        end of its log (a broken venv should not cost the whole start timeout)."""
+
+        self._listener._listener._socket.settimeout(1.0)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self._listener.accept()
+            except TimeoutError:
+                pass
+            code = self._proc.poll()
+            where = f"; the end of its log ({log_path}):\n{_tail(log_path)}" if log_path else " (its stderr is above)"
+            if code is not None:
+                raise EngineError(f"the vLLM engine process exited with code {code} before it connected{where}")
+            if time.monotonic() > deadline:
+                raise EngineError(f"the vLLM engine process did not connect within {timeout_s:.0f} s{where}")
 
     # ---- channel ---------------------------------------------------------------------------------
     def _recv(self) -> dict:
@@ -262,7 +279,7 @@ class VLLMEngine:
 
     def close(self) -> None:
         try:
-            if self._proc.poll() is None:
+            if self._proc.poll() is None and hasattr(self, "_conn"):
                 self._call("shutdown")
         except EngineError:
             pass
@@ -275,6 +292,13 @@ class VLLMEngine:
             self._tmp.cleanup()
             if self._log is not None:
                 self._log.close()
+
+
+def _tail(path: str | Path | None, lines: int = 15) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(unreadable)"
 
 
 if __name__ == "__main__":  # pragma: no cover - a manual smoke run: python -m miles_lp.rollout.vllm CKPT

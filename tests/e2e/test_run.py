@@ -95,6 +95,21 @@ def _export_run_dir_is_the_trained_grid(rd: RunDir, tmp_path) -> None:
                  "--output", str(tmp_path / "x")]) == 2
 
 
+def test_export_run_dir_from_another_folder(tmp_path, monkeypatch):
+    """A run under a relative logging.output_dir, exported from another working directory: run.json records the
+    model folder absolute, so `export --run-dir` finds it."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    p = tmp_path / "r.yaml"
+    p.write_text(RECIPE.replace("OUT", "runs"))
+    monkeypatch.chdir(tmp_path / "a")
+    assert main(["run", str(p), "--run-name", "rel", "--no-progress", "--set", "steps=1"]) == 0
+    monkeypatch.chdir(tmp_path / "b")
+    out = tmp_path / "b" / "exported"
+    assert main(["export", "--run-dir", str(tmp_path / "a" / "runs" / "rel"), "--output", str(out)]) == 0
+    assert list(out.glob("*.safetensors"))
+
+
 @pytest.mark.slow
 def test_resume_is_bit_identical(recipe_file):
     straight = load_recipe(recipe_file, ["steps=4"])

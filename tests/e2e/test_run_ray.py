@@ -95,3 +95,36 @@ def test_gloo_broadcast_sync_matches_the_object_store_path(tmp_path):
             assert r[f"sync/check/{c}"] == 1.0, (c, r["step"])
     assert [r["rollout/weight_version"] for r in direct] == [1.0, 2.0, 3.0]
 
+
+
+def test_engine_dying_inside_the_sync_checkpoints_the_updated_learner(tmp_path):
+    """The rollout actor killed in step 1's sync (after the optimizer step): the sync reports it wrapped
+    (SyncAbortedError), the run asks the actor, writes a checkpoint of the updated learner at step 2 and stops
+    naming it; resuming from it finishes the run."""
+    import ray
+
+    from miles_lp.launch.ray_launcher import run_with_ray
+    from miles_lp.rl.step import RunError
+
+    p = tmp_path / "r.yaml"
+    p.write_text(RECIPE.replace("OUT", str(tmp_path / "runs")))
+    recipe = load_recipe(p, ["ray.enabled=true", "ray.num_cpus=2", "ray.placement=split", "steps=3"])
+
+    def on_step(run, m):
+        if run.step == 1:
+            send = run.sync.transport.send
+
+            def dying_send(bucket):  # the engine dies just before the first bucket of the next sync
+                ray.kill(run.engine_actor)
+                run.sync.transport.send = send
+                return send(bucket)
+            run.sync.transport.send = dying_send
+
+    with pytest.raises(RunError, match=r"step 1: the rollout actor died .* resume from .*step_000002 with --resume"):
+        run_with_ray(recipe, run_name="dies", progress=False, on_step=on_step)
+    rd = RunDir(tmp_path / "runs" / "dies")
+    assert rd.latest() is not None and rd.latest().name == "step_000002"
+    out = run_with_ray(recipe, resume=str(rd.path), progress=False)
+    assert out["steps"] == 3
+    # step 1 updated the learner but never finished (its sync died): no metrics row for it, as in-process
+    assert [r["step"] for r in rd.read_metrics()] == [0, 2]

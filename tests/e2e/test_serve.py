@@ -103,6 +103,24 @@ def test_generate_bad_input(served, body, match):
     assert code == 400 and re.search(match, out["error"]["message"]), out
 
 
+@pytest.mark.parametrize("length", ["-1", "abc", " 12x"])
+def test_content_length_that_is_not_a_byte_count_is_a_400(served, length):
+    """A negative Content-Length would make the handler wait for the client to hang up; a non-number was a 500."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(served[1].url)
+    with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+        s.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                  f"Content-Length: {length}\r\n\r\n".encode())
+        chunks = []
+        while chunk := s.recv(65536):  # the server closes the connection after this answer
+            chunks.append(chunk)
+        reply = b"".join(chunks).decode(errors="replace")
+    assert reply.startswith("HTTP/1.1 400"), reply[:200]
+    assert "is not a byte count" in reply
+
+
 def test_client_update_equals_fresh_load(served, client, ckpts):
     from safetensors.torch import load_file
 

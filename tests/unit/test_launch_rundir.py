@@ -22,7 +22,7 @@ def test_metrics_append_read_truncate(tmp_path):
     assert [r["step"] for r in rd.read_metrics()] == [0, 1, 2, 3]
     rd.truncate_metrics(2)
     assert [r["reward/mean"] for r in rd.read_metrics()] == [0.0, 0.1]
-    with pytest.raises(ConfigError, match="exists and is not empty.*--resume"):
+    with pytest.raises(ConfigError, match="exists, is not empty and holds no checkpoint to resume from"):
         RunDir.create(tmp_path, "r")
 
 

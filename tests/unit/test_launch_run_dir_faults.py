@@ -1,0 +1,65 @@
+"""Run folders under faults: a torn metrics line, a folder left by a run that never started, and the
+combinations the recipe refuses before anything is built."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from miles_lp.errors import CheckpointError, ConfigError
+from miles_lp.launch.recipe import load_recipe
+from miles_lp.launch.run_dir import RunDir
+from tests.e2e.test_run import RECIPE
+
+
+def test_torn_last_metrics_line_is_dropped_and_damage_elsewhere_is_named(tmp_path, capsys):
+    rd = RunDir.create(tmp_path, "r")
+    rd.append_metrics(0, {"a": 1.0})
+    with rd.metrics_path.open("a") as f:
+        f.write('{"step": 1, "a": 0.')  # a kill in the middle of an append
+    assert rd.read_metrics() == [{"step": 0, "a": 1.0}]
+    assert "metrics.jsonl:2: dropping a torn last line" in capsys.readouterr().err
+    rd.truncate_metrics(1)  # what a resume does first: the torn line is gone from the file too
+    assert [json.loads(x) for x in rd.metrics_path.read_text().splitlines()] == [{"step": 0, "a": 1.0}]
+    rd.metrics_path.write_text('{"step": 0}\nnot json\n{"step": 2}\n')
+    with pytest.raises(CheckpointError, match=r"metrics.jsonl:2: not a JSON metrics row .* repair or remove"):
+        rd.read_metrics()
+
+
+def test_run_folder_messages_tell_a_run_from_a_leftover(tmp_path):
+    rd = RunDir.create(tmp_path, "r")
+    (rd.path / "model").mkdir()
+    with pytest.raises(ConfigError, match=r"holds no checkpoint to resume from; choose another logging.run_name or "
+                                          r"remove that folder"):
+        RunDir.create(tmp_path, "r")
+    rd.discard_unstarted()
+    assert not rd.path.exists()
+    rd = RunDir.create(tmp_path, "r")
+    rd.save_checkpoint(1, {"kind": "x"}, {})
+    with pytest.raises(ConfigError, match=r"holds a run; .* continue it with --resume"):
+        RunDir.create(tmp_path, "r")
+    rd.discard_unstarted()  # a run with a checkpoint is never removed
+    assert (rd.checkpoints / "latest.json").is_file()
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["sampler_precision={default: mxfp8}", "ray.enabled=true"], r"sampler_precision.*without Ray only so far"),
+    (["sampler_precision={default: mxfp8}", "train.backend=megatron"], r"sampler_precision.*megatron learner"),
+    (["model.path=tiny:qwen3_moe", "rl.routing_replay=true", "rollout.backend=vllm"],
+     r"rl.routing_replay.*vLLM's offline engine does not report"),
+])
+def test_combinations_refused_at_parse_naming_the_key(tmp_path, overrides, match):
+    p = tmp_path / "r.yaml"
+    p.write_text(RECIPE.replace("OUT", str(tmp_path / "runs")))
+    with pytest.raises(ConfigError, match=match):
+        load_recipe(p, overrides)
+
+
+def test_broadcast_with_the_megatron_learner_is_refused(tmp_path):
+    from miles_lp.launch.actor_sync import check_broadcast
+
+    p = tmp_path / "r.yaml"
+    p.write_text(RECIPE.replace("OUT", str(tmp_path / "runs")))
+    with pytest.raises(ConfigError, match=r"gloo with train.backend: megatron is not built"):
+        check_broadcast(load_recipe(p, ["ray.enabled=true", "sync.transport=gloo", "train.backend=megatron"]))
