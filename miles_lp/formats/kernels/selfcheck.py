@@ -153,6 +153,8 @@ def kernel_pairs() -> list[tuple[str, Callable, Callable]]:
 
     def nv_row_ref(dequant):
         def ref(x):
+            if x.dtype != torch.bfloat16:  # the pairs kernel reads bf16 only (others: "nvfp4 row (one pass)")
+                raise FormatError("not a bf16 input")
             q = quantize_nvfp4(x, scale_scope="row")
             return _nv(q, None if dequant is None else q.dequantize(dequant))
         return ref
