@@ -75,7 +75,8 @@ def test_gloo_broadcast_sync_matches_the_object_store_path(tmp_path):
 
     from miles_lp.launch.runner import deterministic_metrics
 
-    _, relayed = _ray_run(tmp_path, "relayed", ["steps=3", "sync.transport=ray"])
+    kl = "rl.kl_coef=0.01"  # the frozen reference in the learner actor, too
+    _, relayed = _ray_run(tmp_path, "relayed", ["steps=3", "sync.transport=ray", kl])
     killed = []
 
     def on_step(run, m):
@@ -83,7 +84,7 @@ def test_gloo_broadcast_sync_matches_the_object_store_path(tmp_path):
             ray.kill(run.engine_actor)
             killed.append(True)
 
-    out, direct = _ray_run(tmp_path, "direct", ["steps=3", "sync.transport=gloo"], on_step=on_step)
+    out, direct = _ray_run(tmp_path, "direct", ["steps=3", "sync.transport=gloo", kl], on_step=on_step)
     assert killed and out["engine_restarts"] == 1
     assert [r["rollout/engine_restarts"] for r in direct] == [0.0, 1.0, 1.0]
     drop = ("rollout/engine_restarts",)
@@ -94,6 +95,7 @@ def test_gloo_broadcast_sync_matches_the_object_store_path(tmp_path):
         for c in ("layer_audit", "grid", "self_check", "storage", "completeness", "version"):
             assert r[f"sync/check/{c}"] == 1.0, (c, r["step"])
     assert [r["rollout/weight_version"] for r in direct] == [1.0, 2.0, 3.0]
+    assert all("actor/kl_loss" in r for r in direct), sorted(direct[0])
 
 
 
