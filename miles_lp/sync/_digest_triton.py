@@ -53,32 +53,52 @@ def fingerprint_kernel(base_ptr, meta_ptr, ntensors, wcol_ptr, out_ptr, ROWS: tl
 
 
 @triton.jit
-def copy_kernel(src_ptr, dst_ptr, meta_ptr, ntensors, ROWS: tl.constexpr, ALIGNED: tl.constexpr):
-    # meta (int64): per tensor [source offset from src_ptr in bytes, nbytes, destination offset in dst_ptr, 0],
-    # then per program [tensor index, first row of 4096 bytes]: many tensors into one buffer, each read in place
+def copy_kernel(src_ptr, dst_ptr, meta_ptr, ntensors, wcol_ptr, out_ptr, ROWS: tl.constexpr, ALIGNED: tl.constexpr,
+                DIGEST: tl.constexpr, SUM64: tl.constexpr):
+    # meta (int64): per tensor [source offset from src_ptr in bytes, nbytes, destination offset in dst_ptr,
+    # output slot, multiplier], then per program [tensor index, first row of 4096 bytes]: many tensors into one
+    # buffer, each read in place. DIGEST: the words read are also summed into ``out[slot]`` exactly as
+    # ``fingerprint_kernel`` does (mult * sum_r wrow(r) * sum_c word * wcol): the bytes' fingerprint for free.
     pid = tl.program_id(0).to(tl.int64)
-    blk = meta_ptr + 4 * ntensors + 2 * pid
+    blk = meta_ptr + 5 * ntensors + 2 * pid
     t = tl.load(blk)
     r0 = tl.load(blk + 1)
-    ent = meta_ptr + 4 * t
+    ent = meta_ptr + 5 * t
     soff = tl.load(ent)
     n = tl.load(ent + 1)
     doff = tl.load(ent + 2)
-    if ALIGNED:  # offsets and size multiples of 16 bytes: int32 words, vector loads and stores
-        cols = tl.arange(0, 1024)
-        sp = (src_ptr + tl.multiple_of(soff, 16)).to(tl.pointer_type(tl.int32))
-        dp = (dst_ptr + tl.multiple_of(doff, 16)).to(tl.pointer_type(tl.int32))
-        nw = tl.multiple_of(n // 4, 4)
-        for i in tl.static_range(ROWS):
-            w = (r0 + i) * 1024 + cols
-            m = w < nw
-            tl.store(dp + w, tl.load(sp + w, mask=m), mask=m)
-    else:
-        cols = tl.arange(0, 4096)
-        for i in tl.static_range(ROWS):
-            b = (r0 + i) * 4096 + cols
-            m = b < n
-            tl.store(dst_ptr + doff + b, tl.load(src_ptr + soff + b, mask=m), mask=m)
+    cols = tl.arange(0, 1024)
+    acc = (r0 * 0).to(tl.int64)
+    if DIGEST:
+        wcol = tl.load(wcol_ptr + cols)
+    for i in tl.static_range(ROWS):
+        row = r0 + i
+        if ALIGNED:  # offsets and size multiples of 16 bytes: int32 words, vector loads and stores
+            sp = (src_ptr + tl.multiple_of(soff, 16)).to(tl.pointer_type(tl.int32))
+            dp = (dst_ptr + tl.multiple_of(doff, 16)).to(tl.pointer_type(tl.int32))
+            nw = tl.multiple_of(n // 4, 4)
+            widx = row * 1024 + cols
+            m = widx < nw
+            w = tl.load(sp + widx, mask=m, other=0)
+            tl.store(dp + widx, w, mask=m)
+        else:
+            k = tl.arange(0, 4)
+            bidx = row * 4096 + cols[:, None] * 4 + k[None, :]
+            m = bidx < n
+            v = tl.load(src_ptr + soff + bidx, mask=m, other=0)
+            tl.store(dst_ptr + doff + bidx, v, mask=m)
+            if DIGEST:
+                w = tl.sum(v.to(tl.int32) << (k[None, :] * 8), axis=1)
+        if DIGEST:
+            if SUM64:
+                rs = tl.sum((w * wcol).to(tl.int64), axis=0).to(tl.int32)
+            else:
+                rs = tl.sum(w * wcol, axis=0)
+            acc += rs.to(tl.int64) * ((row * -7046029254386353131 + 0x7F4A7C15) | 1)
+    if DIGEST:
+        slot = tl.load(ent + 3)
+        mult = tl.load(ent + 4)
+        tl.atomic_add(out_ptr + slot, acc * mult)
 
 
 @triton.jit

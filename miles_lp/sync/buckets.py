@@ -44,6 +44,10 @@ class Bucket:
     nbytes: int  # size of the staging buffer (aligned)
     groups: tuple[str, ...]
     last: bool = False
+    # optional: ({name: (output slot, multiplier)}, int64 out tensor): a transport that reads the payload anyway
+    # may add each tensor's C2 fingerprint term there (``transport.fill_slots``) and then sets ``digested``
+    digest: tuple | None = None
+    digested: bool = False
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -113,7 +117,7 @@ def ff_counts(ts: list[torch.Tensor]) -> torch.Tensor:
     tensor with more 0xFF bytes than the sender's had a missed write (in any dtype: E8M0, E4M3, FP32)."""
     if not ts:
         return torch.zeros(0, dtype=torch.int64)
-    if _kernels.enabled(ts[0].device):
+    if _kernels.enabled(ts[0].device, "ff"):
         return _kernels.ff_counts(ts)  # in place, one or two launches (the same counts; kernels.selfcheck)
     return ff_counts_torch(ts)
 

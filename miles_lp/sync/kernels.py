@@ -52,10 +52,16 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def enabled(device: torch.device) -> bool:
-    """Whether ``digest`` should use the kernel for tensors on ``device``: CUDA (or CPU under
-    ``TRITON_INTERPRET=1``), Triton importable, ``MILES_LP_SYNC_KERNELS`` not ``reference``."""
-    if os.environ.get("MILES_LP_SYNC_KERNELS", "auto") == "reference":
+KINDS = ("digest", "copy", "ff")
+
+
+def enabled(device: torch.device, kind: str = "digest") -> bool:
+    """Whether the sync should use kernel ``kind`` (``digest``: C2 fingerprints, ``copy``: the bucket fill,
+    ``ff``: C5's 0xFF counts) for tensors on ``device``: CUDA (or CPU under ``TRITON_INTERPRET=1``), Triton
+    importable, and ``MILES_LP_SYNC_KERNELS`` ``auto`` (default: all), or a comma list of the kinds to use
+    (``digest,ff``), or ``reference`` (none: the torch paths)."""
+    env = os.environ.get("MILES_LP_SYNC_KERNELS", "auto")
+    if env != "auto" and kind not in env.split(","):
         return False
     if device.type != "cuda" and not (device.type == "cpu" and _interpreting()):
         return False
@@ -174,12 +180,12 @@ def ff_counts(tensors: Sequence[torch.Tensor], *, interpret: bool | None = None)
 
 
 def _copy_tables(sptrs: tuple[int, ...], sizes: tuple[int, ...], dsts: tuple[int, ...], dst_ptr: int,
-                 device: torch.device):
-    """``copy_into``'s tables (cached by source addresses, sizes, destination offsets and buffer address):
-    ``(meta, [(start word, ntensors, nblocks, aligned, source base index)])``."""
+                 slots: tuple[int, ...], mults: tuple[int, ...], device: torch.device):
+    """``copy_into``'s tables (cached by source addresses, sizes, destination offsets, buffer address, slots and
+    multipliers): ``(meta, [(start word, ntensors, nblocks, aligned, source base index)])``."""
     import numpy as np
 
-    key = ("copy", str(device), sptrs, sizes, dsts, dst_ptr)
+    key = ("copy", str(device), sptrs, sizes, dsts, dst_ptr, slots, mults)
     hit = _TABLES.get(key)
     if hit is not None:
         _TABLES.move_to_end(key)
@@ -200,7 +206,8 @@ def _copy_tables(sptrs: tuple[int, ...], sizes: tuple[int, ...], dsts: tuple[int
         tens = np.repeat(np.arange(idx.size, dtype=np.int64), nblk)
         first = np.cumsum(nblk) - nblk
         r0 = (np.arange(tens.size, dtype=np.int64) - first[tens]) * ROWS
-        ent = np.stack([off, n[idx], d[idx], np.zeros(idx.size, dtype=np.int64)], axis=1).reshape(-1)
+        ent = np.stack([off, n[idx], d[idx], np.asarray(slots, dtype=np.int64)[idx],
+                        np.asarray(mults, dtype=np.int64)[idx]], axis=1).reshape(-1)
         metas.append(np.concatenate([ent, np.stack([tens, r0], axis=1).reshape(-1)]))
         launches.append((words, int(idx.size), int(tens.size), cls, base))
         words += metas[-1].size
@@ -213,12 +220,15 @@ def _copy_tables(sptrs: tuple[int, ...], sizes: tuple[int, ...], dsts: tuple[int
 
 
 def copy_into(buf: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int],
-              sizes: Sequence[int] | None = None, *, interpret: bool | None = None) -> None:
+              sizes: Sequence[int] | None = None, *, digest: tuple | None = None,
+              interpret: bool | None = None) -> None:
     """``buf[offsets[i]:offsets[i] + sizes[i]] = the first sizes[i] bytes of sources[i]`` (default: all of
-    them) for every i, in at most two
-    launches (16-byte aligned pieces as int32 vectors, the rest bytewise), each source read in place: the
-    bucket fill without ~4 torch calls per tensor (views, the concatenation). ``buf``: uint8, contiguous, on
-    the sources' device; the caller keeps the ranges disjoint and inside ``buf``."""
+    them) for every i, in at most two launches (16-byte aligned pieces as int32 vectors, the rest bytewise),
+    each source read in place: the bucket fill without ~4 torch calls per tensor (views, the concatenation).
+    ``buf``: uint8, contiguous, on the sources' device; the caller keeps the ranges disjoint and inside ``buf``.
+
+    ``digest=(slots, mults, out, wcol)``: also ``out[slots[i]] += mults[i] * value(piece i)`` (int64; ``value``
+    as ``segment_values``, of the bytes copied), in the same pass (mult 0 for a piece that is not digested)."""
     ts = [t if t.is_contiguous() else t.contiguous() for t in sources]
     if not ts:
         return
@@ -226,12 +236,14 @@ def copy_into(buf: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Seque
     if interpret is None:
         interpret = dev.type != "cuda"
     mod = _module(interpret)
+    slots, mults, out, wcol = digest if digest is not None else ((0,) * len(ts), (0,) * len(ts), buf, buf)
     meta, launches = _copy_tables(tuple([t.data_ptr() for t in ts]),
                                   tuple([t.nbytes for t in ts] if sizes is None else sizes),
-                                  tuple(offsets), buf.data_ptr(), dev)
+                                  tuple(offsets), buf.data_ptr(), tuple(slots), tuple(mults), dev)
     for start, nt, nblocks, aligned, base in launches:
         src = ts[base].reshape(-1).view(torch.uint8)
-        mod.copy_kernel[(nblocks,)](src, buf, meta[start:], nt, ROWS=ROWS, ALIGNED=aligned, num_warps=NUM_WARPS)
+        mod.copy_kernel[(nblocks,)](src, buf, meta[start:], nt, wcol, out, ROWS=ROWS, ALIGNED=aligned,
+                                    DIGEST=digest is not None, SUM64=interpret, num_warps=NUM_WARPS)
 
 
 def selfcheck(device: str = "cpu", seed: int | None = None, large: bool = False) -> dict:
@@ -335,7 +347,7 @@ def fill_check(device: str = "cpu", seed: int | None = None) -> dict:
                 os.environ["MILES_LP_SYNC_KERNELS"] = old
     bad = int((bufs[0] != bufs[1]).sum())
     return {"seed": seed, "slots": len(bucket.slots), "mismatched_bytes": bad,
-            "kernel_path": enabled(dev), "ff_bytes": int((bufs[0] == 0xFF).sum())}
+            "kernel_path": enabled(dev, "copy"), "ff_bytes": int((bufs[0] == 0xFF).sum())}
 
 
 if __name__ == "__main__":  # python -m miles_lp.sync.kernels [--device cuda] [--large]: one JSON line

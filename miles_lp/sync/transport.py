@@ -105,11 +105,16 @@ def fill_slots(buf: torch.Tensor, bucket: Bucket, views: dict | None = None) -> 
     received = received_views(buf, bucket.slots, views)
     dev = buf.device
     payload = bucket.payload
-    if buf.is_contiguous() and _kernels.enabled(dev) and all(t.device == dev for t in payload.values()):
+    if buf.is_contiguous() and _kernels.enabled(dev, "copy") and all(t.device == dev for t in payload.values()):
         # one or two Triton launches reading every payload tensor in place (miles_lp.sync.kernels.copy_into):
         # per slot only its address and size on the host; the gaps and any slot without a payload from the
         # 0xFF buffer, as below
         srcs, offs, sizes = [], [], []
+        # the C2 fingerprint of the payload in the same pass: only for a complete payload (every slot's tensor:
+        # then the value is the export's, as ``digest.group_fingerprints`` computes it), mult 0 for the gaps
+        where = bucket.digest[0] if bucket.digest is not None and len(payload) == len(bucket.slots) else None
+        dslots: list[int] = []
+        dmults: list[int] = []
         off = 0
         for s in bucket.slots:
             t = payload.get(s.name)
@@ -117,6 +122,9 @@ def fill_slots(buf: torch.Tensor, bucket: Bucket, views: dict | None = None) -> 
                 offs.append(off)
                 sizes.append(s.offset - off)
                 srcs.append(None)
+                if where is not None:
+                    dslots.append(0)
+                    dmults.append(0)
             if t is None:
                 offs.append(s.offset)
                 sizes.append(s.nbytes)
@@ -127,17 +135,30 @@ def fill_slots(buf: torch.Tensor, bucket: Bucket, views: dict | None = None) -> 
                 offs.append(s.offset)
                 sizes.append(s.nbytes)
                 srcs.append(t)
+                if where is not None:
+                    slot, mult = where[s.name]
+                    dslots.append(slot)
+                    dmults.append(mult)
             off = s.offset + s.nbytes
         if off < buf.numel():
             offs.append(off)
             sizes.append(buf.numel() - off)
             srcs.append(None)
+            if where is not None:
+                dslots.append(0)
+                dmults.append(0)
         gaps = [n for t, n in zip(srcs, sizes, strict=True) if t is None]
         if gaps:
             ff = _fill(max(gaps), dev)
             srcs = [ff if t is None else t for t in srcs]
+        digest = None
+        if where is not None:
+            from miles_lp.sync.digest import _wcol
+
+            digest = (dslots, dmults, bucket.digest[1], _wcol(dev))
         with torch.no_grad():
-            _kernels.copy_into(buf, srcs, offs, sizes)
+            _kernels.copy_into(buf, srcs, offs, sizes, digest=digest)
+        bucket.digested = digest is not None
         return received
     if all(t.device == dev for t in payload.values()):
         parts: list[torch.Tensor] = []

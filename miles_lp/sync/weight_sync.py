@@ -43,11 +43,11 @@ from miles_lp.rollout.engine import EngineError, tensor_digest
 from miles_lp.sync import checks
 from miles_lp.sync.buckets import Bucket, Ledger, make_buckets
 from miles_lp.sync.config import CHECKS, SyncConfig
-from miles_lp.sync.digest import fingerprints, group_fingerprints
+from miles_lp.sync.digest import _MASK, _head, fingerprints, group_fingerprints, member_weight
 from miles_lp.sync.items import Item, engine_items, group_items
 from miles_lp.sync.remote import Receipt
 from miles_lp.sync.sentinel import Sentinel, rollout_kl
-from miles_lp.sync.transport import BroadcastTransport, Transport, make_transport
+from miles_lp.sync.transport import BroadcastTransport, InProcessTransport, Transport, make_transport
 from miles_lp.sync.verdict import (
     STATUS_VALUE,
     SyncAbortedError,
@@ -124,6 +124,13 @@ class _Layout:
         self.key, self.spec, self.engine_q = key, spec, engine_q
         self.scales = {it.name: it.is_scale for it in items}
         self.groups = _groups_of(items)
+        # the fused C2 digest (transport.fill_slots): each tensor's group slot and member weight, and each group's
+        # head (count, bytes, dtype/shape signature), as digest.group_fingerprints computes them
+        slot_of = {g: i for i, g in enumerate(self.groups)}
+        member = {n: k for ns in self.groups.values() for k, n in enumerate(ns)}
+        self.digest_where = {it.name: (slot_of[it.group], member_weight(member[it.name])) for it in items}
+        by_name = {it.name: it.tensor for it in items}
+        self.heads = [_head([by_name[n] for n in ns]) for ns in self.groups.values()]
         self.validation: Verdict | None = None  # validate_update's ok verdict for this layout (seconds 0)
         self._buckets: list[tuple[Bucket, list[int]]] | None = None
         self._bucket_bytes = None
@@ -168,6 +175,7 @@ class WeightSync:
         self.sentinel = sentinel or Sentinel(self.config.sentinel)
         self.log = log or logger.info
         self.probe_prompts = probe_prompts or [[1, 2, 3, 4]]
+        self.fused_digest = False  # whether the last sync's C2 took the learner side from the transport's copy
         self.expected_version = int(engine.weight_version)
         self.syncs = 0
         self.record_engine()
@@ -284,6 +292,12 @@ class WeightSync:
 
         # 3. pause -> flush -> begin -> buckets -> finish
         buckets = layout.buckets_for(items, self.config.bucket_bytes)
+        fused = None  # the learner side of C2 computed by the transport while it reads the payload
+        if (isinstance(self.transport, InProcessTransport) and not full_compare and self.mode("grid") != "off"
+                and hasattr(self.engine, "weight_group_fingerprints")):
+            fused = torch.zeros(len(layout.groups), dtype=torch.int64, device=self.transport.staging.device)
+            for b in buckets:
+                b.digest = (layout.digest_where, fused)
         ledger = Ledger(self._spec_names)
         scales = layout.scales
         nbytes = sum(b.payload_bytes for b in buckets)
@@ -334,7 +348,12 @@ class WeightSync:
         timed("version", lambda: checks.version(self.expected_version, int(self.engine.weight_version)))
         pre = verdicts["completeness"]
         timed("completeness", lambda: _combine("completeness", [pre, checks.completeness(ledger, len(buckets))]))
-        timed("grid", lambda: self._grid(items, full_compare, engine_q, layout.groups))
+        mine = None
+        if fused is not None and buckets and all(b.digested for b in buckets):
+            mine = {g: f"{h}:{v & _MASK:016x}" for g, h, v in zip(layout.groups, layout.heads, fused.cpu().tolist(),
+                                                                     strict=True)}
+        self.fused_digest = mine is not None
+        timed("grid", lambda: self._grid(items, full_compare, engine_q, layout.groups, mine))
         timed("self_check", lambda: checks.self_check(self._self_check(), self.config.self_check_tolerance))
         timed("storage", lambda: checks.storage_identity(self.pointers, self.engine.storage_pointers()))
         raising = [v for n, v in verdicts.items() if v.failed and self.mode(n) == "raise"]
@@ -353,13 +372,13 @@ class WeightSync:
 
     # ---- check helpers ---------------------------------------------------------------------------------
     def _grid(self, items: list[Item], full: bool, engine_q: Mapping[str, Any],
-              groups: Mapping[str, list[str]] | None = None) -> Verdict:
+              groups: Mapping[str, list[str]] | None = None, mine: Mapping[str, str] | None = None) -> Verdict:
         expected = {it.name: it.tensor for it in items}
         if full:
             got = self.engine.read_weights(list(expected))
             main = checks.grid_full(expected, got)
         elif hasattr(self.engine, "weight_group_fingerprints"):
-            main = self._grid_groups(items, expected, groups)
+            main = self._grid_groups(items, expected, groups, mine)
         elif hasattr(self.engine, "weight_fingerprints"):
             main = checks.grid_digests(fingerprints(expected), self.engine.weight_fingerprints(list(expected)))
         else:
@@ -380,13 +399,15 @@ class WeightSync:
         return _combine("grid", parts)
 
     def _grid_groups(self, items: list[Item], expected: Mapping[str, torch.Tensor],
-                     groups: Mapping[str, list[str]] | None = None) -> Verdict:
+                     groups: Mapping[str, list[str]] | None = None, mine: Mapping[str, str] | None = None) -> Verdict:
         """C2 by atomic group: one fingerprint per group (all experts of a layer, q/k/v, ...) of its tensors'
         bytes in export order, on each side; only the tensors of a group that differs are fingerprinted one by
-        one, to name them. ``groups``: the layout's (``_Layout.groups``), else built from ``items``."""
+        one, to name them. ``groups``: the layout's (``_Layout.groups``), else built from ``items``; ``mine``:
+        the learner side already computed by the transport from the same bytes (the fused copy), else here."""
         if groups is None:
             groups = _groups_of(items)
-        mine = group_fingerprints({g: [expected[n] for n in ns] for g, ns in groups.items()})
+        if mine is None:
+            mine = group_fingerprints({g: [expected[n] for n in ns] for g, ns in groups.items()})
         theirs = self.engine.weight_group_fingerprints(groups)
         differ = [g for g, d in mine.items() if theirs.get(g) != d]
         if not differ:

@@ -33,10 +33,52 @@ print(json.dumps({"kernel": k, "reference": r}))
 """
 
 
+_FUSED = r"""
+import json, torch
+from miles_lp.sync import SyncCheckError, digest
+from miles_lp.sync.faults import RegridEngine
+from miles_lp.sync.weight_sync import WeightSync
+from tests.unit.test_sync_digest_groups import GroupEngine
+from tests.unit.test_sync_weight_sync import DOWN, Learner, _sync
+seen = []
+orig = WeightSync._grid_groups
+def spy(self, items, expected, groups=None, mine=None):
+    indep = digest.group_fingerprints({g: [expected[n] for n in ns] for g, ns in (groups or {}).items()})
+    seen.append((mine is not None, mine == indep))
+    return orig(self, items, expected, groups, mine)
+WeightSync._grid_groups = spy
+engine, ws, _ = _sync(GroupEngine())
+learner = Learner()
+ws.initial_sync(learner)
+r = ws.sync(learner)
+healthy = (r.ok, ws.fused_digest)
+_, ws2, _ = _sync(RegridEngine(GroupEngine(), "floor"))
+try:
+    ws2.sync(Learner(), full_compare=False)
+    caught = []
+except SyncCheckError as e:
+    caught = list(e.report.verdict("grid").examples)
+print(json.dumps({"healthy": healthy, "seen": seen, "caught": caught, "fused2": ws2.fused_digest, "down": DOWN}))
+"""
+
+
+def test_the_fused_learner_digest_equals_the_independent_one_and_a_regrid_is_still_caught():
+    """Under the interpreter the bucket fill computes the learner side of C2 while it copies (WeightSync
+    fused_digest): the values equal digest.group_fingerprints of the export, and a sampler on another grid is
+    caught by C2 naming the tensor."""
+    proc = _interpreted("-c", _FUSED)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["healthy"] == [True, True] and res["fused2"]
+    assert res["seen"] and all(fused and equal for fused, equal in res["seen"]), res["seen"]
+    assert res["down"] in res["caught"]
+
+
 def _interpreted(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
     env.pop("MILES_LP_SYNC_KERNELS", None)
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=300)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=300, cwd=root)
 
 
 def test_kernel_equals_the_reference_on_awkward_tensors_in_the_interpreter():
