@@ -291,6 +291,8 @@ def bench_format(hf, fmt: str, workdir, device, args, log) -> dict:
         wall = time.perf_counter() - t0
         if i:
             reports.append((wall, r))
+    if getattr(ws, "fused_digest", False):
+        c2 += " (learner side fused into the bucket copy)"
     prof = op_counts(ws, learner, device) if getattr(args, "profile", False) else None
     # the same syncs with every check off (the ledger and buckets still run): sync - this = what the checks cost
     bare = WeightSync(engine, plan, "sglang", cfg.with_modes(all="off"), transport=InProcessTransport(device), env={},
