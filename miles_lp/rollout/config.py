@@ -15,6 +15,9 @@ Parsed with ``miles_lp.config.parse_dataclass`` (unknown keys refused with a sug
       sampling: {temperature: 1.0, top_p: 1.0, top_k: -1, seed: 0}
       stop_token_ids: []        # stop tokens (the tokenizer's EOS, usually)
 
+A key the chosen backend does not read (``kv_cache`` / ``dtype`` / ``device`` / ``max_model_len`` for sglang,
+whose server decides them; a CUDA ``device`` for vllm; ``max_model_len`` for reference) is refused, not ignored.
+
 ``kv_cache`` lives here because the precision policy (``precision:``) has no key for it yet (noted for the
 lead: issue 10 asks for ``precision.kv_cache``); ``sampling_params()`` builds the ``SamplingParams`` of a rollout.
 """
@@ -75,6 +78,25 @@ class RolloutConfig:
                                              "use dtype auto or bf16 with backend vllm")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise where.child("device").error(f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        self._refuse_unread(where)
+
+    def _refuse_unread(self, where: Where) -> None:
+        """A key its backend does not read is refused, not ignored (a recipe asking for an fp8 KV cache must not
+        sample with whatever the server has)."""
+        unread: dict[str, tuple[bool, str]] = {
+            "sglang": {"kv_cache": (self.kv_cache != "bf16", "start the server with --kv-cache-dtype"),
+                       "dtype": (self.dtype != "auto", "start the server with --dtype"),
+                       "device": (self.device != "auto", "the server's own devices serve"),
+                       "max_model_len": (self.max_model_len is not None, "start the server with --context-length")},
+            "vllm": {"device": (self.device not in ("auto", "cpu"), "this backend is vLLM's CPU build")},
+            "reference": {"max_model_len": (self.max_model_len is not None,
+                                            "the reference engine's KV cache grows with the sequence")},
+        }[self.backend]
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for key, (set_, why) in unread.items():
+            if set_:
+                raise where.child(key).error(f"backend {self.backend} does not read {key} ({why}); remove it (or "
+                                             f"--set rollout.{key}={'null' if defaults[key] is None else defaults[key]})")
 
     @property
     def model_len(self) -> int:

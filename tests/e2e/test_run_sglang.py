@@ -36,7 +36,9 @@ SMALL = ["rl.prompts_per_step=4", "rl.group_size=4", "checkpoint_every=0", "logg
 
 
 def _recipe(tmp: Path, *sets: str):
-    return load_recipe(RECIPE, [*SMALL, f"logging.output_dir={tmp / 'runs'}", *sets])
+    # rollout.device is the reference engine's: the recipe's `cpu` goes back to its default for another backend
+    drop = ["rollout.device=auto"] if any(s.startswith("rollout.backend=") for s in sets) else []
+    return load_recipe(RECIPE, [*SMALL, f"logging.output_dir={tmp / 'runs'}", *drop, *sets])
 
 
 @pytest.fixture(scope="module")

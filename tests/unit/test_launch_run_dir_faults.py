@@ -63,3 +63,18 @@ def test_broadcast_with_the_megatron_learner_is_refused(tmp_path):
     p.write_text(RECIPE.replace("OUT", str(tmp_path / "runs")))
     with pytest.raises(ConfigError, match=r"gloo with train.backend: megatron is not built"):
         check_broadcast(load_recipe(p, ["ray.enabled=true", "sync.transport=gloo", "train.backend=megatron"]))
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["rollout.backend=sglang", "rollout.url=http://127.0.0.1:1", "rollout.kv_cache=fp8_e4m3"],
+     r"rollout.kv_cache.*backend sglang does not read kv_cache .*--kv-cache-dtype"),
+    (["rollout.backend=sglang", "rollout.url=http://127.0.0.1:1", "rollout.max_model_len=4096"],
+     r"backend sglang does not read max_model_len"),
+    (["rollout.backend=vllm", "rollout.device=cuda"], r"backend vllm does not read device .*CPU build"),
+    (["rollout.max_model_len=4096"], r"backend reference does not read max_model_len"),
+])
+def test_rollout_keys_a_backend_does_not_read_are_refused(tmp_path, overrides, match):
+    p = tmp_path / "r.yaml"
+    p.write_text(RECIPE.replace("OUT", str(tmp_path / "runs")).replace("rollout: {device: cpu, ", "rollout: {"))
+    with pytest.raises(ConfigError, match=match):
+        load_recipe(p, overrides)
