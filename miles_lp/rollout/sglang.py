@@ -73,10 +73,13 @@ def generation_from_json(obj: Mapping[str, Any], want_routes: bool = False) -> G
         raise EngineError("output_token_logprobs token ids differ from output_ids")
     fr = meta.get("finish_reason")
     kind = fr.get("type") if isinstance(fr, dict) else fr
-    reason = {"stop": "stop", "length": "length", "abort": "abort"}.get(kind, "length")
+    reason = {"stop": "stop", "length": "length", "abort": "abort"}.get(kind)
+    if reason is None:  # guessing "length" would feed the sentinel's length-cap streak a reason nobody gave
+        raise EngineError(f"the server's /generate answer has finish_reason {fr!r}; expected type stop, length or "
+                          "abort")
     wv = meta.get("weight_version")
-    try:
-        version = int(wv) if wv is not None else -1
+    try:  # a stock server started without a numeric --weight-version reports "default": -1, which C7's
+        version = int(wv) if wv is not None else -1  # version check then flags (never a silent match)
     except (TypeError, ValueError):
         version = -1
     routes = meta.get("routed_experts")

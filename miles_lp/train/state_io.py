@@ -29,6 +29,9 @@ FORMAT_VERSION = 1
 def _encode(obj: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
     if isinstance(obj, torch.Tensor):
         key = path or "root"
+        if key in tensors:  # a key holding "/" meets a nested path: the second would overwrite the first
+            raise CheckpointError(f"learner state: two tensors at '{key}' (a key containing '/' collides with a "
+                                  "nested one); rename the key")
         tensors[key] = obj
         return {"__tensor__": key}
     if isinstance(obj, Mapping):

@@ -9,6 +9,7 @@ import torch
 
 from miles_lp.errors import CheckpointError, ConfigError
 from miles_lp.launch.run_dir import RunDir
+from miles_lp.train.state_io import save_learner_state
 
 
 def state(v: float):
@@ -75,3 +76,12 @@ def test_tensorboard_missing_is_one_line_not_a_failure(tmp_path, monkeypatch, ca
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
     assert _tensorboard(tmp_path) is None
     assert "tensorboard package is not installed; metrics go to metrics.jsonl only" in capsys.readouterr().err
+
+
+def test_learner_state_keys_that_collide_are_refused(tmp_path):
+    """A dict key holding '/' would share a safetensors key with a nested one: refused, not overwritten."""
+    state = {"a/b": torch.zeros(2), "a": {"b": torch.ones(2)}}
+    with pytest.raises(CheckpointError, match=r"two tensors at 'a/b'"):
+        save_learner_state(state, tmp_path / "s")
+    assert not (tmp_path / "s").exists()
+
