@@ -35,9 +35,11 @@ def parse_size(text: str) -> int:
     from miles_lp.errors import ConfigError
 
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", text, flags=re.IGNORECASE)
-    if not m or float(m.group(1)) <= 0:
-        raise ConfigError(f"--max-shard-size: cannot read '{text}'; use e.g. 500MB, 5GB or 2GiB")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+    n = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()]) if m else 0
+    if n < 1:  # "0.5B" parses but is no byte at all
+        raise ConfigError(f"--max-shard-size: cannot read '{text}' as a size of at least one byte; use e.g. 500MB, "
+                          "5GB or 2GiB")
+    return n
 
 
 def add_arguments(p) -> None:

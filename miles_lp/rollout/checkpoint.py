@@ -101,7 +101,11 @@ def open_checkpoint(path: str | Path) -> EngineCheckpoint:
     from miles_lp.checkpoint.configs import engine_formats_for
     from miles_lp.policy import PrecisionPlan, get_layout
 
-    target = record.get("target")
+    missing = [k for k in ("plan", "target") if k not in record]
+    if missing:
+        raise CheckpointError(f"{record_path}: no {' or '.join(missing)} recorded; the file is damaged or not "
+                              "miles-lp's: re-run `miles-lp convert` for this checkpoint")
+    target = record["target"]
     plan = PrecisionPlan.from_json(json.dumps(record["plan"]), layout=get_layout(config))
     files = {HF_QUANT_CONFIG: _read_json(root / HF_QUANT_CONFIG)} if (root / HF_QUANT_CONFIG).exists() else {}
     formats = {n: f for n, f in engine_formats_for(target, qc, files, plan).items() if f.quantized}

@@ -277,3 +277,25 @@ def test_failed_overwrite_keeps_the_previous_output_intact(capsys, src, tmp_path
     assert rc == expect_rc and expect in err
     assert _tree(out) == before  # same files, same bytes
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]  # no temp / old sibling left
+
+
+@pytest.mark.parametrize("size", ["0.5B", "0", "abc"])
+def test_max_shard_size_below_one_byte_is_a_clear_error(size):
+    from miles_lp.cli.convert import parse_size
+    from miles_lp.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"--max-shard-size: cannot read '{size}' as a size of at least one byte"):
+        parse_size(size)
+
+
+def test_engine_checkpoint_record_without_plan_names_the_file(tmp_path):
+    from miles_lp.errors import CheckpointError
+    from miles_lp.rollout.checkpoint import PLAN_FILE, open_checkpoint
+    from miles_lp.rollout.testing import tiny_checkpoint
+
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_checkpoint("qwen3", "mxfp8"), ck)
+    rec = json.loads((ck / PLAN_FILE).read_text())
+    (ck / PLAN_FILE).write_text(json.dumps({k: v for k, v in rec.items() if k != "plan"}))
+    with pytest.raises(CheckpointError, match=rf"{PLAN_FILE}: no plan recorded; .* re-run `miles-lp convert`"):
+        open_checkpoint(ck)
