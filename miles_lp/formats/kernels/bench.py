@@ -17,11 +17,16 @@ import warnings
 
 
 def _sweep(kernels, x, amax_t, log) -> None:
-    """Try a few launch shapes per kernel on ``x``; keep the fastest in ``kernels.CONFIG``."""
+    """Try a few launch shapes per kernel on ``x``; keep the fastest in ``kernels.CONFIG``
+    (``MILES_LP_SWEEP=key,key``: only those CONFIG keys)."""
     import torch
     from triton.testing import do_bench
 
+    only = [k for k in os.environ.get("MILES_LP_SWEEP", "").split(",") if k]  # e.g. "nvfp4_pairs": sweep just those
+
     def best(key, variants, fn):
+        if only and key not in only:
+            return
         results = []
         for v in variants:
             kernels.CONFIG[key] = v
