@@ -35,6 +35,13 @@ def run(args) -> int:
 
     from miles_lp.launch.recipe import load_recipe
 
+    from miles_lp.errors import ConfigError
+
+    if args.resume and args.run_name:
+        raise ConfigError("--run-name names a new run; --resume continues RUN_DIR under its own name: pass one of them")
+    if args.resume and args.dry_run:
+        raise ConfigError("--dry-run checks a recipe before a new run; to check a resume, run --dry-run on the run's "
+                          "recipe.yaml (RUN_DIR/recipe.yaml)")
     recipe = load_recipe(args.recipe, args.overrides)  # everything is validated before anything starts
     if args.dry_run:
         from miles_lp.launch.dry_run import dry_run

@@ -41,6 +41,13 @@ def dry_run(recipe: Recipe) -> dict[str, Any]:
         plan = compile_plan(pol, get_layout(config))
     task = make_task(recipe.task, int(config["vocab_size"]))
     would_refuse = _would_refuse(recipe, plan, config)
+    from miles_lp.errors import ConfigError
+    from miles_lp.launch.runner import check_task_fits
+
+    try:
+        check_task_fits(recipe, task)
+    except ConfigError as e:
+        would_refuse.append(str(e))
     out = {
         "recipe": recipe.source, "model": recipe.model.path, "model_type": config.get("model_type"),
         "plan_hash": None if plan is None else plan.hash,

@@ -321,7 +321,7 @@ class RayRun:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from miles_lp.launch.model import prepare_model, vocab_size
-        from miles_lp.launch.runner import _target, engine_side, plan_for, sampling_for
+        from miles_lp.launch.runner import _target, check_task_fits, engine_side, plan_for, sampling_for
         from miles_lp.rl.step import StepParts
         from miles_lp.rl.tasks import make_task
         from miles_lp.sync import WeightSync
@@ -332,6 +332,7 @@ class RayRun:
         self.model_dir = prepare_model(recipe.model, run_dir.path / "model")
         self.plan = plan_for(recipe, self.model_dir)
         self.task = make_task(recipe.task, vocab_size(self.model_dir))
+        check_task_fits(recipe, self.task)
         self.engine_ckpt, _, _ = engine_side(recipe, self.model_dir, self.plan, run_dir.path / "engine_init")
         bundles = _bundles(recipe)
         strategy = "PACK" if len(bundles) == 1 else "SPREAD"

@@ -38,6 +38,16 @@ MAX_ENGINE_RESTARTS = 3
 VERSION_KEYS = ("rollout/weight_version", "sync/weight_version", "sync/check/version/figure")
 
 
+def check_task_fits(recipe: Recipe, task: Any) -> None:
+    """A response cap shorter than the task's exact answer makes the reward unreachable: refused, naming both."""
+    need = int(getattr(task, "max_response_len", 0) or 0)
+    cap = int(getattr(recipe.rollout, "max_response_len", need))
+    if cap < need:
+        raise ConfigError(f"rollout.max_response_len {cap} is shorter than the task's longest answer ({need} tokens, "
+                          f"stop token included): no response can earn the reward; set rollout.max_response_len >= "
+                          f"{need}")
+
+
 def record_step(run: Any, step: int, m: dict[str, float]) -> dict[str, float]:
     """The end of a step, the same for the in-process run and the Ray run: the run's weight-version count (an
     engine's own count restarts with the engine), the restart count (every row, so a plot has one series),
@@ -190,6 +200,7 @@ class Run:
         self.model_dir = prepare_model(recipe.model, run_dir.path / "model")
         self.plan = plan_for(recipe, self.model_dir)
         self.task = make_task(recipe.task, vocab_size(self.model_dir))
+        check_task_fits(recipe, self.task)
         self.learner = make_learner(recipe, self.model_dir, self.plan)
         try:
             self._build(recipe, run_dir, start_step, learner_state, loop_state, build_engine)

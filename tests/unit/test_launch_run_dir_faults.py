@@ -78,3 +78,26 @@ def test_rollout_keys_a_backend_does_not_read_are_refused(tmp_path, overrides, m
     p.write_text(RECIPE.replace("OUT", str(tmp_path / "runs")).replace("rollout: {device: cpu, ", "rollout: {"))
     with pytest.raises(ConfigError, match=match):
         load_recipe(p, overrides)
+
+
+def test_response_cap_shorter_than_the_answer_is_refused_at_start(tmp_path):
+    from miles_lp.launch.dry_run import dry_run
+    from miles_lp.launch.runner import Run
+
+    p = tmp_path / "r.yaml"
+    p.write_text(RECIPE.replace("OUT", str(tmp_path / "runs")))
+    recipe = load_recipe(p, ["task.length=3", "rollout.max_response_len=2"])  # the answer: 3 symbols + EOS
+    msg = r"rollout.max_response_len 2 is shorter than the task's longest answer \(4 tokens"
+    assert any("rollout.max_response_len 2 is shorter" in r for r in dry_run(recipe)["would_refuse_at_start"])
+    with pytest.raises(ConfigError, match=msg):
+        Run.start(recipe, run_name="short")
+    assert not (tmp_path / "runs" / "short").exists()
+
+
+@pytest.mark.parametrize("extra, match", [(["--run-name", "y"], "--run-name names a new run"),
+                                          (["--dry-run"], "--dry-run checks a recipe before a new run")])
+def test_run_cli_refuses_flags_a_resume_would_ignore(tmp_path, capsys, extra, match):
+    from miles_lp.cli import main
+
+    assert main(["run", "recipes/tiny-mxfp8.yaml", "--resume", str(tmp_path), *extra]) == 2
+    assert match in capsys.readouterr().err
