@@ -142,10 +142,12 @@ def main() -> None:
                 _answer(conn, {"ok": True, "pending": len(pending)})
             elif op == "finish":
                 t = time.perf_counter()
-                _reload_checked(llm, pending)
-                llm.reset_prefix_cache()
                 n = len(pending)
-                pending = {}
+                try:
+                    _reload_checked(llm, pending)
+                    llm.reset_prefix_cache()
+                finally:  # a failed reload must not leave its tensors to merge into the next update
+                    pending = {}
                 _answer(conn, {"ok": True, "reloaded": n, "seconds": time.perf_counter() - t})
             elif op == "abort_update":
                 pending = {}
