@@ -46,6 +46,9 @@ def add_arguments(p) -> None:
     p.add_argument("--graph", action="store_true",
                    help="CUDA: also replay each compiled mode's fwd+bwd (and bf16's) as CUDA graphs "
                         "(torch.cuda.make_graphed_callables), with a bit-equality check against eager")
+    p.add_argument("--host-cpu", action="store_true",
+                   help="no GPU: the per-call host time of each mode on CPU with the Triton launches stubbed "
+                        "(miles_lp.bench.linear_host; Python, autograd and tensor ops only)")
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="instead of the table: per shape and mode, host time per call, isolated vs pipelined "
                         "time, CUDA kernels per call with their device time, host syncs (torch profiler); "
@@ -520,6 +523,15 @@ def run(args) -> int:
         return 0
     shapes = [_parse_shape(s.strip()) for s in args.shapes.split(",") if s.strip()]
     modes = None if args.modes == "all" else [tuple(m.split("/")) for m in args.modes.split(",")]
+    if args.host_cpu:
+        from miles_lp.bench import linear_host
+
+        rows = linear_host.host_rows(modes or MODES)
+        print(linear_host.format_rows(rows, 32))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
     if args.profile:
         from miles_lp.errors import BackendUnavailable
 

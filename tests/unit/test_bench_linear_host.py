@@ -1,0 +1,23 @@
+"""``bench linear --host-cpu``: the stubbed CPU harness counts what one QuantLinear fwd+bwd launches and
+dispatches, and puts the kernel module back as it was (no timing asserted: the numbers are the machine's)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+
+def test_host_rows_count_launches_and_restore_the_kernels():
+    from miles_lp.bench import linear_host
+    from miles_lp.formats import kernels
+
+    before = (kernels._launch, kernels.enabled, kernels._module)
+    rows = {r["mode"]: r for r in linear_host.host_rows([("mxfp8", "dequantized"), ("nvfp4", "high_precision")])}
+    assert (kernels._launch, kernels.enabled, kernels._module) == before
+    assert rows["mxfp8/dequantized"]["launches"] == 3  # w qdq, x qdq, x decode (test_train_kernel_launches pins it)
+    assert rows["nvfp4/high_precision"]["launches"] == 3  # w amax + quantize, x per-token
+    assert rows["bf16 F.linear"]["aten_ops"] < rows["mxfp8/dequantized"]["aten_ops"]
+    assert all(r["fresh_us"] > 0 for r in rows.values())
+    text = linear_host.format_rows(list(rows.values()), 32)
+    assert "mxfp8/dequantized" in text and "launches" in text
