@@ -38,8 +38,6 @@ from miles_lp.launch.recipe import Recipe
 from miles_lp.launch.wire import pack, unpack
 from miles_lp.rl.step import RunError
 
-MAX_ENGINE_RESTARTS = 2
-
 
 class EngineDied(RunError):
     def __init__(self, message: str, method: str):
@@ -411,30 +409,12 @@ class RayRun:
         return Path(ray.get(self.learner_actor.save_state.remote(str(self.dir.path), self.step, loop)))
 
     def step_once(self) -> dict[str, float]:
-        from miles_lp.launch.runner import record_step
-        from miles_lp.rl.step import grpo_step
+        from miles_lp.launch.runner import step_with_restarts
 
-        step = self.step
-        learner_at = self.learner.step  # to tell "died before any update" (re-run the step) from after
-        while True:
-            try:
-                m = grpo_step(self.parts, step)
-                break
-            except Exception as exc:
-                # the sync wraps an engine's failure (SyncAbortedError): ask the actor, not the exception type
-                if not isinstance(exc, EngineDied) and actor_alive(self.engine_actor):
-                    raise
-                moved = self.learner.step != learner_at
-                if moved or self.restarts >= MAX_ENGINE_RESTARTS:
-                    self.step = step + int(moved)
-                    ck = self.checkpoint() if moved else self.dir.latest()
-                    raise RunError(f"step {step}: the rollout actor died ({type(exc).__name__}: {exc}); stopped "
-                                   f"(engine restarts so far: {self.restarts}); resume from {ck or 'the start'} "
-                                   f"with --resume {self.dir.path}") from exc
-                print(f"miles-lp run: step {step}: {exc}; restarting the engine and resyncing every tensor",
-                      file=sys.stderr)
-                self.restart_engine()
-        return record_step(self, step, m)
+        # the sync wraps an engine's failure (SyncAbortedError): ask the actor, not only the exception type
+        return step_with_restarts(
+            self, engine_dead=lambda exc: isinstance(exc, EngineDied) or not actor_alive(self.engine_actor),
+            learner_steps=lambda: int(self.learner.step), what="the rollout actor")
 
     def close(self) -> None:
         import ray

@@ -48,6 +48,35 @@ def check_task_fits(recipe: Recipe, task: Any) -> None:
                           f"{need}")
 
 
+def step_with_restarts(run: Any, *, engine_dead: Callable[[BaseException], bool], learner_steps: Callable[[], int],
+                       what: str) -> dict[str, float]:
+    """One step of ``run`` (the in-process run or the Ray run), surviving an engine that dies: died while
+    generating (the learner has not stepped) -> ``run.restart_engine()`` (a fresh engine, a full resync) and the
+    step re-run; died later (the learner already stepped: its update must not be lost) or too often -> a
+    checkpoint of the learner and an error naming the resume command. ``engine_dead(exc)`` asks the engine
+    itself, since the sync reports an engine's failure wrapped."""
+    step = run.step
+    learner_at = learner_steps()
+    while True:
+        try:
+            m = grpo_step(run.parts, step)
+            break
+        except Exception as exc:
+            if not engine_dead(exc):
+                raise
+            moved = learner_steps() != learner_at
+            if moved or run.restarts >= MAX_ENGINE_RESTARTS:
+                run.step = step + int(moved)
+                ck = run.checkpoint() if moved else run.dir.latest()
+                raise RunError(f"step {step}: {what} died ({type(exc).__name__}: {exc}); stopped (engine restarts so "
+                               f"far: {run.restarts}); resume from {ck or 'the start'} with --resume "
+                               f"{run.dir.path}") from exc
+            print(f"miles-lp run: step {step}: {what} died ({exc}); restarting it and resyncing every tensor",
+                  file=sys.stderr)
+            run.restart_engine()
+    return record_step(run, step, m)
+
+
 def record_step(run: Any, step: int, m: dict[str, float]) -> dict[str, float]:
     """The end of a step, the same for the in-process run and the Ray run: the run's weight-version count (an
     engine's own count restarts with the engine), the restart count (every row, so a plot has one series),
@@ -269,17 +298,8 @@ class Run:
 
     # ---- the loop -------------------------------------------------------------------------------------
     def step_once(self) -> dict[str, float]:
-        step = self.step
-        learner_at = self._learner_steps()  # to tell "died before any update" (re-run the step) from after
-        while True:
-            try:
-                m = grpo_step(self.parts, step)
-                break
-            except Exception as exc:
-                if not self._engine_dead():
-                    raise
-                self._engine_died(step, exc, learner_at)  # restarts the engine (the step re-runs) or raises
-        return record_step(self, step, m)
+        return step_with_restarts(self, engine_dead=lambda exc: self._engine_dead(),
+                                  learner_steps=self._learner_steps, what="the engine process")
 
     # ---- an engine process that died (vLLM's) ---------------------------------------------------------
     def _engine_dead(self) -> bool:
@@ -288,21 +308,6 @@ class Run:
             return str(self.engine.health().get("status")) == "dead"
         except Exception:
             return False  # cannot tell (an HTTP server that stopped answering): not restartable from here
-
-    def _engine_died(self, step: int, exc: BaseException, learner_at: int) -> None:
-        """As the Ray launcher does for its rollout actor: died while generating (no update yet) -> a fresh engine,
-        a full resync, the step re-run; died later in the step (the learner already stepped) or too often ->
-        checkpoint the learner and stop with an error naming the resume command."""
-        learner_moved = self._learner_steps() != learner_at
-        if learner_moved or self.restarts >= MAX_ENGINE_RESTARTS:
-            self.step = step + int(learner_moved)
-            ck = self.checkpoint() if learner_moved else self.dir.latest()
-            raise RunError(f"step {step}: the engine process died ({type(exc).__name__}: {exc}); stopped (engine "
-                           f"restarts so far: {self.restarts}); resume from {ck or 'the start'} with --resume "
-                           f"{self.dir.path}") from exc
-        print(f"miles-lp run: step {step}: the engine process died ({exc}); restarting it and resyncing every "
-              "tensor", file=sys.stderr)
-        self.restart_engine()
 
     def _learner_steps(self) -> int:
         v = self.learner.step  # the Learner protocol's attribute (a method on some proxies)
