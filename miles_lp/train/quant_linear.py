@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from miles_lp.errors import ConfigError
 from miles_lp.train.gemm import QuantLinearFn, quantized_linear
 from miles_lp.train.grid import WeightGrid
-from miles_lp.train.operands import select_expert, select_rows
+from miles_lp.train.operands import select_expert, select_experts, select_rows
 from miles_lp.train.recipe import LinearRecipe
 
 __all__ = ["LinearRecipe", "QuantExperts", "QuantLinear", "WeightGrid", "executed_quantized", "invalidate_grids",
@@ -174,14 +174,13 @@ class QuantExperts(torch.nn.Module):
         if self.gate_up_grid is not None:
             q = self.gate_up_grid.rowwise(self.gate_up_proj)
             inter = self.gate_up_proj.shape[1] // 2
-            for e in range(self.num_experts):
-                qe = select_expert(q, e)
+            for e, qe in enumerate(select_experts(q)):
                 yield self.gate_up_members[2 * e], select_rows(qe, slice(0, inter))
                 yield self.gate_up_members[2 * e + 1], select_rows(qe, slice(inter, 2 * inter))
         if self.down_grid is not None:
             q = self.down_grid.rowwise(self.down_proj)
-            for e in range(self.num_experts):
-                yield self.down_members[e], select_expert(q, e)
+            for e, qe in enumerate(select_experts(q)):
+                yield self.down_members[e], qe
 
     def extra_repr(self) -> str:
         def fmt(r):

@@ -478,3 +478,33 @@ def test_kernel_auto_is_reference_on_cpu_and_unknown_kernel_refused():
     assert WeightGrid(LinearRecipe(Format.MXFP8), kernel="compiled").use_compiled(torch.zeros(1))
     with pytest.raises(ConfigError, match="kernel must be one of auto, reference, compiled"):
         WeightGrid(LinearRecipe(Format.MXFP8), kernel="triton")
+
+
+@pytest.mark.parametrize("case", ["mxfp8", "nvfp4_tensor", "nvfp4_row"])
+def test_select_experts_equals_select_expert_field_by_field(case):
+    """The one-unbind form used by QuantExperts.learner_weights gives, for every expert, the object
+    select_expert(q, e) gives: every field equal, tensors the same views (storage, offset, strides)."""
+    import dataclasses
+
+    from miles_lp.train.operands import select_expert, select_experts
+
+    w = torch.randn(3, 32, 64)
+    if case == "mxfp8":
+        q = formats.quantize_mxfp8(w)
+    else:
+        q = formats.quantize_nvfp4(w, scale_scope="tensor" if case == "nvfp4_tensor" else "row")
+    many = select_experts(q)
+    assert len(many) == 3
+    for e, got in enumerate(many):
+        want = select_expert(q, e)
+        assert type(got) is type(want)
+        for f in dataclasses.fields(want):
+            a, b = getattr(got, f.name), getattr(want, f.name)
+            if isinstance(b, torch.Tensor):
+                assert a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride(), f.name
+                assert a.data_ptr() == b.data_ptr()
+                assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), f.name
+            else:
+                assert a == b, f.name
+    if case == "nvfp4_tensor":
+        assert many[1].global_scale.shape == () and many[1].amax.shape == ()
