@@ -78,34 +78,43 @@ def engine_items(export: Iterable[tuple[str, Any]], target: str, layout: Any = N
     or an object that is neither a tensor nor a quantized tensor."""
     naming.check_target(target)
     items: list[Item] = []
+    append = items.append
     seen: dict[str, str] = {}
     consts: dict[tuple, torch.Tensor] = {}  # one tensor per constant value and device, for every module
     keys = _group_keys(layout)
-    for source, obj in export:
+    components: dict[Format, list[str]] = {}  # per format: each part's component ("const" for a constant part)
+    for source, obj in export:  # host work per tensor kept small: ~1,200 tensors every sync
         if is_quantized(obj):
-            fmt = Format(obj.format)
+            fmt = obj.format if type(obj.format) is Format else Format(obj.format)
+            comps = components.get(fmt)
+            if comps is None:
+                comps = components[fmt] = [p.component or "const" for p in naming.parts(target, fmt)]
             # a constant part (the static input_scale) is one tensor on the data's device for every module: one
             # transfer source, not a new host tensor each
             encoded = naming.encode(target, fmt, source, obj, constants=consts)
-            parts = naming.parts(target, fmt)
-            for (name, t), part in zip(encoded.items(), parts, strict=True):
+            if len(encoded) != len(comps):
+                raise SyncInputError(f"'{source}': {len(encoded)} engine tensors encoded for {len(comps)} parts")
+            for (name, t), comp in zip(encoded.items(), comps):
                 group = keys.get(name)
                 if group is None:
                     group = keys[name] = group_key(name, layout)
-                items.append(Item(name, t, source, fmt, part.component or "const", group))
+                if name in seen:
+                    raise SyncInputError(f"learner export wrote engine tensor '{name}' twice (from "
+                                         f"'{seen[name]}' and '{source}'); every tensor must be exported once")
+                seen[name] = source
+                append(Item(name, t, source, fmt, comp, group))
         elif isinstance(obj, torch.Tensor):
             group = keys.get(source)
             if group is None:
                 group = keys[source] = group_key(source, layout)
-            items.append(Item(source, obj.detach(), source, Format.BF16, None, group))
+            if source in seen:
+                raise SyncInputError(f"learner export wrote engine tensor '{source}' twice (from "
+                                     f"'{seen[source]}' and '{source}'); every tensor must be exported once")
+            seen[source] = source
+            append(Item(source, obj.detach(), source, Format.BF16, None, group))
         else:
             raise SyncInputError(f"learner export yielded '{source}' as {type(obj).__name__}; expected a "
                                  "torch.Tensor or a quantized tensor from miles_lp.formats")
-        for it in items[len(items) - (len(encoded) if is_quantized(obj) else 1):]:
-            if it.name in seen:
-                raise SyncInputError(f"learner export wrote engine tensor '{it.name}' twice (from "
-                                     f"'{seen[it.name]}' and '{it.source}'); every tensor must be exported once")
-            seen[it.name] = it.source
     return items
 
 
