@@ -11,7 +11,9 @@ Endpoints (SGLang's paths and bodies): POST /generate, /update_weights_from_disk
 storage_pointers, self_check, read_weights, param_specs, health).
 
 Binds 127.0.0.1 unless --host says otherwise. With MILES_LP_API_KEY (or SGLANG_API_KEY) set, every request but
-GET /health needs `Authorization: Bearer <key>`; others get 401.
+GET /health needs `Authorization: Bearer <key>`; others get 401. A --host other than loopback without a key is
+refused (anyone who reaches the port could load weights from any path on this machine) unless
+--no-auth-on-network says that is intended.
 
   miles-lp serve /tmp/tiny-mxfp8 --port 30000
   curl -s localhost:30000/generate -d '{"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 8},
@@ -31,17 +33,29 @@ def add_arguments(p) -> None:
     p.add_argument("--pause-timeout", type=float, default=600.0,
                    help="seconds a /generate request waits while generation is paused (default 600)")
     p.add_argument("--verbose", action="store_true", help="log every request")
+    p.add_argument("--no-auth-on-network", action="store_true",
+                   help="allow a non-loopback --host without an API key (refused otherwise)")
 
 
 def run(args) -> int:
+    import ipaddress
     import sys
 
+    from miles_lp.errors import ConfigError
     from miles_lp.rollout.reference import ReferenceEngine
     from miles_lp.rollout.server import EngineServer, api_key_from_env
 
+    key = api_key_from_env()
+    try:
+        loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
+    except ValueError:  # a host name: only localhost is known to be loopback
+        loopback = False
+    if not loopback and key is None and not args.no_auth_on_network:
+        raise ConfigError(f"--host {args.host}: serving beyond this host without an API key lets anyone who reaches "
+                          "the port generate and load weights from any path here; set MILES_LP_API_KEY, or pass "
+                          "--no-auth-on-network if that is intended")
     engine = ReferenceEngine(args.checkpoint, device=args.device, dtype=args.dtype, kv_cache=args.kv_cache,
                              threads=args.threads, pause_timeout_s=args.pause_timeout)
-    key = api_key_from_env()
     server = EngineServer(engine, args.host, args.port, key, verbose=args.verbose)
     h = engine.health()
     print(f"miles-lp serve: {args.checkpoint} ({h['model_type']}, target {h['target']}, quantized "

@@ -203,3 +203,12 @@ def test_cli_serve_process(ckpts, tmp_path):
     finally:
         p.terminate()
         p.wait(20)
+
+
+def test_cli_serve_refuses_a_network_host_without_a_key(ckpts, monkeypatch, capsys):
+    from miles_lp.cli import main
+
+    monkeypatch.delenv("MILES_LP_API_KEY", raising=False)
+    monkeypatch.delenv("SGLANG_API_KEY", raising=False)
+    assert main(["serve", str(ckpts[0]), "--host", "0.0.0.0", "--port", "0"]) == 2
+    assert "serving beyond this host without an API key" in capsys.readouterr().err
