@@ -46,7 +46,7 @@ def _module():
     return kernels._load(False)
 
 
-def compile_kernel(name: str, signature: dict, constexprs: dict, num_warps: int):
+def compile_kernel(name: str, signature: dict, constexprs: dict, num_warps: int, maxnreg: int = 0):
     """Triton's ``CompiledKernel`` of ``_triton.<name>`` for sm_90, specialized as a launch at the bench shape
     is: pointers 16-byte aligned (fresh allocations) and every int a multiple of 16 (``tt.divisibility``)."""
     import triton
@@ -58,7 +58,8 @@ def compile_kernel(name: str, signature: dict, constexprs: dict, num_warps: int)
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if signature.get(p, "constexpr") != "constexpr"}
     sig = {p: signature.get(p, "constexpr") for p in params}
     src = ASTSource(fn, sig, constexprs, attrs)
-    return triton.compile(src, target=GPUTarget(*SM90), options={"num_warps": num_warps})
+    opts = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+    return triton.compile(src, target=GPUTarget(*SM90), options=opts)
 
 
 def _cuobjdump(ck, flag: str) -> str:
@@ -117,7 +118,8 @@ def cases(k: int = 8192) -> dict[str, tuple]:
         out[tag] = ("nvfp4_rows_pairs_kernel",
                     {"x_ptr": "*i32", "M": "i32", "K2": "i32", "amax_ptr": "*fp32", "q_ptr": "*u8", "s_ptr": "*u8",
                      "gs_ptr": "*fp32", "d_ptr": "*i32" if dq else "*u8"},
-                    {"DQ": dq, "NB": nb, "RS": rs, "EVICT": pairs.get("EVICT", 0)}, warps, nb * 16 * rs)
+                    {"DQ": dq, "NB": nb, "RS": rs, "EVICT": pairs.get("EVICT", 0)}, warps, nb * 16 * rs,
+                    pairs.get("maxnreg_dq" if dq else "maxnreg", 0))
     mx_sig = {"x_ptr": "*i16", "R": "i32", "K": "i32", "M": "i32", **{p: "*u8" for p in (
         "qr_ptr", "sr_ptr", "dr_ptr", "wr_ptr", "qc_ptr", "sc_ptr", "dc_ptr", "wc_ptr")}}
     for tag, row, col, key in (("mxfp8_row", 1, 0, "mxfp8"), ("mxfp8_both", 1, 1, "mxfp8_both")):
@@ -137,10 +139,10 @@ def cases(k: int = 8192) -> dict[str, tuple]:
 
 def report(names: list[str] | None = None, dump: str | None = None, out=sys.stdout) -> dict:
     res = {}
-    for tag, (name, sig, consts, warps, elems) in cases().items():
+    for tag, (name, sig, consts, warps, elems, *cap) in cases().items():
         if names and tag not in names:
             continue
-        ck = compile_kernel(name, sig, consts, warps)
+        ck = compile_kernel(name, sig, consts, warps, *cap)
         lines = sass_lines(ck)
         hist = histogram(lines)
         total = sum(hist.values())
