@@ -162,3 +162,14 @@ def test_bf16_rows_take_the_pairs_kernel_and_others_the_general_one():
     assert proc.returncode == 0, proc.stderr[-3000:]
     pairs, general = ["nvfp4_rows_pairs_kernel"], ["nvfp4_quantize_rows_kernel"]
     assert json.loads(proc.stdout.splitlines()[-1]) == [pairs, pairs, general, general, general, general]
+
+
+def test_plan_caches_are_bounded(monkeypatch):
+    """Per-shape plans (and their launcher lookups) are dropped when the cache is full: micro-batch token
+    counts vary, so an unbounded cache would grow for the whole run."""
+    monkeypatch.setattr(kernels, "_MAX_PLANS", 3)
+    monkeypatch.setattr(kernels, "_PLANS", {i: None for i in range(4)})
+    monkeypatch.setattr(kernels, "_SITES", {i: None for i in range(4)})
+    key = kernels._plan_key(torch.zeros(2, 32), "mx")
+    assert kernels._PLANS == {} and kernels._SITES == {}
+    assert key[0] == torch.Size([2, 32]) and key[-1] == "mx"

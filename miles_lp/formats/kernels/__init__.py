@@ -253,9 +253,15 @@ def _input(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 _PLANS: dict[tuple, object] = {}  # entry point + everything its launch depends on -> the validated plan
 
 
+_MAX_PLANS = 4096  # token counts vary per micro-batch: bound the per-shape caches (cleared when full)
+
+
 def _plan_key(x: torch.Tensor, *flags) -> tuple:
     """What an entry point's validation, output shapes and launch depend on: the input's shape, dtype,
     device, 16-byte alignment, contiguity and the call's flags (the launch shapes in CONFIG among them)."""
+    if len(_PLANS) > _MAX_PLANS:
+        _PLANS.clear()
+        _SITES.clear()
     return (x.shape, x.dtype, x.device, x.data_ptr() & 15, x.is_contiguous(), *flags)
 
 
