@@ -173,3 +173,35 @@ def test_plan_caches_are_bounded(monkeypatch):
     key = kernels._plan_key(torch.zeros(2, 32), "mx")
     assert kernels._PLANS == {} and kernels._SITES == {}
     assert key[0] == torch.Size([2, 32]) and key[-1] == "mx"
+
+
+_PERSIST_NAMES = """
+import json, torch
+from miles_lp.formats import kernels
+names = []
+real = kernels._launch
+kernels._launch = lambda mod, name, *a, **k: (names.append((name, a[0])), real(mod, name, *a, **k))
+x = torch.randn(33, 64).bfloat16()
+out = []
+for cfg, dq in [({}, None), ({"pps": 2}, None), ({"pps_dq": 1}, torch.bfloat16), ({"pps": 2}, torch.bfloat16)]:
+    per = kernels.CONFIG["nvfp4_persist"]
+    old = dict(per)
+    per.update(cfg)
+    names.clear()
+    kernels.nvfp4_quantize(x, "row", dequant_dtype=dq)
+    per.clear(); per.update(old)
+    out.append([[n, list(g)] for n, g in names])
+print(json.dumps(out))
+"""
+
+
+def test_persistent_grid_is_taken_only_when_configured():
+    """CONFIG["nvfp4_persist"]["pps"] (quantize) / "pps_dq" (qdq) > 0 sends bf16 per-token rows to
+    nvfp4_rows_persist_kernel on min(rows, 4 "SMs" x pps) programs (the interpreter's count); 0 keeps the
+    one-row-per-program kernel. Its bytes: the "nvfp4 row persist *" selfcheck rows above."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-c", _PERSIST_NAMES], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pairs, persist = "nvfp4_rows_pairs_kernel", "nvfp4_rows_persist_kernel"
+    assert json.loads(proc.stdout.splitlines()[-1]) == [
+        [[pairs, [33, 1]]], [[persist, [8]]], [[persist, [4]]], [[pairs, [33, 1]]]]

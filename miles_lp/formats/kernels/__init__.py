@@ -49,6 +49,9 @@ __all__ = [
 CONFIG = {
     "mxfp8": {"BMB": 1, "NB": 8, "num_warps": 2},  # one grid
     "mxfp8_both": {"BMB": 1, "NB": 8, "num_warps": 2},  # rowwise + columnwise in one pass
+    # (an "STV": 8 entry in either: the E4M3 tiles stored from the load's layout, 8-byte stores, no shared-memory
+    # re-layout: offline sm_90 SASS of 32x256 / 2 warps row+col 13.8 -> 13.1 per element, 16 -> 6 barriers,
+    # but 168 -> 239 registers (4 programs per SM instead of 6). 12-01c round 2; off until measured.)
     "mxfp8_dq": {"BMB": 1, "NB": 8, "num_warps": 8},
     "nvfp4": {"TA": 16, "NB": 16, "num_warps": 2},
     "nvfp4_2d": {"TA": 2, "NB": 8, "num_warps": 2},
@@ -67,6 +70,12 @@ CONFIG = {
     # the cap (166.7 us either way). Bytes checked with exactly these (selfcheck --config, both runs).
     "nvfp4_pairs": {"enabled": True, "el_per_thread": 64, "RS": 1, "el_per_thread_dq": 32, "RS_dq": 1, "EVICT": 1,
                     "maxnreg": 80, "maxnreg_dq": 0},
+    # The same rows from a persistent grid (nvfp4_rows_persist_kernel, 12-01c round 2): "pps" programs per SM
+    # (0: off, the one-row-per-program kernel above), each looping over every P-th row with the next row's
+    # load issued during this row's work: STAGES > 1 Triton's pipeliner (cp.async into shared memory), PF 1 a
+    # register prefetch. Offline (sm_90 SASS): STAGES 2 at 64 el/thread 96 registers (115 at STAGES 1, no
+    # spill), 18.7 instructions per element with the loop. "_dq" keys: the qdq form. Off until measured.
+    "nvfp4_persist": {"pps": 0, "STAGES": 2, "PF": 0, "pps_dq": 0, "STAGES_dq": 2, "PF_dq": 0},
     "nvfp4_dq": {"BM": 16, "NB": 8, "num_warps": 4},
     "amax": {"BM": 32, "BK": 256, "num_warps": 4},
 }
@@ -393,7 +402,7 @@ def _mxfp8_plan(x, rowwise: bool, colwise: bool, dequant_dtype, dequant, swizzle
             "rkm": (r, k, m), "grid": (triton_cdiv(r, 32 * bmb), triton_cdiv(k, 32 * nb)), "warps": cfg["num_warps"],
             "consts": dict(IN_KIND=in_kind, ROW=rowwise, COL=colwise, OUT_KIND=out_kind, DQ_ROW=dq_row,
                            DQ_COL=dq_col, SWZ=bool(swizzle) and mats >= 1, BMB=bmb, NB=nb,
-                           EVICT=cfg.get("EVICT", 0))}
+                           EVICT=cfg.get("EVICT", 0), STV=cfg.get("STV", 0))}
 
 
 def quantize_mxfp8(x: torch.Tensor, axis: int = -1, name: str | None = None) -> MXFP8Tensor:
@@ -476,7 +485,7 @@ def nvfp4_quantize(x: torch.Tensor, scope: str = "tensor", *, amax: torch.Tensor
         _check_nvfp4(x, scope, block_2d, name)
     given = amax is not None
     cfgs = (CONFIG["nvfp4_pairs"], CONFIG["nvfp4_rows"], CONFIG["nvfp4_rows_reg"], CONFIG["nvfp4_2d"],
-            CONFIG["nvfp4"], CONFIG["amax"])
+            CONFIG["nvfp4"], CONFIG["amax"], CONFIG["nvfp4_persist"])
     key = _plan_key(x, "nv", scope, given, block_2d, dequant_dtype, *(tuple(c.values()) for c in cfgs))
     plan = _PLANS.get(key)
     if plan is None:
@@ -506,8 +515,12 @@ def nvfp4_quantize(x: torch.Tensor, scope: str = "tensor", *, amax: torch.Tensor
         if path == "pairs":
             d32 = d.view(torch.int32) if out_kind else d
             args = (xi.view(torch.int32), m, k // 2, amax_flat, q, s, gs, d32)
-            _launch(mod, "nvfp4_rows_pairs_kernel", plan["grid"], args, plan["warps"], site=key,
-                    maxnreg=plan["maxnreg"], **plan["consts"])
+            if "persist" in plan:
+                nprog = plan["grid"][0]
+                args = (xi.view(torch.int32), mats * m, k // 2, nprog, triton_cdiv(mats * m, nprog), *args[3:])
+            _launch(mod, plan.get("persist", "nvfp4_rows_pairs_kernel"), plan["grid"], args, plan["warps"],
+                    site=key, maxnreg=plan["maxnreg"], **plan["consts"],
+                    **({"ITERS_C": args[4]} if "persist" in plan and not x.is_cuda else {}))
         else:
             _launch(mod, "nvfp4_quantize_rows_kernel", plan["grid"], (xi, m, k, amax_flat, q, s, gs, d),
                     plan["warps"], site=key, **plan["consts"])
@@ -515,6 +528,13 @@ def nvfp4_quantize(x: torch.Tensor, scope: str = "tensor", *, amax: torch.Tensor
     qt = NVFP4Tensor(data=q, scale=s.view(torch.float8_e4m3fn), global_scale=gs.view(gshape),
                      amax=amax_flat.view(gshape), logical_shape=plan["shape"], scale_scope=scope, block_2d=block_2d)
     return qt, (_as(d, dequant_dtype) if out_kind else None)
+
+
+def _sm_count(dev: torch.device) -> int:
+    """Streaming multiprocessors of ``dev`` (a persistent grid's unit); 4 for the interpreter's CPU tensors."""
+    if dev.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(dev).multi_processor_count
 
 
 def _nvfp4_plan(x, scope: str, given: bool, block_2d: bool, dequant_dtype) -> dict:
@@ -545,6 +565,15 @@ def _nvfp4_plan(x, scope: str, given: bool, block_2d: bool, dequant_dtype) -> di
                     warps=max(1, min(16, nb * NVFP4_BLOCK // (32 * ept))),
                     consts=dict(DQ=bool(out_kind), NB=nb, RS=rs, EVICT=pairs.get("EVICT", 0)),
                     maxnreg=pairs.get("maxnreg_dq" if out_kind else "maxnreg", 0))
+        per = CONFIG["nvfp4_persist"]
+        sfx = "_dq" if out_kind else ""
+        pps = per.get("pps" + sfx, 0)
+        if pps:  # a persistent grid over the flat rows (per-token: no matrix boundary inside a row)
+            nprog = max(1, min(mats * m, _sm_count(x.device) * pps))
+            plan.update(persist="nvfp4_rows_persist_kernel", grid=(nprog,),
+                        maxnreg=per.get("maxnreg" + sfx, plan["maxnreg"]),
+                        consts=dict(DQ=bool(out_kind), NB=nb, STAGES=per.get("STAGES" + sfx, 2),
+                                    PF=per.get("PF" + sfx, 0), EVICT=pairs.get("EVICT", 0)))
     elif per_row and not given:
         cfg = CONFIG["nvfp4_rows"]
         rows, nb, warps = cfg["ROWS"], cfg["NB"], cfg["num_warps"]

@@ -259,9 +259,13 @@ def mxfp8_quantize_kernel(
     qc_ptr, sc_ptr, dc_ptr, wc_ptr,
     IN_KIND: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, OUT_KIND: tl.constexpr,
     DQ_ROW: tl.constexpr, DQ_COL: tl.constexpr, SWZ: tl.constexpr, BMB: tl.constexpr, NB: tl.constexpr,
-    EVICT: tl.constexpr = 0,
+    EVICT: tl.constexpr = 0, STV: tl.constexpr = 0,
 ):
     """One [BMB*32, NB*32] tile of x [R, K] (R = all rows; M rows per matrix, for the swizzle).
+
+    STV 8: the E4M3 tiles are stored through ``_store_q2`` (the 2-D tile, column offsets that show runs of
+    8 contiguous bytes: the run one thread holds from its 16-byte load), so they leave from the load's layout
+    as 8-byte stores instead of being re-laid out through shared memory for 16-byte stores.
 
     The tile is loaded once as a 2-D block; rowwise 1x32 blocks are its [BM, NB, 32] view reduced over the
     last axis, columnwise 32x1 blocks its [BMB, 32, BK] view reduced over the middle one.
@@ -287,7 +291,9 @@ def mxfp8_quantize_kernel(
         xr = tl.reshape(x, [BM, NB, 32])
         e = _e8m0_round_up(_amax_fix(tl.max(tl.reshape(a, [BM, NB, 32]), axis=2, keep_dims=True)) * INV448)
         q = _e4m3_byte(xr * _e8m0_inverse(e))  # [BM, NB, 32]
-        if EVICT:  # streaming stores: the outputs are not read again by this kernel
+        if STV:
+            _store_q2(qr_ptr, q, r2, c2, R, K, BM, BK, STV, EVICT)
+        elif EVICT:  # streaming stores: the outputs are not read again by this kernel
             tl.store(qr_ptr + offs, q, mask=mask, cache_modifier=".cs")
         else:
             tl.store(qr_ptr + offs, q, mask=mask)
@@ -307,7 +313,9 @@ def mxfp8_quantize_kernel(
         xc = tl.reshape(x, [BMB, 32, BK])
         e = _e8m0_round_up(_amax_fix(tl.max(tl.reshape(a, [BMB, 32, BK]), axis=1, keep_dims=True)) * INV448)
         q = _e4m3_byte(xc * _e8m0_inverse(e))  # [BMB, 32, BK]
-        if EVICT:
+        if STV:
+            _store_q2(qc_ptr, q, r2, c2, R, K, BM, BK, STV, EVICT)
+        elif EVICT:
             tl.store(qc_ptr + offs, q, mask=mask, cache_modifier=".cs")
         else:
             tl.store(qc_ptr + offs, q, mask=mask)
@@ -321,6 +329,20 @@ def mxfp8_quantize_kernel(
             tl.store(wc_ptr + _swizzled(t_r, t_c, K, M // 32), e.to(tl.uint8), mask=smask)
         if DQ_COL:
             _store_out(dc_ptr, offs, _e4m3_byte_value(q) * _e8m0_value(e), mask, OUT_KIND)
+
+
+@triton.jit
+def _store_q2(ptr, q, r2, c2, R, K, BM: tl.constexpr, BK: tl.constexpr, STV: tl.constexpr, EVICT: tl.constexpr):
+    """Store the byte tile ``q`` (any [.., ..] view of the [BM, BK] tile) at rows r2 [BM, 1] / columns c2
+    [1, BK] of a [R, K] byte matrix. The column offsets are written (c // STV) * STV + c % STV: the same
+    addresses, but Triton's coalescing then sees runs of STV contiguous bytes, not BK, and keeps the
+    layout the values are already in (no shared-memory re-layout and barrier for wider stores)."""
+    c = (c2 // STV) * STV + c2 % STV
+    v = tl.reshape(q, [BM, BK])
+    if EVICT:
+        tl.store(ptr + r2.to(tl.int64) * K + c, v, mask=(r2 < R) & (c2 < K), cache_modifier=".cs")
+    else:
+        tl.store(ptr + r2.to(tl.int64) * K + c, v, mask=(r2 < R) & (c2 < K))
 
 
 @triton.jit
@@ -664,3 +686,65 @@ def nvfp4_rows_pairs_kernel(
         if i + 1 < RS:
             w = w_next
             ok = ok_next
+
+
+@triton.jit
+def nvfp4_rows_persist_kernel(
+    x_ptr, N, K2, P, ITERS, amax_ptr, q_ptr, s_ptr, gs_ptr, d_ptr,
+    DQ: tl.constexpr, NB: tl.constexpr, STAGES: tl.constexpr, PF: tl.constexpr, EVICT: tl.constexpr = 0,
+    ITERS_C: tl.constexpr = 0,
+):
+    """``nvfp4_rows_pairs_kernel``'s rows (the same ``_pairs_row``, the same bytes) from a persistent grid:
+    program p of the P launched (a multiple of the SM count) takes the flat rows p, p + P, p + 2P, ... of all
+    N = E*M rows (ITERS = cdiv(N, P) iterations, the last one masked where p + i*P >= N), so the next row's
+    load can be issued while this row computes without the unrolled ``RS`` form's second copy of the code.
+    STAGES > 1: Triton's software pipeliner on the row loop (``tl.range(num_stages=...)``: cp.async into
+    shared memory); PF = 1: the next row is loaded into registers at the top of each iteration instead (one
+    loop-carried row). Per-token scope has no matrix boundary inside a row, so the matrices' rows are one
+    flat index. The interpreter's ``range`` takes Python ints only (a runtime int arrives as a 1-element
+    array), so there the trip count comes as the constexpr ITERS_C (on CUDA 0: no recompile per row count)."""
+    pid = tl.program_id(0).to(tl.int64)
+    jb = tl.arange(0, NB)[:, None]  # [NB, 1]
+    pc = jb * 8 + tl.arange(0, 8)[None, :]  # [NB, 8]
+    cmask = pc < K2
+    if PF:
+        row = pid
+        w = _load_pairs(x_ptr + row * K2 + pc, cmask & (row < N), EVICT)
+        if HW:
+            for _ in tl.range(0, ITERS):
+                w, row = _persist_pf_step(w, row, x_ptr, N, K2, P, pc, cmask, jb, amax_ptr, q_ptr, s_ptr, gs_ptr,
+                                          d_ptr, DQ, EVICT)
+        else:
+            for _ in tl.static_range(ITERS_C):
+                w, row = _persist_pf_step(w, row, x_ptr, N, K2, P, pc, cmask, jb, amax_ptr, q_ptr, s_ptr, gs_ptr,
+                                          d_ptr, DQ, EVICT)
+    else:
+        if HW:
+            for i in tl.range(0, ITERS, num_stages=STAGES):
+                _persist_step(pid + i * P, x_ptr, N, K2, pc, cmask, jb, amax_ptr, q_ptr, s_ptr, gs_ptr, d_ptr, DQ,
+                              EVICT)
+        else:
+            for i in tl.static_range(ITERS_C):
+                _persist_step(pid + i * P, x_ptr, N, K2, pc, cmask, jb, amax_ptr, q_ptr, s_ptr, gs_ptr, d_ptr, DQ,
+                              EVICT)
+
+
+@triton.jit
+def _persist_step(row, x_ptr, N, K2, pc, cmask, jb, amax_ptr, q_ptr, s_ptr, gs_ptr, d_ptr, DQ: tl.constexpr,
+                  EVICT: tl.constexpr):
+    """One row of ``nvfp4_rows_persist_kernel`` (STAGES form): load, quantize, store (``row`` may be >= N)."""
+    ok = row < N
+    # the last iteration's rows past N re-read row N-1 (from cache) instead of a masked load: the mask made
+    # the pipelined loop keep 125 registers against 96 (offline SASS); their stores are masked by ``ok``
+    w = _load_pairs(x_ptr + tl.minimum(row, N - 1) * K2 + pc, cmask, EVICT)
+    _pairs_row(w, row, ok, pc, cmask, jb, K2, amax_ptr, q_ptr, s_ptr, gs_ptr, d_ptr, DQ)
+
+
+@triton.jit
+def _persist_pf_step(w, row, x_ptr, N, K2, P, pc, cmask, jb, amax_ptr, q_ptr, s_ptr, gs_ptr, d_ptr,
+                     DQ: tl.constexpr, EVICT: tl.constexpr):
+    """One row of ``nvfp4_rows_persist_kernel`` (PF form): issue the next row's load, quantize this one."""
+    nxt = row + P
+    w_next = _load_pairs(x_ptr + nxt * K2 + pc, cmask & (nxt < N), EVICT)
+    _pairs_row(w, row, row < N, pc, cmask, jb, K2, amax_ptr, q_ptr, s_ptr, gs_ptr, d_ptr, DQ)
+    return w_next, nxt

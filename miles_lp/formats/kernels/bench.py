@@ -24,8 +24,8 @@ def _sweep(kernels, x, amax_t, log) -> None:
 
     only = [k for k in os.environ.get("MILES_LP_SWEEP", "").split(",") if k]  # e.g. "nvfp4_pairs": sweep just those
 
-    def best(key, variants, fn):
-        if only and key not in only:
+    def best(key, variants, fn, show=3, tag=None):  # tag: the MILES_LP_SWEEP name (default: the CONFIG key)
+        if only and (tag or key) not in only:
             return
         results = []
         for v in variants:
@@ -39,7 +39,7 @@ def _sweep(kernels, x, amax_t, log) -> None:
         results.sort(key=lambda r: r[0])
         kernels.CONFIG[key] = results[0][1]
         log(f"  sweep {key}: best {results[0][1]} {results[0][0] * 1e3:.1f} us; "
-            + "; ".join(f"{v} {t * 1e3:.1f}" for t, v in results[1:4]))
+            + "; ".join(f"{v} {t * 1e3:.1f}" for t, v in results[1:1 + show]))
 
     mx = [{"BMB": b, "NB": n, "num_warps": w} for b in (1, 2) for n in (2, 4, 8) for w in (1, 2, 4, 8)
           if b * n <= 8 and b * n * 8 >= w]
@@ -49,8 +49,17 @@ def _sweep(kernels, x, amax_t, log) -> None:
     best("mxfp8_both", mx_both, lambda: kernels.mxfp8_quantize(x, rowwise=True, colwise=True))
     b = kernels.CONFIG["mxfp8_both"]  # the best tile again with evict-first loads / streaming stores
     best("mxfp8_both", [b, {**b, "EVICT": 1}], lambda: kernels.mxfp8_quantize(x, rowwise=True, colwise=True))
+    # the E4M3 tiles stored from the load's layout (STV 8: no shared-memory re-layout, more registers), at the
+    # default tile and the neighbours whose register count leaves more programs per SM; STV 0 in the same list
+    b = kernels.CONFIG["mxfp8_both"]
+    tiles = [b] + [{"BMB": bb, "NB": n, "num_warps": w} for bb, n, w in ((1, 8, 4), (1, 4, 1), (1, 4, 2), (2, 8, 4))
+                   if (bb, n, w) != (b["BMB"], b["NB"], b["num_warps"])]
+    best("mxfp8_both", [{**t, "STV": v} for t in tiles for v in (0, 8)],
+         lambda: kernels.mxfp8_quantize(x, rowwise=True, colwise=True), show=9, tag="mxfp8_stv")
     b = kernels.CONFIG["mxfp8"]
     best("mxfp8", [b, {**b, "EVICT": 1}], lambda: kernels.mxfp8_quantize(x))
+    b = kernels.CONFIG["mxfp8"]
+    best("mxfp8", [b, {**b, "STV": 8}], lambda: kernels.mxfp8_quantize(x), tag="mxfp8_stv")
     best("mxfp8_dq", [{"BMB": b, "NB": n, "num_warps": w} for b in (1, 2) for n in (4, 8) for w in (4, 8)],
          lambda: kernels.mxfp8_dequantize(kernels.mxfp8_quantize(x).row, torch.bfloat16))
     best("nvfp4", [{"TA": a, "NB": n, "num_warps": w} for a in (8, 16, 32) for n in (8, 16) for w in (1, 2, 4)
@@ -68,6 +77,18 @@ def _sweep(kernels, x, amax_t, log) -> None:
         q_cfg = kernels.CONFIG["nvfp4_pairs"]
         best("nvfp4_pairs", [{**q_cfg, "el_per_thread_dq": e, "RS_dq": r, "maxnreg_dq": c} for e, r, c in shapes],
              lambda: kernels.nvfp4_quantize(x, "row", dequant_dtype=torch.bfloat16))
+        # the persistent grid (pps programs per SM looping over rows; pps 0 = the kernel just swept, in the same
+        # list so the two are timed side by side); maxnreg overrides nvfp4_pairs' cap for it
+        per = kernels.CONFIG["nvfp4_persist"]
+        cap = kernels.CONFIG["nvfp4_pairs"].get("maxnreg", 0)
+        pv = [{**per, "pps": 0}] + [{**per, "pps": p, "STAGES": st, "PF": 0, "maxnreg": c}
+                                    for p in (4, 6, 8) for st in (2, 3) for c in (0, 80)]
+        pv += [{**per, "pps": p, "STAGES": 1, "PF": f, "maxnreg": cap} for p in (4, 8) for f in (0, 1)]
+        best("nvfp4_persist", pv, lambda: kernels.nvfp4_quantize(x, "row"), show=len(pv))
+        per = kernels.CONFIG["nvfp4_persist"]
+        pv = [{**per, "pps_dq": 0}] + [{**per, "pps_dq": p, "STAGES_dq": st, "PF_dq": 0}
+                                       for p in (4, 8) for st in (1, 2)] + [{**per, "pps_dq": 4, "STAGES_dq": 1, "PF_dq": 1}]
+        best("nvfp4_persist", pv, lambda: kernels.nvfp4_quantize(x, "row", dequant_dtype=torch.bfloat16), show=len(pv))
     old = kernels.CONFIG["nvfp4_pairs"]["enabled"]
     kernels.CONFIG["nvfp4_pairs"]["enabled"] = False
     try:
@@ -239,7 +260,16 @@ def run_cuda(args) -> int:
     bench("mxfp8 rowwise", lambda: k.mxfp8_quantize(x), mx_bytes, anchor=a_mx)
     bench("mxfp8 columnwise", lambda: k.mxfp8_quantize(x, rowwise=False, colwise=True), mx_bytes, anchor=a_mx)
     bench("mxfp8 rowwise + columnwise, one pass", lambda: k.mxfp8_quantize(x, colwise=True),
-          n * eb + 2 * (n + n // 32))
+          n * eb + 2 * (n + n // 32), note=f"STV {kernels.CONFIG['mxfp8_both'].get('STV', 0)}")
+    both = kernels.CONFIG["mxfp8_both"]
+    old_both = dict(both)
+    both["STV"] = 0 if both.get("STV", 0) else 8  # the other store form at the same tile, side by side
+    try:
+        bench(f"mxfp8 rowwise + columnwise, one pass, STV {both['STV']}", lambda: k.mxfp8_quantize(x, colwise=True),
+              n * eb + 2 * (n + n // 32))
+    finally:
+        both.clear()
+        both.update(old_both)
     bench("mxfp8 row + col + swizzled scales", lambda: k.mxfp8_quantize(x, colwise=True, swizzle=True),
           n * eb + 2 * (n + 2 * (n // 32)), note="swizzled scales zero-filled first (one memset each)")
     bench("mxfp8 qdq rowwise (+ bf16 decode)", lambda: k.mxfp8_quantize(x, dequant_dtype=bf16),
@@ -254,8 +284,21 @@ def run_cuda(args) -> int:
     pcfg = kernels.CONFIG["nvfp4_pairs"]
     pairs_note = (f"bf16 int32-pair kernel, {pcfg['el_per_thread']} el/thread, RS {pcfg['RS']}"
                   if x.dtype == torch.bfloat16 and pcfg["enabled"] else "")
+    per = kernels.CONFIG["nvfp4_persist"]
+    per_note = (f"; persistent grid {per['pps']}/SM, STAGES {per['STAGES']}, PF {per['PF']}, maxnreg "
+                f"{per.get('maxnreg', pcfg.get('maxnreg', 0))}" if pairs_note and per["pps"] else "")
     bench("nvfp4 per-token, one pass", lambda: k.nvfp4_quantize(x, "row"), nv_bytes + 8 * rows, anchor=a_nv,
-          note=pairs_note)
+          note=pairs_note + per_note)
+    if pairs_note:  # the other of the two bf16 per-token kernels, same bytes, side by side in this run
+        old_per = dict(per)
+        other = {"pps": 0} if per["pps"] else {"pps": 4, "STAGES": 2, "PF": 0}
+        per.update(other)
+        try:
+            bench("nvfp4 per-token, " + ("one row per program" if per["pps"] == 0 else "persistent grid 4/SM STAGES 2"),
+                  lambda: k.nvfp4_quantize(x, "row"), nv_bytes + 8 * rows, anchor=a_nv)
+        finally:
+            per.clear()
+            per.update(old_per)
     reg = kernels.CONFIG["nvfp4_rows_reg"]
     default_ept = reg["el_per_thread"]
     pcfg["enabled"] = False  # the general per-token kernel (fp32 / fp16 inputs; bf16 before 12-01c)

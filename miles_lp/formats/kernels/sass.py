@@ -120,13 +120,22 @@ def cases(k: int = 8192) -> dict[str, tuple]:
                      "gs_ptr": "*fp32", "d_ptr": "*i32" if dq else "*u8"},
                     {"DQ": dq, "NB": nb, "RS": rs, "EVICT": pairs.get("EVICT", 0)}, warps, nb * 16 * rs,
                     pairs.get("maxnreg_dq" if dq else "maxnreg", 0))
+    # the persistent-grid form (a loop over rows: the static count is one iteration plus the loop's setup)
+    per = cfg["nvfp4_persist"]
+    ept = pairs["el_per_thread"]
+    warps = max(1, min(16, nb * 16 // (32 * ept)))
+    out["nvfp4_persist"] = ("nvfp4_rows_persist_kernel",
+                            {"x_ptr": "*i32", "N": "i32", "K2": "i32", "P": "i32", "ITERS": "i32", "amax_ptr": "*fp32",
+                             "q_ptr": "*u8", "s_ptr": "*u8", "gs_ptr": "*fp32", "d_ptr": "*u8"},
+                            {"DQ": 0, "NB": nb, "STAGES": per["STAGES"], "PF": per["PF"], "EVICT": pairs.get("EVICT", 0),
+                             "ITERS_C": 0}, warps, nb * 16, per.get("maxnreg", pairs.get("maxnreg", 0)))
     mx_sig = {"x_ptr": "*i16", "R": "i32", "K": "i32", "M": "i32", **{p: "*u8" for p in (
         "qr_ptr", "sr_ptr", "dr_ptr", "wr_ptr", "qc_ptr", "sc_ptr", "dc_ptr", "wc_ptr")}}
     for tag, row, col, key in (("mxfp8_row", 1, 0, "mxfp8"), ("mxfp8_both", 1, 1, "mxfp8_both")):
         c = cfg[key]
         out[tag] = ("mxfp8_quantize_kernel", mx_sig,
                     {"IN_KIND": 1, "ROW": row, "COL": col, "OUT_KIND": 0, "DQ_ROW": 0, "DQ_COL": 0, "SWZ": 0,
-                     "BMB": c["BMB"], "NB": c["NB"], "EVICT": c.get("EVICT", 0)}, c["num_warps"],
+                     "BMB": c["BMB"], "NB": c["NB"], "EVICT": c.get("EVICT", 0), "STV": c.get("STV", 0)}, c["num_warps"],
                     c["BMB"] * 32 * c["NB"] * 32)
     c = cfg["nvfp4"]
     out["nvfp4_tensor"] = ("nvfp4_quantize_kernel",

@@ -151,6 +151,18 @@ def kernel_pairs() -> list[tuple[str, Callable, Callable]]:
                 pairs.update(old)
         return run
 
+    def nv_row_persist(dequant, **cfg):  # the persistent-grid per-token kernel (nvfp4_rows_persist_kernel)
+        def run(x):
+            per = k.CONFIG["nvfp4_persist"]
+            old = dict(per)
+            per.update(cfg)
+            try:
+                return _nv(*k.nvfp4_quantize(x, "row", dequant_dtype=dequant))
+            finally:
+                per.clear()
+                per.update(old)
+        return run
+
     def nv_row_ref(dequant):
         def ref(x):
             if x.dtype != torch.bfloat16:  # the pairs kernel reads bf16 only (others: "nvfp4 row (one pass)")
@@ -158,6 +170,18 @@ def kernel_pairs() -> list[tuple[str, Callable, Callable]]:
             q = quantize_nvfp4(x, scale_scope="row")
             return _nv(q, None if dequant is None else q.dequantize(dequant))
         return ref
+
+    def mx_stv(key, fn, **cfg_over):  # a launch option of the MXFP8 kernel forced (the sweep may pick it)
+        def run(x):
+            cfg = k.CONFIG[key]
+            old = dict(cfg)
+            cfg.update(cfg_over)
+            try:
+                return fn(x)
+            finally:
+                cfg.clear()
+                cfg.update(old)
+        return run
 
     def mx_evict(x):  # evict-first loads / streaming stores (a launch-shape option the sweep may pick)
         cfg = k.CONFIG["mxfp8_both"]
@@ -180,7 +204,18 @@ def kernel_pairs() -> list[tuple[str, Callable, Callable]]:
         ("nvfp4 row pairs off +bf16 deq", nv_row_cfg(bf16, enabled=False), nv_row_ref(bf16)),
         ("nvfp4 row pairs EVICT=0 +bf16 deq", nv_row_cfg(bf16, EVICT=0), nv_row_ref(bf16)),
         ("nvfp4 row pairs maxnreg=72 (spills)", nv_row_cfg(None, maxnreg=72), nv_row_ref(None)),
+        # the persistent grid (a few programs per SM looping over the rows; 4 "SMs" in the interpreter, so
+        # odd row counts leave programs with one row fewer): pipelined loads, register prefetch, the qdq form
+        ("nvfp4 row persist STAGES=2", nv_row_persist(None, pps=1, STAGES=2, PF=0), nv_row_ref(None)),
+        ("nvfp4 row persist PF=1", nv_row_persist(None, pps=2, STAGES=1, PF=1), nv_row_ref(None)),
+        ("nvfp4 row persist STAGES=3 +bf16 deq", nv_row_persist(bf16, pps_dq=1, STAGES_dq=3, PF_dq=0),
+         nv_row_ref(bf16)),
         ("mxfp8 row+col+deq+swizzle EVICT", mx_evict, _mx_both_ref),
+        # E4M3 tiles stored from the load's layout (STV 8), with and without streaming stores; rowwise alone
+        ("mxfp8 row+col+deq+swizzle STV=8", mx_stv("mxfp8_both", _mx_both, STV=8), _mx_both_ref),
+        ("mxfp8 row+col STV=8 EVICT 1x4/1w", mx_stv("mxfp8_both", _mx_both, STV=8, EVICT=1, NB=4, num_warps=1),
+         _mx_both_ref),
+        ("mxfp8 rowwise STV=8", mx_stv("mxfp8", mx_row, STV=8), mx_row_ref),
         ("mxfp8 row+col+deq+swizzle", _mx_both, _mx_both_ref),
         ("mxfp8 row+col, col deq only", mx_col_deq_only, mx_col_deq_only_ref),
         ("mxfp8 row+col fp32 deq", lambda x: _mx_both(x, torch.float32), lambda x: _mx_both_ref(x, torch.float32)),
