@@ -32,5 +32,6 @@ if start >= 0:
         print(f"{r['format']}: sync {r['sync_seconds']:.4f} s = {r['ratio']:.1f}x flat copy ({r['copy_seconds']:.5f} s), "
               f"{r['ratio_tensorwise']:.1f}x tensor copy; checks {100 * r['check_share']:.1f}%; stages "
               + "/".join(f"{st[k]:.4f}" for k in ("export", "transfer", "apply", "finish")))
+        print("  per check (ms): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in r["per_check"].items()))
 PY
 h200_finish

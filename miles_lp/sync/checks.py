@@ -25,6 +25,15 @@ def _fmt(v: Any) -> str:
     return str(getattr(v, "value", v)).lower()
 
 
+def _norm(m: Mapping[str, Any]) -> dict[str, str]:
+    """``{name: _fmt(format)}``, ``_fmt`` once per distinct format (a handful), not once per name."""
+    try:
+        table = {f: _fmt(f) for f in set(m.values())}
+    except TypeError:  # an unhashable format value
+        return {n: _fmt(f) for n, f in m.items()}
+    return dict(zip(m.keys(), map(table.__getitem__, m.values()), strict=True))
+
+
 # --- C1 ----------------------------------------------------------------------------------------------------
 
 def layer_audit(executed: Mapping[str, Any] | None, engine: Mapping[str, Any],
@@ -34,18 +43,19 @@ def layer_audit(executed: Mapping[str, Any] | None, engine: Mapping[str, Any],
 
     ``executed`` is ``None`` or empty before the learner's first forward (the initial sync): the engine is
     then audited against the plan alone, and the reason says so."""
-    eng = {n: _fmt(f) for n, f in engine.items()}
-    pln = {n: _fmt(f) for n, f in plan.items()}
+    eng, pln = _norm(engine), _norm(plan)
     sides = {"engine": eng, "plan": pln}
     if executed:
-        sides["learner"] = {n: _fmt(f) for n, f in executed.items()}
+        sides["learner"] = _norm(executed)
+    what = " vs ".join(sides) if executed else "engine vs plan (the learner has not run a forward yet)"
+    if all(s == eng for s in sides.values()):  # the healthy case: one C-level comparison per side
+        return ok("layer_audit", 0.0, f"{len(eng)} low-precision parameters agree ({what})")
     names = sorted(set().union(*(s.keys() for s in sides.values())))
     bad = []
     for n in names:
         got = {side: m.get(n, "bf16") for side, m in sides.items()}
         if len(set(got.values())) > 1:
             bad.append(n + " (" + ", ".join(f"{s} {f}" for s, f in got.items()) + ")")
-    what = " vs ".join(sides) if executed else "engine vs plan (the learner has not run a forward yet)"
     if bad:
         return failed("layer_audit", float(len(bad)), f"{len(bad)} of {len(names)} low-precision parameters "
                       f"disagree ({what})", bad)

@@ -180,23 +180,56 @@ def group_fingerprints(groups: dict[str, list[torch.Tensor]]) -> dict[str, str]:
     out: dict[str, str] = {}
     by_dev: dict[torch.device, list[str]] = {}
     for g, ts in groups.items():
-        dev = ts[0].device if ts else torch.device("cpu")
+        dev = ts[0].device if ts else _CPU
         by_dev.setdefault(dev, []).append(g)
     for gids in by_dev.values():
-        ts: list[torch.Tensor] = []
+        members = [groups[g] for g in gids]
+        out.update(_group_values(gids, [len(ms) for ms in members], [t for ms in members for t in ms], members))
+    return out
+
+
+@torch.no_grad()
+def group_fingerprints_flat(gids: list[str], counts: list[int], tensors: list[torch.Tensor]) -> dict[str, str]:
+    """``group_fingerprints`` of the groups ``gids[i]`` = the next ``counts[i]`` of ``tensors`` (in order), without
+    building the per-group lists when every tensor is on one device and no group is empty (an engine's C2 side:
+    its live tensors gathered in one pass); otherwise it builds them and calls ``group_fingerprints``."""
+    if tensors and all(counts) and len({t.device for t in tensors}) == 1:
+        return _group_values(gids, counts, tensors, None)
+    groups, i = {}, 0
+    for g, k in zip(gids, counts, strict=True):
+        groups[g] = tensors[i:i + k]
+        i += k
+    return group_fingerprints(groups)
+
+
+def _group_values(gids: list[str], counts: list[int], ts: list[torch.Tensor],
+                  members: list[list[torch.Tensor]] | None) -> dict[str, str]:
+    """The groups' fingerprints for tensors on one device, ``ts`` the members of ``gids`` in order."""
+    if members is None:
+        members, i = [], 0
+        for k in counts:
+            members.append(ts[i:i + k])
+            i += k
+    heads = [_head(ms) for ms in members]  # from the live members' dtypes and shapes, every call
+    key = tuple(counts)  # the slots and member weights depend on the group sizes only
+    plan = _GROUP_PLANS.get(key)
+    if plan is None:
         slots: list[int] = []
         mults: list[int] = []
-        heads: list[str] = []
-        for i, g in enumerate(gids):
-            members = groups[g]
-            k = len(members)
-            ts.extend(members)
+        for i, k in enumerate(counts):
             slots.extend([i] * k)
             mults.extend(_WEIGHTS[:k] if k <= len(_WEIGHTS) else [member_weight(j) for j in range(k)])
-            heads.append(_head(members))
-        sums = _values(ts, slots, mults, len(gids)).cpu().tolist()
-        out.update({g: f"{h}:{v & _MASK:016x}" for g, h, v in zip(gids, heads, sums, strict=True)})
-    return out
+        plan = (tuple(slots), tuple(mults))
+        if len(_GROUP_PLANS) > 64:
+            _GROUP_PLANS.clear()
+        _GROUP_PLANS[key] = plan
+    slots, mults = plan
+    sums = _values(ts, slots, mults, len(gids)).cpu().tolist()
+    return dict(zip(gids, [f"{h}:{v & _MASK:016x}" for h, v in zip(heads, sums, strict=True)], strict=True))
+
+
+_CPU = torch.device("cpu")
+_GROUP_PLANS: dict[tuple, tuple] = {}  # group sizes -> (slots, member weights) of group_fingerprints
 
 
 _HEADS: dict[tuple, str] = {}
