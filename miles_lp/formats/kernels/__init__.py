@@ -51,7 +51,8 @@ CONFIG = {
     "mxfp8_both": {"BMB": 1, "NB": 8, "num_warps": 2},  # rowwise + columnwise in one pass
     # (an "STV": 8 entry in either: the E4M3 tiles stored from the load's layout, 8-byte stores, no shared-memory
     # re-layout: offline sm_90 SASS of 32x256 / 2 warps row+col 13.8 -> 13.1 per element, 16 -> 6 barriers,
-    # but 168 -> 239 registers (4 programs per SM instead of 6). 12-01c round 2; off until measured.)
+    # but 168 -> 239 registers (4 programs per SM instead of 6). H200 12-01c run 3: row+col slower, 168.7 vs
+    # 158.9 us; rowwise 111.0 vs 111.9 us (noise); byte-identical; off.)
     "mxfp8_dq": {"BMB": 1, "NB": 8, "num_warps": 8},
     "nvfp4": {"TA": 16, "NB": 16, "num_warps": 2},
     "nvfp4_2d": {"TA": 2, "NB": 8, "num_warps": 2},
@@ -74,7 +75,9 @@ CONFIG = {
     # (0: off, the one-row-per-program kernel above), each looping over every P-th row with the next row's
     # load issued during this row's work: STAGES > 1 Triton's pipeliner (cp.async into shared memory), PF 1 a
     # register prefetch. Offline (sm_90 SASS): STAGES 2 at 64 el/thread 96 registers (115 at STAGES 1, no
-    # spill), 18.7 instructions per element with the loop. "_dq" keys: the qdq form. Off until measured.
+    # spill), 18.7 instructions per element with the loop. "_dq" keys: the qdq form. Measured on the H200
+    # (12-01c run 3, bb28fa6): slower in every variant (best 118.6 us, 8/SM 3 stages, vs 107.6 for pps 0; qdq
+    # 175.3 vs 166.6), byte-identical; so off.
     "nvfp4_persist": {"pps": 0, "STAGES": 2, "PF": 0, "pps_dq": 0, "STAGES_dq": 2, "PF_dq": 0},
     "nvfp4_dq": {"BM": 16, "NB": 8, "num_warps": 4},
     "amax": {"BM": 32, "BK": 256, "num_warps": 4},
