@@ -459,6 +459,7 @@ class ReferenceEngine:
                 break
         out: dict[str, Any] = {"tolerance": SELF_CHECK_TOLERANCE, "layers": {}, "skipped": []}
         probes = self._probes(seed, dense, expert)
+        figures: list[torch.Tensor] = []  # per layer: rel_err, fresh_diff (0-d float64, on the engine's device)
         for kind, layer in (("dense", dense), ("expert", expert)):
             if layer is None:
                 out["skipped"].append(f"no quantized {kind} layer")
@@ -476,13 +477,16 @@ class ReferenceEngine:
                 # (its canonical tensors, the input scale among them, are copies of the layer's)
                 fq = xq if _input_key(fresh) == _input_key(layer) else fresh._quantize_input(x)
                 y_fresh = fresh.gemm(fq, x.dtype).double()
-            err = float((y - ref).norm() / ref.norm().clamp_min(1e-30))
             # rel_err alone cannot see derived state left from the previous weights after a small (RL-sized)
             # step: it stays at the healthy quantization error. The same kernel on state derived afresh from the
             # canonical tensors is exactly equal when healthy (the derivation is deterministic).
-            fresh_diff = float((y - y_fresh).abs().max())
-            out["layers"][f"{layer.prefix}weight"] = {"kind": kind, "format": layer.kernel_format.value,
-                                                      "rel_err": err, "fresh_diff": fresh_diff}
+            figures.append(((y - ref).norm() / ref.norm().clamp_min(1e-30)))
+            figures.append((y - y_fresh).abs().max())
+            out["layers"][f"{layer.prefix}weight"] = {"kind": kind, "format": layer.kernel_format.value}
+        if figures:  # one device->host transfer for both layers' figures (float64: the values float() gives)
+            vals = torch.stack(figures).tolist()
+            for i, v in enumerate(out["layers"].values()):
+                v["rel_err"], v["fresh_diff"] = vals[2 * i], vals[2 * i + 1]
         layers = out["layers"].values()
         out["ok"] = bool(layers) and all(v["rel_err"] <= SELF_CHECK_TOLERANCE and v["fresh_diff"] == 0 for v in layers)
         return out

@@ -94,6 +94,22 @@ def _module(interpret: bool):
     return mod
 
 
+def _cached(key: tuple):
+    """A launch table from the LRU cache (marked most recent), or None."""
+    hit = _TABLES.get(key)
+    if hit is not None:
+        _TABLES.move_to_end(key)
+    return hit
+
+
+def _remember(key: tuple, hit: tuple) -> tuple:
+    """Store a launch table in the LRU cache (at most ``_TABLES_MAX``); returns it."""
+    _TABLES[key] = hit
+    if len(_TABLES) > _TABLES_MAX:
+        _TABLES.popitem(last=False)
+    return hit
+
+
 def _tables(ptrs: tuple[int, ...], sizes: tuple[int, ...], slots: Sequence[int], mults: Sequence[int],
             device: torch.device):
     """The launch tables for tensors at these addresses and sizes (cached by them, the slots and multipliers):
@@ -101,9 +117,8 @@ def _tables(ptrs: tuple[int, ...], sizes: tuple[int, ...], slots: Sequence[int],
     import numpy as np
 
     key = (str(device), ptrs, sizes, tuple(slots), tuple(mults))
-    hit = _TABLES.get(key)
+    hit = _cached(key)
     if hit is not None:
-        _TABLES.move_to_end(key)
         return hit
     p = np.array(ptrs, dtype=np.uint64)
     n = np.array(sizes, dtype=np.int64)
@@ -128,11 +143,7 @@ def _tables(ptrs: tuple[int, ...], sizes: tuple[int, ...], slots: Sequence[int],
         launches.append((words, int(idx.size), int(tens.size), cls, base))
         words += ent.size + blocks.size
     meta = torch.from_numpy(np.concatenate(metas)).to(device)
-    hit = (meta, launches)
-    _TABLES[key] = hit
-    if len(_TABLES) > _TABLES_MAX:
-        _TABLES.popitem(last=False)
-    return hit
+    return _remember(key, (meta, launches))
 
 
 def segment_values(tensors: Sequence[torch.Tensor], slots: Sequence[int], mults: Sequence[int], nslots: int,
@@ -186,9 +197,8 @@ def _copy_tables(sptrs: tuple[int, ...], sizes: tuple[int, ...], dsts: tuple[int
     import numpy as np
 
     key = ("copy", str(device), sptrs, sizes, dsts, dst_ptr, slots, mults)
-    hit = _TABLES.get(key)
+    hit = _cached(key)
     if hit is not None:
-        _TABLES.move_to_end(key)
         return hit
     p = np.array(sptrs, dtype=np.uint64)
     n = np.array(sizes, dtype=np.int64)
@@ -212,11 +222,7 @@ def _copy_tables(sptrs: tuple[int, ...], sizes: tuple[int, ...], dsts: tuple[int
         launches.append((words, int(idx.size), int(tens.size), cls, base))
         words += metas[-1].size
     meta = torch.from_numpy(np.concatenate(metas) if metas else np.zeros(1, dtype=np.int64)).to(device)
-    hit = (meta, launches)
-    _TABLES[key] = hit
-    if len(_TABLES) > _TABLES_MAX:
-        _TABLES.popitem(last=False)
-    return hit
+    return _remember(key, (meta, launches))
 
 
 def copy_into(buf: torch.Tensor, sources: Sequence[torch.Tensor], offsets: Sequence[int],

@@ -391,7 +391,7 @@ class WeightSync:
                                        self.engine.weight_digests(list(expected)))
         parts = [main]
         if self.plan is not None:  # the plan's gate/up groups that the engine holds in NVFP4 (its live formats)
-            groups = checks.global_scale_names(self.target, self.plan.groups, engine_q)
+            groups = self._scale_groups(engine_q)
             if groups:
                 names = [n for _, ns in groups for n in ns]
                 if main.ok and all(n in expected for n in names):
@@ -402,6 +402,17 @@ class WeightSync:
                     held = self.engine.read_weights(names)
                 parts.append(checks.joint_scales(groups, held))
         return _combine("grid", parts)
+
+    def _scale_groups(self, engine_q: Mapping[str, Any]) -> list[tuple[str, list[str]]]:
+        """``checks.global_scale_names(target, plan.groups, engine_q)``, reused while the plan, its groups, the
+        target and the engine's live formats are the ones it was computed from (every RL step)."""
+        hit = getattr(self, "_scale_groups_cache", None)
+        if (hit is not None and hit[0] is self.plan and hit[1] is self.plan.groups and hit[2] == self.target
+                and hit[3] == engine_q):
+            return hit[4]
+        out = checks.global_scale_names(self.target, self.plan.groups, engine_q)
+        self._scale_groups_cache = (self.plan, self.plan.groups, self.target, dict(engine_q), out)
+        return out
 
     def _grid_groups(self, items: list[Item], expected: Mapping[str, torch.Tensor],
                      groups: Mapping[str, list[str]] | None = None, mine: Mapping[str, str] | None = None) -> Verdict:
