@@ -196,6 +196,12 @@ def test_pause_retract_resumes_with_new_weights(ckpts, new_weights):
     _when_in_flight(e)
     e.pause("retract")
     assert e.health()["status"] == "paused"
+    # pause() returns once no step runs; the generation parks when it reaches its next step boundary. Wait for
+    # that, or a descheduled generation thread could reach the boundary only after the update and the resume
+    deadline = time.monotonic() + 30
+    while e.parked == 0:
+        assert time.monotonic() < deadline, "the in-flight generation never parked"
+        time.sleep(0.001)
     _full_update(e, new_weights)
     e.resume()
     th.join(60)
