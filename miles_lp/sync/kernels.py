@@ -18,7 +18,6 @@ sync), so a repeated call costs a tuple of ``data_ptr()`` per tensor, one ``torc
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import threading
 from collections import OrderedDict
@@ -78,18 +77,9 @@ def _module(interpret: bool):
                     import triton.experimental.gluon  # noqa: F401
                 except Exception:  # noqa: BLE001 (an older Triton without it needs nothing)
                     pass
-                name = "miles_lp.sync._digest_triton" + ("_interpreted" if interpret else "")
-                old = os.environ.get("TRITON_INTERPRET")
-                os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
-                try:
-                    spec = importlib.util.spec_from_file_location(name, _PATH)
-                    mod = importlib.util.module_from_spec(spec)
-                    spec.loader.exec_module(mod)
-                finally:
-                    if old is None:
-                        del os.environ["TRITON_INTERPRET"]
-                    else:
-                        os.environ["TRITON_INTERPRET"] = old
+                from miles_lp.formats.kernels import load_jit_module
+
+                mod = load_jit_module(_PATH, "miles_lp.sync._digest_triton", interpret)
                 _MODULES[interpret] = mod
     return mod
 

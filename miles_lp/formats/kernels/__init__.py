@@ -152,11 +152,19 @@ def _module(x: torch.Tensor):
 
 def _load(interpret: bool):
     """Import ``_triton.py`` with @triton.jit in the requested mode (Triton decides at decoration time)."""
-    name = "miles_lp.formats.kernels._triton" + ("_interpreted" if interpret else "")
+    return load_jit_module(_PATH, "miles_lp.formats.kernels._triton", interpret)
+
+
+def load_jit_module(path, name: str, interpret: bool):
+    """Import the Triton source file ``path`` as module ``name`` (``_interpreted`` appended under the
+    interpreter), its @triton.jit kernels compiled (``interpret=False``) or interpreted, whatever
+    ``TRITON_INTERPRET`` says now: Triton reads that variable when a kernel is decorated, so each mode is its own
+    module. Shared with ``miles_lp.sync.kernels``."""
+    name = name + ("_interpreted" if interpret else "")
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
     try:
-        spec = importlib.util.spec_from_file_location(name, _PATH)
+        spec = importlib.util.spec_from_file_location(name, path)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
     finally:
