@@ -52,9 +52,11 @@ def run(args) -> int:
     if args.arch not in ARCHS:
         raise ConfigError(f"--arch '{args.arch}': not a tiny-model architecture; choose from {', '.join(ARCHS)}")
     if args.engine == "vllm":
-        raise BackendUnavailable("--engine vllm: the vLLM engine backend (issue 10) does not expose live "
-                                 "introspection (quantized_params, weight_digests, storage_pointers, self_check) "
-                                 "for the sync checks yet; run --engine reference")
+        raise BackendUnavailable("--engine vllm: this table's faults are injected through the reference engine's "
+                                 "hooks and are not mapped onto the vLLM backend's (set_faults) yet. The vLLM engine "
+                                 "answers C1-C4 from inside its process, each shown able to fail by its own fault "
+                                 "injection in `pytest -m slow tests/e2e/test_run_vllm.py`; here, run --engine "
+                                 "reference")
     from miles_lp.sync.config import CHECKS
 
     bad = [c for c in args.off if c not in CHECKS]

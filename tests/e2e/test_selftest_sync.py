@@ -152,3 +152,11 @@ def test_a_fault_the_model_cannot_have_is_not_applicable_not_missed(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert rc == 0 and [r["verdict"] for r in rows] == ["clean", "N/A", "N/A"]
     assert all("has no" in r["detail"] for r in rows[1:])
+
+
+def test_selftest_engine_vllm_refusal_says_what_is_and_is_not_mapped(capsys):
+    from miles_lp.cli import main
+
+    assert main(["selftest", "sync", "--engine", "vllm"]) == 2
+    err = capsys.readouterr().err
+    assert "not mapped onto the vLLM backend" in err and "tests/e2e/test_run_vllm.py" in err
