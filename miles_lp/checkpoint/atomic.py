@@ -50,13 +50,16 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_temps(out: Path) -> list[Path]:
-    """Remove temporary/old siblings of ``out`` left by killed runs (whose process is gone)."""
+def remove_stale_temps(out: Path, *, any_name: bool = False) -> list[Path]:
+    """Remove temporary/old siblings of ``out`` left by killed runs (whose process is gone); ``any_name``: those
+    of every name in ``out``'s folder (a run folder's checkpoints: a kill at step 40 left
+    ``.step_000040...-tmp-PID``, which a resume from step 20 never writes again)."""
     removed = []
     if not out.parent.is_dir():
         return removed
+    stem = "*" if any_name else out.name
     for tag in (TMP_TAG, OLD_TAG):
-        for p in out.parent.glob(f".{out.name}{tag}*"):
+        for p in out.parent.glob(f".{stem}{tag}*"):
             pid_s = p.name.rsplit("-", 1)[-1]
             if pid_s.isdigit() and _pid_alive(int(pid_s)):
                 continue

@@ -151,10 +151,13 @@ class RunDir:
         return out
 
     def _prune(self, keep: str) -> None:
+        from miles_lp.checkpoint.atomic import remove_stale_temps
+
         done = sorted(p for p in self.checkpoints.glob("step_*") if p.is_dir())
         for old in done[:-KEEP]:
             if old.name != keep:
                 shutil.rmtree(old, ignore_errors=True)
+        remove_stale_temps(self.checkpoints / keep, any_name=True)  # half-written checkpoints of killed runs
 
     def latest(self) -> Path | None:
         f = self.checkpoints / LATEST

@@ -85,3 +85,19 @@ def test_learner_state_keys_that_collide_are_refused(tmp_path):
         save_learner_state(state, tmp_path / "s")
     assert not (tmp_path / "s").exists()
 
+
+
+def test_checkpoint_temps_of_a_killed_run_are_pruned(tmp_path):
+    """A kill while writing step 40 left its temp folder; the resumed run (from step 20) never writes step 40's
+    name again, so the next checkpoint removes every temp whose process is gone, and keeps a live one."""
+    import os
+
+    rd = RunDir.create(tmp_path, "r")
+    rd.checkpoints.mkdir(parents=True)
+    dead = rd.checkpoints / ".step_000040.miles-lp-tmp-999999999"
+    live = rd.checkpoints / f".step_000050.miles-lp-tmp-{os.getppid()}"  # another process, alive
+    dead.mkdir()
+    live.mkdir()
+    rd.save_checkpoint(21, state(1.0), {})
+    assert not dead.exists() and live.exists()
+    assert rd.latest().name == "step_000021"
