@@ -109,7 +109,7 @@ class VLLMEngine:
         while True:
             try:
                 return self._listener.accept()
-            except TimeoutError:
+            except TimeoutError:  # no connection within the second: is the worker still alive?
                 pass
             code = self._proc.poll()
             where = f"; the end of its log ({log_path}):\n{_tail(log_path)}" if log_path else " (its stderr is above)"

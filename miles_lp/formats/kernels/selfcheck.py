@@ -139,29 +139,23 @@ def kernel_pairs() -> list[tuple[str, Callable, Callable]]:
         finally:
             reg["max_k"] = old
 
-    def nv_row_cfg(dequant, **cfg):  # the per-token kernel with launch settings / a kernel choice forced
+    def nv_row_forced(config: str, dequant, **cfg):  # the per-token kernel with CONFIG[config] entries forced
         def run(x):
-            pairs = k.CONFIG["nvfp4_pairs"]
-            old = dict(pairs)
-            pairs.update(cfg)
+            entry = k.CONFIG[config]
+            old = dict(entry)
+            entry.update(cfg)
             try:
                 return _nv(*k.nvfp4_quantize(x, "row", dequant_dtype=dequant))
             finally:
-                pairs.clear()
-                pairs.update(old)
+                entry.clear()
+                entry.update(old)
         return run
 
+    def nv_row_cfg(dequant, **cfg):  # the pairs kernel's launch settings / kernel choice
+        return nv_row_forced("nvfp4_pairs", dequant, **cfg)
+
     def nv_row_persist(dequant, **cfg):  # the persistent-grid per-token kernel (nvfp4_rows_persist_kernel)
-        def run(x):
-            per = k.CONFIG["nvfp4_persist"]
-            old = dict(per)
-            per.update(cfg)
-            try:
-                return _nv(*k.nvfp4_quantize(x, "row", dequant_dtype=dequant))
-            finally:
-                per.clear()
-                per.update(old)
-        return run
+        return nv_row_forced("nvfp4_persist", dequant, **cfg)
 
     def nv_row_ref(dequant):
         def ref(x):
