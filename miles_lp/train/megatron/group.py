@@ -58,7 +58,8 @@ def _loads(data: bytes) -> Any:
     return pickle.loads(data)  # our own workers' messages over a private pipe (never data from a file or network)
 
 
-def _free_port() -> int:
+def free_loopback_port() -> int:
+    """A free TCP port on 127.0.0.1 for a single-host process group's store."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -163,7 +164,7 @@ class MegatronGroup:
         self._broken: str | None = None
         self._conns: list[Any] = []
         self._procs: list[Any] = []
-        port = _free_port()
+        port = free_loopback_port()
         ctx = torch.multiprocessing.get_context("spawn")
         engine = {"engine_tp": engine_tp, "engine_etp": engine_etp}
         for rank in range(1, self.world):

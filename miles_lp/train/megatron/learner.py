@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import socket
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -82,9 +81,9 @@ def ensure_model_parallel(device: torch.device, config: TrainConfig, sizes=None)
                           "spawns the ranks), not MegatronLearner in one process")
     created, created_mp = False, False
     if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        from miles_lp.train.megatron.group import free_loopback_port
+
+        port = free_loopback_port()
         # an explicit address (not MASTER_ADDR/MASTER_PORT): a stale port left in the environment cannot collide
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                                 rank=0, world_size=1)
