@@ -209,6 +209,16 @@ class VLLMEngine:
         self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
         return {"reloaded": out["reloaded"], "seconds": out["seconds"], "weight_version": self.weight_version}
 
+    def abort_weight_update(self) -> None:
+        """Drop the buckets sent since ``begin_weight_update`` (the worker holds them until ``finish``), so the
+        engine serves its previous weights again without a restart. A no-op outside an update."""
+        if not self._updating:
+            return
+        try:
+            self._call("abort_update")
+        finally:
+            self._updating = False
+
     # ---- introspection ---------------------------------------------------------------------------
     def kernels(self) -> dict[str, dict[str, Any]]:
         """vLLM module name -> ``{"classes": [quant method, scheme, kernel], "format", "params"}``."""

@@ -93,6 +93,14 @@ def test_vllm_update_then_finish_equals_fresh_load(vllm_engine, fmt):
         vllm_engine.update_weights([(q, torch.zeros(128, 64))])
     new = tensors(b)
     names = sorted(new)
+    # an abandoned update: its buckets are dropped and the engine serves A again, with no restart
+    vllm_engine.update_weights((n, new[n]) for n in names[::2])
+    vllm_engine.abort_weight_update()
+    assert [g.output_ids for g in vllm_engine.generate(PROMPTS, greedy)] == [g.output_ids for g in fresh_a_gen]
+    vllm_engine.begin_weight_update()  # a kept half of B would be reloaded by this empty update's finish
+    assert vllm_engine.finish_weight_update()["reloaded"] == 0
+    assert all(torch.equal(x, y) for x, y in zip(vllm_engine.score(seqs), fresh_a_score, strict=True))
+    vllm_engine.begin_weight_update()
     for i in range(3):
         vllm_engine.update_weights((n, new[n]) for n in names[i::3])
     rep = vllm_engine.finish_weight_update()
