@@ -97,21 +97,51 @@ def env_error(exc: OSError, what: str, folder: Path | None = None) -> Checkpoint
                            "Nothing was written.")
 
 
-def check_output_target(out: str | Path, overwrite: bool) -> Path:
-    """Fail early (before any work) when ``out`` exists and ``overwrite`` is off, or is a file."""
+# What a folder written by this project (or an HF checkpoint) holds at its top: only such a folder (or an
+# empty one) is replaced by ``--overwrite``, so a mistyped ``--output ~`` cannot delete a home directory.
+_OURS = ("config.json", "miles_lp_plan.json", "state.json", "loop.json", "miles_lp_tiny.json")
+
+
+def _replaceable(out: Path) -> bool:
+    try:
+        entries = list(out.iterdir())
+    except OSError:
+        return False
+    return not entries or any(e.name in _OURS or e.suffix == ".safetensors" for e in entries)
+
+
+def check_output_target(out: str | Path, overwrite: bool, inputs: tuple[str | Path, ...] = ()) -> Path:
+    """Fail early (before any work) when ``out`` exists and ``overwrite`` is off, or is a file; when
+    ``overwrite`` would replace a folder that is not a checkpoint; and when ``out`` is, contains or lies inside
+    one of ``inputs`` (the replace at the end would delete the source). Returns ``out`` absolute."""
     out = Path(out).absolute()
+    real = out.resolve()
+    for src in inputs:
+        src_real = Path(src).resolve()
+        if real == src_real:
+            raise CheckpointError(f"--output {out} is the input folder {src}: choose another output folder")
+        if src_real.is_relative_to(real):
+            raise CheckpointError(f"--output {out} contains the input {src}: replacing it would delete the input; "
+                                  "choose an output folder outside the input's")
+        if real.is_relative_to(src_real):
+            raise CheckpointError(f"--output {out} lies inside the input folder {src}: choose an output folder "
+                                  "outside it")
     if out.exists() or out.is_symlink():
         if not out.is_dir():
             raise CheckpointError(f"output {out} exists and is not a folder; choose another --output")
         if not overwrite:
             raise CheckpointError(f"output folder {out} already exists; pass --overwrite to replace it "
                                   "(it is replaced only after the new checkpoint is complete)")
+        if not _replaceable(out):
+            raise CheckpointError(f"output folder {out} is not empty and holds no checkpoint (no config.json, "
+                                  "*.safetensors or miles-lp record at its top): --overwrite replaces checkpoints "
+                                  "only; choose another --output or remove the folder yourself")
     return out
 
 
 @contextlib.contextmanager
-def atomic_output_dir(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
-    out = check_output_target(out, overwrite)
+def atomic_output_dir(out: str | Path, overwrite: bool = False, inputs: tuple[str | Path, ...] = ()) -> Iterator[Path]:
+    out = check_output_target(out, overwrite, inputs)
     remove_stale_temps(out)
     tmp = tmp_name(out)
     try:

@@ -247,10 +247,8 @@ def convert_with_plan(src: str | Path | SourceCheckpoint, out: str | Path, plan,
         raise ConfigError(f"--device must be cpu or cuda, got '{device}'")
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available here; use --device cpu")
-    out = check_output_target(out, overwrite)
     source = src if isinstance(src, SourceCheckpoint) else validate_source(src)
-    if out == source.root.absolute():
-        raise ConfigError("--output must differ from --hf-checkpoint")
+    out = check_output_target(out, overwrite, (source.root,))
     if set(plan.entries) != set(source.logical):
         other = sorted(set(plan.entries) ^ set(source.logical))
         raise ConfigError(f"the plan was not compiled for {source.root}: {len(other)} tensor name(s) differ, e.g. "
@@ -318,7 +316,7 @@ def convert_with_plan(src: str | Path | SourceCheckpoint, out: str | Path, plan,
         writer.add_many(tensors)
         bar.update(job_bytes(job))
     try:
-        with atomic_output_dir(out, overwrite) as tmp:
+        with atomic_output_dir(out, overwrite, (source.root,)) as tmp:
             writer = ShardWriter(tmp, max_shard_bytes)
             pipeline.run(jobs, load, work, sink, nbytes=job_bytes, clock=clock,
                          max_inflight_bytes=1 << 28)

@@ -59,7 +59,8 @@ def add_arguments(p) -> None:
                         "--extra-high-precision-layers-hf is Miles' name for the same option")
     p.add_argument("--target", choices=TARGETS, default="sglang", help="engine naming and config (default sglang)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to quantize (default cpu)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT once the new one is complete")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT (a checkpoint folder, or an empty one) once the new one "
+                   "is complete")
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="convert tensors holding NaN/inf instead of refusing (they are listed)")
     p.add_argument("--max-shard-size", default=None, metavar="SIZE",

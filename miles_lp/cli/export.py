@@ -38,7 +38,8 @@ def add_arguments(p) -> None:
     p.add_argument("--target", choices=TARGETS, default="sglang", help="engine naming and config (default sglang)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where the learner runs (default: cpu; with --run-dir, the run's train.device)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT once the new one is complete")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT (a checkpoint folder, or an empty one) once the new one "
+                   "is complete")
     p.add_argument("--max-shard-size", default=None, metavar="SIZE",
                    help="output shard size limit, e.g. 2GB (default: the largest input shard)")
 

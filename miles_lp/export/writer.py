@@ -114,9 +114,7 @@ def preflight(out: str | Path, base: str | Path, target: str, overwrite: bool):
 
     naming.check_target(target)
     src = validate_source(base)
-    out = check_output_target(out, overwrite)
-    if out == src.root.absolute():
-        raise ConfigError("--output must differ from --hf-checkpoint")
+    out = check_output_target(out, overwrite, (src.root,))
     return out, src
 
 
@@ -155,7 +153,7 @@ def export_learner(learner, out: str | Path, *, target: str = "sglang", base: st
     dtypes: dict[str, str] = {}
     counts: collections.Counter = collections.Counter()
     storages: set[int] = set()
-    with atomic_output_dir(out, overwrite) as tmp:
+    with atomic_output_dir(out, overwrite, (src.root,)) as tmp:
         writer = ShardWriter(tmp, max(max_shard_bytes, 1 << 20))
         for name, value in learner.export_weights():
             if name in shapes:

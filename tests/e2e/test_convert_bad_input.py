@@ -178,11 +178,48 @@ def _flush_with(save):
 def test_existing_output_and_overwrite(capsys, src, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    (out / "keep").write_text("x")
+    (out / "config.json").write_text("x")  # an earlier checkpoint
     rc, err = run(capsys, src, out)
-    assert rc == 2 and "already exists; pass --overwrite" in err and (out / "keep").exists()
+    assert rc == 2 and "already exists; pass --overwrite" in err and (out / "config.json").read_text() == "x"
     rc, err = run(capsys, src, out, "--format", "mxfp8", "--overwrite")
-    assert rc == 0 and not (out / "keep").exists() and (out / "miles_lp_plan.json").exists()
+    assert rc == 0 and (out / "config.json").read_text() != "x" and (out / "miles_lp_plan.json").exists()
+
+
+def _tree(folder):
+    return sorted((str(p.relative_to(folder)), p.read_bytes() if p.is_file() else b"") for p in folder.rglob("*"))
+
+
+@pytest.mark.parametrize("where, match", [
+    ("parent", "contains the input"),      # --output the folder that holds the source: the replace would delete it
+    ("dotdot", "is the input folder"),     # the source itself, spelled with '..'
+    ("inside", "lies inside the input"),
+    ("symlink", "is the input folder"),    # a link to the source
+])
+def test_overwrite_never_replaces_or_nests_the_source(capsys, tmp_path, base, where, match):
+    holder = tmp_path / "holder"
+    src = holder / "src"
+    shutil.copytree(base, src)
+    (holder / "precious.txt").write_text("keep")
+    out = {"parent": holder, "dotdot": holder / "x" / ".." / "src", "inside": src / "sub",
+           "symlink": tmp_path / "link"}[where]
+    if where == "symlink":
+        out.symlink_to(src)
+    before = _tree(holder)
+    rc, err = run(capsys, src, out, "--format", "mxfp8", "--overwrite")
+    assert rc == 2 and match in err, err
+    assert _tree(holder) == before  # the source and its neighbours untouched, nothing added
+
+
+def test_overwrite_replaces_only_a_checkpoint_folder(capsys, src, tmp_path):
+    out = tmp_path / "home"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    rc, err = run(capsys, src, out, "--format", "mxfp8", "--overwrite")
+    assert rc == 2 and "holds no checkpoint" in err and "--overwrite replaces checkpoints only" in err
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    (out / "notes.txt").unlink()  # an empty folder is replaced
+    assert run(capsys, src, out, "--format", "mxfp8", "--overwrite")[0] == 0
+    assert (out / "config.json").is_file()
 
 
 def test_interrupted_run_leaves_nothing(capsys, src, tmp_path, monkeypatch):

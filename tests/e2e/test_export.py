@@ -161,7 +161,7 @@ def test_export_refusals(tiny, tmp_path, capsys):
         export_learner(Partial(), tmp_path / "x", base=d, log=lambda s: None)
     assert not (tmp_path / "x").exists()
     assert main(["export", "--hf-checkpoint", str(d), "--format", "mxfp8", "--output", str(d), "--overwrite"]) == 2
-    assert "--output must differ" in capsys.readouterr().err
+    assert "is the input folder" in capsys.readouterr().err
 
 
 def test_convert_with_the_learners_plan_object(tiny, tmp_path):
