@@ -15,6 +15,7 @@ examples:
   miles-lp run recipes/tiny-mxfp8.yaml --set steps=10 --set rl.kl_coef=0.01
   miles-lp run recipes/tiny-mxfp8.yaml --resume runs/tiny-mxfp8-20261201-101500
   miles-lp run recipes/tiny-mxfp8.yaml --dry-run
+  miles-lp run recipes/tiny-mxfp8.yaml --prepare-engine /tmp/eng   # rollout.backend sglang: what to serve first
 """
 
 
@@ -26,6 +27,9 @@ def add_arguments(p) -> None:
                    "steps may be raised)")
     p.add_argument("--run-name", help="run folder name under logging.output_dir (default <recipe>-<UTC time>)")
     p.add_argument("--dry-run", action="store_true", help="validate the recipe, model and plan; start nothing")
+    p.add_argument("--prepare-engine", metavar="DIR", help="write the checkpoint the rollout engine starts from "
+                   "(the recipe's model converted with its plan, for rollout.target) into DIR, print how to serve "
+                   "it, and exit: the first step for rollout.backend sglang, whose server must run before the run")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -42,7 +46,12 @@ def run(args) -> int:
     if args.resume and args.dry_run:
         raise ConfigError("--dry-run checks a recipe before a new run; to check a resume, run --dry-run on the run's "
                           "recipe.yaml (RUN_DIR/recipe.yaml)")
+    if args.prepare_engine and (args.resume or args.dry_run or args.run_name):
+        raise ConfigError("--prepare-engine only writes the engine's checkpoint: pass it without --resume, "
+                          "--dry-run and --run-name")
     recipe = load_recipe(args.recipe, args.overrides)  # everything is validated before anything starts
+    if args.prepare_engine:
+        return _prepare_engine(recipe, args.recipe, args.prepare_engine)
     if args.dry_run:
         from miles_lp.launch.dry_run import dry_run
 
@@ -63,4 +72,33 @@ def run(args) -> int:
             run_.close()
         summary = {"run_dir": str(run_.dir.path), "steps": run_.step, **summarize(rows)}
     print(json.dumps(summary, indent=2), file=sys.stdout)
+    return 0
+
+
+def _prepare_engine(recipe, recipe_path: str, out: str) -> int:
+    """The engine's initial checkpoint (what ``Run.start`` writes as RUN_DIR/engine_init), for a server started
+    by hand before the run (``rollout.backend: sglang``)."""
+    import shutil
+    from pathlib import Path
+
+    from miles_lp.checkpoint.atomic import check_output_target
+    from miles_lp.launch.model import prepare_model
+    from miles_lp.launch.runner import engine_side, plan_for
+
+    from miles_lp.errors import ConfigError
+
+    if Path(out).exists():
+        raise ConfigError(f"--prepare-engine {out} already exists: name a new folder")
+    out_dir = check_output_target(out, overwrite=False)
+    out_dir.mkdir(parents=True)
+    try:
+        model = prepare_model(recipe.model, out_dir / "model")
+        ckpt, _, _ = engine_side(recipe, model, plan_for(recipe, model), out_dir / "engine")
+    except BaseException:
+        shutil.rmtree(out_dir, ignore_errors=True)  # no half-prepared folder
+        raise
+    ckpt = Path(ckpt).absolute()
+    print(f"engine checkpoint: {ckpt}\nserve it, then run against it:\n"
+          f"  miles-lp serve {ckpt} --port 30000\n"
+          f"  miles-lp run {recipe_path} --set rollout.backend=sglang --set rollout.url=http://127.0.0.1:30000")
     return 0

@@ -38,7 +38,9 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    import errno
     import ipaddress
+    import re
     import sys
 
     from miles_lp.errors import ConfigError
@@ -54,9 +56,23 @@ def run(args) -> int:
         raise ConfigError(f"--host {args.host}: serving beyond this host without an API key lets anyone who reaches "
                           "the port generate and load weights from any path here; set MILES_LP_API_KEY, or pass "
                           "--no-auth-on-network if that is intended")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be 0-65535 (0: any free port), got {args.port}")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", args.device):
+        raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got '{args.device}'")
+    if args.pause_timeout < 0:
+        raise ConfigError(f"--pause-timeout must be >= 0 seconds, got {args.pause_timeout}")
     engine = ReferenceEngine(args.checkpoint, device=args.device, dtype=args.dtype, kv_cache=args.kv_cache,
                              threads=args.threads, pause_timeout_s=args.pause_timeout)
-    server = EngineServer(engine, args.host, args.port, key, verbose=args.verbose)
+    try:
+        server = EngineServer(engine, args.host, args.port, key, verbose=args.verbose)
+    except OSError as exc:
+        engine.close()
+        raise ConfigError(f"cannot listen on {args.host}:{args.port} (--host / --port): {exc.strerror or exc}"
+                          + ("; another process holds the port: choose another --port, or 0 for any free one"
+                             if exc.errno == errno.EADDRINUSE else "")) from None
     h = engine.health()
     print(f"miles-lp serve: {args.checkpoint} ({h['model_type']}, target {h['target']}, quantized "
           f"{h['quantized_layers'] or 'none'}, {h['device']}, kv {h['kv_cache']}) on {server.url}"

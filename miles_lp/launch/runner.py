@@ -184,8 +184,9 @@ def make_engine(recipe: Recipe, checkpoint: Path, *, run_dir: Path | None = None
         try:
             eng.probe()
         except Exception as exc:
-            raise ConfigError(f"rollout.url {ro.url}: no engine answers there ({exc}); start the server (e.g. "
-                              f"`miles-lp serve {checkpoint} --port PORT`) or fix rollout.url") from None
+            raise ConfigError(f"rollout.url {ro.url}: no engine answers there ({exc}); start the server first: "
+                              "`miles-lp run RECIPE --prepare-engine DIR` writes the checkpoint it must serve and "
+                              "prints the `miles-lp serve` command; or fix rollout.url") from None
         return eng
     from miles_lp.rollout.reference import ReferenceEngine
 

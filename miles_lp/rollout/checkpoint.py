@@ -61,11 +61,14 @@ def _read_json(path: Path) -> dict:
 def _headers(root: Path) -> dict[str, TensorHeader]:
     from safetensors import safe_open
 
+    from miles_lp.checkpoint.safetensors_io import read_header
+
     files = sorted(root.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{root}: no *.safetensors files (the engine loads safetensors only, never pickle)")
     out: dict[str, TensorHeader] = {}
     for f in files:
+        read_header(f)  # a truncated or corrupt file: a CheckpointError naming it, the tensor and the offset
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():
                 sl = sf.get_slice(name)

@@ -44,13 +44,13 @@ def _recipe(tmp: Path, *sets: str):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """`miles-lp serve` on the converted checkpoint of tiny-mxfp8's model (the names/dtypes/shapes the run syncs)."""
-    from miles_lp.launch.model import prepare_model
-    from miles_lp.launch.runner import engine_side, plan_for
+    from miles_lp.cli import main
 
     tmp = tmp_path_factory.mktemp("sglang-server")
-    recipe = _recipe(tmp)
-    model = prepare_model(recipe.model, tmp / "model")
-    ckpt, _, _ = engine_side(recipe, model, plan_for(recipe, model), tmp / "engine")
+    # the documented first step: `miles-lp run RECIPE --prepare-engine DIR` writes what the server must serve
+    sets = [a for s in SMALL for a in ("--set", s)]
+    assert main(["run", str(RECIPE), *sets, "--prepare-engine", str(tmp / "prep")]) == 0
+    ckpt = tmp / "prep" / "engine"
     env = dict(os.environ, MILES_LP_API_KEY=KEY)
     p = subprocess.Popen([sys.executable, "-m", "miles_lp.cli", "serve", str(ckpt), "--port", "0", "--device", "cpu",
                           "--threads", "1"], env=env, stderr=subprocess.PIPE, text=True)

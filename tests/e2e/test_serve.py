@@ -212,3 +212,39 @@ def test_cli_serve_refuses_a_network_host_without_a_key(ckpts, monkeypatch, caps
     monkeypatch.delenv("SGLANG_API_KEY", raising=False)
     assert main(["serve", str(ckpts[0]), "--host", "0.0.0.0", "--port", "0"]) == 2
     assert "serving beyond this host without an API key" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--port", "70000"], r"--port must be 0-65535"),
+    (["--device", "gpu"], r"--device must be auto, cpu, cuda or cuda:N, got 'gpu'"),
+    (["--threads", "0"], r"--threads must be >= 1"),
+    (["--pause-timeout", "-1"], r"--pause-timeout must be >= 0"),
+])
+def test_cli_serve_bad_flags_are_one_line_errors(ckpts, capsys, flags, match):
+    import re
+
+    from miles_lp.cli import main
+
+    assert main(["serve", str(ckpts[0]), *flags]) == 2
+    err = capsys.readouterr().err
+    assert re.search(match, err) and "Traceback" not in err, err
+
+
+def test_cli_serve_port_in_use_and_truncated_shard(ckpts, capsys, tmp_path):
+    import shutil
+    import socket
+
+    from miles_lp.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert main(["serve", str(ckpts[0]), "--port", str(s.getsockname()[1]), "--device", "cpu"]) == 2
+    assert "another process holds the port" in capsys.readouterr().err
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpts[0], bad)
+    f = sorted(bad.glob("*.safetensors"))[0]
+    f.write_bytes(f.read_bytes()[:-100])
+    assert main(["serve", str(bad), "--port", "0", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert f"{f}: truncated: tensor" in err and "Traceback" not in err, err

@@ -101,3 +101,15 @@ def test_run_cli_refuses_flags_a_resume_would_ignore(tmp_path, capsys, extra, ma
 
     assert main(["run", "recipes/tiny-mxfp8.yaml", "--resume", str(tmp_path), *extra]) == 2
     assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra", [["--resume", "x"], ["--dry-run"], ["--run-name", "y"]])
+def test_prepare_engine_refuses_run_flags(tmp_path, capsys, extra):
+    from miles_lp.cli import main
+
+    assert main(["run", "recipes/tiny-mxfp8.yaml", "--prepare-engine", str(tmp_path / "e"), *extra]) == 2
+    assert "--prepare-engine only writes the engine's checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()
+    (tmp_path / "e").mkdir()  # an existing folder is never written into
+    assert main(["run", "recipes/tiny-mxfp8.yaml", "--prepare-engine", str(tmp_path / "e")]) == 2
+    assert "already exists" in capsys.readouterr().err
