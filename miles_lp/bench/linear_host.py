@@ -22,8 +22,9 @@ def _stubbed():
 
     from miles_lp.formats import kernels
     from miles_lp.train import gemm
+    from miles_lp.train import launch as bound
 
-    saved = (kernels._launch, kernels.enabled, kernels._module, gemm._operand_dtype)
+    saved = (kernels._launch, kernels.enabled, kernels._module, gemm._operand_dtype, bound.FAKE_BIND)
     calls = {"n": 0}
 
     def launch(*a, **k):
@@ -32,12 +33,16 @@ def _stubbed():
     kernels._launch = launch
     kernels.enabled = lambda x: True
     kernels._module = lambda x: None
+    # the bound launches (miles_lp.train.launch) as on CUDA, their C launcher a counting no-op
+    bound.FAKE_BIND = lambda mod, name, grid, consts: launch
+    bound.clear()
     gemm._operand_dtype = lambda x: torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
     try:
         yield calls
     finally:
-        kernels._launch, kernels.enabled, kernels._module, gemm._operand_dtype = saved
+        kernels._launch, kernels.enabled, kernels._module, gemm._operand_dtype, bound.FAKE_BIND = saved
         getattr(kernels, "_PLANS", {}).clear()
+        bound.clear()
 
 
 def _best_us(fn, reps: int = 400) -> float:

@@ -33,6 +33,7 @@ from miles_lp.formats._compile import compile_exact, exact_division_available
 from miles_lp.formats.mxfp8 import MXFP8Tensor, mxfp8_core  # codec cores (same bytes)
 from miles_lp.formats.nvfp4 import NVFP4Tensor, broadcast_nvfp4_amax, nvfp4_core
 from miles_lp.formats.spec import MXFP8_BLOCK
+from miles_lp.train import launch
 
 __all__ = ["exact_division_available", "mxfp8_dequantize", "mxfp8_qdq", "mxfp8_qdq_both", "nvfp4_dequantize",
            "nvfp4_qdq", "uses_kernels"]
@@ -119,9 +120,8 @@ def mxfp8_qdq(x: torch.Tensor, axis: int, dtype: torch.dtype) -> tuple[MXFP8Tens
     validate through the reference quantizers' messages first (see ``quant_linear._check_mxfp8``).
     """
     if uses_kernels(x, dtype):
-        kernels = _kernels()
-        r = kernels.mxfp8_quantize(x, rowwise=axis == -1, colwise=axis == -2, dequant_dtype=dtype)
-        return (r.row, r.row_deq) if axis == -1 else (r.col, r.col_deq)
+        row, row_deq, col, col_deq = launch.mxfp8(x, axis == -1, axis == -2, dtype)
+        return (row, row_deq) if axis == -1 else (col, col_deq)
     fn = _compiled(_mxfp8_qdq_row if axis == -1 else _mxfp8_qdq_col)
     data, scale, deq = fn(x.detach().contiguous(), dtype)  # detach: one graph, no requires_grad guard
     return MXFP8Tensor(data=data, scale=scale, axis=axis), deq
@@ -131,9 +131,7 @@ def mxfp8_qdq_both(x: torch.Tensor, dtype: torch.dtype, dequant: tuple[str, ...]
     """``(row, row_deq, col, col_deq)``: both MXFP8 grids of ``x`` [..., M, K] (M, K multiples of 32) and
     the decodes named in ``dequant`` (else None). One kernel launch on CUDA; two compiled passes elsewhere."""
     if uses_kernels(x, dtype):
-        kernels = _kernels()
-        r = kernels.mxfp8_quantize(x, rowwise=True, colwise=True, dequant_dtype=dtype, dequant=dequant)
-        return r.row, r.row_deq, r.col, r.col_deq
+        return launch.mxfp8(x, True, True, dtype, dequant)
     row, row_deq = mxfp8_qdq(x, -1, dtype)
     col, col_deq = mxfp8_qdq(x, -2, dtype)
     return row, row_deq if "row" in dequant else None, col, col_deq if "col" in dequant else None
@@ -142,8 +140,7 @@ def mxfp8_qdq_both(x: torch.Tensor, dtype: torch.dtype, dequant: tuple[str, ...]
 def mxfp8_dequantize(q: MXFP8Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``q.dequantize(dtype)``: one kernel launch on CUDA, compiled elsewhere."""
     if uses_kernels(q.data, dtype):
-        kernels = _kernels()
-        return kernels.mxfp8_dequantize(q, dtype)
+        return launch.mxfp8_decode(q.data, q.scale, q.axis, dtype)
     fn = _compiled(_mxfp8_dq_row if q.axis == -1 else _mxfp8_dq_col)
     return fn(q.data, q.scale, dtype)
 
@@ -155,12 +152,13 @@ def nvfp4_qdq(x: torch.Tensor, scope: str, dtype: torch.dtype, *, amax: torch.Te
     ``x`` must already satisfy the codec's checks (as for ``mxfp8_qdq``); a given ``amax`` is checked and
     broadcast to the global-scale shape here, eagerly (its sign check reads the values).
     """
+    if amax is None and uses_kernels(x, dtype):  # (the kernels read x as it is: no detach / contiguous)
+        return launch.nvfp4(x, scope, dtype, None, block_2d)
     x = x.detach().contiguous()  # detach: one graph, no requires_grad guard
     if amax is not None:
         amax = broadcast_nvfp4_amax(amax, x, scope)
     if uses_kernels(x, dtype):
-        kernels = _kernels()
-        return kernels.nvfp4_quantize(x, scope, amax=amax, block_2d=block_2d, dequant_dtype=dtype)
+        return launch.nvfp4(x, scope, dtype, amax, block_2d)
     data, scale, gs, amax_g, deq = _compiled(_nvfp4_qdq)(x, amax, scope, block_2d, dtype)
     q = NVFP4Tensor(data=data, scale=scale, global_scale=gs, amax=amax_g, logical_shape=tuple(x.shape),
                     scale_scope=scope, block_2d=block_2d)
@@ -170,8 +168,7 @@ def nvfp4_qdq(x: torch.Tensor, scope: str, dtype: torch.dtype, *, amax: torch.Te
 def nvfp4_dequantize(q, dtype: torch.dtype) -> torch.Tensor:
     """``q.dequantize(dtype)`` for an ``NVFP4Tensor``: one kernel launch on CUDA, compiled elsewhere."""
     if uses_kernels(q.data, dtype):
-        kernels = _kernels()
-        return kernels.nvfp4_dequantize(q, dtype)
+        return launch.nvfp4_dequantize(q, dtype)
     return _compiled(_nvfp4_dq)(q.data, q.scale, q.global_scale, dtype)
 
 

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from miles_lp.formats.spec import MXFP8_BLOCK, BackwardMode
-from miles_lp.train import fused
+from miles_lp.train import fused, lean
 from miles_lp.train.grid import WeightGrid
 from miles_lp.train.operands import (
     check_operand,
@@ -108,6 +108,9 @@ class QuantLinearFn(torch.autograd.Function):
         recipe = grid.recipe
         op = _operand_dtype(x)
         compiled = grid.use_compiled(x)
+        if compiled and fused.uses_kernels(x, op):  # the Triton kernels: the lean path (miles_lp.train.lean)
+            return lean.forward(ctx, x, weight, bias, grid, op)
+        ctx.lean = None
         w_deq_cached = wc = xc = None
         # quantized mode on the compiled path: both grids of the weight, and of x when its tokens need no
         # padding, from one read each
@@ -157,6 +160,8 @@ class QuantLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
+        if ctx.lean is not None:
+            return lean.backward(ctx, dy)
         recipe, op, mode, compiled = ctx.recipe, ctx.op, ctx.recipe.backward, ctx.compiled
         saved = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias
@@ -228,8 +233,16 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, entry: Any, bias: to
         return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
     if grid is None:
         grid = WeightGrid(recipe)
+    apply = _APPLY if not _functorch_active() else QuantLinearFn.apply
     if x.dim() == 2:  # (no reshape dispatches on the common 2-D path)
-        return QuantLinearFn.apply(x, weight, bias, grid)
+        return apply(x, weight, bias, grid)
     k = x.shape[-1]
-    y = QuantLinearFn.apply(x.reshape(-1, k), weight, bias, grid)
+    y = apply(x.reshape(-1, k), weight, bias, grid)
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+# ``Function.apply`` in Python binds default arguments (no setup_context here), asks whether functorch
+# transforms are active and unwraps dead functorch wrappers (none outside functorch) before calling the C
+# ``_FunctionBase.apply``; without functorch the C call alone does the same (a few us per call on the H200 host).
+_APPLY = super(torch.autograd.Function, QuantLinearFn).apply
+_functorch_active = torch._C._are_functorch_transforms_active

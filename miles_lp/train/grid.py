@@ -147,7 +147,7 @@ class WeightGrid:
         else:
             check_operand(weight, self.recipe, -1, "weight")
             with _no_grad():
-                w = weight.detach() if weight.requires_grad else weight
+                w = weight  # (fused detaches for its compiled graphs; the kernels read the data pointer)
                 if self.recipe.format is Format.MXFP8:
                     q, deq = fused.mxfp8_qdq(w, -1, dtype)
                 else:

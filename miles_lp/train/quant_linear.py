@@ -68,7 +68,10 @@ class QuantLinear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.ran_quantized:  # (nn.Module.__setattr__ costs ~5-10 us per call: set it once)
             self.ran_quantized = True
-        return quantized_linear(x, self.weight, self.recipe, self.bias, grid=self.grid)
+        p = self._parameters  # (what self.weight / self.bias read, without nn.Module.__getattr__ per call)
+        w = p["weight"] if "weight" in p else self.weight
+        b = p["bias"] if "bias" in p else self.bias
+        return quantized_linear(x, w, self.recipe, b, grid=self.grid)
 
     def executed_quantized(self) -> dict[str, str]:
         """``{canonical: format}`` once a forward ran this GEMM quantized (empty before)."""
