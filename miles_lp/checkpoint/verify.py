@@ -569,7 +569,24 @@ def _check_source(ctx: _Ctx, report: VerifyReport, source: Path) -> None:
                                    f"{sorted({n for n, _ in diff})[:4]}); comparisons below are against it anyway")
     else:
         report.add("source", PASS, f"{len(actual)} source files match the recorded sha256")
+    trained = _trained_steps(ctx.record)
+    if trained:
+        why = (f"an export of a learner trained {trained} optimizer step(s) past --source: its weights are not the "
+               "source's, so a fresh quantization of the source is not their grid (their grid was checked live at "
+               "every sync by C2, and at export against the learner's plan)")
+        for name in ("grid", "error"):
+            report.add(name, SKIP, why)
+        return
     _check_grid_and_error(ctx, report, src)
+
+
+def _trained_steps(record: dict) -> int:
+    """Optimizer steps between the recorded source and these weights (``miles-lp export --run-dir``); 0 for a
+    conversion or an export of an untrained learner."""
+    if record.get("producer") != "export":
+        return 0
+    learner = record.get("learner")
+    return int(learner.get("step", 0)) if isinstance(learner, dict) else 0
 
 
 def _load_source(src, name: str, read):

@@ -11,7 +11,9 @@ policy from --recipe (its `precision:` section) or from --format and the BF16 fl
 learner's own forward grid; everything else in the checkpoint's dtype. For the same weights the output equals
 `miles-lp convert`'s, tensor for tensor, byte for byte, with the same configs (an engine started from either
 starts on the learner's grid). The output folder appears only when complete. Check it with
-`miles-lp verify OUT --source IN`.
+`miles-lp verify OUT --source IN`; for a --run-dir export of a trained learner, verify checks the files, scales,
+configs and that IN is the model it was trained from, and skips the grid/error comparisons (the weights moved
+past IN: their grid was checked at every sync by C2).
 
 examples:
   miles-lp export --hf-checkpoint /tmp/tiny --format mxfp8 --target sglang --output /tmp/tiny-mxfp8
@@ -70,7 +72,7 @@ def run(args) -> int:
                              max_shard_bytes=max_shard)
     print("exported:")
     print(summary.table())
-    print(f"next: miles-lp verify {summary.out}" + ("" if args.run_dir else f" --source {args.hf_checkpoint}"))
+    print(f"next: miles-lp verify {summary.out} --source {base}")
     return 0
 
 

@@ -75,6 +75,12 @@ def _export_run_dir_is_the_trained_grid(rd: RunDir, tmp_path) -> None:
     out = tmp_path / "trained-mxfp8"
     assert main(["export", "--run-dir", str(rd.path), "--target", "sglang", "--output", str(out)]) == 0
     assert main(["verify", str(out)]) == 0
+    from miles_lp.checkpoint.verify import verify_checkpoint
+
+    report = {c.check: c for c in verify_checkpoint(out, source=rd.path / "model", log=lambda s: None).checks}
+    assert report["source"].verdict == "pass"  # the model the learner was built on
+    assert report["grid"].verdict == "skip" and "trained" in report["grid"].detail  # not "off the learner's grid"
+    assert all(c.verdict != "FAIL" for c in report.values())
     exported = {}
     for f in out.glob("*.safetensors"):
         exported.update(load_file(f))
