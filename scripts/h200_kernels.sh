@@ -18,7 +18,10 @@
 #   (that log in session.log only, to stay within 8 files);
 # --profile: also `bench linear --profile` (host vs device time, kernels per call) -> profile_linear.txt
 #   (shapes: $PROFILE_SHAPES, default small,large); --graph: bench linear also replays each mode as CUDA graphs.
-# PYTEST_FILES="a.py b.py" replaces the pytest -m gpu file list.
+# PYTEST_FILES="a.py b.py" replaces the pytest -m gpu file list (node ids work too).
+# NCU=1: last, `ncu` (--clock-control none) on the MXFP8 row+col and per-token NVFP4 kernels, the defaults and
+#   the 12-01c forms (bench.ncu_targets) -> ncu.txt: occupancy, warp stall reasons, DRAM bytes and throughput.
+# 2026-12-01d: `--quick --sweep`, MILES_LP_SWEEP=mxfp8_stv16,nvfp4_enc, NCU=1 (docs/results/h200-2026-12-01d/kernels/).
 # Carry torchao as a wheel in .whl/ (README of the device tool); without it the torchao anchor is skipped.
 set -uo pipefail
 out="${OUT:-h200_logs}"; mkdir -p "$out"
@@ -77,6 +80,14 @@ fi
 if [ "$prof" = 1 ]; then
   step profile_linear /dev/null python3 -m miles_lp.cli bench linear --shapes "${PROFILE_SHAPES:-small,large}" --profile \
     "$out/profile_linear.txt"
+fi
+if [ "${NCU:-0}" = 1 ]; then  # hardware counters of the two near-miss kernels, new and 12-01c forms (Firecracker)
+  ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  step ncu ncu.txt timeout 150 "${ncu_bin:-ncu}" --clock-control none --target-processes all \
+    -k 'regex:mxfp8_quantize_kernel|nvfp4_rows_pairs_kernel' \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section MemoryWorkloadAnalysis --section SchedulerStats \
+    python3 -c 'from miles_lp.formats.kernels.bench import ncu_targets; ncu_targets()'
 fi
 echo "failed steps: ${failed[*]:-none}"
 [ ${#failed[@]} -eq 0 ]

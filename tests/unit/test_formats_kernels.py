@@ -205,3 +205,34 @@ def test_persistent_grid_is_taken_only_when_configured():
     pairs, persist = "nvfp4_rows_pairs_kernel", "nvfp4_rows_persist_kernel"
     assert json.loads(proc.stdout.splitlines()[-1]) == [
         [[pairs, [33, 1]]], [[persist, [8]]], [[persist, [4]]], [[pairs, [33, 1]]]]
+
+
+def test_unmasked_forms_and_register_caps_only_where_they_apply(interpret):
+    """FULL (no load / store masks) only where the tiles cover x exactly; the MXFP8 register cap only for the
+    forms without decode outputs (those hold ~255 registers: a cap would spill). Both forms' bytes: the
+    selfcheck rows ("... FULL=0" beside the defaults; odd shapes take the masked form by themselves)."""
+    cfg = {"BMB": 1, "NB": 8, "num_warps": 2, "STV": 16, "maxnreg": 168, "FULL": 1}
+
+    def mx(shape, dq=None, **over):
+        return kernels._mxfp8_plan(torch.randn(*shape), True, True, dq, ("row", "col"), False, None, {**cfg, **over})
+
+    assert mx((64, 512))["consts"]["FULL"] == 1 and mx((64, 512))["maxnreg"] == 168
+    assert mx((64, 96))["consts"]["FULL"] == 0  # K not a multiple of the 256-column tile
+    assert mx((64, 512), FULL=0)["consts"]["FULL"] == 0
+    assert mx((64, 512), torch.bfloat16)["maxnreg"] == 0
+    assert kernels._mxfp8_plan(torch.randn(48, 256), True, False, None, ("row",), False, None, cfg)["consts"]["FULL"] == 0
+
+    def nv(shape, dq=None):
+        return kernels._nvfp4_plan(torch.randn(*shape).bfloat16(), "row", False, False, dq)
+
+    assert nv((4, 256))["path"] == "pairs" and nv((4, 256))["consts"]["FULL"] == 1  # K = 16 * next_pow2(K/16)
+    assert nv((4, 96))["consts"]["FULL"] == 0  # 6 blocks in an 8-block tile: masked
+    assert nv((4, 256), torch.bfloat16)["consts"]["FULL"] == 1
+    pairs = kernels.CONFIG["nvfp4_pairs"]
+    old = dict(pairs)
+    pairs["RS"] = 2
+    try:
+        assert nv((4, 256))["consts"]["FULL"] == 0  # two rows per program: the second may not exist
+    finally:
+        pairs.clear()
+        pairs.update(old)

@@ -151,9 +151,10 @@ def test_kernels_capture_in_a_cuda_graph():
 
 @needs_cuda
 def test_pair_encoder_on_random_fp32_bit_patterns():
-    """``_e2m1_pair_code`` (the per-token bf16 kernel's encoder: code and value) and ``_bf16x2`` against the
-    torch reference (``bits.e2m1_codes``, torch's bf16 cast) on 2^24 random fp32 bit patterns (every sign,
-    exponent, NaN payload) plus every value of the E2M1 range [-8, 8] on a fine grid."""
+    """``_e2m1_pair_code`` and ``_e2m1_pair_code_abs`` (the per-token bf16 kernel's encoders, ENC 0 / 1: code and
+    value) and ``_bf16x2`` against the torch reference (``bits.e2m1_codes``, torch's bf16 cast) on 2^24 random
+    fp32 bit patterns (every sign, exponent, NaN payload) plus every value of the E2M1 range [-8, 8] on a fine
+    grid."""
     from miles_lp.formats import bits
     from miles_lp.formats import kernels as k
 
@@ -162,16 +163,20 @@ def test_pair_encoder_on_random_fp32_bit_patterns():
     fine = torch.linspace(-8, 8, 1 << 20, device="cuda")
     x = torch.cat([raw.view(torch.float32), fine, torch.nextafter(fine, fine * 2)])
     n = x.numel()
-    i32 = [torch.empty(n, dtype=torch.int32, device="cuda") for _ in range(5)]
-    f32 = [torch.empty(n, dtype=torch.float32, device="cuda") for _ in range(3)]
+    i32 = [torch.empty(n, dtype=torch.int32, device="cuda") for _ in range(6)]
+    f32 = [torch.empty(n, dtype=torch.float32, device="cuda") for _ in range(4)]
     codes = torch.zeros(n, dtype=torch.int32, device="cuda")
     mod = k._module(x)
     mod.encoders_kernel[(-(-n // 1024),)](x, codes, i32[0], i32[1], i32[2], f32[0], f32[1], i32[3], f32[2], i32[4],
-                                          n, BLOCK=1024)
+                                          i32[5], f32[3], n, 1.0, BLOCK=1024)
     want = bits.e2m1_codes(x).to(torch.int32)
     assert torch.equal(i32[3], want)
     values = bits.e2m1_table("cuda")[want.long()]
     assert torch.equal(f32[2].view(torch.int32), values.view(torch.int32))  # -0.0 included
+    # the one-clamp encoder (ENC 1) on x * 1.0: exact because the GPU's multiply returns the canonical NaN
+    # (about half of the random patterns' NaNs carry the sign bit: a NaN keeping it would give code 15, not 7)
+    assert torch.equal(i32[5], want)
+    assert torch.equal(f32[3].view(torch.int32), values.view(torch.int32))
     ok = ~torch.isnan(x)  # NaN: any quiet NaN is right (selfcheck.check_encoders checks that)
     ref = x.bfloat16().view(torch.int16).to(torch.int32) & 0xFFFF
     assert torch.equal((i32[4] & 0xFFFF)[ok], ref[ok])

@@ -47,8 +47,13 @@ __all__ = [
 # 7deb728, [16384, 8192] bf16; byte identity re-checked with exactly these: selfcheck --config). MXFP8 tiles are
 # [32*BMB, 32*NB]; NVFP4 tiles [TA*TB, 16*NB]; ROWS = rows per program of the one-pass per-token kernel.
 CONFIG = {
-    "mxfp8": {"BMB": 1, "NB": 8, "num_warps": 2},  # one grid
-    "mxfp8_both": {"BMB": 1, "NB": 8, "num_warps": 2},  # rowwise + columnwise in one pass
+    "mxfp8": {"BMB": 1, "NB": 8, "num_warps": 2, "FULL": 1},  # one grid
+    # rowwise + columnwise in one pass. STV 16 (12-01d): the E4M3 tiles leave as 16-byte stores straight from
+    # registers (the load then takes 16 elements per thread to match: no shared-memory re-layout; offline
+    # sm_90 SASS at 32x256 / 2 warps 13.8 -> 12.9 per element, 16 -> 12 barriers, 46/42 -> 30/25 STS/LDS,
+    # 168 registers with the cap, no spill). maxnreg: ptxas' cap, applied only without the decode outputs.
+    # FULL 1 (every MXFP8 / per-token key; 12-01d): no load / store masks where the tiles cover x exactly.
+    "mxfp8_both": {"BMB": 1, "NB": 8, "num_warps": 2, "STV": 16, "maxnreg": 168, "FULL": 1},
     # (an "STV": 8 entry in either: the E4M3 tiles stored from the load's layout, 8-byte stores, no shared-memory
     # re-layout: offline sm_90 SASS of 32x256 / 2 warps row+col 13.8 -> 13.1 per element, 16 -> 6 barriers,
     # but 168 -> 239 registers (4 programs per SM instead of 6). H200 12-01c run 3: row+col slower, 168.7 vs
@@ -69,8 +74,12 @@ CONFIG = {
     # el/thread 165.9 us, 64: 175.6, RS 2: 209.8. Run 2 (e7615b2): ptxas capped at 80 registers (16 bytes of
     # spill, 6 programs per SM instead of 5) 106.5 us against 108.9 uncapped; the qdq form gains nothing from
     # the cap (166.7 us either way). Bytes checked with exactly these (selfcheck --config, both runs).
+    # ENC 1 (12-01d): one clamp fewer in the E2M1 encode (min(|y|, 6); the sign from y, whose NaN is the GPU
+    # multiply's canonical +NaN), the 16-block amax as a bf16x2 max tree on the raw pairs, the scale's
+    # reciprocal by rcp.rn.f32; offline SASS 18.1 -> 16.5 per element (qdq 26.8 -> 25.4), 80 registers and
+    # no spill at the cap (16 bytes before). ENC_dq: the same for the qdq form.
     "nvfp4_pairs": {"enabled": True, "el_per_thread": 64, "RS": 1, "el_per_thread_dq": 32, "RS_dq": 1, "EVICT": 1,
-                    "maxnreg": 80, "maxnreg_dq": 0},
+                    "maxnreg": 80, "maxnreg_dq": 0, "ENC": 1, "ENC_dq": 1, "FULL": 1},
     # The same rows from a persistent grid (nvfp4_rows_persist_kernel, 12-01c round 2): "pps" programs per SM
     # (0: off, the one-row-per-program kernel above), each looping over every P-th row with the next row's
     # load issued during this row's work: STAGES > 1 Triton's pipeliner (cp.async into shared memory), PF 1 a
@@ -350,7 +359,7 @@ def mxfp8_quantize(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = Fal
     cfg = CONFIG["mxfp8_both" if (rowwise and colwise) else "mxfp8"]
     if not isinstance(x, torch.Tensor):
         check_input(x, "MXFP8", min_dim=1, name=name)
-    key = _plan_key(x, "mx", rowwise, colwise, dequant_dtype, dequant, swizzle, *cfg.values())
+    key = _plan_key(x, "mx", rowwise, colwise, dequant_dtype, dequant, swizzle, *cfg.items())
     plan = _PLANS.get(key)
     if plan is None:
         plan = _mxfp8_plan(x, rowwise, colwise, dequant_dtype, dequant, swizzle, name, cfg)
@@ -371,7 +380,7 @@ def mxfp8_quantize(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = Fal
     wc = torch.zeros(wc_s, dtype=u8, device=dev) if wc_s else empty
     r, k, m = plan["rkm"]
     _launch(mod, "mxfp8_quantize_kernel", plan["grid"], (xi, r, k, m, qr, sr, dr, wr, qc, sc, dc, wc),
-            plan["warps"], site=key, **plan["consts"])
+            plan["warps"], site=key, maxnreg=plan["maxnreg"], **plan["consts"])
     e4m3 = torch.float8_e4m3fn
     return MXFP8Result(
         row=MXFP8Tensor(data=qr.view(e4m3), scale=sr, axis=-1) if rowwise else None,
@@ -411,9 +420,13 @@ def _mxfp8_plan(x, rowwise: bool, colwise: bool, dequant_dtype, dequant, swizzle
         bmb = 1  # a tile must not straddle two matrices' column blocks (M is a multiple of 32)
     return {"shapes": shapes, "out_dtype": torch.int16 if dequant_dtype == torch.bfloat16 else dequant_dtype,
             "rkm": (r, k, m), "grid": (triton_cdiv(r, 32 * bmb), triton_cdiv(k, 32 * nb)), "warps": cfg["num_warps"],
+            # the register cap only without the decode outputs (those forms hold ~255 registers: a cap spills)
+            "maxnreg": 0 if (dq_row or dq_col) else cfg.get("maxnreg", 0),
             "consts": dict(IN_KIND=in_kind, ROW=rowwise, COL=colwise, OUT_KIND=out_kind, DQ_ROW=dq_row,
                            DQ_COL=dq_col, SWZ=bool(swizzle) and mats >= 1, BMB=bmb, NB=nb,
-                           EVICT=cfg.get("EVICT", 0), STV=cfg.get("STV", 0))}
+                           EVICT=cfg.get("EVICT", 0), STV=cfg.get("STV", 0),
+                           # no masks where the tiles cover x exactly (R, K multiples of the tile)
+                           FULL=int(bool(cfg.get("FULL", 1)) and r % (32 * bmb) == 0 and k % (32 * nb) == 0))}
 
 
 def quantize_mxfp8(x: torch.Tensor, axis: int = -1, name: str | None = None) -> MXFP8Tensor:
@@ -497,7 +510,7 @@ def nvfp4_quantize(x: torch.Tensor, scope: str = "tensor", *, amax: torch.Tensor
     given = amax is not None
     cfgs = (CONFIG["nvfp4_pairs"], CONFIG["nvfp4_rows"], CONFIG["nvfp4_rows_reg"], CONFIG["nvfp4_2d"],
             CONFIG["nvfp4"], CONFIG["amax"], CONFIG["nvfp4_persist"])
-    key = _plan_key(x, "nv", scope, given, block_2d, dequant_dtype, *(tuple(c.values()) for c in cfgs))
+    key = _plan_key(x, "nv", scope, given, block_2d, dequant_dtype, *(tuple(c.items()) for c in cfgs))
     plan = _PLANS.get(key)
     if plan is None:
         _check_nvfp4(x, scope, block_2d, name)
@@ -574,7 +587,9 @@ def _nvfp4_plan(x, scope: str, given: bool, block_2d: bool, dequant_dtype) -> di
         ept, rs = (pairs["el_per_thread_dq"], pairs["RS_dq"]) if out_kind else (pairs["el_per_thread"], pairs["RS"])
         plan.update(path="pairs", grid=(triton_cdiv(m, rs), mats),
                     warps=max(1, min(16, nb * NVFP4_BLOCK // (32 * ept))),
-                    consts=dict(DQ=bool(out_kind), NB=nb, RS=rs, EVICT=pairs.get("EVICT", 0)),
+                    consts=dict(DQ=bool(out_kind), NB=nb, RS=rs, EVICT=pairs.get("EVICT", 0),
+                                ENC=pairs.get("ENC_dq" if out_kind else "ENC", 0),
+                                FULL=int(rs == 1 and k == nb * NVFP4_BLOCK and pairs.get("FULL", 1))),
                     maxnreg=pairs.get("maxnreg_dq" if out_kind else "maxnreg", 0))
         per = CONFIG["nvfp4_persist"]
         sfx = "_dq" if out_kind else ""

@@ -70,6 +70,25 @@ def _load_f32(ptr, offs, mask, IN_KIND: tl.constexpr, EVICT: tl.constexpr = 0):
 
 
 @triton.jit
+def _load_f32_full(ptr, offs, IN_KIND: tl.constexpr, EVICT: tl.constexpr = 0):
+    """``_load_f32`` without a mask (every element exists: no zero fill, no predicates)."""
+    if IN_KIND == 1:
+        if EVICT:
+            b = tl.load(ptr + offs, eviction_policy="evict_first")
+        else:
+            b = tl.load(ptr + offs)
+        if HW:
+            return b.to(tl.bfloat16, bitcast=True).to(tl.float32)
+        else:
+            return ((b.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    else:
+        if EVICT:
+            return tl.load(ptr + offs, eviction_policy="evict_first").to(tl.float32)
+        else:
+            return tl.load(ptr + offs).to(tl.float32)
+
+
+@triton.jit
 def _abs_nz(x):
     """|x| for a NaN-ignoring max (CUDA fmaxf): on CUDA max.f32 ignores NaN itself (``_amax_fix`` then maps
     an all-NaN block's NaN to 0); in the interpreter (numpy max propagates NaN) NaN -> 0 here. inf kept."""
@@ -259,9 +278,11 @@ def mxfp8_quantize_kernel(
     qc_ptr, sc_ptr, dc_ptr, wc_ptr,
     IN_KIND: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, OUT_KIND: tl.constexpr,
     DQ_ROW: tl.constexpr, DQ_COL: tl.constexpr, SWZ: tl.constexpr, BMB: tl.constexpr, NB: tl.constexpr,
-    EVICT: tl.constexpr = 0, STV: tl.constexpr = 0,
+    EVICT: tl.constexpr = 0, STV: tl.constexpr = 0, FULL: tl.constexpr = 0,
 ):
     """One [BMB*32, NB*32] tile of x [R, K] (R = all rows; M rows per matrix, for the swizzle).
+
+    FULL 1 (the plan's choice when R and K are multiples of the tile): no load or store masks.
 
     STV 8: the E4M3 tiles are stored through ``_store_q2`` (the 2-D tile, column offsets that show runs of
     8 contiguous bytes: the run one thread holds from its 16-byte load), so they leave from the load's layout
@@ -280,25 +301,32 @@ def mxfp8_quantize_kernel(
     pid_k = tl.program_id(1)
     r2 = pid_m * BM + tl.arange(0, BM)[:, None]  # [BM, 1]
     c2 = pid_k * BK + tl.arange(0, BK)[None, :]  # [1, BK]
-    x = _load_f32(x_ptr, r2.to(tl.int64) * K + c2, (r2 < R) & (c2 < K), IN_KIND, EVICT)  # [BM, BK]
+    if FULL:
+        x = _load_f32_full(x_ptr, r2.to(tl.int64) * K + c2, IN_KIND, EVICT)  # [BM, BK]
+    else:
+        x = _load_f32(x_ptr, r2.to(tl.int64) * K + c2, (r2 < R) & (c2 < K), IN_KIND, EVICT)  # [BM, BK]
     a = _abs_nz(x)
     if ROW:
         rows = pid_m * BM + tl.arange(0, BM)[:, None, None]  # [BM, 1, 1]
         jb = tl.arange(0, NB)[None, :, None]
         cols = pid_k * BK + jb * 32 + tl.arange(0, 32)[None, None, :]  # [1, NB, 32]
         mask = (rows < R) & (cols < K)
+        if FULL:
+            mask = None
         offs = rows.to(tl.int64) * K + cols
         xr = tl.reshape(x, [BM, NB, 32])
         e = _e8m0_round_up(_amax_fix(tl.max(tl.reshape(a, [BM, NB, 32]), axis=2, keep_dims=True)) * INV448)
         q = _e4m3_byte(xr * _e8m0_inverse(e))  # [BM, NB, 32]
         if STV:
-            _store_q2(qr_ptr, q, r2, c2, R, K, BM, BK, STV, EVICT)
+            _store_q2(qr_ptr, q, r2, c2, R, K, BM, BK, STV, EVICT, FULL)
         elif EVICT:  # streaming stores: the outputs are not read again by this kernel
             tl.store(qr_ptr + offs, q, mask=mask, cache_modifier=".cs")
         else:
             tl.store(qr_ptr + offs, q, mask=mask)
         scol = pid_k * NB + jb  # [1, NB, 1]
         smask = (rows < R) & (scol < K // 32)
+        if FULL:
+            smask = None
         tl.store(sr_ptr + rows.to(tl.int64) * (K // 32) + scol, e.to(tl.uint8), mask=smask)
         if SWZ:
             tl.store(wr_ptr + _swizzled(rows, scol, M, K // 32), e.to(tl.uint8), mask=smask)
@@ -309,18 +337,22 @@ def mxfp8_quantize_kernel(
         rows = pid_m * BM + ib * 32 + tl.arange(0, 32)[None, :, None]  # [BMB, 32, 1]
         cols = pid_k * BK + tl.arange(0, BK)[None, None, :]  # [1, 1, BK]
         mask = (rows < R) & (cols < K)
+        if FULL:
+            mask = None
         offs = rows.to(tl.int64) * K + cols
         xc = tl.reshape(x, [BMB, 32, BK])
         e = _e8m0_round_up(_amax_fix(tl.max(tl.reshape(a, [BMB, 32, BK]), axis=1, keep_dims=True)) * INV448)
         q = _e4m3_byte(xc * _e8m0_inverse(e))  # [BMB, 32, BK]
         if STV:
-            _store_q2(qc_ptr, q, r2, c2, R, K, BM, BK, STV, EVICT)
+            _store_q2(qc_ptr, q, r2, c2, R, K, BM, BK, STV, EVICT, FULL)
         elif EVICT:
             tl.store(qc_ptr + offs, q, mask=mask, cache_modifier=".cs")
         else:
             tl.store(qc_ptr + offs, q, mask=mask)
         srow = pid_m * BMB + ib  # [BMB, 1, 1]
         smask = (srow < R // 32) & (cols < K)
+        if FULL:
+            smask = None
         tl.store(sc_ptr + srow.to(tl.int64) * K + cols, e.to(tl.uint8), mask=smask)
         if SWZ:  # the transposed scale [K, M/32] of each matrix: (col, scale row within its matrix)
             mat = srow // (M // 32)
@@ -332,17 +364,21 @@ def mxfp8_quantize_kernel(
 
 
 @triton.jit
-def _store_q2(ptr, q, r2, c2, R, K, BM: tl.constexpr, BK: tl.constexpr, STV: tl.constexpr, EVICT: tl.constexpr):
+def _store_q2(ptr, q, r2, c2, R, K, BM: tl.constexpr, BK: tl.constexpr, STV: tl.constexpr, EVICT: tl.constexpr,
+              FULL: tl.constexpr = 0):
     """Store the byte tile ``q`` (any [.., ..] view of the [BM, BK] tile) at rows r2 [BM, 1] / columns c2
     [1, BK] of a [R, K] byte matrix. The column offsets are written (c // STV) * STV + c % STV: the same
     addresses, but Triton's coalescing then sees runs of STV contiguous bytes, not BK, and keeps the
     layout the values are already in (no shared-memory re-layout and barrier for wider stores)."""
     c = (c2 // STV) * STV + c2 % STV
     v = tl.reshape(q, [BM, BK])
+    m = (r2 < R) & (c2 < K)
+    if FULL:
+        m = None
     if EVICT:
-        tl.store(ptr + r2.to(tl.int64) * K + c, v, mask=(r2 < R) & (c2 < K), cache_modifier=".cs")
+        tl.store(ptr + r2.to(tl.int64) * K + c, v, mask=m, cache_modifier=".cs")
     else:
-        tl.store(ptr + r2.to(tl.int64) * K + c, v, mask=(r2 < R) & (c2 < K))
+        tl.store(ptr + r2.to(tl.int64) * K + c, v, mask=m)
 
 
 @triton.jit
@@ -567,14 +603,19 @@ def nvfp4_quantize_rows_kernel(
 
 
 @triton.jit
-def encoders_kernel(x_ptr, code_ptr, e4_ptr, e2_ptr, bf_ptr, v4_ptr, v2_ptr, e2p_ptr, r2p_ptr, bfp_ptr, n,
-                    BLOCK: tl.constexpr):
+def encoders_kernel(x_ptr, code_ptr, e4_ptr, e2_ptr, bf_ptr, v4_ptr, v2_ptr, e2p_ptr, r2p_ptr, bfp_ptr, e2a_ptr,
+                    r2a_ptr, n, one, BLOCK: tl.constexpr):
     """The element encoders / decoders on a flat fp32 array (selfcheck.check_encoders compares them with
     the exact scalar oracles): e4m3 / e2m1 codes and bf16 bits of x; decodes of the byte codes[i];
-    ``_e2m1_pair_code``'s code and value (e2p, r2p) and ``_bf16x2``'s bits of (x, -x) (bfp)."""
+    ``_e2m1_pair_code``'s code and value (e2p, r2p) and ``_bf16x2``'s bits of (x, -x) (bfp);
+    ``_e2m1_pair_code_abs``'s code and value (e2a, r2a) of the product x * one (``one`` = 1.0 passed at run
+    time, so the multiply is not folded away: that encoder's input is always such a product)."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     x = tl.load(x_ptr + i, mask=m, other=0.0)
+    ca, ra = _e2m1_pair_code_abs(x * one)
+    tl.store(e2a_ptr + i, ca, mask=m)
+    tl.store(r2a_ptr + i, ra, mask=m)
     tl.store(e4_ptr + i, _e4m3_byte(x).to(tl.int32), mask=m)  # the paths the kernels take (HW on CUDA)
     tl.store(e2_ptr + i, _e2m1_code(x), mask=m)
     c2, r2 = _e2m1_pair_code(x)
@@ -626,27 +667,105 @@ def _bf16x2(lo, hi):
 
 
 @triton.jit
-def _pairs_row(w, row, ok, pc, cmask, jb, K2, amax_ptr, q_ptr, s_ptr, gs_ptr, d_ptr, DQ: tl.constexpr):
-    """Quantize one row held as int32 pairs ``w`` [NB, 8] and store everything (``ok``: the row exists)."""
+def _bmax2_abs(a, b):
+    """Two int32 holding bf16 pairs -> max(|a|, |b|) per half (``max.xorsign.abs.bf16x2``: the result's sign
+    is junk, every level of a tree takes |.| again; NaN-ignoring like max.f32: one NaN operand gives the other,
+    two give NaN). A reduction combine: 1 instruction per 2 elements instead of 1 per element."""
+    return tl.inline_asm_elementwise("max.xorsign.abs.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _rcp_rn(d):
+    """1 / d correctly rounded (``rcp.rn.f32``: IEEE, subnormals kept; the same value as div.rn(1, d)) on CUDA,
+    ``tl.math.div_rn`` in the interpreter (no PTX there)."""
+    if HW:
+        return tl.inline_asm_elementwise("rcp.rn.f32 $0, $1;", "=f,f", [d], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.math.div_rn(tl.zeros_like(d) + 1.0, d)
+
+
+@triton.jit
+def _e2m1_pair_code_abs(y):
+    """``_e2m1_pair_code`` with one clamp fewer (ENC 1, CUDA): a = min(|y|, 6) in one min.f32 (|y| is an operand
+    modifier; NaN -> 6), the sign taken from y itself. Exact only when a NaN y carries no sign, which holds for
+    the kernels' y = x * enc: the GPU's fp32 multiply returns the canonical NaN 0x7FFFFFFF (checked on the
+    device: selfcheck's NaN of both signs, ``specials_bf16``, and the encoder check's products). In the
+    interpreter (numpy keeps a NaN's sign) the sign of a NaN is cleared first."""
+    yb = y.to(tl.int32, bitcast=True)
+    if not HW:
+        yb = tl.where(y == y, yb, 0)
+    a = tl.minimum(tl.abs(y), 6.0)  # min.f32 maps NaN to 6
+    if not HW:
+        a = tl.where(y == y, a, 6.0)
+    cm = tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000  # bits of 2^E, E in {0, 1, 2}
+    cf = cm.to(tl.float32, bitcast=True) * 4194304.0  # c = 2^(E + 22), exact
+    s = a + cf  # RNE onto the grid step 2^(E - 1)
+    code = (s.to(tl.int32, bitcast=True) - cm) + ((cm >> 22) - ((22 << 23) + 254))
+    code = code | ((yb >> 28) & 8)
+    r = ((s - cf).to(tl.int32, bitcast=True) | (yb & -2147483648)).to(tl.float32, bitcast=True)
+    return code, r
+
+
+@triton.jit
+def _pairs_row(w, row, ok, pc, cmask, jb, K2, amax_ptr, q_ptr, s_ptr, gs_ptr, d_ptr, DQ: tl.constexpr,
+               ENC: tl.constexpr = 0, FULL: tl.constexpr = 0):
+    """Quantize one row held as int32 pairs ``w`` [NB, 8] and store everything (``ok``: the row exists).
+
+    ENC 1 (CUDA; the same bytes): the 16-block amax as a bf16x2 max tree on the raw pairs (``_bmax2_abs``),
+    the scale's reciprocal by ``rcp.rn.f32`` and the one-clamp encoder ``_e2m1_pair_code_abs``; in the
+    interpreter ENC 1 runs the fp32 amax and the division (no PTX) and the encoder's exact NaN form.
+    FULL 1: the row exists and fills the tile (K/2 == NB*8): the stores take no mask."""
     lo = (w << 16).to(tl.float32, bitcast=True)
     hi = (w & -65536).to(tl.float32, bitcast=True)
-    amax_b = _amax_fix(tl.max(tl.maximum(_abs_nz(lo), _abs_nz(hi)), axis=1, keep_dims=True))  # [NB, 1]
+    if ENC and HW:
+        m2 = tl.reduce(w, 1, _bmax2_abs, keep_dims=True)  # [NB, 1] two bf16 halves, |.| up to the sign bit
+        m_lo = (m2 << 16).to(tl.float32, bitcast=True)
+        m_hi = (m2 & -65536).to(tl.float32, bitcast=True)
+        amax_b = _amax_fix(tl.maximum(tl.abs(m_lo), tl.abs(m_hi)))
+    else:
+        amax_b = _amax_fix(tl.max(tl.maximum(_abs_nz(lo), _abs_nz(hi)), axis=1, keep_dims=True))  # [NB, 1]
     amax_g = tl.max(amax_b, axis=0, keep_dims=True)  # [1, 1]
     s_dec, sf_scale = _global_scales(amax_g)
     one = tl.zeros([1, 1], tl.int64) + row
-    tl.store(amax_ptr + one, amax_g, mask=ok)
-    tl.store(gs_ptr + one, s_dec, mask=ok)
+    if FULL:
+        tl.store(amax_ptr + one, amax_g)
+        tl.store(gs_ptr + one, s_dec)
+    else:
+        tl.store(amax_ptr + one, amax_g, mask=ok)
+        tl.store(gs_ptr + one, s_dec, mask=ok)
     sf = _e4m3_byte(amax_b * sf_scale)  # [NB, 1]
     sf_f = _e4m3_byte_value(sf)
-    enc = tl.math.div_rn(tl.zeros_like(sf_f) + 1.0, sf_f * s_dec)
+    if ENC:
+        enc = _rcp_rn(sf_f * s_dec)
+    else:
+        enc = tl.math.div_rn(tl.zeros_like(sf_f) + 1.0, sf_f * s_dec)
     enc = tl.where(enc < FLT_MAX, enc, FLT_MAX)
-    c_lo, r_lo = _e2m1_pair_code(lo * enc)
-    c_hi, r_hi = _e2m1_pair_code(hi * enc)
-    pmask = cmask & ok
-    tl.store(q_ptr + row * K2 + pc, (c_lo + (c_hi << 4)).to(tl.uint8), mask=pmask)  # one LEA per pair
-    tl.store(s_ptr + row * (K2 // 8) + jb, sf, mask=(jb < K2 // 8) & ok)
-    if DQ:
-        tl.store(d_ptr + row * K2 + pc, _bf16x2((r_lo * sf_f) * s_dec, (r_hi * sf_f) * s_dec), mask=pmask)
+    if ENC:
+        c_lo, r_lo = _e2m1_pair_code_abs(lo * enc)
+        c_hi, r_hi = _e2m1_pair_code_abs(hi * enc)
+    else:
+        c_lo, r_lo = _e2m1_pair_code(lo * enc)
+        c_hi, r_hi = _e2m1_pair_code(hi * enc)
+    if FULL:
+        tl.store(q_ptr + row * K2 + pc, (c_lo + (c_hi << 4)).to(tl.uint8))
+        tl.store(s_ptr + row * (K2 // 8) + jb, sf)
+        if DQ:
+            tl.store(d_ptr + row * K2 + pc, _bf16x2((r_lo * sf_f) * s_dec, (r_hi * sf_f) * s_dec))
+    else:
+        pmask = cmask & ok
+        tl.store(q_ptr + row * K2 + pc, (c_lo + (c_hi << 4)).to(tl.uint8), mask=pmask)  # one LEA per pair
+        tl.store(s_ptr + row * (K2 // 8) + jb, sf, mask=(jb < K2 // 8) & ok)
+        if DQ:
+            tl.store(d_ptr + row * K2 + pc, _bf16x2((r_lo * sf_f) * s_dec, (r_hi * sf_f) * s_dec), mask=pmask)
+
+
+@triton.jit
+def _load_pairs_full(ptrs, EVICT: tl.constexpr):
+    if EVICT:
+        return tl.load(ptrs, eviction_policy="evict_first")
+    else:
+        return tl.load(ptrs)
 
 
 @triton.jit
@@ -660,7 +779,8 @@ def _load_pairs(ptrs, mask, EVICT: tl.constexpr):
 @triton.jit
 def nvfp4_rows_pairs_kernel(
     x_ptr, M, K2, amax_ptr, q_ptr, s_ptr, gs_ptr, d_ptr,
-    DQ: tl.constexpr, NB: tl.constexpr, RS: tl.constexpr, EVICT: tl.constexpr = 0,
+    DQ: tl.constexpr, NB: tl.constexpr, RS: tl.constexpr, EVICT: tl.constexpr = 0, ENC: tl.constexpr = 0,
+    FULL: tl.constexpr = 0,
 ):
     """Per-token NVFP4 of bf16 rows: ``RS`` rows of matrix ``program_id(1)`` per program, one after the
     other, each whole row in registers (K/16 <= NB groups); row i+1 is loaded before row i is quantized, so
@@ -677,12 +797,17 @@ def nvfp4_rows_pairs_kernel(
     pc = jb * 8 + tl.arange(0, 8)[None, :]  # pair column [NB, 8]
     cmask = pc < K2
     ok = r0 < M
+    if FULL:  # RS 1 and K/2 == NB*8 (the plan's choice): every program's row exists and fills the tile, so
+        # no load mask (no zero fill, no predicates) and no store masks
+        w = _load_pairs_full(x_ptr + (base + r0) * K2 + pc, EVICT)
+        _pairs_row(w, base + r0, ok, pc, cmask, jb, K2, amax_ptr, q_ptr, s_ptr, gs_ptr, d_ptr, DQ, ENC, 1)
+        return
     w = _load_pairs(x_ptr + (base + r0) * K2 + pc, cmask & ok, EVICT)
     for i in tl.static_range(RS):
         if i + 1 < RS:
             ok_next = r0 + i + 1 < M
             w_next = _load_pairs(x_ptr + (base + r0 + i + 1) * K2 + pc, cmask & ok_next, EVICT)
-        _pairs_row(w, base + r0 + i, ok, pc, cmask, jb, K2, amax_ptr, q_ptr, s_ptr, gs_ptr, d_ptr, DQ)
+        _pairs_row(w, base + r0 + i, ok, pc, cmask, jb, K2, amax_ptr, q_ptr, s_ptr, gs_ptr, d_ptr, DQ, ENC)
         if i + 1 < RS:
             w = w_next
             ok = ok_next

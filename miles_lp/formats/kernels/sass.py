@@ -118,7 +118,9 @@ def cases(k: int = 8192) -> dict[str, tuple]:
         out[tag] = ("nvfp4_rows_pairs_kernel",
                     {"x_ptr": "*i32", "M": "i32", "K2": "i32", "amax_ptr": "*fp32", "q_ptr": "*u8", "s_ptr": "*u8",
                      "gs_ptr": "*fp32", "d_ptr": "*i32" if dq else "*u8"},
-                    {"DQ": dq, "NB": nb, "RS": rs, "EVICT": pairs.get("EVICT", 0)}, warps, nb * 16 * rs,
+                    {"DQ": dq, "NB": nb, "RS": rs, "EVICT": pairs.get("EVICT", 0), "ENC": pairs.get("ENC_dq" if dq else "ENC", 0),
+                     "FULL": int(rs == 1 and pairs.get("FULL", 1))}, warps,
+                    nb * 16 * rs,
                     pairs.get("maxnreg_dq" if dq else "maxnreg", 0))
     # the persistent-grid form (a loop over rows: the static count is one iteration plus the loop's setup)
     per = cfg["nvfp4_persist"]
@@ -135,8 +137,9 @@ def cases(k: int = 8192) -> dict[str, tuple]:
         c = cfg[key]
         out[tag] = ("mxfp8_quantize_kernel", mx_sig,
                     {"IN_KIND": 1, "ROW": row, "COL": col, "OUT_KIND": 0, "DQ_ROW": 0, "DQ_COL": 0, "SWZ": 0,
-                     "BMB": c["BMB"], "NB": c["NB"], "EVICT": c.get("EVICT", 0), "STV": c.get("STV", 0)}, c["num_warps"],
-                    c["BMB"] * 32 * c["NB"] * 32)
+                     "BMB": c["BMB"], "NB": c["NB"], "EVICT": c.get("EVICT", 0), "STV": c.get("STV", 0),
+                     "FULL": c.get("FULL", 1)}, c["num_warps"],
+                    c["BMB"] * 32 * c["NB"] * 32, c.get("maxnreg", 0))
     c = cfg["nvfp4"]
     out["nvfp4_tensor"] = ("nvfp4_quantize_kernel",
                            {"x_ptr": "*i16", "M": "i32", "K": "i32", "amax_ptr": "*fp32", "q_ptr": "*u8",

@@ -72,6 +72,19 @@ def _mx_both_ref(x, dtype=torch.bfloat16):
             "col.swz": swizzle_scales(c.scale.transpose(-1, -2))}
 
 
+def _mx_both_q(x):
+    """Both grids without decodes (the form the register cap applies to) and the swizzled scales."""
+    from miles_lp.formats import kernels
+
+    r = kernels.mxfp8_quantize(x, rowwise=True, colwise=True, swizzle=True)
+    return {"row.data": r.row.data, "row.scale": r.row.scale, "col.data": r.col.data, "col.scale": r.col.scale,
+            "row.swz": r.row_swizzled, "col.swz": r.col_swizzled}
+
+
+def _mx_both_q_ref(x):
+    return {k: v for k, v in _mx_both_ref(x).items() if not k.endswith(".deq")}
+
+
 def _nv(q, deq=None):
     out = {"data": q.data, "scale": q.scale, "global_scale": q.global_scale, "amax": q.amax}
     if deq is not None:
@@ -198,6 +211,18 @@ def kernel_pairs() -> list[tuple[str, Callable, Callable]]:
         ("nvfp4 row pairs off +bf16 deq", nv_row_cfg(bf16, enabled=False), nv_row_ref(bf16)),
         ("nvfp4 row pairs EVICT=0 +bf16 deq", nv_row_cfg(bf16, EVICT=0), nv_row_ref(bf16)),
         ("nvfp4 row pairs maxnreg=72 (spills)", nv_row_cfg(None, maxnreg=72), nv_row_ref(None)),
+        # the encode forms side by side (ENC 0: two clamps, fp32 amax, div.rn; ENC 1: one clamp, bf16x2 amax
+        # tree, rcp.rn), whichever is the default; ENC 1 at the other thread counts the sweep tries
+        ("nvfp4 row pairs ENC=0", nv_row_cfg(None, ENC=0), nv_row_ref(None)),
+        ("nvfp4 row pairs ENC=0 +bf16 deq", nv_row_cfg(bf16, ENC_dq=0), nv_row_ref(bf16)),
+        ("nvfp4 row pairs ENC=1", nv_row_cfg(None, ENC=1), nv_row_ref(None)),
+        ("nvfp4 row pairs ENC=1 +bf16 deq", nv_row_cfg(bf16, ENC_dq=1), nv_row_ref(bf16)),
+        ("nvfp4 row pairs ENC=1 FULL=0", nv_row_cfg(None, ENC=1, FULL=0), nv_row_ref(None)),
+        ("nvfp4 row pairs ENC=1 FULL=0 +bf16 deq", nv_row_cfg(bf16, ENC_dq=1, FULL=0), nv_row_ref(bf16)),
+        ("nvfp4 row pairs ENC=1 128 el/thread", nv_row_cfg(None, ENC=1, el_per_thread=128, maxnreg=0),
+         nv_row_ref(None)),
+        ("nvfp4 row pairs ENC=1 64 el/thread +bf16 deq", nv_row_cfg(bf16, ENC_dq=1, el_per_thread_dq=64),
+         nv_row_ref(bf16)),
         # the persistent grid (a few programs per SM looping over the rows; 4 "SMs" in the interpreter, so
         # odd row counts leave programs with one row fewer): pipelined loads, register prefetch, the qdq form
         ("nvfp4 row persist STAGES=2", nv_row_persist(None, pps=1, STAGES=2, PF=0), nv_row_ref(None)),
@@ -210,6 +235,17 @@ def kernel_pairs() -> list[tuple[str, Callable, Callable]]:
         ("mxfp8 row+col STV=8 EVICT 1x4/1w", mx_stv("mxfp8_both", _mx_both, STV=8, EVICT=1, NB=4, num_warps=1),
          _mx_both_ref),
         ("mxfp8 rowwise STV=8", mx_stv("mxfp8", mx_row, STV=8), mx_row_ref),
+        # 16-byte runs from registers (STV 16), whichever is the default; the tiles and caps the sweep tries
+        ("mxfp8 row+col+deq+swizzle STV=0", mx_stv("mxfp8_both", _mx_both, STV=0, maxnreg=0), _mx_both_ref),
+        ("mxfp8 row+col+deq+swizzle STV=16", mx_stv("mxfp8_both", _mx_both, STV=16), _mx_both_ref),
+        ("mxfp8 row+col STV=16 1x4/1w maxnreg=168",
+         mx_stv("mxfp8_both", lambda x: _mx_both_q(x), STV=16, NB=4, num_warps=1, maxnreg=168), _mx_both_q_ref),
+        ("mxfp8 row+col STV=16 1x2/1w EVICT",
+         mx_stv("mxfp8_both", lambda x: _mx_both_q(x), STV=16, NB=2, num_warps=1, EVICT=1), _mx_both_q_ref),
+        ("mxfp8 row+col+deq+swizzle FULL=0", mx_stv("mxfp8_both", _mx_both, FULL=0), _mx_both_ref),
+        ("mxfp8 rowwise FULL=0", mx_stv("mxfp8", mx_row, FULL=0), mx_row_ref),
+        ("mxfp8 rowwise STV=16", mx_stv("mxfp8", mx_row, STV=16), mx_row_ref),
+        ("mxfp8 rowwise STV=16 1x4/1w", mx_stv("mxfp8", mx_row, STV=16, NB=4, num_warps=1), mx_row_ref),
         ("mxfp8 row+col+deq+swizzle", _mx_both, _mx_both_ref),
         ("mxfp8 row+col, col deq only", mx_col_deq_only, mx_col_deq_only_ref),
         ("mxfp8 row+col fp32 deq", lambda x: _mx_both(x, torch.float32), lambda x: _mx_both_ref(x, torch.float32)),
@@ -293,13 +329,18 @@ def check_encoders(device: str) -> list[str]:
     n = x.numel()
     codes = torch.arange(n, dtype=torch.int32) % 256
     xd, cd = x.to(device), codes.to(device)
-    e4, e2, bf, e2p, bfp = (torch.empty(n, dtype=torch.int32, device=device) for _ in range(5))
-    v4, v2, r2p = (torch.empty(n, dtype=torch.float32, device=device) for _ in range(3))
+    e4, e2, bf, e2p, bfp, e2a = (torch.empty(n, dtype=torch.int32, device=device) for _ in range(6))
+    v4, v2, r2p, r2a = (torch.empty(n, dtype=torch.float32, device=device) for _ in range(4))
     mod = k._module(xd)
     block = 1024
-    mod.encoders_kernel[(-(-n // block),)](xd, cd, e4, e2, bf, v4, v2, e2p, r2p, bfp, n, BLOCK=block)
-    e4, e2, bf, v4, v2, e2p, r2p, bfp = (t.cpu() for t in (e4, e2, bf, v4, v2, e2p, r2p, bfp))
+    mod.encoders_kernel[(-(-n // block),)](xd, cd, e4, e2, bf, v4, v2, e2p, r2p, bfp, e2a, r2a, n, 1.0, BLOCK=block)
+    e4, e2, bf, v4, v2, e2p, r2p, bfp, e2a, r2a = (t.cpu() for t in (e4, e2, bf, v4, v2, e2p, r2p, bfp, e2a, r2a))
     bad = []
+    for v, ca, ra in zip(x.tolist(), e2a.tolist(), r2a.tolist(), strict=True):  # the one-clamp encoder (ENC 1)
+        w2 = bits.e2m1_encode_exact(v)
+        wv = bits.E2M1_VALUES[w2]
+        if ca != w2 or not (ra == wv and math.copysign(1, ra) == math.copysign(1, wv)):
+            bad.append(f"e2m1 abs-clamp code/value({v!r}) = {ca:#x}/{ra!r}, want {w2:#x}/{wv!r}")
 
     def bf16_bad(v: float, b: int) -> bool:
         want = torch.tensor([v]).bfloat16().view(torch.int16).item() & 0xFFFF
