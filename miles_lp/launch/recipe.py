@@ -254,6 +254,20 @@ def _check_combinations(data: dict[str, Any], train: TrainConfig, rollout: Any, 
         if train.backend != "embedded":
             raise where.error(f"a comparison arm re-quantizes the embedded trainer's weights by their HF names; the "
                               f"{train.backend} learner's are not (yet): use train.backend: embedded")
+    sampling = getattr(rollout, "sampling", None)
+    if sampling is not None:
+        # the learner's log-probs (old policy, ratio, TIS/IcePop, rollout_corr/*) are those of the T = 1,
+        # untruncated policy; samples drawn at another temperature or truncated by top-k/top-p would be scored
+        # as if drawn from it (verl/slime divide the learner's logits by T; not implemented here)
+        where = w.child("rollout").child("sampling")
+        for key, value, default in (("temperature", sampling.temperature, 1.0), ("top_p", sampling.top_p, 1.0),
+                                    ("top_k", sampling.top_k, -1)):
+            if value != default:
+                raise where.child(key).error(
+                    f"{key} {value}: RL samples at {key} {default} only: the learner computes the log-probs of the "
+                    f"untempered, untruncated policy (the GRPO ratio, TIS/IcePop weights and rollout_corr/* use "
+                    f"them), so tokens drawn from another distribution would be scored as if drawn from that one. "
+                    f"Set rollout.sampling.{key}: {default}")
     if rl.routing_replay and getattr(rollout, "backend", "reference") == "vllm":
         raise w.child("rl").child("routing_replay").error(
             "routing replay needs the routed experts of every generated token, which vLLM's offline engine does not "

@@ -114,3 +114,13 @@ def test_shipped_tiny_recipes_parse():
     assert recipes, "no recipes/tiny-*.yaml"
     for p in recipes:
         load_recipe(p)
+
+
+@pytest.mark.parametrize("key, value", [("temperature", "0.6"), ("top_p", "0.9"), ("top_k", "20")])
+def test_rl_refuses_tempered_or_truncated_sampling(key, value):
+    """The learner's log-probs are the T = 1, untruncated policy's: other sampling would bias GRPO silently."""
+    from pathlib import Path
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "tiny-mxfp8.yaml"
+    with pytest.raises(ConfigError, match=rf"rollout.sampling.{key}.*RL samples at {key}"):
+        load_recipe(recipe, [f"rollout.sampling.{key}={value}"])
