@@ -100,7 +100,7 @@ class LearnerSyncSide:
     def join_group(self, host: str, port: int) -> None:
         init_group(self.recipe.sync.transport, host, port, LEARNER_RANK, str(self.learner.device))
 
-    def attach_engine(self, target: str) -> None:
+    def attach_engine(self, target: str, env: dict[str, str] | None = None) -> None:
         """A ``RemoteEngine`` on the group's engine rank (which must be serving): a new ``WeightSync`` the
         first time, afterwards (an engine restart) the same one with the new engine and transport."""
         from miles_lp.sync import WeightSync
@@ -111,8 +111,9 @@ class LearnerSyncSide:
         transport = BroadcastTransport(src=LEARNER_RANK, device=self.learner.device,
                                        name=self.recipe.sync.transport, receipts=True, reply_from=ENGINE_RANK)
         if self.weight_sync is None:
+            # the driver's MILES_LP_SYNC_CHECK* variables (printed and recorded there), not this actor's
             self.weight_sync = WeightSync(engine, self.plan, target, self.recipe.sync,
-                                          transport=transport, log=print)
+                                          transport=transport, log=print, env=env or {})
         else:
             self.weight_sync.engine, self.weight_sync.transport = engine, transport
 
@@ -170,8 +171,10 @@ class ActorSync:
     """The driver's ``sync`` for grpo_step and the run: what ``WeightSync`` offers there (``sync``,
     ``initial_sync``, ``sentinel``, ``expected_version``), carried out in the learner actor."""
 
-    def __init__(self, learner_actor: Any, engine_actor: Any, target: str, sentinel: Any):
+    def __init__(self, learner_actor: Any, engine_actor: Any, target: str, sentinel: Any,
+                 env: dict[str, str] | None = None):
         self.learner_actor, self.target, self.sentinel = learner_actor, target, sentinel
+        self.env = dict(env or {})
         self.expected_version = 0
         self.connect(engine_actor)
 
@@ -183,7 +186,7 @@ class ActorSync:
         host, port = ray.get(self.learner_actor.group_address.remote())
         ray.get([self.learner_actor.join_group.remote(host, port), engine_actor.join_group.remote(host, port)])
         ray.get(engine_actor.serve_weights.remote())
-        ray.get(self.learner_actor.attach_engine.remote(self.target))
+        ray.get(self.learner_actor.attach_engine.remote(self.target, self.env))
 
     def _run(self, initial: bool):
         import ray

@@ -319,7 +319,15 @@ class RayRun:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from miles_lp.launch.model import prepare_model, vocab_size
-        from miles_lp.launch.runner import _target, check_task_fits, engine_side, plan_for, sampling_for
+        from miles_lp.launch.runner import (
+            _target,
+            check_task_fits,
+            engine_side,
+            plan_for,
+            sampling_for,
+            sync_env,
+            sync_overrides,
+        )
         from miles_lp.rl.step import StepParts
         from miles_lp.rl.tasks import make_task
         from miles_lp.sync import WeightSync
@@ -356,11 +364,13 @@ class RayRun:
         self.reference = ReferenceProxy(self.learner_actor) if recipe.rl.kl_coef > 0 else None
         self.engine_actor = self._start_engine()
         self.engine = EngineProxy(self.engine_actor)
+        self.sync_env = sync_env()
+        self.sync_overrides = sync_overrides(recipe, self.sync_env)
         if recipe.sync.transport in BROADCAST:  # the sync runs in the learner actor, bytes straight to the engine's
             sentinel = Sentinel(recipe.sync.sentinel)
-            self.sync = ActorSync(self.learner_actor, self.engine_actor, _target(recipe), sentinel)
+            self.sync = ActorSync(self.learner_actor, self.engine_actor, _target(recipe), sentinel, self.sync_env)
         else:  # the sync runs here, buckets relayed through the object store
-            self.sync = WeightSync(self.engine, self.plan, _target(recipe), recipe.sync)
+            self.sync = WeightSync(self.engine, self.plan, _target(recipe), recipe.sync, env=self.sync_env)
         self.sync.sentinel.load_state_dict(loop_state.get("sentinel") or {})
         self.initial = self.sync.initial_sync(self.learner)
         self.version_offset = int(loop_state.get("engine_weight_version", 0))
@@ -468,7 +478,7 @@ def run_with_ray(recipe: Recipe, *, resume: str | None = None, run_name: str | N
             rd.write_header(recipe.to_yaml(), None if run.plan is None else run.plan.to_json(),
                             {"plan_hash": None if run.plan is None else run.plan.hash, "model_dir": str(Path(run.model_dir).resolve()),
                              "recipe_source": recipe.source, "created": time.time(), "steps": recipe.steps,
-                             "ray": dataclasses.asdict(recipe.ray)})
+                             "ray": dataclasses.asdict(recipe.ray), "sync_check_overrides": run.sync_overrides})
         rows = []
         bar = None
         if progress and recipe.logging.progress:

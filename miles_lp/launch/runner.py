@@ -97,6 +97,30 @@ HEADLINE = (("reward/mean", "reward"), ("rollout_corr/kl", "kl"), ("actor/entrop
             ("response_length/mean", "len"), ("timing_s/step", "s/step"))
 
 
+def sync_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The ``MILES_LP_SYNC_CHECK*`` variables of this (the driver's) environment: applied once, here, and handed
+    to a sync built in another process (a Ray actor's environment is the raylet's, not the driver's)."""
+    import os
+
+    from miles_lp.sync.config import ENV_ALL, ENV_PREFIX
+
+    env = os.environ if env is None else env
+    return {k: v for k, v in env.items() if k == ENV_ALL or k.startswith(ENV_PREFIX)}
+
+
+def sync_overrides(recipe: Recipe, env: Mapping[str, str]) -> dict[str, list[str]]:
+    """``{check: [recipe mode, effective mode]}`` for each check the environment changes; each is printed at start
+    (a variable left in a shell must not turn a recipe's raise-mode check off unseen) and kept in run.json."""
+    from miles_lp.sync.config import CHECKS
+
+    eff = recipe.sync.with_env(env)
+    out = {c: [recipe.sync.mode(c), eff.mode(c)] for c in CHECKS if recipe.sync.mode(c) != eff.mode(c)}
+    for check, (was, now) in out.items():
+        print(f"miles-lp run: sync.checks.{check}: {was} -> {now} (from the environment: "
+              f"{', '.join(sorted(env))})", file=sys.stderr, flush=True)
+    return out
+
+
 def plan_for(recipe: Recipe, model_dir: Path):
     """The learner's compiled plan (``plan_for_policy`` of ``precision:``)."""
     return plan_for_policy(recipe.precision, model_dir)
@@ -253,7 +277,9 @@ class Run:
                                                           run_dir.path / "engine_init")
         self.build_engine = build_engine or (lambda: make_engine(recipe, self.engine_ckpt, run_dir=run_dir.path))
         self.engine = self.build_engine()
-        self.sync = WeightSync(self.engine, engine_plan, _target(recipe), recipe.sync)
+        self.sync_env = sync_env()
+        self.sync_overrides = sync_overrides(recipe, self.sync_env)
+        self.sync = WeightSync(self.engine, engine_plan, _target(recipe), recipe.sync, env=self.sync_env)
         if view is not None:  # a comparison arm: the sampler gets its own re-quantization of the master weights
             from miles_lp.launch.sampler import SyncVia
 
@@ -284,7 +310,7 @@ class Run:
         rd.write_header(recipe.to_yaml(), None if run.plan is None else run.plan.to_json(),
                         {"plan_hash": None if run.plan is None else run.plan.hash, "model_dir": str(Path(run.model_dir).resolve()),
                          "recipe_source": recipe.source, "created": time.time(), "steps": recipe.steps,
-                         "miles_lp_version": _version()})
+                         "miles_lp_version": _version(), "sync_check_overrides": run.sync_overrides})
         return run
 
     @classmethod
@@ -395,7 +421,8 @@ def resumed_recipe(rd: RunDir, recipe: Recipe | None) -> Recipe:
     if a != b:
         diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
         raise ConfigError(f"--resume {rd.path}: the recipe differs from the run's recipe.yaml in section(s) "
-                          f"{', '.join(diff)}; resume with the same recipe (only steps may change)")
+                          f"{', '.join(diff)}; resume with the same recipe and the same --set overrides (only steps "
+                          f"may change), or with the run's own: `miles-lp run {rd.recipe_path} --resume {rd.path}`")
     return dataclasses.replace(saved, steps=recipe.steps, raw={**saved.raw, "steps": recipe.steps})
 
 

@@ -141,6 +141,23 @@ def test_resume_refuses_a_different_recipe(recipe_file):
         Run.resume(r.dir.path, load_recipe(recipe_file, ["rl.kl_coef=0.1"]))
 
 
+def test_an_environment_override_of_the_checks_is_printed_and_recorded(recipe_file, monkeypatch, capsys):
+    """MILES_LP_SYNC_CHECKS=off left in a shell turns raise-mode checks off: never unseen."""
+    monkeypatch.setenv("MILES_LP_SYNC_CHECKS", "off")
+    monkeypatch.setenv("MILES_LP_SYNC_CHECK_GRID", "raise")  # the per-check variable wins
+    r = Run.start(load_recipe(recipe_file, ["steps=1"]), "envoff")
+    try:
+        m = r.train()[-1]
+    finally:
+        r.close()
+    err = capsys.readouterr().err
+    assert "sync.checks.storage: raise -> off (from the environment: MILES_LP_SYNC_CHECKS, " in err
+    assert "sync.checks.grid" not in err  # raise in the recipe, raise from the environment
+    info = json.loads((r.dir.path / "run.json").read_text())
+    assert info["sync_check_overrides"]["storage"] == ["raise", "off"] and "grid" not in info["sync_check_overrides"]
+    assert m["sync/check/storage"] == -1.0 and m["sync/check/grid"] == 1.0  # what ran is what was printed
+
+
 @pytest.mark.slow
 def test_nonfinite_rollout_logprobs_stop_the_run_naming_the_step(recipe_file):
     from miles_lp.launch.runner import make_engine
