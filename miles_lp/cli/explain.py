@@ -41,7 +41,7 @@ def run(args) -> int:
     plan = compile_plan(policy, layout, tensors)
     report = explain_plan(plan)
     if args.save_plan:
-        Path(args.save_plan).write_text(plan.to_json())
+        _save_plan(plan, Path(args.save_plan))
     if args.plot:
         _plot(plan, args.plot, args.recipe)
     if args.json:
@@ -64,3 +64,22 @@ def _plot(plan, png: str, recipe: str) -> None:
         raise BackendUnavailable(f"--plot needs matplotlib ({exc}); install it or drop --plot") from None
     plot_plan(plan, png, title=f"precision plan of {recipe}")
     print(f"plot written to {png}", file=sys.stderr)  # stderr: keeps --json output parseable
+
+
+def _save_plan(plan, path) -> None:
+    """plan.json through a temporary name and a rename (never a half-written plan)."""
+    import os
+
+    from miles_lp.errors import ConfigError
+
+    if not path.parent.is_dir():
+        raise ConfigError(f"--save-plan {path}: the folder {path.parent} does not exist; create it or choose another "
+                          "path")
+    if path.is_dir():
+        raise ConfigError(f"--save-plan {path} is a folder; name a file, e.g. {path / 'plan.json'}")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(plan.to_json())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -33,6 +33,9 @@ def run(args) -> int:
 
     if args.num_layers < 1:
         raise ConfigError(f"--num-layers must be >= 1, got {args.num_layers}")
+    from miles_lp.cli.convert import parse_size
+
+    parse_size(args.max_shard_size)  # "banana": one line naming the flag, not transformers' ValueError
     out = Path(args.out)
     empty_dir = out.is_dir() and not any(out.iterdir())
     with atomic_output_dir(out, overwrite=args.overwrite or empty_dir) as tmp:

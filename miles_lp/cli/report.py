@@ -35,8 +35,10 @@ def run(args) -> int:
 
     if args.last < 1 or args.smooth < 1:
         raise ConfigError(f"--last {args.last} / --smooth {args.smooth}: both must be >= 1")
-    runs = load_runs(args.run_dirs, args.names)
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; name a folder (created if missing)")
+    runs = load_runs(args.run_dirs, args.names)
     written = []
     import matplotlib.pyplot as plt
 

@@ -1,0 +1,36 @@
+"""Bad flag values of the smaller commands: exit 2 with one line naming the flag, nothing half-written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from miles_lp.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURE = ROOT / "tests" / "fixtures" / "deepseek_v3_config.json"
+
+
+def test_make_tiny_model_bad_shard_size(tmp_path, capsys):
+    assert main(["make-tiny-model", "--arch", "qwen3", "--out", str(tmp_path / "m"), "--max-shard-size", "banana"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-shard-size: cannot read 'banana'" in err and "Traceback" not in err
+    assert not (tmp_path / "m").exists()
+
+
+def test_explain_save_plan_needs_a_folder_that_exists(tmp_path, capsys):
+    recipe = str(ROOT / "recipes" / "deepseek_v3_mxfp8.yaml")
+    assert main(["explain", recipe, "--model", str(FIXTURE), "--save-plan", str(tmp_path / "no" / "plan.json")]) == 2
+    assert "the folder" in capsys.readouterr().err and not (tmp_path / "no").exists()
+    assert main(["explain", recipe, "--model", str(FIXTURE), "--save-plan", str(tmp_path)]) == 2
+    assert "is a folder; name a file" in capsys.readouterr().err
+    assert main(["explain", recipe, "--model", str(FIXTURE), "--save-plan", str(tmp_path / "plan.json")]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]  # no temporary left
+
+
+def test_report_out_is_a_file(tmp_path, capsys):
+    f = tmp_path / "x.json"
+    f.write_text("{}")
+    assert main(["report", str(tmp_path), "--out", str(f)]) == 2
+    assert f"--out {f} is a file" in capsys.readouterr().err and f.read_text() == "{}"
