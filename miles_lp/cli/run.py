@@ -37,9 +37,8 @@ def run(args) -> int:
     import json
     import sys
 
-    from miles_lp.launch.recipe import load_recipe
-
     from miles_lp.errors import ConfigError
+    from miles_lp.launch.recipe import load_recipe
 
     if args.resume and args.run_name:
         raise ConfigError("--run-name names a new run; --resume continues RUN_DIR under its own name: pass one of them")
@@ -82,10 +81,9 @@ def _prepare_engine(recipe, recipe_path: str, out: str) -> int:
     from pathlib import Path
 
     from miles_lp.checkpoint.atomic import check_output_target
+    from miles_lp.errors import ConfigError
     from miles_lp.launch.model import prepare_model
     from miles_lp.launch.runner import engine_side, plan_for
-
-    from miles_lp.errors import ConfigError
 
     if Path(out).exists():
         raise ConfigError(f"--prepare-engine {out} already exists: name a new folder")
