@@ -175,7 +175,7 @@ def op_counts(ws, learner, device) -> dict:
     wrap(W, "engine_items", "export")
     wrap(ws, "_grid", "check:grid")
     wrap(ws, "_self_check", "check:self_check")
-    wrap(ws.engine, "storage_pointers", "check:storage")
+    wrap(ws, "_storage", "check:storage")
     wrap(W.checks, "completeness", "check:completeness")
     wrap(W.checks, "validate_update", "check:completeness")
     wrap(W.checks, "layer_audit", "check:layer_audit")
@@ -294,19 +294,32 @@ def bench_format(hf, fmt: str, workdir, device, args, log) -> dict:
     if getattr(ws, "fused_digest", False):
         c2 += " (learner side fused into the bucket copy)"
     prof = op_counts(ws, learner, device) if getattr(args, "profile", False) else None
-    # the same syncs with every check off (the ledger and buckets still run): sync - this = what the checks cost
-    bare = WeightSync(engine, plan, "sglang", cfg.with_modes(all="off"), transport=InProcessTransport(device), env={},
+    # the same syncs with every check off (the ledger and buckets still run): sync - this = what the checks cost.
+    # Interleaved with syncs with every check on (A/B pairs, one after the other, the same transport and engine,
+    # so drift of the host between runs cancels): the on - off difference per pair, its median beside the
+    # checks' own timers
+    bare = WeightSync(engine, plan, "sglang", cfg.with_modes(all="off"), transport=ws.transport, env={},
                       device=device, log=lambda s: None)
-    bare_walls = []
-    for i in range(args.iters + 1):
-        _perturb(learner, seed=2000 + i)
-        _sync_device(device)
-        t0 = time.perf_counter()
-        bare.sync(learner)
-        _sync_device(device)
-        if i:
-            bare_walls.append(time.perf_counter() - t0)
+    bare_walls, on_walls, pair_diffs = [], [], []
+    for i in range(max(args.iters, 5) + 1):
+        walls = []
+        for k, w in enumerate((bare, ws) if i % 2 else (ws, bare)):
+            _perturb(learner, seed=2000 + 2 * i + k)
+            w.expected_version = int(engine.weight_version)  # two syncs drive one engine: each expects the next
+            _sync_device(device)
+            t0 = time.perf_counter()
+            w.sync(learner)
+            _sync_device(device)
+            walls.append((w is ws, time.perf_counter() - t0))
+        if i:  # the first pair warms the bare sync's layout up
+            on = next(t for is_on, t in walls if is_on)
+            off = next(t for is_on, t in walls if not is_on)
+            on_walls.append(on)
+            bare_walls.append(off)
+            pair_diffs.append(on - off)
     bare_s = statistics.median(bare_walls)
+    ab = {"pairs": len(pair_diffs), "on_seconds": statistics.median(on_walls), "off_seconds": bare_s,
+          "on_minus_off_seconds": statistics.median(pair_diffs)}
     del bare
     bad = [v.describe() for _, r in reports for v in r.failed]
     walls = [w for w, _ in reports]
@@ -334,8 +347,9 @@ def bench_format(hf, fmt: str, workdir, device, args, log) -> dict:
             "tensorwise_copy_seconds": piece_s,
             "ratio_tensorwise": sync_s / piece_s if piece_s > 0 else math.inf,
             "check_seconds": checks, "check_share": checks / sync_s, "stages": stage, "per_check": per_check,
-            "c2": c2, "failed_checks": bad, "syncs": len(walls), "profile": prof, "floor": floor,
-            "sync_checks_off_seconds": bare_s, "ratio_checks_off": bare_s / copy_s if copy_s > 0 else math.inf,
+            "c2": c2, "c3": reports[-1][1].verdict("self_check").reason, "failed_checks": bad, "syncs": len(walls), "profile": prof, "floor": floor,
+            "sync_checks_off_seconds": bare_s, "checks_ab": ab,
+            "ratio_checks_off": bare_s / copy_s if copy_s > 0 else math.inf,
             "ratio_tensorwise_checks_off": bare_s / piece_s if piece_s > 0 else math.inf}
 
 
@@ -392,7 +406,8 @@ def _run(args, device, torch) -> int:
     for r in results:
         print(f"  {r['format']}: checks {r['check_seconds']:.4f} s (C2 by {r['c2']}); per check (ms, median): "
               + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in sorted(r["per_check"].items(), key=lambda kv: -kv[1]))
-              + (f"; FAILED: {r['failed_checks'][:2]}" if r["failed_checks"] else ""))
+              + (f"; FAILED: {r['failed_checks'][:2]}" if r["failed_checks"] else "")
+              + f"\n    C3 (last sync): {r.get('c3', '')}")
         p = r.get("profile")
         if p:
             print(f"  {r['format']}: {p.get('ops_total', '?')} torch ops per sync " + str(p.get("ops", {}))
@@ -407,10 +422,15 @@ def _run(args, device, torch) -> int:
                 print("    host (one sync under cProfile; own time, calls, function):")
             for h in p.get("host_top", [])[:12]:
                 print(f"      {h['own_seconds'] * 1e3:8.3f} ms {h['calls']:6d}  {h['function']}")
+    print("checks %: the checks' own timers (each check's host time plus the waits for its own device work; the "
+          "stream is synchronised after finish, before the first post-check, so no earlier stage's work is in them)")
     for r in results:
+        ab = r["checks_ab"]
         print(f"  {r['format']}: with every check off {r['sync_checks_off_seconds']:.4f} s = "
               f"{r['ratio_checks_off']:.1f}x the flat copy, {r['ratio_tensorwise_checks_off']:.1f}x the tensor copy; "
-              f"checks on - off = {r['sync_seconds'] - r['sync_checks_off_seconds']:.4f} s")
+              f"interleaved A/B ({ab['pairs']} pairs, on {ab['on_seconds']:.4f} s / off {ab['off_seconds']:.4f} s): "
+              f"on - off = {ab['on_minus_off_seconds'] * 1e3:.2f} ms "
+              f"({100 * ab['on_minus_off_seconds'] / ab['on_seconds']:.1f}% of the on sync)")
     print("byte floor (the bytes each stage must read + write, at the flat copy's bandwidth) vs measured:")
     for r in results:
         f = r.get("floor")

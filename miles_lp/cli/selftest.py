@@ -32,6 +32,9 @@ def add_arguments(p) -> None:
                    help="turn a check off (repeatable), e.g. --off self_check: its faults are then reported MISSED "
                         "and the exit code is 1 (shows the selftest can fail)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the table as JSON")
+    p.add_argument("--device", default="cpu",
+                   help="where the learner, the engine and the staging buffer run (default cpu; cuda: the sync's "
+                        "kernel paths, C2 and C4 from one engine call with its cached digest launch)")
     p.add_argument("--workdir", default=None, help="where to build the tiny model and checkpoints (default: temp)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (default 1: on a shared CPU more threads are much slower)")
@@ -62,6 +65,8 @@ def run(args) -> int:
     bad = [c for c in args.off if c not in CHECKS]
     if bad:
         raise ConfigError(f"--off {bad[0]}: no such check; known: {', '.join(CHECKS)}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"--device {args.device}: CUDA is not available here; use --device cpu")
     if args.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
     threads = torch.get_num_threads()
@@ -70,7 +75,8 @@ def run(args) -> int:
         with tempfile.TemporaryDirectory(prefix="miles-lp-selftest-") as tmp:
             workdir = Path(args.workdir) if args.workdir else Path(tmp)
             workdir.mkdir(parents=True, exist_ok=True)
-            rows = run_selftest(args.arch, args.recipe, workdir=workdir, only=args.only, off=tuple(args.off))
+            rows = run_selftest(args.arch, args.recipe, workdir=workdir, only=args.only, off=tuple(args.off),
+                                device=args.device)
     finally:
         torch.set_num_threads(threads)  # when called in-process (tests), leave the caller's setting
     table = format_table(rows)
@@ -83,7 +89,8 @@ def run(args) -> int:
     if args.json:
         out = Path(args.json)
         tmp_out = out.with_name(out.name + ".tmp")
-        tmp_out.write_text(json.dumps({"arch": args.arch, "engine": args.engine, "passed": ok,
+        tmp_out.write_text(json.dumps({"arch": args.arch, "engine": args.engine, "device": args.device,
+                                       "passed": ok,
                                        "rows": [r.as_dict() for r in rows]}, indent=2, default=str) + "\n")
         os.replace(tmp_out, out)
     return 0 if ok else 1

@@ -58,6 +58,15 @@ _NAMING = None
 #: alone against vLLM.
 ACTIVATION_MODES = ("plan", "vllm")
 
+#: bumped whenever any layer's or stack's *set* of derived buffers changes (a buffer registered, re-registered or
+#: removed; never by an in-place rebuild): the reference engine's C4/C2 accessor table is rebuilt when it moved
+#: (``ReferenceEngine.check_state``). Only this module changes those sets.
+_DERIVED_EPOCH = [0]
+
+
+def derived_epoch() -> int:
+    return _DERIVED_EPOCH[0]
+
 
 def operand_dtype(device: torch.device, act_dtype: torch.dtype) -> torch.dtype:
     """The learner's GEMM operand dtype (``quant_linear._operand_dtype``): bf16 for bf16 activations on CUDA,
@@ -100,7 +109,15 @@ class EngineLinear(torch.nn.Module):
 
     # ---- step 1 ------------------------------------------------------------------------------------
     def canonical_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        """``{suffix: (dtype, shape)}`` of the canonical tensors, as on disk for this target."""
+        """``{suffix: (dtype, shape)}`` of the canonical tensors, as on disk for this target (a fresh dict;
+        computed once per configuration: the self-check and the rebuild ask for it every sync)."""
+        key = (self.out_features, self.in_features, self.disk_format, self.target, self.weight_dtype, self.has_bias)
+        hit = self.__dict__.get("_specs")
+        if hit is None or hit[0] != key:
+            hit = self.__dict__["_specs"] = (key, self._canonical_specs())
+        return dict(hit[1])
+
+    def _canonical_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         n, k = self.out_features, self.in_features
         specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         if self.disk_format is Format.BF16:
@@ -157,9 +174,11 @@ class EngineLinear(torch.nn.Module):
             else:  # first build: a non-persistent buffer (visible to .to(), absent from state_dict)
                 self.register_buffer(name, t.contiguous(), persistent=False)
                 self._derived.add(name)
+                _DERIVED_EPOCH[0] += 1
         for name in self._derived - set(new):
             self._derived.discard(name)
             delattr(self, name)
+            _DERIVED_EPOCH[0] += 1
 
     def derived(self) -> Mapping[str, torch.Tensor]:
         """The derived tensors the kernel reads, as the module attributes hold them now."""
@@ -485,11 +504,13 @@ class LinearStack:
                     self.derived[n].shape[1:] != t.shape[1:] or self.derived[n].dtype != t.dtype
                     for n, t in new.items()) or not all(set(new) <= layer._derived for layer in self.layers)
                 if fresh:
+                    _DERIVED_EPOCH[0] += 1
                     self.derived = {n: torch.empty((len(self.layers), *t.shape[1:]), dtype=t.dtype,
                                                    device=t.device) for n, t in new.items()}
             for name, t in new.items():
                 self.derived[name][lo:hi].copy_(t)  # in place: the layers' views (a captured graph) read this
         if fresh:
+            _DERIVED_EPOCH[0] += 1
             for i, layer in enumerate(self.layers):
                 for name in list(layer._derived):
                     layer._derived.discard(name)

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import itertools
+import operator
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -55,6 +57,7 @@ from miles_lp.rollout.layers import (
     EngineExperts,
     EngineLinear,
     LinearStack,
+    derived_epoch,
     describe_layer,
     engine_linears,
     share_input_caches,
@@ -155,6 +158,9 @@ def _gather(entries: Sequence[tuple[dict, str, torch.nn.Module]]) -> list[torch.
     parameter or buffer is seen exactly as ``getattr`` sees it."""
     return [t if (t := d.get(a)) is not None else t if (t := d["_parameters"].get(a)) is not None
             else _attr(m, a) for d, a, m in entries]
+
+_DATA_PTR = torch.Tensor.data_ptr
+
 
 class ReferenceEngine:
     """See the module docstring. ``checkpoint``: a folder (converted or BF16 HF)."""
@@ -327,6 +333,13 @@ class ReferenceEngine:
         self._entry = {n: (m.__dict__, a, m) for n, (m, a, _) in self._owner.items()}
         self._entries = list(self._entry.values())
         self._owner_names = list(self._entry)
+        # the same lookups as C-level maps when every tensor is a registered parameter (the usual case): its
+        # module's ``_parameters`` dict, unless the instance dict shadows the name (then ``_gather``)
+        homes = [m.__dict__["_parameters"] for m, a, _ in self._owner.values()]
+        self._params_only = all(a in h for h, (_, a, _) in zip(homes, self._owner.values(), strict=True))
+        self._homes = homes
+        self._idicts = [m.__dict__ for m, _, _ in self._owner.values()]
+        self._attrs = [a for _, a, _ in self._owner.values()]
         self._fp_plans: dict[int, tuple] = {}  # id(groups) -> (groups, names, entries, dtypes): C2's engine side
 
     def _load_all(self) -> None:
@@ -399,24 +412,142 @@ class ReferenceEngine:
     def weight_group_fingerprints(self, groups: Mapping[str, Sequence[str]]) -> dict[str, str]:
         """``miles_lp.sync.digest.group_fingerprints`` of the live canonical tensors, one per group of names (in
         the given order): the sync's per-sync C2 at one reduction per atomic group."""
-        from miles_lp.sync.digest import group_fingerprints_flat
+        from miles_lp.sync.digest import group_strings
 
-        # per-layout plan, cached by the groups object (WeightSync passes its layout's, the same every sync) and
-        # checked equal to it: the names validated once, the live accessors and expected dtypes in group order
+        return group_strings(list(groups), *self._group_digests(groups, self._canonical_live(), None))
+
+    def _canonical_live(self) -> list[torch.Tensor]:
+        """The live canonical tensors in owner order, as ``_gather(self._entries)`` (the same lookup order: the
+        instance dict, then parameters, then buffers), read now: when every one was a parameter at load, two
+        C-level maps (the parameter dicts' items; whether any instance dict shadows a name), else ``_gather``."""
+        if self._params_only:
+            try:
+                live = list(map(operator.getitem, self._homes, self._attrs))
+            except KeyError:  # a parameter removed: the full lookup (buffers, getattr) says what is there now
+                return _gather(self._entries)
+            if not any(map(operator.is_, live, itertools.repeat(None))) and not any(
+                    map(operator.contains, self._idicts, self._attrs)):
+                return live
+        return _gather(self._entries)
+
+    def _group_plan(self, groups: Mapping[str, Sequence[str]]) -> list:
+        """Per-layout plan of C2's engine side, cached by the groups object (WeightSync passes its layout's, the
+        same every sync) and checked equal to it: the names validated once; [groups, group ids, counts, each
+        member's index in the owner order, expected dtypes, fast-path snapshot or None]."""
         plan = self._fp_plans.get(id(groups))
         if plan is None or plan[0] != groups:
             names = [n for ns in groups.values() for n in ns]
             self._known(names)
-            plan = (dict(groups), list(groups), [len(ns) for ns in groups.values()], [self._entry[n] for n in names],
-                    [self._expected[n][0] for n in names])
+            index = {n: i for i, n in enumerate(self._owner_names)}
+            plan = [dict(groups), list(groups), [len(ns) for ns in groups.values()], [index[n] for n in names],
+                    [self._expected[n][0] for n in names], None]
             if len(self._fp_plans) > 8:
                 self._fp_plans.clear()
             self._fp_plans[id(groups)] = plan
-        _, gids, counts, entries, dtypes = plan
+        return plan
+
+    def _group_digests(self, groups: Mapping[str, Sequence[str]], canon: list[torch.Tensor],
+                       canon_ptrs: tuple[int, ...] | None) -> tuple[list[str], list[int]]:
+        """C2's engine side from ``canon`` (the live canonical tensors in owner order, read by the caller now)
+        and, when the caller read them too, their data pointers. Fast path (CUDA, or the Triton interpreter):
+        while every member is the very tensor object the previous call digested, at the same address (identity
+        and ``data_ptr``, both read now), the launch tables, member heads and dtype checks of that call are
+        reused (``kernels.PreparedValues``: one launch, no per-tensor host work); anything else takes the full
+        path (``digest._group_values``: every member's dtype, shape, size and address read again). Returns each
+        group's head and int64 sum (``digest.group_strings`` makes ``group_fingerprints``' strings of them)."""
+        from miles_lp.sync import digest as _digest
+        from miles_lp.sync import kernels as _kernels
+
+        plan = self._group_plan(groups)
+        _, gids, counts, order, dtypes, fast = plan
+        if fast is not None:
+            ptrs = canon_ptrs if canon_ptrs is not None else tuple(map(_DATA_PTR, canon))
+            if ptrs == fast[0] and all(map(operator.is_, canon, fast[1])):
+                return fast[2], fast[3].run().cpu().tolist()
+            plan[5] = None
         # the live tensors (read now: a re-bound parameter is what is digested), only read under no_grad, so no
         # detach; an fp32-held BF16 tensor converted (exact)
-        live = [t if t.dtype == d else t.detach().to(d) for t, d in zip(_gather(entries), dtypes, strict=True)]
-        return group_fingerprints_flat(gids, counts, live)
+        live = [canon[i] for i in order]
+        conv = [t if t.dtype == d else t.detach().to(d) for t, d in zip(live, dtypes, strict=True)]
+        if not conv or not all(counts) or len({t.device for t in conv}) != 1:  # not this engine's layout, but exact
+            strs = _digest.group_fingerprints_flat(gids, counts, conv)
+            heads = [strs[g].rpartition(":")[0] for g in gids]
+            vals = [int(strs[g].rpartition(":")[2], 16) for g in gids]
+            return heads, [v - (1 << 64) if v >> 63 else v for v in vals]
+        heads, i = [], 0
+        for k in counts:
+            heads.append(_digest._head(conv[i:i + k]))  # from the live members' dtypes and shapes
+            i += k
+        sums = _digest.group_values(counts, conv)
+        dev = conv[0].device
+        if _kernels.enabled(dev) and all(map(operator.is_, conv, live)) and all(t.is_contiguous() for t in conv):
+            slots, mults = _digest.group_plan(counts)
+            prepared = _kernels.PreparedValues(conv, slots, mults, len(gids), _digest._wcol(dev))
+            plan[5] = (canon_ptrs if canon_ptrs is not None else tuple(map(_DATA_PTR, canon)), tuple(canon), heads,
+                       prepared)
+        return heads, sums
+
+    def _pointer_table(self) -> tuple:
+        """(derived epoch, names, derived accessors, stack accessors) of every tensor the serving kernels read
+        (``storage_pointers``' names in its order), rebuilt when any layer's set of derived buffers changed
+        (``layers.derived_epoch``); the tensors themselves are read live at each call."""
+        epoch = derived_epoch()
+        tab = self.__dict__.get("_ptab")
+        if tab is not None and tab[0] == epoch:
+            return tab
+        names = list(self._owner_names)
+        der = ([], [], [], [])  # per derived buffer: its layer's instance dict, buffer dict, name, layer
+        for layer in self._linears:
+            d, b, pre = layer.__dict__, layer.__dict__["_buffers"], layer.prefix
+            for k in layer._derived:
+                names.append(pre + k)
+                for col, v in zip(der, (d, b, k, layer), strict=True):
+                    col.append(v)
+        stk = ([], [])  # per stacked tensor: the stack's dict (canonical / derived: a new dict bumps the epoch), key
+        for st in self._stacks:
+            head = st.layers[0].prefix + "stack."
+            for part in (st.canonical, st.derived):
+                for k in part:
+                    names.append(head + k)
+                    stk[0].append(part)
+                    stk[1].append(k)
+        tab = self._ptab = (epoch, tuple(names), der, stk)
+        return tab
+
+    def _served(self) -> tuple[tuple[str, ...], list[torch.Tensor], list[torch.Tensor]]:
+        """(names, live canonical tensors in owner order, every served tensor in ``names`` order), read now.
+        A derived buffer is its layer's ``_buffers`` entry unless the instance dict shadows it (then ``getattr``,
+        as ``_attr``): C-level maps in the usual case."""
+        _, names, (ds, bs, ks, ms), (parts, keys) = self._pointer_table()
+        canon = self._canonical_live()
+        try:
+            derived = list(map(operator.getitem, bs, ks))
+        except KeyError:
+            derived = None
+        if (derived is None or any(map(operator.is_, derived, itertools.repeat(None)))
+                or any(map(operator.contains, ds, ks))):
+            derived = [t if (t := b.get(k)) is not None and k not in d else _attr(m, k)
+                       for d, b, k, m in zip(ds, bs, ks, ms, strict=True)]
+        return names, canon, [*canon, *derived, *map(operator.getitem, parts, keys)]
+
+    def check_state(self, groups: Mapping[str, Sequence[str]] | None = None) -> dict[str, Any]:
+        """C4 and C2's engine side from ONE read of the live tensors (issue 11): ``{"names": tuple, "pointers":
+        tuple, "group_heads": list | None, "group_values": list | None, "pointer_seconds": float}``.
+        ``names``/``pointers`` are ``storage_pointers()`` as two aligned tuples (``names`` the same object while
+        the set of served tensors stands: one tuple comparison per sync); ``group_heads``/``group_values`` are
+        ``weight_group_fingerprints(groups)`` of the same canonical tensors before formatting (the strings are
+        ``digest.group_strings(list(groups), heads, values)``; None when ``groups`` is None), so the healthy
+        case compares two lists of ints. ``pointer_seconds``: the host time of the pointer read alone (what C4
+        costs), so the caller can split the call's time between the two checks."""
+        t0 = time.perf_counter()
+        names, canon, served = self._served()
+        ptrs = tuple(map(_DATA_PTR, served))
+        t1 = time.perf_counter()
+        out = {"names": names, "pointers": ptrs, "group_heads": None, "group_values": None,
+               "pointer_seconds": t1 - t0}
+        if groups is not None:
+            out["group_heads"], out["group_values"] = self._group_digests(groups, canon, ptrs[:len(canon)])
+        return out
 
     def read_weights(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         names = list(names)
@@ -432,17 +563,11 @@ class ReferenceEngine:
         """``data_ptr()`` of every tensor the serving kernels read: canonical (live module attributes) and derived
         (``<module>.<derived>``: ``operand``, ``scale_swizzled``, ...). Stacked experts serve from views: each
         expert's pointer is that of its own view (where its kernel reads), and the stacks themselves are listed as
-        ``<expert 0 prefix>stack.<name>`` (the storage the views and the batched rebuild must stay in)."""
-        out = dict(zip(self._owner_names, [t.data_ptr() for t in _gather(self._entries)], strict=True))
-        for layer in self._linears:  # derived buffers (the set can change at a rebuild: read it each time)
-            d, pre = layer.__dict__, layer.prefix
-            bufs = d["_buffers"]
-            for k in layer._derived:
-                t = bufs.get(k)
-                out[pre + k] = (t if t is not None and k not in d else _attr(layer, k)).data_ptr()
-        for st in self._stacks:
-            out.update(st.pointers())
-        return out
+        ``<expert 0 prefix>stack.<name>`` (the storage the views and the batched rebuild must stay in). Every
+        tensor is read live at each call; the list of names is rebuilt when a layer's set of derived buffers
+        changes (``check_state`` reads the same)."""
+        names, _, served = self._served()
+        return dict(zip(names, map(_DATA_PTR, served), strict=True))
 
     def self_check(self, seed: int = 0) -> dict[str, Any]:
         """C3: one quantized dense layer and one quantized expert through the serving ``apply`` on random input,
@@ -459,16 +584,30 @@ class ReferenceEngine:
                 break
         out: dict[str, Any] = {"tolerance": SELF_CHECK_TOLERANCE, "layers": {}, "skipped": []}
         probes = self._probes(seed, dense, expert)
-        figures: list[torch.Tensor] = []  # per layer: rel_err, fresh_diff (0-d float64, on the engine's device)
+        work = []  # (kind, layer, probe x, its float64 copy)
         for kind, layer in (("dense", dense), ("expert", expert)):
             if layer is None:
                 out["skipped"].append(f"no quantized {kind} layer")
                 continue
-            x, x64 = probes[kind]
+            work.append((kind, layer, *probes[kind]))
+            out["layers"][f"{layer.prefix}weight"] = {"kind": kind, "format": layer.kernel_format.value}
+        if work:  # one device->host transfer for both layers' figures (float64: the values float() gives)
+            vals, out["graph"] = self._c3_values(work)
+            for i, v in enumerate(out["layers"].values()):
+                v["rel_err"], v["fresh_diff"] = vals[2 * i], vals[2 * i + 1]
+        layers = out["layers"].values()
+        out["ok"] = bool(layers) and all(v["rel_err"] <= SELF_CHECK_TOLERANCE and v["fresh_diff"] == 0 for v in layers)
+        return out
+
+    def _c3_figures(self, work: list[tuple]) -> torch.Tensor:
+        """Per layer of ``work``: rel_err and fresh_diff (float64, stacked, on the engine's device; no host
+        synchronisation, so the whole of it can be captured in a CUDA graph)."""
+        figures: list[torch.Tensor] = []
+        for _, layer, x, x64 in work:
             with torch.no_grad():
                 # layer.apply(x) for this 2-D x, without the siblings' input cache (a memo of the same
                 # function: a probe held there across syncs could be taken for a serving input)
-                xq = layer._quantize_input(x)
+                xq = self._probe_input(layer, x)
                 y = layer.gemm(xq, x.dtype).double()
                 w = layer.decoded().dequantize(torch.float64)
                 ref = x64 @ w.T
@@ -477,19 +616,82 @@ class ReferenceEngine:
                 # (its canonical tensors, the input scale among them, are copies of the layer's)
                 fq = xq if _input_key(fresh) == _input_key(layer) else fresh._quantize_input(x)
                 y_fresh = fresh.gemm(fq, x.dtype).double()
-            # rel_err alone cannot see derived state left from the previous weights after a small (RL-sized)
-            # step: it stays at the healthy quantization error. The same kernel on state derived afresh from the
-            # canonical tensors is exactly equal when healthy (the derivation is deterministic).
-            figures.append(((y - ref).norm() / ref.norm().clamp_min(1e-30)))
-            figures.append((y - y_fresh).abs().max())
-            out["layers"][f"{layer.prefix}weight"] = {"kind": kind, "format": layer.kernel_format.value}
-        if figures:  # one device->host transfer for both layers' figures (float64: the values float() gives)
-            vals = torch.stack(figures).tolist()
-            for i, v in enumerate(out["layers"].values()):
-                v["rel_err"], v["fresh_diff"] = vals[2 * i], vals[2 * i + 1]
-        layers = out["layers"].values()
-        out["ok"] = bool(layers) and all(v["rel_err"] <= SELF_CHECK_TOLERANCE and v["fresh_diff"] == 0 for v in layers)
-        return out
+                # rel_err alone cannot see derived state left from the previous weights after a small (RL-sized)
+                # step: it stays at the healthy quantization error. The same kernel on state derived afresh from
+                # the canonical tensors is exactly equal when healthy (the derivation is deterministic).
+                figures.append(((y - ref).norm() / ref.norm().clamp_min(1e-30)))
+                figures.append((y - y_fresh).abs().max())
+        return torch.stack(figures)
+
+    def _c3_key(self, work: list[tuple]) -> tuple | None:
+        """What a captured C3 graph depends on: per layer its identity, kernel format, derived set, input grid
+        key, the addresses of every tensor it reads (live canonical and derived, the private fresh copy's, the
+        probe and its quantized form), all read now. None while the private copy or the quantized probe do not
+        exist yet for this configuration (the eager call builds them)."""
+        fresh_cache = self.__dict__.get("_fresh_cache", {})
+        probe_q = self.__dict__.get("_probe_q", {})
+        key = []
+        for _, layer, x, _ in work:
+            hit = fresh_cache.get(layer.prefix)
+            q = probe_q.get((id(x), _input_key(layer)))
+            if hit is None or hit[0] != _fresh_config(layer) or q is None or q[0] is not x:
+                return None
+            fresh = hit[1]
+            key.append((id(layer), layer.kernel_format, tuple(sorted(layer._derived)), _input_key(layer),
+                        _input_key(fresh), tuple(sorted(fresh._derived)), id(fresh), x.data_ptr(), q[1].data_ptr(),
+                        tuple(t.data_ptr() for t in layer.canonical().values()),
+                        tuple(t.data_ptr() for t in layer.derived().values()),
+                        tuple(t.data_ptr() for t in fresh.canonical().values()),
+                        tuple(t.data_ptr() for t in fresh.derived().values())))
+        return tuple(key)
+
+    def _c3_values(self, work: list[tuple]) -> tuple[list[float], str]:
+        """The self-check's figures and how they were computed. On CUDA (unless ``MILES_LP_SYNC_GRAPHS=0``) the
+        whole computation (~100 kernels: two GEMM pairs, the float64 reference, the fresh derivation) is captured
+        once in a CUDA graph and replayed while everything it reads is where it was captured (``_c3_key``: the
+        same tensors at the same addresses, the same formats and derived sets), so a sync pays one replay instead
+        of ~100 launches of host work; the replay reads the live bytes, so stale derived state shows exactly as
+        in the eager path. A graph is kept only if its first replay equals the eager figures bit for bit;
+        anything else (a capture error, a mismatch) runs eager from then on, the reason in ``graph``."""
+        import os
+
+        if self.device.type != "cuda" or os.environ.get("MILES_LP_SYNC_GRAPHS", "1") == "0":
+            return self._c3_figures(work).tolist(), "eager"
+        off = self.__dict__.get("_c3_graph_off")
+        if off is not None:
+            return self._c3_figures(work).tolist(), "eager (" + off + ")"
+        key = self._c3_key(work)
+        g = self.__dict__.get("_c3_graph")
+        if g is not None and key is not None and g[0] == key:
+            g[1].replay()
+            return g[2].tolist(), "graph replay"
+        vals = self._c3_figures(work).tolist()  # eager: builds the private copy and the quantized probe
+        key = self._c3_key(work)
+        if key is None:
+            return vals, "eager"
+        self.__dict__["_c3_graph"] = None
+        captures = self.__dict__["_c3_captures"] = self.__dict__.get("_c3_captures", 0) + 1
+        if captures > 8:  # what it reads keeps moving: a capture per sync would cost more than it saves
+            self.__dict__["_c3_graph_off"] = f"captured {captures - 1} times, the tensors it reads keep moving"
+            return vals, "eager (" + self.__dict__["_c3_graph_off"] + ")"
+        try:
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: another thread's CUDA call (a parked generation) is not an error of this capture
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                static = self._c3_figures(work)
+            graph.replay()
+            got = static.tolist()
+        except Exception as exc:  # noqa: BLE001 (any capture failure: the eager path stays exact)
+            self.__dict__["_c3_graph_off"] = f"capture failed: {type(exc).__name__}: {str(exc)[:160]}"
+            return vals, "eager (" + self.__dict__["_c3_graph_off"] + ")"
+        same = all(a == b or (a != a and b != b) for a, b in zip(got, vals, strict=True))
+        if not same or self._c3_key(work) != key:
+            self.__dict__["_c3_graph_off"] = (f"first replay {got} != eager {vals}" if not same else
+                                              "capture moved a tensor it reads")
+            return vals, "eager (" + self.__dict__["_c3_graph_off"] + ")"
+        self.__dict__["_c3_graph"] = (key, graph, static)
+        return vals, "eager, graph captured"
 
     def _probes(self, seed: int, dense, expert) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """The self-check's random inputs (and their float64 copies), drawn from ``seed`` in the order dense,
@@ -510,13 +712,26 @@ class ReferenceEngine:
             cache[key] = hit
         return hit
 
+    def _probe_input(self, layer: EngineLinear, x: torch.Tensor) -> torch.Tensor:
+        """``layer._quantize_input(x)`` of a probe ``x`` (held by ``_probes``: the same tensor every sync), kept
+        per grid key when it depends on ``x`` and that key alone (``activation_mode`` ``plan``: the quantizer
+        reads no layer state); a static-scale mode (``vllm``: the layer's ``input_scale``) is quantized each call."""
+        if layer.activation_mode != "plan":
+            return layer._quantize_input(x)
+        cache = self.__dict__.setdefault("_probe_q", {})
+        key = (id(x), _input_key(layer))
+        hit = cache.get(key)
+        if hit is None or hit[0] is not x:
+            if len(cache) > 16:
+                cache.clear()
+            hit = cache[key] = (x, layer._quantize_input(x))  # holds x: its id cannot be reused meanwhile
+        return hit[1]
+
     def _freshly_derived(self, layer: EngineLinear) -> EngineLinear:
         """``_freshly_derived(layer)`` with the private copy kept per layer and configuration: its canonical
         tensors are copied from the live layer now and its derived state rebuilt from them (own storage, never a
         view of a stack or a sibling's cached input), as a new copy would be, without building a module per sync."""
-        cfg = (layer.prefix, layer.in_features, layer.out_features, layer.disk_format, layer.target, layer.has_bias,
-               layer.weight_dtype, layer.activation_scale, layer.act_dtype, layer.device_, layer.serve_format,
-               layer.activation_mode)
+        cfg = _fresh_config(layer)
         cache = self.__dict__.setdefault("_fresh_cache", {})
         hit = cache.get(layer.prefix)
         if hit is None or hit[0] != cfg:
@@ -897,6 +1112,13 @@ class ReferenceEngine:
 def _input_key(layer) -> tuple:
     """What ``EngineLinear.quantize_input``'s cache keys the activation grid by."""
     return (layer.kernel_format, layer.activation_scale, layer.activation_mode, layer.op_dtype)
+
+
+def _fresh_config(layer) -> tuple:
+    """The configuration a kept private copy of ``layer`` must share (``ReferenceEngine._freshly_derived``)."""
+    return (layer.prefix, layer.in_features, layer.out_features, layer.disk_format, layer.target, layer.has_bias,
+            layer.weight_dtype, layer.activation_scale, layer.act_dtype, layer.device_, layer.serve_format,
+            layer.activation_mode)
 
 
 def _freshly_derived(layer):

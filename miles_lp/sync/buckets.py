@@ -203,10 +203,27 @@ class Ledger:
             out.update(zip(names, counts.cpu().tolist(), strict=True))
         return out
 
+    def _host_both(self) -> tuple[dict[str, int], dict[str, int]]:
+        """``(_host(self._received), _host(self._sent))`` with one device->host transfer per device (the counts
+        of every bucket, both sides, concatenated there) instead of one per bucket and side."""
+        parts = [(0, names, c) for names, c in self._received] + [(1, names, c) for names, c in self._sent]
+        by_dev: dict[torch.device, list[tuple[int, list[str], torch.Tensor]]] = {}
+        for p in parts:
+            by_dev.setdefault(p[2].device, []).append(p)
+        out: tuple[dict[str, int], dict[str, int]] = ({}, {})
+        for ps in by_dev.values():
+            flat = (torch.cat([c.reshape(-1) for _, _, c in ps]) if len(ps) > 1 else ps[0][2].reshape(-1)).tolist()
+            i = 0
+            for side, names, c in ps:
+                n = c.numel()
+                out[side].update(zip(names, flat[i:i + n], strict=True))
+                i += n
+        return out
+
     def problems(self) -> dict[str, list[str]]:
         """``missing`` (never written), ``repeated`` (written more than once), ``unexpected`` (not an engine
         tensor), ``unwritten_scale_bytes`` (more 0xFF bytes arrived than were sent: a missed write)."""
-        received, sent = self._host(self._received), self._host(self._sent)
+        received, sent = self._host_both()
         w = self.writes
         keys = w.keys()
         # C-level fast paths of the healthy case, same answers: every count is >= 1, so no name is repeated iff

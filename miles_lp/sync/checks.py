@@ -168,7 +168,8 @@ def self_check(result: Mapping[str, Any] | None, tolerance: float) -> Verdict:
     if bad:
         return failed("self_check", worst, f"{len(bad)} of {len(errs)} layers above tolerance {tolerance}: the "
                       "serving kernel does not compute the synced weights (stale derived state?)", bad)
-    return ok("self_check", worst, f"{len(errs)} layers within {tolerance}: {figs}")
+    how = (result or {}).get("graph")  # the reference engine: "graph replay" | "eager ..." (how it ran)
+    return ok("self_check", worst, f"{len(errs)} layers within {tolerance}: {figs}" + (f" ({how})" if how else ""))
 
 
 # --- C4 ----------------------------------------------------------------------------------------------------

@@ -211,7 +211,23 @@ def _group_values(gids: list[str], counts: list[int], ts: list[torch.Tensor],
             members.append(ts[i:i + k])
             i += k
     heads = [_head(ms) for ms in members]  # from the live members' dtypes and shapes, every call
-    key = tuple(counts)  # the slots and member weights depend on the group sizes only
+    slots, mults = group_plan(counts)
+    sums = _values(ts, slots, mults, len(gids)).cpu().tolist()
+    return group_strings(gids, heads, sums)
+
+
+@torch.no_grad()
+def group_values(counts: list[int], ts: list[torch.Tensor]) -> list[int]:
+    """The int64 sums of ``group_fingerprints`` (without heads) for groups of ``counts`` consecutive members of
+    ``ts``, all on one device: one device->host transfer."""
+    slots, mults = group_plan(counts)
+    return _values(ts, slots, mults, len(counts)).cpu().tolist()
+
+
+def group_plan(counts: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The output slot and member weight of each tensor of groups of ``counts`` members (in order), cached by
+    the group sizes: what ``group_fingerprints`` sums."""
+    key = tuple(counts)
     plan = _GROUP_PLANS.get(key)
     if plan is None:
         slots: list[int] = []
@@ -223,8 +239,11 @@ def _group_values(gids: list[str], counts: list[int], ts: list[torch.Tensor],
         if len(_GROUP_PLANS) > 64:
             _GROUP_PLANS.clear()
         _GROUP_PLANS[key] = plan
-    slots, mults = plan
-    sums = _values(ts, slots, mults, len(gids)).cpu().tolist()
+    return plan
+
+
+def group_strings(gids: list[str], heads: list[str], sums: list[int]) -> dict[str, str]:
+    """``group_fingerprints``' strings from the groups' heads and int64 sums."""
     return dict(zip(gids, [f"{h}:{v & _MASK:016x}" for h, v in zip(heads, sums, strict=True)], strict=True))
 
 

@@ -162,6 +162,40 @@ def segment_values(tensors: Sequence[torch.Tensor], slots: Sequence[int], mults:
     return out
 
 
+class PreparedValues:
+    """``segment_values`` for one fixed list of contiguous tensors (their addresses and sizes now), slots and
+    multipliers: the launch tables and arguments built once, so ``run()`` is one ``torch.zeros`` and one launch
+    per alignment class, with no per-tensor host work. The caller proves the tensors are still these (the same
+    objects at the same addresses: ``ReferenceEngine.check_state``); the object holds them, so their storage
+    cannot be freed and its addresses reused by another tensor while it lives."""
+
+    __slots__ = ("tensors", "nslots", "wcol", "_mod", "_calls", "_interpret")
+
+    def __init__(self, tensors: Sequence[torch.Tensor], slots: Sequence[int], mults: Sequence[int], nslots: int,
+                 wcol: torch.Tensor, *, interpret: bool | None = None):
+        if not tensors or not all(t.is_contiguous() for t in tensors):
+            raise ValueError("PreparedValues needs a non-empty list of contiguous tensors")
+        self.tensors = tuple(tensors)
+        dev = self.tensors[0].device
+        self._interpret = dev.type != "cuda" if interpret is None else interpret
+        self._mod = _module(self._interpret)
+        meta, launches = _tables(tuple([t.data_ptr() for t in self.tensors]),
+                                 tuple([t.nbytes for t in self.tensors]), slots, mults, dev)
+        self._calls = [(nblocks, self.tensors[base].reshape(-1).view(torch.uint8), meta[start:], nt, aligned)
+                       for start, nt, nblocks, aligned, base in launches]
+        self.nslots, self.wcol = nslots, wcol
+
+    def run(self) -> torch.Tensor:
+        """``segment_values(tensors, slots, mults, nslots, wcol)`` of the tensors' bytes now (int64, on their
+        device, no host synchronisation)."""
+        out = torch.zeros(self.nslots, dtype=torch.int64, device=self.wcol.device)
+        kern = self._mod.fingerprint_kernel
+        for nblocks, b, meta, nt, aligned in self._calls:
+            kern[(nblocks,)](b, meta, nt, self.wcol, out, ROWS=ROWS, ALIGNED=aligned, SUM64=self._interpret,
+                             num_warps=NUM_WARPS)
+        return out
+
+
 def ff_counts(tensors: Sequence[torch.Tensor], *, interpret: bool | None = None) -> torch.Tensor:
     """Bytes equal to 0xFF in each tensor (int64 ``[len(tensors)]`` on their device, no host synchronisation):
     ``buckets.ff_counts`` (C5's unwritten-byte count) in one or two launches reading each tensor in place."""

@@ -99,11 +99,13 @@ class Stack:
     """The tiny model, its plan and converted checkpoints (cached per sampler policy), and the learner."""
 
     def __init__(self, arch: str, recipe: str | None, workdir: Path, *, target: str = "sglang", seed: int = 0,
-                 num_layers: int = 4, train_steps: int = 2, lr: float = 5e-3, log: Callable[[str], None] = print):
+                 num_layers: int = 4, train_steps: int = 2, lr: float = 5e-3, log: Callable[[str], None] = print,
+                 device: str = "cpu"):
         from miles_lp.checkpoint.tiny import make_tiny_model
         from miles_lp.config import load_yaml
 
         self.arch, self.target, self.log, self.workdir = arch, target, log, Path(workdir)
+        self.device = device  # the learner, the engine and the staging buffer (cuda: the kernels' paths)
         self.hf = make_tiny_model(arch, self.workdir / "hf", seed=seed, num_layers=num_layers)
         cfg = _read_json(self.hf / "config.json")
         moe = any(k in cfg for k in ("num_experts", "num_local_experts", "n_routed_experts"))
@@ -136,7 +138,7 @@ class Stack:
         from miles_lp.train.config import TrainConfig
         from miles_lp.train.embedded import EmbeddedTrainer
 
-        learner = EmbeddedTrainer(self.hf, self.plan, TrainConfig(lr=lr, seed=seed, device="cpu"))
+        learner = EmbeddedTrainer(self.hf, self.plan, TrainConfig(lr=lr, seed=seed, device=self.device))
         g = torch.Generator().manual_seed(seed)
         vocab = int(_read_json(self.hf / "config.json")["vocab_size"])
         for _ in range(steps):  # move the learner off the checkpoint the sampler starts from
@@ -216,7 +218,8 @@ class SelfTest:
         for key in ("rebind", "drop_updates"):  # a hook that matches nothing would be a fault never injected
             if key in hooks:
                 hooks[key] = tuple(dense if p == DENSE else p for p in hooks[key])
-        engine = ReferenceEngine(self.stack.checkpoint(mapping), device="cpu", faults=EngineFaults(**hooks))
+        engine = ReferenceEngine(self.stack.checkpoint(mapping), device=self.stack.device,
+                                 faults=EngineFaults(**hooks))
         names = list(engine.param_specs())
         for key in ("rebind", "drop_updates"):
             pats = hooks.get(key, ())
@@ -231,7 +234,7 @@ class SelfTest:
         from miles_lp.sync.faults import DropLastBucket, SkipScaleBytes
         from miles_lp.sync.transport import InProcessTransport
 
-        t = InProcessTransport("cpu")
+        t = InProcessTransport(self.stack.device)
         if fault is not None and fault.transport == "drop_last":
             return DropLastBucket(t)
         if fault is not None and fault.transport == "skip_scales":  # the expert scales' staging (verl's case)
@@ -349,9 +352,9 @@ def passed(rows: list[Row]) -> bool:
 
 
 def run_selftest(arch: str = "qwen3_moe", recipe: str | None = None, *, workdir: Path, only=None,
-                 log: Callable[[str], None] = print, **kw) -> list[Row]:
+                 log: Callable[[str], None] = print, device: str = "cpu", **kw) -> list[Row]:
     t0 = time.perf_counter()
-    stack = Stack(arch, recipe, workdir, log=log)
+    stack = Stack(arch, recipe, workdir, log=log, device=device)
     log(f"stack ready in {time.perf_counter() - t0:.1f} s: {arch}, recipe {stack.recipe.name}, "
         f"{len(stack.plan.quantized())} quantized tensors")
     return SelfTest(stack, log=log, **kw).run(only)

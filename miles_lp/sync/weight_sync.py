@@ -43,7 +43,7 @@ from miles_lp.rollout.engine import EngineError, tensor_digest
 from miles_lp.sync import checks
 from miles_lp.sync.buckets import Bucket, Ledger, make_buckets
 from miles_lp.sync.config import CHECKS, SyncConfig
-from miles_lp.sync.digest import _MASK, _head, fingerprints, group_fingerprints, member_weight
+from miles_lp.sync.digest import _head, fingerprints, group_fingerprints, group_strings, member_weight
 from miles_lp.sync.items import Item, engine_items, group_items
 from miles_lp.sync.remote import Receipt
 from miles_lp.sync.sentinel import Sentinel, rollout_kl
@@ -131,6 +131,7 @@ class _Layout:
         self.digest_where = {it.name: (slot_of[it.group], member_weight(member[it.name])) for it in items}
         by_name = {it.name: it.tensor for it in items}
         self.heads = [_head([by_name[n] for n in ns]) for ns in self.groups.values()]
+        self.index = {it.name: i for i, it in enumerate(items)}  # name -> position in this layout's export
         self.validation: Verdict | None = None  # validate_update's ok verdict for this layout (seconds 0)
         self._buckets: list[tuple[Bucket, list[int]]] | None = None
         self._bucket_bytes = None
@@ -190,8 +191,21 @@ class WeightSync:
             self.spec = {n: checks.parse_digest(d) for n, d in self.engine.weight_digests().items()}
         self._spec_names = frozenset(self.spec)
         self._layout_cache: _Layout | None = None
+        # an engine with ``check_state`` (the reference engine) answers C4 and C2's engine side in one read of
+        # its live tensors; the pointers then come as two aligned tuples, compared as one tuple per sync
+        # (``MILES_LP_SYNC_SHARED=0``: the two separate calls, storage_pointers and weight_group_fingerprints, for
+        # an A/B of the same engine)
+        self._shared = (callable(getattr(self.engine, "check_state", None))
+                        and os.environ.get("MILES_LP_SYNC_SHARED", "1") != "0")
+        self._ptr_names: tuple[str, ...] | None = None
+        self._ptr_base: tuple[int, ...] | None = None
         try:
-            self.pointers: dict[str, int] | None = dict(self.engine.storage_pointers())
+            if self._shared:
+                st = self.engine.check_state(None)
+                self._ptr_names, self._ptr_base = st["names"], st["pointers"]
+                self.pointers: dict[str, int] | None = dict(zip(self._ptr_names, self._ptr_base, strict=True))
+            else:
+                self.pointers = dict(self.engine.storage_pointers())
         except (NotImplementedError, BackendUnavailable):
             self.pointers = None
         self.expected_version = int(self.engine.weight_version)
@@ -275,7 +289,7 @@ class WeightSync:
                                    f"quantized_params() ({type(exc).__name__}: {exc}); check it is alive, restart it "
                                    "and resync", "pre-checks", None, report) from exc
         if live_q is None:
-            timed("layer_audit", lambda: checks.layer_audit(executed, engine_q, plan_q))
+            timed("layer_audit", lambda: self._layer_audit(executed, engine_q, plan_q))
         else:
             timed("layer_audit", lambda: skipped("layer_audit", live_q + "; C1 not proven for this sync"))
         layout, same = self._layout(items, engine_q)
@@ -351,16 +365,22 @@ class WeightSync:
         timed("completeness", lambda: _combine("completeness", [pre, checks.completeness(ledger, len(buckets))]))
         self.fused_digest = fused is not None and bool(buckets) and all(b.digested for b in buckets)
 
+        state: dict[str, Any] = {}  # the engine's check_state answer, shared by grid (C2) and storage (C4)
+
         def grid() -> Verdict:
             mine = None
-            if self.fused_digest:  # read back here, so the check's timer holds it
-                mine = {g: f"{h}:{v & _MASK:016x}" for g, h, v in zip(layout.groups, layout.heads,
-                                                                         fused.cpu().tolist(), strict=True)}
-            return self._grid(items, full_compare, engine_q, layout.groups, mine)
+            if self.fused_digest:  # read back here, so the check's timer holds it: (heads, int64 sums)
+                mine = (layout.heads, fused.cpu().tolist())
+            return self._grid(items, full_compare, engine_q, layout.groups, mine, layout, state)
 
         timed("grid", grid)
         timed("self_check", lambda: checks.self_check(self._self_check(), self.config.self_check_tolerance))
-        timed("storage", lambda: checks.storage_identity(self.pointers, self.engine.storage_pointers()))
+        timed("storage", lambda: self._storage(state))
+        if "pointer_seconds" in state and "pointers_from_grid" in state:
+            # one engine call read the pointers for C4 inside grid's timer: that share is storage's time
+            ps = state["pointer_seconds"]
+            verdicts["grid"] = dataclasses.replace(verdicts["grid"], seconds=max(0.0, verdicts["grid"].seconds - ps))
+            verdicts["storage"] = dataclasses.replace(verdicts["storage"], seconds=verdicts["storage"].seconds + ps)
         raising = [v for n, v in verdicts.items() if v.failed and self.mode(n) == "raise"]
         if not raising:
             self.engine.resume()
@@ -376,17 +396,44 @@ class WeightSync:
         return report
 
     # ---- check helpers ---------------------------------------------------------------------------------
+    def _layer_audit(self, executed: Mapping[str, Any] | None, engine_q: Mapping[str, Any],
+                     plan_q: Mapping[str, Any]) -> Verdict:
+        """C1 (``checks.layer_audit``); an ok verdict reused while the three sides are equal (dict comparisons,
+        read every sync) to those it was computed from: the same inputs give the same verdict."""
+        hit = getattr(self, "_audit_cache", None)
+        if hit is not None and hit[0] == executed and hit[1] == engine_q and hit[2] == plan_q:
+            return hit[3]
+        v = checks.layer_audit(executed, engine_q, plan_q)
+        self._audit_cache = ((dict(executed) if executed is not None else None), dict(engine_q), dict(plan_q),
+                             v) if v.ok else None
+        return v
+
+    def _storage(self, state: dict[str, Any]) -> Verdict:
+        """C4. With ``check_state``: the pointers read by grid's engine call (or read here), compared with those
+        recorded at load as one tuple; the names of what moved only when something did."""
+        if not self._shared or self._ptr_base is None:
+            return checks.storage_identity(self.pointers, self.engine.storage_pointers())
+        st = state if "pointers" in state else self.engine.check_state(None)
+        names, ptrs = st["names"], st["pointers"]
+        if (names is self._ptr_names or names == self._ptr_names) and ptrs == self._ptr_base:
+            return ok("storage", 0.0, f"{len(ptrs)} served tensors keep their storage")
+        return checks.storage_identity(self.pointers, dict(zip(names, ptrs, strict=True)))
+
     def _grid(self, items: list[Item], full: bool, engine_q: Mapping[str, Any],
-              groups: Mapping[str, list[str]] | None = None, mine: Mapping[str, str] | None = None) -> Verdict:
-        expected = {it.name: it.tensor for it in items}
+              groups: Mapping[str, list[str]] | None = None,
+              mine: Mapping[str, str] | tuple[list[str], list[int]] | None = None, layout: _Layout | None = None, state: dict[str, Any] | None = None) -> Verdict:
+        expected: Mapping[str, torch.Tensor] | None = None  # {name: export tensor}, built only where needed
         if full:
+            expected = {it.name: it.tensor for it in items}
             got = self.engine.read_weights(list(expected))
             main = checks.grid_full(expected, got)
         elif hasattr(self.engine, "weight_group_fingerprints"):
-            main = self._grid_groups(items, expected, groups, mine)
+            main = self._grid_groups(items, None, groups, mine, state)
         elif hasattr(self.engine, "weight_fingerprints"):
+            expected = {it.name: it.tensor for it in items}
             main = checks.grid_digests(fingerprints(expected), self.engine.weight_fingerprints(list(expected)))
         else:
+            expected = {it.name: it.tensor for it in items}
             main = checks.grid_digests({n: tensor_digest(t) for n, t in expected.items()},
                                        self.engine.weight_digests(list(expected)))
         parts = [main]
@@ -394,10 +441,11 @@ class WeightSync:
             groups = self._scale_groups(engine_q)
             if groups:
                 names = [n for _, ns in groups for n in ns]
-                if main.ok and all(n in expected for n in names):
+                index = layout.index if layout is not None else {it.name: i for i, it in enumerate(items)}
+                if main.ok and all(n in index for n in names):
                     # the engine holds the export's bytes (just proven): its global scales are these, already
                     # where the learner computes; no read-back of a few hundred scalars from the engine
-                    held = {n: expected[n] for n in names}
+                    held = {n: items[index[n]].tensor for n in names}
                 else:
                     held = self.engine.read_weights(names)
                 parts.append(checks.joint_scales(groups, held))
@@ -414,21 +462,42 @@ class WeightSync:
         self._scale_groups_cache = (self.plan, self.plan.groups, self.target, dict(engine_q), out)
         return out
 
-    def _grid_groups(self, items: list[Item], expected: Mapping[str, torch.Tensor],
-                     groups: Mapping[str, list[str]] | None = None, mine: Mapping[str, str] | None = None) -> Verdict:
+    def _grid_groups(self, items: list[Item], expected: Mapping[str, torch.Tensor] | None,
+                     groups: Mapping[str, list[str]] | None = None,
+                     mine: Mapping[str, str] | tuple[list[str], list[int]] | None = None,
+                     state: dict[str, Any] | None = None) -> Verdict:
         """C2 by atomic group: one fingerprint per group (all experts of a layer, q/k/v, ...) of its tensors'
         bytes in export order, on each side; only the tensors of a group that differs are fingerprinted one by
         one, to name them. ``groups``: the layout's (``_Layout.groups``), else built from ``items``; ``mine``:
-        the learner side already computed by the transport from the same bytes (the fused copy), else here."""
+        the learner side already computed by the transport from the same bytes (the fused copy: its heads and
+        int64 sums), else here. ``state``: with an engine that has ``check_state``, its answer is stored there
+        for C4 (``_storage``: one read of the live tensors for both checks)."""
         if groups is None:
             groups = _groups_of(items)
+        if expected is None and mine is None:
+            expected = {it.name: it.tensor for it in items}
         if mine is None:
             mine = group_fingerprints({g: [expected[n] for n in ns] for g, ns in groups.items()})
-        theirs = self.engine.weight_group_fingerprints(groups)
-        differ = [g for g, d in mine.items() if theirs.get(g) != d]
+        if self._shared and state is not None:  # the same engine call reads C4's pointers (``_storage``)
+            st = self.engine.check_state(groups)
+            state.update(st, pointers_from_grid=True)
+            if isinstance(mine, tuple) and st["group_heads"] == mine[0] and st["group_values"] == mine[1]:
+                differ = []  # the healthy case: two lists of ints and two of heads, equal
+            else:
+                theirs = group_strings(list(groups), st["group_heads"], st["group_values"])
+                if isinstance(mine, tuple):
+                    mine = group_strings(list(groups), *mine)
+                differ = [g for g, d in mine.items() if theirs.get(g) != d]
+        else:
+            theirs = self.engine.weight_group_fingerprints(groups)
+            if isinstance(mine, tuple):
+                mine = group_strings(list(groups), *mine)
+            differ = [g for g, d in mine.items() if theirs.get(g) != d]
         if not differ:
-            return ok("grid", 0.0, f"{len(expected)} tensors in {len(groups)} groups equal the learner's export "
+            return ok("grid", 0.0, f"{len(items)} tensors in {len(groups)} groups equal the learner's export "
                       "(group digest)")
+        if expected is None:
+            expected = {it.name: it.tensor for it in items}
         names = [n for g in differ for n in groups[g]]
         main = checks.grid_digests(fingerprints({n: expected[n] for n in names}),
                                    self.engine.weight_fingerprints(names))

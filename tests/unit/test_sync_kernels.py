@@ -42,10 +42,12 @@ from tests.unit.test_sync_digest_groups import GroupEngine
 from tests.unit.test_sync_weight_sync import DOWN, Learner, _sync
 seen = []
 orig = WeightSync._grid_groups
-def spy(self, items, expected, groups=None, mine=None):
-    indep = digest.group_fingerprints({g: [expected[n] for n in ns] for g, ns in (groups or {}).items()})
-    seen.append((mine is not None, mine == indep))
-    return orig(self, items, expected, groups, mine)
+def spy(self, items, expected, groups=None, mine=None, *rest):
+    by_name = {it.name: it.tensor for it in items}
+    indep = digest.group_fingerprints({g: [by_name[n] for n in ns] for g, ns in (groups or {}).items()})
+    got = digest.group_strings(list(groups), *mine) if isinstance(mine, tuple) else mine
+    seen.append((mine is not None, got == indep))
+    return orig(self, items, expected, groups, mine, *rest)
 WeightSync._grid_groups = spy
 engine, ws, _ = _sync(GroupEngine())
 learner = Learner()

@@ -1,0 +1,61 @@
+"""C3 as a replayed CUDA graph (``ReferenceEngine._c3_values``): the same figures as the eager path bit for bit,
+replayed while everything it reads stays where it was captured, and still failing on stale derived state (the
+replay reads the live bytes) and after a re-bound parameter (the key moves: eager again). CPU: the eager path
+only (no graphs), the reason reported. GPU tests run on the H200 (``-m gpu``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles_lp.rollout.reference import ReferenceEngine
+from miles_lp.rollout.testing import tiny_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+RECIPE = "qwen3_moe_mxfp8_nvfp4_experts.yaml"
+
+
+def _figures(sc):
+    return [(v["rel_err"], v["fresh_diff"]) for v in sc["layers"].values()]
+
+
+def test_cpu_self_check_is_eager():
+    engine = ReferenceEngine(tiny_checkpoint("qwen3_moe", RECIPE), device="cpu")
+    a, b = engine.self_check(0), engine.self_check(0)
+    assert a["graph"] == b["graph"] == "eager" and a["ok"] and _figures(a) == _figures(b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch, recipe", [("qwen3_moe", RECIPE), ("qwen3", "qwen3_mxfp8.yaml")])
+def test_graph_replay_equals_eager_and_still_sees_stale_state(arch, recipe, monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    engine = ReferenceEngine(tiny_checkpoint(arch, recipe), device="cuda")
+    first = engine.self_check(0)
+    second = engine.self_check(0)
+    third = engine.self_check(0)
+    assert first["graph"] == "eager, graph captured", first["graph"]
+    assert second["graph"] == third["graph"] == "graph replay"
+    assert _figures(first) == _figures(second) == _figures(third) and third["ok"]
+    monkeypatch.setenv("MILES_LP_SYNC_GRAPHS", "0")
+    eager = engine.self_check(0)
+    monkeypatch.delenv("MILES_LP_SYNC_GRAPHS")
+    assert eager["graph"] == "eager" and _figures(eager) == _figures(third)
+    # stale derived state: the live operand of the checked dense layer no longer matches its canonical bytes
+    name = next(n for n, v in third["layers"].items() if v["kind"] == "dense")
+    layer = next(m for m in engine._linears if f"{m.prefix}weight" == name)
+    keep = layer.operand.clone()
+    with torch.no_grad():
+        layer.operand.mul_(1.5)
+    stale = engine.self_check(0)
+    assert stale["graph"] == "graph replay" and not stale["ok"]
+    assert stale["layers"][name]["fresh_diff"] > 0
+    with torch.no_grad():
+        layer.operand.copy_(keep)
+    assert engine.self_check(0)["ok"]
+    # a re-bound canonical tensor: the graph's key moves, the figures come from the eager path again
+    layer.weight = torch.nn.Parameter(layer.weight.detach().clone(), requires_grad=False)
+    moved = engine.self_check(0)
+    assert moved["graph"] == "eager, graph captured" and moved["ok"]
+    assert _figures(moved) == _figures(third)
