@@ -49,6 +49,9 @@ def add_arguments(p) -> None:
     p.add_argument("--host-cpu", action="store_true",
                    help="no GPU: the per-call host time of each mode on CPU with the Triton launches stubbed "
                         "(miles_lp.bench.linear_host; Python, autograd and tensor ops only)")
+    p.add_argument("--host-dtype", default="bf16", choices=("bf16", "fp32"),
+                   help="--host-cpu: activation/weight dtype (fp32: GEMMs cost ~nothing on CPU, so the time is "
+                        "the host overhead; bf16: as on CUDA)")
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="instead of the table: per shape and mode, host time per call, isolated vs pipelined "
                         "time, CUDA kernels per call with their device time, host syncs (torch profiler); "
@@ -526,8 +529,8 @@ def run(args) -> int:
     if args.host_cpu:
         from miles_lp.bench import linear_host
 
-        rows = linear_host.host_rows(modes or MODES)
-        print(linear_host.format_rows(rows, 32))
+        rows = linear_host.host_rows(modes or MODES, dtype=args.host_dtype)
+        print(linear_host.format_rows(rows, 32, args.host_dtype))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)

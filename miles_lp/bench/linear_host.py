@@ -50,10 +50,10 @@ def _best_us(fn, reps: int = 400) -> float:
         fn()
     best = float("inf")
     for _ in range(8):
-        t = time.perf_counter()
+        t = time.process_time()
         for _ in range(reps // 8):
             fn()
-        best = min(best, (time.perf_counter() - t) / (reps // 8))
+        best = min(best, (time.process_time() - t) / (reps // 8))
     return best * 1e6
 
 
@@ -72,7 +72,9 @@ def _aten_ops(fn) -> int:
     return n[0]
 
 
-def host_rows(modes, size: int = 32) -> list[dict]:
+def host_rows(modes, size: int = 32, dtype: str = "bf16") -> list[dict]:
+    """``dtype`` "bf16" (the CUDA case: bf16 GEMMs, ~25 us each of CPU compute at 32^3 on a 2-core machine)
+    or "fp32" (fp32 GEMMs, ~2 us each: what is left is nearly all host overhead; the same Python path)."""
     import torch
     import torch.nn.functional as F
 
@@ -80,9 +82,10 @@ def host_rows(modes, size: int = 32) -> list[dict]:
     from miles_lp.train.quant_linear import LinearRecipe, QuantLinear
 
     torch.set_num_threads(1)
-    x = torch.randn(size, size).bfloat16().requires_grad_()
-    lin = torch.nn.Linear(size, size, bias=False, dtype=torch.bfloat16)
-    dy = torch.randn(size, size).bfloat16()
+    dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    x = torch.randn(size, size).to(dt).requires_grad_()
+    lin = torch.nn.Linear(size, size, bias=False, dtype=dt)
+    dy = torch.randn(size, size).to(dt)
 
     def bf16():
         x.grad = lin.weight.grad = None
@@ -128,8 +131,8 @@ def host_rows(modes, size: int = 32) -> list[dict]:
     return rows
 
 
-def format_rows(rows, size: int) -> str:
-    out = [f"host time per fwd+bwd on CPU, {size}x{size}x{size} bf16, Triton launches stubbed (no device work)",
+def format_rows(rows, size: int, dtype: str = "bf16") -> str:
+    out = [f"host time per fwd+bwd on CPU, {size}x{size}x{size} {dtype}, Triton launches stubbed (no device work)",
            f"{'mode':26s} {'fresh us':>9s} {'cached us':>9s} {'launches':>8s} {'aten ops':>8s}"]
     for r in rows:
         cached = f"{r['cached_us']:9.1f}" if r["cached_us"] is not None else f"{'':9s}"

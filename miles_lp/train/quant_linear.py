@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from miles_lp.errors import ConfigError
-from miles_lp.train.gemm import QuantLinearFn, quantized_linear
+from miles_lp.train.gemm import _APPLY, QuantLinearFn, _functorch_active, quantized_linear
 from miles_lp.train.grid import WeightGrid
 from miles_lp.train.operands import select_expert, select_experts, select_rows
 from miles_lp.train.recipe import LinearRecipe
@@ -216,7 +216,10 @@ class _ExpertView(WeightGrid):
 
 def _expert_linear(x: torch.Tensor, fused_weight: torch.Tensor, e: int, grid: WeightGrid) -> torch.Tensor:
     """``x @ fused_weight[e].T`` on the fused grid; the gradient lands in row ``e`` of the fused weight."""
-    return QuantLinearFn.apply(x, fused_weight[e], None, _ExpertView(grid, fused_weight, e))
+    view = _ExpertView(grid, fused_weight, e)
+    if _functorch_active():
+        return QuantLinearFn.apply(x, fused_weight[e], None, view)
+    return _APPLY(x, fused_weight[e], None, view)
 
 
 
