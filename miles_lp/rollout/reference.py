@@ -609,7 +609,7 @@ class ReferenceEngine:
                 # function: a probe held there across syncs could be taken for a serving input)
                 xq = self._probe_input(layer, x)
                 y = layer.gemm(xq, x.dtype).double()
-                w = layer.decoded().dequantize(torch.float64)
+                w = dequantize_exact(layer.decoded(), torch.float64)
                 ref = x64 @ w.T
                 fresh = self._freshly_derived(layer)
                 # the fresh copy quantizes the input exactly as the layer does when its grid key is the same
@@ -1112,6 +1112,30 @@ class ReferenceEngine:
 def _input_key(layer) -> tuple:
     """What ``EngineLinear.quantize_input``'s cache keys the activation grid by."""
     return (layer.kernel_format, layer.activation_scale, layer.activation_mode, layer.op_dtype)
+
+
+_E2M1: dict[tuple, torch.Tensor] = {}
+
+
+def dequantize_exact(q, dtype: torch.dtype) -> torch.Tensor:
+    """``q.dequantize(dtype)`` (the codecs' torch code, same ops in the same order: the same bytes), except that
+    NVFP4's E2M1 decode table is made once per device and kept, not built from a Python list at each call (a
+    host->device copy, which a CUDA graph capture refuses). ``tests/unit/test_rollout_self_check_graph.py``
+    compares both on random codes."""
+    from miles_lp.formats import NVFP4Tensor
+    from miles_lp.formats import bits
+    from miles_lp.formats.spec import NVFP4_BLOCK as _BLOCK
+
+    if not isinstance(q, NVFP4Tensor):
+        return q.dequantize(dtype)
+    dev = q.data.device
+    table = _E2M1.get((str(dev),))
+    if table is None:
+        table = _E2M1[(str(dev),)] = bits.e2m1_table(dev)
+    codes = bits.unpack_fp4(q.data).to(torch.int64)  # [..., K]
+    vals = table[codes]
+    sf = q.scale.to(torch.float32).repeat_interleave(_BLOCK, dim=-1)  # [..., K]
+    return ((vals * sf) * q.global_scale).to(dtype)
 
 
 def _fresh_config(layer) -> tuple:

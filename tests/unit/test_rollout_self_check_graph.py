@@ -20,6 +20,20 @@ def _figures(sc):
     return [(v["rel_err"], v["fresh_diff"]) for v in sc["layers"].values()]
 
 
+def test_dequantize_exact_is_the_codec():
+    """The self-check's NVFP4 decode (a kept E2M1 table, capturable) gives the codec's bytes; MXFP8 is the codec."""
+    from miles_lp import formats
+    from miles_lp.rollout.reference import dequantize_exact
+
+    g = torch.Generator().manual_seed(3)
+    for shape in ((64, 128), (3, 32, 64)):
+        x = torch.randn(*shape, generator=g) * torch.logspace(-3, 3, shape[-1])
+        for q in (formats.quantize_nvfp4(x, scale_scope="tensor"), formats.quantize_mxfp8(x, axis=-1)):
+            for dt in (torch.float64, torch.float32, torch.bfloat16):
+                a, b = dequantize_exact(q, dt), q.dequantize(dt)
+                assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 def test_cpu_self_check_is_eager():
     engine = ReferenceEngine(tiny_checkpoint("qwen3_moe", RECIPE), device="cpu")
     a, b = engine.self_check(0), engine.self_check(0)
