@@ -133,6 +133,14 @@ def _key(x: torch.Tensor, *flags) -> tuple:
     return (x.shape, x.dtype, x.get_device(), x.data_ptr() & 15, x.is_contiguous(), *flags)
 
 
+def _unbound(cache: dict, key: tuple) -> None:
+    """Remember that ``key``'s launch is not bound (another kernel path, a changed signature, no cached
+    launcher), so later calls go straight to the entry point without trying again; not while a launch hook
+    is set (that reason passes)."""
+    if not _kernels()._hooks_set():
+        _store(cache, key, False)
+
+
 def _store(cache: dict, key: tuple, value) -> None:
     if len(cache) >= _MAX:
         cache.clear()
@@ -163,7 +171,7 @@ def mxfp8(x: torch.Tensor, rowwise: bool, colwise: bool, dtype: torch.dtype | No
     dequant=dequant)`` (None where not asked for). ``x`` on CUDA (or the interpreter), checks as the entry's."""
     key = _key(x, rowwise, colwise, dtype, dequant)
     p = _MX.get(key)
-    if p is not None and not _kernels()._hooks_set():
+    if p and not _kernels()._hooks_set():
         dev, shape = p.dev, p.shape
         qr = torch.empty(shape, dtype=_E4M3, device=dev) if p.row else 0
         sr = torch.empty(p.sr, dtype=_U8, device=dev) if p.row else 0
@@ -183,6 +191,8 @@ def mxfp8(x: torch.Tensor, rowwise: bool, colwise: bool, dtype: torch.dtype | No
                                x.get_device(), plan["consts"])
         if bound is not None and not any(plan["shapes"][6:]):
             _store(_MX, key, _MXPlan(bound, x, rowwise, colwise, plan, dtype))
+        else:
+            _unbound(_MX, key)
     return res.row, res.row_deq, res.col, res.col_deq
 
 
@@ -203,7 +213,7 @@ def mxfp8_decode(data: torch.Tensor, scale: torch.Tensor, axis: int, dtype: torc
     entry point runs)."""
     key = (*_key(data, axis, dtype), scale.shape, scale.data_ptr() & 15, scale.is_contiguous())
     p = _MXDQ.get(key)
-    if p is not None and not _kernels()._hooks_set():
+    if p and not _kernels()._hooks_set():
         out = torch.empty(p.shape, dtype=p.out, device=p.dev)
         p.bound(data, scale, out, p.r, p.k)
         return out
@@ -220,6 +230,8 @@ def mxfp8_decode(data: torch.Tensor, scale: torch.Tensor, axis: int, dtype: torc
             p.bound, p.dev, p.shape, p.out = bound, data.device, tuple(data.shape), dtype
             p.r, p.k = plan["rk"]
             _store(_MXDQ, key, p)
+        else:
+            _unbound(_MXDQ, key)
     return out
 
 
@@ -239,7 +251,7 @@ def nvfp4(x: torch.Tensor, scope: str, dtype: torch.dtype | None, amax: torch.Te
     if amax is None and scope == "row":
         key = _key(x, dtype, block_2d)
         p = _NV.get(key)
-        if p is not None and not _kernels()._hooks_set():
+        if p and not _kernels()._hooks_set():
             dev = p.dev
             q = torch.empty(p.q, dtype=_U8, device=dev)
             s = torch.empty(p.s, dtype=_E4M3, device=dev)
@@ -265,6 +277,8 @@ def nvfp4(x: torch.Tensor, scope: str, dtype: torch.dtype | None, amax: torch.Te
                 p.q, p.s, p.gshape, p.shape = plan["q"], plan["s"], plan["gshape"], plan["shape"]
                 p.out, p.dq = dtype, bool(plan["out_kind"])
                 _store(_NV, key, p)
+        if p is None:
+            _unbound(_NV, key)
     return qt, d
 
 
@@ -275,7 +289,7 @@ def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
     key = (*_key(q.data, dtype, q.scale_scope), tuple(q.logical_shape), q.scale.data_ptr() & 15,
            q.scale.is_contiguous(), gs.shape, gs.dtype, gs.is_contiguous())
     p = _NVDQ.get(key)
-    if p is not None and not _kernels()._hooks_set():
+    if p and not _kernels()._hooks_set():
         out = torch.empty(p.shape, dtype=p.out, device=p.dev)
         p.bound(q.data, q.scale, gs, out, p.r, p.k)
         return out
@@ -285,6 +299,8 @@ def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
         p = _bind_nvfp4_dequantize(K, q, dtype, gs)
         if p is not None:
             _store(_NVDQ, key, p)
+        else:
+            _unbound(_NVDQ, key)
     return out
 
 

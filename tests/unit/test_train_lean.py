@@ -193,3 +193,24 @@ def test_bound_launches_on_cuda_equal_the_reference():
                 for what, u, v in zip(("y", "x.grad", "w.grad"), a, b, strict=True):
                     assert torch.equal(u.view(torch.int16), v.view(torch.int16)), (m, fmt, bw, i, what)
     assert launch._MX and launch._MXDQ and launch._NV and launch._NVDQ  # the bound plans were used
+
+
+def test_an_unbindable_launch_is_remembered(monkeypatch):
+    """A call whose launch cannot be bound (here fp32 per-token NVFP4: the general kernel, not the pairs one)
+    goes to the entry point; the plan lookup runs once, not on every call (it scans the entry's plans)."""
+    import torch
+
+    from miles_lp.bench import linear_host
+    from miles_lp.train import launch
+
+    seen = []
+    real = launch._find
+    monkeypatch.setattr(launch, "_find", lambda *a: (seen.append(a), real(*a))[1])
+    with linear_host._stubbed():
+        for dt in (torch.float32, torch.bfloat16):
+            x = torch.randn(32, 64).to(dt)
+            for _ in range(3):
+                launch.nvfp4(x, "row", dt)
+        keys = list(launch._NV)
+        assert len(seen) == 2  # once per input dtype
+        assert launch._NV[keys[0]] is False and launch._NV[keys[1]]  # fp32: not bound; bf16: bound
