@@ -447,14 +447,17 @@ class ReferenceEngine:
         return plan
 
     def _group_digests(self, groups: Mapping[str, Sequence[str]], canon: list[torch.Tensor],
-                       canon_ptrs: tuple[int, ...] | None) -> tuple[list[str], list[int]]:
+                       canon_ptrs: tuple[int, ...] | None, *, collect: bool = True
+                       ) -> tuple[list[str], list[int] | torch.Tensor]:
         """C2's engine side from ``canon`` (the live canonical tensors in owner order, read by the caller now)
         and, when the caller read them too, their data pointers. Fast path (CUDA, or the Triton interpreter):
         while every member is the very tensor object the previous call digested, at the same address (identity
         and ``data_ptr``, both read now), the launch tables, member heads and dtype checks of that call are
         reused (``kernels.PreparedValues``: one launch, no per-tensor host work); anything else takes the full
         path (``digest._group_values``: every member's dtype, shape, size and address read again). Returns each
-        group's head and int64 sum (``digest.group_strings`` makes ``group_fingerprints``' strings of them)."""
+        group's head and int64 sum (``digest.group_strings`` makes ``group_fingerprints``' strings of them);
+        ``collect=False``: on the fast path the sums as the int64 device tensor the launch fills (no host
+        synchronisation yet; the caller reads it)."""
         from miles_lp.sync import digest as _digest
         from miles_lp.sync import kernels as _kernels
 
@@ -463,7 +466,8 @@ class ReferenceEngine:
         if fast is not None:
             ptrs = canon_ptrs if canon_ptrs is not None else tuple(map(_DATA_PTR, canon))
             if ptrs == fast[0] and all(map(operator.is_, canon, fast[1])):
-                return fast[2], fast[3].run().cpu().tolist()
+                sums = fast[3].run()
+                return fast[2], sums.cpu().tolist() if collect else sums
             plan[5] = None
         # the live tensors (read now: a re-bound parameter is what is digested), only read under no_grad, so no
         # detach; an fp32-held BF16 tensor converted (exact)
@@ -515,11 +519,16 @@ class ReferenceEngine:
         return tab
 
     def _served(self) -> tuple[tuple[str, ...], list[torch.Tensor], list[torch.Tensor]]:
-        """(names, live canonical tensors in owner order, every served tensor in ``names`` order), read now.
-        A derived buffer is its layer's ``_buffers`` entry unless the instance dict shadows it (then ``getattr``,
-        as ``_attr``): C-level maps in the usual case."""
-        _, names, (ds, bs, ks, ms), (parts, keys) = self._pointer_table()
+        """(names, live canonical tensors in owner order, every served tensor in ``names`` order), read now."""
+        names, rest = self._served_rest()
         canon = self._canonical_live()
+        return names, canon, [*canon, *rest]
+
+    def _served_rest(self) -> tuple[tuple[str, ...], list[torch.Tensor]]:
+        """(names, the served tensors after the canonical ones: derived buffers, then stacks), read now. A derived
+        buffer is its layer's ``_buffers`` entry unless the instance dict shadows it (then ``getattr``, as
+        ``_attr``): C-level maps in the usual case."""
+        _, names, (ds, bs, ks, ms), (parts, keys) = self._pointer_table()
         try:
             derived = list(map(operator.getitem, bs, ks))
         except KeyError:
@@ -528,7 +537,8 @@ class ReferenceEngine:
                 or any(map(operator.contains, ds, ks))):
             derived = [t if (t := b.get(k)) is not None and k not in d else _attr(m, k)
                        for d, b, k, m in zip(ds, bs, ks, ms, strict=True)]
-        return names, canon, [*canon, *derived, *map(operator.getitem, parts, keys)]
+        derived.extend(map(operator.getitem, parts, keys))
+        return names, derived
 
     def check_state(self, groups: Mapping[str, Sequence[str]] | None = None) -> dict[str, Any]:
         """C4 and C2's engine side from ONE read of the live tensors (issue 11): ``{"names": tuple, "pointers":
@@ -538,15 +548,24 @@ class ReferenceEngine:
         ``weight_group_fingerprints(groups)`` of the same canonical tensors before formatting (the strings are
         ``digest.group_strings(list(groups), heads, values)``; None when ``groups`` is None), so the healthy
         case compares two lists of ints. ``pointer_seconds``: the host time of the pointer read alone (what C4
-        costs), so the caller can split the call's time between the two checks."""
+        costs), so the caller can split the call's time between the two checks. The digest is launched right
+        after the canonical tensors are read and collected after the rest of the pointers: its device time runs
+        under that host walk."""
         t0 = time.perf_counter()
-        names, canon, served = self._served()
-        ptrs = tuple(map(_DATA_PTR, served))
+        canon = self._canonical_live()
+        cptrs = tuple(map(_DATA_PTR, canon))
         t1 = time.perf_counter()
+        pending = self._group_digests(groups, canon, cptrs, collect=False) if groups is not None else None
+        t2 = time.perf_counter()
+        names, rest = self._served_rest()
+        ptrs = cptrs + tuple(map(_DATA_PTR, rest))
+        t3 = time.perf_counter()
         out = {"names": names, "pointers": ptrs, "group_heads": None, "group_values": None,
-               "pointer_seconds": t1 - t0}
-        if groups is not None:
-            out["group_heads"], out["group_values"] = self._group_digests(groups, canon, ptrs[:len(canon)])
+               "pointer_seconds": (t1 - t0) + (t3 - t2)}
+        if pending is not None:
+            heads, values = pending
+            out["group_heads"] = heads
+            out["group_values"] = values if isinstance(values, list) else values.cpu().tolist()
         return out
 
     def read_weights(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
@@ -569,9 +588,25 @@ class ReferenceEngine:
         names, _, served = self._served()
         return dict(zip(names, map(_DATA_PTR, served), strict=True))
 
-    def self_check(self, seed: int = 0) -> dict[str, Any]:
-        """C3: one quantized dense layer and one quantized expert through the serving ``apply`` on random input,
-        vs a float64 GEMM on the dequantized canonical weights; relative Frobenius error per layer."""
+    def self_check_begin(self, seed: int = 0) -> bool:
+        """Start the self-check's device work now, when it is a captured graph whose key still holds (CUDA): the
+        replay is queued and ``self_check(seed)`` collects it, so it runs while the caller does host work (the
+        sync's C4 pointer walk). Returns whether a replay was queued. Dropped by any weight update (the
+        replay must read the bytes ``self_check`` is asked about) and checked again at collection."""
+        self.__dict__["_c3_pending"] = None
+        if self.device.type != "cuda" or self.__dict__.get("_c3_graph") is None:
+            return False
+        work, _ = self._c3_work(seed)
+        key = self._c3_key(work) if work else None
+        g = self.__dict__.get("_c3_graph")
+        if key is None or g is None or g[0] != key or self.__dict__.get("_c3_graph_off") is not None:
+            return False
+        g[1].replay()
+        self.__dict__["_c3_pending"] = (seed, key, g, self.weight_version)
+        return True
+
+    def _c3_work(self, seed: int) -> tuple[list[tuple], dict[str, Any]]:
+        """The self-check's layers and probes: [(kind, layer, x, x64)] and the result skeleton."""
         dense = expert = None
         for layer in self._linears:  # the first quantized dense layer and the first quantized expert
             if layer.kernel_format is None or not layer.kernel_format.quantized or layer.disk_format is Format.BF16:
@@ -591,8 +626,16 @@ class ReferenceEngine:
                 continue
             work.append((kind, layer, *probes[kind]))
             out["layers"][f"{layer.prefix}weight"] = {"kind": kind, "format": layer.kernel_format.value}
+        return work, out
+
+    def self_check(self, seed: int = 0) -> dict[str, Any]:
+        """C3: one quantized dense layer and one quantized expert through the serving ``apply`` on random input,
+        vs a float64 GEMM on the dequantized canonical weights; relative Frobenius error per layer."""
+        work, out = self._c3_work(seed)
+        pending = self.__dict__.get("_c3_pending")
+        self.__dict__["_c3_pending"] = None
         if work:  # one device->host transfer for both layers' figures (float64: the values float() gives)
-            vals, out["graph"] = self._c3_values(work)
+            vals, out["graph"] = self._c3_values(work, pending if pending and pending[0] == seed else None)
             for i, v in enumerate(out["layers"].values()):
                 v["rel_err"], v["fresh_diff"] = vals[2 * i], vals[2 * i + 1]
         layers = out["layers"].values()
@@ -645,7 +688,7 @@ class ReferenceEngine:
                         tuple(t.data_ptr() for t in fresh.derived().values())))
         return tuple(key)
 
-    def _c3_values(self, work: list[tuple]) -> tuple[list[float], str]:
+    def _c3_values(self, work: list[tuple], pending: tuple | None = None) -> tuple[list[float], str]:
         """The self-check's figures and how they were computed. On CUDA (unless ``MILES_LP_SYNC_GRAPHS=0``) the
         whole computation (~100 kernels: two GEMM pairs, the float64 reference, the fresh derivation) is captured
         once in a CUDA graph and replayed while everything it reads is where it was captured (``_c3_key``: the
@@ -663,6 +706,8 @@ class ReferenceEngine:
         key = self._c3_key(work)
         g = self.__dict__.get("_c3_graph")
         if g is not None and key is not None and g[0] == key:
+            if pending is not None and pending[1] == key and pending[2] is g and pending[3] == self.weight_version:
+                return g[2].tolist(), "graph replay (queued early)"  # self_check_begin's replay, what it read
             g[1].replay()
             return g[2].tolist(), "graph replay"
         vals = self._c3_figures(work).tolist()  # eager: builds the private copy and the quantized probe
@@ -783,6 +828,7 @@ class ReferenceEngine:
             self._cache_epoch += 1
 
     def begin_weight_update(self) -> None:
+        self.__dict__["_c3_pending"] = None  # a queued self-check replay read the previous weights
         with self._cond:
             if self._updating:
                 raise EngineError("begin_weight_update: an update is already in progress (call finish_weight_update)")

@@ -223,16 +223,37 @@ class Ledger:
     def problems(self) -> dict[str, list[str]]:
         """``missing`` (never written), ``repeated`` (written more than once), ``unexpected`` (not an engine
         tensor), ``unwritten_scale_bytes`` (more 0xFF bytes arrived than were sent: a missed write)."""
-        received, sent = self._host_both()
         w = self.writes
         keys = w.keys()
         # C-level fast paths of the healthy case, same answers: every count is >= 1, so no name is repeated iff
-        # the counts sum to the number of names; equal 0xFF counts leave no name with more received than sent
+        # the counts sum to the number of names; equal 0xFF counts leave no name with more received than sent;
+        # the written names equal to the expected set leave none missing or unexpected
         once = sum(w.values()) == len(w)
+        exact = keys == self.expected
+        if self._same_counts():
+            unwritten: list[str] = []
+        else:
+            received, sent = self._host_both()
+            unwritten = [] if received == sent else sorted(n for n, c in received.items() if c > sent.get(n, 0))
         return {
-            "missing": sorted(self.expected - keys),
+            "missing": [] if exact else sorted(self.expected - keys),
             "repeated": [] if once else sorted(n for n, c in w.items() if c > 1),
-            "unexpected": sorted(keys - self.expected),
-            "unwritten_scale_bytes": [] if received == sent else sorted(
-                n for n, c in received.items() if c > sent.get(n, 0)),
+            "unexpected": [] if exact else sorted(keys - self.expected),
+            "unwritten_scale_bytes": unwritten,
         }
+
+    def _same_counts(self) -> bool:
+        """Whether the 0xFF counts received equal those sent, name by name, decided on the device when both sides
+        list the same names in the same order on one device (the in-process sync: one comparison, one transfer);
+        False when that shortcut does not apply (the caller then compares by name)."""
+        rn = [n for names, _ in self._received for n in names]
+        sn = [n for names, _ in self._sent for n in names]
+        if rn != sn or not rn:
+            return not rn and not sn
+        rc = [c.reshape(-1) for _, c in self._received]
+        sc = [c.reshape(-1) for _, c in self._sent]
+        if len({c.device for c in (*rc, *sc)}) != 1:
+            return False
+        a = torch.cat(rc) if len(rc) > 1 else rc[0]
+        b = torch.cat(sc) if len(sc) > 1 else sc[0]
+        return a.shape == b.shape and bool(torch.equal(a, b))

@@ -36,6 +36,7 @@ def test_dequantize_exact_is_the_codec():
 
 def test_cpu_self_check_is_eager():
     engine = ReferenceEngine(tiny_checkpoint("qwen3_moe", RECIPE), device="cpu")
+    assert not engine.self_check_begin(0)  # nothing to queue without a graph
     a, b = engine.self_check(0), engine.self_check(0)
     assert a["graph"] == b["graph"] == "eager" and a["ok"] and _figures(a) == _figures(b)
 
@@ -52,6 +53,15 @@ def test_graph_replay_equals_eager_and_still_sees_stale_state(arch, recipe, monk
     assert first["graph"] == "eager, graph captured", first["graph"]
     assert second["graph"] == third["graph"] == "graph replay"
     assert _figures(first) == _figures(second) == _figures(third) and third["ok"]
+    # queued early (self_check_begin), collected by self_check: the same figures; a weight update drops it
+    assert engine.self_check_begin(0)
+    early = engine.self_check(0)
+    assert early["graph"] == "graph replay (queued early)" and _figures(early) == _figures(third)
+    assert engine.self_check_begin(0)
+    engine.begin_weight_update()
+    engine.finish_weight_update()
+    after = engine.self_check(0)
+    assert after["graph"] == "graph replay" and _figures(after) == _figures(third)
     monkeypatch.setenv("MILES_LP_SYNC_GRAPHS", "0")
     eager = engine.self_check(0)
     monkeypatch.delenv("MILES_LP_SYNC_GRAPHS")
