@@ -260,14 +260,32 @@ def _check_combinations(data: dict[str, Any], train: TrainConfig, rollout: Any, 
         # untruncated policy; samples drawn at another temperature or truncated by top-k/top-p would be scored
         # as if drawn from it (verl/slime divide the learner's logits by T; not implemented here)
         where = w.child("rollout").child("sampling")
-        for key, value, default in (("temperature", sampling.temperature, 1.0), ("top_p", sampling.top_p, 1.0),
-                                    ("top_k", sampling.top_k, -1)):
+        for key, value, default in (("top_p", sampling.top_p, 1.0), ("top_k", sampling.top_k, -1)):
             if value != default:
                 raise where.child(key).error(
                     f"{key} {value}: RL samples at {key} {default} only: the learner computes the log-probs of the "
-                    f"untempered, untruncated policy (the GRPO ratio, TIS/IcePop weights and rollout_corr/* use "
-                    f"them), so tokens drawn from another distribution would be scored as if drawn from that one. "
+                    f"untruncated policy (the GRPO ratio, TIS/IcePop weights and rollout_corr/* use them), so "
+                    f"tokens drawn from a truncated distribution would be scored as if drawn from the whole one. "
                     f"Set rollout.sampling.{key}: {default}")
+        t = sampling.temperature
+        if t == 0:
+            raise where.child("temperature").error(
+                "temperature 0 (greedy): every response of a group would be the same and GRPO's advantages zero; "
+                "use a temperature > 0 (1.0: the policy itself)")
+        if t != 1.0 and getattr(rollout, "backend", "reference") == "vllm":
+            raise where.child("temperature").error(
+                f"temperature {t:g}: this vLLM backend reports the raw (T = 1) log-probs only, and the learner "
+                "scores tokens at the sampling temperature; use rollout.backend reference or sglang, or temperature 1")
+        if t != 1.0 and getattr(rollout, "backend", None) == "sglang" and getattr(rollout, "server", None) == "sglang":
+            raise where.child("temperature").error(
+                f"temperature {t:g} with rollout.server sglang: which log-prob a stock SGLang server reports at a "
+                "temperature != 1 (after temperature, or the original with SGLANG_RETURN_ORIGINAL_LOGPROB) depends on "
+                "its version and environment, and was not verified here; use temperature 1 or rollout.server miles-lp")
+        if t != train.logits_temperature and "logits_temperature" in (data.get("train") or {}):
+            raise w.child("train").child("logits_temperature").error(
+                f"{train.logits_temperature:g} differs from rollout.sampling.temperature {t:g}: the learner must "
+                "score tokens at the temperature they were sampled at (drop train.logits_temperature: it follows "
+                "the rollout's)")
     if rl.routing_replay and getattr(rollout, "backend", "reference") == "vllm":
         raise w.child("rl").child("routing_replay").error(
             "routing replay needs the routed experts of every generated token, which vLLM's offline engine does not "
@@ -295,6 +313,9 @@ def parse_recipe(doc: YamlDoc) -> Recipe:
     _check_param_dtype(train, rollout, w.child("train").child("param_dtype"))
     ray = parse_dataclass(RayConfig, data.get("ray"), w.child("ray"))
     _check_combinations(data, train, rollout, rl, ray, w)
+    sampling = getattr(rollout, "sampling", None)
+    if sampling is not None and sampling.temperature != train.logits_temperature:
+        train = dataclasses.replace(train, logits_temperature=float(sampling.temperature))  # verl's actor temperature
     return Recipe(
         model=model,
         precision=parse_policy(data["precision"], w.child("precision")),

@@ -237,7 +237,10 @@ def sampling_for(recipe: Recipe, task):
     """The rollout's sampling parameters; stop tokens default to the task's (its EOS)."""
     ro = recipe.rollout
     stop = tuple(getattr(ro, "stop_token_ids", ()) or ()) or tuple(task.stop_token_ids)
-    return ro.sampling_params(stop_token_ids=stop)
+    # at a temperature != 1 the engine reports the log-prob of the tempered distribution it sampled from, the
+    # quantity the learner computes (train.logits_temperature follows rollout.sampling.temperature)
+    mode = "raw" if ro.sampling.temperature == 1.0 else "processed"
+    return ro.sampling_params(stop_token_ids=stop, logprob_mode=mode)
 
 
 class Run:

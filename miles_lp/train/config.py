@@ -67,6 +67,10 @@ class TrainConfig:
     #: master: the optimizer keeps fp32 masters, the model BF16 copies (gradients accumulated in fp32)
     param_dtype: Literal["fp32", "bf16"] | None = None
     device: str = "auto"  # embedded backend: auto (cuda if available) | cpu | cuda | cuda:N
+    #: the learner's log-probs are those of softmax(logits / logits_temperature) (verl's actor temperature): an RL
+    #: recipe sets it from rollout.sampling.temperature, so the ratio and the corrections score a token under the
+    #: distribution it was drawn from
+    logits_temperature: float = 1.0
     megatron: MegatronSection = dataclasses.field(default_factory=MegatronSection)
 
     def _validate(self, where: Where) -> None:
@@ -81,6 +85,8 @@ class TrainConfig:
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise where.child("grad_clip").error(
                 f"must be > 0 (or null to disable clipping), got {self.grad_clip}")
+        if not self.logits_temperature > 0:
+            raise where.child("logits_temperature").error(f"must be > 0, got {self.logits_temperature}")
         if self.micro_batch_tokens < 1:
             raise where.child("micro_batch_tokens").error(f"must be >= 1, got {self.micro_batch_tokens}")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):

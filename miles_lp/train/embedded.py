@@ -234,9 +234,12 @@ def split_by_token_budget(lengths: Sequence[int], budget: int, multiple: int) ->
 # ---------------------------------------------------------------------------------------------------------
 
 
-def token_logprobs_and_entropy(logits: torch.Tensor, pack: Pack) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per sequence: log p(x_t | x_<t) for t = 1..L-1 and the entropy of that distribution (fp32)."""
-    logp = F.log_softmax(logits[0].float(), dim=-1)  # [T, V]
+def token_logprobs_and_entropy(logits: torch.Tensor, pack: Pack, temperature: float = 1.0
+                               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per sequence: log p(x_t | x_<t) for t = 1..L-1 and the entropy of that distribution (fp32), p =
+    softmax(logits / temperature)."""
+    x = logits[0].float()
+    logp = F.log_softmax(x if temperature == 1.0 else x / temperature, dim=-1)  # [T, V]
     lps, ents = [], []
     for o, n in zip(pack.offsets, pack.lengths, strict=True):
         rows = logp[o:o + n - 1]  # predictions for tokens o+1 .. o+n-1
@@ -367,7 +370,7 @@ class PackedLearnerSteps:
         lps: list[torch.Tensor | None] = [None] * len(seqs)
         ents: list[torch.Tensor | None] = [None] * len(seqs)
         for pack in self.micro_batches(seqs, routes):
-            lp, ent = token_logprobs_and_entropy(self._forward(pack), pack)
+            lp, ent = token_logprobs_and_entropy(self._forward(pack), pack, self.config.logits_temperature)
             for i, a, b in zip(pack.indices, lp, ent, strict=True):
                 lps[i], ents[i] = a.cpu(), b.cpu()
         self._finish_routing()
@@ -381,7 +384,7 @@ class PackedLearnerSteps:
         totals = {"tokens": int(sum(float(_loss_mask(s).sum()) for s in samples)), "sequences": len(samples)}
         loss_sum, packs = 0.0, self.micro_batches(seqs, routes)
         for pack in packs:
-            lp, ent = token_logprobs_and_entropy(self._forward(pack), pack)
+            lp, ent = token_logprobs_and_entropy(self._forward(pack), pack, self.config.logits_temperature)
             loss = loss_fn(lp, ent, [samples[i] for i in pack.indices], totals)
             loss.backward()
             self._after_backward()

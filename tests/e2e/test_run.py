@@ -239,3 +239,23 @@ def test_megatron_learner_runs_the_main_job(tmp_path):
     assert rows[0]["rollout_corr/kl"] == 0.0
     assert all(r["sync/check/grid"] == 1.0 and r["sync/check/layer_audit"] == 1.0 for r in rows)
     assert rows[-1]["actor/step"] == 4.0  # two mini-batches per step
+
+
+def test_sampling_temperature_is_the_learners(recipe_file):
+    """At rollout.sampling.temperature 0.6 the engine reports the tempered log-prob and the learner divides its
+    logits by 0.6 (verl's actor temperature): the two agree token for token. A learner left at T = 1 scores the
+    same tokens differently (mean |dlogprob| ~0.06 here) while rollout_corr/kl stays near 0."""
+    import dataclasses
+
+    rows = {}
+    for name, force in (("t06", None), ("t06_learner_t1", 1.0)):
+        r = load_recipe(recipe_file, ["steps=1", "rollout.sampling.temperature=0.6"])
+        if force is not None:
+            r = dataclasses.replace(r, train=dataclasses.replace(r.train, logits_temperature=force))
+        run = Run.start(r, name)
+        try:
+            rows[name] = run.train()[0]
+        finally:
+            run.close()
+    assert rows["t06"]["rollout_corr/logprob_abs_diff_mean"] == 0.0 and rows["t06"]["rollout_corr/kl"] == 0.0
+    assert rows["t06_learner_t1"]["rollout_corr/logprob_abs_diff_mean"] > 0.01

@@ -116,11 +116,36 @@ def test_shipped_tiny_recipes_parse():
         load_recipe(p)
 
 
-@pytest.mark.parametrize("key, value", [("temperature", "0.6"), ("top_p", "0.9"), ("top_k", "20")])
-def test_rl_refuses_tempered_or_truncated_sampling(key, value):
-    """The learner's log-probs are the T = 1, untruncated policy's: other sampling would bias GRPO silently."""
+@pytest.mark.parametrize("sets, match", [
+    (["rollout.sampling.top_p=0.9"], r"rollout.sampling.top_p.*RL samples at top_p 1.0 only"),
+    (["rollout.sampling.top_k=20"], r"rollout.sampling.top_k.*RL samples at top_k -1 only"),
+    (["rollout.sampling.temperature=0"], r"rollout.sampling.temperature.*greedy"),
+    (["rollout.sampling.temperature=0.6", "rollout.backend=vllm", "rollout.device=auto"],
+     r"rollout.sampling.temperature.*vLLM backend reports the raw"),
+    (["rollout.sampling.temperature=0.6", "rollout.backend=sglang", "rollout.url=http://127.0.0.1:1",
+      "rollout.server=sglang", "rollout.device=auto"], r"rollout.sampling.temperature.*stock SGLang server"),
+    (["rollout.sampling.temperature=0.6", "train.logits_temperature=1.0"],
+     r"train.logits_temperature.*differs from rollout.sampling.temperature 0.6"),
+])
+def test_rl_refuses_sampling_the_learner_cannot_score(sets, match):
+    """The learner scores tokens under softmax(logits / T) of the whole vocabulary: truncated or greedy sampling,
+    or a learner temperature other than the sampler's, would bias GRPO silently."""
     from pathlib import Path
 
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "tiny-mxfp8.yaml"
-    with pytest.raises(ConfigError, match=rf"rollout.sampling.{key}.*RL samples at {key}"):
-        load_recipe(recipe, [f"rollout.sampling.{key}={value}"])
+    with pytest.raises(ConfigError, match=match):
+        load_recipe(recipe, sets)
+
+
+def test_the_learner_follows_the_sampling_temperature():
+    from pathlib import Path
+
+    from miles_lp.launch.runner import sampling_for
+    from miles_lp.rl.tasks import make_task
+
+    path = Path(__file__).resolve().parents[2] / "recipes" / "tiny-mxfp8.yaml"
+    r = load_recipe(path, ["rollout.sampling.temperature=0.6"])
+    assert r.train.logits_temperature == 0.6
+    assert sampling_for(r, make_task(r.task)).logprob_mode == "processed"  # the tempered log-prob, as the learner
+    r1 = load_recipe(path)
+    assert r1.train.logits_temperature == 1.0 and sampling_for(r1, make_task(r1.task)).logprob_mode == "raw"
