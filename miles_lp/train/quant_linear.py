@@ -215,8 +215,15 @@ class _ExpertView(WeightGrid):
 
 
 def _expert_linear(x: torch.Tensor, fused_weight: torch.Tensor, e: int, grid: WeightGrid) -> torch.Tensor:
-    """``x @ fused_weight[e].T`` on the fused grid; the gradient lands in row ``e`` of the fused weight."""
-    view = _ExpertView(grid, fused_weight, e)
+    """``x @ fused_weight[e].T`` on the fused grid; the gradient lands in row ``e`` of the fused weight.
+
+    The per-expert views are kept on the fused grid (one per expert, rebuilt if the fused weight object is
+    replaced): a view holds no tensors of its own, it reads the parent grid's per-step cache every call."""
+    views = grid.__dict__.setdefault("_expert_views", {})
+    view = views.get(e)
+    if (view is None or view.fused_weight is not fused_weight or view.recipe is not grid.recipe
+            or view.kernel != grid.kernel or view.cache_dequantized != grid.cache_dequantized):
+        view = views[e] = _ExpertView(grid, fused_weight, e)
     if _functorch_active():
         return QuantLinearFn.apply(x, fused_weight[e], None, view)
     return _APPLY(x, fused_weight[e], None, view)

@@ -285,6 +285,29 @@ def test_experts_forward_and_grads_match_reference(fmt, mode):
     torch.testing.assert_close(q_mod_src.down_proj.grad, ref_mod.down_proj.grad, rtol=1e-5, atol=1e-5)
 
 
+def test_expert_views_are_kept_per_step_and_follow_a_replaced_weight():
+    """QuantExperts keeps one per-expert view of each fused grid across forwards (no per-call WeightGrid);
+    a replaced fused parameter gets new views, and the output is the new weight's (equal to a fresh module)."""
+    src = _FakeExperts()
+    recipe = LinearRecipe(Format.MXFP8, DEQ)
+    qe = QuantExperts(src, recipe, recipe, *_members())
+    hidden = torch.randn(48, 64)
+    idx, rw = _routing()
+    y1 = qe(hidden, idx, rw)
+    views = dict(qe.gate_up_grid._expert_views)
+    assert sorted(views) == [0, 1, 2, 3]
+    assert torch.equal(qe(hidden, idx, rw), y1)
+    assert all(qe.gate_up_grid._expert_views[e] is v for e, v in views.items())  # reused
+    other = _FakeExperts(seed=7)
+    qe.gate_up_proj = other.gate_up_proj  # a new fused parameter object
+    qe.invalidate_grids()
+    y2 = qe(hidden, idx, rw)
+    assert all(qe.gate_up_grid._expert_views[e] is not v for e, v in views.items())
+    fresh = QuantExperts(_FakeExperts(), recipe, recipe, *_members())
+    fresh.gate_up_proj = other.gate_up_proj
+    assert torch.equal(y2, fresh(hidden, idx, rw)) and not torch.equal(y2, y1)
+
+
 def _ref_gate_up(x, gu, fmt, mode):
     if fmt is Format.MXFP8 or mode is QNT:
         return reference(x, gu, fmt, mode)
