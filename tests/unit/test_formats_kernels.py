@@ -220,6 +220,8 @@ def test_unmasked_forms_and_register_caps_only_where_they_apply(interpret):
     assert mx((64, 96))["consts"]["FULL"] == 0  # K not a multiple of the 256-column tile
     assert mx((64, 512), FULL=0)["consts"]["FULL"] == 0
     assert mx((64, 512), torch.bfloat16)["maxnreg"] == 0
+    swz = kernels._mxfp8_plan(torch.randn(64, 512), True, True, None, ("row", "col"), True, None, cfg)
+    assert (swz["maxnreg"], swz["consts"]["STV"], swz["consts"]["FULL"]) == (0, 0, 0)  # the 12-01c launch
     assert kernels._mxfp8_plan(torch.randn(48, 256), True, False, None, ("row",), False, None, cfg)["consts"]["FULL"] == 0
 
     def nv(shape, dq=None):
@@ -236,3 +238,41 @@ def test_unmasked_forms_and_register_caps_only_where_they_apply(interpret):
     finally:
         pairs.clear()
         pairs.update(old)
+
+
+_ZERO_POOL = """
+import json, torch
+from miles_lp.formats import kernels, quantize_nvfp4
+kernels._POOL_INTS = 48  # tiny: the pool is replaced after 48 ints, slices up to 3 ints
+x = torch.randn(3, 16, 32).bfloat16()
+got = []
+for i in range(20):  # 60 ints from pools of 48: one replacement (call 17); every call starts from zeros
+    t = x * (i + 1)
+    q, _ = kernels.nvfp4_quantize(t, "tensor")
+    ref = quantize_nvfp4(t)
+    got.append(bool(torch.equal(q.amax, ref.amax) and torch.equal(q.data, ref.data) and torch.equal(q.scale.view(torch.uint8), ref.scale.view(torch.uint8))))
+amaxes = [kernels.nvfp4_quantize(x * (i + 1), "tensor")[0].amax for i in range(3)]
+distinct = len({a.data_ptr() for a in amaxes}) == 3 and all(float(a.max()) > 0 for a in amaxes)
+big = kernels._zeros_i32(4, torch.device("cpu"))  # over the slice bound: its own zeros
+offsets = [ent[1] for ent in kernels._ZERO_POOLS.values()]
+print(json.dumps({"ok": got, "distinct": distinct, "big": big.tolist(), "offsets": offsets}))
+"""
+
+
+def test_per_matrix_amax_starts_from_fresh_zeros_from_the_pool():
+    """The per-tensor amax's atomic-max accumulator comes from a zeroed pool (no torch.zeros per call): every
+    call's slice is fresh (results equal the reference over repeated calls and a pool replacement), the
+    returned amax tensors never share memory, a slice over the bound gets its own zeros."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-c", _ZERO_POOL], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["ok"] == [True] * 20 and out["distinct"] and out["big"] == [0, 0, 0, 0]
+    assert out["offsets"] == [23 * 3 - 48]  # 23 calls of 3 ints: the second pool holds the last 7 (the pool is used)
+
+
+def test_decode_only_launch_needs_a_decode(interpret):
+    with pytest.raises(BackendUnavailable, match=r"store_q=False.*give dequant_dtype"):
+        kernels.mxfp8_quantize(torch.randn(32, 64), store_q=False)
+    with pytest.raises(BackendUnavailable, match=r"store_q=False.*an asked-for grid"):
+        kernels.mxfp8_quantize(torch.randn(32, 64), dequant_dtype=torch.bfloat16, dequant=("col",), store_q=False)

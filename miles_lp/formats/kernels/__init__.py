@@ -47,13 +47,20 @@ __all__ = [
 # 7deb728, [16384, 8192] bf16; byte identity re-checked with exactly these: selfcheck --config). MXFP8 tiles are
 # [32*BMB, 32*NB]; NVFP4 tiles [TA*TB, 16*NB]; ROWS = rows per program of the one-pass per-token kernel.
 CONFIG = {
-    "mxfp8": {"BMB": 1, "NB": 8, "num_warps": 2, "FULL": 1},  # one grid
+    # rowwise only (the codec hook, QuantLinear's qdq operand): STV 16 and FULL 1 (no load / store masks where the
+    # tiles cover x), 12-01d run 1: 109.9 us against 111.0 for the 12-01c form in the same sweep, bench rows
+    # rowwise 0.109 ms (0.91 of copy), qdq rowwise 0.196 ms (0.206 in 12-01c run 3)
+    "mxfp8": {"BMB": 1, "NB": 8, "num_warps": 2, "STV": 16, "FULL": 1},
+    # columnwise only: the 12-01c launch (the same SASS as then). With the rowwise entry's STV 16 / FULL 1 it
+    # measured 0.141 ms against 0.106-0.111 in 12-01c (12-01d run 1, when one entry served both).
+    "mxfp8_col": {"BMB": 1, "NB": 8, "num_warps": 2, "FULL": 0},
     # rowwise + columnwise in one pass. STV 16 (12-01d): the E4M3 tiles leave as 16-byte stores straight from
     # registers (the load then takes 16 elements per thread to match: no shared-memory re-layout; offline
     # sm_90 SASS at 32x256 / 2 warps 13.8 -> 12.9 per element, 16 -> 12 barriers, 46/42 -> 30/25 STS/LDS,
     # 168 registers with the cap, no spill). maxnreg: ptxas' cap, applied only without the decode outputs.
-    # FULL 1 (every MXFP8 / per-token key; 12-01d): no load / store masks where the tiles cover x exactly.
-    "mxfp8_both": {"BMB": 1, "NB": 8, "num_warps": 2, "STV": 16, "maxnreg": 168, "FULL": 1},
+    # H200 12-01d run 1 sweep: 156.4 us against 159.5 for the 12-01c form (STV 0) in the same list; FULL 1 159.2
+    # (the cap then spills 16 bytes); 1-warp 32x128 tiles 166-177. Bench row 0.155 ms, 0.86 of copy.
+    "mxfp8_both": {"BMB": 1, "NB": 8, "num_warps": 2, "STV": 16, "maxnreg": 168, "FULL": 0},
     # (an "STV": 8 entry in either: the E4M3 tiles stored from the load's layout, 8-byte stores, no shared-memory
     # re-layout: offline sm_90 SASS of 32x256 / 2 warps row+col 13.8 -> 13.1 per element, 16 -> 6 barriers,
     # but 168 -> 239 registers (4 programs per SM instead of 6). H200 12-01c run 3: row+col slower, 168.7 vs
@@ -76,8 +83,10 @@ CONFIG = {
     # the cap (166.7 us either way). Bytes checked with exactly these (selfcheck --config, both runs).
     # ENC 1 (12-01d): one clamp fewer in the E2M1 encode (min(|y|, 6); the sign from y, whose NaN is the GPU
     # multiply's canonical +NaN), the 16-block amax as a bf16x2 max tree on the raw pairs, the scale's
-    # reciprocal by rcp.rn.f32; offline SASS 18.1 -> 16.5 per element (qdq 26.8 -> 25.4), 80 registers and
-    # no spill at the cap (16 bytes before). ENC_dq: the same for the qdq form.
+    # reciprocal by rcp.rn.f32; FULL 1: no masks when one program's row fills the tile (RS 1, K = 16 * NB).
+    # Offline SASS 18.1 -> 15.7 per element (qdq 26.8 -> 23.7), 80 registers and no spill at the cap (16 bytes
+    # before). ENC_dq: the same for the qdq form. H200 12-01d run 1 sweep: 92.2 us against 107.1 for the 12-01c
+    # form (ENC 0, FULL 0) in the same list (ENC 1 alone 96.4, FULL 1 alone 100.4); qdq 158.4 vs 167.7.
     "nvfp4_pairs": {"enabled": True, "el_per_thread": 64, "RS": 1, "el_per_thread_dq": 32, "RS_dq": 1, "EVICT": 1,
                     "maxnreg": 80, "maxnreg_dq": 0, "ENC": 1, "ENC_dq": 1, "FULL": 1},
     # The same rows from a persistent grid (nvfp4_rows_persist_kernel, 12-01c round 2): "pps" programs per SM
@@ -348,21 +357,24 @@ class MXFP8Result:
 
 def mxfp8_quantize(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = False,
                    dequant_dtype: torch.dtype | None = None, dequant: tuple[str, ...] = ("row", "col"),
-                   swizzle: bool = False, name: str | None = None) -> MXFP8Result:
+                   swizzle: bool = False, name: str | None = None, store_q: bool = True) -> MXFP8Result:
     """MXFP8 (TE's rule, CONTRACT 1) of ``x`` [..., M, K]: the rowwise and/or columnwise grids in one launch.
 
     ``dequant_dtype`` (fp32 / bf16): also write the decode of the grids named in ``dequant``.
+    ``store_q=False``: write only the decodes (and the swizzled scales if asked), not the E4M3 data and compact
+    scales (``row`` / ``col`` are then None): for callers that use only the decoded operand (no allocation,
+    1.03 bytes per element and grid fewer written). The plan key's tag is then ``"mx-dq"``.
     Same checks and messages as ``quantize_mxfp8`` (K a multiple of 32; M too for ``colwise``).
     The checks, output shapes and launch parameters are worked out once per input shape / dtype / flags
     (``_PLANS``); a repeat call allocates its outputs and launches (QuantLinear's per-call host time).
     """
-    cfg = CONFIG["mxfp8_both" if (rowwise and colwise) else "mxfp8"]
+    cfg = CONFIG["mxfp8_both" if (rowwise and colwise) else "mxfp8" if rowwise else "mxfp8_col"]
     if not isinstance(x, torch.Tensor):
         check_input(x, "MXFP8", min_dim=1, name=name)
-    key = _plan_key(x, "mx", rowwise, colwise, dequant_dtype, dequant, swizzle, *cfg.items())
+    key = _plan_key(x, "mx" if store_q else "mx-dq", rowwise, colwise, dequant_dtype, dequant, swizzle, *cfg.items())
     plan = _PLANS.get(key)
     if plan is None:
-        plan = _mxfp8_plan(x, rowwise, colwise, dequant_dtype, dequant, swizzle, name, cfg)
+        plan = _mxfp8_plan(x, rowwise, colwise, dequant_dtype, dequant, swizzle, name, cfg, store_q)
         _PLANS[key] = plan
     mod = _module(x)
     xi, _ = _input(x)
@@ -383,8 +395,8 @@ def mxfp8_quantize(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = Fal
             plan["warps"], site=key, maxnreg=plan["maxnreg"], **plan["consts"])
     e4m3 = torch.float8_e4m3fn
     return MXFP8Result(
-        row=MXFP8Tensor(data=qr.view(e4m3), scale=sr, axis=-1) if rowwise else None,
-        col=MXFP8Tensor(data=qc.view(e4m3), scale=sc, axis=-2) if colwise else None,
+        row=MXFP8Tensor(data=qr.view(e4m3), scale=sr, axis=-1) if qr_s else None,
+        col=MXFP8Tensor(data=qc.view(e4m3), scale=sc, axis=-2) if qc_s else None,
         row_deq=_as(dr, dequant_dtype) if dr_s else None,
         col_deq=_as(dc, dequant_dtype) if dc_s else None,
         row_swizzled=wr if wr_s else None,
@@ -392,11 +404,16 @@ def mxfp8_quantize(x: torch.Tensor, *, rowwise: bool = True, colwise: bool = Fal
     )
 
 
-def _mxfp8_plan(x, rowwise: bool, colwise: bool, dequant_dtype, dequant, swizzle: bool, name, cfg) -> dict:
+def _mxfp8_plan(x, rowwise: bool, colwise: bool, dequant_dtype, dequant, swizzle: bool, name, cfg,
+                store_q: bool = True) -> dict:
     """``mxfp8_quantize``'s checks (same messages as the codec) and everything its launch needs."""
     check_input(x, "MXFP8", min_dim=2 if colwise else 1, name=name)
     if not (rowwise or colwise):
         raise BackendUnavailable("mxfp8_quantize: ask for rowwise and/or colwise")
+    if not store_q and (dequant_dtype is None or not any(
+            (g == "row" and rowwise) or (g == "col" and colwise) for g in dequant)):
+        raise BackendUnavailable("mxfp8_quantize(store_q=False) writes only decodes: give dequant_dtype and name "
+                                 "an asked-for grid in dequant (or keep store_q=True)")
     check_multiple(x, "MXFP8", -1, MXFP8_BLOCK, name=name, axis_label="axis=-1 (rowwise 32-blocks)")
     if colwise:
         check_multiple(x, "MXFP8", -2, MXFP8_BLOCK, name=name, axis_label="axis=-2 (columnwise 32-blocks)")
@@ -410,8 +427,9 @@ def _mxfp8_plan(x, rowwise: bool, colwise: bool, dequant_dtype, dequant, swizzle
     lead = shape[:-2]
     mats = r // m
     dq_row, dq_col = rowwise and out_kind > 0 and "row" in dequant, colwise and out_kind > 0 and "col" in dequant
-    shapes = (shape if rowwise else None, (*shape[:-1], k // MXFP8_BLOCK) if rowwise else None,
-              shape if colwise else None, (*lead, m // MXFP8_BLOCK, k) if colwise else None,
+    qrow, qcol = rowwise and store_q, colwise and store_q
+    shapes = (shape if qrow else None, (*shape[:-1], k // MXFP8_BLOCK) if qrow else None,
+              shape if qcol else None, (*lead, m // MXFP8_BLOCK, k) if qcol else None,
               shape if dq_row else None, shape if dq_col else None,
               (*lead, _ru(m, 128), _ru(k // MXFP8_BLOCK, 4)) if swizzle and rowwise else None,
               (*lead, _ru(k, 128), _ru(m // MXFP8_BLOCK, 4)) if swizzle and colwise else None)
@@ -421,12 +439,18 @@ def _mxfp8_plan(x, rowwise: bool, colwise: bool, dequant_dtype, dequant, swizzle
     return {"shapes": shapes, "out_dtype": torch.int16 if dequant_dtype == torch.bfloat16 else dequant_dtype,
             "rkm": (r, k, m), "grid": (triton_cdiv(r, 32 * bmb), triton_cdiv(k, 32 * nb)), "warps": cfg["num_warps"],
             # the register cap only without the decode outputs (those forms hold ~255 registers: a cap spills)
-            "maxnreg": 0 if (dq_row or dq_col) else cfg.get("maxnreg", 0),
+            # and without swizzled scales (that form keeps the 12-01c launch, below)
+            "maxnreg": 0 if (dq_row or dq_col or swizzle) else cfg.get("maxnreg", 0),
             "consts": dict(IN_KIND=in_kind, ROW=rowwise, COL=colwise, OUT_KIND=out_kind, DQ_ROW=dq_row,
                            DQ_COL=dq_col, SWZ=bool(swizzle) and mats >= 1, BMB=bmb, NB=nb,
-                           EVICT=cfg.get("EVICT", 0), STV=cfg.get("STV", 0),
+                           # swizzled scales: the 12-01c launch (STV 0, masks) unless STV_swz / FULL_swz say
+                           # otherwise: row + col + swizzle with STV 16 measured 0.189 ms against 0.172 (12-01d run 1
+                           # vs 12-01c run 3)
+                           EVICT=cfg.get("EVICT", 0), STV=cfg.get("STV_swz", 0) if swizzle else cfg.get("STV", 0),
+                           STQ=int(store_q),
                            # no masks where the tiles cover x exactly (R, K multiples of the tile)
-                           FULL=int(bool(cfg.get("FULL", 1)) and r % (32 * bmb) == 0 and k % (32 * nb) == 0))}
+                           FULL=int(bool(cfg.get("FULL_swz", 0) if swizzle else cfg.get("FULL", 1))
+                                    and r % (32 * bmb) == 0 and k % (32 * nb) == 0))}
 
 
 def quantize_mxfp8(x: torch.Tensor, axis: int = -1, name: str | None = None) -> MXFP8Tensor:
@@ -470,12 +494,34 @@ def _amax_launch(mod, xi, in_kind: int, mats: int, m: int, k: int, per_row: bool
     if per_row:
         out = torch.empty(mats * m, dtype=torch.float32, device=xi.device)
     else:
-        out = torch.zeros(mats, dtype=torch.int32, device=xi.device)  # fp32 bits; atomic max from 0
+        out = _zeros_i32(mats, xi.device)  # fp32 bits; atomic max from 0
     grid = (triton_cdiv(m, cfg["BM"]), mats)
     _launch(mod, "amax_kernel", grid, (xi, m, k, out), cfg["num_warps"], site=site and ("amax", *site),
             PER_ROW=per_row, IN_KIND=in_kind,
             BM=cfg["BM"], BK=cfg["BK"], K_ITERS=triton_cdiv(k, cfg["BK"]))
     return out if per_row else out.view(torch.float32)
+
+
+_ZERO_POOLS: dict[tuple, list] = {}  # (device, stream) -> [int32 zeros, next free offset]
+_POOL_INTS = 1 << 16
+
+
+def _zeros_i32(n: int, dev: torch.device) -> torch.Tensor:
+    """``n`` int32 zeros (the per-matrix amax's atomic-max start) as a slice of a pool zeroed once per 65536
+    ints, instead of a ``torch.zeros`` per call (an allocation and a fill launch: 33-54 us of host on the
+    H200 host of 12-01d). Each slice is handed out once (the caller keeps it as the amax); a full pool is
+    replaced, the old one freed when its last slice is. Pools are per stream (the fill is ordered before
+    every use on the stream it ran on); during CUDA-graph capture ``torch.zeros`` is used, so that each replay
+    zeroes its accumulator again."""
+    if n > _POOL_INTS // 16 or (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return torch.zeros(n, dtype=torch.int32, device=dev)
+    key = (dev, _stream(dev.index) if dev.type == "cuda" else None)
+    ent = _ZERO_POOLS.get(key)
+    if ent is None or ent[1] + n > _POOL_INTS:
+        ent = _ZERO_POOLS[key] = [torch.zeros(_POOL_INTS, dtype=torch.int32, device=dev), 0]
+    off = ent[1]
+    ent[1] = off + n
+    return ent[0][off:off + n]
 
 
 def matrix_amax(x: torch.Tensor) -> torch.Tensor:

@@ -278,11 +278,12 @@ def mxfp8_quantize_kernel(
     qc_ptr, sc_ptr, dc_ptr, wc_ptr,
     IN_KIND: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr, OUT_KIND: tl.constexpr,
     DQ_ROW: tl.constexpr, DQ_COL: tl.constexpr, SWZ: tl.constexpr, BMB: tl.constexpr, NB: tl.constexpr,
-    EVICT: tl.constexpr = 0, STV: tl.constexpr = 0, FULL: tl.constexpr = 0,
+    EVICT: tl.constexpr = 0, STV: tl.constexpr = 0, FULL: tl.constexpr = 0, STQ: tl.constexpr = 1,
 ):
     """One [BMB*32, NB*32] tile of x [R, K] (R = all rows; M rows per matrix, for the swizzle).
 
     FULL 1 (the plan's choice when R and K are multiples of the tile): no load or store masks.
+    STQ 0: the E4M3 data and compact scales are not stored (decode-only callers; q* / s* are placeholders).
 
     STV 8: the E4M3 tiles are stored through ``_store_q2`` (the 2-D tile, column offsets that show runs of
     8 contiguous bytes: the run one thread holds from its 16-byte load), so they leave from the load's layout
@@ -317,7 +318,9 @@ def mxfp8_quantize_kernel(
         xr = tl.reshape(x, [BM, NB, 32])
         e = _e8m0_round_up(_amax_fix(tl.max(tl.reshape(a, [BM, NB, 32]), axis=2, keep_dims=True)) * INV448)
         q = _e4m3_byte(xr * _e8m0_inverse(e))  # [BM, NB, 32]
-        if STV:
+        if not STQ:
+            pass
+        elif STV:
             _store_q2(qr_ptr, q, r2, c2, R, K, BM, BK, STV, EVICT, FULL)
         elif EVICT:  # streaming stores: the outputs are not read again by this kernel
             tl.store(qr_ptr + offs, q, mask=mask, cache_modifier=".cs")
@@ -327,7 +330,8 @@ def mxfp8_quantize_kernel(
         smask = (rows < R) & (scol < K // 32)
         if FULL:
             smask = None
-        tl.store(sr_ptr + rows.to(tl.int64) * (K // 32) + scol, e.to(tl.uint8), mask=smask)
+        if STQ:
+            tl.store(sr_ptr + rows.to(tl.int64) * (K // 32) + scol, e.to(tl.uint8), mask=smask)
         if SWZ:
             tl.store(wr_ptr + _swizzled(rows, scol, M, K // 32), e.to(tl.uint8), mask=smask)
         if DQ_ROW:
@@ -343,7 +347,9 @@ def mxfp8_quantize_kernel(
         xc = tl.reshape(x, [BMB, 32, BK])
         e = _e8m0_round_up(_amax_fix(tl.max(tl.reshape(a, [BMB, 32, BK]), axis=1, keep_dims=True)) * INV448)
         q = _e4m3_byte(xc * _e8m0_inverse(e))  # [BMB, 32, BK]
-        if STV:
+        if not STQ:
+            pass
+        elif STV:
             _store_q2(qc_ptr, q, r2, c2, R, K, BM, BK, STV, EVICT, FULL)
         elif EVICT:
             tl.store(qc_ptr + offs, q, mask=mask, cache_modifier=".cs")
@@ -353,7 +359,8 @@ def mxfp8_quantize_kernel(
         smask = (srow < R // 32) & (cols < K)
         if FULL:
             smask = None
-        tl.store(sc_ptr + srow.to(tl.int64) * K + cols, e.to(tl.uint8), mask=smask)
+        if STQ:
+            tl.store(sc_ptr + srow.to(tl.int64) * K + cols, e.to(tl.uint8), mask=smask)
         if SWZ:  # the transposed scale [K, M/32] of each matrix: (col, scale row within its matrix)
             mat = srow // (M // 32)
             t_r = mat * K + cols  # row of the stacked transposed scales [R/M * K, M/32]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import inspect
 import os
 import re
 import subprocess
@@ -55,6 +56,10 @@ def compile_kernel(name: str, signature: dict, constexprs: dict, num_warps: int,
 
     fn = getattr(_module(), name)
     params = fn.arg_names
+    # constexprs left out take the kernel's defaults, as a launch does (ASTSource would otherwise compile them
+    # as None: an ``if STQ:`` store then vanishes and the count is of an empty kernel)
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.name not in constexprs
+                     and p.default is not inspect.Parameter.empty}, **constexprs}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if signature.get(p, "constexpr") != "constexpr"}
     sig = {p: signature.get(p, "constexpr") for p in params}
     src = ASTSource(fn, sig, constexprs, attrs)

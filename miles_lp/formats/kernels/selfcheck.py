@@ -72,6 +72,19 @@ def _mx_both_ref(x, dtype=torch.bfloat16):
             "col.swz": swizzle_scales(c.scale.transpose(-1, -2))}
 
 
+def _mx_both_deq(x):
+    """Both grids and their bf16 decodes, no swizzled scales (QuantLinear's mxfp8_qdq_both form)."""
+    from miles_lp.formats import kernels
+
+    r = kernels.mxfp8_quantize(x, rowwise=True, colwise=True, dequant_dtype=torch.bfloat16)
+    return {"row.data": r.row.data, "row.scale": r.row.scale, "col.data": r.col.data, "col.scale": r.col.scale,
+            "row.deq": r.row_deq, "col.deq": r.col_deq}
+
+
+def _mx_both_deq_ref(x):
+    return {k: v for k, v in _mx_both_ref(x).items() if not k.endswith(".swz")}
+
+
 def _mx_both_q(x):
     """Both grids without decodes (the form the register cap applies to) and the swizzled scales."""
     from miles_lp.formats import kernels
@@ -133,6 +146,15 @@ def kernel_pairs() -> list[tuple[str, Callable, Callable]]:
     def nv_row_given_ref(x):
         amax = x.float().abs().nan_to_num(nan=0.0, posinf=math.inf).amax(dim=-1, keepdim=True) * 2
         return _nv(quantize_nvfp4(x, scale_scope="row", amax=amax))
+
+    def mx_deq_only(x):
+        r = k.mxfp8_quantize(x, rowwise=True, colwise=True, dequant_dtype=torch.bfloat16, swizzle=True, store_q=False)
+        if r.row is not None or r.col is not None:
+            raise AssertionError("mxfp8_quantize(store_q=False) returned E4M3 grids")
+        return {"row.deq": r.row_deq, "col.deq": r.col_deq, "row.swz": r.row_swizzled, "col.swz": r.col_swizzled}
+
+    def mx_deq_only_ref(x):
+        return {n: v for n, v in _mx_both_ref(x).items() if n.endswith((".deq", ".swz"))}
 
     def mx_col_deq_only(x):
         r = k.mxfp8_quantize(x, rowwise=True, colwise=True, dequant_dtype=torch.bfloat16, dequant=("col",))
@@ -231,19 +253,31 @@ def kernel_pairs() -> list[tuple[str, Callable, Callable]]:
          nv_row_ref(bf16)),
         ("mxfp8 row+col+deq+swizzle EVICT", mx_evict, _mx_both_ref),
         # E4M3 tiles stored from the load's layout (STV 8), with and without streaming stores; rowwise alone
-        ("mxfp8 row+col+deq+swizzle STV=8", mx_stv("mxfp8_both", _mx_both, STV=8), _mx_both_ref),
-        ("mxfp8 row+col STV=8 EVICT 1x4/1w", mx_stv("mxfp8_both", _mx_both, STV=8, EVICT=1, NB=4, num_warps=1),
-         _mx_both_ref),
+        ("mxfp8 row+col+deq STV=8", mx_stv("mxfp8_both", _mx_both_deq, STV=8), _mx_both_deq_ref),
+        ("mxfp8 row+col STV=8 EVICT 1x4/1w", mx_stv("mxfp8_both", _mx_both_deq, STV=8, EVICT=1, NB=4, num_warps=1),
+         _mx_both_deq_ref),
         ("mxfp8 rowwise STV=8", mx_stv("mxfp8", mx_row, STV=8), mx_row_ref),
         # 16-byte runs from registers (STV 16), whichever is the default; the tiles and caps the sweep tries
-        ("mxfp8 row+col+deq+swizzle STV=0", mx_stv("mxfp8_both", _mx_both, STV=0, maxnreg=0), _mx_both_ref),
-        ("mxfp8 row+col+deq+swizzle STV=16", mx_stv("mxfp8_both", _mx_both, STV=16), _mx_both_ref),
+        # (the swizzled-scale form keeps the 12-01c launch unless STV_swz / FULL_swz are set: the decode rows
+        # without swizzle are the ones that take STV / FULL)
+        ("mxfp8 row+col+deq", _mx_both_deq, _mx_both_deq_ref),
+        ("mxfp8 row+col+deq STV=0", mx_stv("mxfp8_both", _mx_both_deq, STV=0), _mx_both_deq_ref),
+        ("mxfp8 row+col+deq+swizzle STV_swz=16 FULL_swz=1", mx_stv("mxfp8_both", _mx_both, STV_swz=16, FULL_swz=1),
+         _mx_both_ref),
         ("mxfp8 row+col STV=16 1x4/1w maxnreg=168",
          mx_stv("mxfp8_both", lambda x: _mx_both_q(x), STV=16, NB=4, num_warps=1, maxnreg=168), _mx_both_q_ref),
         ("mxfp8 row+col STV=16 1x2/1w EVICT",
          mx_stv("mxfp8_both", lambda x: _mx_both_q(x), STV=16, NB=2, num_warps=1, EVICT=1), _mx_both_q_ref),
-        ("mxfp8 row+col+deq+swizzle FULL=0", mx_stv("mxfp8_both", _mx_both, FULL=0), _mx_both_ref),
+        ("mxfp8 row+col+deq FULL=1", mx_stv("mxfp8_both", _mx_both_deq, FULL=1), _mx_both_deq_ref),
+        ("mxfp8 row+col+deq STV=0 FULL=1", mx_stv("mxfp8_both", _mx_both_deq, STV=0, FULL=1), _mx_both_deq_ref),
+        ("mxfp8 row+col (no decodes: the register cap)", _mx_both_q, _mx_both_q_ref),
+        # decode-only launches (store_q=False: no E4M3 data / compact scales written)
+        ("mxfp8 decodes only row+col+swizzle", mx_deq_only, mx_deq_only_ref),
+        ("mxfp8 decode only rowwise fp32",
+         lambda x: {"deq": k.mxfp8_quantize(x, dequant_dtype=torch.float32, store_q=False).row_deq},
+         lambda x: {"deq": quantize_mxfp8(x).dequantize(torch.float32)}),
         ("mxfp8 rowwise FULL=0", mx_stv("mxfp8", mx_row, FULL=0), mx_row_ref),
+        ("mxfp8 rowwise STV=0 FULL=0 (12-01c)", mx_stv("mxfp8", mx_row, STV=0, FULL=0), mx_row_ref),
         ("mxfp8 rowwise STV=16", mx_stv("mxfp8", mx_row, STV=16), mx_row_ref),
         ("mxfp8 rowwise STV=16 1x4/1w", mx_stv("mxfp8", mx_row, STV=16, NB=4, num_warps=1), mx_row_ref),
         ("mxfp8 row+col+deq+swizzle", _mx_both, _mx_both_ref),
@@ -251,6 +285,10 @@ def kernel_pairs() -> list[tuple[str, Callable, Callable]]:
         ("mxfp8 row+col fp32 deq", lambda x: _mx_both(x, torch.float32), lambda x: _mx_both_ref(x, torch.float32)),
         ("mxfp8 rowwise", mx_row, mx_row_ref),
         ("mxfp8 codec hook row", lambda x: _comp(k.quantize_mxfp8(x, -1)), lambda x: _comp(quantize_mxfp8(x))),
+        ("mxfp8 codec hook col", lambda x: _comp(k.quantize_mxfp8(x, -2)),
+         lambda x: _comp(quantize_mxfp8(x, axis=-2))),
+        ("mxfp8 columnwise STV=16 FULL=1", mx_stv("mxfp8_col", lambda x: _comp(k.quantize_mxfp8(x, -2)), STV=16, FULL=1),
+         lambda x: _comp(quantize_mxfp8(x, axis=-2))),
         ("mxfp8 dequant row bf16", lambda x: mx_dq(x, -1, torch.bfloat16),
          lambda x: {"deq": quantize_mxfp8(x).dequantize(torch.bfloat16)}),
         ("mxfp8 dequant col fp32", lambda x: mx_dq(x, -2, torch.float32),
