@@ -32,7 +32,7 @@ _PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_digest_triton
 _MODULES: dict[bool, object] = {}
 _LOCK = threading.Lock()
 _TABLES: OrderedDict = OrderedDict()  # layout key -> (meta tensor, [(start, ntensors, nblocks, aligned, base index)])
-_TABLES_MAX = 16
+_TABLES_MAX = 32
 _TRITON: list[str | None] = []
 
 
@@ -103,7 +103,9 @@ def _remember(key: tuple, hit: tuple) -> tuple:
 def _tables(ptrs: tuple[int, ...], sizes: tuple[int, ...], slots: Sequence[int], mults: Sequence[int],
             device: torch.device):
     """The launch tables for tensors at these addresses and sizes (cached by them, the slots and multipliers):
-    ``(meta, [(start word, ntensors, nblocks, aligned, base tensor index)])``."""
+    ``(meta, [(start word, ntensors, nblocks, aligned, base tensor index)])``. As ``_copy_tables``: a second
+    cache keyed by all but the addresses (and which tensors are 16-byte aligned) keeps the per-layout arrays, so
+    tensors that are new every sync (the learner's export, counted for C5) cost a subtraction, not a rebuild."""
     import numpy as np
 
     key = (str(device), ptrs, sizes, tuple(slots), tuple(mults))
@@ -113,25 +115,32 @@ def _tables(ptrs: tuple[int, ...], sizes: tuple[int, ...], slots: Sequence[int],
     p = np.array(ptrs, dtype=np.uint64)
     n = np.array(sizes, dtype=np.int64)
     aligned = ((p & np.uint64(15)) == 0) & ((n & 15) == 0)
+    lkey = ("layout", key[0], sizes, key[3], key[4], aligned.tobytes())
+    lay = _cached(lkey)
+    if lay is None:
+        classes = []
+        for cls in (True, False):
+            idx = np.nonzero(aligned == cls)[0]
+            if not idx.size:
+                continue
+            nonempty = idx[n[idx] > 0]
+            base = int(nonempty[0] if nonempty.size else idx[0])  # offsets are from this tensor's address
+            rows = np.maximum(1, -(-n[idx] // ROW_BYTES))
+            nblk = -(-rows // ROWS)
+            tens = np.repeat(np.arange(idx.size, dtype=np.int64), nblk)
+            first = np.cumsum(nblk) - nblk
+            r0 = (np.arange(tens.size, dtype=np.int64) - first[tens]) * ROWS
+            ent = np.stack([np.zeros(idx.size, dtype=np.int64), n[idx], np.asarray(slots, dtype=np.int64)[idx],
+                            np.asarray(mults, dtype=np.int64)[idx]], axis=1)
+            classes.append((cls, idx, base, ent, np.stack([tens, r0], axis=1).reshape(-1)))
+        lay = _remember(lkey, classes)
     metas, launches, words = [], [], 0
-    for cls in (True, False):
-        idx = np.nonzero(aligned == cls)[0]
-        if not idx.size:
-            continue
-        nonempty = idx[n[idx] > 0]
-        base = int(nonempty[0] if nonempty.size else idx[0])  # offsets are from this tensor's address
-        off = (p[idx] - p[base]).astype(np.int64)  # wraps to the signed difference
-        rows = np.maximum(1, -(-n[idx] // ROW_BYTES))
-        nblk = -(-rows // ROWS)
-        tens = np.repeat(np.arange(idx.size, dtype=np.int64), nblk)
-        first = np.cumsum(nblk) - nblk
-        r0 = (np.arange(tens.size, dtype=np.int64) - first[tens]) * ROWS
-        ent = np.stack([off, n[idx], np.asarray(slots, dtype=np.int64)[idx],
-                        np.asarray(mults, dtype=np.int64)[idx]], axis=1).reshape(-1)
-        blocks = np.stack([tens, r0], axis=1).reshape(-1)
-        metas.append(np.concatenate([ent, blocks]))
-        launches.append((words, int(idx.size), int(tens.size), cls, base))
-        words += ent.size + blocks.size
+    for cls, idx, base, ent, blocks in lay:
+        e = ent.copy()
+        e[:, 0] = (p[idx] - p[base]).astype(np.int64)  # wraps to the signed difference
+        metas.append(np.concatenate([e.reshape(-1), blocks]))
+        launches.append((words, int(idx.size), int(blocks.size // 2), cls, base))
+        words += metas[-1].size
     meta = torch.from_numpy(np.concatenate(metas)).to(device)
     return _remember(key, (meta, launches))
 
@@ -217,7 +226,12 @@ def ff_counts(tensors: Sequence[torch.Tensor], *, interpret: bool | None = None)
 def _copy_tables(sptrs: tuple[int, ...], sizes: tuple[int, ...], dsts: tuple[int, ...], dst_ptr: int,
                  slots: tuple[int, ...], mults: tuple[int, ...], device: torch.device):
     """``copy_into``'s tables (cached by source addresses, sizes, destination offsets, buffer address, slots and
-    multipliers): ``(meta, [(start word, ntensors, nblocks, aligned, source base index)])``."""
+    multipliers): ``(meta, [(start word, ntensors, nblocks, aligned, source base index)])``.
+
+    The sources are new tensors every sync (the learner's export), so their addresses rarely repeat; everything
+    else does. A second cache keyed by all but the addresses (and by which sources are 16-byte aligned: that
+    decides the launch classes) keeps the per-layout arrays, so a new set of addresses costs one subtraction
+    and one concatenation, not the whole table build."""
     import numpy as np
 
     key = ("copy", str(device), sptrs, sizes, dsts, dst_ptr, slots, mults)
@@ -225,25 +239,34 @@ def _copy_tables(sptrs: tuple[int, ...], sizes: tuple[int, ...], dsts: tuple[int
     if hit is not None:
         return hit
     p = np.array(sptrs, dtype=np.uint64)
-    n = np.array(sizes, dtype=np.int64)
-    d = np.array(dsts, dtype=np.int64)
-    aligned = ((p & np.uint64(15)) == 0) & ((n & 15) == 0) & (((d + dst_ptr) & 15) == 0)
+    src_aligned = (p & np.uint64(15)) == 0
+    lkey = ("copy-layout", str(device), sizes, dsts, dst_ptr, slots, mults, src_aligned.tobytes())
+    lay = _cached(lkey)
+    if lay is None:
+        n = np.array(sizes, dtype=np.int64)
+        d = np.array(dsts, dtype=np.int64)
+        aligned = src_aligned & ((n & 15) == 0) & (((d + dst_ptr) & 15) == 0)
+        classes = []
+        for cls in (True, False):
+            idx = np.nonzero(aligned & (n > 0) if cls else ~aligned & (n > 0))[0]
+            if not idx.size:
+                continue
+            rows = -(-n[idx] // ROW_BYTES)
+            nblk = -(-rows // ROWS)
+            tens = np.repeat(np.arange(idx.size, dtype=np.int64), nblk)
+            first = np.cumsum(nblk) - nblk
+            r0 = (np.arange(tens.size, dtype=np.int64) - first[tens]) * ROWS
+            ent = np.stack([np.zeros(idx.size, dtype=np.int64), n[idx], d[idx],
+                            np.asarray(slots, dtype=np.int64)[idx], np.asarray(mults, dtype=np.int64)[idx]], axis=1)
+            classes.append((cls, idx, ent, np.stack([tens, r0], axis=1).reshape(-1)))
+        lay = _remember(lkey, classes)
     metas, launches, words = [], [], 0
-    for cls in (True, False):
-        idx = np.nonzero(aligned & (n > 0) if cls else ~aligned & (n > 0))[0]
-        if not idx.size:
-            continue
+    for cls, idx, ent, blocks in lay:
         base = int(idx[0])
-        off = (p[idx] - p[base]).astype(np.int64)
-        rows = -(-n[idx] // ROW_BYTES)
-        nblk = -(-rows // ROWS)
-        tens = np.repeat(np.arange(idx.size, dtype=np.int64), nblk)
-        first = np.cumsum(nblk) - nblk
-        r0 = (np.arange(tens.size, dtype=np.int64) - first[tens]) * ROWS
-        ent = np.stack([off, n[idx], d[idx], np.asarray(slots, dtype=np.int64)[idx],
-                        np.asarray(mults, dtype=np.int64)[idx]], axis=1).reshape(-1)
-        metas.append(np.concatenate([ent, np.stack([tens, r0], axis=1).reshape(-1)]))
-        launches.append((words, int(idx.size), int(tens.size), cls, base))
+        e = ent.copy()
+        e[:, 0] = (p[idx] - p[base]).astype(np.int64)  # source offsets from the base source (wraps: signed)
+        metas.append(np.concatenate([e.reshape(-1), blocks]))
+        launches.append((words, int(idx.size), int(blocks.size // 2), cls, base))
         words += metas[-1].size
     meta = torch.from_numpy(np.concatenate(metas) if metas else np.zeros(1, dtype=np.int64)).to(device)
     return _remember(key, (meta, launches))

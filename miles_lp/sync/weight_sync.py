@@ -435,7 +435,8 @@ class WeightSync:
 
     def _grid(self, items: list[Item], full: bool, engine_q: Mapping[str, Any],
               groups: Mapping[str, list[str]] | None = None,
-              mine: Mapping[str, str] | tuple[list[str], list[int]] | None = None, layout: _Layout | None = None, state: dict[str, Any] | None = None) -> Verdict:
+              mine: Mapping[str, str] | tuple[list[str], list[int]] | None = None, layout: _Layout | None = None,
+              state: dict[str, Any] | None = None) -> Verdict:
         expected: Mapping[str, torch.Tensor] | None = None  # {name: export tensor}, built only where needed
         if full:
             expected = {it.name: it.tensor for it in items}

@@ -56,7 +56,8 @@ def test_check_state_sees_a_rebound_parameter_a_data_swap_and_a_reregistered_buf
     lin.weight = torch.nn.Parameter(old.detach().clone(), requires_grad=False)
     now = engine.check_state(None)
     moved = dict(zip(now["names"], now["pointers"], strict=True))
-    assert moved[lin.prefix + "weight"] != dict(zip(base["names"], base["pointers"]))[lin.prefix + "weight"]
+    was = dict(zip(base["names"], base["pointers"], strict=True))
+    assert moved[lin.prefix + "weight"] != was[lin.prefix + "weight"]
     assert moved == engine.storage_pointers()
     lin.weight = old
     assert engine.check_state(None)["pointers"] == base["pointers"]
@@ -76,8 +77,8 @@ def test_check_state_sees_a_rebound_parameter_a_data_swap_and_a_reregistered_buf
     shadow = lin.weight.detach().clone()
     lin.__dict__["weight"] = shadow
     try:
-        assert dict(zip(base["names"], engine.check_state(None)["pointers"]))[lin.prefix + "weight"] == \
-            shadow.data_ptr()
+        now = dict(zip(base["names"], engine.check_state(None)["pointers"], strict=True))
+        assert now[lin.prefix + "weight"] == shadow.data_ptr()
     finally:
         del lin.__dict__["weight"]
     assert engine.check_state(None)["pointers"] == base["pointers"]

@@ -70,6 +70,30 @@ def test_joint_scale_check_catches_separate_nvfp4_global_scales():
     assert checks.joint_scales([], {}).status == "skipped"
 
 
+def test_joint_scale_check_paths_agree():
+    """The healthy shortcuts (the same memory: views of one scale; else two stacks and one comparison) give the
+    general path's verdicts: equal values in separate tensors pass; a different value, another dtype (also at
+    the same address) or a missing member fail."""
+    base = torch.rand(40)
+    groups = [(f"g{i}", [f"a{i}", f"b{i}"]) for i in range(40)]
+    views = {**{f"a{i}": base[i] for i in range(40)}, **{f"b{i}": base[i] for i in range(40)}}
+    v = checks.joint_scales(groups, views)
+    assert v.ok and "one tensor each" in v.reason
+    copies = {**views, **{f"b{i}": base[i].clone() for i in range(40)}}
+    v = checks.joint_scales(groups, copies)
+    assert v.ok and "one tensor each" not in v.reason
+    bad = {**copies, "b7": base[7] + 1}
+    v = checks.joint_scales(groups, bad)
+    assert v.failed and v.examples[0].startswith("g7 ")
+    reint = {**views, "b9": base.view(torch.int32)[9]}  # the same address, another dtype: not one scale
+    assert checks.joint_scales(groups, reint).failed
+    assert checks.joint_scales(groups, {**views, "b3": base[3].to(torch.float16)}).failed
+    missing = dict(views)
+    del missing["b5"]
+    v = checks.joint_scales(groups, missing)
+    assert v.failed and "missing" in v.examples[0]
+
+
 def test_self_check_tolerance_nan_and_skip():
     assert checks.self_check({"layers": {"a.weight": 0.03, "e.weight": {"rel_err": 0.05}}}, 0.25).ok
     v = checks.self_check({"layers": {"a.weight": 0.03, "e.weight": {"rel_err": 1.4}}}, 0.25)

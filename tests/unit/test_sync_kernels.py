@@ -83,6 +83,43 @@ def _interpreted(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=300, cwd=root)
 
 
+_COPY_TWICE = r"""
+import json, torch
+from miles_lp.sync import kernels
+g = torch.Generator().manual_seed(7)
+sizes = [1, 3, 16, 17, 4095, 4096, 4097, 8 * 4096 + 5, 40000, 64]
+offs, o = [], 0
+for n in sizes:
+    offs.append(o)
+    o += n + (-(n) % 16)
+bad = []
+layouts = 0
+buf = torch.empty((o,), dtype=torch.uint8)  # one staging buffer, as the transport's
+for rnd in range(4):  # new source tensors every round (new addresses), the same layout
+    pool = torch.randint(0, 255, (1 << 18,), dtype=torch.uint8, generator=g)
+    shift = 16 * rnd if rnd < 2 else rnd  # rounds 0-1 keep the alignment classes, 2-3 change them
+    srcs = [pool[shift + 1008 * i: shift + 1008 * i + n] for i, n in enumerate(sizes)]
+    buf.fill_(0xFF)
+    kernels.copy_into(buf, srcs, offs)
+    want = torch.full((o,), 0xFF, dtype=torch.uint8)
+    for t, off in zip(srcs, offs):
+        want[off:off + t.numel()] = t
+    bad.append(int((buf != want).sum()))
+    layouts = sum(1 for k in kernels._TABLES if k[0] == "copy-layout")
+print(json.dumps({"bad": bad, "layouts": layouts}))
+"""
+
+
+def test_copy_tables_for_new_source_addresses_reuse_the_layout_and_copy_exactly():
+    """The bucket fill's tables rebuilt from the per-layout arrays when only the sources' addresses change
+    (every sync: the export's tensors are new): the bytes equal a plain copy, whether the alignment classes stay
+    (the layout entry reused) or change (a new one)."""
+    proc = _interpreted("-c", _COPY_TWICE)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["bad"] == [0, 0, 0, 0] and 1 < res["layouts"] <= 3, res
+
+
 def test_kernel_equals_the_reference_on_awkward_tensors_in_the_interpreter():
     proc = _interpreted("-m", "miles_lp.sync.kernels", "--device", "cpu")
     res = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {}
