@@ -160,16 +160,17 @@ class _MXPlan:
         self.bound, self.dev = bound, x.device
         self.r, self.k, self.m = plan["rkm"]
         qr_s, sr_s, qc_s, sc_s, dr_s, dc_s = plan["shapes"][:6]
-        self.row, self.col = rowwise, colwise
+        self.row, self.col = qr_s is not None, qc_s is not None  # (grids stored: not with store_q=False)
         self.dq_row, self.dq_col = dr_s is not None, dc_s is not None
         self.shape, self.sr, self.sc, self.out = tuple(x.shape), sr_s, sc_s, dtype
 
 
 def mxfp8(x: torch.Tensor, rowwise: bool, colwise: bool, dtype: torch.dtype | None,
-          dequant: tuple[str, ...] = ("row", "col")):
+          dequant: tuple[str, ...] = ("row", "col"), store_q: bool = True):
     """``(row, row_deq, col, col_deq)`` of ``kernels.mxfp8_quantize(x, rowwise=, colwise=, dequant_dtype=dtype,
-    dequant=dequant)`` (None where not asked for). ``x`` on CUDA (or the interpreter), checks as the entry's."""
-    key = _key(x, rowwise, colwise, dtype, dequant)
+    dequant=dequant, store_q=store_q)`` (None where not asked for or not stored). ``x`` on CUDA (or the
+    interpreter), checks as the entry's."""
+    key = _key(x, rowwise, colwise, dtype, dequant, store_q)
     p = _MX.get(key)
     if p and not _kernels()._hooks_set():
         dev, shape = p.dev, p.shape
@@ -183,10 +184,14 @@ def mxfp8(x: torch.Tensor, rowwise: bool, colwise: bool, dtype: torch.dtype | No
         return (MXFP8Tensor(qr, sr, -1) if p.row else None, dr if p.dq_row else None,
                 MXFP8Tensor(qc, sc, -2) if p.col else None, dc if p.dq_col else None)
     K = _kernels()
-    res = K.mxfp8_quantize(x, rowwise=rowwise, colwise=colwise, dequant_dtype=dtype, dequant=dequant)
+    if store_q:  # (the entry point's default: callable on a kernels module without the store_q flag)
+        res = K.mxfp8_quantize(x, rowwise=rowwise, colwise=colwise, dequant_dtype=dtype, dequant=dequant)
+    else:
+        res = K.mxfp8_quantize(x, rowwise=rowwise, colwise=colwise, dequant_dtype=dtype, dequant=dequant,
+                               store_q=False)
     if p is None and _bindable(x):
-        kkey, plan = _find((x.shape, x.dtype, x.device, x.data_ptr() & 15, True, "mx", rowwise, colwise, dtype,
-                            dequant, False))
+        kkey, plan = _find((x.shape, x.dtype, x.device, x.data_ptr() & 15, True, "mx" if store_q else "mx-dq",
+                            rowwise, colwise, dtype, dequant, False))
         bound = plan and _site(kkey, K._module(x), "mxfp8_quantize_kernel", 12, _MX_NAMES, plan["grid"],
                                x.get_device(), plan["consts"])
         if bound is not None and not any(plan["shapes"][6:]):

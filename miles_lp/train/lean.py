@@ -7,6 +7,8 @@ once per forward (not per kernel call), one ctx attribute for everything backwar
 ``F.linear`` (as the general path), and no saved weight tensors in ``dequantized`` mode when
 the step's dequantized weight is cached (the grid holds the weight's grid anyway; dgrad reads the cached
 decode). x's saved tensors are what its decode reads (MXFP8: data, scale; NVFP4: data, scale, global scale).
+Operands used only decoded are not stored (``store_q=False``: MXFP8 high_precision's forward x, ``quantized``
+mode's grad_output): no allocation for their E4M3 data and scales, 1.03 bytes per element and grid not written.
 Everything else (modes, operands, padding, checks and their messages) is ``gemm``'s rule, unchanged; the
 equality with the reference path is tested bit for bit (``tests/unit/test_train_lean.py``,
 ``test_train_kernel_launches.py``, ``pytest -m gpu``).
@@ -47,6 +49,8 @@ def forward(ctx, x, weight, bias, grid, op):
         wq, w_deq = grid.rowwise_dequantized(weight, op)
     if mode is _QN and x.shape[0] % MXFP8_BLOCK == 0:
         xq, x_deq, xc, _ = launch.mxfp8(x, True, True, op, ("row",))
+    elif mode is _HP and recipe.format is _MX:  # backward reads x itself: only the decode (store_q=False)
+        xq, x_deq = None, launch.mxfp8(x, True, False, op, ("row", "col"), False)[1]
     else:
         xq, x_deq = _x_qdq(x, recipe, op)
     y = _linear(x_deq, w_deq)  # (the transpose inside the C++ op: one Python call fewer than mm(x, w.t()))
@@ -122,11 +126,11 @@ def backward(ctx, dy):
         if need_x and need_w and dy.shape[0] % MXFP8_BLOCK == 0:
             check_operand(dy, recipe, -1, "grad_output")
             check_operand(dy, recipe, -2, "grad_output")
-            _, g_row, _, g_col = launch.mxfp8(dy, True, True, op)  # both grids of dy from one read
+            _, g_row, _, g_col = launch.mxfp8(dy, True, True, op, ("row", "col"), False)  # both decodes, one read
         if need_x:  # blocks along N (dgrad reduces over N)
             if g_row is None:
                 check_operand(dy, recipe, -1, "grad_output")
-                g_row = launch.mxfp8(dy, True, False, op)[1]
+                g_row = launch.mxfp8(dy, True, False, op, ("row", "col"), False)[1]
             dx = _mm(g_row, launch.mxfp8_decode(wcd, wcs, -2, op))
         if need_w:
             if g_col is None:
@@ -134,7 +138,7 @@ def backward(ctx, dy):
 
                 dy_p = _pad_rows(dy, MXFP8_BLOCK)
                 check_operand(dy_p, recipe, -2, "grad_output")
-                g_col = launch.mxfp8(dy_p, False, True, op)[3]
+                g_col = launch.mxfp8(dy_p, False, True, op, ("row", "col"), False)[3]
             dw = _mm(g_col.t(), launch.mxfp8_decode(xcd, xcs, -2, op))  # padded zero rows add nothing
     if has_bias:
         db = dy.float().sum(0)
