@@ -33,7 +33,7 @@ def _selfcheck(*args: str) -> tuple[list[dict], dict, int]:
     TRITON_INTERPRET=1 for its own library functions to be interpreted). Returns (rows, encoders, rc)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, "-m", "miles_lp.formats.kernels.selfcheck", "--device", "cpu", *args],
-                          capture_output=True, text=True, env=env, timeout=600)
+                          capture_output=True, text=True, env=env, timeout=1800)  # small cases: ~3 min idle, >10 loaded
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     rows = [r for r in lines if "case" in r]
     enc = next((r for r in lines if "encoders_checked" in r), {})
