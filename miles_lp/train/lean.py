@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from miles_lp.formats.mxfp8 import MXFP8Tensor
 from miles_lp.formats.nvfp4 import NVFP4Tensor
 from miles_lp.formats.spec import MXFP8_BLOCK, BackwardMode, Format
 from miles_lp.train import launch
