@@ -160,3 +160,27 @@ def test_selftest_engine_vllm_refusal_says_what_is_and_is_not_mapped(capsys):
     assert main(["selftest", "sync", "--engine", "vllm"]) == 2
     err = capsys.readouterr().err
     assert "not mapped onto the vLLM backend" in err and "tests/e2e/test_run_vllm.py" in err
+
+
+def test_storage_through_the_shared_engine_call_sees_a_data_swap_and_a_reregistered_buffer(stack):
+    """C4 from ``check_state`` (one read for C2 and C4): healthy syncs clean; after the engine's storage moves
+    under a module whose Parameter object is kept (``.data`` swapped) or under a derived buffer re-registered
+    from outside, the next sync's ``storage`` fails naming that tensor (C2 still equal: the bytes are right)."""
+    engine = _engine(stack)
+    ws = _sync(stack, engine)
+    assert ws._shared and ws.initial_sync(stack.learner).ok and ws.sync(stack.learner).ok
+    lin = next(m for m in engine._linears if m.kernel_format is not None and m.kernel_format.quantized)
+    lin.weight.data = lin.weight.data.clone()  # the same object, new storage: not what a captured graph reads
+    with pytest.raises(SyncCheckError) as err:
+        ws.sync(stack.learner)
+    v = err.value.report.verdict("storage")
+    assert v.failed and any(e.startswith(f"{lin.prefix}weight") for e in v.examples)
+    engine2 = _engine(stack)
+    ws2 = _sync(stack, engine2)
+    assert ws2.initial_sync(stack.learner).ok
+    lin2 = next(m for m in engine2._linears if m.kernel_format is not None and m.kernel_format.quantized)
+    lin2.register_buffer("operand", lin2.operand.clone(), persistent=False)
+    with pytest.raises(SyncCheckError) as err:
+        ws2.sync(stack.learner)
+    v = err.value.report.verdict("storage")
+    assert v.failed and f"{lin2.prefix}operand" in v.examples
