@@ -46,7 +46,9 @@ def _write_atomic(path: Path, text: str) -> None:
 
 class RunDir:
     def __init__(self, path: str | Path):
-        self.path = Path(path)
+        # absolute: the run's paths are handed to other processes (the vLLM worker runs in a temp folder, an SGLang
+        # server in its own working directory) that would resolve a relative one against their own
+        self.path = Path(path).absolute()
 
     # ---- creation -------------------------------------------------------------------------------------
     @classmethod

