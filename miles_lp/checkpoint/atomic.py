@@ -97,9 +97,11 @@ def env_error(exc: OSError, what: str, folder: Path | None = None) -> Checkpoint
                            "Nothing was written.")
 
 
-# What a folder written by this project (or an HF checkpoint) holds at its top: only such a folder (or an
-# empty one) is replaced by ``--overwrite``, so a mistyped ``--output ~`` cannot delete a home directory.
-_OURS = ("config.json", "miles_lp_plan.json", "state.json", "loop.json", "miles_lp_tiny.json")
+# ``--overwrite`` replaces an empty folder, one this project wrote (its records at the top), or an HF checkpoint
+# whose every top-level entry is a checkpoint file (no subfolder): a mistyped ``--output ~`` or a project folder
+# with a stray config.json is never deleted.
+_OUR_RECORDS = ("miles_lp_plan.json", "miles_lp_tiny.json", "loop.json", "state.json")
+_CHECKPOINT_FILES = (".json", ".safetensors", ".model", ".tiktoken", ".txt", ".md", ".jinja", ".py")
 
 
 def _replaceable(out: Path) -> bool:
@@ -107,7 +109,11 @@ def _replaceable(out: Path) -> bool:
         entries = list(out.iterdir())
     except OSError:
         return False
-    return not entries or any(e.name in _OURS or e.suffix == ".safetensors" for e in entries)
+    if not entries or any(e.name in _OUR_RECORDS for e in entries):
+        return True
+    has_weights = any(e.suffix == ".safetensors" for e in entries)
+    return has_weights and (out / "config.json").is_file() and all(
+        e.is_file() and (e.suffix in _CHECKPOINT_FILES or e.name.startswith("tokenizer")) for e in entries)
 
 
 def check_output_target(out: str | Path, overwrite: bool, inputs: tuple[str | Path, ...] = ()) -> Path:
@@ -133,9 +139,9 @@ def check_output_target(out: str | Path, overwrite: bool, inputs: tuple[str | Pa
             raise CheckpointError(f"output folder {out} already exists; pass --overwrite to replace it "
                                   "(it is replaced only after the new checkpoint is complete)")
         if not _replaceable(out):
-            raise CheckpointError(f"output folder {out} is not empty and holds no checkpoint (no config.json, "
-                                  "*.safetensors or miles-lp record at its top): --overwrite replaces checkpoints "
-                                  "only; choose another --output or remove the folder yourself")
+            raise CheckpointError(f"output folder {out} is not empty and is not a checkpoint (no miles-lp record at "
+                                  "its top, nor config.json + *.safetensors with checkpoint files only): --overwrite "
+                                  "replaces checkpoints only; choose another --output or remove the folder yourself")
     return out
 
 

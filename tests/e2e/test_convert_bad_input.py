@@ -179,6 +179,7 @@ def test_existing_output_and_overwrite(capsys, src, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "config.json").write_text("x")  # an earlier checkpoint
+    (out / "model.safetensors").write_bytes(b"")
     rc, err = run(capsys, src, out)
     assert rc == 2 and "already exists; pass --overwrite" in err and (out / "config.json").read_text() == "x"
     rc, err = run(capsys, src, out, "--format", "mxfp8", "--overwrite")
@@ -215,9 +216,20 @@ def test_overwrite_replaces_only_a_checkpoint_folder(capsys, src, tmp_path):
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     rc, err = run(capsys, src, out, "--format", "mxfp8", "--overwrite")
-    assert rc == 2 and "holds no checkpoint" in err and "--overwrite replaces checkpoints only" in err
+    assert rc == 2 and "is not a checkpoint" in err and "--overwrite replaces checkpoints only" in err
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
-    (out / "notes.txt").unlink()  # an empty folder is replaced
+    # a project folder with a config.json and a stray .safetensors at its top, and a subfolder: kept
+    (out / "config.json").write_text("{}")
+    (out / "w.safetensors").write_bytes(b"")
+    (out / "src").mkdir()
+    (out / "src" / "main.py").write_text("code")
+    rc, err = run(capsys, src, out, "--format", "mxfp8", "--overwrite")
+    assert rc == 2 and "is not a checkpoint" in err and (out / "src" / "main.py").read_text() == "code"
+    shutil.rmtree(out / "src")  # now an HF checkpoint's files only (config.json + *.safetensors + a note): replaced
+    assert run(capsys, src, out, "--format", "mxfp8", "--overwrite")[0] == 0
+    assert (out / "miles_lp_plan.json").is_file() and not (out / "notes.txt").exists()
+    shutil.rmtree(out)
+    out.mkdir()  # an empty folder is replaced
     assert run(capsys, src, out, "--format", "mxfp8", "--overwrite")[0] == 0
     assert (out / "config.json").is_file()
 

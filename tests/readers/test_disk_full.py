@@ -101,9 +101,9 @@ def test_real_full_tmpfs(capsys, src, small_tmpfs):
     """The source (~0.5 MB) converts to ~0.3 MB of MXFP8: it does not fit in 96 KiB."""
     out = small_tmpfs / "out"
     out.mkdir()
-    (out / "config.json").write_text("the previous checkpoint")
+    (out / "miles_lp_plan.json").write_text("the previous checkpoint")
     rc, err = _convert(capsys, src, out, "--overwrite")
     assert rc == 2, err
     _check_one_line(err, out)
-    assert _tree(out) == {"config.json": b"the previous checkpoint"}
+    assert _tree(out) == {"miles_lp_plan.json": b"the previous checkpoint"}
     assert sorted(p.name for p in small_tmpfs.iterdir()) == ["out"]

@@ -167,15 +167,15 @@ def test_atomic_failure_leaves_nothing(tmp_path, exc):
 def test_overwrite_replaces_only_when_complete(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    (out / "config.json").write_text("old")  # a checkpoint: --overwrite replaces only those
+    (out / "miles_lp_plan.json").write_text("old")  # a checkpoint of ours: --overwrite replaces only those
     with pytest.raises(RuntimeError):
         with atomic_output_dir(out, overwrite=True) as tmp:
             (tmp / "new").write_text("new")
             raise RuntimeError("fail mid-way")
-    assert sorted(os.listdir(out)) == ["config.json"]  # the previous checkpoint survives a failed run
+    assert sorted(os.listdir(out)) == ["miles_lp_plan.json"]  # the previous checkpoint survives a failed run
     with atomic_output_dir(out, overwrite=True) as tmp:
         (tmp / "new").write_text("new")
-        assert (out / "config.json").exists()
+        assert (out / "miles_lp_plan.json").exists()
     assert sorted(os.listdir(out)) == ["new"]
     assert sorted(os.listdir(tmp_path)) == ["out"]
 
