@@ -326,6 +326,7 @@ class RayRun:
             plan_for,
             sampling_for,
             sync_env,
+            sync_log,
             sync_overrides,
         )
         from miles_lp.rl.step import StepParts
@@ -370,7 +371,8 @@ class RayRun:
             sentinel = Sentinel(recipe.sync.sentinel)
             self.sync = ActorSync(self.learner_actor, self.engine_actor, _target(recipe), sentinel, self.sync_env)
         else:  # the sync runs here, buckets relayed through the object store
-            self.sync = WeightSync(self.engine, self.plan, _target(recipe), recipe.sync, env=self.sync_env)
+            self.sync = WeightSync(self.engine, self.plan, _target(recipe), recipe.sync, env=self.sync_env,
+                                   log=sync_log)
         self.sync.sentinel.load_state_dict(loop_state.get("sentinel") or {})
         self.initial = self.sync.initial_sync(self.learner)
         self.version_offset = int(loop_state.get("engine_weight_version", 0))

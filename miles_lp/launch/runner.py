@@ -121,6 +121,17 @@ def sync_overrides(recipe: Recipe, env: Mapping[str, str]) -> dict[str, list[str
     return out
 
 
+def sync_log(line: str) -> None:
+    """The sync's one line per sync (C7): a failed check (``warn`` mode too) goes to stderr above the progress
+    bar, where someone sees it; a clean sync to the log only."""
+    if "FAILED" in line:
+        from tqdm import tqdm
+
+        tqdm.write(f"miles-lp run: {line}", file=sys.stderr)
+    else:
+        logger.info(line)
+
+
 def plan_for(recipe: Recipe, model_dir: Path):
     """The learner's compiled plan (``plan_for_policy`` of ``precision:``)."""
     return plan_for_policy(recipe.precision, model_dir)
@@ -282,7 +293,8 @@ class Run:
         self.engine = self.build_engine()
         self.sync_env = sync_env()
         self.sync_overrides = sync_overrides(recipe, self.sync_env)
-        self.sync = WeightSync(self.engine, engine_plan, _target(recipe), recipe.sync, env=self.sync_env)
+        self.sync = WeightSync(self.engine, engine_plan, _target(recipe), recipe.sync, env=self.sync_env,
+                               log=sync_log)
         if view is not None:  # a comparison arm: the sampler gets its own re-quantization of the master weights
             from miles_lp.launch.sampler import SyncVia
 
@@ -461,5 +473,11 @@ def summary(rows: list[dict[str, Any]], last: int = 5) -> dict[str, float]:
             out[f"{k}/first"] = vals[0]
             tail = vals[-last:]
             out[f"{k}/last{len(tail)}"] = sum(tail) / len(tail)
+    # each check's failed / skipped steps (0.0 / -1.0 in its metric), so a warn-mode failure shows in the summary
+    for k in sorted({k for r in rows for k in r if k.startswith("sync/check/") and k.count("/") == 2}):
+        for what, value in (("failed_steps", 0.0), ("skipped_steps", -1.0)):
+            n = sum(1 for r in rows if r.get(k) == value)
+            if n:
+                out[f"{k}/{what}"] = float(n)
     return out
 

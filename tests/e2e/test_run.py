@@ -259,3 +259,22 @@ def test_sampling_temperature_is_the_learners(recipe_file):
             run.close()
     assert rows["t06"]["rollout_corr/logprob_abs_diff_mean"] == 0.0 and rows["t06"]["rollout_corr/kl"] == 0.0
     assert rows["t06_learner_t1"]["rollout_corr/logprob_abs_diff_mean"] > 0.01
+
+
+def test_a_failed_warn_mode_check_is_printed_and_summarised(recipe_file, capsys):
+    """warn mode: the failed verdict reaches stderr (not only a 0.0 in metrics.jsonl) and the summary counts it."""
+    from miles_lp.launch.runner import summary
+
+    # the untrained policy hits the 3-token length cap: the C6 sentinel trips after one such step
+    r = Run.start(load_recipe(recipe_file, ["steps=2", "sync.checks.sentinel=warn",
+                                            "sync.sentinel.consecutive_steps=1"]), "warned")
+    try:
+        rows = r.train()
+    finally:
+        r.close()
+    err = capsys.readouterr().err
+    failed = [k for k, v in rows[-1].items() if k.startswith("sync/check/") and k.count("/") == 2 and v == 0.0]
+    assert failed, rows[-1]
+    assert "miles-lp run: sync v" in err and "FAILED" in err
+    s = summary(rows)
+    assert all(s[f"{k}/failed_steps"] >= 1 for k in failed)
