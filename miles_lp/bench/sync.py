@@ -414,7 +414,7 @@ def _run(args, device, torch) -> int:
                   + (f"; {p['cuda_kernels']} CUDA kernels, {p['cuda_kernel_seconds']:.4f} s of kernel time"
                      if "cuda_kernels" in p else "") + (f"; profile error: {p['error']}" if "error" in p else ""))
             if p.get("stage_kernel_seconds"):
-                print(f"    kernel time by stage (ms): " + ", ".join(f"{k} {v * 1e3:.2f}"
+                print("    kernel time by stage (ms): " + ", ".join(f"{k} {v * 1e3:.2f}"
                                                                    for k, v in p["stage_kernel_seconds"].items()))
             for k in p.get("top_kernels", [])[:10]:
                 print(f"      {k['seconds'] * 1e3:8.3f} ms {k['count']:5d}x  {k['name']}")

@@ -212,6 +212,7 @@ class ReferenceEngine:
         self.parked = 0  # times an in-flight generation parked at a step boundary (pause / update)
         self._touched: set[str] = set()
         self._written: set[str] = set()
+        self._partial = False  # a failed update wrote some tensors: refuse generation until a full update
         self._plans: dict[tuple, tuple] = {}  # bucket signature -> (copy plan, names written, layers touched)
         self._plans_storage: int | None = None  # the one staging buffer the cached plans read
         self._cache_plans = True
@@ -263,10 +264,9 @@ class ReferenceEngine:
                 if len(gu) != 2 * e_count or len(dn) != e_count:
                     raise CheckpointError(f"'{name}': the layout names {len(gu)} gate/up and {len(dn)} down tensors "
                                           f"for {e_count} experts")
-                strip = (lambda w: w[: -len(".weight")])
-                experts = [EngineExpert(self._engine_linear(strip(gu[2 * e]), hidden, inter, False),
-                                        self._engine_linear(strip(gu[2 * e + 1]), hidden, inter, False),
-                                        self._engine_linear(strip(dn[e]), inter, hidden, False))
+                experts = [EngineExpert(self._engine_linear(_strip_weight(gu[2 * e]), hidden, inter, False),
+                                        self._engine_linear(_strip_weight(gu[2 * e + 1]), hidden, inter, False),
+                                        self._engine_linear(_strip_weight(dn[e]), inter, hidden, False))
                            for e in range(e_count)]
                 quantized_weights.difference_update([*gu, *dn])
                 apply_gate = None
@@ -320,7 +320,7 @@ class ReferenceEngine:
                 self._owner[full] = (module, attr, module if isinstance(module, EngineLinear) else None)
                 self._captured[full] = t
         self._expected: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-        for full, (module, attr, layer) in self._owner.items():
+        for full, (_module, attr, layer) in self._owner.items():
             t = self._captured[full]
             if layer is not None:
                 dtype, shape = layer.canonical_specs()[attr]
@@ -844,7 +844,7 @@ class ReferenceEngine:
     def begin_weight_update(self) -> None:
         self.__dict__["_c3_pending"] = None  # a queued self-check replay read the previous weights
         with self._cond:
-            if self._updating:
+            if self._updating and not self._partial:
                 raise EngineError("begin_weight_update: an update is already in progress (call finish_weight_update)")
             self._cond.wait_for(lambda: not self._stepping)
             self._updating = True
@@ -906,6 +906,21 @@ class ReferenceEngine:
         with torch.no_grad():
             run_plan(plan)
 
+    def abort_weight_update(self) -> None:
+        """Drop an open update that wrote nothing (every bucket is checked whole before its first byte): the
+        engine serves its previous weights again, same version. After a written bucket the previous weights are
+        gone: generation stays refused until a full update (begin ... finish). A no-op outside an update."""
+        with self._cond:
+            if not self._updating:
+                return
+            if self._written:
+                self._partial = True
+                raise EngineError(f"abort_weight_update: {len(self._written)} tensor(s) were already written; the "
+                                  "previous weights are gone: send a full update (begin ... finish)")
+            self._updating = False
+            self._touched.clear()
+            self._cond.notify_all()
+
     def finish_weight_update(self, weight_version: int | None = None) -> dict[str, Any]:
         """Rebuild the derived state of the touched layers, bump (or set) ``weight_version``, serve again.
 
@@ -930,7 +945,7 @@ class ReferenceEngine:
                   "not_written": len(set(self._owner) - self._written)}
         with self._cond:
             self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
-            self._updating = False
+            self._updating = self._partial = False
             self._cache_epoch += 1
             self._cond.notify_all()
         report["weight_version"] = self.weight_version
@@ -955,10 +970,23 @@ class ReferenceEngine:
             for f in sorted({h.file for h in headers.values()}):
                 with safe_open(str(f), framework="pt") as sf:
                     self.update_weights((n, sf.get_tensor(n)) for n in sf.keys())
-        finally:
+        except BaseException as exc:
+            # never serve a mix of old and new weights under a new version (SGLang rolls back): nothing written ->
+            # the previous weights serve on; some written -> generation refused until a full update
             self._cache_plans = True
-            report = self.finish_weight_update(weight_version)
-        return report
+            with self._cond:
+                written = len(self._written)
+                self._partial = bool(written)
+                if not written:
+                    self._updating = False
+                    self._cond.notify_all()
+            if written and isinstance(exc, Exception):
+                raise WeightUpdateError(f"update_weights_from_disk {root}: failed after {written} tensor(s) were "
+                                        f"written ({type(exc).__name__}: {exc}); generation is refused until a full "
+                                        "update succeeds") from exc
+            raise
+        self._cache_plans = True
+        return self.finish_weight_update(weight_version)
 
     def close(self) -> None:
         self._closed = True
@@ -995,6 +1023,9 @@ class ReferenceEngine:
             with self._cond:
                 if self._closed:
                     raise EngineBusy("generate: the engine is closed")
+                if self._partial:
+                    raise EngineBusy("generate: a failed weight update left a partial state; generation is refused "
+                                     "until a full update (begin_weight_update ... finish_weight_update) succeeds")
                 if self._updating:
                     raise EngineBusy("generate: a weight update is in progress (begin_weight_update ... "
                                       "finish_weight_update); generation is refused until it finishes")
@@ -1211,3 +1242,8 @@ def _freshly_derived(layer):
     fresh = layer.detached_copy()
     fresh.process_weights_after_loading()
     return fresh
+
+
+def _strip_weight(name: str) -> str:
+    """``<module>.weight`` -> ``<module>`` (a layout member's module prefix)."""
+    return name[: -len(".weight")]

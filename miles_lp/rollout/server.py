@@ -18,7 +18,8 @@ SGLang endpoints (same paths, bodies and answers as SGLang's ``http_server.py``,
 miles-lp introspection (the sync checks ask the engine, not the config): ``GET /miles_lp/quantized_params``,
 ``/miles_lp/param_specs``, ``/miles_lp/storage_pointers``, ``/miles_lp/health``, ``POST /miles_lp/self_check``
 ``{"seed"}``, ``/miles_lp/weight_digests`` ``{"names": [...] | null}``, ``/miles_lp/read_weights`` ``{"names"}``
-(answer: safetensors bytes).
+(answer: safetensors bytes), ``/miles_lp/abort_update`` ``{}`` (drop an open multi-bucket update where the engine
+can: nothing written yet). A refused one-shot update (``finish=true`` on an engine not updating) is aborted at once.
 
 Security: binds 127.0.0.1 unless told otherwise; with an API key (``MILES_LP_API_KEY`` or ``SGLANG_API_KEY``)
 every request but ``GET /health`` needs ``Authorization: Bearer <key>`` (401 otherwise, compared in constant
@@ -64,6 +65,18 @@ def api_key_from_env() -> str | None:
 
 class BadRequest(MilesLPError, ValueError):
     pass
+
+
+def _int_field(value, what: str) -> int | None:
+    """An optional integer request field (``weight_version``, ``seed``) or ``BadRequest`` naming it."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise BadRequest(f"'{what}' must be an integer, got {value!r}")
+    try:
+        return int(value)
+    except ValueError:
+        raise BadRequest(f"'{what}' must be an integer, got {value!r}") from None
 
 
 def sampling_from_json(sp: Any, return_routed: bool) -> SamplingParams:
@@ -257,8 +270,8 @@ class _Handler(BaseHTTPRequestHandler):
         path = d.get("model_path")
         if not isinstance(path, str):
             raise BadRequest("'model_path' (a checkpoint folder on this host) is required")
-        wv = d.get("weight_version")
-        report = self.server.engine.update_from_disk(path, None if wv is None else int(wv))
+        wv = _int_field(d.get("weight_version"), "weight_version")
+        report = self.server.engine.update_from_disk(path, wv)
         self._send(200, {"success": True, "message": f"updated from {path}", **report})
 
     def update_from_tensor(self, q):
@@ -268,17 +281,28 @@ class _Handler(BaseHTTPRequestHandler):
             raise BadRequest("update_weights_from_tensor is for callers on the same host; use update_weights_from_disk")
         raw = self._body(MAX_TENSOR_BYTES)
         finish = (q.get("finish", ["true"])[0]).lower() != "false"
-        wv = q.get("weight_version", [None])[0]
+        wv = _int_field(q.get("weight_version", [None])[0], "weight_version")
         eng = self.server.engine
         try:
             tensors = st_load(raw) if raw else {}
         except Exception as exc:  # safetensors raises its own error types
             raise BadRequest(f"body is not a safetensors file: {exc}") from None
         with self.server.update_lock:
-            if not eng.health()["status"] == "updating":
+            opened = eng.health()["status"] != "updating"
+            if opened:
                 eng.begin_weight_update()
-            eng.update_weights(tensors.items())
-            report = eng.finish_weight_update(None if wv is None else int(wv)) if finish else {"open": True}
+            try:
+                eng.update_weights(tensors.items())
+            except MilesLPError:
+                # a bucket is checked whole before any byte is written: a one-shot update (opened and finished by
+                # this request) leaves nothing behind, so the engine goes back to serving its previous weights (as
+                # SGLang answers success=false and keeps serving); a multi-bucket client aborts with
+                # /miles_lp/abort_update
+                abort = getattr(eng, "abort_weight_update", None)
+                if opened and finish and abort is not None:
+                    abort()
+                raise
+            report = eng.finish_weight_update(wv) if finish else {"open": True}
         self._send(200, {"success": True, "message": f"{len(tensors)} tensors", **report})
 
     def pause(self, q):
@@ -310,7 +334,17 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, self.server.engine.storage_pointers())
 
     def m_self_check(self, q):
-        self._send(200, self.server.engine.self_check(int(self._json().get("seed", 0))))
+        seed = _int_field(self._json().get("seed", 0), "seed")
+        self._send(200, self.server.engine.self_check(seed))
+
+    def m_abort_update(self, q):
+        self._json()
+        abort = getattr(self.server.engine, "abort_weight_update", None)
+        if abort is None:
+            raise BadRequest("this engine cannot abort an update; finish it with a full update")
+        with self.server.update_lock:
+            abort()
+        self._send(200, {"success": True})
 
     def m_digests(self, q):
         self._send(200, self.server.engine.weight_digests(self._json().get("names")))
@@ -331,7 +365,7 @@ POST = {"/generate": _Handler.generate, "/update_weights_from_disk": _Handler.up
         "/update_weights_from_tensor": _Handler.update_from_tensor, "/pause_generation": _Handler.pause,
         "/continue_generation": _Handler.resume, "/flush_cache": _Handler.flush,
         "/miles_lp/self_check": _Handler.m_self_check, "/miles_lp/weight_digests": _Handler.m_digests,
-        "/miles_lp/read_weights": _Handler.m_read}
+        "/miles_lp/read_weights": _Handler.m_read, "/miles_lp/abort_update": _Handler.m_abort_update}
 
 
 def serve_in_thread(engine, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None) -> EngineServer:

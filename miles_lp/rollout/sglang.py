@@ -107,7 +107,7 @@ class SGLangHTTPEngine:
         self._sent = 0
         # the checkpoint the server serves (names / dtypes / shapes of updates; the disk path's config files)
         self.checkpoint = None if checkpoint is None else Path(checkpoint)
-        self.update_dir = None if update_dir is None else Path(update_dir)
+        self.update_dir = None if update_dir is None else Path(update_dir).absolute()  # the server resolves it in its cwd
         self._staged: dict[str, torch.Tensor] = {}
         self._disk_version = 0
 
@@ -242,6 +242,17 @@ class SGLangHTTPEngine:
             return self._request("POST", "/update_weights_from_tensor", raw=save({}), query=q)
         finally:
             self._updating, self._staged = False, {}
+
+    def abort_weight_update(self) -> None:
+        """Drop an open update: the staged buckets here, and (miles-lp flavor) the server's open update through
+        ``/miles_lp/abort_update``, which succeeds where nothing was written yet. A no-op outside an update."""
+        if not self._updating:
+            return
+        try:
+            if self.flavor != "sglang":  # the server opens an update at its first bucket, refused or not
+                self._request("POST", "/miles_lp/abort_update", {})
+        finally:
+            self._updating, self._staged, self._sent = False, {}, 0
 
     def _finish_from_disk(self, weight_version: int | None) -> dict[str, Any]:
         """The staged tensors as one checkpoint folder (the served one's config files + one safetensors file),

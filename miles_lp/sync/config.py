@@ -138,7 +138,7 @@ class SyncConfig:
         """Apply ``MILES_LP_SYNC_CHECKS`` then each ``MILES_LP_SYNC_CHECK_<NAME>`` (the per-check one wins)."""
         modes: dict[str, str] = {}
         known = {env_name(c): c for c in CHECKS}
-        for var, value in env.items():
+        for var in env:
             if var.startswith(ENV_PREFIX) and var not in known:
                 raise ConfigError(f"environment variable {var}: no sync check by that name; known: "
                                   f"{', '.join(known)}")

@@ -94,7 +94,7 @@ def engine_items(export: Iterable[tuple[str, Any]], target: str, layout: Any = N
             encoded = naming.encode(target, fmt, source, obj, constants=consts)
             if len(encoded) != len(comps):
                 raise SyncInputError(f"'{source}': {len(encoded)} engine tensors encoded for {len(comps)} parts")
-            for (name, t), comp in zip(encoded.items(), comps):
+            for (name, t), comp in zip(encoded.items(), comps, strict=True):
                 group = keys.get(name)
                 if group is None:
                     group = keys[name] = group_key(name, layout)

@@ -353,9 +353,13 @@ class WeightSync:
         except Exception as exc:
             report = self._report(verdicts, times, t0, nbytes, len(buckets), full_compare, stage)
             where = f" at bucket {index + 1} of {len(buckets)}" if index is not None else ""
-            raise SyncAbortedError(f"weight sync aborted in '{stage}'{where}: {type(exc).__name__}: {exc}. The "
-                                   "engine may hold a partial update: restart it (or check it is alive) and run "
-                                   "a full resync (WeightSync.initial_sync)", stage, index, report) from exc
+            kept = self._abort(stage)
+            advice = ("the update was dropped before any byte was written and the engine serves its previous "
+                      "weights again; fix the cause and sync again" if kept else
+                      "the engine may hold a partial update: restart it (or check it is alive) and run a full "
+                      "resync (WeightSync.initial_sync)")
+            raise SyncAbortedError(f"weight sync aborted in '{stage}'{where}: {type(exc).__name__}: {exc}. "
+                                   f"{advice}", stage, index, report) from exc
         self.expected_version += 1
         self.syncs += 1
 
@@ -549,6 +553,23 @@ class WeightSync:
         return v
 
     # ---- reporting -------------------------------------------------------------------------------------
+    def _abort(self, stage: str) -> bool:
+        """After a failure before ``finish``: drop the open update where the engine can (nothing written) and
+        resume it, so a refused update does not leave a server paused for its other clients. True when the engine
+        serves its previous weights again."""
+        if stage in ("pause", "finish"):
+            return False
+        abort = getattr(self.engine, "abort_weight_update", None)
+        try:
+            if stage != "begin":
+                if abort is None:
+                    return False
+                abort()
+            self.engine.resume()
+            return True
+        except Exception:  # noqa: BLE001 - a dead or partially written engine: the caller restarts it
+            return False
+
     def _report(self, verdicts: dict[str, Verdict], times: dict[str, float], t0: float, nbytes: int,
                 nbuckets: int, full: bool, stage: str) -> SyncReport:
         for name in CHECKS:  # C7: every check has a verdict, or the reason it did not run

@@ -248,3 +248,31 @@ def test_cli_serve_port_in_use_and_truncated_shard(ckpts, capsys, tmp_path):
     assert main(["serve", str(bad), "--port", "0", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert f"{f}: truncated: tensor" in err and "Traceback" not in err, err
+
+
+def test_a_refused_one_shot_update_leaves_the_server_serving(served, client):
+    """One bad /update_weights_from_tensor (finish=true) used to leave the engine 'updating': every later
+    /generate was 503. It is aborted (nothing was written) and the previous weights serve on."""
+    from safetensors.torch import save
+
+    engine, srv = served
+    v = client.weight_version
+    req = urllib.request.Request(srv.url + "/update_weights_from_tensor", data=save({"nope.weight": torch.zeros(1)}),
+                                 headers={"Authorization": f"Bearer {KEY}",
+                                          "Content-Type": "application/octet-stream"}, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as exc:
+        urllib.request.urlopen(req, timeout=60)
+    assert exc.value.code == 400 and "unknown parameter" in exc.value.read().decode()
+    assert engine.health()["status"] == "ok"
+    assert client.generate([[1, 2]], SamplingParams(max_new_tokens=1))[0].weight_version == v
+    # a multi-bucket client aborts its own open update through /miles_lp/abort_update
+    client.begin_weight_update()
+    with pytest.raises(WeightUpdateError, match="unknown parameter"):
+        client.update_weights([("nope.weight", torch.zeros(1))])
+    client.abort_weight_update()
+    assert engine.health()["status"] == "ok" and client.weight_version == v
+    assert status_of(post(srv.url, "/miles_lp/abort_update", {})) == 200  # outside an update: a no-op
+
+
+def status_of(answer):
+    return answer[0]

@@ -236,3 +236,66 @@ def test_checkpoint_errors(tmp_path, ckpts):
         ReferenceEngine(bad, device="cpu")
     with pytest.raises(CheckpointError, match="config.json is missing"):
         ReferenceEngine(tmp_path, device="cpu")
+
+
+def test_abort_drops_an_update_that_wrote_nothing(engine, new_weights):
+    sp = SamplingParams(max_new_tokens=3, seed=0)
+    before, gen = engine.weight_digests(), engine.generate([[1, 2, 3]], sp)[0]
+    engine.begin_weight_update()
+    with pytest.raises(WeightUpdateError, match="unknown parameter"):
+        engine.update_weights([("nope.weight", torch.zeros(1))])
+    engine.abort_weight_update()  # nothing written: the previous weights serve on, same version
+    again = engine.generate([[1, 2, 3]], sp)[0]
+    assert again.output_ids == gen.output_ids and again.weight_version == gen.weight_version
+    engine.abort_weight_update()  # outside an update: a no-op
+    engine.begin_weight_update()
+    engine.update_weights([(Q + "weight", new_weights[Q + "weight"])])
+    with pytest.raises(EngineError, match="1 tensor\\(s\\) were already written"):
+        engine.abort_weight_update()
+    with pytest.raises(EngineError, match="partial state"):
+        engine.generate([[1, 2, 3]], sp)
+    assert engine.weight_digests() != before
+    _full_update(engine, new_weights)  # a full update serves again
+    assert engine.generate([[1, 2, 3]], sp)[0].weight_version == gen.weight_version + 1
+
+
+def test_disk_update_that_fails_midway_bumps_no_version_and_refuses_generation(ckpts, tmp_path, monkeypatch):
+    import shutil
+
+    import safetensors
+
+    engine = ReferenceEngine(ckpts[0], device="cpu")
+    sp = SamplingParams(max_new_tokens=2, seed=0)
+    v0 = engine.generate([[1, 2]], sp)[0].weight_version
+    two = tmp_path / "two"
+    shutil.copytree(ckpts[1], two)
+    real, calls = safetensors.safe_open, []
+
+    def failing_open(path, *a, **k):  # the headers read fine; the tensor read fails on the first file
+        calls.append(path)
+        if len(calls) > 1:  # the first call is the header pass (rollout.checkpoint._headers)
+            raise OSError(5, "Input/output error", path)
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(safetensors, "safe_open", failing_open)
+    with pytest.raises(OSError, match="Input/output error"):
+        engine.update_from_disk(two)  # nothing written yet: the previous weights serve on
+    monkeypatch.setattr(safetensors, "safe_open", real)
+    assert engine.weight_version == v0 and engine.generate([[1, 2]], sp)[0].weight_version == v0
+
+    orig = engine.update_weights
+
+    def half(named):  # the first file's tensors land, then the read breaks
+        named = list(named)
+        orig(named[: len(named) // 2])
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(engine, "update_weights", half)
+    with pytest.raises(WeightUpdateError, match="failed after .* tensor\\(s\\) were written"):
+        engine.update_from_disk(two)
+    monkeypatch.setattr(engine, "update_weights", orig)
+    assert engine.weight_version == v0  # no new version for a mix of old and new weights
+    with pytest.raises(EngineError, match="partial state"):
+        engine.generate([[1, 2]], sp)
+    engine.update_from_disk(two)  # a full update
+    assert engine.generate([[1, 2]], sp)[0].weight_version == v0 + 1

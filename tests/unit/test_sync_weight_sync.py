@@ -202,6 +202,39 @@ def test_bad_update_is_rejected_whole_in_every_mode_but_off():
     assert isinstance(e.value.__cause__, WeightUpdateError)
 
 
+def test_a_refused_update_is_aborted_and_the_engine_resumed():
+    """A bucket the engine refuses before writing (its own whole-bucket check): the sync aborts the open update
+    where the engine can and resumes it, so the previous weights serve on (a server is not left paused)."""
+
+    class AbortingEngine(StubEngine):
+        aborted = 0
+        refuse_after = 0  # buckets accepted before the refusal
+
+        def update_weights(self, named):
+            if self.refuse_after == 0:
+                raise WeightUpdateError("refused whole")
+            self.refuse_after -= 1
+            super().update_weights(named)
+
+        def abort_weight_update(self):  # as the engines: only an update that wrote nothing can be dropped
+            if self.writes:
+                raise EngineError(f"{self.writes} tensors were already written")
+            self.aborted += 1
+
+    engine = AbortingEngine()
+    _, ws, _ = _sync(engine, mode="off")
+    with pytest.raises(SyncAbortedError, match="dropped before any byte was written and the engine serves its "
+                                               "previous weights again"):
+        ws.sync(Learner())
+    assert engine.aborted == 1 and engine.paused is False and engine.writes == 0
+    late = AbortingEngine()  # refused after a written bucket: cannot be dropped; paused, restart advised
+    late.refuse_after = 1
+    _, ws, _ = _sync(late, mode="off")  # several buckets at 4 KB
+    with pytest.raises(SyncAbortedError, match="restart it"):
+        ws.sync(Learner())
+    assert late.writes > 0 and late.aborted == 0 and late.paused is True
+
+
 def test_warn_mode_reports_but_does_not_raise():
     engine, ws, lines = _sync(StubEngine(stale=True), mode="warn")
     r = ws.sync(Learner())
