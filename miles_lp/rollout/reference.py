@@ -638,9 +638,61 @@ class ReferenceEngine:
             vals, out["graph"] = self._c3_values(work, pending if pending and pending[0] == seed else None)
             for i, v in enumerate(out["layers"].values()):
                 v["rel_err"], v["fresh_diff"] = vals[2 * i], vals[2 * i + 1]
+        rot = self._c3_rotating(seed, {layer for _, layer, _, _ in work})
+        if rot is not None:
+            layer, rel, diff = rot
+            out["layers"][f"{layer.prefix}weight"] = {"kind": "rotating", "format": layer.kernel_format.value,
+                                                      "rel_err": rel, "fresh_diff": diff}
         layers = out["layers"].values()
-        out["ok"] = bool(layers) and all(v["rel_err"] <= SELF_CHECK_TOLERANCE and v["fresh_diff"] == 0 for v in layers)
+        out["ok"] = bool(layers) and all(v.get("rel_err", 0.0) <= SELF_CHECK_TOLERANCE and v["fresh_diff"] == 0
+                                         for v in layers)
         return out
+
+    def _c3_rotation(self) -> list[EngineLinear]:
+        """Every quantized layer, interleaved across projections (stacks) so that consecutive syncs probe
+        different projections: each projection within a few syncs, each layer within ``len()`` syncs."""
+        rot = self.__dict__.get("_c3_rotation_list")
+        if rot is None:
+            def quantized(m):
+                return m.kernel_format is not None and m.kernel_format.quantized and m.disk_format is not Format.BF16
+            groups = [[m for m in st.layers if quantized(m)] for st in self._stacks]
+            groups += [[m] for m in self._singles if quantized(m)]
+            groups = [g for g in groups if g]
+            rot = [g[i] for i in range(max((len(g) for g in groups), default=0)) for g in groups if i < len(g)]
+            self.__dict__["_c3_rotation_list"] = rot
+        return rot
+
+    def _c3_rotating(self, seed: int, fixed: set) -> tuple[EngineLinear, float, float] | None:
+        """C3 beyond its fixed pair: one more layer per sync, the next of ``_c3_rotation`` (by weight version),
+        its serving kernel vs a float64 GEMM of its dequantized canonical weights (rel_err) and vs the same kernel
+        on state derived afresh from its canonical tensors (fresh_diff, exactly 0 when healthy), so stale derived
+        state of any layer shows within a bounded number of syncs. Eager, one layer: a private copy is built and
+        freed."""
+        rot = self._c3_rotation()
+        if not rot:
+            return None
+        layer = rot[self.weight_version % len(rot)]
+        if layer in fixed:
+            return None
+        key = (seed, layer.in_features, self.device, self.act_dtype)
+        probes = self.__dict__.setdefault("_rot_probes", {})
+        x = probes.get(key)
+        if x is None:
+            g = torch.Generator(device="cpu").manual_seed(seed + 1)
+            x = torch.randn(16, layer.in_features, generator=g).to(self.device, self.act_dtype)
+            if len(probes) > 16:
+                probes.clear()
+            probes[key] = x
+        with torch.no_grad():
+            xq = layer._quantize_input(x)
+            y = layer.gemm(xq, x.dtype)
+            fresh = _freshly_derived(layer)
+            fq = xq if _input_key(fresh) == _input_key(layer) else fresh._quantize_input(x)
+            y64 = y.double()
+            ref = x.double() @ dequantize_exact(layer.decoded(), torch.float64).T
+            figs = torch.stack([(y64 - ref).norm() / ref.norm().clamp_min(1e-30),
+                                (y64 - fresh.gemm(fq, x.dtype).double()).abs().max()]).tolist()
+        return layer, figs[0], figs[1]
 
     def _c3_figures(self, work: list[tuple]) -> torch.Tensor:
         """Per layer of ``work``: rel_err and fresh_diff (float64, stacked, on the engine's device; no host

@@ -174,7 +174,7 @@ def test_pause_continue_and_introspection(served, client):
     assert client.generate([[1]], SamplingParams(max_new_tokens=1))[0].finish_reason == "length"
     assert client.quantized_params() == engine.quantized_params()
     sc = client.self_check()
-    assert sc["ok"] and len(sc["layers"]) == 2
+    assert sc["ok"] and 2 <= len(sc["layers"]) <= 3  # the fixed pair, and the rotating layer unless it is one of them
 
 
 def test_stock_sglang_flavor_refuses_pickle_path(served):

@@ -299,3 +299,24 @@ def test_disk_update_that_fails_midway_bumps_no_version_and_refuses_generation(c
         engine.generate([[1, 2]], sp)
     engine.update_from_disk(two)  # a full update
     assert engine.generate([[1, 2]], sp)[0].weight_version == v0 + 1
+
+
+def test_stale_derived_state_of_a_layer_outside_the_fixed_pair_is_caught_by_rotation(ckpts, new_weights):
+    """C3's fixed pair is the first dense layer and the first expert; one more layer per sync rotates through
+    every quantized layer (by weight version), so a stale layer elsewhere fails C3 within len(rotation) syncs."""
+    target = "model.layers.1.mlp.experts.2.down_proj"  # neither of the fixed pair
+    eng = ReferenceEngine(ckpts[0], device="cpu", faults=EngineFaults(skip_rebuild=(target + ".*",)))
+    rotation = eng._c3_rotation()
+    assert target in {m.prefix.rstrip(".") for m in rotation} and len(rotation) > 2
+    caught_at = None
+    for i in range(len(rotation) + 1):
+        _full_update(eng, new_weights)  # the target keeps the state derived from the weights at load
+        r = eng.self_check()
+        fixed = [n for n, v in r["layers"].items() if v["kind"] != "rotating"]
+        assert not any(n.startswith(target) for n in fixed)
+        if not r["ok"]:
+            caught_at = i
+            bad = [n for n, v in r["layers"].items() if v["fresh_diff"] != 0]
+            assert bad == [f"{target}.weight"], r
+            break
+    assert caught_at is not None, "the stale layer was never probed"
