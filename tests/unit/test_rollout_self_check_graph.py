@@ -17,7 +17,9 @@ RECIPE = "qwen3_moe_mxfp8_nvfp4_experts.yaml"
 
 
 def _figures(sc):
-    return [(v["rel_err"], v["fresh_diff"]) for v in sc["layers"].values()]
+    """The fixed pair's figures (the graph's); the rotating layer (eager, one per weight version) changes with
+    every update and is checked on its own."""
+    return [(v["rel_err"], v["fresh_diff"]) for v in sc["layers"].values() if v["kind"] != "rotating"]
 
 
 def test_dequantize_exact_is_the_codec():
