@@ -662,12 +662,27 @@ class ReferenceEngine:
             self.__dict__["_c3_rotation_list"] = rot
         return rot
 
+    def _rotating_scratch(self, layer: EngineLinear) -> EngineLinear:
+        """A private copy of ``layer`` derived afresh from its canonical tensors now, reusing one kept copy per
+        layer configuration but prefix (the experts of a projection share one): no module built per sync."""
+        cfg = _fresh_config(layer)[1:]
+        cache = self.__dict__.setdefault("_rot_scratch", {})
+        fresh = cache.get(cfg)
+        if fresh is None:
+            fresh = cache[cfg] = _freshly_derived(layer)
+            return fresh
+        with torch.no_grad():
+            for suffix, t in layer.canonical().items():
+                _attr(fresh, suffix).copy_(t)
+        fresh.process_weights_after_loading()
+        return fresh
+
     def _c3_rotating(self, seed: int, fixed: set) -> tuple[EngineLinear, float, float] | None:
         """C3 beyond its fixed pair: one more layer per sync, the next of ``_c3_rotation`` (by weight version),
         its serving kernel vs a float64 GEMM of its dequantized canonical weights (rel_err) and vs the same kernel
         on state derived afresh from its canonical tensors (fresh_diff, exactly 0 when healthy), so stale derived
-        state of any layer shows within a bounded number of syncs. Eager, one layer: a private copy is built and
-        freed."""
+        state of any layer shows within a bounded number of syncs. Eager, one layer, on a kept scratch copy per
+        layer configuration."""
         rot = self._c3_rotation()
         if not rot:
             return None
@@ -686,7 +701,7 @@ class ReferenceEngine:
         with torch.no_grad():
             xq = layer._quantize_input(x)
             y = layer.gemm(xq, x.dtype)
-            fresh = _freshly_derived(layer)
+            fresh = self._rotating_scratch(layer)
             fq = xq if _input_key(fresh) == _input_key(layer) else fresh._quantize_input(x)
             y64 = y.double()
             ref = x.double() @ dequantize_exact(layer.decoded(), torch.float64).T
