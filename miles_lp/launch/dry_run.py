@@ -39,7 +39,8 @@ def dry_run(recipe: Recipe) -> dict[str, Any]:
     plan = None
     if not (pol.default is Format.BF16 and all(r.format is Format.BF16 for r in pol.rules)):
         plan = compile_plan(pol, get_layout(config))
-    task = make_task(recipe.task, int(config["vocab_size"]))
+    task = make_task(recipe.task, int(config["vocab_size"]),
+                     None if recipe.model.is_tiny else Path(recipe.model.path))
     would_refuse = _would_refuse(recipe, plan, config)
     from miles_lp.errors import ConfigError
     from miles_lp.launch.runner import check_task_fits
@@ -54,6 +55,7 @@ def dry_run(recipe: Recipe) -> dict[str, Any]:
         "quantized_tensors": 0 if plan is None else len(plan.quantized()),
         "plan_warnings": [] if plan is None else list(plan.warnings),
         "task": task.name, "answer_tokens": task.max_response_len,
+        **({"prompt_encoding": task.encoding, "eos_id": task.eos_id} if hasattr(task, "encoding") else {}),
         "samples_per_step": recipe.rl.prompts_per_step * recipe.rl.group_size, "steps": recipe.steps,
         "train_backend": recipe.train.backend, "rollout_backend": recipe.rollout.backend,
         "ray": {"enabled": recipe.ray.enabled, "address": recipe.ray.address or "local",

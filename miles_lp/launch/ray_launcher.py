@@ -338,7 +338,7 @@ class RayRun:
         self.recipe, self.dir = recipe, run_dir
         self.model_dir = prepare_model(recipe.model, run_dir.path / "model")
         self.plan = plan_for(recipe, self.model_dir)
-        self.task = make_task(recipe.task, vocab_size(self.model_dir))
+        self.task = make_task(recipe.task, vocab_size(self.model_dir), self.model_dir)
         check_task_fits(recipe, self.task)
         self.engine_ckpt, _, _ = engine_side(recipe, self.model_dir, self.plan, run_dir.path / "engine_init")
         bundles = _bundles(recipe)

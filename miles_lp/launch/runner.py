@@ -267,7 +267,7 @@ class Run:
         self.recipe, self.dir = recipe, run_dir
         self.model_dir = prepare_model(recipe.model, run_dir.path / "model")
         self.plan = plan_for(recipe, self.model_dir)
-        self.task = make_task(recipe.task, vocab_size(self.model_dir))
+        self.task = make_task(recipe.task, vocab_size(self.model_dir), self.model_dir)
         check_task_fits(recipe, self.task)
         self.learner = make_learner(recipe, self.model_dir, self.plan)
         try:

@@ -65,7 +65,9 @@ class TaskConfig:
     wrong_symbol_credit: float = 0.1
     seed: int = 0
     path: str | None = None  # jsonl: the file
-    eos_id: int = EOS  # jsonl: the stop token appended to every answer
+    #: jsonl: the stop token appended to every answer; None: the model's own EOS (generation_config.json /
+    #: config.json eos_token_id), the toy vocabulary's for a tiny model
+    eos_id: int | None = None
 
     def _validate(self, where: Where) -> None:
         if self.name not in TASKS:
@@ -150,22 +152,65 @@ class MajorityTask(_ToyTask):
         return [max(set(pattern), key=pattern.count)]
 
 
-def encode(value: Any, where: str) -> tuple[int, ...]:
-    """A JSONL field: a list of token ids, or a string (its UTF-8 bytes, one token id per byte)."""
+def utf8_bytes(text: str, where: str) -> tuple[int, ...]:
+    """A tiny model's string encoding: one token id per UTF-8 byte (the tiny vocabularies have no tokenizer)."""
+    return tuple(text.encode("utf-8"))
+
+
+def encode(value: Any, where: str, text_encoder: Callable[[str, str], tuple[int, ...]] = utf8_bytes
+           ) -> tuple[int, ...]:
+    """A JSONL field: a list of token ids, or a string (``text_encoder``: the model's tokenizer; UTF-8 bytes for a
+    tiny model)."""
     if isinstance(value, str):
-        return tuple(value.encode("utf-8"))
+        return text_encoder(value, where)
     if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
         return tuple(value)
     raise ConfigError(f"{where}: expected a string or a list of non-negative token ids, got {value!r}")
 
 
+def model_text_encoding(model_dir: Path) -> tuple[Callable[[str, str], tuple[int, ...]], int | None, str]:
+    """(string encoder, the model's EOS id or None, a description) for a real (non-tiny) model folder: its own
+    tokenizer (ids 0-255 of a byte-level BPE vocabulary are not the bytes 0-255); without tokenizer files a
+    string field is refused."""
+    eos = None
+    for name in ("generation_config.json", "config.json"):
+        f = model_dir / name
+        if eos is None and f.is_file():
+            v = json.loads(f.read_text()).get("eos_token_id")
+            eos = v[0] if isinstance(v, list) and v else v if isinstance(v, int) else None
+    files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+    try:
+        if not any((model_dir / n).is_file() for n in files) and not any(model_dir.glob("*.tiktoken")):
+            raise FileNotFoundError(f"none of {', '.join(files)}, *.tiktoken")
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as exc:  # noqa: BLE001 - no tokenizer files, or one transformers cannot read
+        why = f"{type(exc).__name__}: {str(exc)[:160]}"
+
+        def refuse(text: str, where: str) -> tuple[int, ...]:
+            raise ConfigError(f"{where}: a string field needs the model's tokenizer, and {model_dir} has none that "
+                              f"loads ({why}); give token-id lists, or add the tokenizer files to the model folder")
+        return refuse, eos, "token-id lists only (no tokenizer)"
+
+    def tokenize(text: str, where: str) -> tuple[int, ...]:
+        return tuple(tok.encode(text, add_special_tokens=False))
+    return tokenize, eos, f"the tokenizer of {model_dir}"
+
+
 class JsonlTask:
     """Prompt/answer pairs from a JSONL file; reward 1 for an exact match of the answer + stop token."""
 
-    def __init__(self, cfg: TaskConfig):
+    def __init__(self, cfg: TaskConfig, text_encoder: Callable[[str, str], tuple[int, ...]] = utf8_bytes,
+                 model_eos: int | None = EOS, encoding: str = "UTF-8 bytes (tiny model)"):
         self.cfg = cfg
         self.name = "jsonl"
-        self.stop_token_ids = (cfg.eos_id,)
+        eos = cfg.eos_id if cfg.eos_id is not None else model_eos
+        if eos is None:
+            raise ConfigError("task.eos_id: the model folder states no eos_token_id (generation_config.json / "
+                              "config.json); set task.eos_id to the token every answer ends with")
+        self.eos_id, self.encoding = int(eos), encoding
+        self.stop_token_ids = (self.eos_id,)
         path = Path(cfg.path)
         try:
             lines = path.read_text().splitlines()
@@ -181,10 +226,11 @@ class JsonlTask:
                 raise ConfigError(f"{path}:{i}: invalid JSON: {exc.msg}") from None
             if not isinstance(obj, dict) or set(obj) - {"prompt", "answer"} or {"prompt", "answer"} - set(obj):
                 raise ConfigError(f"{path}:{i}: expected {{\"prompt\": ..., \"answer\": ...}} and nothing else")
-            p, a = encode(obj["prompt"], f"{path}:{i} prompt"), encode(obj["answer"], f"{path}:{i} answer")
+            p = encode(obj["prompt"], f"{path}:{i} prompt", text_encoder)
+            a = encode(obj["answer"], f"{path}:{i} answer", text_encoder)
             if not p:
                 raise ConfigError(f"{path}:{i}: empty prompt")
-            self.items.append(Prompt(p, a + (cfg.eos_id,)))
+            self.items.append(Prompt(p, a + (self.eos_id,)))
         if not self.items:
             raise ConfigError(f"{path}: no prompt/answer lines")
         self.max_response_len = max(len(p.answer) for p in self.items)
@@ -211,8 +257,14 @@ TASKS: dict[str, Callable[[TaskConfig], Task]] = {
     "copy": CopyTask, "reverse": ReverseTask, "majority": MajorityTask, "jsonl": JsonlTask}
 
 
-def make_task(cfg: TaskConfig, vocab_size: int | None = None) -> Task:
-    task = TASKS[cfg.name](cfg)
+def make_task(cfg: TaskConfig, vocab_size: int | None = None, model_dir: Path | None = None) -> Task:
+    """The recipe's task. ``model_dir``: the model folder; a real (non-tiny) model's jsonl strings go through its
+    tokenizer and its EOS ends every answer (a tiny model: UTF-8 bytes and the toy EOS)."""
+    if cfg.name == "jsonl" and model_dir is not None and not (Path(model_dir) / "miles_lp_tiny.json").is_file():
+        encoder, eos, encoding = model_text_encoding(Path(model_dir))
+        task = JsonlTask(cfg, encoder, eos, encoding)
+    else:
+        task = TASKS[cfg.name](cfg)
     if vocab_size is not None and task.min_vocab() > vocab_size:
         raise ConfigError(f"task {cfg.name} uses token ids up to {task.min_vocab() - 1} but the model's vocabulary "
                           f"has {vocab_size} tokens; lower task.alphabet or use a larger model")

@@ -83,3 +83,43 @@ def test_task_config_errors():
         cfg(name="majority", length=2)
     with pytest.raises(ConfigError, match="unknown key 'lenght'"):
         cfg(lenght=3)
+
+
+def _real_model_folder(path, with_tokenizer: bool, eos=None):
+    """A (non-tiny) model folder: config.json, optionally a word-level tokenizer (tokenizers library)."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen3", **({"eos_token_id": eos} if eos else {})}))
+    if with_tokenizer:
+        from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {"[UNK]": 0, "2": 5, "+": 6, "=": 7, "4": 8}
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")  # one token per character
+        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(str(path))
+    return path
+
+
+def test_jsonl_on_a_real_model_uses_its_tokenizer_and_eos(tmp_path):
+    """A real model's strings go through its own tokenizer (ids 0-255 of a BPE vocabulary are not the bytes) and
+    its eos_token_id ends every answer; without tokenizer files strings are refused; a tiny model keeps bytes."""
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"prompt": "2+2=", "answer": "4"}) + "\n")
+    model = _real_model_folder(tmp_path / "m", True, eos=9)
+    t = make_task(cfg(name="jsonl", path=str(f)), model_dir=model)
+    assert t.items[0].ids == (5, 6, 5, 7) and t.items[0].answer == (8, 9) and t.stop_token_ids == (9,)
+    assert "tokenizer" in t.encoding
+    assert make_task(cfg(name="jsonl", path=str(f), eos_id=3), model_dir=model).items[0].answer == (8, 3)
+    bare = _real_model_folder(tmp_path / "bare", False, eos=9)
+    with pytest.raises(ConfigError, match="d.jsonl:1 prompt: a string field needs the model's tokenizer"):
+        make_task(cfg(name="jsonl", path=str(f)), model_dir=bare)
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text(json.dumps({"prompt": [5, 6], "answer": [8]}) + "\n")
+    assert make_task(cfg(name="jsonl", path=str(ids)), model_dir=bare).items[0].answer == (8, 9)
+    no_eos = _real_model_folder(tmp_path / "noeos", False)
+    with pytest.raises(ConfigError, match="task.eos_id: the model folder states no eos_token_id"):
+        make_task(cfg(name="jsonl", path=str(ids)), model_dir=no_eos)
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    (tiny / "miles_lp_tiny.json").write_text("{}")
+    assert make_task(cfg(name="jsonl", path=str(f)), model_dir=tiny).items[0].ids == tuple(b"2+2=")
