@@ -50,7 +50,7 @@ def run(args) -> int:
                           "--dry-run and --run-name")
     recipe = load_recipe(args.recipe, args.overrides)  # everything is validated before anything starts
     if args.prepare_engine:
-        return _prepare_engine(recipe, args.recipe, args.prepare_engine)
+        return _prepare_engine(recipe, args.recipe, args.prepare_engine, args.overrides)
     if args.dry_run:
         from miles_lp.launch.dry_run import dry_run
 
@@ -74,9 +74,10 @@ def run(args) -> int:
     return 0
 
 
-def _prepare_engine(recipe, recipe_path: str, out: str) -> int:
+def _prepare_engine(recipe, recipe_path: str, out: str, overrides: list[str]) -> int:
     """The engine's initial checkpoint (what ``Run.start`` writes as RUN_DIR/engine_init), for a server started
     by hand before the run (``rollout.backend: sglang``)."""
+    import shlex
     import shutil
     from pathlib import Path
 
@@ -96,7 +97,14 @@ def _prepare_engine(recipe, recipe_path: str, out: str) -> int:
         shutil.rmtree(out_dir, ignore_errors=True)  # no half-prepared folder
         raise
     ckpt = Path(ckpt).absolute()
+    # the same overrides (the served checkpoint's plan is this recipe's), the sglang backend's own keys, and the
+    # reference-engine keys the sglang backend refuses reset to their defaults
+    sets = [o for o in overrides if not o.startswith(("rollout.backend=", "rollout.url="))]
+    ro = recipe.raw.get("rollout") or {}
+    sets += [f"rollout.{k}={v}" for k, v in (("device", "auto"), ("dtype", "auto"), ("kv_cache", "bf16"))
+             if k in ro and not any(o.startswith(f"rollout.{k}=") for o in sets)]
+    sets += ["rollout.backend=sglang", "rollout.url=http://127.0.0.1:30000"]
+    cmd = " ".join(["miles-lp", "run", shlex.quote(recipe_path), *(f"--set {shlex.quote(o)}" for o in sets)])
     print(f"engine checkpoint: {ckpt}\nserve it, then run against it:\n"
-          f"  miles-lp serve {ckpt} --port 30000\n"
-          f"  miles-lp run {recipe_path} --set rollout.backend=sglang --set rollout.url=http://127.0.0.1:30000")
+          f"  miles-lp serve {shlex.quote(str(ckpt))} --port 30000\n  {cmd}")
     return 0

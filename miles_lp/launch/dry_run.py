@@ -134,11 +134,14 @@ def _would_refuse(recipe: Recipe, plan=None, hf_config: dict | None = None) -> l
                        "the reference engine")
     from miles_lp.errors import ConfigError
     from miles_lp.launch.actor_sync import check_broadcast
+    from miles_lp.launch.runner import check_devices
 
-    try:
-        check_broadcast(recipe)
-    except ConfigError as e:
-        out.append(str(e))
+    # under Ray the devices are the workers' (checked where the learner is built), not this host's
+    for check in (check_broadcast,) + (() if recipe.ray.enabled else (check_devices,)):
+        try:
+            check(recipe)
+        except ConfigError as e:
+            out.append(str(e))
     if recipe.train.backend == "megatron" and hf_config is not None:
         # the learner's own size rules (tp/ep/etp > 1 run as a MegatronGroup of spawned ranks; pp > 1, the TE
         # path and multi-rank MLA are refused there), read here so the dry run says what the start would

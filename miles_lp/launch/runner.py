@@ -234,7 +234,19 @@ def make_engine(recipe: Recipe, checkpoint: Path, *, run_dir: Path | None = None
     return ReferenceEngine(checkpoint, **kw)
 
 
+def check_devices(recipe: Recipe) -> None:
+    """A ``cuda`` device in the recipe on a host without CUDA: one line naming the key, before anything is built."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    for key, dev in (("train.device", recipe.train.device), ("rollout.device", getattr(recipe.rollout, "device", None))):
+        if isinstance(dev, str) and dev.startswith("cuda"):
+            raise ConfigError(f"{key}: {dev}, but this host has no CUDA device; set {key}: cpu (or auto)")
+
+
 def make_learner(recipe: Recipe, model_dir: Path, plan):
+    check_devices(recipe)
     if recipe.train.backend == "megatron":  # tp = ep = 1: one process; tp * ep > 1: MegatronGroup (spawned ranks)
         from miles_lp.train.megatron.group import make_megatron_learner
 
@@ -264,6 +276,7 @@ class Run:
         from miles_lp.rl.tasks import make_task
 
         check_broadcast(recipe)  # nccl / gloo: the learner and engine in actors of their own (ray.enabled)
+        check_devices(recipe)
         self.recipe, self.dir = recipe, run_dir
         self.model_dir = prepare_model(recipe.model, run_dir.path / "model")
         self.plan = plan_for(recipe, self.model_dir)

@@ -113,3 +113,36 @@ def test_prepare_engine_refuses_run_flags(tmp_path, capsys, extra):
     (tmp_path / "e").mkdir()  # an existing folder is never written into
     assert main(["run", "recipes/tiny-mxfp8.yaml", "--prepare-engine", str(tmp_path / "e")]) == 2
     assert "already exists" in capsys.readouterr().err
+
+
+def test_a_cuda_device_on_a_host_without_cuda_is_one_line(tmp_path, capsys, monkeypatch):
+    import torch
+
+    from miles_lp.cli import main
+    from miles_lp.launch.dry_run import dry_run
+    from miles_lp.launch.recipe import load_recipe
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    recipe = load_recipe("recipes/tiny-mxfp8.yaml", ["train.device=cuda", f"logging.output_dir={tmp_path}"])
+    assert any("train.device: cuda, but this host has no CUDA device" in r for r in dry_run(recipe)["would_refuse_at_start"])
+    assert main(["run", "recipes/tiny-mxfp8.yaml", "--set", "train.device=cuda", "--set",
+                 f"logging.output_dir={tmp_path}", "--run-name", "nocuda"]) == 2
+    err = capsys.readouterr().err
+    assert "train.device: cuda, but this host has no CUDA device; set train.device: cpu" in err and "Traceback" not in err
+    assert not (tmp_path / "nocuda").exists()
+
+
+def test_prepare_engine_prints_a_run_command_that_parses_with_the_users_overrides(tmp_path, capsys):
+    import shlex
+
+    from miles_lp.cli import main
+    from miles_lp.launch.recipe import load_recipe
+
+    assert main(["run", "recipes/tiny-mxfp8.yaml", "--set", "steps=2", "--prepare-engine", str(tmp_path / "e")]) == 0
+    line = next(ln.strip() for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("miles-lp run "))
+    argv = shlex.split(line)[2:]
+    sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
+    assert "steps=2" in sets and "rollout.device=auto" in sets  # tiny-mxfp8 sets rollout.device: cpu
+    r = load_recipe(argv[0], sets)  # the sglang backend refuses reference-engine keys: none is left
+    assert r.rollout.backend == "sglang" and r.steps == 2
+    assert (tmp_path / "e" / "engine" / "miles_lp_plan.json").is_file()
