@@ -285,6 +285,15 @@ def compile_plan(policy: PrecisionPolicy, layout: ModelLayout, tensors: Mapping[
         elif st.selected == 0 and st.invariant:
             warnings.append(f"{where}{rule.label} ({rule.text}) has no effect: it selects only invariant tensors "
                             f"({st.invariant}), which are bf16 anyway")
+        elif st.selected == 0 and rule.patterns and rule.format is Format.BF16 and rule.where is not None \
+                and rule.where.source == "<flags>":
+            # a BF16 exception given on the command line that selects nothing: the sampler would quantize what
+            # the user asked to keep high precision (Miles' --extra-high-precision-layers-hf matches substrings)
+            pats = [p.text for p in rule.patterns]
+            hint = [f"'*{t}*'" for t in pats if not any(c in t for c in "*?[") and not t.startswith("re:")]
+            raise ConfigError(f"--bf16-pattern {' '.join(pats)} matched no tensor: patterns match whole tensor names "
+                              f"(fnmatch, or re: for a regex)" + (f"; did you mean {' '.join(hint)}? (Miles' "
+                              "--extra-high-precision-layers-hf matches substrings)" if hint else ""))
         elif st.selected == 0:
             warnings.append(f"{where}{rule.label} ({rule.text}) matched no tensor")
         elif st.won == 0:

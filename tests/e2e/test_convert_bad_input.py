@@ -348,3 +348,12 @@ def test_engine_checkpoint_record_without_plan_names_the_file(tmp_path):
     (ck / PLAN_FILE).write_text(json.dumps({k: v for k, v in rec.items() if k != "plan"}))
     with pytest.raises(CheckpointError, match=rf"{PLAN_FILE}: no plan recorded; .* re-run `miles-lp convert`"):
         open_checkpoint(ck)
+
+
+def test_a_cli_bf16_pattern_that_matches_nothing_is_an_error(capsys, src, tmp_path):
+    """Miles' --extra-high-precision-layers-hf matches substrings; ours match whole names: 'self_attn' alone would
+    keep nothing BF16 (every attention layer quantized, exit 0). Refused, with the whole-name pattern suggested."""
+    rc, err = run(capsys, src, tmp_path / "out", "--format", "mxfp8", "--extra-high-precision-layers-hf", "self_attn")
+    assert rc == 2 and "--bf16-pattern self_attn matched no tensor" in err and "did you mean '*self_attn*'" in err
+    nothing_left(tmp_path / "out")
+    assert run(capsys, src, tmp_path / "out", "--format", "mxfp8", "--bf16-pattern", "*self_attn*")[0] == 0
