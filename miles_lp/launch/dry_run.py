@@ -62,12 +62,22 @@ def dry_run(recipe: Recipe) -> dict[str, Any]:
                 "placement": recipe.ray.placement},
         "sync_transport": recipe.sync.transport,
         "would_refuse_at_start": would_refuse,
+        **({"checks_never_answered": _never_answered(recipe)} if _never_answered(recipe) else {}),
     }
     if plan is not None:
         out["engine_config"] = engine_config(plan, _engine_target(recipe))
         if recipe.train.backend == "megatron":
             out["megatron"] = megatron_config(plan, config, recipe.train.megatron)
     return out
+
+
+def _never_answered(recipe: Recipe) -> list[str]:
+    from miles_lp.launch.runner import STOCK_SGLANG_SKIPS
+
+    ro = recipe.rollout
+    if getattr(ro, "backend", None) == "sglang" and getattr(ro, "server", None) == "sglang":
+        return [c for c in STOCK_SGLANG_SKIPS if recipe.sync.mode(c) != "off"]
+    return []
 
 
 def _engine_target(recipe: Recipe) -> str:

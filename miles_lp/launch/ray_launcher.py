@@ -323,6 +323,7 @@ class RayRun:
             _target,
             check_task_fits,
             engine_side,
+            note_skipped_checks,
             plan_for,
             sampling_for,
             sync_env,
@@ -367,6 +368,7 @@ class RayRun:
         self.engine = EngineProxy(self.engine_actor)
         self.sync_env = sync_env()
         self.sync_overrides = sync_overrides(recipe, self.sync_env)
+        note_skipped_checks(recipe)
         if recipe.sync.transport in BROADCAST:  # the sync runs in the learner actor, bytes straight to the engine's
             sentinel = Sentinel(recipe.sync.sentinel)
             self.sync = ActorSync(self.learner_actor, self.engine_actor, _target(recipe), sentinel, self.sync_env)

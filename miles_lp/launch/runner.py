@@ -121,6 +121,24 @@ def sync_overrides(recipe: Recipe, env: Mapping[str, str]) -> dict[str, list[str
     return out
 
 
+#: the checks a stock SGLang server cannot answer (no introspection endpoints): skipped at every sync
+STOCK_SGLANG_SKIPS = ("layer_audit", "grid", "self_check", "storage")
+
+
+def note_skipped_checks(recipe: Recipe) -> list[str]:
+    """The recipe's non-off checks the engine can never answer, printed once at start (a raise-mode check that
+    is skipped at every sync must not look like a passing one)."""
+    ro = recipe.rollout
+    if getattr(ro, "backend", None) != "sglang" or getattr(ro, "server", None) != "sglang":
+        return []
+    skipped = [c for c in STOCK_SGLANG_SKIPS if recipe.sync.mode(c) != "off"]
+    if skipped:
+        print(f"miles-lp run: rollout.server sglang (a stock server) answers none of {', '.join(skipped)}: they are "
+              "skipped at every sync (sync/check/<name> = -1), whatever their mode; the weights are checked here "
+              "before they are written to disk (C5) only", file=sys.stderr, flush=True)
+    return skipped
+
+
 def sync_log(line: str) -> None:
     """The sync's one line per sync (C7): a failed check (``warn`` mode too) goes to stderr above the progress
     bar, where someone sees it; a clean sync to the log only."""
@@ -306,6 +324,7 @@ class Run:
         self.engine = self.build_engine()
         self.sync_env = sync_env()
         self.sync_overrides = sync_overrides(recipe, self.sync_env)
+        note_skipped_checks(recipe)
         self.sync = WeightSync(self.engine, engine_plan, _target(recipe), recipe.sync, env=self.sync_env,
                                log=sync_log)
         if view is not None:  # a comparison arm: the sampler gets its own re-quantization of the master weights

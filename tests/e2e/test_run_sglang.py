@@ -100,14 +100,17 @@ def test_run_against_miles_lp_serve_tensor_path(server, api_key, tmp_path):
     assert int(_get(server, "/get_weight_version")["weight_version"]) >= 4  # initial sync + 3 steps
 
 
-def test_run_updates_from_disk_like_stock_sglang(server, api_key, tmp_path):
+def test_run_updates_from_disk_like_stock_sglang(server, api_key, tmp_path, capsys):
     """``server: sglang``: no tensor path, no introspection; every sync is a checkpoint folder on disk."""
+    from miles_lp.launch.dry_run import dry_run
     from miles_lp.rollout.engine import tensor_digest
     from miles_lp.rollout.sglang import SGLangHTTPEngine
 
     recipe = _recipe(tmp_path, "rollout.backend=sglang", f"rollout.url={server}", "rollout.server=sglang", "steps=2")
+    assert dry_run(recipe)["checks_never_answered"] == ["layer_audit", "grid", "self_check", "storage"]
     before = int(_get(server, "/get_weight_version")["weight_version"])
     run, rows = _train(recipe)
+    assert "a stock server) answers none of layer_audit, grid, self_check, storage" in capsys.readouterr().err
     assert int(_get(server, "/get_weight_version")["weight_version"]) == before + 3  # initial sync + 2 steps
     m = rows[-1]
     assert m["sync/check/completeness"] == 1.0 and m["sync/check/version"] == 1.0
