@@ -100,8 +100,26 @@ def env_error(exc: OSError, what: str, folder: Path | None = None) -> Checkpoint
 # ``--overwrite`` replaces an empty folder, one this project wrote (its records at the top), or an HF checkpoint
 # whose every top-level entry is a checkpoint file (no subfolder): a mistyped ``--output ~`` or a project folder
 # with a stray config.json is never deleted.
-_OUR_RECORDS = ("miles_lp_plan.json", "miles_lp_tiny.json", "loop.json", "state.json")
+_OUR_RECORDS = ("miles_lp_plan.json", "miles_lp_tiny.json")  # names no other software writes
 _CHECKPOINT_FILES = (".json", ".safetensors", ".model", ".tiktoken", ".txt", ".md", ".jinja", ".py")
+
+
+def _ours(out: Path) -> bool:
+    """A folder this project wrote: a converted/exported checkpoint or tiny model (its record), a learner state
+    (``state.json`` of that format + ``tensors.safetensors``) or a run checkpoint step (``loop.json`` + ``learner/``)."""
+    if any((out / n).is_file() for n in _OUR_RECORDS):
+        return True
+    if (out / "loop.json").is_file() and (out / "learner").is_dir():
+        return True
+    if (out / "state.json").is_file() and (out / "tensors.safetensors").is_file():
+        try:
+            import json
+
+            doc = json.loads((out / "state.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return isinstance(doc, dict) and set(doc) == {"version", "state"}
+    return False
 
 
 def _replaceable(out: Path) -> bool:
@@ -109,7 +127,7 @@ def _replaceable(out: Path) -> bool:
         entries = list(out.iterdir())
     except OSError:
         return False
-    if not entries or any(e.name in _OUR_RECORDS for e in entries):
+    if not entries or _ours(out):
         return True
     has_weights = any(e.suffix == ".safetensors" for e in entries)
     return has_weights and (out / "config.json").is_file() and all(

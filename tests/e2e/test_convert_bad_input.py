@@ -225,6 +225,10 @@ def test_overwrite_replaces_only_a_checkpoint_folder(capsys, src, tmp_path):
     (out / "src" / "main.py").write_text("code")
     rc, err = run(capsys, src, out, "--format", "mxfp8", "--overwrite")
     assert rc == 2 and "is not a checkpoint" in err and (out / "src" / "main.py").read_text() == "code"
+    (out / "state.json").write_text("{}")  # a common application file name is no miles-lp record
+    rc, err = run(capsys, src, out, "--format", "mxfp8", "--overwrite")
+    assert rc == 2 and (out / "src" / "main.py").read_text() == "code"
+    (out / "state.json").unlink()
     shutil.rmtree(out / "src")  # now an HF checkpoint's files only (config.json + *.safetensors + a note): replaced
     assert run(capsys, src, out, "--format", "mxfp8", "--overwrite")[0] == 0
     assert (out / "miles_lp_plan.json").is_file() and not (out / "notes.txt").exists()
