@@ -1012,7 +1012,9 @@ class ReferenceEngine:
                   "not_written": len(set(self._owner) - self._written)}
         with self._cond:
             self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
-            self._updating = self._partial = False
+            # a partial state ends only with an update that wrote every tensor (a small update would serve a mix)
+            self._partial = self._partial and report["not_written"] > 0
+            self._updating = False
             self._cache_epoch += 1
             self._cond.notify_all()
         report["weight_version"] = self.weight_version

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from miles_lp.errors import BackendUnavailable, ConfigError
-from miles_lp.rollout.engine import EngineError, tensor_digest
+from miles_lp.rollout.engine import EngineError, WeightUpdateError, tensor_digest
 from miles_lp.sync import checks
 from miles_lp.sync.buckets import Bucket, Ledger, make_buckets
 from miles_lp.sync.config import CHECKS, SyncConfig
@@ -353,7 +353,7 @@ class WeightSync:
         except Exception as exc:
             report = self._report(verdicts, times, t0, nbytes, len(buckets), full_compare, stage)
             where = f" at bucket {index + 1} of {len(buckets)}" if index is not None else ""
-            kept = self._abort(stage)
+            kept = self._abort(stage, exc)
             advice = ("the update was dropped before any byte was written and the engine serves its previous "
                       "weights again; fix the cause and sync again" if kept else
                       "the engine may hold a partial update: restart it (or check it is alive) and run a full "
@@ -553,12 +553,21 @@ class WeightSync:
         return v
 
     # ---- reporting -------------------------------------------------------------------------------------
-    def _abort(self, stage: str) -> bool:
+    def _abort(self, stage: str, exc: BaseException) -> bool:
         """After a failure before ``finish``: drop the open update where the engine can (nothing written) and
-        resume it, so a refused update does not leave a server paused for its other clients. True when the engine
-        serves its previous weights again."""
-        if stage in ("pause", "finish"):
+        resume it, so a refused update does not leave a server paused for its other clients. A ``finish`` refused
+        whole (``WeightUpdateError``: a disk update the server declined before loading) is resumed too; an engine
+        left with a partial state refuses generation itself. True when the engine serves its previous weights."""
+        if stage == "pause":
             return False
+        if stage == "finish":
+            if not isinstance(exc, WeightUpdateError):
+                return False
+            try:
+                self.engine.resume()
+            except Exception:  # noqa: BLE001 - a dead engine: the caller restarts it
+                return False
+            return True
         abort = getattr(self.engine, "abort_weight_update", None)
         try:
             if stage != "begin":

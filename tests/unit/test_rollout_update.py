@@ -320,3 +320,18 @@ def test_stale_derived_state_of_a_layer_outside_the_fixed_pair_is_caught_by_rota
             assert bad == [f"{target}.weight"], r
             break
     assert caught_at is not None, "the stale layer was never probed"
+
+
+def test_a_partial_state_ends_only_with_a_complete_update(engine, new_weights):
+    sp = SamplingParams(max_new_tokens=2, seed=0)
+    engine.begin_weight_update()
+    engine.update_weights([(Q + "weight", new_weights[Q + "weight"])])
+    with pytest.raises(EngineError, match="already written"):
+        engine.abort_weight_update()
+    engine.begin_weight_update()  # a small update does not re-open generation on a mix of old and new weights
+    engine.update_weights([(Q + "weight", new_weights[Q + "weight"])])
+    assert engine.finish_weight_update()["not_written"] > 0
+    with pytest.raises(EngineError, match="partial state"):
+        engine.generate([[1, 2]], sp)
+    _full_update(engine, new_weights)
+    assert engine.generate([[1, 2]], sp)[0].output_ids

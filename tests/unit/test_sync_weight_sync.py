@@ -235,6 +235,27 @@ def test_a_refused_update_is_aborted_and_the_engine_resumed():
     assert late.writes > 0 and late.aborted == 0 and late.paused is True
 
 
+def test_a_finish_refused_whole_resumes_the_engine():
+    """A stock-SGLang disk update refused by the server (400 before any load: WeightUpdateError in finish): the
+    server is resumed, not left paused for its other clients; any other finish failure leaves it paused."""
+
+    class RefusingFinish(StubEngine):
+        def __init__(self, exc):
+            super().__init__()
+            self.exc = exc
+
+        def finish_weight_update(self):
+            raise self.exc
+
+    for exc, resumed in ((WeightUpdateError("update_weights_from_disk: 400 not a checkpoint folder"), True),
+                         (EngineError("engine process died"), False)):
+        engine = RefusingFinish(exc)
+        _, ws, _ = _sync(engine, mode="off")
+        with pytest.raises(SyncAbortedError, match="aborted in 'finish'"):
+            ws.sync(Learner())
+        assert engine.paused is (not resumed), exc
+
+
 def test_warn_mode_reports_but_does_not_raise():
     engine, ws, lines = _sync(StubEngine(stale=True), mode="warn")
     r = ws.sync(Learner())
