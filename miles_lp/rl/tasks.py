@@ -168,16 +168,25 @@ def encode(value: Any, where: str, text_encoder: Callable[[str, str], tuple[int,
     raise ConfigError(f"{where}: expected a string or a list of non-negative token ids, got {value!r}")
 
 
-def model_text_encoding(model_dir: Path) -> tuple[Callable[[str, str], tuple[int, ...]], int | None, str]:
-    """(string encoder, the model's EOS id or None, a description) for a real (non-tiny) model folder: its own
-    tokenizer (ids 0-255 of a byte-level BPE vocabulary are not the bytes 0-255); without tokenizer files a
-    string field is refused."""
-    eos = None
+@dataclasses.dataclass(frozen=True)
+class TextCodec:
+    """How a jsonl task turns strings into token ids for its model, and back (for the reward)."""
+
+    encode: Callable[[str, str], tuple[int, ...]] = utf8_bytes
+    decode: Callable[[Sequence[int]], str] | None = None  # None: answers are compared as token ids
+    eos_ids: tuple[int, ...] = (EOS,)
+    description: str = "UTF-8 bytes (tiny model)"
+
+
+def model_text_encoding(model_dir: Path) -> TextCodec:
+    """A real (non-tiny) model folder's codec: its own tokenizer (ids 0-255 of a byte-level BPE vocabulary are not
+    the bytes 0-255) and its EOS ids (every one a stop token); without tokenizer files a string field is refused."""
+    eos: tuple[int, ...] = ()
     for name in ("generation_config.json", "config.json"):
         f = model_dir / name
-        if eos is None and f.is_file():
+        if not eos and f.is_file():
             v = json.loads(f.read_text()).get("eos_token_id")
-            eos = v[0] if isinstance(v, list) and v else v if isinstance(v, int) else None
+            eos = tuple(int(x) for x in v) if isinstance(v, list) else (int(v),) if isinstance(v, int) else ()
     files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
     try:
         if not any((model_dir / n).is_file() for n in files) and not any(model_dir.glob("*.tiktoken")):
@@ -191,26 +200,31 @@ def model_text_encoding(model_dir: Path) -> tuple[Callable[[str, str], tuple[int
         def refuse(text: str, where: str) -> tuple[int, ...]:
             raise ConfigError(f"{where}: a string field needs the model's tokenizer, and {model_dir} has none that "
                               f"loads ({why}); give token-id lists, or add the tokenizer files to the model folder")
-        return refuse, eos, "token-id lists only (no tokenizer)"
+        return TextCodec(refuse, None, eos, "token-id lists only (no tokenizer)")
 
     def tokenize(text: str, where: str) -> tuple[int, ...]:
         return tuple(tok.encode(text, add_special_tokens=False))
-    return tokenize, eos, f"the tokenizer of {model_dir}"
+
+    def detokenize(ids: Sequence[int]) -> str:
+        return tok.decode(list(ids), skip_special_tokens=False)
+    return TextCodec(tokenize, detokenize, eos, f"the tokenizer of {model_dir}")
 
 
 class JsonlTask:
     """Prompt/answer pairs from a JSONL file; reward 1 for an exact match of the answer + stop token."""
 
-    def __init__(self, cfg: TaskConfig, text_encoder: Callable[[str, str], tuple[int, ...]] = utf8_bytes,
-                 model_eos: int | None = EOS, encoding: str = "UTF-8 bytes (tiny model)"):
+    def __init__(self, cfg: TaskConfig, codec: TextCodec | None = None):
+        codec = codec or TextCodec()
         self.cfg = cfg
         self.name = "jsonl"
-        eos = cfg.eos_id if cfg.eos_id is not None else model_eos
-        if eos is None:
+        eos = (cfg.eos_id,) if cfg.eos_id is not None else codec.eos_ids
+        if not eos:
             raise ConfigError("task.eos_id: the model folder states no eos_token_id (generation_config.json / "
                               "config.json); set task.eos_id to the token every answer ends with")
-        self.eos_id, self.encoding = int(eos), encoding
-        self.stop_token_ids = (self.eos_id,)
+        self.eos_id, self.encoding, self._decode = int(eos[0]), codec.description, codec.decode
+        self.stop_token_ids = tuple(int(e) for e in eos)  # every EOS the model may end with stops generation
+        self._texts: dict[Prompt, str] = {}  # answers given as strings: compared as decoded text (tokenizer)
+        text_encoder = codec.encode
         path = Path(cfg.path)
         try:
             lines = path.read_text().splitlines()
@@ -231,6 +245,8 @@ class JsonlTask:
             if not p:
                 raise ConfigError(f"{path}:{i}: empty prompt")
             self.items.append(Prompt(p, a + (self.eos_id,)))
+            if isinstance(obj["answer"], str) and self._decode is not None:
+                self._texts[self.items[-1]] = obj["answer"]
         if not self.items:
             raise ConfigError(f"{path}: no prompt/answer lines")
         self.max_response_len = max(len(p.answer) for p in self.items)
@@ -249,7 +265,16 @@ class JsonlTask:
         return out
 
     def reward(self, prompt: Prompt, response: Sequence[int]) -> float:
-        return 1.0 if tuple(response) == prompt.answer else 0.0
+        """1 for the answer followed by any of the stop tokens. A string answer on a tokenizer-encoded model is
+        compared as decoded text (stripped): in context the model writes the same text as other ids (a merged
+        leading space, another split), as verl / slime rewards compare text."""
+        response = tuple(response)
+        if not response or response[-1] not in self.stop_token_ids:
+            return 0.0
+        text = self._texts.get(prompt)
+        if text is not None:
+            return 1.0 if self._decode(response[:-1]).strip() == text.strip() else 0.0
+        return 1.0 if response[:-1] == prompt.answer[:-1] else 0.0
 
 
 #: The registry: task name -> factory. Add a task by adding an entry (SGLang-style explicit registry).
@@ -261,8 +286,7 @@ def make_task(cfg: TaskConfig, vocab_size: int | None = None, model_dir: Path | 
     """The recipe's task. ``model_dir``: the model folder; a real (non-tiny) model's jsonl strings go through its
     tokenizer and its EOS ends every answer (a tiny model: UTF-8 bytes and the toy EOS)."""
     if cfg.name == "jsonl" and model_dir is not None and not (Path(model_dir) / "miles_lp_tiny.json").is_file():
-        encoder, eos, encoding = model_text_encoding(Path(model_dir))
-        task = JsonlTask(cfg, encoder, eos, encoding)
+        task = JsonlTask(cfg, model_text_encoding(Path(model_dir)))
     else:
         task = TASKS[cfg.name](cfg)
     if vocab_size is not None and task.min_vocab() > vocab_size:

@@ -105,11 +105,18 @@ def test_jsonl_on_a_real_model_uses_its_tokenizer_and_eos(tmp_path):
     its eos_token_id ends every answer; without tokenizer files strings are refused; a tiny model keeps bytes."""
     f = tmp_path / "d.jsonl"
     f.write_text(json.dumps({"prompt": "2+2=", "answer": "4"}) + "\n")
-    model = _real_model_folder(tmp_path / "m", True, eos=9)
+    model = _real_model_folder(tmp_path / "m", True, eos=[9, 10])  # Qwen3 lists two EOS ids
     t = make_task(cfg(name="jsonl", path=str(f)), model_dir=model)
-    assert t.items[0].ids == (5, 6, 5, 7) and t.items[0].answer == (8, 9) and t.stop_token_ids == (9,)
+    assert t.items[0].ids == (5, 6, 5, 7) and t.items[0].answer == (8, 9) and t.stop_token_ids == (9, 10)
     assert "tokenizer" in t.encoding
-    assert make_task(cfg(name="jsonl", path=str(f), eos_id=3), model_dir=model).items[0].answer == (8, 3)
+    # the reward reads the decoded text and takes any EOS: the answer written as other ids still counts
+    item = t.items[0]
+    assert t.reward(item, [8, 9]) == t.reward(item, [8, 10]) == 1.0
+    assert t.reward(item, [8]) == 0.0 and t.reward(item, [5, 9]) == 0.0
+    t._decode = lambda ids: " 4 " if list(ids) == [0, 0] else "x"  # a tokenization of " 4 " the answer never had
+    assert t.reward(item, [0, 0, 9]) == 1.0
+    t3 = make_task(cfg(name="jsonl", path=str(f), eos_id=3), model_dir=model)
+    assert t3.items[0].answer == (8, 3) and t3.stop_token_ids == (3,)
     bare = _real_model_folder(tmp_path / "bare", False, eos=9)
     with pytest.raises(ConfigError, match="d.jsonl:1 prompt: a string field needs the model's tokenizer"):
         make_task(cfg(name="jsonl", path=str(f)), model_dir=bare)
