@@ -662,6 +662,30 @@ class ReferenceEngine:
             self.__dict__["_c3_rotation_list"] = rot
         return rot
 
+    def self_check_every_layer(self) -> dict[str, dict[str, Any]]:
+        """C3 over every quantized layer: the serving kernel vs the same kernel on state derived afresh from its
+        canonical tensors (``fresh_diff``, exactly 0 when healthy), ``{<module>.weight: {...}}``. The cost of one
+        more ``finish``: run on the full-compare syncs (the initial one, after a restart), not every step."""
+        out = {}
+        for layer in self._c3_rotation():
+            key = (0, layer.in_features, self.device, self.act_dtype)
+            probes = self.__dict__.setdefault("_rot_probes", {})
+            x = probes.get(key)
+            if x is None:
+                g = torch.Generator(device="cpu").manual_seed(1)
+                x = probes[key] = torch.randn(16, layer.in_features, generator=g).to(self.device, self.act_dtype)
+            with torch.no_grad():
+                xq = layer._quantize_input(x)
+                fresh = self._rotating_scratch(layer)
+                fq = xq if _input_key(fresh) == _input_key(layer) else fresh._quantize_input(x)
+                d = (layer.gemm(xq, x.dtype).double() - fresh.gemm(fq, x.dtype).double()).abs().max()
+            out[f"{layer.prefix}weight"] = {"kind": "every", "format": layer.kernel_format.value, "fresh_diff": d}
+        if out:
+            vals = torch.stack([v["fresh_diff"] for v in out.values()]).tolist()  # one device -> host transfer
+            for v, d in zip(out.values(), vals, strict=True):
+                v["fresh_diff"] = d
+        return out
+
     def _rotating_scratch(self, layer: EngineLinear) -> EngineLinear:
         """A private copy of ``layer`` derived afresh from its canonical tensors now, reusing one kept copy per
         layer configuration but prefix (the experts of a projection share one): no module built per sync."""

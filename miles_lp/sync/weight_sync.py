@@ -389,7 +389,8 @@ class WeightSync:
                 pass
             begun = time.perf_counter() - s
         timed("grid", grid)
-        timed("self_check", lambda: checks.self_check(self._self_check(), self.config.self_check_tolerance))
+        timed("self_check", lambda: checks.self_check(self._self_check(full_compare),
+                                                      self.config.self_check_tolerance))
         if begun:
             verdicts["self_check"] = dataclasses.replace(verdicts["self_check"],
                                                          seconds=verdicts["self_check"].seconds + begun)
@@ -525,9 +526,17 @@ class WeightSync:
                           "learner's export (group digest) although each tensor matches", differ)
         return dataclasses.replace(main, reason=main.reason + f" in {len(differ)} of {len(groups)} groups")
 
-    def _self_check(self) -> Mapping[str, Any] | None:
+    def _self_check(self, full_compare: bool = False) -> Mapping[str, Any] | None:
         try:
-            return self.engine.self_check(self.config.self_check_seed)
+            result = self.engine.self_check(self.config.self_check_seed)
+            every = getattr(self.engine, "self_check_every_layer", None)
+            if full_compare and callable(every) and isinstance(result, Mapping):
+                # the full-compare syncs (the initial one, after every engine restart): every quantized layer's
+                # serving state against a fresh derivation, where a loader mismatch shows first
+                layers = dict(result.get("layers", {}))
+                layers.update((n, v) for n, v in every().items() if n not in layers)  # the probed ones keep rel_err
+                result = {**result, "layers": layers}
+            return result
         except (NotImplementedError, BackendUnavailable) as exc:
             return {"reason": f"the engine has no self-check ({exc})"}
 

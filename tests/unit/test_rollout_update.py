@@ -335,3 +335,21 @@ def test_a_partial_state_ends_only_with_a_complete_update(engine, new_weights):
         engine.generate([[1, 2]], sp)
     _full_update(engine, new_weights)
     assert engine.generate([[1, 2]], sp)[0].output_ids
+
+
+def test_a_full_compare_sync_checks_every_layers_derived_state(ckpts, new_weights):
+    """The initial (full-compare) sync probes every quantized layer against a fresh derivation: one stale layer
+    anywhere fails C3 at once, not only when the rotation reaches it."""
+    from miles_lp.sync import SyncConfig, WeightSync
+    from miles_lp.sync.checks import self_check
+
+    target = "model.layers.1.mlp.experts.3.up_proj"
+    eng = ReferenceEngine(ckpts[0], device="cpu", faults=EngineFaults(skip_rebuild=(target + ".*",)))
+    _full_update(eng, new_weights)
+    every = eng.self_check_every_layer()
+    assert len(every) == len(eng._c3_rotation())
+    assert [n for n, v in every.items() if v["fresh_diff"] != 0] == [f"{target}.weight"]
+    ws = WeightSync(eng, None, "sglang", SyncConfig(), env={}, log=lambda s: None)
+    full = ws._self_check(full_compare=True)
+    assert not self_check(full, 0.25).ok and f"{target}.weight" in full["layers"]
+    assert len(ws._self_check(full_compare=False)["layers"]) <= 3  # a normal sync: the pair + one rotating layer
