@@ -99,10 +99,11 @@ def _prepare_engine(recipe, recipe_path: str, out: str, overrides: list[str]) ->
     ckpt = Path(ckpt).absolute()
     # the same overrides (the served checkpoint's plan is this recipe's), the sglang backend's own keys, and the
     # reference-engine keys the sglang backend refuses reset to their defaults
-    sets = [o for o in overrides if not o.startswith(("rollout.backend=", "rollout.url="))]
+    engine_keys = (("device", "auto"), ("dtype", "auto"), ("kv_cache", "bf16"))
+    sets = [o for o in overrides if not o.startswith(("rollout.backend=", "rollout.url=",
+                                                      *(f"rollout.{k}=" for k, _ in engine_keys)))]
     ro = recipe.raw.get("rollout") or {}
-    sets += [f"rollout.{k}={v}" for k, v in (("device", "auto"), ("dtype", "auto"), ("kv_cache", "bf16"))
-             if k in ro and not any(o.startswith(f"rollout.{k}=") for o in sets)]
+    sets += [f"rollout.{k}={v}" for k, v in engine_keys if k in ro]
     sets += ["rollout.backend=sglang", "rollout.url=http://127.0.0.1:30000"]
     cmd = " ".join(["miles-lp", "run", shlex.quote(recipe_path), *(f"--set {shlex.quote(o)}" for o in sets)])
     print(f"engine checkpoint: {ckpt}\nserve it, then run against it:\n"

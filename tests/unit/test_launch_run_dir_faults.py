@@ -138,11 +138,12 @@ def test_prepare_engine_prints_a_run_command_that_parses_with_the_users_override
     from miles_lp.cli import main
     from miles_lp.launch.recipe import load_recipe
 
-    assert main(["run", "recipes/tiny-mxfp8.yaml", "--set", "steps=2", "--prepare-engine", str(tmp_path / "e")]) == 0
+    assert main(["run", "recipes/tiny-mxfp8.yaml", "--set", "steps=2", "--set", "rollout.device=cpu",
+                 "--prepare-engine", str(tmp_path / "e")]) == 0
     line = next(ln.strip() for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("miles-lp run "))
     argv = shlex.split(line)[2:]
     sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--set"]
-    assert "steps=2" in sets and "rollout.device=auto" in sets  # tiny-mxfp8 sets rollout.device: cpu
+    assert "steps=2" in sets and "rollout.device=auto" in sets and "rollout.device=cpu" not in sets
     r = load_recipe(argv[0], sets)  # the sglang backend refuses reference-engine keys: none is left
     assert r.rollout.backend == "sglang" and r.steps == 2
     assert (tmp_path / "e" / "engine" / "miles_lp_plan.json").is_file()
