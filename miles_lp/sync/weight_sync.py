@@ -574,9 +574,11 @@ class WeightSync:
                 return False
             try:
                 self.engine.resume()
+                # a disk update that failed after writing leaves the engine refusing generation (partial state):
+                # resumed, but it does not serve the previous weights
+                return str(self.engine.health().get("status", "ok")) == "ok"
             except Exception:  # noqa: BLE001 - a dead engine: the caller restarts it
                 return False
-            return True
         abort = getattr(self.engine, "abort_weight_update", None)
         try:
             if stage != "begin":

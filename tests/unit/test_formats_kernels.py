@@ -276,3 +276,15 @@ def test_decode_only_launch_needs_a_decode(interpret):
         kernels.mxfp8_quantize(torch.randn(32, 64), store_q=False)
     with pytest.raises(BackendUnavailable, match=r"store_q=False.*an asked-for grid"):
         kernels.mxfp8_quantize(torch.randn(32, 64), dequant_dtype=torch.bfloat16, dequant=("col",), store_q=False)
+
+
+def test_the_bf16x2_amax_tree_is_chosen_only_where_ptx_has_it(monkeypatch):
+    """ENC 1's max.xorsign.abs.bf16x2 needs sm_86+: an A100 (sm_80) gets the ENC 0 form (same bytes)."""
+    import torch
+
+    from miles_lp.formats import kernels
+
+    for cap, ok in (((8, 0), False), ((8, 6), True), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None, cap=cap: cap)
+        assert kernels._has_bf16x2_max(torch.device("cuda", 0)) is ok
+    assert kernels._has_bf16x2_max(torch.device("cpu"))

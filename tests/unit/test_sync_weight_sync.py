@@ -247,13 +247,23 @@ def test_a_finish_refused_whole_resumes_the_engine():
         def finish_weight_update(self):
             raise self.exc
 
+        def health(self):
+            return {"status": "paused" if self.paused else "ok"}
+
     for exc, resumed in ((WeightUpdateError("update_weights_from_disk: 400 not a checkpoint folder"), True),
                          (EngineError("engine process died"), False)):
         engine = RefusingFinish(exc)
         _, ws, _ = _sync(engine, mode="off")
-        with pytest.raises(SyncAbortedError, match="aborted in 'finish'"):
+        with pytest.raises(SyncAbortedError, match="aborted in 'finish'") as e:
             ws.sync(Learner())
         assert engine.paused is (not resumed), exc
+        assert ("serves its previous weights again" in str(e.value)) is resumed
+
+    partial = RefusingFinish(WeightUpdateError("failed after 10 tensor(s) were written"))
+    partial.health = lambda: {"status": "updating"}  # the engine refuses generation: no "previous weights" advice
+    _, ws, _ = _sync(partial, mode="off")
+    with pytest.raises(SyncAbortedError, match="restart it"):
+        ws.sync(Learner())
 
 
 def test_warn_mode_reports_but_does_not_raise():

@@ -600,6 +600,12 @@ def nvfp4_quantize(x: torch.Tensor, scope: str = "tensor", *, amax: torch.Tensor
     return qt, (_as(d, dequant_dtype) if out_kind else None)
 
 
+def _has_bf16x2_max(dev: torch.device) -> bool:
+    """``max.xorsign.abs.bf16x2`` (the ENC 1 amax tree) needs sm_86+ (PTX ISA); older GPUs (A100: sm_80) get the
+    ENC 0 form, the same bytes. True for the interpreter's CPU tensors."""
+    return dev.type != "cuda" or torch.cuda.get_device_capability(dev) >= (8, 6)
+
+
 def _sm_count(dev: torch.device) -> int:
     """Streaming multiprocessors of ``dev`` (a persistent grid's unit); 4 for the interpreter's CPU tensors."""
     if dev.type != "cuda":
@@ -634,7 +640,7 @@ def _nvfp4_plan(x, scope: str, given: bool, block_2d: bool, dequant_dtype) -> di
         plan.update(path="pairs", grid=(triton_cdiv(m, rs), mats),
                     warps=max(1, min(16, nb * NVFP4_BLOCK // (32 * ept))),
                     consts=dict(DQ=bool(out_kind), NB=nb, RS=rs, EVICT=pairs.get("EVICT", 0),
-                                ENC=pairs.get("ENC_dq" if out_kind else "ENC", 0),
+                                ENC=pairs.get("ENC_dq" if out_kind else "ENC", 0) if _has_bf16x2_max(x.device) else 0,
                                 FULL=int(rs == 1 and k == nb * NVFP4_BLOCK and pairs.get("FULL", 1))),
                     maxnreg=pairs.get("maxnreg_dq" if out_kind else "maxnreg", 0))
         per = CONFIG["nvfp4_persist"]
