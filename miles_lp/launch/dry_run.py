@@ -39,22 +39,27 @@ def dry_run(recipe: Recipe) -> dict[str, Any]:
     plan = None
     if not (pol.default is Format.BF16 and all(r.format is Format.BF16 for r in pol.rules)):
         plan = compile_plan(pol, get_layout(config))
-    task = make_task(recipe.task, int(config["vocab_size"]),
-                     None if recipe.model.is_tiny else Path(recipe.model.path))
-    would_refuse = _would_refuse(recipe, plan, config)
     from miles_lp.errors import ConfigError
     from miles_lp.launch.runner import check_task_fits
 
-    try:
-        check_task_fits(recipe, task)
+    would_refuse = _would_refuse(recipe, plan, config)
+    try:  # a task the model cannot encode (string prompts, no tokenizer in a config-only folder): listed, not fatal
+        task = make_task(recipe.task, int(config["vocab_size"]),
+                         None if recipe.model.is_tiny else Path(recipe.model.path))
     except ConfigError as e:
+        task = None
         would_refuse.append(str(e))
+    if task is not None:
+        try:
+            check_task_fits(recipe, task)
+        except ConfigError as e:
+            would_refuse.append(str(e))
     out = {
         "recipe": recipe.source, "model": recipe.model.path, "model_type": config.get("model_type"),
         "plan_hash": None if plan is None else plan.hash,
         "quantized_tensors": 0 if plan is None else len(plan.quantized()),
         "plan_warnings": [] if plan is None else list(plan.warnings),
-        "task": task.name, "answer_tokens": task.max_response_len,
+        "task": recipe.task.name, "answer_tokens": None if task is None else task.max_response_len,
         **({"prompt_encoding": task.encoding, "eos_id": task.eos_id} if hasattr(task, "encoding") else {}),
         "samples_per_step": recipe.rl.prompts_per_step * recipe.rl.group_size, "steps": recipe.steps,
         "train_backend": recipe.train.backend, "rollout_backend": recipe.rollout.backend,
