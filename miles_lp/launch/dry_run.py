@@ -40,7 +40,7 @@ def dry_run(recipe: Recipe) -> dict[str, Any]:
     if not (pol.default is Format.BF16 and all(r.format is Format.BF16 for r in pol.rules)):
         plan = compile_plan(pol, get_layout(config))
     from miles_lp.errors import ConfigError
-    from miles_lp.launch.runner import check_task_fits
+    from miles_lp.launch.runner import check_task_fits, never_answered
 
     would_refuse = _would_refuse(recipe, plan, config)
     try:  # a task the model cannot encode (string prompts, no tokenizer in a config-only folder): listed, not fatal
@@ -54,6 +54,7 @@ def dry_run(recipe: Recipe) -> dict[str, Any]:
             check_task_fits(recipe, task)
         except ConfigError as e:
             would_refuse.append(str(e))
+    skipped = never_answered(recipe)
     out = {
         "recipe": recipe.source, "model": recipe.model.path, "model_type": config.get("model_type"),
         "plan_hash": None if plan is None else plan.hash,
@@ -67,22 +68,13 @@ def dry_run(recipe: Recipe) -> dict[str, Any]:
                 "placement": recipe.ray.placement},
         "sync_transport": recipe.sync.transport,
         "would_refuse_at_start": would_refuse,
-        **({"checks_never_answered": _never_answered(recipe)} if _never_answered(recipe) else {}),
+        **({"checks_never_answered": skipped} if skipped else {}),
     }
     if plan is not None:
         out["engine_config"] = engine_config(plan, _engine_target(recipe))
         if recipe.train.backend == "megatron":
             out["megatron"] = megatron_config(plan, config, recipe.train.megatron)
     return out
-
-
-def _never_answered(recipe: Recipe) -> list[str]:
-    from miles_lp.launch.runner import STOCK_SGLANG_SKIPS
-
-    ro = recipe.rollout
-    if getattr(ro, "backend", None) == "sglang" and getattr(ro, "server", None) == "sglang":
-        return [c for c in STOCK_SGLANG_SKIPS if recipe.sync.mode(c) != "off"]
-    return []
 
 
 def _engine_target(recipe: Recipe) -> str:

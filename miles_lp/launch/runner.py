@@ -125,13 +125,18 @@ def sync_overrides(recipe: Recipe, env: Mapping[str, str]) -> dict[str, list[str
 STOCK_SGLANG_SKIPS = ("layer_audit", "grid", "self_check", "storage")
 
 
-def note_skipped_checks(recipe: Recipe) -> list[str]:
-    """The recipe's non-off checks the engine can never answer, printed once at start (a raise-mode check that
-    is skipped at every sync must not look like a passing one)."""
+def never_answered(recipe: Recipe) -> list[str]:
+    """The recipe's non-off checks its engine can never answer (a stock SGLang server: C1-C4)."""
     ro = recipe.rollout
     if getattr(ro, "backend", None) != "sglang" or getattr(ro, "server", None) != "sglang":
         return []
-    skipped = [c for c in STOCK_SGLANG_SKIPS if recipe.sync.mode(c) != "off"]
+    return [c for c in STOCK_SGLANG_SKIPS if recipe.sync.mode(c) != "off"]
+
+
+def note_skipped_checks(recipe: Recipe) -> list[str]:
+    """``never_answered`` printed once at start (a raise-mode check that is skipped at every sync must not look
+    like a passing one)."""
+    skipped = never_answered(recipe)
     if skipped:
         print(f"miles-lp run: rollout.server sglang (a stock server) answers none of {', '.join(skipped)}: they are "
               "skipped at every sync (sync/check/<name> = -1), whatever their mode; the weights are checked here "

@@ -668,17 +668,8 @@ class ReferenceEngine:
         more ``finish``: run on the full-compare syncs (the initial one, after a restart), not every step."""
         out = {}
         for layer in self._c3_rotation():
-            key = (0, layer.in_features, self.device, self.act_dtype)
-            probes = self.__dict__.setdefault("_rot_probes", {})
-            x = probes.get(key)
-            if x is None:
-                g = torch.Generator(device="cpu").manual_seed(1)
-                x = probes[key] = torch.randn(16, layer.in_features, generator=g).to(self.device, self.act_dtype)
-            with torch.no_grad():
-                xq = layer._quantize_input(x)
-                fresh = self._rotating_scratch(layer)
-                fq = xq if _input_key(fresh) == _input_key(layer) else fresh._quantize_input(x)
-                d = (layer.gemm(xq, x.dtype).double() - fresh.gemm(fq, x.dtype).double()).abs().max()
+            y, y_fresh = self._serving_and_fresh(layer, self._rot_probe(0, layer.in_features))
+            d = (y.double() - y_fresh.double()).abs().max()
             out[f"{layer.prefix}weight"] = {"kind": "every", "format": layer.kernel_format.value, "fresh_diff": d}
         if out:
             vals = torch.stack([v["fresh_diff"] for v in out.values()]).tolist()  # one device -> host transfer
@@ -701,6 +692,28 @@ class ReferenceEngine:
         fresh.process_weights_after_loading()
         return fresh
 
+    def _rot_probe(self, seed: int, width: int) -> torch.Tensor:
+        """The rotating / every-layer probe input of ``width`` features: the same tensor every sync."""
+        key = (seed, width, self.device, self.act_dtype)
+        probes = self.__dict__.setdefault("_rot_probes", {})
+        x = probes.get(key)
+        if x is None:
+            g = torch.Generator(device="cpu").manual_seed(seed + 1)
+            x = torch.randn(16, width, generator=g).to(self.device, self.act_dtype)
+            if len(probes) > 16:
+                probes.clear()
+            probes[key] = x
+        return x
+
+    def _serving_and_fresh(self, layer: EngineLinear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s serving kernel on ``x``, and the same kernel on state derived afresh from its canonical
+        tensors (equal when healthy)."""
+        with torch.no_grad():
+            xq = layer._quantize_input(x)
+            fresh = self._rotating_scratch(layer)
+            fq = xq if _input_key(fresh) == _input_key(layer) else fresh._quantize_input(x)
+            return layer.gemm(xq, x.dtype), fresh.gemm(fq, x.dtype)
+
     def _c3_rotating(self, seed: int, fixed: set) -> tuple[EngineLinear, float, float] | None:
         """C3 beyond its fixed pair: one more layer per sync, the next of ``_c3_rotation`` (by weight version),
         its serving kernel vs a float64 GEMM of its dequantized canonical weights (rel_err) and vs the same kernel
@@ -713,24 +726,13 @@ class ReferenceEngine:
         layer = rot[self.weight_version % len(rot)]
         if layer in fixed:
             return None
-        key = (seed, layer.in_features, self.device, self.act_dtype)
-        probes = self.__dict__.setdefault("_rot_probes", {})
-        x = probes.get(key)
-        if x is None:
-            g = torch.Generator(device="cpu").manual_seed(seed + 1)
-            x = torch.randn(16, layer.in_features, generator=g).to(self.device, self.act_dtype)
-            if len(probes) > 16:
-                probes.clear()
-            probes[key] = x
+        x = self._rot_probe(seed, layer.in_features)
+        y, y_fresh = self._serving_and_fresh(layer, x)
         with torch.no_grad():
-            xq = layer._quantize_input(x)
-            y = layer.gemm(xq, x.dtype)
-            fresh = self._rotating_scratch(layer)
-            fq = xq if _input_key(fresh) == _input_key(layer) else fresh._quantize_input(x)
             y64 = y.double()
             ref = x.double() @ dequantize_exact(layer.decoded(), torch.float64).T
             figs = torch.stack([(y64 - ref).norm() / ref.norm().clamp_min(1e-30),
-                                (y64 - fresh.gemm(fq, x.dtype).double()).abs().max()]).tolist()
+                                (y64 - y_fresh.double()).abs().max()]).tolist()
         return layer, figs[0], figs[1]
 
     def _c3_figures(self, work: list[tuple]) -> torch.Tensor:
@@ -1001,16 +1003,25 @@ class ReferenceEngine:
         """Drop an open update that wrote nothing (every bucket is checked whole before its first byte): the
         engine serves its previous weights again, same version. After a written bucket the previous weights are
         gone: generation stays refused until a full update (begin ... finish). A no-op outside an update."""
+        written = self._drop_update()
+        if written:
+            raise EngineError(f"abort_weight_update: {written} tensor(s) were already written; the previous weights "
+                              "are gone: send a full update (begin ... finish)")
+
+    def _drop_update(self) -> int:
+        """End an open update without finishing it: nothing written -> serving the previous weights again;
+        some written -> a partial state (generation refused until a complete update). Returns the count written."""
         with self._cond:
             if not self._updating:
-                return
-            if self._written:
+                return 0
+            written = len(self._written)
+            if written:
                 self._partial = True
-                raise EngineError(f"abort_weight_update: {len(self._written)} tensor(s) were already written; the "
-                                  "previous weights are gone: send a full update (begin ... finish)")
-            self._updating = False
-            self._touched.clear()
-            self._cond.notify_all()
+            else:
+                self._updating = False
+                self._touched.clear()
+                self._cond.notify_all()
+            return written
 
     def finish_weight_update(self, weight_version: int | None = None) -> dict[str, Any]:
         """Rebuild the derived state of the touched layers, bump (or set) ``weight_version``, serve again.
@@ -1067,12 +1078,7 @@ class ReferenceEngine:
             # never serve a mix of old and new weights under a new version (SGLang rolls back): nothing written ->
             # the previous weights serve on; some written -> generation refused until a full update
             self._cache_plans = True
-            with self._cond:
-                written = len(self._written)
-                self._partial = bool(written)
-                if not written:
-                    self._updating = False
-                    self._cond.notify_all()
+            written = self._drop_update()
             if written and isinstance(exc, Exception):
                 raise WeightUpdateError(f"update_weights_from_disk {root}: failed after {written} tensor(s) were "
                                         f"written ({type(exc).__name__}: {exc}); generation is refused until a full "

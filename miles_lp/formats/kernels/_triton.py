@@ -318,14 +318,8 @@ def mxfp8_quantize_kernel(
         xr = tl.reshape(x, [BM, NB, 32])
         e = _e8m0_round_up(_amax_fix(tl.max(tl.reshape(a, [BM, NB, 32]), axis=2, keep_dims=True)) * INV448)
         q = _e4m3_byte(xr * _e8m0_inverse(e))  # [BM, NB, 32]
-        if not STQ:
-            pass
-        elif STV:
-            _store_q2(qr_ptr, q, r2, c2, R, K, BM, BK, STV, EVICT, FULL)
-        elif EVICT:  # streaming stores: the outputs are not read again by this kernel
-            tl.store(qr_ptr + offs, q, mask=mask, cache_modifier=".cs")
-        else:
-            tl.store(qr_ptr + offs, q, mask=mask)
+        if STQ:  # STQ 0: the decodes only (no E4M3 bytes stored)
+            _store_q(qr_ptr, q, offs, mask, r2, c2, R, K, BM, BK, STV, EVICT, FULL)
         scol = pid_k * NB + jb  # [1, NB, 1]
         smask = (rows < R) & (scol < K // 32)
         if FULL:
@@ -347,14 +341,8 @@ def mxfp8_quantize_kernel(
         xc = tl.reshape(x, [BMB, 32, BK])
         e = _e8m0_round_up(_amax_fix(tl.max(tl.reshape(a, [BMB, 32, BK]), axis=1, keep_dims=True)) * INV448)
         q = _e4m3_byte(xc * _e8m0_inverse(e))  # [BMB, 32, BK]
-        if not STQ:
-            pass
-        elif STV:
-            _store_q2(qc_ptr, q, r2, c2, R, K, BM, BK, STV, EVICT, FULL)
-        elif EVICT:
-            tl.store(qc_ptr + offs, q, mask=mask, cache_modifier=".cs")
-        else:
-            tl.store(qc_ptr + offs, q, mask=mask)
+        if STQ:
+            _store_q(qc_ptr, q, offs, mask, r2, c2, R, K, BM, BK, STV, EVICT, FULL)
         srow = pid_m * BMB + ib  # [BMB, 1, 1]
         smask = (srow < R // 32) & (cols < K)
         if FULL:
@@ -368,6 +356,19 @@ def mxfp8_quantize_kernel(
             tl.store(wc_ptr + _swizzled(t_r, t_c, K, M // 32), e.to(tl.uint8), mask=smask)
         if DQ_COL:
             _store_out(dc_ptr, offs, _e4m3_byte_value(q) * _e8m0_value(e), mask, OUT_KIND)
+
+
+@triton.jit
+def _store_q(ptr, q, offs, mask, r2, c2, R, K, BM: tl.constexpr, BK: tl.constexpr, STV: tl.constexpr,
+             EVICT: tl.constexpr, FULL: tl.constexpr):
+    """The E4M3 byte tile ``q`` at ``offs``: from the load's layout (``STV``), or one store per element with
+    streaming (``.cs``: not read again by this kernel) or default caching."""
+    if STV:
+        _store_q2(ptr, q, r2, c2, R, K, BM, BK, STV, EVICT, FULL)
+    elif EVICT:
+        tl.store(ptr + offs, q, mask=mask, cache_modifier=".cs")
+    else:
+        tl.store(ptr + offs, q, mask=mask)
 
 
 @triton.jit
