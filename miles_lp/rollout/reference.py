@@ -594,13 +594,20 @@ class ReferenceEngine:
         sync's C4 pointer walk). Returns whether a replay was queued. Dropped by any weight update (the
         replay must read the bytes ``self_check`` is asked about) and checked again at collection."""
         self.__dict__["_c3_pending"] = None
-        if self.device.type != "cuda" or self.__dict__.get("_c3_graph") is None:
+        rot = self.__dict__.get("_rot_graph_state")
+        if rot is not None:
+            rot.pending = None
+        if not self._graphs_on() or (self.__dict__.get("_c3_graph") is None and rot is None):
             return False
         work, _ = self._c3_work(seed)
+        queued = False
+        if rot is not None:  # the rotating layer's replay, when its stand-in's graph exists
+            layer = self._rotating_layer({layer for _, layer, _, _ in work})
+            queued = layer is not None and rot.launch(_fresh_config(layer)[1:], layer, self.weight_version)
         key = self._c3_key(work) if work else None
         g = self.__dict__.get("_c3_graph")
         if key is None or g is None or g[0] != key or self.__dict__.get("_c3_graph_off") is not None:
-            return False
+            return queued
         g[1].replay()
         self.__dict__["_c3_pending"] = (seed, key, g, self.weight_version)
         return True
@@ -640,9 +647,9 @@ class ReferenceEngine:
                 v["rel_err"], v["fresh_diff"] = vals[2 * i], vals[2 * i + 1]
         rot = self._c3_rotating(seed, {layer for _, layer, _, _ in work})
         if rot is not None:
-            layer, rel, diff = rot
+            layer, rel, diff, how = rot
             out["layers"][f"{layer.prefix}weight"] = {"kind": "rotating", "format": layer.kernel_format.value,
-                                                      "rel_err": rel, "fresh_diff": diff}
+                                                      "rel_err": rel, "fresh_diff": diff, "graph": how}
         layers = out["layers"].values()
         out["ok"] = bool(layers) and all(v.get("rel_err", 0.0) <= SELF_CHECK_TOLERANCE and v["fresh_diff"] == 0
                                          for v in layers)
@@ -714,26 +721,51 @@ class ReferenceEngine:
             fq = xq if _input_key(fresh) == _input_key(layer) else fresh._quantize_input(x)
             return layer.gemm(xq, x.dtype), fresh.gemm(fq, x.dtype)
 
-    def _c3_rotating(self, seed: int, fixed: set) -> tuple[EngineLinear, float, float] | None:
+    def _c3_rotating(self, seed: int, fixed: set) -> tuple[EngineLinear, float, float, str] | None:
         """C3 beyond its fixed pair: one more layer per sync, the next of ``_c3_rotation`` (by weight version),
         its serving kernel vs a float64 GEMM of its dequantized canonical weights (rel_err) and vs the same kernel
         on state derived afresh from its canonical tensors (fresh_diff, exactly 0 when healthy), so stale derived
-        state of any layer shows within a bounded number of syncs. Eager, one layer, on a kept scratch copy per
-        layer configuration."""
+        state of any layer shows within a bounded number of syncs. On CUDA a graph per layer configuration
+        (``rotating_graph``: the live tensors copied into a kept stand-in, then one replay); else eager, on a
+        kept scratch copy per layer configuration. Returns (layer, rel_err, fresh_diff, how)."""
+        layer = self._rotating_layer(fixed)
+        if layer is None:
+            return None
+        x = self._rot_probe(seed, layer.in_features)
+        if self._graphs_on():
+            figs, how = self._rot_graphs().values(_fresh_config(layer)[1:], layer, x, self.weight_version,
+                                                  lambda: self._c3_rotating_eager(layer, x))
+        else:
+            figs, how = self._c3_rotating_eager(layer, x), "eager"
+        return layer, figs[0], figs[1], how
+
+    def _rotating_layer(self, fixed: set) -> EngineLinear | None:
         rot = self._c3_rotation()
         if not rot:
             return None
         layer = rot[self.weight_version % len(rot)]
-        if layer in fixed:
-            return None
-        x = self._rot_probe(seed, layer.in_features)
+        return None if layer in fixed else layer
+
+    def _graphs_on(self) -> bool:
+        import os
+
+        return self.device.type == "cuda" and os.environ.get("MILES_LP_SYNC_GRAPHS", "1") != "0"
+
+    def _rot_graphs(self):
+        from miles_lp.rollout.rotating_graph import RotatingGraphs
+
+        g = self.__dict__.get("_rot_graph_state")
+        if g is None:
+            g = self.__dict__["_rot_graph_state"] = RotatingGraphs()
+        return g
+
+    def _c3_rotating_eager(self, layer: EngineLinear, x: torch.Tensor) -> list[float]:
         y, y_fresh = self._serving_and_fresh(layer, x)
         with torch.no_grad():
             y64 = y.double()
             ref = x.double() @ dequantize_exact(layer.decoded(), torch.float64).T
-            figs = torch.stack([(y64 - ref).norm() / ref.norm().clamp_min(1e-30),
+            return torch.stack([(y64 - ref).norm() / ref.norm().clamp_min(1e-30),
                                 (y64 - y_fresh.double()).abs().max()]).tolist()
-        return layer, figs[0], figs[1]
 
     def _c3_figures(self, work: list[tuple]) -> torch.Tensor:
         """Per layer of ``work``: rel_err and fresh_diff (float64, stacked, on the engine's device; no host
@@ -936,6 +968,8 @@ class ReferenceEngine:
 
     def begin_weight_update(self) -> None:
         self.__dict__["_c3_pending"] = None  # a queued self-check replay read the previous weights
+        if (rot := self.__dict__.get("_rot_graph_state")) is not None:
+            rot.pending = None
         with self._cond:
             if self._updating and not self._partial:
                 raise EngineError("begin_weight_update: an update is already in progress (call finish_weight_update)")

@@ -1,0 +1,171 @@
+"""C3's rotating layer as a replayed CUDA graph (issue 11: the checks' share of a sync).
+
+The rotating probe (``ReferenceEngine._c3_rotating``) reaches a different layer every sync, so a graph captured on
+the layer itself would be captured anew every sync. Instead, one graph is kept per layer *configuration* (the
+experts of a projection share one) and reads a private stand-in: before each replay the live layer's canonical
+tensors and the derived tensors its kernel reads are copied into the stand-in (one ``_foreach_copy_``: a few
+launches, whatever the layer), then the graph runs the serving GEMM on the stand-in, derives the state afresh
+from the copied canonical bytes, runs the same GEMM on that, and the float64 reference GEMM. The figures are the
+eager ones (rel_err against the float64 GEMM, fresh_diff against the fresh derivation), because the serving
+kernel is a pure function of exactly those copied tensors and the layer's kernel configuration, which the
+stand-in must share (checked at every replay: kernel format, derived names, shapes and dtypes; anything else is
+answered eager). A graph is kept only if its first replay equals the eager figures bit for bit, and every
+``RECHECK``-th replay is compared with eager again; a mismatch turns the graph off for that configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+RECHECK = 64
+
+
+@dataclasses.dataclass
+class _Entry:
+    serve: Any  # EngineLinear stand-in: its canonical and derived tensors receive the live layer's
+    fresh: Any  # EngineLinear whose derived state the graph rebuilds from the stand-in's canonical tensors
+    x: torch.Tensor  # the probe the graph reads (the engine's cached rotating probe)
+    x64: torch.Tensor  # its float64 copy (read by the graph: held here)
+    dsts: list[torch.Tensor]  # stand-in canonical (canonical_specs order), then derived (sorted names)
+    sig: tuple  # (kernel format, derived names, ((shape, dtype) per destination))
+    graph: Any
+    out: torch.Tensor  # [rel_err, fresh_diff], float64, written by each replay
+    replays: int = 0
+
+
+def _sources(layer) -> tuple[list[torch.Tensor], tuple]:
+    """The live tensors the rotating probe reads, in the stand-in's order, and their signature."""
+    names = sorted(layer._derived)
+    srcs = list(layer.canonical().values()) + [getattr(layer, n) for n in names]
+    return srcs, (layer.kernel_format, tuple(names), tuple((tuple(t.shape), t.dtype) for t in srcs))
+
+
+def _figures(serve, fresh, x: torch.Tensor, x64: torch.Tensor) -> torch.Tensor:
+    """``ReferenceEngine._c3_rotating``'s figures on the stand-in (no host synchronisation: capturable)."""
+    from miles_lp.rollout.reference import _input_key, dequantize_exact
+
+    with torch.no_grad():
+        for suffix, t in fresh.canonical().items():
+            t.copy_(getattr(serve, suffix))
+        xq = serve._quantize_input(x)
+        fresh.process_weights_after_loading()
+        fq = xq if _input_key(fresh) == _input_key(serve) else fresh._quantize_input(x)
+        y = serve.gemm(xq, x.dtype).double()
+        y_fresh = fresh.gemm(fq, x.dtype).double()
+        ref = x64 @ dequantize_exact(serve.decoded(), torch.float64).T
+        return torch.stack([(y - ref).norm() / ref.norm().clamp_min(1e-30), (y - y_fresh).abs().max()])
+
+
+def new_pool():
+    return torch.cuda.graph_pool_handle()
+
+
+def capture(fn: Callable[[], torch.Tensor], pool) -> tuple[Any, torch.Tensor]:
+    """``fn``'s device work as a CUDA graph in memory pool ``pool``: (the graph, the tensor ``fn`` returned, which
+    every ``graph.replay()`` rewrites). Capture errors of other threads (a parked generation) are not its own."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = fn()
+    return graph, out
+
+
+def _same(a: list[float], b: list[float]) -> bool:
+    return all(p == q or (p != p and q != q) for p, q in zip(a, b, strict=True))
+
+
+class RotatingGraphs:
+    """Per configuration: the stand-in, its graph, and the replay count; ``off`` names why a configuration is
+    answered eager. ``pending``: a replay queued by ``launch`` (``self_check_begin``), collected by ``values``."""
+
+    def __init__(self):
+        self.entries: dict[tuple, _Entry] = {}
+        self.off: dict[tuple, str] = {}
+        self.pool = None  # one memory pool for every configuration's graph (they are never replayed at once)
+        self.pending: tuple | None = None  # (layer, weight version, entry)
+
+    def launch(self, cfg: tuple, layer, version: int) -> bool:
+        """Copy ``layer``'s live tensors into its configuration's stand-in and replay the graph (no wait)."""
+        self.pending = None
+        ent = self.entries.get(cfg)
+        if ent is None:
+            return False
+        srcs, sig = _sources(layer)
+        if sig != ent.sig:
+            return False
+        torch._foreach_copy_(ent.dsts, srcs)
+        ent.graph.replay()
+        self.pending = (layer, version, ent)
+        return True
+
+    def values(self, cfg: tuple, layer, x: torch.Tensor, version: int,
+               eager: Callable[[], list[float]]) -> tuple[list[float], str]:
+        """``[rel_err, fresh_diff]`` of ``layer`` on probe ``x`` and how they were computed; ``eager()`` gives the
+        eager figures (used for a capture, every ``RECHECK``-th replay, and whatever the graph cannot answer)."""
+        pending, self.pending = self.pending, None
+        why = self.off.get(cfg)
+        if why is not None:
+            return eager(), "eager (" + why + ")"
+        ent = self.entries.get(cfg)
+        if ent is None:
+            return self._capture(cfg, layer, x, eager)
+        if ent.x is not x:
+            return eager(), "eager (another probe)"
+        srcs, sig = _sources(layer)
+        if sig != ent.sig:  # the live layer's kernel configuration is not the stand-in's (a format or layout change)
+            return eager(), "eager (the layer's kernel state differs from the kept stand-in's)"
+        ent.replays += 1
+        if not (pending is not None and pending[0] is layer and pending[1] == version and pending[2] is ent):
+            torch._foreach_copy_(ent.dsts, srcs)
+            ent.graph.replay()
+            how = "graph replay"
+        else:
+            how = "graph replay (queued early)"
+        got = ent.out.tolist()
+        if ent.replays % RECHECK:
+            return got, how
+        vals = eager()
+        if _same(got, vals):
+            return vals, how + " (checked against eager)"
+        self._turn_off(cfg, f"replay {got} != eager {vals} after {ent.replays} replays")
+        return vals, "eager (" + self.off[cfg] + ")"
+
+    def _turn_off(self, cfg: tuple, why: str) -> None:
+        self.entries.pop(cfg, None)
+        self.off[cfg] = why
+
+    def _capture(self, cfg: tuple, layer, x: torch.Tensor, eager: Callable[[], list[float]]) -> tuple[list[float], str]:
+        vals = eager()
+        if len(self.entries) + len(self.off) >= 32:  # configurations: a handful per model; bound the graphs kept
+            return vals, "eager"
+        try:
+            serve = layer.detached_copy()
+            serve.process_weights_after_loading()
+            fresh = layer.detached_copy()
+            fresh.process_weights_after_loading()
+            srcs, sig = _sources(layer)
+            dsts = list(serve.canonical().values()) + [getattr(serve, n) for n in sig[1]]
+            if _sources(serve)[1] != sig:
+                self.off[cfg] = "a fresh stand-in's kernel state differs from the layer's"
+                return vals, "eager (" + self.off[cfg] + ")"
+            x64 = x.double()
+            torch._foreach_copy_(dsts, srcs)
+            _figures(serve, fresh, x, x64)  # warm-up outside the capture (kernel selection, lazy state)
+            if self.pool is None:
+                self.pool = new_pool()
+            graph, out = capture(lambda: _figures(serve, fresh, x, x64), self.pool)
+            torch._foreach_copy_(dsts, srcs)
+            graph.replay()
+            got = out.tolist()
+        except Exception as exc:  # noqa: BLE001 (any capture failure: the eager path stays exact)
+            self.off[cfg] = f"capture failed: {type(exc).__name__}: {str(exc)[:160]}"
+            return vals, "eager (" + self.off[cfg] + ")"
+        if not _same(got, vals):
+            self.off[cfg] = f"first replay {got} != eager {vals}"
+            return vals, "eager (" + self.off[cfg] + ")"
+        self.entries[cfg] = _Entry(serve, fresh, x, x64, dsts, sig, graph, out)
+        return vals, "eager, graph captured"
