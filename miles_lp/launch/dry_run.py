@@ -40,7 +40,7 @@ def dry_run(recipe: Recipe) -> dict[str, Any]:
     if not (pol.default is Format.BF16 and all(r.format is Format.BF16 for r in pol.rules)):
         plan = compile_plan(pol, get_layout(config))
     from miles_lp.errors import ConfigError
-    from miles_lp.launch.runner import check_task_fits, never_answered
+    from miles_lp.launch.runner import check_task_fits, never_answered, sync_env
 
     would_refuse = _would_refuse(recipe, plan, config)
     try:  # a task the model cannot encode (string prompts, no tokenizer in a config-only folder): listed, not fatal
@@ -54,7 +54,7 @@ def dry_run(recipe: Recipe) -> dict[str, Any]:
             check_task_fits(recipe, task)
         except ConfigError as e:
             would_refuse.append(str(e))
-    skipped = never_answered(recipe)
+    skipped = never_answered(recipe, sync_env())
     out = {
         "recipe": recipe.source, "model": recipe.model.path, "model_type": config.get("model_type"),
         "plan_hash": None if plan is None else plan.hash,
@@ -141,10 +141,13 @@ def _would_refuse(recipe: Recipe, plan=None, hf_config: dict | None = None) -> l
                        "the reference engine")
     from miles_lp.errors import ConfigError
     from miles_lp.launch.actor_sync import check_broadcast
-    from miles_lp.launch.runner import check_devices
+    from miles_lp.launch.runner import check_answerable, check_devices, sync_env
 
     # under Ray the devices are the workers' (checked where the learner is built), not this host's
-    for check in (check_broadcast,) + (() if recipe.ray.enabled else (check_devices,)):
+    checks = (check_broadcast,) + (() if recipe.ray.enabled else (check_devices,))
+    # raise for a check the engine can never answer (a stock SGLang server: C1-C4), with this shell's variables
+    checks += (lambda r: check_answerable(r, sync_env()),)
+    for check in checks:
         try:
             check(recipe)
         except ConfigError as e:

@@ -321,6 +321,7 @@ class RayRun:
         from miles_lp.launch.model import prepare_model, vocab_size
         from miles_lp.launch.runner import (
             _target,
+            check_answerable,
             check_task_fits,
             engine_side,
             note_skipped_checks,
@@ -336,6 +337,8 @@ class RayRun:
         from miles_lp.sync.sentinel import Sentinel
 
         check_broadcast(recipe)
+        self.sync_env = sync_env()  # read once, here: the refusal below and the sync see the same variables
+        check_answerable(recipe, self.sync_env)
         self.recipe, self.dir = recipe, run_dir
         self.model_dir = prepare_model(recipe.model, run_dir.path / "model")
         self.plan = plan_for(recipe, self.model_dir)
@@ -366,9 +369,8 @@ class RayRun:
         self.reference = ReferenceProxy(self.learner_actor) if recipe.rl.kl_coef > 0 else None
         self.engine_actor = self._start_engine()
         self.engine = EngineProxy(self.engine_actor)
-        self.sync_env = sync_env()
         self.sync_overrides = sync_overrides(recipe, self.sync_env)
-        note_skipped_checks(recipe)
+        note_skipped_checks(recipe, self.sync_env)
         if recipe.sync.transport in BROADCAST:  # the sync runs in the learner actor, bytes straight to the engine's
             sentinel = Sentinel(recipe.sync.sentinel)
             self.sync = ActorSync(self.learner_actor, self.engine_actor, _target(recipe), sentinel, self.sync_env)

@@ -144,6 +144,20 @@ class Recipe:
     checkpoint_every: int
     source: str
     raw: dict[str, Any]  # the effective mapping (file + overrides): saved in the run folder
+    # the source file's line of every key path (``sync.checks.grid``) and the ``--set`` texts applied after it: a
+    # refusal made at start, after parsing, still names the line or the override that set the key
+    lines: Mapping[str, int] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    overrides: tuple[str, ...] = dataclasses.field(default=(), compare=False)
+
+    def origin(self, key: str) -> tuple[str, int | None]:
+        """Where ``key`` (a dotted path) got its value: ``("--set k=v", None)`` for the last override that set
+        it or a section above it, else ``("FILE:LINE", LINE)`` (``(FILE, None)`` when the file does not have it)."""
+        for text in reversed(self.overrides):
+            k = text.partition("=")[0].strip()
+            if key == k or key.startswith(k + "."):
+                return f"--set {text}", None
+        line = self.lines.get(key)
+        return (f"{self.source}:{line}" if line is not None else self.source), line
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.raw, sort_keys=False)
@@ -332,6 +346,7 @@ def parse_recipe(doc: YamlDoc) -> Recipe:
         checkpoint_every=_int(data.get("checkpoint_every", 0), w.child("checkpoint_every"), 0),
         source=doc.source,
         raw=copy.deepcopy(data),
+        lines=dict(doc.lines),
     )
 
 
@@ -370,7 +385,9 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     for text in overrides:
         apply_override(data, text)
     try:
-        return parse_recipe(YamlDoc(data, {}, doc.source))
+        # the overridden mapping has no lines of its own: the file's are kept for the keys no --set touched
+        return dataclasses.replace(parse_recipe(YamlDoc(data, {}, doc.source)), lines=dict(doc.lines),
+                                   overrides=tuple(overrides))
     except ConfigError as exc:
         msg = str(exc).removeprefix(f"{doc.source}: ")
         keys = {t: t.partition("=")[0].strip() for t in overrides}

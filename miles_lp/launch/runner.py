@@ -121,26 +121,82 @@ def sync_overrides(recipe: Recipe, env: Mapping[str, str]) -> dict[str, list[str
     return out
 
 
-#: the checks a stock SGLang server cannot answer (no introspection endpoints): skipped at every sync
-STOCK_SGLANG_SKIPS = ("layer_audit", "grid", "self_check", "storage")
+#: the checks a stock SGLang server cannot answer (no introspection endpoints), and what each would need from it
+STOCK_SGLANG_SKIPS = {
+    "layer_audit": "its live quantized parameters (C1)",
+    "grid": "its live weight bytes (C2)",
+    "self_check": "its serving kernels' output (C3)",
+    "storage": "its tensors' storage (C4)",
+}
 
 
-def never_answered(recipe: Recipe) -> list[str]:
-    """The recipe's non-off checks its engine can never answer (a stock SGLang server: C1-C4)."""
+def _stock_sglang(recipe: Recipe) -> bool:
     ro = recipe.rollout
-    if getattr(ro, "backend", None) != "sglang" or getattr(ro, "server", None) != "sglang":
+    return getattr(ro, "backend", None) == "sglang" and getattr(ro, "server", None) == "sglang"
+
+
+def never_answered(recipe: Recipe, env: Mapping[str, str] | None = None) -> list[str]:
+    """The non-off checks (after the ``MILES_LP_SYNC_CHECK*`` variables in ``env``) that the recipe's engine can
+    never answer: a stock SGLang server, C1-C4."""
+    if not _stock_sglang(recipe):
         return []
-    return [c for c in STOCK_SGLANG_SKIPS if recipe.sync.mode(c) != "off"]
+    eff = recipe.sync.with_env(env or {})
+    return [c for c in STOCK_SGLANG_SKIPS if eff.mode(c) != "off"]
 
 
-def note_skipped_checks(recipe: Recipe) -> list[str]:
-    """``never_answered`` printed once at start (a raise-mode check that is skipped at every sync must not look
-    like a passing one)."""
-    skipped = never_answered(recipe)
+def _mode_origin(recipe: Recipe, check: str, env: Mapping[str, str]) -> tuple[str, int | None, str]:
+    """(where the effective mode of ``check`` comes from, its recipe line or None, how to make it warn)."""
+    from miles_lp.sync.config import ENV_ALL, env_name
+
+    var = env_name(check)
+    if var in env:  # the per-check variable wins over MILES_LP_SYNC_CHECKS and the recipe (SyncConfig.with_env)
+        return f"{var}={env[var]}", None, f"{var}=warn"
+    if ENV_ALL in env:
+        return f"{ENV_ALL}={env[ENV_ALL]}", None, f"{var}=warn"
+    where, line = recipe.origin(f"sync.checks.{check}")
+    return (f"line {line}" if line is not None else where), line, f"sync.checks.{check}: warn"
+
+
+def check_answerable(recipe: Recipe, env: Mapping[str, str]) -> None:
+    """``raise`` for a check the engine can never answer is refused at start (review-4 M13): a stock SGLang server
+    (``rollout.server: sglang``) has no introspection endpoints, so C1-C4 would be skipped at every sync and a
+    ``raise`` there would guard nothing while the user believes it does. ``env``: the ``MILES_LP_SYNC_CHECK*``
+    variables (``sync_env()``), applied as the sync applies them. The error names each key, the file and line (or
+    the ``--set`` / variable that set it) and the ways out."""
+    from miles_lp.sync.config import ENV_ALL
+
+    if not _stock_sglang(recipe):
+        return
+    eff = recipe.sync.with_env(env)
+    bad = [c for c in STOCK_SGLANG_SKIPS if eff.mode(c) == "raise"]
+    if not bad:
+        return
+    origins = {c: _mode_origin(recipe, c, env) for c in bad}
+    line = next((ln for _, ln, _ in origins.values() if ln is not None), None)
+    keys = ", ".join(f"sync.checks.{c}: raise ({where})" for c, (where, _, _) in origins.items())
+    needs = ", ".join(STOCK_SGLANG_SKIPS[c] for c in bad)
+    it, they = ("it", "it") if len(bad) == 1 else ("them", "they")
+    fixes = ", ".join(fix for _, _, fix in origins.values())
+    if ENV_ALL in env and any(where.startswith(ENV_ALL) for where, _, _ in origins.values()):
+        fixes += f" (or unset {ENV_ALL})"
+    raise ConfigError(
+        f"{keys}: a stock SGLang server (rollout.server: sglang) can never answer {it}: it has no endpoint "
+        f"reporting {needs}, so {they} would be skipped at every sync and raise would guard nothing. Set "
+        f"{fixes} (warn: skipped, said once at start; or off), or serve with "
+        "rollout.server: miles-lp (`miles-lp serve` answers every check live). SGLang's in-process sglang.Engine "
+        "with miles-lp's --custom-weight-loader rebuilds the derived state at each update but answers none of "
+        "these checks either",
+        source=recipe.source, line=line)
+
+
+def note_skipped_checks(recipe: Recipe, env: Mapping[str, str] | None = None) -> list[str]:
+    """``never_answered`` printed once at start (a warn-mode check skipped at every sync must not look like a
+    passing one; raise for one was refused by ``check_answerable``)."""
+    skipped = never_answered(recipe, env)
     if skipped:
         print(f"miles-lp run: rollout.server sglang (a stock server) answers none of {', '.join(skipped)}: they are "
-              "skipped at every sync (sync/check/<name> = -1), whatever their mode; the weights are checked here "
-              "before they are written to disk (C5) only", file=sys.stderr, flush=True)
+              "skipped at every sync (sync/check/<name> = -1, warn mode); the weights are checked here before "
+              "they are written to disk (C5) only", file=sys.stderr, flush=True)
     return skipped
 
 
@@ -300,6 +356,8 @@ class Run:
 
         check_broadcast(recipe)  # nccl / gloo: the learner and engine in actors of their own (ray.enabled)
         check_devices(recipe)
+        self.sync_env = sync_env()  # read once, here: the refusal below and the sync see the same variables
+        check_answerable(recipe, self.sync_env)
         self.recipe, self.dir = recipe, run_dir
         self.model_dir = prepare_model(recipe.model, run_dir.path / "model")
         self.plan = plan_for(recipe, self.model_dir)
@@ -327,9 +385,8 @@ class Run:
                                                           run_dir.path / "engine_init")
         self.build_engine = build_engine or (lambda: make_engine(recipe, self.engine_ckpt, run_dir=run_dir.path))
         self.engine = self.build_engine()
-        self.sync_env = sync_env()
         self.sync_overrides = sync_overrides(recipe, self.sync_env)
-        note_skipped_checks(recipe)
+        note_skipped_checks(recipe, self.sync_env)
         self.sync = WeightSync(self.engine, engine_plan, _target(recipe), recipe.sync, env=self.sync_env,
                                log=sync_log)
         if view is not None:  # a comparison arm: the sampler gets its own re-quantization of the master weights

@@ -7,8 +7,8 @@ converted checkpoint of the run's tiny model. Two update paths:
   3 RL steps with every check in raise mode.
 * ``server: sglang`` (what a stock SGLang server needs, its tensor path being pickle): each sync exported as a
   checkpoint folder and loaded through ``/update_weights_from_disk`` (our server's disk endpoint); the checks a
-  stock server cannot answer are skipped with the reason, and the served weights are verified here through the
-  miles-lp endpoints the stock client does not use.
+  stock server cannot answer run in warn mode (raise for them is refused at start), are skipped with the reason, and
+  the served weights are verified here through the miles-lp endpoints the stock client does not use.
 
 An unreachable url fails before step 1, naming it.
 """
@@ -106,8 +106,14 @@ def test_run_updates_from_disk_like_stock_sglang(server, api_key, tmp_path, caps
     from miles_lp.rollout.engine import tensor_digest
     from miles_lp.rollout.sglang import SGLangHTTPEngine
 
-    recipe = _recipe(tmp_path, "rollout.backend=sglang", f"rollout.url={server}", "rollout.server=sglang", "steps=2")
-    assert dry_run(recipe)["checks_never_answered"] == ["layer_audit", "grid", "self_check", "storage"]
+    # C1-C4 in warn mode: raise for a check a stock server can never answer is refused at start
+    # (tests/unit/test_launch_stock_sglang.py)
+    warn = [f"sync.checks.{c}=warn" for c in ("layer_audit", "grid", "self_check", "storage")]
+    recipe = _recipe(tmp_path, "rollout.backend=sglang", f"rollout.url={server}", "rollout.server=sglang", "steps=2",
+                     *warn)
+    out = dry_run(recipe)
+    assert out["checks_never_answered"] == ["layer_audit", "grid", "self_check", "storage"]
+    assert out["would_refuse_at_start"] == []
     before = int(_get(server, "/get_weight_version")["weight_version"])
     run, rows = _train(recipe)
     assert "a stock server) answers none of layer_audit, grid, self_check, storage" in capsys.readouterr().err
