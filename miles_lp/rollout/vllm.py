@@ -29,6 +29,7 @@ activations, NVFP4 emulation quantizes them per tensor with the static ``input_s
 from __future__ import annotations
 
 import json
+import math
 import os
 import secrets
 import subprocess
@@ -270,12 +271,23 @@ class VLLMEngine:
             raise EngineError(f"the vLLM engine process died (exit code {self._proc.poll()}): {exc}") from None
 
     def self_check(self, seed: int = 0) -> dict[str, Any]:
-        """C3 in the engine: the first and last quantized linear through the serving ``quant_method.apply`` on
-        random BF16 input vs a float64 GEMM of the captured canonical weights (``rel_err``), and ``fresh_diff``
-        (the served BF16 operand vs the captured bytes dequantized again: 0 when rebuilt) for MXFP8."""
-        res = self._call("self_check", seed=seed)["result"]
-        res.setdefault("tolerance", 0.25)
+        """C3 in the engine: the first and last quantized linear (``kind: "dense"``) and one more rotating by weight
+        version through every quantized linear (``kind: "rotating"``, ``result["rotation"]`` says which), each
+        through the serving ``quant_method.apply`` on random BF16 input vs a float64 GEMM of the captured canonical
+        weights (``rel_err``), and ``fresh_diff`` (the served BF16 operand vs the captured bytes dequantized again:
+        0 when rebuilt) for MXFP8. Keys ``<vLLM module>.weight``; ``ok``: every rel_err within the tolerance and
+        every fresh_diff 0."""
+        res = self._call("self_check", seed=seed, version=self.weight_version)["result"]
+        res.setdefault("tolerance", SELF_CHECK_TOLERANCE)
+        layers = res.get("layers") or {}
+        res["ok"] = bool(layers) and all(_c3_ok(e, res["tolerance"]) for e in layers.values())
         return res
+
+    def self_check_every_layer(self) -> dict[str, dict[str, Any]]:
+        """C3 over every quantized linear in one engine round trip (the full-compare syncs: ``WeightSync`` merges
+        it into ``self_check``'s result): ``{"<vLLM module>.weight": {"kind": "every", "format", "rel_err",
+        "fresh_diff" (MXFP8)}}``, the same figures as the rotating probe."""
+        return self._call("self_check_every_layer", seed=0)["layers"]
 
     def set_faults(self, **faults: Any) -> None:
         """Fault injection for the check tests (``drop`` / ``stale`` / ``rebind``: fnmatch patterns; see
@@ -302,6 +314,15 @@ class VLLMEngine:
             self._tmp.cleanup()
             if self._log is not None:
                 self._log.close()
+
+
+#: C3's default tolerance on rel_err (CONTRACT 5; ``SyncConfig.self_check_tolerance`` decides in the sync)
+SELF_CHECK_TOLERANCE = 0.25
+
+
+def _c3_ok(entry: dict[str, Any], tolerance: float) -> bool:
+    e = float(entry.get("rel_err", math.inf))
+    return math.isfinite(e) and e <= tolerance and float(entry.get("fresh_diff", 0.0)) == 0.0
 
 
 def _tail(path: str | Path | None, lines: int = 15) -> str:

@@ -17,10 +17,14 @@ What each check compares (``docs/rollout.md``):
 
 * C2 ``digests``: ``tensor_digest`` of the captured canonical tensors (quantized and BF16 linears, embeddings:
   loaded bytes before post-processing) and of the live parameters otherwise (norms), vs the learner's export.
-* C3 ``self_check``: one quantized linear's serving ``quant_method.apply`` on random BF16 input vs a float64 GEMM
+* C3 ``self_check``: a quantized linear's serving ``quant_method.apply`` on random BF16 input vs a float64 GEMM
   of the captured canonical weights dequantized here (relative error), plus ``fresh_diff``: the tensor the
   serving kernel reads vs vLLM's own transformation re-applied to the captured canonical bytes (MXFP8
   dequant-at-load: ``dequant_mxfp8_to_bf16``; 0 when the derived state was rebuilt from the synced bytes).
+  Every sync: the first and last quantized linear, plus one more (``kind: "rotating"``) that rotates by weight
+  version through ``rotation_order`` (every quantized linear, interleaved across projection families), so a
+  stale layer anywhere fails within ``len(rotation)`` syncs; on the full-compare syncs ``every_layer`` probes
+  all of them at once (the reference engine's ``_c3_rotating`` / ``self_check_every_layer``).
 * C4 ``pointers``: ``data_ptr()`` of every parameter of every module with a quant method.
 """
 
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -86,6 +91,23 @@ def dequant_nvfp4_f64(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     d = (y.to(torch.float64) - ref).norm()
     return float(d / ref.norm().clamp_min(1e-300))
+
+
+def family(module: str) -> str:
+    """A module's projection family: its name with the layer / expert indices wildcarded
+    (``model.layers.3.self_attn.qkv_proj`` -> ``model.layers.*.self_attn.qkv_proj``)."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", module)
+
+
+def rotation_order(mods: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Every quantized module once, interleaved across projection families (the first of each family, then the
+    second of each, ...), so that consecutive syncs probe different projections: each family within
+    #families syncs, each module within ``len()`` syncs (the reference engine's ``_c3_rotation``)."""
+    groups: dict[str, list[tuple[str, str]]] = {}
+    for m in mods:
+        groups.setdefault(family(m[0]), []).append(m)
+    gs = list(groups.values())
+    return [g[i] for i in range(max(map(len, gs), default=0)) for g in gs if i < len(g)]
 
 
 class Canonical:
@@ -196,11 +218,16 @@ class Canonical:
                 out.append((name, f))
         return out
 
-    def _dequant(self, name: str, fmt: str, sizes: list[int] | None) -> torch.Tensor:
+    def _shards(self, name: str) -> list[str]:
+        """The checkpoint modules a (possibly fused) vLLM module holds, in row order."""
         prefix, _, leaf = name.rpartition(".")
-        shards = [f"{prefix}.{s}" for s in FUSED[leaf]] if (leaf in FUSED and sizes) else [name]
+        if leaf in FUSED and getattr(self.modules[name], "output_sizes", None):
+            return [f"{prefix}.{s}" for s in FUSED[leaf]]
+        return [name]
+
+    def _dequant(self, name: str, fmt: str) -> torch.Tensor:
         parts = []
-        for s in shards:
+        for s in self._shards(name):
             t = self.tensors
             if fmt == "mxfp8":
                 parts.append(dequant_mxfp8_f64(t[f"{s}.weight"], t[f"{s}.weight_scale"]))
@@ -208,36 +235,81 @@ class Canonical:
                 parts.append(dequant_nvfp4_f64(t[f"{s}.weight"], t[f"{s}.weight_scale"], t[f"{s}.weight_scale_2"]))
         return torch.cat(parts, dim=0)
 
-    def self_check(self, seed: int = 0, tokens: int = 8) -> dict[str, Any]:
-        """The first and the last quantized linear: serving ``apply`` on random input vs float64 of the captured
-        canonical weights; ``fresh_diff`` where vLLM's derived operand can be re-derived here (MXFP8)."""
+    def probe(self, name: str, fmt: str, x: torch.Tensor, kind: str) -> dict[str, Any]:
+        """One quantized module: its serving ``quant_method.apply`` on ``x`` vs a float64 GEMM of its captured
+        canonical weights (``rel_err``), and for MXFP8 ``fresh_diff`` (the served BF16 operand vs the captured
+        bytes dequantized again: exactly 0 when post-processing ran on the synced bytes). ``x``: bf16, its width
+        the module's input features."""
+        mod = self.modules[name]
+        try:
+            w64 = self._dequant(name, fmt)
+        except KeyError as exc:
+            return {"rel_err": float("inf"), "kind": kind, "format": fmt,
+                    "reason": f"no captured canonical tensor {exc}"}
+        with torch.no_grad():
+            y = mod.quant_method.apply(mod, x, None)
+            ref = x.to(torch.float64) @ w64.T
+            entry: dict[str, Any] = {"rel_err": rel_err(y, ref), "kind": kind, "format": fmt}
+            served = mod.weight.detach()
+            if fmt == "mxfp8" and served.dtype == torch.bfloat16 and tuple(served.shape) == tuple(w64.shape):
+                fresh = w64.to(torch.float32).to(torch.bfloat16)  # exact: E4M3 x 2^k is a bf16 value
+                entry["fresh_diff"] = float((served.to(torch.float32) - fresh.to(torch.float32)).abs().max())
+        return entry
+
+    def _in_features(self, name: str, fmt: str) -> int | None:
+        """The module's input width from its captured canonical weight (packed NVFP4: two values a byte)."""
+        w = self.tensors.get(f"{self._shards(name)[0]}.weight")
+        if w is None:
+            return None
+        return int(w.shape[1]) * (2 if fmt == "nvfp4" else 1)
+
+    def _rot_probe(self, name: str, fmt: str, seed: int, tokens: int, kind: str) -> dict[str, Any]:
+        """``probe`` on the rotating / every-layer input: seeded by ``seed + 1`` (independent of the fixed pair's
+        draws, so their figures do not move) and the same for a module at every sync."""
+        width = self._in_features(name, fmt)
+        if width is None:
+            return {"rel_err": float("inf"), "kind": kind, "format": fmt,
+                    "reason": f"no captured canonical tensor for {name}"}
+        g = torch.Generator().manual_seed(seed + 1)
+        x = torch.randn(tokens, width, generator=g).to(torch.bfloat16)
+        return self.probe(name, fmt, x, kind)
+
+    def self_check(self, seed: int = 0, tokens: int = 8, version: int | None = None) -> dict[str, Any]:
+        """The first and the last quantized linear (``kind: "dense"``): serving ``apply`` on random input vs float64
+        of the captured canonical weights; ``fresh_diff`` where vLLM's derived operand can be re-derived here
+        (MXFP8). With ``version`` (the engine's weight version), one more: ``rotation_order()[version % len]``
+        (``kind: "rotating"``; none when that one is of the fixed pair). Keys: ``<vLLM module>.weight``."""
         mods = self.quantized_modules()
         if not mods:
             return {"layers": {}, "reason": "the live model has no quantized linear module"}
         pick = [mods[0]] + ([mods[-1]] if len(mods) > 1 else [])
         g = torch.Generator().manual_seed(seed)
         layers = {}
-        with torch.no_grad():
-            for name, fmt in pick:
-                mod = self.modules[name]
-                sizes = getattr(mod, "output_sizes", None)
-                try:
-                    w64 = self._dequant(name, fmt, sizes)
-                except KeyError as exc:
-                    layers[name] = {"rel_err": float("inf"), "kind": "dense", "format": fmt,
-                                    "reason": f"no captured canonical tensor {exc}"}
-                    continue
-                x = torch.randn(tokens, w64.shape[1], generator=g).to(torch.bfloat16)
-                y = mod.quant_method.apply(mod, x, None)
-                ref = x.to(torch.float64) @ w64.T
-                entry: dict[str, Any] = {"rel_err": rel_err(y, ref), "kind": "dense", "format": fmt}
-                served = mod.weight.detach()
-                if fmt == "mxfp8" and served.dtype == torch.bfloat16 and tuple(served.shape) == tuple(w64.shape):
-                    fresh = w64.to(torch.float32).to(torch.bfloat16)  # exact: E4M3 x 2^k is a bf16 value
-                    entry["fresh_diff"] = float((served.to(torch.float32) - fresh.to(torch.float32)).abs().max())
-                layers[name] = entry
-        return {"layers": layers, "what": "serving quant_method.apply on random bf16 input vs a float64 GEMM of "
-                "the canonical weights captured before process_weights_after_loading"}
+        for name, fmt in pick:  # one generator for the pair, drawn in this order (their figures as before)
+            width = self._in_features(name, fmt)
+            if width is None:
+                layers[f"{name}.weight"] = {"rel_err": float("inf"), "kind": "dense", "format": fmt,
+                                            "reason": f"no captured canonical tensor for {name}"}
+                continue
+            x = torch.randn(tokens, width, generator=g).to(torch.bfloat16)
+            layers[f"{name}.weight"] = self.probe(name, fmt, x, "dense")
+        out: dict[str, Any] = {"layers": layers, "what": "serving quant_method.apply on random bf16 input vs a "
+                               "float64 GEMM of the canonical weights captured before process_weights_after_loading"}
+        if version is not None:
+            rot = rotation_order(mods)
+            i = int(version) % len(rot)
+            name, fmt = rot[i]
+            out["rotation"] = {"position": i, "length": len(rot), "module": name}
+            if (name, fmt) not in pick:
+                layers[f"{name}.weight"] = self._rot_probe(name, fmt, seed, tokens, "rotating")
+        return out
+
+    def every_layer(self, seed: int = 0, tokens: int = 8) -> dict[str, dict[str, Any]]:
+        """C3 over every quantized linear (``kind: "every"``), the rotating probe's input and figures for each:
+        ``{<vLLM module>.weight: {"rel_err", "fresh_diff" (MXFP8), "kind", "format"}}``. For the full-compare
+        syncs (the initial one, after a restart): a stale module anywhere fails at once."""
+        return {f"{name}.weight": self._rot_probe(name, fmt, seed, tokens, "every")
+                for name, fmt in rotation_order(self.quantized_modules())}
 
     # ---- faults (fault-injection tests only) -------------------------------------------------------------
     def matching_modules(self, key: str) -> list[str]:

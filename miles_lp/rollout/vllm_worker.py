@@ -175,7 +175,11 @@ def main() -> None:
             elif op == "pointers":
                 _answer(conn, {"ok": True, "pointers": vllm_state.STATE.pointers()})
             elif op == "self_check":
-                _answer(conn, {"ok": True, "result": vllm_state.STATE.self_check(int(req.get("seed", 0)))})
+                version = req.get("version")
+                _answer(conn, {"ok": True, "result": vllm_state.STATE.self_check(
+                    int(req.get("seed", 0)), version=None if version is None else int(version))})
+            elif op == "self_check_every_layer":
+                _answer(conn, {"ok": True, "layers": vllm_state.STATE.every_layer(int(req.get("seed", 0)))})
             elif op == "faults":
                 vllm_state.STATE.faults = dict(req.get("faults") or {})
                 _answer(conn, {"ok": True})

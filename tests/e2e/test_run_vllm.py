@@ -175,7 +175,86 @@ def test_self_check_catches_stale_vllm_state_after_a_small_update(stack):
     rep = _fails(stack, {"stale": ["model.layers.0.self_attn.qkv_proj"]}, "self_check", learner="nudged")
     v = rep.verdict("self_check")
     assert v.figure < 0.25  # the tolerance alone would pass it
-    assert any("model.layers.0.self_attn.qkv_proj (serving differs from a fresh derivation" in e for e in v.examples)
+    assert any("model.layers.0.self_attn.qkv_proj.weight (serving differs from a fresh derivation" in e
+               for e in v.examples)
+
+
+STALE_MIDDLE = "model.layers.1.self_attn.o_proj"  # neither the first nor the last quantized linear
+
+
+def _rotation(stack) -> list[str]:
+    """The engine's C3 rotation, read back from its answers: the module probed at each position."""
+    eng = stack["engine"]
+    length = eng.self_check()["rotation"]["length"]
+    out = [""] * length
+    for _ in range(length):
+        r = eng.self_check()["rotation"]
+        out[r["position"]] = r["module"]
+        eng.weight_version += 1  # the client's version picks the position: walk it without syncing
+    eng.weight_version -= length
+    return out
+
+
+@pytest.mark.slow
+def test_self_check_rotation_catches_a_stale_vllm_layer_outside_the_fixed_pair(stack):
+    """C3's rotating probe on vLLM: a stale o_proj of layer 1 (served state left as A's after every update to B;
+    C2 clean) passes the fixed pair (first and last linear) but fails the sync in raise mode when the rotation
+    (one more layer per sync, by weight version) reaches it: within len(rotation) syncs, never before."""
+    from miles_lp.sync import SyncCheckError
+
+    rot = _rotation(stack)
+    assert STALE_MIDDLE in rot and rot.index(STALE_MIDDLE) not in (0, len(rot) - 1)
+    assert len(set(rot)) == len(rot) == 8  # 2 layers x (qkv, o, gate_up, down)
+    _healthy(stack)
+    stack["engine"].set_faults(stale=[STALE_MIDDLE])
+    ws = _sync(stack)
+    caught = None
+    for i in range(1, len(rot) + 1):
+        try:
+            rep = ws.sync(stack["b"])
+        except SyncCheckError as exc:
+            caught, rep = i, exc.report
+            break
+        sc = rep.verdict("self_check")
+        assert sc.ok and rep.ok, rep.log_line  # the stale layer not probed yet: every check passes
+    assert caught is not None, "the rotation never reached the stale layer"
+    v = rep.verdict("self_check")
+    assert {x.name for x in rep.failed} == {"self_check"} and rep.verdict("grid").ok, rep.log_line
+    assert [e.split(" (")[0] for e in v.examples] == [f"{STALE_MIDDLE}.weight"] * 2  # rel_err and fresh_diff
+    assert stack["engine"].weight_version % len(rot) == rot.index(STALE_MIDDLE)
+    r = stack["engine"].self_check()
+    e = r["layers"][f"{STALE_MIDDLE}.weight"]
+    assert e["kind"] == "rotating" and e["rel_err"] > 0.25 and e["fresh_diff"] > 0 and not r["ok"]
+    assert all(x["rel_err"] < 0.01 and x["fresh_diff"] == 0.0 for x in r["layers"].values() if x["kind"] == "dense")
+    print(f"\nvLLM C3 rotation: stale {STALE_MIDDLE} caught at sync {caught} of at most {len(rot)}: "
+          f"rel_err {e['rel_err']:.4g}, fresh_diff {e['fresh_diff']:.4g}; fixed pair "
+          + ", ".join(f"{n} {x['rel_err']:.4g}" for n, x in r["layers"].items() if x["kind"] == "dense"))
+
+
+@pytest.mark.slow
+def test_self_check_every_layer_catches_a_stale_vllm_layer_at_once(stack):
+    """On a full-compare sync WeightSync adds ``self_check_every_layer()``: the same stale o_proj fails C3 in raise
+    mode on the first sync, whatever the rotation's position; healthy, every layer is clean."""
+    from miles_lp.sync import SyncCheckError
+
+    _healthy(stack)  # a full-compare sync: every layer probed, and clean
+    every = stack["engine"].self_check_every_layer()
+    assert len(every) == 8 and all(e["kind"] == "every" and e["format"] == "mxfp8" for e in every.values())
+    assert all(0 < e["rel_err"] < 0.01 and e["fresh_diff"] == 0.0 for e in every.values()), every
+    healthy = max(e["rel_err"] for e in every.values())
+    stack["engine"].set_faults(stale=[STALE_MIDDLE])
+    with pytest.raises(SyncCheckError) as ei:
+        _sync(stack, "initial").initial_sync(stack["b"])
+    rep = ei.value.report
+    v = rep.verdict("self_check")
+    assert {x.name for x in rep.failed} == {"self_check"}, rep.log_line
+    assert [e.split(" (")[0] for e in v.examples] == [f"{STALE_MIDDLE}.weight"] * 2
+    every = stack["engine"].self_check_every_layer()
+    bad = {n: e for n, e in every.items() if not (e["rel_err"] <= 0.25 and e["fresh_diff"] == 0.0)}
+    assert list(bad) == [f"{STALE_MIDDLE}.weight"], every
+    e = bad[f"{STALE_MIDDLE}.weight"]
+    print(f"\nvLLM C3 every layer: healthy max rel_err {healthy:.4g}; stale {STALE_MIDDLE} rel_err "
+          f"{e['rel_err']:.4g}, fresh_diff {e['fresh_diff']:.4g}")
 
 
 @pytest.mark.slow

@@ -34,3 +34,146 @@ def test_own_decodes_equal_the_codecs():
     assert torch.allclose(ours, nv.dequantize(torch.float32).to(torch.float64), rtol=1e-6, atol=0)
     assert rel_err(ours.to(torch.float32), ours) < 1e-7
     assert rel_err(torch.zeros(2, 2), torch.ones(2, 2, dtype=torch.float64)) == 1.0
+
+
+# ---- C3 on a fake vLLM module tree: the fixed pair, the rotating layer, every layer ---------------------------
+# vLLM's MXFP8 emulation as far as vllm_state sees it: fused qkv / gate_up modules with ``output_sizes``, a quant
+# method whose ``process_weights_after_loading`` replaces the E4M3 weight by its BF16 dequantization, and
+# ``apply`` a BF16 GEMM on that operand. The loader writes the fused canonical tensors, then post-processes.
+
+class FakeMxfp8LinearMethod:  # the class name is what fmt_of reads ("mxfp8")
+    def process_weights_after_loading(self, layer):
+        w = dequant_mxfp8_f64(layer.weight.data, layer.weight_scale.data).to(torch.float32).to(torch.bfloat16)
+        layer.weight = torch.nn.Parameter(w, requires_grad=False)
+
+    def apply(self, layer, x, bias=None):
+        return (x.to(torch.float32) @ layer.weight.to(torch.float32).T).to(torch.bfloat16)
+
+
+HIDDEN, INTER, LAYERS = 64, 96, 3
+SHAPES = {"self_attn.qkv_proj": ([64, 32, 32], HIDDEN), "self_attn.o_proj": ([HIDDEN], 64),
+          "mlp.gate_up_proj": ([INTER, INTER], HIDDEN), "mlp.down_proj": ([HIDDEN], INTER)}
+
+
+def _fake_model() -> torch.nn.Module:
+    root = torch.nn.Module()
+    root.model = torch.nn.Module()
+    root.model.layers = torch.nn.ModuleList()
+    for _ in range(LAYERS):
+        layer = torch.nn.Module()
+        layer.self_attn, layer.mlp = torch.nn.Module(), torch.nn.Module()
+        for path, (sizes, k) in SHAPES.items():
+            parent, leaf = path.split(".")
+            m = torch.nn.Module()
+            m.quant_method = FakeMxfp8LinearMethod()  # one instance per module (vLLM may share one)
+            if len(sizes) > 1:
+                m.output_sizes = sizes
+            m.weight = torch.nn.Parameter(torch.zeros(sum(sizes), k, dtype=torch.bfloat16), requires_grad=False)
+            m.weight_scale = torch.nn.Parameter(torch.zeros(sum(sizes), k // 32, dtype=torch.uint8),
+                                                requires_grad=False)
+            setattr(getattr(layer, parent), leaf, m)
+        root.model.layers.append(layer)
+    root.lm_head = torch.nn.Linear(HIDDEN, 8, bias=False)  # no quant method: not a C3 candidate
+    return root
+
+
+def _weights(seed: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per vLLM module, fused E4M3 weight rows and E8M0 scales (each shard quantized on its own, as on disk)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in range(LAYERS):
+        for path, (sizes, k) in SHAPES.items():
+            qs = [quantize_mxfp8(torch.randn(n, k, generator=g).to(torch.bfloat16)) for n in sizes]
+            out[f"model.layers.{i}.{path}"] = (torch.cat([q.data for q in qs]), torch.cat([q.scale for q in qs]))
+    return out
+
+
+def _load(model, state, weights) -> None:
+    """vLLM's reload as the worker runs it: the stale fault's snapshot, load + post-process, its restore."""
+    snap = state.snapshot_stale()
+    mods = dict(model.named_modules())
+    for name, (w, s) in weights.items():
+        mod = mods[name]
+        mod.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+        mod.weight_scale.data.copy_(s)
+        mod.quant_method.process_weights_after_loading(mod)
+    state.restore_stale(snap)
+
+
+def _state(stale: str | None = None):
+    from miles_lp.rollout.vllm_state import Canonical
+
+    model = _fake_model()
+    st = Canonical(model)
+    assert st.install() == LAYERS * len(SHAPES)
+    _load(model, st, _weights(0))  # the served checkpoint, A
+    st.faults = {"stale": [stale]} if stale else {}
+    _load(model, st, _weights(1))  # an update to B: a stale module keeps A's served operand
+    return st
+
+
+def test_rotation_interleaves_families_and_reaches_every_module():
+    from miles_lp.rollout.vllm_state import family, rotation_order
+
+    st = _state()
+    mods = st.quantized_modules()
+    assert len(mods) == LAYERS * len(SHAPES) and all(f == "mxfp8" for _, f in mods)
+    rot = rotation_order(mods)
+    assert sorted(rot) == sorted(mods)  # every quantized module once
+    fams = [family(n) for n, _ in rot]
+    assert len(set(fams)) == len(SHAPES)
+    for i in range(len(rot) - len(SHAPES) + 1):  # any len(SHAPES) consecutive syncs see every family
+        assert len(set(fams[i:i + len(SHAPES)])) == len(SHAPES)
+    assert family("model.layers.12.mlp.experts.3.down_proj") == "model.layers.*.mlp.experts.*.down_proj"
+
+
+def test_healthy_self_check_fixed_pair_rotating_and_every_layer_are_clean():
+    from miles_lp.sync.checks import self_check
+
+    st = _state()
+    mods = st.quantized_modules()
+    first, last = f"{mods[0][0]}.weight", f"{mods[-1][0]}.weight"
+    plain = st.self_check(seed=3)
+    assert list(plain["layers"]) == [first, last] and "rotation" not in plain
+    seen = set()
+    for v in range(len(mods)):
+        r = st.self_check(seed=3, version=v)
+        assert r["layers"][first] == plain["layers"][first] and r["layers"][last] == plain["layers"][last]
+        assert r["rotation"]["position"] == v and r["rotation"]["length"] == len(mods)
+        rot = {n: e for n, e in r["layers"].items() if e["kind"] == "rotating"}
+        assert len(rot) == (0 if f"{r['rotation']['module']}.weight" in (first, last) else 1)
+        seen.update(rot)
+        for e in r["layers"].values():
+            assert 0 < e["rel_err"] < 0.01 and e["fresh_diff"] == 0.0, r  # bf16 rounding of the output only
+        assert self_check(r, 0.25).ok
+    assert seen == {f"{n}.weight" for n, _ in mods} - {first, last}
+    every = st.every_layer()
+    assert set(every) == {f"{n}.weight" for n, _ in mods}
+    assert all(e["kind"] == "every" and 0 < e["rel_err"] < 0.01 and e["fresh_diff"] == 0.0 for e in every.values())
+
+
+def test_stale_module_outside_the_fixed_pair_fails_the_rotation_and_every_layer():
+    """A stale module neither first nor last: the fixed pair passes at every version, the rotating probe fails
+    exactly when the rotation reaches it (within len(rotation) syncs), every_layer fails it, and only it, at once."""
+    from miles_lp.rollout.vllm_state import rotation_order
+    from miles_lp.sync.checks import self_check
+
+    target = "model.layers.1.mlp.gate_up_proj"
+    st = _state(stale=target)
+    rot = rotation_order(st.quantized_modules())
+    caught = []
+    for v in range(len(rot)):
+        r = st.self_check(version=v)
+        verdict = self_check(r, 0.25)
+        if verdict.failed:
+            caught.append(v)
+            e = r["layers"][f"{target}.weight"]
+            assert e["kind"] == "rotating" and e["rel_err"] > 0.25 and e["fresh_diff"] > 0, e
+            assert [x.split(" (")[0] for x in verdict.examples] == [f"{target}.weight"] * 2
+        assert all(e["rel_err"] < 0.01 for e in r["layers"].values() if e["kind"] == "dense")
+    assert caught == [rot.index((target, "mxfp8"))]
+    every = st.every_layer()
+    bad = {n: e for n, e in every.items() if not (e["rel_err"] <= 0.25 and e["fresh_diff"] == 0)}
+    assert list(bad) == [f"{target}.weight"] and bad[f"{target}.weight"]["rel_err"] > 1.0
+    merged = {**st.self_check(version=0), "layers": {**st.self_check(version=0)["layers"], **every}}
+    assert self_check(merged, 0.25).failed  # what WeightSync's full-compare sync builds
