@@ -18,7 +18,8 @@ JSON and safetensors only.
   a BF16 dequantization at load, so the canonical on-disk tensors exist in the engine only between vLLM's
   weight loaders and ``process_weights_after_loading``: ``miles_lp.rollout.vllm_state`` captures them there, in
   the engine process, and answers ``weight_digests`` / ``read_weights`` (C2), ``self_check`` (C3: the serving
-  ``quant_method.apply`` vs a float64 GEMM of the captured weights, plus ``fresh_diff``) and
+  ``quant_method.apply`` vs a float64 GEMM of the captured weights, plus ``fresh_diff``, for the first and last
+  quantized linear and one rotating by weight version; ``self_check_every_layer`` for all of them) and
   ``storage_pointers`` (C4) from the live model. ``set_faults`` injects the faults that prove each can fail.
 
 What vLLM CPU serves (measured by the readers helper): MXFP8 and NVFP4 dense linears through the
