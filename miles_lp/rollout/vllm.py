@@ -275,9 +275,9 @@ class VLLMEngine:
         """C3 in the engine: the first and last quantized linear (``kind: "dense"``) and one more rotating by weight
         version through every quantized linear (``kind: "rotating"``, ``result["rotation"]`` says which), each
         through the serving ``quant_method.apply`` on random BF16 input vs a float64 GEMM of the captured canonical
-        weights (``rel_err``), and ``fresh_diff`` (the served BF16 operand vs the captured bytes dequantized again:
-        0 when rebuilt) for MXFP8. Keys ``<vLLM module>.weight``; ``ok``: every rel_err within the tolerance and
-        every fresh_diff 0."""
+        weights (``rel_err``), and ``fresh_diff`` (the served state vs the one derived afresh here from the captured
+        bytes: 0 when rebuilt; MXFP8, and NVFP4 on vLLM's emulation kernel). Keys ``<vLLM module>.weight``;
+        ``ok``: every rel_err within the tolerance and every fresh_diff 0."""
         res = self._call("self_check", seed=seed, version=self.weight_version)["result"]
         res.setdefault("tolerance", SELF_CHECK_TOLERANCE)
         layers = res.get("layers") or {}
@@ -287,7 +287,7 @@ class VLLMEngine:
     def self_check_every_layer(self) -> dict[str, dict[str, Any]]:
         """C3 over every quantized linear in one engine round trip (the full-compare syncs: ``WeightSync`` merges
         it into ``self_check``'s result): ``{"<vLLM module>.weight": {"kind": "every", "format", "rel_err",
-        "fresh_diff" (MXFP8)}}``, the same figures as the rotating probe."""
+        "fresh_diff"}}``, the same figures as the rotating probe."""
         return self._call("self_check_every_layer", seed=0)["layers"]
 
     def set_faults(self, **faults: Any) -> None:

@@ -20,7 +20,8 @@ What each check compares (``docs/rollout.md``):
 * C3 ``self_check``: a quantized linear's serving ``quant_method.apply`` on random BF16 input vs a float64 GEMM
   of the captured canonical weights dequantized here (relative error), plus ``fresh_diff``: the tensor the
   serving kernel reads vs vLLM's own transformation re-applied to the captured canonical bytes (MXFP8
-  dequant-at-load: ``dequant_mxfp8_to_bf16``; 0 when the derived state was rebuilt from the synced bytes).
+  dequant-at-load: ``dequant_mxfp8_to_bf16``; NVFP4 on the emulation kernel: one global weight / input scale
+  per fused module, their inverse and ``alpha``; 0 when the derived state was rebuilt from the synced bytes).
   Every sync: the first and last quantized linear, plus one more (``kind: "rotating"``) that rotates by weight
   version through ``rotation_order`` (every quantized linear, interleaved across projection families), so a
   stale layer anywhere fails within ``len(rotation)`` syncs; on the full-compare syncs ``every_layer`` probes
@@ -237,8 +238,9 @@ class Canonical:
 
     def probe(self, name: str, fmt: str, x: torch.Tensor, kind: str) -> dict[str, Any]:
         """One quantized module: its serving ``quant_method.apply`` on ``x`` vs a float64 GEMM of its captured
-        canonical weights (``rel_err``), and for MXFP8 ``fresh_diff`` (the served BF16 operand vs the captured
-        bytes dequantized again: exactly 0 when post-processing ran on the synced bytes). ``x``: bf16, its width
+        canonical weights (``rel_err``), and ``fresh_diff`` (MXFP8: the served BF16 operand vs the captured bytes
+        dequantized again; NVFP4 on vLLM's emulation kernel: ``_nvfp4_fresh_diff``): exactly 0 when
+        post-processing ran on the synced bytes. ``x``: bf16, its width
         the module's input features."""
         mod = self.modules[name]
         try:
@@ -254,7 +256,44 @@ class Canonical:
             if fmt == "mxfp8" and served.dtype == torch.bfloat16 and tuple(served.shape) == tuple(w64.shape):
                 fresh = w64.to(torch.float32).to(torch.bfloat16)  # exact: E4M3 x 2^k is a bf16 value
                 entry["fresh_diff"] = float((served.to(torch.float32) - fresh.to(torch.float32)).abs().max())
+            elif fmt == "nvfp4":
+                d = self._nvfp4_fresh_diff(name, mod)
+                if d is not None:
+                    entry["fresh_diff"] = d
         return entry
+
+    def _nvfp4_fresh_diff(self, name: str, mod: torch.nn.Module) -> float | None:
+        """NVFP4 on vLLM's emulation kernel (``EmulationNvFp4LinearKernel``): its post-processing keeps the packed
+        weight and the E4M3 block scales as loaded (fused rows concatenated, not swizzled: the kernel is called with
+        ``swizzle=False``) and derives ``weight_global_scale = max(weight_scale_2)``, ``input_global_scale =
+        max(input_scale)``, its inverse and ``alpha`` (their product) over the fused shards. Re-derived here from
+        the captured canonical tensors: the max difference of the operand the kernel dequantizes (own decode) and
+        of the derived scalars, exactly 0 when post-processing ran on the synced bytes. None where the serving
+        layout is another kernel's (GPU kernels swizzle and pad the scales) or a tensor is missing."""
+        qm = mod.quant_method
+        kernel = getattr(getattr(mod, "scheme", None), "kernel", None) or getattr(qm, "kernel", None)
+        if kernel is None or type(kernel).__name__ != "EmulationNvFp4LinearKernel":
+            return None
+        t, shards = self.tensors, self._shards(name)
+        try:
+            w = torch.cat([t[f"{s}.weight"] for s in shards])
+            sc = torch.cat([t[f"{s}.weight_scale"] for s in shards])
+            wgs = torch.stack([t[f"{s}.weight_scale_2"].reshape(()) for s in shards]).max().to(torch.float32)
+            igs = torch.stack([t[f"{s}.input_scale"].reshape(()) for s in shards]).max().to(torch.float32)
+        except KeyError:
+            return None
+        got = {k: getattr(mod, k, None) for k in ("weight", "weight_scale", "weight_global_scale")}
+        if any(v is None for v in got.values()) or got["weight"].shape != w.shape or got["weight_scale"].shape != sc.shape:
+            return None
+        served = dequant_nvfp4_f64(got["weight"].detach(), got["weight_scale"].detach(), got["weight_global_scale"])
+        diffs = [float((served - dequant_nvfp4_f64(w, sc, wgs)).abs().max())]
+        fresh = {"input_global_scale": igs, "input_global_scale_inv": (1.0 / igs).to(torch.float32),
+                 "alpha": igs * wgs}
+        for k, v in fresh.items():
+            live = getattr(mod, k, None)
+            if live is not None:
+                diffs.append(float((live.detach().to(torch.float64).reshape(()) - v.to(torch.float64)).abs()))
+        return max(diffs)
 
     def _in_features(self, name: str, fmt: str) -> int | None:
         """The module's input width from its captured canonical weight (packed NVFP4: two values a byte)."""
@@ -276,8 +315,8 @@ class Canonical:
 
     def self_check(self, seed: int = 0, tokens: int = 8, version: int | None = None) -> dict[str, Any]:
         """The first and the last quantized linear (``kind: "dense"``): serving ``apply`` on random input vs float64
-        of the captured canonical weights; ``fresh_diff`` where vLLM's derived operand can be re-derived here
-        (MXFP8). With ``version`` (the engine's weight version), one more: ``rotation_order()[version % len]``
+        of the captured canonical weights; ``fresh_diff`` where vLLM's derived state can be re-derived here
+        (MXFP8; NVFP4 on the emulation kernel). With ``version`` (the engine's weight version), one more: ``rotation_order()[version % len]``
         (``kind: "rotating"``; none when that one is of the fixed pair). Keys: ``<vLLM module>.weight``."""
         mods = self.quantized_modules()
         if not mods:
@@ -306,7 +345,7 @@ class Canonical:
 
     def every_layer(self, seed: int = 0, tokens: int = 8) -> dict[str, dict[str, Any]]:
         """C3 over every quantized linear (``kind: "every"``), the rotating probe's input and figures for each:
-        ``{<vLLM module>.weight: {"rel_err", "fresh_diff" (MXFP8), "kind", "format"}}``. For the full-compare
+        ``{<vLLM module>.weight: {"rel_err", "fresh_diff" (where re-derivable), "kind", "format"}}``. For the full-compare
         syncs (the initial one, after a restart): a stale module anywhere fails at once."""
         return {f"{name}.weight": self._rot_probe(name, fmt, seed, tokens, "every")
                 for name, fmt in rotation_order(self.quantized_modules())}

@@ -177,3 +177,119 @@ def test_stale_module_outside_the_fixed_pair_fails_the_rotation_and_every_layer(
     assert list(bad) == [f"{target}.weight"] and bad[f"{target}.weight"]["rel_err"] > 1.0
     merged = {**st.self_check(version=0), "layers": {**st.self_check(version=0)["layers"], **every}}
     assert self_check(merged, 0.25).failed  # what WeightSync's full-compare sync builds
+
+
+def test_client_ok_needs_every_rel_err_within_tolerance_and_fresh_diff_zero():
+    from miles_lp.rollout.vllm import _c3_ok
+
+    assert _c3_ok({"rel_err": 0.0017, "fresh_diff": 0.0}, 0.25) and _c3_ok({"rel_err": 0.089}, 0.25)
+    assert not _c3_ok({"rel_err": 0.0017, "fresh_diff": 0.1055}, 0.25)  # stale after a small step
+    assert not _c3_ok({"rel_err": 1.4}, 0.25) and not _c3_ok({"rel_err": float("nan")}, 0.25)
+    assert not _c3_ok({"rel_err": float("inf"), "reason": "no captured canonical tensor"}, 0.25)
+
+
+# ---- NVFP4 on vLLM's emulation kernel: fresh_diff re-derives its post-processing -------------------------------
+
+class EmulationNvFp4LinearKernel:  # the class name is what vllm_state gates the NVFP4 re-derivation on
+    pass
+
+
+class FakeModelOptLinearMethod:
+    """vLLM's ModelOpt NVFP4 on CPU as vllm_state sees it: packed weight and block scales kept as loaded, one
+    global weight / input scale per fused module (their max), the inverse and alpha derived, per-shard ones dropped."""
+
+    def __init__(self):
+        self.kernel = EmulationNvFp4LinearKernel()
+
+    def process_weights_after_loading(self, layer):
+        P = torch.nn.Parameter  # noqa: N806
+        layer.weight_global_scale = P(layer.weight_scale_2.max().to(torch.float32), requires_grad=False)
+        layer.input_global_scale = P(layer.input_scale.max().to(torch.float32), requires_grad=False)
+        layer.input_global_scale_inv = P((1.0 / layer.input_global_scale).to(torch.float32), requires_grad=False)
+        layer.alpha = P(layer.input_global_scale * layer.weight_global_scale, requires_grad=False)
+        del layer.weight_scale_2, layer.input_scale
+
+    def apply(self, layer, x, bias=None):
+        w = dequant_nvfp4_f64(layer.weight, layer.weight_scale, layer.weight_global_scale).to(torch.float32)
+        return (x.to(torch.float32) @ w.T).to(torch.bfloat16)
+
+
+NV_SHAPES = {"self_attn.o_proj": ([64], 64), "mlp.gate_up_proj": ([96, 96], 64)}
+
+
+def _nv_model() -> torch.nn.Module:
+    root = torch.nn.Module()
+    root.model = torch.nn.Module()
+    root.model.layers = torch.nn.ModuleList()
+    for _ in range(2):
+        layer = torch.nn.Module()
+        layer.self_attn, layer.mlp = torch.nn.Module(), torch.nn.Module()
+        for path, (sizes, _k) in NV_SHAPES.items():
+            parent, leaf = path.split(".")
+            m = torch.nn.Module()
+            m.quant_method = FakeModelOptLinearMethod()
+            if len(sizes) > 1:
+                m.output_sizes = sizes
+            m.weight = torch.nn.Parameter(torch.zeros(1), requires_grad=False)  # replaced by each load
+            setattr(getattr(layer, parent), leaf, m)
+        root.model.layers.append(layer)
+    return root
+
+
+def _nv_weights(nudge_from=None):
+    """Per vLLM module: packed weight, block scales, per-shard global and input scales (gate and up share one
+    global scale, as the learner's export). ``nudge_from``: those weights with 1% of the packed bytes' low code
+    moved by one step (an RL-sized change)."""
+    if nudge_from is not None:
+        g = torch.Generator().manual_seed(1)
+        out = {}
+        for n, (w, s, s2, i) in nudge_from.items():
+            flip = torch.rand(w.shape, generator=g) < 0.01
+            out[n] = (torch.where(flip, w ^ 1, w), s, s2, i)
+        return out
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for li in range(2):
+        for path, (sizes, k) in NV_SHAPES.items():
+            x = torch.randn(sum(sizes), k, generator=g).to(torch.bfloat16)
+            q = quantize_nvfp4(x)  # one global scale for the fused module's shards
+            n = len(sizes)
+            out[f"model.layers.{li}.{path}"] = (q.data, q.scale, q.global_scale.reshape(1).repeat(n),
+                                                torch.full((n,), 0.01))
+    return out
+
+
+def _nv_load(model, state, weights) -> None:
+    snap = state.snapshot_stale()
+    mods = dict(model.named_modules())
+    P = torch.nn.Parameter  # noqa: N806
+    for name, (w, s, s2, i) in weights.items():
+        mod = mods[name]
+        mod.weight, mod.weight_scale = P(w.clone(), requires_grad=False), P(s.clone(), requires_grad=False)
+        mod.weight_scale_2, mod.input_scale = P(s2.clone(), requires_grad=False), P(i.clone(), requires_grad=False)
+        mod.quant_method.process_weights_after_loading(mod)
+    state.restore_stale(snap)
+
+
+def test_nvfp4_fresh_diff_sees_a_stale_layer_after_a_small_update():
+    from miles_lp.rollout.vllm_state import Canonical
+    from miles_lp.sync.checks import self_check
+
+    target = "model.layers.0.mlp.gate_up_proj"  # neither the first nor the last
+    model = _nv_model()
+    st = Canonical(model)
+    st.install()
+    a = _nv_weights()
+    _nv_load(model, st, a)
+    healthy = st.every_layer()
+    assert [f for _, f in st.quantized_modules()] == ["nvfp4"] * 4
+    assert all(e["fresh_diff"] == 0.0 and 0 < e["rel_err"] < 0.01 for e in healthy.values()), healthy
+    st.faults = {"stale": [target]}
+    _nv_load(model, st, _nv_weights(nudge_from=a))
+    every = st.every_layer()
+    bad = {n: e for n, e in every.items() if e["fresh_diff"] != 0.0}
+    assert list(bad) == [f"{target}.weight"]
+    assert bad[f"{target}.weight"]["rel_err"] < 0.25 < 1  # the tolerance alone passes it
+    assert self_check({"layers": every}, 0.25).failed
+    fixed = st.self_check()["layers"]
+    assert f"{target}.weight" not in fixed and all(e["fresh_diff"] == 0.0 for e in fixed.values())
