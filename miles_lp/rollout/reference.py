@@ -638,6 +638,7 @@ class ReferenceEngine:
     def self_check(self, seed: int = 0) -> dict[str, Any]:
         """C3: one quantized dense layer and one quantized expert through the serving ``apply`` on random input,
         vs a float64 GEMM on the dequantized canonical weights; relative Frobenius error per layer."""
+        self.__dict__["_rot_seed"] = seed  # the probes the rotating graphs are prepared with (every-layer pass)
         work, out = self._c3_work(seed)
         pending = self.__dict__.get("_c3_pending")
         self.__dict__["_c3_pending"] = None
@@ -682,6 +683,12 @@ class ReferenceEngine:
             vals = torch.stack([v["fresh_diff"] for v in out.values()]).tolist()  # one device -> host transfer
             for v, d in zip(out.values(), vals, strict=True):
                 v["fresh_diff"] = d
+        if self._graphs_on():  # the rotating probe's graphs, one per layer configuration, captured here once
+            rot = self._rot_graphs()
+            for layer in self._c3_rotation():
+                x = self._rot_probe(self.__dict__.get("_rot_seed", 0), layer.in_features)
+                rot.prepare(_fresh_config(layer)[1:], layer, x,
+                            lambda layer=layer, x=x: self._c3_rotating_eager(layer, x))
         return out
 
     def _rotating_scratch(self, layer: EngineLinear) -> EngineLinear:

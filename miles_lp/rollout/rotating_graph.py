@@ -30,6 +30,7 @@ class _Entry:
     fresh: Any  # EngineLinear whose derived state the graph rebuilds from the stand-in's canonical tensors
     x: torch.Tensor  # the probe the graph reads (the engine's cached rotating probe)
     x64: torch.Tensor  # its float64 copy (read by the graph: held here)
+    grid: tuple | None  # the probe on the activation grids, when computed outside the graph (held here)
     dsts: list[torch.Tensor]  # stand-in canonical (canonical_specs order), then derived (sorted names)
     sig: tuple  # (kernel format, derived names, ((shape, dtype) per destination))
     graph: Any
@@ -44,16 +45,35 @@ def _sources(layer) -> tuple[list[torch.Tensor], tuple]:
     return srcs, (layer.kernel_format, tuple(names), tuple((tuple(t.shape), t.dtype) for t in srcs))
 
 
-def _figures(serve, fresh, x: torch.Tensor, x64: torch.Tensor) -> torch.Tensor:
-    """``ReferenceEngine._c3_rotating``'s figures on the stand-in (no host synchronisation: capturable)."""
+def _probe_grid(serve, fresh, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The probe on the stand-in's and the fresh copy's activation grids, computed once, outside the graph, where
+    it depends on ``x`` and the grid key alone (``activation_mode`` ``plan``; the quantizers' host-side constants
+    could not be captured); None for a static-scale mode (``vllm``: it reads the layer's copied input scale, so
+    the graph quantizes it at each replay)."""
+    from miles_lp.rollout.reference import _input_key
+
+    if serve.activation_mode != "plan" or fresh.activation_mode != "plan":
+        return None
+    with torch.no_grad():
+        xq = serve._quantize_input(x)
+        return xq, (xq if _input_key(fresh) == _input_key(serve) else fresh._quantize_input(x))
+
+
+def _figures(serve, fresh, x: torch.Tensor, x64: torch.Tensor,
+             grid: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """``ReferenceEngine._c3_rotating``'s figures on the stand-in (no host synchronisation: capturable); ``grid``:
+    the probe already on both activation grids (``_probe_grid``)."""
     from miles_lp.rollout.reference import _input_key, dequantize_exact
 
     with torch.no_grad():
         for suffix, t in fresh.canonical().items():
             t.copy_(getattr(serve, suffix))
-        xq = serve._quantize_input(x)
         fresh.process_weights_after_loading()
-        fq = xq if _input_key(fresh) == _input_key(serve) else fresh._quantize_input(x)
+        if grid is not None:
+            xq, fq = grid
+        else:
+            xq = serve._quantize_input(x)
+            fq = xq if _input_key(fresh) == _input_key(serve) else fresh._quantize_input(x)
         y = serve.gemm(xq, x.dtype).double()
         y_fresh = fresh.gemm(fq, x.dtype).double()
         ref = x64 @ dequantize_exact(serve.decoded(), torch.float64).T
@@ -113,8 +133,9 @@ class RotatingGraphs:
         ent = self.entries.get(cfg)
         if ent is None:
             return self._capture(cfg, layer, x, eager)
-        if ent.x is not x:
-            return eager(), "eager (another probe)"
+        if ent.x is not x:  # another seed's probe: captured again on it
+            del self.entries[cfg]
+            return self._capture(cfg, layer, x, eager)
         srcs, sig = _sources(layer)
         if sig != ent.sig:  # the live layer's kernel configuration is not the stand-in's (a format or layout change)
             return eager(), "eager (the layer's kernel state differs from the kept stand-in's)"
@@ -133,6 +154,12 @@ class RotatingGraphs:
             return vals, how + " (checked against eager)"
         self._turn_off(cfg, f"replay {got} != eager {vals} after {ent.replays} replays")
         return vals, "eager (" + self.off[cfg] + ")"
+
+    def prepare(self, cfg: tuple, layer, x: torch.Tensor, eager: Callable[[], list[float]]) -> None:
+        """Capture ``cfg``'s graph now (on ``layer``) unless it exists or is off: the engine captures every
+        configuration at a full-compare sync, so that the normal syncs after it only replay."""
+        if cfg not in self.entries and cfg not in self.off:
+            self._capture(cfg, layer, x, eager)
 
     def _turn_off(self, cfg: tuple, why: str) -> None:
         self.entries.pop(cfg, None)
@@ -154,10 +181,11 @@ class RotatingGraphs:
                 return vals, "eager (" + self.off[cfg] + ")"
             x64 = x.double()
             torch._foreach_copy_(dsts, srcs)
-            _figures(serve, fresh, x, x64)  # warm-up outside the capture (kernel selection, lazy state)
+            grid = _probe_grid(serve, fresh, x)
+            _figures(serve, fresh, x, x64, grid)  # warm-up outside the capture (kernel selection, lazy state)
             if self.pool is None:
                 self.pool = new_pool()
-            graph, out = capture(lambda: _figures(serve, fresh, x, x64), self.pool)
+            graph, out = capture(lambda: _figures(serve, fresh, x, x64, grid), self.pool)
             torch._foreach_copy_(dsts, srcs)
             graph.replay()
             got = out.tolist()
@@ -167,5 +195,5 @@ class RotatingGraphs:
         if not _same(got, vals):
             self.off[cfg] = f"first replay {got} != eager {vals}"
             return vals, "eager (" + self.off[cfg] + ")"
-        self.entries[cfg] = _Entry(serve, fresh, x, x64, dsts, sig, graph, out)
+        self.entries[cfg] = _Entry(serve, fresh, x, x64, grid, dsts, sig, graph, out)
         return vals, "eager, graph captured"

@@ -147,6 +147,32 @@ def test_a_changed_kernel_state_is_answered_eager(graphs_on_cpu):
     assert _rotating(engine.self_check(0))[1]["graph"] == "graph replay"
 
 
+def test_every_layer_pass_captures_every_configuration(graphs_on_cpu):
+    """A full-compare sync (``self_check_every_layer``) captures one graph per layer configuration, so the
+    normal syncs after it only replay (a capture costs a synchronisation and tens of launches)."""
+    engine = ReferenceEngine(tiny_checkpoint("qwen3_moe", RECIPE), device="cpu")
+    engine.self_check(7)
+    engine.self_check_every_layer()
+    from miles_lp.rollout.reference import _fresh_config
+
+    cfgs = {_fresh_config(m)[1:] for m in engine._c3_rotation()}
+    state = engine._rot_graph_state
+    assert set(state.entries) == cfgs and not state.off
+    hows = set()
+    for version in range(1, len(engine._c3_rotation()) + 1):
+        engine.weight_version = version
+        _, v = _rotating(engine.self_check(7))
+        if v is not None:
+            hows.add(v["graph"])
+    assert hows == {"graph replay"}
+    for version in range(1, 20):  # a version whose rotating layer is not one of the fixed pair
+        engine.weight_version = version
+        if _rotating(engine.self_check(7))[1] is not None:
+            break
+    _, v = _rotating(engine.self_check(8))  # another seed's probe: captured again on it
+    assert v["graph"] == "eager, graph captured"
+
+
 @pytest.mark.gpu
 def test_cuda_rotating_graph_equals_eager_and_sees_stale_state():
     if not torch.cuda.is_available():
@@ -164,6 +190,8 @@ def test_cuda_rotating_graph_equals_eager_and_sees_stale_state():
             assert (v["rel_err"], v["fresh_diff"]) == expect, (version, v)
             hows.append(v["graph"])
     assert "graph replay" in hows and not any(h.startswith("eager (") for h in hows), hows
+    engine.self_check_every_layer()  # every configuration captured: no eager fallback anywhere
+    assert not engine._rot_graph_state.off, engine._rot_graph_state.off
     engine.weight_version = len(rot) - 1
     assert engine.self_check_begin(0)
     assert _rotating(engine.self_check(0))[1]["graph"] == "graph replay (queued early)"
