@@ -19,7 +19,9 @@ Weight updates:
   or use ``SGLangEngine``.
 * ``SGLangEngine`` sends ``update_weights_from_tensor(bucket, load_format=LOADER)`` where ``LOADER`` is
   ``miles_lp.rollout.weight_loader.load_weights`` registered with ``--custom-weight-loader``: it re-runs
-  ``process_weights_after_loading`` on the touched modules and keeps the captured storage (CONTRACT 5).
+  ``process_weights_after_loading`` on the touched modules and keeps the captured storage (CONTRACT 5), DeepSeek's
+  ``fused_qkv_a_proj_with_mqa`` included (SGLang assembles it from q_a_proj + kv_a_proj_with_mqa within one call:
+  both halves must be in one bucket, as ``export_groups`` makes them; the loader refuses a split pair).
   Its environment must set ``FLASHINFER_DISABLE_FP4_QUANT_FAST_MATH=1`` (FlashInfer's default FP4 quantization
   uses approximate reciprocals and is not TE's rule); ``SGLangEngine`` sets it before importing SGLang.
 
