@@ -249,6 +249,7 @@ class Canonical:
             return {"rel_err": float("inf"), "kind": kind, "format": fmt,
                     "reason": f"no captured canonical tensor {exc}"}
         with torch.no_grad():
+            x = x.to(w64.device)  # drawn on the CPU (the same probe on any device), served where the module lives
             y = mod.quant_method.apply(mod, x, None)
             ref = x.to(torch.float64) @ w64.T
             entry: dict[str, Any] = {"rel_err": rel_err(y, ref), "kind": kind, "format": fmt}
