@@ -325,3 +325,34 @@ def test_stacked_table_comes_from_the_policy_fused_modules():
 
     assert {(s, f) for s, f in wl.STACKED} == {(f".{sh}", f".{fu}") for fu, shs in PACKED_MODULES.items() for sh in shs}
     assert (".kv_a_proj_with_mqa", ".fused_qkv_a_proj_with_mqa") in wl.STACKED
+
+
+def test_deepseek_names_on_the_reference_engine_layers():
+    """The same loader on the reference engine's DeepSeek-V3 layers (transformers' tree: q_a_proj and
+    kv_a_proj_with_mqa are modules of their own, no fused module): nothing refused, every quantized layer
+    rebuilt in place, the update serves as a fresh load does."""
+    from safetensors.torch import load_file
+
+    from miles_lp.rollout.engine import SamplingParams
+    from miles_lp.rollout.reference import ReferenceEngine
+    from miles_lp.rollout.testing import tiny_checkpoint
+
+    torch.set_num_threads(1)
+    eng = ReferenceEngine(tiny_checkpoint("deepseek_v3", "deepseek_v3_mxfp8.yaml"), device="cpu")
+    other = tiny_checkpoint("deepseek_v3", "deepseek_v3_mxfp8.yaml", seed=1)
+    new = {}
+    for f in sorted(other.glob("*.safetensors")):
+        new.update(load_file(f))
+    ptrs, targets = eng.storage_pointers(), eng._captured
+
+    def load(named):
+        for n, t in named:
+            targets[n].copy_(t)
+
+    report = load_weights(eng.model, list(new.items()), load=load)
+    quantized = {n.rpartition(".")[0] for n in new if n.endswith(".weight_scale_inv")}
+    assert quantized <= set(report["touched"]) and any(".q_a_proj" in n for n in quantized)
+    assert report["fused_checked"] == [] and eng.storage_pointers() == ptrs
+    sp = SamplingParams(max_new_tokens=4, seed=1)
+    a, b = eng.generate([[1, 2, 3]], sp)[0], ReferenceEngine(other, device="cpu").generate([[1, 2, 3]], sp)[0]
+    assert a.output_ids == b.output_ids and torch.equal(a.logprobs, b.logprobs)
