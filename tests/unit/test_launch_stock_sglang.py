@@ -138,3 +138,16 @@ def test_recipe_origin_keeps_the_file_lines_under_overrides():
     over = load_recipe(RECIPE, ["steps=2", "sync.checks.grid=warn"])
     assert over.origin("sync.checks.storage") == (f"{RECIPE}:{line}", line)  # untouched by any --set
     assert over.origin("sync.checks.grid") == ("--set sync.checks.grid=warn", None)
+
+
+def test_the_ray_run_refuses_the_same_way_before_any_actor(monkeypatch):
+    """The Ray run (``ray.enabled``) builds nothing before the refusal either (no placement group, no actor)."""
+    pytest.importorskip("ray")
+    from miles_lp.launch import ray_launcher
+
+    def never(*a, **k):
+        raise AssertionError("the refusal must come before the model is prepared")
+    monkeypatch.setattr("miles_lp.launch.model.prepare_model", never)
+    recipe = load_recipe(RECIPE, [*STOCK, "ray.enabled=true"])
+    with pytest.raises(ConfigError, match=r"sync\.checks\.layer_audit: raise \(line \d+\).*stock SGLang server"):
+        ray_launcher.RayRun(recipe, None, resume=False, start_step=0, loop_state={}, learner_state_dir=None)
