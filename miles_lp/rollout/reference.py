@@ -28,8 +28,10 @@ can be shown to catch them (issue 11's fault-injection selftest); with the defau
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
+import functools
 import itertools
 import operator
 import threading
@@ -162,6 +164,18 @@ def _gather(entries: Sequence[tuple[dict, str, torch.nn.Module]]) -> list[torch.
 _DATA_PTR = torch.Tensor.data_ptr
 
 
+def _c3_guarded(fn):
+    """One self-check at a time (the server's handler threads share the probes, the stand-ins and the graphs), run
+    on the engine's own CUDA device: a handler thread's current device is 0 whatever the engine's, and a capture on
+    another device's stream records nothing while the ops run eagerly (review-5 M1)."""
+    @functools.wraps(fn)
+    def run(self, *args, **kwargs):
+        dev = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        with self._c3_lock, dev:
+            return fn(self, *args, **kwargs)
+    return run
+
+
 class ReferenceEngine:
     """See the module docstring. ``checkpoint``: a folder (converted or BF16 HF)."""
 
@@ -203,6 +217,7 @@ class ReferenceEngine:
         # serving state
         self._cond = threading.Condition()
         self._gen_lock = threading.Lock()
+        self._c3_lock = threading.RLock()  # one self-check at a time (``_c3_guarded``)
         self._paused = False
         self._pause_mode = "retract"
         self._updating = False
@@ -588,6 +603,7 @@ class ReferenceEngine:
         names, _, served = self._served()
         return dict(zip(names, map(_DATA_PTR, served), strict=True))
 
+    @_c3_guarded
     def self_check_begin(self, seed: int = 0) -> bool:
         """Start the self-check's device work now, when it is a captured graph whose key still holds (CUDA): the
         replay is queued and ``self_check(seed)`` collects it, so it runs while the caller does host work (the
@@ -635,6 +651,7 @@ class ReferenceEngine:
             out["layers"][f"{layer.prefix}weight"] = {"kind": kind, "format": layer.kernel_format.value}
         return work, out
 
+    @_c3_guarded
     def self_check(self, seed: int = 0) -> dict[str, Any]:
         """C3: one quantized dense layer and one quantized expert through the serving ``apply`` on random input,
         vs a float64 GEMM on the dequantized canonical weights; relative Frobenius error per layer."""
@@ -670,6 +687,7 @@ class ReferenceEngine:
             self.__dict__["_c3_rotation_list"] = rot
         return rot
 
+    @_c3_guarded
     def self_check_every_layer(self) -> dict[str, dict[str, Any]]:
         """C3 over every quantized layer: the serving kernel vs the same kernel on state derived afresh from its
         canonical tensors (``fresh_diff``, exactly 0 when healthy), ``{<module>.weight: {...}}``. The cost of one
@@ -870,6 +888,9 @@ class ReferenceEngine:
             # thread_local: another thread's CUDA call (a parked generation) is not an error of this capture
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 static = self._c3_figures(work)
+            # figures are >= 0 (or NaN): a graph that recorded nothing cannot pass the first-replay check with
+            # values left from the capture (review-5 M1)
+            static.fill_(-1.0)
             graph.replay()
             got = static.tolist()
         except Exception as exc:  # noqa: BLE001 (any capture failure: the eager path stays exact)

@@ -42,7 +42,8 @@ def _sources(layer) -> tuple[list[torch.Tensor], tuple]:
     """The live tensors the rotating probe reads, in the stand-in's order, and their signature."""
     names = sorted(layer._derived)
     srcs = list(layer.canonical().values()) + [getattr(layer, n) for n in names]
-    return srcs, (layer.kernel_format, tuple(names), tuple((tuple(t.shape), t.dtype) for t in srcs))
+    return srcs, (layer.kernel_format, tuple(names),
+                  tuple((tuple(t.shape), t.dtype, t.device, t.stride()) for t in srcs))
 
 
 def _probe_grid(serve, fresh, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -187,6 +188,9 @@ class RotatingGraphs:
                 self.pool = new_pool()
             graph, out = capture(lambda: _figures(serve, fresh, x, x64, grid), self.pool)
             torch._foreach_copy_(dsts, srcs)
+            # figures are >= 0 (or NaN): a graph that recorded nothing cannot pass the check below with values
+            # left from the capture (review-5 M1)
+            out.fill_(-1.0)
             graph.replay()
             got = out.tolist()
         except Exception as exc:  # noqa: BLE001 (any capture failure: the eager path stays exact)

@@ -271,6 +271,39 @@ def test_per_matrix_amax_starts_from_fresh_zeros_from_the_pool():
     assert out["offsets"] == [23 * 3 - 48]  # 23 calls of 3 ints: the second pool holds the last 7 (the pool is used)
 
 
+def test_zero_pool_slices_are_disjoint_across_threads(monkeypatch):
+    """Two threads taking amax accumulators on one stream get disjoint slices (review-4 C6: the offset bump is
+    under a lock; a shared slice would give two tensors the larger amax). The switch interval is made tiny so
+    that the threads interleave inside the bump if they can."""
+    import threading
+
+    from miles_lp.formats import kernels
+
+    monkeypatch.setattr(kernels, "_POOL_INTS", 1 << 12)
+    monkeypatch.setattr(kernels, "_ZERO_POOLS", {})
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    got: list[list[tuple[int, int]]] = [[], []]
+    held: list[torch.Tensor] = []  # the slices stay alive: a freed pool's address could be reused
+
+    def take(out):
+        for _ in range(3000):
+            t = kernels._zeros_i32(2, torch.device("cpu"))
+            held.append(t)
+            out.append((t.untyped_storage().data_ptr(), t.storage_offset()))
+
+    try:
+        threads = [threading.Thread(target=take, args=(o,)) for o in got]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        sys.setswitchinterval(old)
+    both = got[0] + got[1]
+    assert len(both) == 6000 and len(set(both)) == 6000  # no slice handed out twice (pools are replaced, not reused)
+
+
 def test_decode_only_launch_needs_a_decode(interpret):
     with pytest.raises(BackendUnavailable, match=r"store_q=False.*give dequant_dtype"):
         kernels.mxfp8_quantize(torch.randn(32, 64), store_q=False)

@@ -131,6 +131,29 @@ def test_recheck_mismatch_turns_the_configuration_off(graphs_on_cpu, monkeypatch
     assert _rotating(engine.self_check(0))[1]["graph"].startswith("eager (replay")
 
 
+def test_a_graph_that_records_nothing_is_turned_off(graphs_on_cpu, monkeypatch):
+    """A capture whose replay does nothing (the ops ran eagerly during the capture, on another device's stream,
+    say) leaves the capture-time figures in its output; the first-replay check must not take them for a replay's
+    (review-5 M1): the output is overwritten before that replay, so the configuration goes off, eager from then."""
+    class _Empty:
+        def replay(self):
+            pass
+
+    monkeypatch.setattr(rotating_graph, "capture", lambda fn, pool: (_Empty(), fn()))
+    engine = ReferenceEngine(tiny_checkpoint("qwen3", "qwen3_mxfp8.yaml"), device="cpu")
+    engine.weight_version = 1
+    name, v = _rotating(engine.self_check(0))
+    assert v["graph"].startswith("eager (first replay [-1.0, -1.0] != eager"), v["graph"]
+    state = engine._rot_graph_state
+    assert not state.entries and len(state.off) == 1
+    layer = next(m for m in engine._c3_rotation() if f"{m.prefix}weight" == name)
+    with torch.no_grad():
+        layer.operand.mul_(1.5)  # stale: the eager answer sees it
+    sc = engine.self_check(0)
+    _, v = _rotating(sc)
+    assert v["graph"].startswith("eager (first replay") and v["fresh_diff"] > 0 and not sc["ok"]
+
+
 def test_a_changed_kernel_state_is_answered_eager(graphs_on_cpu):
     engine = ReferenceEngine(tiny_checkpoint("qwen3", "qwen3_mxfp8.yaml"), device="cpu")
     engine.weight_version = 1

@@ -503,6 +503,7 @@ def _amax_launch(mod, xi, in_kind: int, mats: int, m: int, k: int, per_row: bool
 
 
 _ZERO_POOLS: dict[tuple, list] = {}  # (device, stream) -> [int32 zeros, next free offset]
+_ZERO_POOLS_LOCK = threading.Lock()
 _POOL_INTS = 1 << 16
 
 
@@ -516,12 +517,14 @@ def _zeros_i32(n: int, dev: torch.device) -> torch.Tensor:
     if n > _POOL_INTS // 16 or (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return torch.zeros(n, dtype=torch.int32, device=dev)
     key = (dev, _stream(dev.index) if dev.type == "cuda" else None)
-    ent = _ZERO_POOLS.get(key)
-    if ent is None or ent[1] + n > _POOL_INTS:
-        ent = _ZERO_POOLS[key] = [torch.zeros(_POOL_INTS, dtype=torch.int32, device=dev), 0]
-    off = ent[1]
-    ent[1] = off + n
-    return ent[0][off:off + n]
+    with _ZERO_POOLS_LOCK:  # two threads on one stream must not be handed the same slice (review-4 C6)
+        ent = _ZERO_POOLS.get(key)
+        if ent is None or ent[1] + n > _POOL_INTS:
+            ent = _ZERO_POOLS[key] = [torch.zeros(_POOL_INTS, dtype=torch.int32, device=dev), 0]
+        off = ent[1]
+        ent[1] = off + n
+        pool = ent[0]
+    return pool[off:off + n]
 
 
 def matrix_amax(x: torch.Tensor) -> torch.Tensor:
