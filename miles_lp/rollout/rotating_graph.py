@@ -22,6 +22,9 @@ from typing import Any
 import torch
 
 RECHECK = 64
+# a configuration whose float64 reference weight is larger is answered eager: its graph's pool would keep that
+# much device memory (and ~2 layer copies) for good, where the eager path frees it after each probe
+MAX_REFERENCE_BYTES = 512 << 20
 
 
 @dataclasses.dataclass
@@ -170,6 +173,10 @@ class RotatingGraphs:
         vals = eager()
         if len(self.entries) + len(self.off) >= 32:  # configurations: a handful per model; bound the graphs kept
             return vals, "eager"
+        ref_bytes = 8 * layer.in_features * layer.out_features
+        if ref_bytes > MAX_REFERENCE_BYTES:
+            self.off[cfg] = f"not kept as a graph: its float64 reference weight is {ref_bytes >> 20} MiB"
+            return vals, "eager (" + self.off[cfg] + ")"
         try:
             serve = layer.detached_copy()
             serve.process_weights_after_loading()

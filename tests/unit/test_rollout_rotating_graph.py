@@ -154,6 +154,16 @@ def test_a_graph_that_records_nothing_is_turned_off(graphs_on_cpu, monkeypatch):
     assert v["graph"].startswith("eager (first replay") and v["fresh_diff"] > 0 and not sc["ok"]
 
 
+def test_a_large_configuration_is_answered_eager(graphs_on_cpu, monkeypatch):
+    """A configuration whose float64 reference would pin more device memory than the bound stays eager."""
+    monkeypatch.setattr(rotating_graph, "MAX_REFERENCE_BYTES", 1)
+    engine = ReferenceEngine(tiny_checkpoint("qwen3", "qwen3_mxfp8.yaml"), device="cpu")
+    engine.weight_version = 1
+    _, v = _rotating(engine.self_check(0))
+    assert v["graph"].startswith("eager (not kept as a graph: its float64 reference weight is"), v["graph"]
+    assert not engine._rot_graph_state.entries and engine.self_check(0)["ok"]
+
+
 def test_a_changed_kernel_state_is_answered_eager(graphs_on_cpu):
     engine = ReferenceEngine(tiny_checkpoint("qwen3", "qwen3_mxfp8.yaml"), device="cpu")
     engine.weight_version = 1
