@@ -15,6 +15,8 @@
       dynamic_sampling: false     # DAPO: drop groups whose rewards are all equal
       overlong: {enable: false, buffer_len: 4, penalty_factor: 1.0}   # DAPO soft overlong punishment
       routing_replay: false       # Miles R3: the learner replays the engine's routed experts (MoE)
+      abort_retries: 1            # a group holding a generation the engine aborted is regenerated up to this
+                                  #   many times, then dropped (rollout/aborted*; docs/rl.md)
       rollout_correction:         # verl's algorithm.rollout_correction, same names and semantics
         rollout_is: null          # null | token | sequence
         rollout_is_threshold: 2.0 # a number: TIS (truncate); "0.5_2.0": IcePop-style mask outside [lo, hi]
@@ -176,6 +178,7 @@ class RLConfig:
     dynamic_sampling: bool = False
     overlong: Overlong = dataclasses.field(default_factory=Overlong)
     routing_replay: bool = False
+    abort_retries: int = 1
     rollout_correction: RolloutCorrection = dataclasses.field(default_factory=RolloutCorrection)
 
     def _validate(self, where: Where) -> None:
@@ -197,6 +200,9 @@ class RLConfig:
         if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
             raise where.child("clip_ratio_c").error(f"dual-clip constant must be > 1 (verl: 3.0), got "
                                                     f"{self.clip_ratio_c}")
+        if self.abort_retries < 0:
+            raise where.child("abort_retries").error(f"must be >= 0 (0: drop aborted groups at once), got "
+                                                     f"{self.abort_retries}")
         for key in ("kl_coef", "entropy_coef"):
             if getattr(self, key) < 0:
                 raise where.child(key).error(f"must be >= 0, got {getattr(self, key)}")

@@ -83,6 +83,11 @@ def grpo_step(p: StepParts, step: int) -> dict[str, float]:
         sampling = dataclasses.replace(sampling, return_routed_experts=True)
     with t("generate"):
         gens = p.engine.generate(inputs, sampling)
+        # a generation the engine aborted (a pause with mode abort, a server's memory or timeout abort) is cut
+        # short: its reward and tokens mean nothing. Its group is regenerated (bounded), then dropped whole
+        # (GRPO's baseline is the group's mean), as slime / Miles drop an aborted group from a rollout
+        gens, prompts, inputs, ab = _without_aborted(p, gens, prompts, inputs, sampling, step)
+    m.update(ab)
     _finite([g.logprobs for g in gens], "rollout log-probs from the engine", step)
     if rl.routing_replay:
         _check_routes_present(gens, inputs, step)
@@ -190,6 +195,52 @@ def grpo_step(p: StepParts, step: int) -> dict[str, float]:
 
 def _padded(rows):
     return pad(rows)
+
+
+def retry_seed(seed: int, step: int, attempt: int) -> int:
+    """The sampling seed of the ``attempt``-th regeneration of a step's aborted groups (a pure function, so a run
+    that sees the same aborts samples the same tokens)."""
+    return (step_seed(seed, step) + attempt * 104_729) % (2**31 - 1)
+
+
+def _aborted_groups(gens, n_group: int) -> list[int]:
+    return sorted({i // n_group for i, g in enumerate(gens) if g.finish_reason == "abort"})
+
+
+def _without_aborted(p: StepParts, gens: list, prompts: list, inputs: list, sampling, step: int):
+    """(generations, prompts, inputs, metrics) with every group holding an ``abort`` regenerated up to
+    ``rl.abort_retries`` times (only those groups, seed ``retry_seed``), then dropped. Metrics:
+    ``rollout/aborted`` (aborted generations seen, retries included), ``rollout/regenerated`` (generations
+    sampled again), ``rollout/aborted_groups_dropped``. Every group dropped: ``RunError`` (nothing to train on;
+    an engine that aborts everything is not a step's noise)."""
+    n = p.rl.group_size
+    gens = list(gens)
+    bad = _aborted_groups(gens, n)
+    aborted = sum(g.finish_reason == "abort" for g in gens)
+    regenerated = 0
+    for attempt in range(1, p.rl.abort_retries + 1):
+        if not bad:
+            break
+        idx = [i for grp in bad for i in range(grp * n, (grp + 1) * n)]
+        again = p.engine.generate([inputs[i] for i in idx], dataclasses.replace(sampling,
+                                                                                seed=retry_seed(p.seed, step, attempt)))
+        for i, g in zip(idx, again, strict=True):
+            gens[i] = g
+        regenerated += len(idx)
+        aborted += sum(g.finish_reason == "abort" for g in again)
+        bad = _aborted_groups(gens, n)
+    m = {"rollout/aborted": float(aborted), "rollout/regenerated": float(regenerated),
+         "rollout/aborted_groups_dropped": float(len(bad))}
+    if not bad:
+        return gens, prompts, inputs, m
+    if len(bad) == len(prompts):
+        raise RunError(f"step {step}: the engine aborted a generation in every group ({len(prompts)} groups, "
+                       f"{aborted} aborted generations, {p.rl.abort_retries} regeneration(s) each): nothing to train "
+                       "on. Another client paused the server with mode abort, or the server aborts requests (memory, "
+                       "timeouts); stopping (the last checkpoint is resumable)")
+    keep = [grp for grp in range(len(prompts)) if grp not in set(bad)]
+    rows = [i for grp in keep for i in range(grp * n, (grp + 1) * n)]
+    return [gens[i] for i in rows], [prompts[grp] for grp in keep], [inputs[i] for i in rows], m
 
 
 def _learner_inputs(batch: list[dict[str, Any]], replay: bool) -> list:

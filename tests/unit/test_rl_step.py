@@ -248,3 +248,50 @@ def test_routing_replay_missing_routes_stop_the_step_naming_the_sample():
         grpo_step(parts(rl(routing_replay=True), engine=RoutingEngine(drop={2}), learner=RoutingLearner()), 4)
     with pytest.raises(RunError, match=r"no routed experts for any sample: a dense model \(no MoE layers\)"):
         grpo_step(parts(rl(routing_replay=True), engine=RoutingEngine(drop=range(4)), learner=RoutingLearner()), 0)
+
+
+class AbortingEngine(Engine):
+    """Engine whose first ``times`` calls end prompt ``group``'s samples with ``abort`` (another client's
+    ``/pause_generation`` with mode abort); later calls answer normally."""
+
+    def __init__(self, group, times, **kw):
+        super().__init__(**kw)
+        self.group, self.times, self.inputs = group, times, []
+
+    def generate(self, inputs, sampling):
+        self.inputs.append([list(i) for i in inputs])
+        out = super().generate(inputs, sampling)
+        if len(self.calls) <= self.times:
+            out = [Generation(g.output_ids[:1], g.logprobs[:1], "abort", g.weight_version)
+                   if ids[1] - 4 == self.group else g for g, ids in zip(out, inputs, strict=True)]
+        return out
+
+
+def test_aborted_groups_are_regenerated_then_dropped_and_counted():
+    # regenerated once (the default): the step trains on every group, as if nothing was aborted
+    clean = grpo_step(parts(rl()), 0)
+    p = parts(rl(), engine=AbortingEngine(group=1, times=1))
+    m = grpo_step(p, 0)
+    assert p.engine.inputs[1] == [[1, 5], [1, 5]]  # only the aborted group is sampled again ...
+    assert p.engine.calls[1] != p.engine.calls[0]  # ... under its own seed
+    assert m["rollout/aborted"] == 2.0 and m["rollout/regenerated"] == 2.0 and m["rollout/aborted_groups_dropped"] == 0
+    assert m["rl/samples_trained"] == 4.0 and m["reward/mean"] == clean["reward/mean"]
+    assert clean["rollout/aborted"] == 0.0 and clean["rollout/regenerated"] == 0.0
+    # still aborted after the retries: the group is dropped whole (no reward, no loss tokens, no rollout_corr)
+    p = parts(rl(abort_retries=1), engine=AbortingEngine(group=1, times=99, lp=-1.5))
+    m = grpo_step(p, 0)
+    assert m["rollout/aborted"] == 4.0 and m["rollout/aborted_groups_dropped"] == 1.0
+    assert m["rl/samples_trained"] == 2.0 and m["rl/groups_kept"] == 1.0 and sum(p.learner.batches) == 2
+    assert m["response_length/max"] == 2.0  # the cut-short (1-token) responses are not measured
+    p0 = parts(rl(abort_retries=0), engine=AbortingEngine(group=1, times=99))
+    m0 = grpo_step(p0, 0)
+    assert len(p0.engine.calls) == 1 and m0["rollout/aborted_groups_dropped"] == 1.0 and m0["rollout/regenerated"] == 0
+    # every group aborted: nothing to train on, the step stops naming it
+    every = AbortingEngine(group=0, times=99)
+    p = StepParts(learner=Learner(), engine=every, sync=Sync(every), task=Task(), sampling=SamplingParams(max_new_tokens=2),
+                  rl=rl(prompts_per_step=1, group_size=2, mini_batches=1), seed=3)
+    with pytest.raises(RunError, match=r"step 4: the engine aborted a generation in every group \(1 groups"):
+        grpo_step(p, 4)
+    assert p.learner.calls == [] and p.sync.n == 0
+    with pytest.raises(Exception, match=r"rl.abort_retries.: must be >= 0"):
+        rl(abort_retries=-1)
