@@ -13,10 +13,10 @@ from pathlib import Path
 
 from miles_lp.checkpoint.safetensors_io import (
     FLOAT_DTYPES,
+    INDEX_NAME,
     CheckpointFiles,
     TensorHeader,
     open_checkpoint,
-    read_header,
 )
 from miles_lp.errors import CheckpointError, ConfigError, LayoutError
 
@@ -115,12 +115,18 @@ def validate_source(root: str | Path) -> SourceCheckpoint:
 
 
 def read_safetensors_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
-    """Names and shapes from safetensors headers only (no tensor data is read); a corrupt or truncated file is a
-    `CheckpointError` naming it (the converter's own header reader)."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        shapes.update({name: t.shape for name, t in read_header(f).tensors.items()})
-    return shapes
+    """Names and shapes from safetensors headers only (no tensor data is read), through the converter's
+    index-aware reader (``open_checkpoint``): with ``model.safetensors.index.json`` exactly the shards it names
+    are read, a shard it names that is missing, or a tensor it names that no shard holds, is a
+    ``CheckpointError`` naming the index and the shard (review L13: a glob gave a silently partial plan, and a
+    stray ``consolidated.safetensors`` next to the shards was read too); a corrupt or truncated file is a
+    ``CheckpointError`` naming it."""
+    return {name: h.shape for name, h in open_checkpoint(model_dir).tensors.items()}
+
+
+def has_safetensors(model_dir: Path) -> bool:
+    """The folder holds weights the converter would read (an index, or any ``*.safetensors``)."""
+    return (model_dir / INDEX_NAME).exists() or any(model_dir.glob("*.safetensors"))
 
 
 def load_model_layout(model: str | Path, include_mtp: bool = False):
@@ -141,7 +147,7 @@ def load_model_layout(model: str | Path, include_mtp: bool = False):
         raise ConfigError(f"--model: {cfg_path} holds a JSON {type(config).__name__}, not a config mapping")
     try:
         layout = get_layout(config)
-        if path.is_dir() and any(path.glob("*.safetensors")):
+        if path.is_dir() and has_safetensors(path):
             return layout, read_safetensors_shapes(path), f"safetensors headers in {path}"
         return layout, layout.synthesize(include_mtp=include_mtp), f"synthesized from {cfg_path}"
     except LayoutError as exc:

@@ -59,26 +59,31 @@ def _read_json(path: Path) -> dict:
 
 
 def _headers(root: Path) -> dict[str, TensorHeader]:
+    """Every tensor's header, read as the converter reads them (``safetensors_io.open_checkpoint``): with an index,
+    exactly the shards it names, each checked against it (a missing shard or a stale index is a ``CheckpointError``
+    naming the index and the shard; review L13: a glob served a partial model, or a stray extra file's tensors)."""
     from safetensors import safe_open
 
-    from miles_lp.checkpoint.safetensors_io import read_header
+    from miles_lp.checkpoint.safetensors_io import INDEX_NAME, open_checkpoint
 
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
+    if not (root / INDEX_NAME).exists() and not any(root.glob("*.safetensors")):
         raise CheckpointError(f"{root}: no *.safetensors files (the engine loads safetensors only, never pickle)")
-    out: dict[str, TensorHeader] = {}
-    for f in files:
-        read_header(f)  # a truncated or corrupt file: a CheckpointError naming it, the tensor and the offset
+
+    files = open_checkpoint(root)
+    for f in files.files:  # the loader reads through safetensors itself: it must see the names our parser saw
         with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():
-                sl = sf.get_slice(name)
-                dtype = _ST_TO_TORCH.get(sl.get_dtype())
-                if dtype is None:
-                    raise CheckpointError(f"{f.name}: tensor '{name}' has safetensors dtype {sl.get_dtype()}, "
-                                          "which the engine does not load")
-                if name in out:
-                    raise CheckpointError(f"tensor '{name}' appears in both {out[name].file.name} and {f.name}")
-                out[name] = TensorHeader(name, dtype, tuple(sl.get_shape()), f)
+            theirs = set(sf.keys())
+        ours = set(files.names_in_file(f))
+        if theirs != ours:
+            raise CheckpointError(f"{f}: safetensors reads {len(theirs)} tensors, the header {len(ours)} (e.g. "
+                                  f"{sorted(theirs ^ ours)[:2]}); the file is corrupt: re-save it")
+    out: dict[str, TensorHeader] = {}
+    for name, h in files.tensors.items():
+        dtype = _ST_TO_TORCH.get(h.dtype)
+        if dtype is None:
+            raise CheckpointError(f"{h.file.name}: tensor '{name}' has safetensors dtype {h.dtype}, "
+                                  "which the engine does not load")
+        out[name] = TensorHeader(name, dtype, tuple(h.shape), h.file)
     return out
 
 
