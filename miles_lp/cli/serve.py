@@ -10,6 +10,10 @@ Endpoints (SGLang's paths and bodies): POST /generate, /update_weights_from_disk
 /get_weight_version; plus miles-lp introspection under /miles_lp/ (quantized_params, weight_digests,
 storage_pointers, self_check, read_weights, param_specs, health).
 
+As SGLang: /pause_generation without a mode aborts the in-flight requests (finish_reason abort); send
+{"mode": "retract"} (what `miles-lp run` sends) to park them until /continue_generation, or "in_place". A
+/generate whose prompt + max_new_tokens exceeds the model's context (max_position_embeddings) is answered 400.
+
 Binds 127.0.0.1 unless --host says otherwise. With MILES_LP_API_KEY (or SGLANG_API_KEY) set, every request but
 GET /health needs `Authorization: Bearer <key>`; others get 401. A --host other than loopback without a key is
 refused (anyone who reaches the port could load weights from any path on this machine) unless

@@ -51,7 +51,7 @@ def dry_run(recipe: Recipe) -> dict[str, Any]:
         would_refuse.append(str(e))
     if task is not None:
         try:
-            check_task_fits(recipe, task)
+            check_task_fits(recipe, task, config)
         except ConfigError as e:
             would_refuse.append(str(e))
     skipped = never_answered(recipe, sync_env())

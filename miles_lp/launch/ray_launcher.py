@@ -326,6 +326,7 @@ class RayRun:
             engine_side,
             note_skipped_checks,
             plan_for,
+            read_model_config,
             sampling_for,
             sync_env,
             sync_log,
@@ -343,7 +344,7 @@ class RayRun:
         self.model_dir = prepare_model(recipe.model, run_dir.path / "model")
         self.plan = plan_for(recipe, self.model_dir)
         self.task = make_task(recipe.task, vocab_size(self.model_dir), self.model_dir)
-        check_task_fits(recipe, self.task)
+        check_task_fits(recipe, self.task, read_model_config(self.model_dir))
         self.engine_ckpt, _, _ = engine_side(recipe, self.model_dir, self.plan, run_dir.path / "engine_init")
         bundles = _bundles(recipe)
         strategy = "PACK" if len(bundles) == 1 else "SPREAD"

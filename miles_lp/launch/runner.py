@@ -38,14 +38,62 @@ MAX_ENGINE_RESTARTS = 3
 VERSION_KEYS = ("rollout/weight_version", "sync/weight_version", "sync/check/version/figure")
 
 
-def check_task_fits(recipe: Recipe, task: Any) -> None:
-    """A response cap shorter than the task's exact answer makes the reward unreachable: refused, naming both."""
+def model_context(config: Mapping[str, Any] | None) -> int | None:
+    """The model's context in tokens (``max_position_embeddings`` of its config.json, a multimodal model's
+    ``text_config``'s), or None when the config does not say."""
+    if not config:
+        return None
+    cfg = config.get("text_config") or config
+    v = cfg.get("max_position_embeddings")
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+def read_model_config(model_dir: Path) -> dict[str, Any] | None:
+    import json
+
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _key_origin(recipe: Recipe, key: str) -> str:
+    """``FILE:LINE`` or ``--set k=v`` of ``key``, or ``the default`` when neither set it."""
+    where, line = recipe.origin(key)
+    return where if line is not None or where.startswith("--set") else "the default"
+
+
+def check_task_fits(recipe: Recipe, task: Any, model_config: Mapping[str, Any] | None = None) -> None:
+    """The task against the response cap and the model's context (review-4 L10), refused naming the keys:
+
+    * a response cap shorter than the task's exact answer makes the reward unreachable;
+    * the longest prompt + ``rollout.max_response_len`` beyond ``max_position_embeddings`` (``model_config``, the
+      model's config.json) would have the engine cut responses at the context and report them as ``length``
+      (SGLang and vLLM refuse such a request; DAPO's overlong penalty, computed against the cap, would never
+      fire); for vLLM also beyond ``rollout.max_model_len`` (the engine's own limit)."""
     need = int(getattr(task, "max_response_len", 0) or 0)
     cap = int(getattr(recipe.rollout, "max_response_len", need))
+    where = _key_origin(recipe, "rollout.max_response_len")
     if cap < need:
         raise ConfigError(f"rollout.max_response_len {cap} is shorter than the task's longest answer ({need} tokens, "
                           f"stop token included): no response can earn the reward; set rollout.max_response_len >= "
-                          f"{need}")
+                          f"{need} (now set by {where})")
+    prompt = int(getattr(task, "max_prompt_len", 0) or 0)
+    ctx = model_context(model_config)
+    if ctx is not None and prompt + cap > ctx:
+        fix = (f"set rollout.max_response_len <= {ctx - prompt}" if ctx - prompt >= max(need, 1) else
+               "shorten the task's prompts or use a model with a longer context")
+        raise ConfigError(f"rollout.max_response_len {cap} ({where}) + the task's longest prompt ({prompt} tokens) = "
+                          f"{prompt + cap} tokens, beyond the model's context (max_position_embeddings {ctx} in "
+                          f"{recipe.model.path}'s config.json): the engine would cut those responses at the context "
+                          f"and report them as length (SGLang and vLLM refuse such requests); {fix}")
+    ro = recipe.rollout
+    if getattr(ro, "backend", None) == "vllm" and getattr(ro, "max_model_len", None) and prompt + cap > ro.max_model_len:
+        mwhere = _key_origin(recipe, "rollout.max_model_len")
+        raise ConfigError(f"rollout.max_response_len {cap} ({where}) + the task's longest prompt ({prompt} tokens) = "
+                          f"{prompt + cap} tokens, beyond rollout.max_model_len {ro.max_model_len} ({mwhere}): vLLM "
+                          f"refuses such requests; raise rollout.max_model_len to >= {prompt + cap} or lower "
+                          "rollout.max_response_len")
 
 
 def step_with_restarts(run: Any, *, engine_dead: Callable[[BaseException], bool], learner_steps: Callable[[], int],
@@ -362,7 +410,7 @@ class Run:
         self.model_dir = prepare_model(recipe.model, run_dir.path / "model")
         self.plan = plan_for(recipe, self.model_dir)
         self.task = make_task(recipe.task, vocab_size(self.model_dir), self.model_dir)
-        check_task_fits(recipe, self.task)
+        check_task_fits(recipe, self.task, read_model_config(self.model_dir))
         self.learner = make_learner(recipe, self.model_dir, self.plan)
         try:
             self._build(recipe, run_dir, start_step, learner_state, loop_state, build_engine)

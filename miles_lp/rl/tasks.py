@@ -45,6 +45,7 @@ class Task(Protocol):
     name: str
     stop_token_ids: tuple[int, ...]
     max_response_len: int  # tokens the exact answer needs (stop token included)
+    max_prompt_len: int  # tokens of the longest prompt (with max_response_len: what the context must hold)
 
     def prompts(self, step: int, n: int) -> list[Prompt]:
         """``n`` prompts for ``step``: the same for the same (seed, step), whatever ran before."""
@@ -101,6 +102,7 @@ class _ToyTask:
         self.stop_token_ids = (EOS,)
         self.symbols = range(FIRST_SYMBOL, FIRST_SYMBOL + cfg.alphabet)
         self.max_response_len = len(self._answer([FIRST_SYMBOL] * cfg.length)) + 1  # + EOS
+        self.max_prompt_len = cfg.length + 2  # BOS pattern SEP
 
     def min_vocab(self) -> int:
         return FIRST_SYMBOL + self.cfg.alphabet
@@ -250,6 +252,7 @@ class JsonlTask:
         if not self.items:
             raise ConfigError(f"{path}: no prompt/answer lines")
         self.max_response_len = max(len(p.answer) for p in self.items)
+        self.max_prompt_len = max(len(p.ids) for p in self.items)
 
     def min_vocab(self) -> int:
         return 1 + max(max(p.ids + p.answer) for p in self.items)

@@ -12,7 +12,9 @@ SGLang endpoints (same paths, bodies and answers as SGLang's ``http_server.py``,
     POST /update_weights_from_tensor   body: one safetensors file (never pickle); query: finish=true|false,
                                        weight_version=N. finish=false keeps the update open for more buckets
                                        (generation is refused until a call with finish=true). Loopback callers only.
-    POST /pause_generation {"mode": "abort"|"retract"|"in_place"}, POST /continue_generation, POST /flush_cache
+    POST /pause_generation {"mode": "abort"|"retract"|"in_place"} (default abort, as SGLang's), POST
+    /continue_generation, POST /flush_cache
+    A /generate whose prompt + max_new_tokens exceeds the context is a 400 with SGLang's message (``check_context``).
     GET  /health, GET /get_weight_version
 
 miles-lp introspection (the sync checks ask the engine, not the config): ``GET /miles_lp/quantized_params``,
@@ -107,6 +109,24 @@ def sampling_from_json(sp: Any, return_routed: bool) -> SamplingParams:
     s = SamplingParams(**kw, return_routed_experts=bool(return_routed))
     s.validate()
     return s
+
+
+def check_context(batch: list[list[int]], max_new_tokens: int | None, context_len: int | None) -> None:
+    """A request whose prompt + ``max_new_tokens`` (when it names one) exceeds the model's context is refused with
+    SGLang's message (its tokenizer manager's ``_validate_one_request``; the server answers 400). The engine alone
+    would cap the response at what fits and report ``length`` (review-4 L10): a client asking for more than the
+    context holds is told so instead. prompt + max_new_tokens == context fits (the engine's own budget). A prompt
+    that alone fills the context is the engine's own refusal (also a 400)."""
+    if not context_len:
+        return
+    for p in batch:
+        if len(p) >= context_len:
+            continue  # ReferenceEngine.validate_prompts names it
+        if max_new_tokens is not None and len(p) + max_new_tokens > context_len:
+            raise BadRequest(f"Requested token count exceeds the model's maximum context length of {context_len} "
+                             f"tokens. You requested a total of {len(p) + max_new_tokens} tokens: {len(p)} tokens "
+                             f"from the input messages and {max_new_tokens} tokens for the completion. Please reduce "
+                             "the number of tokens in the input messages or the completion to fit within the limit.")
 
 
 def generation_json(g, prompt_len: int, return_logprob: bool) -> dict[str, Any]:
@@ -261,6 +281,8 @@ class _Handler(BaseHTTPRequestHandler):
         if d.get("stream"):
             raise BadRequest("stream=true is not supported")
         sp = sampling_from_json(d.get("sampling_params"), d.get("return_routed_experts", False))
+        check_context(batch, sp.max_new_tokens if "max_new_tokens" in (d.get("sampling_params") or {}) else None,
+                      getattr(self.server.engine, "context_len", None))
         gens = self.server.engine.generate(batch, sp)
         out = [generation_json(g, len(p), bool(d.get("return_logprob"))) for g, p in zip(gens, batch, strict=True)]
         self._send(200, out[0] if single else out)
@@ -307,7 +329,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def pause(self, q):
         d = self._json()
-        self.server.engine.pause(d.get("mode", "retract"))
+        # SGLang's PauseGenerationReqInput.mode defaults to abort (review-4 L19): a client written against SGLang
+        # that posts {} expects its in-flight requests ended with finish abort, not parked. miles-lp's own client
+        # (SGLangHTTPEngine, pause_mode retract as Miles) always sends its mode
+        self.server.engine.pause(d.get("mode", "abort"))
         self._send(200, {"success": True})
 
     def resume(self, q):

@@ -94,6 +94,35 @@ def test_response_cap_shorter_than_the_answer_is_refused_at_start(tmp_path):
     assert not (tmp_path / "runs" / "short").exists()
 
 
+def test_response_cap_beyond_the_model_context_is_refused_naming_both_keys(tmp_path):
+    """review-4 L10: prompt + max_response_len over max_position_embeddings (256 for tiny models) is refused in
+    the dry run and at start, before the learner or the engine is built; the fitting cap still starts."""
+    from miles_lp.launch.dry_run import dry_run
+    from miles_lp.launch.runner import Run, check_task_fits
+    from miles_lp.rl.tasks import make_task
+
+    p = tmp_path / "r.yaml"
+    p.write_text(RECIPE.replace("OUT", str(tmp_path / "runs")))
+    recipe = load_recipe(p, ["rollout.max_response_len=100000"])
+    msg = (r"rollout.max_response_len 100000 \(--set rollout.max_response_len=100000\) \+ the task's longest prompt "
+           r"\(3 tokens\) = 100003 tokens, beyond the model's context \(max_position_embeddings 256 .*set "
+           r"rollout.max_response_len <= 253")
+    refused = dry_run(recipe)["would_refuse_at_start"]
+    assert len(refused) == 1 and "max_position_embeddings 256" in refused[0]
+    with pytest.raises(ConfigError, match=msg):
+        Run.start(recipe, run_name="long")
+    assert not (tmp_path / "runs" / "long").exists()
+    task = make_task(load_recipe(p).task)
+    assert task.max_prompt_len == 3  # BOS, 1 symbol, SEP
+    fits = load_recipe(p, ["rollout.max_response_len=253"])
+    check_task_fits(fits, task, {"max_position_embeddings": 256})  # exactly the context: accepted
+    assert dry_run(fits)["would_refuse_at_start"] == []
+    with pytest.raises(ConfigError, match=r"= 257 tokens, beyond .*max_position_embeddings 256"):
+        check_task_fits(load_recipe(p, ["rollout.max_response_len=254"]), task,
+                        {"text_config": {"max_position_embeddings": 256}})
+    check_task_fits(load_recipe(p, ["rollout.max_response_len=100000"]), task, {})  # a config that does not say
+
+
 @pytest.mark.parametrize("extra, match", [(["--run-name", "y"], "--run-name names a new run"),
                                           (["--dry-run"], "--dry-run checks a recipe before a new run")])
 def test_run_cli_refuses_flags_a_resume_would_ignore(tmp_path, capsys, extra, match):
