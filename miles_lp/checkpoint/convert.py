@@ -46,6 +46,8 @@ class ConvertSummary:
     seconds: float
     num_shards: int
     nonfinite: list[str]
+    copied: list[str] = dataclasses.field(default_factory=list)  # side files carried over (tokenizer, code, ...)
+    not_copied: list[str] = dataclasses.field(default_factory=list)  # "<name> (why)" (review L18: never silent)
 
     @property
     def gb_per_s(self) -> float:
@@ -59,8 +61,17 @@ class ConvertSummary:
                  ("seconds", f"{self.seconds:.2f}"), ("input GB/s", f"{self.gb_per_s:.3f}")]
         if self.nonfinite:
             rows.append(("non-finite (allowed)", ", ".join(self.nonfinite)))
+        rows += side_file_rows(self.copied, self.not_copied)
         w = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
+
+
+def side_file_rows(copied: list[str], not_copied: list[str]) -> list[tuple[str, str]]:
+    """Summary rows for the input's side files: what was copied, and every file not copied with the reason."""
+    rows = [("copied files", ", ".join(copied) if copied else "none")]
+    if not_copied:
+        rows.append(("not copied", "; ".join(not_copied)))
+    return rows
 
 
 def _human(n: int) -> str:
@@ -327,7 +338,8 @@ def convert_with_plan(src: str | Path | SourceCheckpoint, out: str | Path, plan,
                             nonfinite)
             bytes_out = sum(p.stat().st_size for p in tmp.iterdir() if p.is_file())
             summary = ConvertSummary(out, target, dict(counts), len(index["weight_map"]), bytes_in, bytes_out,
-                                     0.0, writer.num_shards, nonfinite)
+                                     0.0, writer.num_shards, nonfinite, [p.name for p in source.copied_files()],
+                                     source.not_copied())
     finally:
         reader.close()
         bar.close()

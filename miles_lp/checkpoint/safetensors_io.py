@@ -206,8 +206,9 @@ class CheckpointFiles:
 def open_checkpoint(root: str | Path) -> CheckpointFiles:
     """Read every shard's header and check the index against the shards (names and files).
 
-    Layouts accepted: ``model.safetensors.index.json`` + shards, or a single ``model.safetensors``, or
-    (no index) every ``*.safetensors`` in the folder.
+    Layouts accepted: ``model.safetensors.index.json`` + exactly the shards it names, or a single
+    ``model.safetensors`` (alone: other ``*.safetensors`` next to it are not read), or (neither) every
+    ``*.safetensors`` in the folder.
     """
     root = Path(root)
     index_path = root / INDEX_NAME
@@ -227,6 +228,10 @@ def open_checkpoint(root: str | Path) -> CheckpointFiles:
                 names = [n for n, v in weight_map.items() if root / v == f]
                 raise CheckpointError(f"{index_path}: names shard '{f.name}' (for {len(names)} tensors, e.g. "
                                       f"'{names[0]}'), which does not exist in {root}")
+    elif (root / SINGLE_NAME).is_file():
+        # a single-file checkpoint is model.safetensors alone, as transformers loads it: another *.safetensors
+        # next to it (Mistral's consolidated.safetensors, a leftover) is not part of the model (review L13)
+        files = [root / SINGLE_NAME]
     else:
         files = sorted(root.glob("*.safetensors"))
         if not files:

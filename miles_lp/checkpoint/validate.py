@@ -22,9 +22,34 @@ from miles_lp.errors import CheckpointError, ConfigError, LayoutError
 
 FP8_BLOCK = 128
 SCALE_INV_SUFFIX = "_scale_inv"  # DeepSeek-V3 block-FP8: "<m>.weight" + "<m>.weight_scale_inv"
-COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                "generation_config.json", "added_tokens.json", "vocab.json", "merges.txt")
-COPIED_GLOBS = ("chat_template*",)
+# Side files (review L18): every top-level file but the weights is copied into the output (tokenizers of any
+# kind, remote code named by config.json's ``auto_map``, processor configs, README, LICENSE, ...); these are not.
+REWRITTEN_FILES = ("config.json", "miles_lp_plan.json")  # the output's own are written
+_QUANT_METADATA = ("hf_quant_config.json",)  # ModelOpt's: the output's own is written from the plan
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")  # never read (safetensors only)
+_OTHER_WEIGHT_SUFFIXES = (".safetensors", ".h5", ".msgpack", ".gguf", ".onnx", ".npz")
+
+
+def side_file_verdict(path: Path) -> str | None:
+    """Why a top-level entry of the input folder is NOT copied into the output, or None if it is copied."""
+    name = path.name
+    if path.is_dir():
+        return "a folder (only top-level files are copied)"
+    if not path.is_file():
+        return "not a regular file"
+    if name.startswith("."):
+        return "a hidden file"
+    if name in REWRITTEN_FILES:
+        return "rewritten for the output"
+    if name in _QUANT_METADATA:
+        return "the input's quantization metadata (the output's own is written from the plan)"
+    if name == INDEX_NAME or name.endswith(".index.json"):
+        return "a weight index (the output's own is written)"
+    if name.endswith(_PICKLE_SUFFIXES):
+        return "pickle weights (never read or copied: safetensors only)"
+    if name.endswith(_OTHER_WEIGHT_SUFFIXES):
+        return "weights (the output holds its own)"
+    return None
 
 
 @dataclasses.dataclass
@@ -46,10 +71,32 @@ class SourceCheckpoint:
         return bool(self.fp8_scale_of)
 
     def copied_files(self) -> list[Path]:
-        found = [self.root / n for n in COPIED_FILES if (self.root / n).is_file()]
-        for pattern in COPIED_GLOBS:
-            found += sorted(p for p in self.root.glob(pattern) if p.is_file())
-        return found
+        """Every top-level file of the input the output carries unchanged (``side_file_verdict`` is None)."""
+        return [p for p in sorted(self.root.iterdir()) if side_file_verdict(p) is None]
+
+    def not_copied(self) -> list[str]:
+        """``"<name> (why)"`` for every top-level entry not copied, except the weights and files rewritten for
+        the output; remote code that config.json's ``auto_map`` names but the folder lacks is listed too."""
+        converted = {p.name for p in self.files.files} | {INDEX_NAME, "config.json"}
+        out = []
+        for p in sorted(self.root.iterdir()):
+            why = side_file_verdict(p)
+            if why is not None and p.name not in converted:
+                out.append(f"{p.name}{'/' if p.is_dir() else ''} ({why})")
+        out += [f"{m} (named by config.json auto_map, absent from {self.root})" for m in auto_map_modules(self.config)
+                if not (self.root / m).is_file()]
+        return out
+
+
+def auto_map_modules(config: dict) -> list[str]:
+    """The local ``<module>.py`` files config.json's ``auto_map`` names (``"configuration_deepseek.DeepseekV3Config"``;
+    ``"repo--module.Class"`` entries live in another repository and are left out)."""
+    auto_map = config.get("auto_map")
+    refs = []
+    for v in (auto_map.values() if isinstance(auto_map, dict) else ()):
+        refs += v if isinstance(v, list) else [v]
+    mods = {r.rsplit(".", 1)[0] + ".py" for r in refs if isinstance(r, str) and "." in r and "--" not in r}
+    return sorted(mods)
 
 
 def read_config(root: str | Path) -> dict:

@@ -44,17 +44,18 @@ def plan_record(plan) -> dict:
 def write_metadata(tmp: Path, *, hf_config: Mapping[str, Any], plan, target: str, quant_config: dict,
                    extra_files: Mapping[str, dict], copied_files: Iterable[Path], source: dict, index_name: str,
                    version: str, nonfinite: Iterable[str] = (), extra: Mapping[str, Any] | None = None) -> None:
-    """config.json (the HF config with the target's ``quantization_config``), the emitters' extra files, the
-    copied tokenizer files and ``miles_lp_plan.json`` (version, target, plan + hash, source, index)."""
+    """The input's side files (``copied_files``: every top-level non-weight file, ``SourceCheckpoint.copied_files``),
+    then config.json (the HF config with the target's ``quantization_config``), the emitters' extra files and
+    ``miles_lp_plan.json`` (version, target, plan + hash, source, index)."""
     from miles_lp.checkpoint.safetensors_io import write_json
 
+    for p in copied_files:  # first: the files written below are the output's own, whatever the input held
+        shutil.copy2(p, tmp / p.name)
     config = {k: v for k, v in hf_config.items() if k != "quantization_config"}
     config["quantization_config"] = quant_config
     write_json(tmp / "config.json", config)
     for fname, content in extra_files.items():
         write_json(tmp / fname, content)
-    for p in copied_files:
-        shutil.copy2(p, tmp / p.name)
     record = {
         "miles_lp_version": version,
         "target": target,
@@ -78,12 +79,17 @@ class ExportSummary:
     seconds: float
     num_shards: int
     step: int
+    copied: list[str] = dataclasses.field(default_factory=list)  # the base's side files carried over
+    not_copied: list[str] = dataclasses.field(default_factory=list)  # "<name> (why)" (review L18)
 
     def table(self) -> str:
+        from miles_lp.checkpoint.convert import side_file_rows
+
         rows = [("output", str(self.out)), ("target", self.target), ("learner step", str(self.step))]
         rows += [(f"weights {fmt}", str(n)) for fmt, n in sorted(self.weights_by_format.items())]
         rows += [("tensors written", str(self.tensors_written)), ("shards", str(self.num_shards)),
                  ("bytes out", f"{self.bytes_out / 1e6:.2f} MB"), ("seconds", f"{self.seconds:.2f}")]
+        rows += side_file_rows(self.copied, self.not_copied)
         w = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
 
@@ -190,6 +196,7 @@ def export_learner(learner, out: str | Path, *, target: str = "sglang", base: st
                                                                 "step": int(learner.step)}})
         bytes_out = sum(p.stat().st_size for p in tmp.iterdir() if p.is_file())
         summary = ExportSummary(out, target, dict(counts), len(index["weight_map"]), bytes_out, 0.0,
-                                writer.num_shards, int(learner.step))
+                                writer.num_shards, int(learner.step), [p.name for p in src.copied_files()],
+                                src.not_copied())
     summary.seconds = time.perf_counter() - t0
     return summary

@@ -81,3 +81,12 @@ def test_stale_index_is_an_error_for_both(src):
     for read in (read_safetensors_shapes, engine_open):
         with pytest.raises(CheckpointError, match=r"names tensor 'model.layers.0.mlp.extra.weight'.*stale"):
             read(src)
+
+
+def test_stray_safetensors_next_to_a_single_file_checkpoint_is_not_read(tmp_path):
+    src = make_tiny_model("qwen3", tmp_path / "single", seed=3)
+    assert not (src / INDEX_NAME).exists() and (src / "model.safetensors").is_file()
+    want = set(read_safetensors_shapes(src))
+    save_file({"tok_embeddings.weight": torch.zeros(4, 4)}, str(src / "consolidated.safetensors"))
+    assert set(read_safetensors_shapes(src)) == want and "tok_embeddings.weight" not in want
+    assert set(engine_open(src).tensors) == want
