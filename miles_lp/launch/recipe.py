@@ -64,6 +64,15 @@ class ModelConfig:
         elif self.overrides:
             raise where.child("overrides").error("overrides apply to tiny:<arch> models only; an HF checkpoint "
                                                  "keeps its config.json")
+        else:  # review-4 L12: an HF checkpoint is used as is; a truncation or seed asked for must not be ignored
+            defaults = {f.name: f.default for f in dataclasses.fields(self)}
+            for key, what in (("num_layers", "the layers of a model built here"),
+                              ("seed", "the random init of a model built here")):
+                if getattr(self, key) != defaults[key]:
+                    raise where.child(key).error(
+                        f"{key} {getattr(self, key)} applies to tiny:<arch> models only ({what}); the HF checkpoint "
+                        f"{self.path} is used as is, with its config.json and weights: remove model.{key} (a smaller "
+                        "model for a smoke test: a tiny:<arch> path, or a truncated checkpoint folder)")
 
     @property
     def is_tiny(self) -> bool:
@@ -244,6 +253,33 @@ def _check_routing_replay(model: ModelConfig, train: TrainConfig, rl: RLConfig, 
                           "rl.routing_replay: false")
 
 
+def _check_url(rollout: Any, where: Where) -> None:
+    """``rollout.url`` (backend sglang): ``http(s)://HOST:PORT`` checked here, before the model is built or
+    converted (review-4 L21), not at the start-time probe."""
+    import urllib.parse
+
+    url = getattr(rollout, "url", None)
+    if not url:
+        return
+    example = "e.g. http://localhost:30000 (miles-lp serve's and SGLang's default port)"
+    if "://" not in url:
+        raise where.error(f"{url!r} has no scheme: write http://{url.lstrip('/')} ({example})")
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise where.error(f"{url!r}: the scheme must be http or https, got {parts.scheme!r} ({example})")
+    try:
+        port = parts.port
+    except ValueError:
+        raise where.error(f"{url!r}: the port is not a number in 0-65535 ({example})") from None
+    if not parts.hostname:
+        raise where.error(f"{url!r} names no host ({example})")
+    if port is None:
+        raise where.error(f"{url!r} names no port ({example})")
+    if parts.query or parts.fragment or parts.username or parts.password:
+        raise where.error(f"{url!r}: give the server's base address only (no query, fragment or user; the API key "
+                          f"comes from MILES_LP_API_KEY / SGLANG_API_KEY) ({example})")
+
+
 def _check_param_dtype(train: TrainConfig, rollout: Any, where: Where) -> None:
     """``train.param_dtype: bf16`` (BF16 compute copies of FP32 masters) needs an engine computing in BF16 too
     (``rollout.dtype: auto`` = ``train.compute_dtype`` in the runner); an fp32 engine is refused as a likely
@@ -324,6 +360,7 @@ def parse_recipe(doc: YamlDoc) -> Recipe:
     rl = parse_dataclass(RLConfig, data.get("rl"), w.child("rl"))
     _check_routing_replay(model, train, rl, w.child("rl").child("routing_replay"))
     rollout = _rollout(data.get("rollout"), w.child("rollout"))
+    _check_url(rollout, w.child("rollout").child("url"))
     _check_param_dtype(train, rollout, w.child("train").child("param_dtype"))
     ray = parse_dataclass(RayConfig, data.get("ray"), w.child("ray"))
     _check_combinations(data, train, rollout, rl, ray, w)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 import pytest
@@ -149,3 +150,42 @@ def test_the_learner_follows_the_sampling_temperature():
     assert sampling_for(r, make_task(r.task)).logprob_mode == "processed"  # the tempered log-prob, as the learner
     r1 = load_recipe(path)
     assert r1.train.logits_temperature == 1.0 and sampling_for(r1, make_task(r1.task)).logprob_mode == "raw"
+
+
+@pytest.mark.parametrize("url, match", [
+    ("localhost:30000", r"'localhost:30000' has no scheme: write http://localhost:30000"),
+    ("ftp://x:21", r"the scheme must be http or https, got 'ftp'"),
+    ("http://:30000", r"names no host"),
+    ("http://localhost", r"names no port"),
+    ("http://localhost:99999", r"the port is not a number in 0-65535"),
+    ("http://localhost:30000/?a=1", r"base address only"),
+])
+def test_rollout_url_is_checked_at_parse_time_with_file_line(tmp_path, url, match):
+    """review-4 L21: a bad rollout.url is refused while parsing (file:line, or the --set), not at the start-time
+    probe after the model was built and converted."""
+    text = GOOD.replace("rollout: {max_response_len: 4}", f"rollout: {{max_response_len: 4, backend: sglang, url: '{url}'}}")
+    with pytest.raises(ConfigError, match=r"r.yaml:5: 'rollout.url': .*" + match):
+        load_recipe(write(tmp_path, text))
+    with pytest.raises(ConfigError, match=rf"--set rollout.url={re.escape(url)}: .*'rollout.url': .*" + match):
+        load_recipe(write(tmp_path, GOOD), ["rollout.backend=sglang", f"rollout.url={url}"])
+    for good in ("http://127.0.0.1:30000", "https://sglang.internal:8443/", "http://[::1]:30000"):
+        assert load_recipe(write(tmp_path, GOOD), ["rollout.backend=sglang", f"rollout.url={good}"]).rollout.url == good
+
+
+def test_tiny_only_model_keys_are_refused_for_an_hf_checkpoint(tmp_path):
+    """review-4 L12: num_layers / seed other than their defaults with an HF checkpoint path are refused (as
+    overrides is), not silently ignored; tiny models take them."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "qwen3"}')
+    for key, value in (("num_layers", 4), ("seed", 3)):
+        text = GOOD.replace('model: {path: "tiny:qwen3", num_layers: 2}', f'model: {{path: "{hf}", {key}: {value}}}')
+        with pytest.raises(ConfigError, match=rf"r.yaml:1: 'model.{key}': {key} {value} applies to tiny:<arch> models "
+                                              rf"only .* remove model.{key}"):
+            load_recipe(write(tmp_path, text))
+        with pytest.raises(ConfigError, match=rf"--set model.{key}={value}: 'model.{key}'"):
+            load_recipe(write(tmp_path, GOOD), [f"model.path={hf}", f"model.{key}={value}"])
+        assert getattr(load_recipe(write(tmp_path, GOOD), [f"model.{key}={value}"]).model, key) == value  # tiny
+    with pytest.raises(ConfigError, match=r"'model.overrides': overrides apply to tiny:<arch> models only"):
+        load_recipe(write(tmp_path, GOOD), [f"model.path={hf}", "model.overrides={hidden_size: 8}"])
+    assert load_recipe(write(tmp_path, GOOD), [f"model.path={hf}"]).model.path == str(hf)  # defaults: accepted
