@@ -1,7 +1,8 @@
 """The recipe's ``precision:`` section: one declarative policy for every stage.
 
     precision:
-      default: mxfp8            # quantizable linear weights: bf16 | mxfp8 | nvfp4 | fp8_block | fp8_tensor
+      default: mxfp8            # quantizable linear weights: bf16 | mxfp8 | nvfp4
+                                # (fp8_block | fp8_tensor: sampler_precision comparison arms only)
       backward: dequantized     # high_precision | dequantized | quantized
       rules:                    # first match wins, after the built-in invariants
         - {layers: first 1, format: bf16}
@@ -48,6 +49,11 @@ from miles_lp.formats.spec import BackwardMode, Format
 from miles_lp.policy.roles import Role, resolve_role_selector, role_selector_values
 
 ActivationScale = Literal["per_tensor", "per_token"]
+#: formats only a ``sampler_precision:`` comparison arm may use: no learner trains them and no target's checkpoint
+#: holds them, so a recipe's ``precision:`` section (the learner's and the converted checkpoint's) refuses them at
+#: parse time, naming the key (review L15: they failed later, in convert or run, with no key named)
+COMPARISON_ONLY = (Format.FP8_BLOCK, Format.FP8_TENSOR)
+COMPARISON_ONLY_NOTE = "fp8_block | fp8_tensor: sampler_precision comparison arms only"
 _LAYER_WORDS = ("first", "last", "mtp")
 
 
@@ -209,7 +215,14 @@ def _rule_text(raw: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in raw.items() if k in ("match", "layers", "role"))
 
 
-def _compile_rule(index: int, raw: Any, where: Where) -> Rule:
+def _refuse_comparison_only(fmt: Format, where: Where) -> None:
+    if fmt in COMPARISON_ONLY:
+        raise where.error(f"{fmt.value} is not a precision: format ({COMPARISON_ONLY_NOTE}: no learner trains it "
+                          "and no engine checkpoint holds it); use bf16, mxfp8 or nvfp4 here, or compare against an "
+                          "FP8 sampler in a sampler_precision: section (recipes/tiny-fp8-blockwise.yaml)")
+
+
+def _compile_rule(index: int, raw: Any, where: Where, comparison_formats: bool = True) -> Rule:
     if isinstance(raw, dict):  # clearer than the union's last-branch message ("expected a list, got int")
         for key, what in (("match", "a glob / 're:' pattern"), ("role", "a role or role family")):
             v = raw.get(key)
@@ -217,6 +230,8 @@ def _compile_rule(index: int, raw: Any, where: Where) -> Rule:
                 raise where.child(key).error(f"expected {what} (a string) or a list of them, got "
                                              f"{type(v).__name__}: {v!r}")
     y: _RuleYaml = parse_dataclass(_RuleYaml, raw, where)
+    if not comparison_formats:
+        _refuse_comparison_only(y.format, where.child("format"))
     if y.match is None and y.layers is None and y.role is None:
         raise where.error("a rule needs at least one selector: match, layers or role")
     patterns: tuple[NamePattern, ...] = ()
@@ -282,8 +297,14 @@ class PrecisionPolicy:
                 "on_unaligned": self.on_unaligned, "rules": [r.to_dict() for r in self.rules]}
 
 
-def parse_policy(mapping: Any, where: Where) -> PrecisionPolicy:
-    """Parse a ``precision:`` mapping (already loaded) into a `PrecisionPolicy`."""
+def parse_policy(mapping: Any, where: Where, *, comparison_formats: bool | None = None) -> PrecisionPolicy:
+    """Parse a ``precision:`` mapping (already loaded) into a `PrecisionPolicy`.
+
+    ``comparison_formats``: accept ``fp8_block`` / ``fp8_tensor`` (``COMPARISON_ONLY``). None (the default):
+    refused in a recipe's ``precision:`` section (``where.path == "precision"``: the learner's and the
+    checkpoint's policy), accepted elsewhere (``sampler_precision``)."""
+    if comparison_formats is None:
+        comparison_formats = where.path != "precision"
     if mapping is None:
         raise where.error("missing 'precision' section; at least 'default: mxfp8' (or bf16, nvfp4, ...)")
     check_keys(mapping, [f.name for f in dataclasses.fields(_PolicyYaml)], where)
@@ -291,7 +312,10 @@ def parse_policy(mapping: Any, where: Where) -> PrecisionPolicy:
     if raw_rules is not None and not isinstance(raw_rules, list):
         raise where.child("rules").error(f"expected a list of rules, got {type(raw_rules).__name__}")
     y: _PolicyYaml = parse_dataclass(_PolicyYaml, {k: v for k, v in mapping.items() if k != "rules"}, where)
-    rules = tuple(_compile_rule(i, r, where.child("rules").child(i)) for i, r in enumerate(raw_rules or []))
+    if not comparison_formats:
+        _refuse_comparison_only(y.default, where.child("default"))
+    rules = tuple(_compile_rule(i, r, where.child("rules").child(i), comparison_formats)
+                  for i, r in enumerate(raw_rules or []))
     return PrecisionPolicy(y.default, y.backward, rules, y.activation_scale, y.weight_scale_2d, y.on_unaligned,
                            where.source)
 
@@ -319,4 +343,6 @@ def policy_from_flags(fmt: Format | str, start_bf16: int = 0, end_bf16: int = 0,
         rules.append({"match": p, "format": "bf16"})
     fmt = Format(fmt).value
     backward = BackwardMode(backward).value
-    return parse_policy({"default": fmt, "backward": backward, "rules": rules}, Where("<flags>", "precision"))
+    # a library helper over any Format (the converter's --format choices never name an FP8 one)
+    return parse_policy({"default": fmt, "backward": backward, "rules": rules}, Where("<flags>", "precision"),
+                        comparison_formats=True)

@@ -13,7 +13,8 @@ MOE = [a for a in ARCHS if a in ("qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtr
 
 
 def _plan(arch, mapping):
-    return compile_plan(parse_policy(mapping, Where("t.yaml", "precision")), get_layout(tiny_config(arch).to_dict()))
+    return compile_plan(parse_policy(mapping, Where("t.yaml", "precision"), comparison_formats=True),
+                        get_layout(tiny_config(arch).to_dict()))
 
 
 def _quantized_modules(plan):
