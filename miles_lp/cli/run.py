@@ -56,20 +56,36 @@ def run(args) -> int:
 
         print(json.dumps(dry_run(recipe), indent=2))
         return 0
-    if recipe.ray.enabled:
-        from miles_lp.launch.ray_launcher import run_with_ray
+    from miles_lp.launch.runner import RunInterrupted, interrupted_note
 
-        summary = run_with_ray(recipe, resume=args.resume, run_name=args.run_name, progress=not args.no_progress)
-    else:
-        from miles_lp.launch.runner import Run
-        from miles_lp.launch.runner import summary as summarize
+    # Ctrl-C (review-4 L14): while starting, the folder is removed (nothing recorded); in the loop, the note says
+    # where the last checkpoint is and the exact resume command, or that there is nothing to resume
+    try:
+        if recipe.ray.enabled:
+            from miles_lp.launch.ray_launcher import run_with_ray
 
-        run_ = Run.resume(args.resume, recipe) if args.resume else Run.start(recipe, args.run_name)
-        try:
-            rows = run_.train(progress=False if args.no_progress else None)
-        finally:
-            run_.close()
-        summary = {"run_dir": str(run_.dir.path), "steps": run_.step, **summarize(rows)}
+            summary = run_with_ray(recipe, resume=args.resume, run_name=args.run_name,
+                                   progress=not args.no_progress)
+        else:
+            from miles_lp.launch.runner import Run
+            from miles_lp.launch.runner import summary as summarize
+
+            run_ = Run.resume(args.resume, recipe) if args.resume else Run.start(recipe, args.run_name)
+            try:
+                rows = run_.train(progress=False if args.no_progress else None)
+            except KeyboardInterrupt:
+                raise RunInterrupted(run_.dir, run_.step) from None
+            finally:
+                run_.close()  # before the note: an engine process must not write into a folder being removed
+            summary = {"run_dir": str(run_.dir.path), "steps": run_.step, **summarize(rows)}
+    except RunInterrupted as exc:
+        print(interrupted_note(exc.run_dir, exc.step), file=sys.stderr, flush=True)
+        return 130
+    except KeyboardInterrupt:
+        print("miles-lp run: interrupted while starting: nothing was recorded"
+              + (f"; {args.resume} is as it was (resume it again)" if args.resume else " (no run folder is left)"),
+              file=sys.stderr, flush=True)
+        return 130
     print(json.dumps(summary, indent=2), file=sys.stdout)
     return 0
 

@@ -494,7 +494,12 @@ def run_with_ray(recipe: Recipe, *, resume: str | None = None, run_name: str | N
             bar = tqdm(total=recipe.steps, initial=run.step, desc=rd.path.name, file=sys.stderr)
         try:
             while run.step < run.recipe.steps:
-                m = run.step_once()
+                try:
+                    m = run.step_once()
+                except KeyboardInterrupt:
+                    from miles_lp.launch.runner import RunInterrupted
+
+                    raise RunInterrupted(rd, run.step) from None  # after the actors stop (the finally below)
                 rows.append(m)
                 if on_step is not None:
                     on_step(run, m)

@@ -568,6 +568,45 @@ class Run:
                 close()
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C in a run's loop (the Ray run raises it after stopping its actors): which folder, which step."""
+
+    def __init__(self, run_dir: RunDir, step: int):
+        super().__init__(f"interrupted at step {step}")
+        self.run_dir, self.step = run_dir, step
+
+
+def interrupted_note(rd: RunDir, step: int) -> str:
+    """What to do after Ctrl-C at ``step`` (the step in progress; review-4 L14): the last checkpoint and the exact
+    resume command, or that there is nothing to resume. A folder holding neither a checkpoint nor a metrics row
+    is removed (``discard_unstarted``), as for a run interrupted while starting."""
+    import shlex
+
+    latest = rd.latest()
+    rows = len(rd.read_metrics())
+    if latest is not None:
+        at = int(json_load(latest / "loop.json").get("step", -1))
+        cmd = f"miles-lp run {shlex.quote(str(rd.recipe_path))} --resume {shlex.quote(str(rd.path))}"
+        return (f"miles-lp run: interrupted at step {step} ({rows} metrics rows in {rd.metrics_path}); the last "
+                f"checkpoint is {latest} (it resumes at step {at}): {cmd}")
+    rd.discard_unstarted()
+    if not rd.path.exists():
+        return (f"miles-lp run: interrupted at step {step}; no checkpoint and no metrics row yet: nothing to resume "
+                f"(removed {rd.path})")
+    every = rd.recipe_path.is_file() and load_recipe(rd.recipe_path).checkpoint_every
+    return (f"miles-lp run: interrupted at step {step}; no checkpoint yet (checkpoint_every: {every or 0}, and the "
+            f"last step writes one): nothing to resume. {rd.path} keeps the metrics of {rows} step(s)")
+
+
+def json_load(path: Path) -> dict[str, Any]:
+    import json
+
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def resumed_recipe(rd: RunDir, recipe: Recipe | None) -> Recipe:
     """The run's saved effective recipe; ``recipe`` (if given) must equal it except for ``steps``."""
     saved = load_recipe(rd.recipe_path)
