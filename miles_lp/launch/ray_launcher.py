@@ -473,6 +473,7 @@ def run_with_ray(recipe: Recipe, *, resume: str | None = None, run_name: str | N
             rd.truncate_metrics(int(loop["step"]))
             run = RayRun(saved, rd, resume=True, start_step=int(loop["step"]), loop_state=loop,
                          learner_state_dir=str(latest / "learner"))
+            rd.record_resume(run.step, {"sync_check_overrides": run.sync_overrides})
         else:
             name = run_name or recipe.logging.run_name or (
                 f"{Path(recipe.source).stem}-ray-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")

@@ -77,6 +77,14 @@ class RunDir:
             _write_atomic(self.path / "plan.json", plan_json)
         _write_atomic(self.path / "run.json", json.dumps(dict(info), indent=2, sort_keys=True))
 
+    def record_resume(self, step: int, info: Mapping[str, Any]) -> None:
+        """Append ``{"resumed_at_step": step, "time": ..., **info}`` to run.json's ``resumes`` list (review-4 C5: a
+        resume under another environment changes the effective checks; run.json keeps every session's, not only
+        the first's ``sync_check_overrides``)."""
+        data = self.info()
+        data.setdefault("resumes", []).append({"resumed_at_step": int(step), "time": time.time(), **dict(info)})
+        _write_atomic(self.path / "run.json", json.dumps(data, indent=2, sort_keys=True))
+
     @property
     def recipe_path(self) -> Path:
         return self.path / "recipe.yaml"

@@ -478,7 +478,13 @@ class Run:
         saved = resumed_recipe(rd, recipe)
         state, loop = rd.load_checkpoint()
         rd.truncate_metrics(int(loop["step"]))
-        return cls(saved, rd, start_step=int(loop["step"]), learner_state=state, loop_state=loop, **kw)
+        run = cls(saved, rd, start_step=int(loop["step"]), learner_state=state, loop_state=loop, **kw)
+        try:
+            rd.record_resume(run.step, {"sync_check_overrides": run.sync_overrides})
+        except BaseException:
+            run.close()
+            raise
+        return run
 
     # ---- the loop -------------------------------------------------------------------------------------
     def step_once(self) -> dict[str, float]:

@@ -156,6 +156,18 @@ def test_an_environment_override_of_the_checks_is_printed_and_recorded(recipe_fi
     info = json.loads((r.dir.path / "run.json").read_text())
     assert info["sync_check_overrides"]["storage"] == ["raise", "off"] and "grid" not in info["sync_check_overrides"]
     assert m["sync/check/storage"] == -1.0 and m["sync/check/grid"] == 1.0  # what ran is what was printed
+    # a resume under another environment records its own overrides (review-4 C5), the first session's stay
+    monkeypatch.delenv("MILES_LP_SYNC_CHECKS")
+    monkeypatch.delenv("MILES_LP_SYNC_CHECK_GRID")
+    monkeypatch.setenv("MILES_LP_SYNC_CHECK_COMPLETENESS", "warn")
+    b = Run.resume(r.dir.path, load_recipe(recipe_file, ["steps=2"]))
+    b.close()
+    assert "sync.checks.completeness: raise -> warn (from the environment: MILES_LP_SYNC_CHECK_COMPLETENESS)" in \
+        capsys.readouterr().err
+    info = json.loads((r.dir.path / "run.json").read_text())
+    assert info["sync_check_overrides"]["storage"] == ["raise", "off"]
+    assert [{k: v for k, v in e.items() if k != "time"} for e in info["resumes"]] == [
+        {"resumed_at_step": 1, "sync_check_overrides": {"completeness": ["raise", "warn"]}}]
 
 
 @pytest.mark.slow
