@@ -110,12 +110,23 @@ def codec_options(entry, *, amax=None, compile: bool = False, name: str | None =
     raise FormatError(f"'{name}': format {entry.format.value} cannot be written to a checkpoint (mxfp8, nvfp4)")
 
 
-def dequantize_fp8_block(data, scale_inv):
+#: ``--fp8-decode``: what a block-FP8 input (DeepSeek ``weight_scale_inv``) is decoded to before quantizing.
+#: ``bf16`` (default): bf16(fp32(q) * s), DeepSeek's ``fp8_cast_bf16``, i.e. the BF16 checkpoint the recipes tell
+#: users to train from, so the conversion is that checkpoint's conversion byte for byte (the learner's initial
+#: grid). ``fp32``: fp32(q) * s, one rounding per element (an E4M3 value times an arbitrary fp32 scale needs up
+#: to 28 significant bits): closer to the FP8 values, but another MXFP8 grid (review L17: 4.4% of data bytes
+#: differed on a random 512x1024 tensor).
+FP8_DECODES = ("bf16", "fp32")
+DEFAULT_FP8_DECODE = "bf16"
+
+
+def dequantize_fp8_block(data, scale_inv, decode: str = DEFAULT_FP8_DECODE):
     import torch
 
     from miles_lp.formats import dequantize_fp8_blockwise
 
-    return dequantize_fp8_blockwise(data, scale_inv.to(torch.float32), block=(128, 128), dtype=torch.float32)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[decode]
+    return dequantize_fp8_blockwise(data, scale_inv.to(torch.float32), block=(128, 128), dtype=dtype)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -145,13 +156,13 @@ def _check_finite(name: str, x, allow: bool, found: list[str]) -> None:
     found.append(name)
 
 
-def _load(src: SourceCheckpoint, h: TensorHeader, read, device: str):
-    """A tensor as the model holds it: block-FP8 decoded exactly (fp32), moved to ``device``."""
+def _load(src: SourceCheckpoint, h: TensorHeader, read, device: str, fp8_decode: str = DEFAULT_FP8_DECODE):
+    """A tensor as the model holds it: block-FP8 decoded (``fp8_decode``: bf16 or fp32), moved to ``device``."""
     x = read(h)
     sname = src.fp8_scale_of.get(h.name)
     if sname is not None:
         scale_inv = read(src.tensors[sname])
-        x = dequantize_fp8_block(x.to(device), scale_inv.to(device))
+        x = dequantize_fp8_block(x.to(device), scale_inv.to(device), fp8_decode)
     return x.to(device) if device != "cpu" else x
 
 
@@ -193,7 +204,8 @@ def _joint_amax(amaxes) -> object:
 
 
 def group_amax(src: SourceCheckpoint, groups: list[tuple[str, ...]], device: str,
-               skip: Mapping[str, object] | frozenset = frozenset()) -> dict[str, object]:
+               skip: Mapping[str, object] | frozenset = frozenset(),
+               fp8_decode: str = DEFAULT_FP8_DECODE) -> dict[str, object]:
     """Pre-pass: the joint amax of every NVFP4 group (gate+up), even across shards; ``{member: amax}``.
 
     Groups whose members are all in ``skip`` (``inline_groups``: computed during the conversion) are left out.
@@ -210,7 +222,7 @@ def group_amax(src: SourceCheckpoint, groups: list[tuple[str, ...]], device: str
     with TensorReader() as reader:
         for name, h in src.tensors.items():  # storage order
             if name in members:
-                x = _load(src, h, reader.read, device)
+                x = _load(src, h, reader.read, device, fp8_decode)
                 amax[name] = nvfp4_global_amax(x).cpu()  # NaN-ignoring, as the codec
     for g in groups:
         joint = _joint_amax(amax[n] for n in g)
@@ -222,7 +234,8 @@ def group_amax(src: SourceCheckpoint, groups: list[tuple[str, ...]], device: str
 def convert_checkpoint(src: str | Path, out: str | Path, policy, target: str = "sglang", device: str = "cpu",
                        overwrite: bool = False, allow_nonfinite: bool = False,
                        max_shard_bytes: int | None = None, progress: bool = True,
-                       log: Callable[[str], None] | None = None, compile: bool = False) -> ConvertSummary:
+                       log: Callable[[str], None] | None = None, compile: bool = False,
+                       fp8_decode: str = DEFAULT_FP8_DECODE) -> ConvertSummary:
     """Convert the HF checkpoint ``src`` into ``out`` for ``target`` following ``policy``.
 
     ``policy``: a ``PrecisionPolicy`` (``load_policy`` / ``policy_from_flags``), compiled once on the
@@ -231,19 +244,21 @@ def convert_checkpoint(src: str | Path, out: str | Path, policy, target: str = "
     source = validate_source(src)
     return convert_with_plan(source, out, build_plan(policy, source), target=target, device=device,
                              overwrite=overwrite, allow_nonfinite=allow_nonfinite, max_shard_bytes=max_shard_bytes,
-                             progress=progress, log=log, compile=compile)
+                             progress=progress, log=log, compile=compile, fp8_decode=fp8_decode)
 
 
 def convert_with_plan(src: str | Path | SourceCheckpoint, out: str | Path, plan, target: str = "sglang",
                       device: str = "cpu", overwrite: bool = False, allow_nonfinite: bool = False,
                       max_shard_bytes: int | None = None, progress: bool = True,
-                      log: Callable[[str], None] | None = None, compile: bool = False) -> ConvertSummary:
+                      log: Callable[[str], None] | None = None, compile: bool = False,
+                      fp8_decode: str = DEFAULT_FP8_DECODE) -> ConvertSummary:
     """Convert ``src`` (a folder or a validated ``SourceCheckpoint``) into ``out`` under a compiled ``plan``.
 
     The plan is used as it is (formats, joint-scale groups, 2-D blocks): it must have been compiled for this
     checkpoint (its entries are exactly the checkpoint's tensors). ``compile``: use the torch.compile'd MXFP8
     codec for tensors of >= 4M elements (same bytes; off by default: on this 2-core CPU the chunked eager
-    codec measured 0.99 GB/s vs 0.55 GB/s compiled, plus a one-time compile).
+    codec measured 0.99 GB/s vs 0.55 GB/s compiled, plus a one-time compile). ``fp8_decode``: what a block-FP8
+    input is decoded to (``FP8_DECODES``; recorded in ``miles_lp_plan.json``, which ``verify`` follows).
     Raises ``CheckpointError`` / ``ConfigError`` / ``LayoutError`` / ``FormatError`` with nothing written.
     """
     import torch
@@ -256,6 +271,8 @@ def convert_with_plan(src: str | Path | SourceCheckpoint, out: str | Path, plan,
     naming.check_target(target)
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"--device must be cpu or cuda, got '{device}'")
+    if fp8_decode not in FP8_DECODES:
+        raise ConfigError(f"--fp8-decode must be one of {', '.join(FP8_DECODES)}, got '{fp8_decode}'")
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available here; use --device cpu")
     source = src if isinstance(src, SourceCheckpoint) else validate_source(src)
@@ -283,7 +300,8 @@ def convert_with_plan(src: str | Path | SourceCheckpoint, out: str | Path, plan,
         max_shard_bytes = max(max(h.stat().st_size for h in source.files.files), 1 << 20)
     groups = nvfp4_groups(plan)
     inline = inline_groups(source, groups)  # joint amax from the tensors in memory
-    amax = group_amax(source, groups, device, skip=inline)  # pre-pass: groups split across shards only
+    # pre-pass: groups split across shards only
+    amax = group_amax(source, groups, device, skip=inline, fp8_decode=fp8_decode)
 
     nonfinite: list[str] = []
     threads = torch.get_num_threads()
@@ -303,7 +321,7 @@ def convert_with_plan(src: str | Path | SourceCheckpoint, out: str | Path, plan,
                                else 0) for h in (source.tensors[n] for n in job))
 
     def load(job):  # the reader thread, in storage order
-        return [_load(source, source.tensors[n], reader.read, device) for n in job]
+        return [_load(source, source.tensors[n], reader.read, device, fp8_decode) for n in job]
 
     def work(job, xs):  # a worker thread; an inline group's joint amax from its members in memory
         bad: list[str] = []
@@ -335,7 +353,7 @@ def convert_with_plan(src: str | Path | SourceCheckpoint, out: str | Path, plan,
             index = writer.finish()
             digests = {p.name: reader.digests.get(p) or sha256_file(p) for p in source.files.files}
             _write_metadata(tmp, source, plan, target, quant_config, extra_files, index, digests, __version__,
-                            nonfinite)
+                            nonfinite, fp8_decode)
             bytes_out = sum(p.stat().st_size for p in tmp.iterdir() if p.is_file())
             summary = ConvertSummary(out, target, dict(counts), len(index["weight_map"]), bytes_in, bytes_out,
                                      0.0, writer.num_shards, nonfinite, [p.name for p in source.copied_files()],
@@ -359,9 +377,10 @@ def _progress(total: int, enabled: bool):
 
 def _write_metadata(tmp: Path, source: SourceCheckpoint, plan, target: str, quant_config: dict,
                     extra_files: Mapping[str, dict], index: dict, digests: Mapping[str, str], version: str,
-                    nonfinite: list[str]) -> None:
+                    nonfinite: list[str], fp8_decode: str = DEFAULT_FP8_DECODE) -> None:
     record_source = {"path": str(source.root.absolute()), "files": dict(sorted(digests.items())),
                      "fp8_block_input": source.is_fp8_block,
+                     **({"fp8_decode": fp8_decode} if source.is_fp8_block else {}),
                      "dtypes": {n: source.tensors[n].dtype for n in source.logical},
                      "shapes": {n: list(s) for n, s in source.logical.items()}}
     write_metadata(tmp, hf_config=source.config, plan=plan, target=target, quant_config=quant_config,

@@ -220,6 +220,7 @@ class _Ctx:
         self.formats: dict[str, Format] = {}  # quantized weights only
         self.shapes: dict[str, tuple] = {}  # logical source shapes
         self.dtypes: dict[str, str] = {}  # source dtypes
+        self.fp8_decode = "fp32"  # how a block-FP8 source was decoded (the record's; fp32 before it was recorded)
 
     def parts(self, fmt: Format) -> tuple[Part, ...]:
         return required_parts(self.target, fmt, self.quant_config)
@@ -283,6 +284,8 @@ def _check_record(ctx: _Ctx, report: VerifyReport) -> None:
         target = record["target"]
         if target not in TARGETS:
             raise ValueError(f"unknown target {target!r}")
+        if record["source"].get("fp8_decode", "fp32") not in ("bf16", "fp32"):
+            raise ValueError(f"source.fp8_decode {record['source']['fp8_decode']!r} is not bf16 or fp32")
         shapes = {n: tuple(s) for n, s in record["source"]["shapes"].items()}
         dtypes = dict(record["source"]["dtypes"])
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError, MilesLPError) as exc:
@@ -294,6 +297,7 @@ def _check_record(ctx: _Ctx, report: VerifyReport) -> None:
         return
     ctx.record, ctx.plan, ctx.target, ctx.shapes, ctx.dtypes = record, plan, target, shapes, dtypes
     ctx.quant_config = config.get("quantization_config")
+    ctx.fp8_decode = record["source"].get("fp8_decode", "fp32")
     for name in shapes:
         fmt = Format(plan.format_for(name))
         if fmt.quantized:
@@ -589,14 +593,19 @@ def _trained_steps(record: dict) -> int:
     return int(learner.get("step", 0)) if isinstance(learner, dict) else 0
 
 
-def _load_source(src, name: str, read):
-    """A source tensor as the model holds it: block-FP8 decoded by the oracle (fp32), others as stored."""
+def _load_source(src, name: str, read, fp8_decode: str = "fp32"):
+    """A source tensor as the model holds it: block-FP8 decoded by the oracle, fp32(q) * s, then rounded to bf16
+    when the conversion decoded to bf16 (``fp8_decode``, from the record); others as stored."""
+    import torch
+
     from miles_lp.formats import oracle
 
     x = read(src.tensors[name])
     sname = src.fp8_scale_of.get(name)
     if sname is not None:
         x = oracle.fp8_block_decode(x, read(src.tensors[sname]))
+        if fp8_decode == "bf16":
+            x = x.to(torch.bfloat16)
     return x
 
 
@@ -648,7 +657,7 @@ def _group_amaxes(ctx: _Ctx, src, names: list[str], read) -> dict[str, float]:
     groups = fused_groups(n for n in names if ctx.formats.get(n) is Format.NVFP4)
     out = {}
     for members in groups.values():
-        amax = max(oracle.nvfp4_amax(_load_source(src, m, read)) for m in members)
+        amax = max(oracle.nvfp4_amax(_load_source(src, m, read, ctx.fp8_decode)) for m in members)
         out.update({m: amax for m in members})
     return out
 
@@ -667,7 +676,7 @@ def _check_grid_and_error(ctx: _Ctx, report: VerifyReport, src) -> None:
     with TensorReader() as out_reader, TensorReader() as src_reader:
         group_amax = _group_amaxes(ctx, src, names, src_reader.read)
         for name in names:
-            x = _load_source(src, name, src_reader.read)
+            x = _load_source(src, name, src_reader.read, ctx.fp8_decode)
             fmt = formats.get(name)
             if fmt is None:
                 h = have.get(name)

@@ -11,7 +11,8 @@ The precision policy comes from a recipe (--recipe R.yaml, its `precision:` sect
 (--format plus the BF16 exceptions); the two are exclusive. The effective plan's summary is printed
 before any work. The output folder appears only when complete; an existing one is replaced only with
 --overwrite. Inputs: bf16 / fp16 / fp32, or DeepSeek-style block-FP8 (weight_scale_inv 128x128, decoded
-exactly and re-quantized). Check the result with `miles-lp verify OUT --source IN`.
+with --fp8-decode and re-quantized: bf16, the default, is the BF16 checkpoint DeepSeek's fp8_cast_bf16 writes,
+the one the recipes train from; fp32 keeps the fp32 product). Check the result with `miles-lp verify OUT --source IN`.
 
 formats:
   mxfp8                  every linear layer MXFP8 (E4M3 + E8M0 per 32)
@@ -65,6 +66,10 @@ def add_arguments(p) -> None:
                    help="convert tensors holding NaN/inf instead of refusing (they are listed)")
     p.add_argument("--max-shard-size", default=None, metavar="SIZE",
                    help="output shard size limit, e.g. 2GB (default: the largest input shard)")
+    p.add_argument("--fp8-decode", choices=("bf16", "fp32"), default="bf16",
+                   help="block-FP8 inputs only: decode to bf16(fp32(q) * s) (default: equals converting the BF16 "
+                        "checkpoint DeepSeek's fp8_cast_bf16 writes, which the learner starts from) or to fp32(q) * s "
+                        "(one rounding per element; another MXFP8 grid). Recorded; verify follows it")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -115,7 +120,8 @@ def run(args) -> int:
     max_shard = parse_size(args.max_shard_size) if args.max_shard_size else None
     summary = convert_checkpoint(args.hf_checkpoint, args.output, policy, target=args.target, device=args.device,
                                  overwrite=args.overwrite, allow_nonfinite=args.allow_nonfinite,
-                                 max_shard_bytes=max_shard, progress=not args.no_progress)
+                                 max_shard_bytes=max_shard, progress=not args.no_progress,
+                                 fp8_decode=args.fp8_decode)
     print("converted:")
     print(summary.table())
     print(f"next: miles-lp verify {summary.out} --source {args.hf_checkpoint}")

@@ -15,7 +15,10 @@ used by ``transpose/quantize_transpose_square_blockwise.cu`` for blocks and by
 
 DeepSeek-V3's own reference (``inference/kernel.py``) divides by ``s = amax / 448``; its bytes can differ
 from TE's in the last bit of a few elements. We follow TE. Decoding is ``fp32(q) * scale_inv``, which is
-how DeepSeek FP8 checkpoints' ``weight_scale_inv`` are read.
+how DeepSeek FP8 checkpoints' ``weight_scale_inv`` are read. It is not exact: an E4M3 value times an arbitrary
+fp32 scale needs up to 28 significant bits, so the fp32 product is rounded once per element (as DeepSeek's
+reference dequantization, before its bf16 cast in ``fp8_cast_bf16``). ``dequantize_fp8_blockwise(dtype=bf16)``
+rounds that product once more, to the BF16 checkpoint ``fp8_cast_bf16`` writes.
 """
 
 from __future__ import annotations
