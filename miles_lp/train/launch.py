@@ -3,18 +3,22 @@
 QuantLinear at 2048x4096x4096 is host-bound on the H200 (docs/gpu.md, "QuantLinear's per-call overhead"): each
 codec call through ``miles_lp.formats.kernels``' entry points costs its checks, plan-key build and hash, output
 allocations plus dtype views, a result dataclass and Triton's Python launcher wrapper. Here each call site keeps
-one ``_Bound`` per input shape / dtype / device / 16-byte alignment: the output shapes and dtypes and the launch
+one plan per input shape / dtype / device / 16-byte alignment: the output shapes and dtypes and the launch
 arguments are fixed once; a repeat call allocates the outputs in their final dtypes (bf16, float8_e4m3fn: no
 views) and calls the compiled kernel's C launcher directly with its metadata pre-bound.
 
 Same kernels, same bytes: the first call of a plan goes through the kernels' own entry point (its checks, its
-messages, its launch); the launcher that launch compiled (``kernels._SITES``) is then bound here, after a check
-that the kernel's parameter names are the ones the arguments below are built for (a kernel whose signature
-changed keeps using the entry point: slower, never wrong). A pointer is a pointer to the C launcher: a bf16
-tensor passed where the kernel was specialised on its int16 view has the same address and alignment.
-Placeholders for outputs a launch does not write are passed as the address 0 (the entry point's 0-element
-tensor has that address). Not bound (the entry point every call): CPU tensors (the interpreter), a Triton
-launch hook (profilers must see every launch), ``MILES_LP_KERNELS_FAST_LAUNCH=0``, ``MILES_LP_LINEAR_BIND=0``.
+messages, its launch); then the kernels' public binding API (``kernels.bind_mxfp8_quantize`` and siblings,
+``miles_lp/formats/kernels/bound.py``) returns that launch as a ``Binding``: the C launcher with grid, metadata
+and constexprs pre-bound, the int arguments and the output shapes / dtypes. This module uses only that API
+(``tests/unit/test_train_launch_api.py`` checks it reads no private name of the kernels). A binding is used
+only if its parameter names are the ones the arguments below are built for (a kernel whose signature changed
+keeps using the entry point: slower, never wrong). A pointer is a pointer to the C launcher: a bf16 tensor
+passed where the kernel was specialised on its int16 view has the same address and alignment. Placeholders for
+outputs a launch does not write are passed as the address 0 (the entry point's 0-element tensor has that
+address). Not bound (the entry point every call): where the kernels refuse to bind (CPU tensors / the
+interpreter, a Triton launch hook: profilers must see every launch, ``MILES_LP_KERNELS_FAST_LAUNCH=0``, paths
+with no bound form) and under ``MILES_LP_LINEAR_BIND=0`` (this module's switch).
 
 Launch shapes come from ``kernels.CONFIG`` when a plan is made; ``clear()`` drops the plans (the kernels give
 the same bytes under every launch shape, ``selfcheck --config``, so a stale plan is slower at worst).
@@ -45,8 +49,6 @@ def _kernels():
     return _K[0]
 
 
-_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
 _MX: dict[tuple, object] = {}
 _MXDQ: dict[tuple, object] = {}
 _NV: dict[tuple, object] = {}
@@ -59,74 +61,20 @@ def clear() -> None:
         d.clear()
 
 
-class _Bound:
-    """A compiled kernel's C launcher with everything but the per-call tensors pre-bound."""
-
-    __slots__ = ("launch", "g0", "g1", "g2", "dev", "pre", "consts")
-
-    def __init__(self, ent, grid, dev_index: int):
-        ck, consts = ent
-        run = ck.run  # (a property: initialises the handles once)
-        g = (*grid, 1, 1)
-        self.g0, self.g1, self.g2 = g[0], g[1], g[2]
-        self.dev = dev_index
-        self.consts = tuple(consts)
-        raw = getattr(run, "launch", None)
-        if (raw is not None and getattr(run, "global_scratch_size", 1) == 0
-                and getattr(run, "profile_scratch_size", 1) == 0 and hasattr(run, "launch_pdl")):
-            # Triton's CudaLauncher.__call__ minus its scratch allocation (none here) and Python frame
-            self.launch = raw
-            self.pre = (ck.function, run.launch_cooperative_grid, run.launch_pdl, None, None, ck.packed_metadata,
-                        None, None, None)
-        else:
-            self.launch = run
-            self.pre = (ck.function, ck.packed_metadata, None, None, None)
-
-    def __call__(self, *args) -> None:
-        self.launch(self.g0, self.g1, self.g2, _RAW_STREAM(self.dev), *self.pre, *args, *self.consts)
-
-
 # Tests and the CPU host bench: ``FAKE_BIND(mod, name, grid, consts)`` -> a launch callable taking the same
-# arguments as a bound one (CPU tensors: the interpreter or a no-op), so the bound path runs without a GPU.
+# arguments as a bound one (CPU tensors: the interpreter or a no-op), so the bound path runs without a GPU
+# (passed to the kernels' ``bind_*`` as ``fake``).
 FAKE_BIND = None
 
 
-def _site(key, mod, name: str, n_args: int, names: tuple[str, ...], grid, dev_index: int, consts=None,
-          ent=None):
-    """The bound launcher for ``key`` (the kernels' plan key of the call just made), or None."""
-    K = _kernels()
-    fn = getattr(mod, name, None)
-    if fn is not None and tuple(fn.arg_names[:n_args]) != names:
-        return None  # the kernel's parameters changed: the arguments built here would not fit
-    if FAKE_BIND is not None:
-        return FAKE_BIND(mod, name, grid, consts)
-    if not (_BIND and K._FAST_LAUNCH) or K._hooks_set():
+def _bind(bind, params: tuple[str, ...], *args, **kw):
+    """``bind(*args, **kw, fake=FAKE_BIND)`` (one of the kernels' ``bind_*``), or None: ``MILES_LP_LINEAR_BIND=0``
+    (unless a fake launcher is set), no binding, or a kernel whose parameters are not the ``params`` the
+    arguments here are built for."""
+    if not _BIND and FAKE_BIND is None:
         return None
-    if ent is None:
-        ent = K._SITES.get(key)
-    if ent is None or fn is None:
-        return None
-    try:
-        return _Bound(ent, grid, dev_index)
-    except Exception:  # noqa: BLE001 (an unexpected Triton layout: keep the entry point)
-        return None
-
-
-def _find(prefix: tuple, suffix: tuple = ()):
-    """(key, plan) of the newest entry-point plan whose key starts with ``prefix`` (the input's shape, dtype,
-    device, alignment, contiguity and the call's flags, as ``kernels._plan_key`` lays them out) and ends with
-    ``suffix``; the launch-shape part between them is the entry point's business (it reads ``CONFIG``)."""
-    plans = _kernels()._PLANS
-    n, m = len(prefix), len(suffix)
-    for key in reversed(list(plans)):
-        if key[:n] == prefix and (not m or key[-m:] == suffix):
-            return key, plans[key]
-    return None, None
-
-
-def _bindable(x: torch.Tensor) -> bool:
-    """A launch on ``x`` can be bound: CUDA (or a test's FAKE_BIND), contiguous (the entry point would copy)."""
-    return (x.is_cuda or FAKE_BIND is not None) and x.is_contiguous()
+    b = bind(*args, **kw, fake=FAKE_BIND)
+    return b if b is not None and b.params == params else None
 
 
 def _key(x: torch.Tensor, *flags) -> tuple:
@@ -137,7 +85,7 @@ def _unbound(cache: dict, key: tuple) -> None:
     """Remember that ``key``'s launch is not bound (another kernel path, a changed signature, no cached
     launcher), so later calls go straight to the entry point without trying again; not while a launch hook
     is set (that reason passes)."""
-    if not _kernels()._hooks_set():
+    if not _kernels().launch_hooks_set():
         _store(cache, key, False)
 
 
@@ -156,13 +104,15 @@ _MX_NAMES = ("x_ptr", "R", "K", "M", "qr_ptr", "sr_ptr", "dr_ptr", "wr_ptr", "qc
 class _MXPlan:
     __slots__ = ("bound", "dev", "r", "k", "m", "row", "col", "dq_row", "dq_col", "shape", "sr", "sc", "out")
 
-    def __init__(self, bound, x, rowwise, colwise, plan, dtype):
-        self.bound, self.dev = bound, x.device
-        self.r, self.k, self.m = plan["rkm"]
-        qr_s, sr_s, qc_s, sc_s, dr_s, dc_s = plan["shapes"][:6]
-        self.row, self.col = qr_s is not None, qc_s is not None  # (grids stored: not with store_q=False)
-        self.dq_row, self.dq_col = dr_s is not None, dc_s is not None
-        self.shape, self.sr, self.sc, self.out = tuple(x.shape), sr_s, sc_s, dtype
+    def __init__(self, b, x, dtype):
+        self.bound, self.dev = b.launch, x.device
+        self.r, self.k, self.m = b.ints["R"], b.ints["K"], b.ints["M"]
+        outs = b.outputs
+        self.row, self.col = "qr_ptr" in outs, "qc_ptr" in outs  # (grids stored: not with store_q=False)
+        self.dq_row, self.dq_col = "dr_ptr" in outs, "dc_ptr" in outs
+        self.sr = outs["sr_ptr"][0] if self.row else None
+        self.sc = outs["sc_ptr"][0] if self.col else None
+        self.shape, self.out = tuple(x.shape), dtype
 
 
 def mxfp8(x: torch.Tensor, rowwise: bool, colwise: bool, dtype: torch.dtype | None,
@@ -172,7 +122,7 @@ def mxfp8(x: torch.Tensor, rowwise: bool, colwise: bool, dtype: torch.dtype | No
     interpreter), checks as the entry's."""
     key = _key(x, rowwise, colwise, dtype, dequant, store_q)
     p = _MX.get(key)
-    if p and not _kernels()._hooks_set():
+    if p and not _kernels().launch_hooks_set():
         dev, shape = p.dev, p.shape
         qr = torch.empty(shape, dtype=_E4M3, device=dev) if p.row else 0
         sr = torch.empty(p.sr, dtype=_U8, device=dev) if p.row else 0
@@ -189,13 +139,11 @@ def mxfp8(x: torch.Tensor, rowwise: bool, colwise: bool, dtype: torch.dtype | No
     else:
         res = K.mxfp8_quantize(x, rowwise=rowwise, colwise=colwise, dequant_dtype=dtype, dequant=dequant,
                                store_q=False)
-    if p is None and _bindable(x):
-        kkey, plan = _find((x.shape, x.dtype, x.device, x.data_ptr() & 15, True, "mx" if store_q else "mx-dq",
-                            rowwise, colwise, dtype, dequant, False))
-        bound = plan and _site(kkey, K._module(x), "mxfp8_quantize_kernel", 12, _MX_NAMES, plan["grid"],
-                               x.get_device(), plan["consts"])
-        if bound is not None and not any(plan["shapes"][6:]):
-            _store(_MX, key, _MXPlan(bound, x, rowwise, colwise, plan, dtype))
+    if p is None:
+        b = _bind(K.bind_mxfp8_quantize, _MX_NAMES, x, rowwise=rowwise, colwise=colwise, dequant_dtype=dtype,
+                  dequant=dequant, store_q=store_q)
+        if b is not None:
+            _store(_MX, key, _MXPlan(b, x, dtype))
         else:
             _unbound(_MX, key)
     return res.row, res.row_deq, res.col, res.col_deq
@@ -203,6 +151,11 @@ def mxfp8(x: torch.Tensor, rowwise: bool, colwise: bool, dtype: torch.dtype | No
 
 class _DQPlan:
     __slots__ = ("bound", "dev", "shape", "r", "k", "out")
+
+    def __init__(self, b, r: str, dev):
+        self.bound, self.dev = b.launch, dev
+        self.shape, self.out = b.outputs["out_ptr"]
+        self.r, self.k = b.ints[r], b.ints["K"]
 
 
 _MXDQ_NAMES = ("q_ptr", "s_ptr", "out_ptr", "R", "K")
@@ -218,23 +171,17 @@ def mxfp8_decode(data: torch.Tensor, scale: torch.Tensor, axis: int, dtype: torc
     entry point runs)."""
     key = (*_key(data, axis, dtype), scale.shape, scale.data_ptr() & 15, scale.is_contiguous())
     p = _MXDQ.get(key)
-    if p and not _kernels()._hooks_set():
+    if p and not _kernels().launch_hooks_set():
         out = torch.empty(p.shape, dtype=p.out, device=p.dev)
         p.bound(data, scale, out, p.r, p.k)
         return out
     K = _kernels()
     q = MXFP8Tensor(data, scale, axis)
     out = K.mxfp8_dequantize(q, dtype)
-    if p is None and _bindable(data) and scale.is_contiguous():
-        kkey, plan = _find((data.shape, data.dtype, data.device, data.data_ptr() & 15, True, "mxdq", axis, dtype),
-                           (scale.shape, scale.data_ptr() & 15, True))
-        bound = plan and _site(kkey, K._module(data), "mxfp8_dequantize_kernel", 5, _MXDQ_NAMES, plan["grid"],
-                               data.get_device(), plan["consts"])
-        if bound is not None:
-            p = _DQPlan()
-            p.bound, p.dev, p.shape, p.out = bound, data.device, tuple(data.shape), dtype
-            p.r, p.k = plan["rk"]
-            _store(_MXDQ, key, p)
+    if p is None:
+        b = _bind(K.bind_mxfp8_dequantize, _MXDQ_NAMES, q, dtype)
+        if b is not None:
+            _store(_MXDQ, key, _DQPlan(b, "R", data.device))
         else:
             _unbound(_MXDQ, key)
     return out
@@ -249,6 +196,12 @@ _PAIRS_NAMES = ("x_ptr", "M", "K2", "amax_ptr", "q_ptr", "s_ptr", "gs_ptr", "d_p
 class _NVPlan:
     __slots__ = ("bound", "dev", "m", "k2", "q", "s", "gshape", "shape", "out", "dq")
 
+    def __init__(self, b, x, dtype):
+        outs = b.outputs
+        self.bound, self.dev, self.m, self.k2 = b.launch, x.device, b.ints["M"], b.ints["K2"]
+        self.q, self.s, self.gshape = outs["q_ptr"][0], outs["s_ptr"][0], outs["gs_ptr"][0]
+        self.shape, self.out, self.dq = tuple(x.shape), dtype, "d_ptr" in outs
+
 
 def nvfp4(x: torch.Tensor, scope: str, dtype: torch.dtype | None, amax: torch.Tensor | None = None,
           block_2d: bool = False):
@@ -256,7 +209,7 @@ def nvfp4(x: torch.Tensor, scope: str, dtype: torch.dtype | None, amax: torch.Te
     if amax is None and scope == "row":
         key = _key(x, dtype, block_2d)
         p = _NV.get(key)
-        if p and not _kernels()._hooks_set():
+        if p and not _kernels().launch_hooks_set():
             dev = p.dev
             q = torch.empty(p.q, dtype=_U8, device=dev)
             s = torch.empty(p.s, dtype=_E4M3, device=dev)
@@ -270,73 +223,35 @@ def nvfp4(x: torch.Tensor, scope: str, dtype: torch.dtype | None, amax: torch.Te
         p = key = None
     K = _kernels()
     qt, d = K.nvfp4_quantize(x, scope, amax=amax, block_2d=block_2d, dequant_dtype=dtype)
-    if key is not None and p is None and _bindable(x):
-        kkey, plan = _find((x.shape, x.dtype, x.device, x.data_ptr() & 15, True, "nv", scope, False, block_2d, dtype))
-        if plan is not None and plan.get("path") == "pairs" and "persist" not in plan:
-            bound = _site(kkey, K._module(x), "nvfp4_rows_pairs_kernel", 8, _PAIRS_NAMES, plan["grid"],
-                          x.get_device(), plan["consts"])
-            if bound is not None:
-                p = _NVPlan()
-                m, k, mats = plan["mkm"]
-                p.bound, p.dev, p.m, p.k2 = bound, x.device, m, k // 2
-                p.q, p.s, p.gshape, p.shape = plan["q"], plan["s"], plan["gshape"], plan["shape"]
-                p.out, p.dq = dtype, bool(plan["out_kind"])
-                _store(_NV, key, p)
-        if p is None:
+    if key is not None and p is None:
+        b = _bind(K.bind_nvfp4_quantize, _PAIRS_NAMES, x, scope, block_2d=block_2d, dequant_dtype=dtype)
+        if b is not None:
+            _store(_NV, key, _NVPlan(b, x, dtype))
+        else:
             _unbound(_NV, key)
     return qt, d
-
-
-def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``kernels.nvfp4_dequantize(q, dtype)`` (no plan cache in the entry point: bound here when the global
-    scale is already fp32, contiguous and of the size the kernel reads)."""
-    gs = q.global_scale
-    key = (*_key(q.data, dtype, q.scale_scope), tuple(q.logical_shape), q.scale.data_ptr() & 15,
-           q.scale.is_contiguous(), gs.shape, gs.dtype, gs.is_contiguous())
-    p = _NVDQ.get(key)
-    if p and not _kernels()._hooks_set():
-        out = torch.empty(p.shape, dtype=p.out, device=p.dev)
-        p.bound(q.data, q.scale, gs, out, p.r, p.k)
-        return out
-    K = _kernels()
-    out = K.nvfp4_dequantize(q, dtype)
-    if p is None and _bindable(q.data):
-        p = _bind_nvfp4_dequantize(K, q, dtype, gs)
-        if p is not None:
-            _store(_NVDQ, key, p)
-        else:
-            _unbound(_NVDQ, key)
-    return out
 
 
 _NVDQ_NAMES = ("q_ptr", "s_ptr", "gs_ptr", "out_ptr", "M", "K")
 
 
-def _bind_nvfp4_dequantize(K, q, dtype, gs):
-    """The entry point's launch (grid, constexprs) for ``q`` when it passes ``q``'s own tensors unchanged."""
-    shape = tuple(q.logical_shape)
-    m, k = shape[-2], shape[-1]
-    mats = q.data.numel() * 2 // (m * k)
-    if not (q.data.is_contiguous() and q.scale.is_contiguous() and gs.dtype == torch.float32
-            and gs.is_contiguous()):
-        return None
-    per_row = gs.numel() == mats * m and q.scale_scope == "row"
-    if not per_row and gs.numel() != mats:
-        return None
-    cfg = K.CONFIG["nvfp4_dq"]
-    consts = dict(GS_PER_ROW=per_row, OUT_KIND=K._OUT_KIND[dtype], BM=cfg["BM"], NB=cfg["NB"])
-    grid = (K.triton_cdiv(m, cfg["BM"]), K.triton_cdiv(k, 16 * cfg["NB"]), mats)
-    ent = None
-    if q.data.is_cuda:
-        args = (q.data, q.scale.view(torch.uint8), gs.reshape(-1), K._out(shape, dtype, q.data.device), m, k)
-        ent = K._LAUNCHERS.get(("nvfp4_dequantize_kernel", q.data.get_device(), cfg["num_warps"], 0,
-                                tuple(consts.items()), K._spec(args)))
-        if ent is None:
-            return None
-    bound = _site(None, K._module(q.data), "nvfp4_dequantize_kernel", 6, _NVDQ_NAMES, grid, q.data.get_device(),
-                  consts, ent)
-    if bound is None:
-        return None
-    p = _DQPlan()
-    p.bound, p.dev, p.shape, p.out, p.r, p.k = bound, q.data.device, shape, dtype, m, k
-    return p
+def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``kernels.nvfp4_dequantize(q, dtype)`` (bound when the global scale is already fp32, contiguous and of
+    the size the kernel reads: ``kernels.bind_nvfp4_dequantize``)."""
+    gs = q.global_scale
+    key = (*_key(q.data, dtype, q.scale_scope), tuple(q.logical_shape), q.scale.data_ptr() & 15,
+           q.scale.is_contiguous(), gs.shape, gs.dtype, gs.is_contiguous())
+    p = _NVDQ.get(key)
+    if p and not _kernels().launch_hooks_set():
+        out = torch.empty(p.shape, dtype=p.out, device=p.dev)
+        p.bound(q.data, q.scale, gs, out, p.r, p.k)
+        return out
+    K = _kernels()
+    out = K.nvfp4_dequantize(q, dtype)
+    if p is None:
+        b = _bind(K.bind_nvfp4_dequantize, _NVDQ_NAMES, q, dtype)
+        if b is not None:
+            _store(_NVDQ, key, _DQPlan(b, "M", q.data.device))
+        else:
+            _unbound(_NVDQ, key)
+    return out

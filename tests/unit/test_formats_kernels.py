@@ -120,17 +120,17 @@ def test_a_launch_hook_sends_launches_through_the_jit():
     """A profiler's Triton launch hook must see every launch: the cached path is then off."""
     from triton import knobs
 
-    assert not kernels._hooks_set()
+    assert not kernels.launch_hooks_set()
     chain = knobs.runtime.launch_enter_hook
     if not hasattr(chain, "add"):
         pytest.skip("this Triton keeps launch hooks as plain attributes")
     hook = lambda *a: None  # noqa: E731
     chain.add(hook)
     try:
-        assert kernels._hooks_set()
+        assert kernels.launch_hooks_set()
     finally:
         chain.remove(hook)
-    assert not kernels._hooks_set()
+    assert not kernels.launch_hooks_set()
 
 
 _LAUNCH_NAMES = """

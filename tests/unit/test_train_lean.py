@@ -33,6 +33,12 @@ from miles_lp.train.grid import WeightGrid
 from miles_lp.train.recipe import LinearRecipe
 
 bound_calls = []
+entry_calls = []  # the kernels' entry points called (launch.py's first call of a plan, or an unbound path)
+for _name in ("mxfp8_quantize", "mxfp8_dequantize", "nvfp4_quantize", "nvfp4_dequantize"):
+    def _counted(*a, _real=getattr(kernels, _name), _n=_name, **k):
+        entry_calls.append(_n)
+        return _real(*a, **k)
+    setattr(kernels, _name, _counted)
 
 def fake_bind(mod, name, grid, consts):
     fn = getattr(mod, name)
@@ -72,9 +78,10 @@ def steps(recipe, kernel, m, k, n, dtype):
             grid.invalidate()  # steps 1 and 2: a fresh weight grid; step 3: the cached one
         x.grad = w.grad = None
         bound_calls.clear()
+        entry_calls.clear()
         y = quantized_linear(x, w, recipe, grid=grid)
         y.backward(dy)
-        out.append(([t.detach().clone() for t in (y, x.grad, w.grad)], list(bound_calls)))
+        out.append(([t.detach().clone() for t in (y, x.grad, w.grad)], list(bound_calls), list(entry_calls)))
     return out
 
 def same(a, b):
@@ -106,7 +113,7 @@ for dtype in [getattr(torch, name) for name in sys.argv[1:]]:
             launch.FAKE_BIND = None
         print(json.dumps({"case": f"{fmt}/{bw}/{m}/{str(dtype)[6:]}",
                           "same": [[same(a, b) for a, b in zip(r[0], g[0])] for r, g in zip(ref, got)],
-                          "bound": [g[1] for g in got]}), flush=True)
+                          "bound": [g[1] for g in got], "entry": [g[2] for g in got]}), flush=True)
 """
 
 
@@ -142,6 +149,9 @@ def test_repeat_steps_run_on_bound_launches(rows):
     pairs = "nvfp4_rows_pairs_kernel"
     assert r["nvfp4/dequantized/64/bfloat16"]["bound"][2] == [pairs, "nvfp4_dequantize_kernel"]
     assert r["nvfp4/high_precision/64/bfloat16"]["bound"][2] == [pairs]
+    for case, row in r.items():  # no entry-point call once bound (step 2: only the NVFP4 weight's, amax + tiles)
+        assert row["entry"][0] and row["entry"][2] == [], case
+        assert row["entry"][1] == (["nvfp4_quantize"] if case.startswith("nvfp4") else []), case
 
 
 @pytest.mark.slow
@@ -152,12 +162,13 @@ def test_bound_launches_equal_the_reference_fp32():
 
 
 @pytest.mark.gpu
-def test_bound_launches_on_cuda_equal_the_reference():
+def test_bound_launches_on_cuda_equal_the_reference(monkeypatch):
     """On the device: three steps per mode (entry points, then bound C launches with a fresh and a cached
     weight grid), each step's output and gradients bit-equal to the reference codecs' path, and the bound
-    plans in use."""
+    plans in use: the third step calls no kernel entry point (every launch bound)."""
     import torch
 
+    from miles_lp.formats import kernels
     from miles_lp.formats.spec import BackwardMode, Format
     from miles_lp.train import launch
     from miles_lp.train.gemm import quantized_linear
@@ -167,6 +178,10 @@ def test_bound_launches_on_cuda_equal_the_reference():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     launch.clear()
+    entry = []
+    for name in ("mxfp8_quantize", "mxfp8_dequantize", "nvfp4_quantize", "nvfp4_dequantize"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _r=real, _n=name, **k: (entry.append(_n), _r(*a, **k))[1])
     cases = [("mxfp8", "high_precision"), ("mxfp8", "dequantized"), ("mxfp8", "quantized"),
              ("nvfp4", "high_precision"), ("nvfp4", "dequantized")]
     for m, k, n in ((256, 512, 384), (96, 256, 128), (100, 256, 128)):
@@ -185,27 +200,32 @@ def test_bound_launches_on_cuda_equal_the_reference():
                     if i < 2:
                         grid.invalidate()
                     x.grad = w.grad = None
+                    entry.clear()
                     y = quantized_linear(x, w, recipe, grid=grid)
                     y.backward(dy)
                     steps.append([t.detach().clone() for t in (y, x.grad, w.grad)])
+                    if kernel == "compiled" and i == 2:
+                        assert entry == [], (m, fmt, bw, entry)  # every launch of the cached step bound
                 outs[kernel] = steps
             for i, (a, b) in enumerate(zip(outs["reference"], outs["compiled"], strict=True)):
                 for what, u, v in zip(("y", "x.grad", "w.grad"), a, b, strict=True):
                     assert torch.equal(u.view(torch.int16), v.view(torch.int16)), (m, fmt, bw, i, what)
-    assert launch._MX and launch._MXDQ and launch._NV and launch._NVDQ  # the bound plans were used
+    for cache in (launch._MX, launch._MXDQ, launch._NV, launch._NVDQ):  # bound plans were made (False: unbound)
+        assert any(p is not False for p in cache.values()), cache
 
 
 def test_an_unbindable_launch_is_remembered(monkeypatch):
     """A call whose launch cannot be bound (here fp32 per-token NVFP4: the general kernel, not the pairs one)
-    goes to the entry point; the plan lookup runs once, not on every call (it scans the entry's plans)."""
+    goes to the entry point; the binding is asked for once, not on every call."""
     import torch
 
     from miles_lp.bench import linear_host
+    from miles_lp.formats import kernels
     from miles_lp.train import launch
 
     seen = []
-    real = launch._find
-    monkeypatch.setattr(launch, "_find", lambda *a: (seen.append(a), real(*a))[1])
+    real = kernels.bind_nvfp4_quantize
+    monkeypatch.setattr(kernels, "bind_nvfp4_quantize", lambda *a, **k: (seen.append(a), real(*a, **k))[1])
     with linear_host._stubbed():
         for dt in (torch.float32, torch.bfloat16):
             x = torch.randn(32, 64).to(dt)

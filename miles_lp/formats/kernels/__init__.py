@@ -19,6 +19,12 @@ so they can be captured in a CUDA graph, except where a caller passes a Python/C
   ``block_2d`` = 16x16 tiles (weights);
 * ``nvfp4_dequantize(q, dtype)``, ``nvfp4_amax(x)``; ``quantize_nvfp4(...)`` (the codec hook).
 
+Bound launches (``kernels.bound``, for hot paths that repeat one call per input shape: QuantLinear's
+``miles_lp.train.launch``): after an entry-point call, ``bind_mxfp8_quantize`` / ``bind_mxfp8_dequantize`` /
+``bind_nvfp4_quantize`` / ``bind_nvfp4_dequantize`` with the same arguments return a ``Binding`` whose
+``launch(*args)`` calls the compiled kernel's C launcher directly (same kernel, same bytes), or None where that
+is not possible (CPU, a launch hook, ``MILES_LP_KERNELS_FAST_LAUNCH=0``, a changed kernel signature, ...).
+
 ``MILES_LP_KERNELS=reference`` turns the automatic selection off (the codecs then run their torch code on
 CUDA too), e.g. to time or compare the reference there.
 """
@@ -41,6 +47,8 @@ from miles_lp.formats.spec import MXFP8_BLOCK, NVFP4_BLOCK
 __all__ = [
     "MXFP8Result", "enabled", "unavailable_reason", "mxfp8_quantize", "mxfp8_dequantize", "quantize_mxfp8",
     "nvfp4_quantize", "nvfp4_dequantize", "nvfp4_amax", "matrix_amax", "quantize_nvfp4", "CONFIG",
+    "launch_hooks_set", "Binding", "BoundLaunch", "bind_mxfp8_quantize", "bind_mxfp8_dequantize",
+    "bind_nvfp4_quantize", "bind_nvfp4_dequantize",
 ]
 
 # Launch shapes: the fastest of `miles-lp bench quantize --sweep` on the H200 (2026-12-01, run 2, commit
@@ -217,7 +225,7 @@ def _launch(mod, name: str, grid: tuple, args: tuple, num_warps: int, site: tupl
     """
     if site is not None and _FAST_LAUNCH:
         ent = _SITES.get(site)
-        if ent is not None and not _hooks_set():
+        if ent is not None and not launch_hooks_set():
             ck, const_vals = ent
             g = (*grid, 1, 1)
             ck.run(g[0], g[1], g[2], _stream(args[0].device.index), ck.function, ck.packed_metadata, None, None,
@@ -230,7 +238,7 @@ def _launch(mod, name: str, grid: tuple, args: tuple, num_warps: int, site: tupl
     if not _FAST_LAUNCH or not args or not isinstance(args[0], torch.Tensor) or not args[0].is_cuda:
         fn[grid](*args, **consts, **opts)
         return
-    if _hooks_set():
+    if launch_hooks_set():
         fn[grid](*args, **consts, **opts)
         return
     dev = args[0].device.index
@@ -257,10 +265,10 @@ def _launch(mod, name: str, grid: tuple, args: tuple, num_warps: int, site: tupl
 _KNOBS: list = []
 
 
-def _hooks_set() -> bool:
+def launch_hooks_set() -> bool:
     """Whether a Triton launch hook is installed (a profiler's): then every launch goes through the JIT,
-    which calls it. Triton 3.6 keeps the hooks as (possibly empty) ``HookChain``s, older ones None or a
-    function."""
+    which calls it (and a ``Binding``'s holder takes the entry point instead). Triton 3.6 keeps the hooks as
+    (possibly empty) ``HookChain``s, older ones None or a function."""
     if not _KNOBS:
         from triton import knobs
 
@@ -712,3 +720,14 @@ def triton_cdiv(a: int, b: int) -> int:
 
 def triton_next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+# the public binding API (imported last: it reads this module's plans and launchers)
+from miles_lp.formats.kernels.bound import (  # noqa: E402
+    Binding,
+    BoundLaunch,
+    bind_mxfp8_dequantize,
+    bind_mxfp8_quantize,
+    bind_nvfp4_dequantize,
+    bind_nvfp4_quantize,
+)
