@@ -1180,6 +1180,12 @@ class ReferenceEngine:
     def generate(self, input_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Generation]:
         sampling.validate()
         prompts = self.validate_prompts(input_ids)
+        for i, p in enumerate(prompts):  # SGLang and vLLM refuse it too: a cut response would read as `length`
+            if len(p) + sampling.max_new_tokens > self.context_len:
+                raise EngineError(f"generate: prompt {i} has {len(p)} tokens + max_new_tokens "
+                                  f"{sampling.max_new_tokens} = {len(p) + sampling.max_new_tokens}, beyond the "
+                                  f"context {self.context_len} (max_position_embeddings): lower max_new_tokens "
+                                  "(rollout.max_response_len) or shorten the prompt")
         with self._gen_lock:
             with self._cond:
                 if self._closed:

@@ -42,7 +42,7 @@ from miles_lp.errors import BackendUnavailable, ConfigError
 from miles_lp.rollout.engine import EngineError, WeightUpdateError, tensor_digest
 from miles_lp.sync import checks
 from miles_lp.sync.buckets import Bucket, Ledger, make_buckets
-from miles_lp.sync.config import CHECKS, SyncConfig
+from miles_lp.sync.config import CHECKS, ENV_ALL, SyncConfig, env_name
 from miles_lp.sync.digest import _head, fingerprints, group_fingerprints, group_strings, member_weight
 from miles_lp.sync.items import Item, engine_items, group_items
 from miles_lp.sync.remote import Receipt
@@ -157,7 +157,15 @@ class WeightSync:
         self.engine = engine
         self.plan = plan
         self.target = target
-        self.config = (config or SyncConfig()).with_env(os.environ if env is None else env)
+        env = os.environ if env is None else env
+        base = config or SyncConfig()
+        self.config = base.with_env(env)
+        # check -> why it is off when the environment, not the recipe, turned it off (its skip reason says so)
+        self._env_off: dict[str, str] = {}
+        for c in CHECKS:
+            if base.mode(c) != "off" and self.config.mode(c) == "off":
+                var = env_name(c) if env_name(c) in env else ENV_ALL
+                self._env_off[c] = f"{var}={env.get(var)}; the recipe says sync.checks.{c}: {base.mode(c)}"
         if transport is None:
             if self.config.transport in ("nccl", "gloo"):
                 raise ConfigError(f"sync.transport '{self.config.transport}' needs the process group and ranks "
@@ -255,7 +263,9 @@ class WeightSync:
 
         def timed(name: str, fn: Callable[[], Verdict]) -> Verdict:
             if self.mode(name) == "off":
-                v = skipped(name, "check turned off (sync.checks." + name + ": off)")
+                why = self._env_off.get(name)
+                v = skipped(name, f"check turned off by the environment ({why})" if why else
+                            "check turned off (sync.checks." + name + ": off)")
             else:
                 s = time.perf_counter()
                 try:

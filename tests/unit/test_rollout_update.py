@@ -89,8 +89,11 @@ def test_bad_generate_input(engine):
         engine.generate([[1]], SamplingParams(top_p=0.0))
     with pytest.raises(EngineError, match="empty"):
         engine.generate([[]], SamplingParams())
-    g = engine.generate([[1] * 250], SamplingParams(max_new_tokens=50, seed=0))[0]
-    assert len(g.output_ids) == 6 and g.finish_reason == "length"  # capped at the context
+    # a response the context would cut is refused, as SGLang and vLLM do (a cut would read as `length`: L10)
+    with pytest.raises(EngineError, match=r"prompt 0 has 250 tokens \+ max_new_tokens 50 = 300, beyond the context 256"):
+        engine.generate([[1] * 250], SamplingParams(max_new_tokens=50, seed=0))
+    g = engine.generate([[1] * 250], SamplingParams(max_new_tokens=6, seed=0))[0]
+    assert len(g.output_ids) == 6 and g.finish_reason == "length"  # its own cap, exactly at the context
 
 
 def test_sampling_controls(engine):

@@ -282,6 +282,19 @@ def test_env_override_turns_warn_into_raise():
     assert engine.paused is True  # a raise-mode failure leaves the engine paused
 
 
+def test_a_check_the_environment_turned_off_names_the_variable():
+    """Review-4 C5: the skip reason names the variable and what the recipe said, not a recipe key saying off."""
+    cfg = SyncConfig(bucket_mb=0.004).with_modes(all="raise")
+    for env, var in (({"MILES_LP_SYNC_CHECK_GRID": "off"}, "MILES_LP_SYNC_CHECK_GRID=off"),
+                     ({"MILES_LP_SYNC_CHECKS": "off"}, "MILES_LP_SYNC_CHECKS=off")):
+        ws = WeightSync(StubEngine(), _plan(), "sglang", cfg, env=env, log=lambda s: None)
+        v = ws.sync(Learner()).verdict("grid")
+        assert v.status == "skipped" and f"check turned off by the environment ({var}; the recipe says sync.checks.grid: " \
+            "raise)" in v.reason, v.reason
+    ws = WeightSync(StubEngine(), _plan(), "sglang", cfg.with_modes(grid="off"), env={}, log=lambda s: None)
+    assert ws.sync(Learner()).verdict("grid").reason == "check turned off (sync.checks.grid: off)"
+
+
 def test_engine_dying_mid_sync_is_reported_with_stage_and_bucket():
     engine, ws, lines = _sync(DyingEngine(StubEngine(), at=1))
     with pytest.raises(SyncAbortedError, match=r"aborted in 'apply' at bucket 2 of \d+.*restart it") as e:
