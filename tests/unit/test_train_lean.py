@@ -165,7 +165,8 @@ def test_bound_launches_equal_the_reference_fp32():
 def test_bound_launches_on_cuda_equal_the_reference(monkeypatch):
     """On the device: three steps per mode (entry points, then bound C launches with a fresh and a cached
     weight grid), each step's output and gradients bit-equal to the reference codecs' path, and the bound
-    plans in use: the third step calls no kernel entry point (every launch bound)."""
+    plans in use: the third step calls no kernel entry point (every launch bound) but the codec hook's for a
+    padded columnwise x (H200 12-01e: that one was the only entry call of a third step)."""
     import torch
 
     from miles_lp.formats import kernels
@@ -204,8 +205,11 @@ def test_bound_launches_on_cuda_equal_the_reference(monkeypatch):
                     y = quantized_linear(x, w, recipe, grid=grid)
                     y.backward(dy)
                     steps.append([t.detach().clone() for t in (y, x.grad, w.grad)])
-                    if kernel == "compiled" and i == 2:
-                        assert entry == [], (m, fmt, bw, entry)  # every launch of the cached step bound
+                    if kernel == "compiled" and i == 2:  # every launch of the cached step bound, except
+                        # quantized mode's columnwise x when the token count is not a multiple of 32: padded and
+                        # quantized through the codec hook (lean.py; formats.quantize_mxfp8 on CUDA -> kernels)
+                        want = ["mxfp8_quantize"] if bw == "quantized" and m % 32 else []
+                        assert entry == want, (m, fmt, bw, entry)
                 outs[kernel] = steps
             for i, (a, b) in enumerate(zip(outs["reference"], outs["compiled"], strict=True)):
                 for what, u, v in zip(("y", "x.grad", "w.grad"), a, b, strict=True):
