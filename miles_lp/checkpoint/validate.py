@@ -34,7 +34,7 @@ def side_file_verdict(path: Path) -> str | None:
     """Why a top-level entry of the input folder is NOT copied into the output, or None if it is copied."""
     name = path.name
     if path.is_dir():
-        return "a folder (only top-level files are copied)"
+        return "a folder: only top-level files are copied"
     if not path.is_file():
         return "not a regular file"
     if name.startswith("."):
@@ -42,13 +42,13 @@ def side_file_verdict(path: Path) -> str | None:
     if name in REWRITTEN_FILES:
         return "rewritten for the output"
     if name in _QUANT_METADATA:
-        return "the input's quantization metadata (the output's own is written from the plan)"
+        return "the input's quantization metadata: the output's own is written from the plan"
     if name == INDEX_NAME or name.endswith(".index.json"):
-        return "a weight index (the output's own is written)"
+        return "a weight index: the output's own is written"
     if name.endswith(_PICKLE_SUFFIXES):
-        return "pickle weights (never read or copied: safetensors only)"
+        return "pickle weights, never read or copied: safetensors only"
     if name.endswith(_OTHER_WEIGHT_SUFFIXES):
-        return "weights (the output holds its own)"
+        return "weights, not converted: the output holds its own"
     return None
 
 

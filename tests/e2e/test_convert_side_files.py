@@ -89,4 +89,4 @@ def test_a_source_hf_quant_config_is_never_carried(src, tmp_path, capsys):
     assert main(["convert", "--hf-checkpoint", str(s), "--output", str(out), "--format", "mxfp8",
                  "--no-progress"]) == 0
     assert not (out / "hf_quant_config.json").exists()  # sglang MXFP8 writes none: the input's would mislead SGLang
-    assert "hf_quant_config.json (the input's quantization metadata" in capsys.readouterr().out
+    assert "hf_quant_config.json (the input's quantization metadata: the output's own" in capsys.readouterr().out
