@@ -76,20 +76,28 @@ class SourceCheckpoint:
 
     def not_copied(self) -> list[str]:
         """``"<name> (why)"`` for every top-level entry not copied, except the weights and files rewritten for
-        the output; remote code that config.json's ``auto_map`` names but the folder lacks is listed too."""
+        the output; remote code that config.json's or tokenizer_config.json's ``auto_map`` names but the folder
+        lacks is listed too."""
         converted = {p.name for p in self.files.files} | {INDEX_NAME, "config.json"}
         out = []
         for p in sorted(self.root.iterdir()):
             why = side_file_verdict(p)
             if why is not None and p.name not in converted:
                 out.append(f"{p.name}{'/' if p.is_dir() else ''} ({why})")
-        out += [f"{m} (named by config.json auto_map, absent from {self.root})" for m in auto_map_modules(self.config)
+        named = {m: "config.json" for m in auto_map_modules(self.config)}
+        try:  # Kimi-K2 / Moonlight: tokenizer_config.json's auto_map names tokenization_kimi.py
+            tok = json.loads((self.root / "tokenizer_config.json").read_text())
+        except (OSError, ValueError):
+            tok = None
+        if isinstance(tok, dict):
+            named.update({m: "tokenizer_config.json" for m in auto_map_modules(tok) if m not in named})
+        out += [f"{m} (named by {by} auto_map, absent from {self.root})" for m, by in sorted(named.items())
                 if not (self.root / m).is_file()]
         return out
 
 
 def auto_map_modules(config: dict) -> list[str]:
-    """The local ``<module>.py`` files config.json's ``auto_map`` names (``"configuration_deepseek.DeepseekV3Config"``;
+    """The local ``<module>.py`` files a config's ``auto_map`` names (config.json, tokenizer_config.json) (``"configuration_deepseek.DeepseekV3Config"``;
     ``"repo--module.Class"`` entries live in another repository and are left out)."""
     auto_map = config.get("auto_map")
     refs = []

@@ -119,3 +119,24 @@ def test_bad_fp8_decode_value_is_refused(ckpts, tmp_path):
         convert_checkpoint(root / "fp8", tmp_path / "x", policy_from_flags("mxfp8"), fp8_decode="fp16",
                            progress=False)
     assert not (tmp_path / "x").exists()
+
+
+def test_verify_recipe_mode_decodes_a_block_fp8_source_per_flag(ckpts, tmp_path):
+    """Without a record (verify --recipe), --fp8-decode says how the source is decoded: the default (bf16, as
+    convert) passes the default conversion, fp32 names its grid as off."""
+    import shutil
+
+    root, outs = ckpts
+    out = tmp_path / "o"
+    shutil.copytree(outs["default"], out)
+    (out / PLAN).unlink()
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("precision:\n  default: mxfp8\n")
+    base = ["verify", str(out), "--recipe", str(recipe), "--target", "sglang", "--source", str(root / "fp8")]
+    assert main(base) == 0
+    assert main([*base, "--fp8-decode", "fp32"]) == 1
+    from miles_lp.policy import load_policy
+
+    report = verify_checkpoint(out, source=root / "fp8", policy=load_policy(recipe), target="sglang",
+                               fp8_decode="fp32")
+    assert {c.check: c.verdict for c in report.checks if c.verdict == "FAIL"} == {"grid": "FAIL"}, report.format()

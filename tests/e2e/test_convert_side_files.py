@@ -23,11 +23,13 @@ SIDE = {
     "tokenization_kimi.py": "class TikTokenTokenizer: ...\n",
     "tiktoken.model": "aGVsbG8= 0\n",
     "preprocessor_config.json": '{"image_size": 224}\n',
-    "tokenizer_config.json": '{"auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", null]}}\n',
+    "tokenizer_config.json": '{"auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", '
+                             '"tokenization_kimi_fast.Fast"]}}\n',  # the fast one is absent
     "README.md": "# tiny\n",
 }
 NOT_COPIED = {"pytorch_model.bin": "pickle weights", "extra/": "a folder", "consolidated.safetensors": "weights",
-              ".gitattributes": "a hidden file", "configuration_missing.py": "absent from"}
+              ".gitattributes": "a hidden file", "configuration_missing.py": "named by config.json auto_map",
+              "tokenization_kimi_fast.py": "named by tokenizer_config.json auto_map, absent from"}
 
 
 @pytest.fixture(scope="module")
