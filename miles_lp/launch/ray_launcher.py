@@ -495,18 +495,17 @@ def run_with_ray(recipe: Recipe, *, resume: str | None = None, run_name: str | N
             bar = tqdm(total=recipe.steps, initial=run.step, desc=rd.path.name, file=sys.stderr)
         try:
             while run.step < run.recipe.steps:
-                try:
-                    m = run.step_once()
-                except KeyboardInterrupt:
-                    from miles_lp.launch.runner import RunInterrupted
-
-                    raise RunInterrupted(rd, run.step) from None  # after the actors stop (the finally below)
+                m = run.step_once()
                 rows.append(m)
                 if on_step is not None:
                     on_step(run, m)
                 if bar is not None:
                     bar.set_postfix_str(f"reward={m['reward/mean']:.3g} kl={m.get('rollout_corr/kl', 0):.3g}")
                     bar.update(1)
+        except KeyboardInterrupt:
+            from miles_lp.launch.runner import RunInterrupted
+
+            raise RunInterrupted(rd, run.step) from None  # noted by the CLI after the actors stop (below)
         finally:
             if bar is not None:
                 bar.close()

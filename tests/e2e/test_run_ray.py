@@ -50,10 +50,15 @@ def test_ctrl_c_stops_cleanly(tmp_path):
     def on_step(run, m):
         raise KeyboardInterrupt
 
-    with pytest.raises(KeyboardInterrupt):
+    from miles_lp.launch.runner import RunInterrupted, interrupted_note
+
+    with pytest.raises(RunInterrupted) as ei:  # a KeyboardInterrupt naming the folder and the step (review-4 L14)
         run_with_ray(recipe, run_name="ctrlc", progress=False, on_step=on_step)
     assert not ray.is_initialized()
-    assert [r["step"] for r in RunDir(tmp_path / "runs" / "ctrlc").read_metrics()] == [0]
+    rd = RunDir(tmp_path / "runs" / "ctrlc")
+    assert [r["step"] for r in rd.read_metrics()] == [0]
+    assert ei.value.step == 1 and ei.value.run_dir.path == rd.path
+    assert "interrupted at step 1; no checkpoint yet (checkpoint_every: 2" in interrupted_note(rd, 1)
 
 
 def _ray_run(tmp_path, name, overrides, on_step=None):
