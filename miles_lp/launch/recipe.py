@@ -263,7 +263,7 @@ def _check_url(rollout: Any, where: Where) -> None:
         return
     example = "e.g. http://localhost:30000 (miles-lp serve's and SGLang's default port)"
     if "://" not in url:
-        raise where.error(f"{url!r} has no scheme: write http://{url.lstrip('/')} ({example})")
+        raise where.error(f"{url!r} has no scheme: write http://{url.lstrip('/')} (https:// for a TLS server)")
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https"):
         raise where.error(f"{url!r}: the scheme must be http or https, got {parts.scheme!r} ({example})")

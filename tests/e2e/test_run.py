@@ -290,3 +290,33 @@ def test_a_failed_warn_mode_check_is_printed_and_summarised(recipe_file, capsys)
     assert "miles-lp run: sync v" in err and "FAILED" in err
     s = summary(rows)
     assert all(s[f"{k}/failed_steps"] >= 1 for k in failed)
+
+
+def test_aborted_generations_are_regenerated_or_dropped_on_the_real_stack(recipe_file):
+    """review-4 L20 on the real learner, engine and sync: the second prompt's group comes back aborted (as after
+    another client's /pause_generation with mode abort). With a retry only that group is sampled again and the step
+    trains on every sample; without one the group is dropped whole and the step trains on the rest, checks passing."""
+    import dataclasses
+
+    for retries, trained, dropped in ((1, 8.0, 0.0), (0, 4.0, 1.0)):
+        run = Run.start(load_recipe(recipe_file, ["steps=1", "checkpoint_every=0", f"rl.abort_retries={retries}"]),
+                        f"abort{retries}")
+        real, calls = run.engine.generate, []
+
+        def generate(inputs, sampling, real=real, calls=calls):
+            gens = real(inputs, sampling)
+            calls.append(len(inputs))
+            if len(calls) == 1:  # the first call: group 1 (samples 4-7) cut short
+                gens = [dataclasses.replace(g, finish_reason="abort") if i >= 4 else g for i, g in enumerate(gens)]
+            return gens
+
+        run.engine.generate = generate
+        try:
+            m = run.train()[-1]
+        finally:
+            run.close()
+        assert calls == ([8, 4] if retries else [8])
+        assert m["rollout/aborted"] == 4.0 and m["rollout/aborted_groups_dropped"] == dropped
+        assert m["rollout/regenerated"] == (4.0 if retries else 0.0)
+        assert m["rl/samples_trained"] == trained and m["tokens/generate"] > 0
+        assert m["sync/check/grid"] == 1.0 and m["sync/check/completeness"] == 1.0
