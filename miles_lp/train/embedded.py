@@ -588,7 +588,8 @@ class SourceInfo:
     @classmethod
     def from_checkpoint(cls, path: str | Path) -> SourceInfo:
         """Names and dtypes from the safetensors headers. A DeepSeek-style block-FP8 checkpoint is refused: the
-        trainer loads BF16 / FP16 / FP32 weights (``miles-lp convert`` decodes block-FP8 exactly)."""
+        trainer loads BF16 / FP16 / FP32 weights (``miles-lp convert`` decodes block-FP8, by default to the BF16
+        values DeepSeek's ``fp8_cast_bf16`` writes)."""
         from miles_lp.checkpoint.safetensors_io import torch_dtype
         from miles_lp.checkpoint.validate import validate_source
         from miles_lp.errors import CheckpointError
@@ -597,7 +598,8 @@ class SourceInfo:
         if src.is_fp8_block:
             raise CheckpointError(f"{src.root} holds block-FP8 weights (e.g. '{next(iter(src.fp8_scale_of))}' with "
                                   "weight_scale_inv); the embedded learner loads BF16 / FP16 / FP32 checkpoints: use "
-                                  "`miles-lp convert`, which decodes block-FP8 exactly, or a BF16 copy of the model")
+                                  "`miles-lp convert`, which decodes block-FP8 (to the BF16 values DeepSeek's "
+                                  "fp8_cast_bf16 writes), or a BF16 copy of the model")
         dtypes = {n: torch_dtype(src.tensors[n].dtype) for n in src.logical}
         cfg_dtype = src.config.get("dtype") or src.config.get("torch_dtype")
         default = getattr(torch, cfg_dtype) if isinstance(cfg_dtype, str) and hasattr(torch, cfg_dtype) else None
