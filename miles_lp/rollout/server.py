@@ -113,10 +113,11 @@ def sampling_from_json(sp: Any, return_routed: bool) -> SamplingParams:
 
 def check_context(batch: list[list[int]], max_new_tokens: int | None, context_len: int | None) -> None:
     """A request whose prompt + ``max_new_tokens`` (when it names one) exceeds the model's context is refused with
-    SGLang's message (its tokenizer manager's ``_validate_one_request``; the server answers 400). The engine alone
-    would cap the response at what fits and report ``length`` (review-4 L10): a client asking for more than the
-    context holds is told so instead. prompt + max_new_tokens == context fits (the engine's own budget). A prompt
-    that alone fills the context is the engine's own refusal (also a 400)."""
+    SGLang's message (its tokenizer manager's ``_validate_one_request``; the server answers 400) before the engine
+    sees it (review-4 L10: a response cut at the context would read as ``length``). The ReferenceEngine refuses the
+    same condition itself (00ced2b) with its own message; here a client written against SGLang gets SGLang's words.
+    prompt + max_new_tokens == context fits. A prompt that alone fills the context is the engine's own refusal (also
+    a 400); without max_new_tokens the engine's default (64) is what it checks."""
     if not context_len:
         return
     for p in batch:
