@@ -34,4 +34,8 @@ def run(args) -> int:
         except importlib.metadata.PackageNotFoundError:
             version = "not installed"
         print(f"  {pkg:20s} {version}")
+    from miles_lp.rollout.vllm import vllm_missing, vllm_python
+
+    py = vllm_python()  # the vLLM CPU engine runs in its own venv (its torch pin differs from this one's)
+    print(f"  {'vllm (engine venv)':20s} {py if py else vllm_missing()}")
     return 0

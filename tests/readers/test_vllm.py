@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from miles_lp.rollout.vllm import vllm_missing, vllm_python
 from tests.readers.conftest import PROMPTS
 from tests.readers.reference import (
     load_hf,
@@ -39,10 +40,9 @@ from tests.readers.reference import (
 
 pytestmark = pytest.mark.reader_vllm
 
-VLLM_PYTHON = os.environ.get("MILES_LP_VLLM_PYTHON", "")
+VLLM_PYTHON = vllm_python() or ""  # MILES_LP_VLLM_PYTHON, build/venv-vllm, or the venv .ci/run builds
 if not (VLLM_PYTHON and os.access(VLLM_PYTHON, os.X_OK)):
-    pytest.skip("vLLM CPU reader not installed: set MILES_LP_VLLM_PYTHON to the python of a venv with "
-                "`pip install -e '.[vllm]'` (.ci/run builds build/venv-vllm and sets it)", allow_module_level=True)
+    pytest.skip(f"vLLM CPU reader not installed: {vllm_missing()}", allow_module_level=True)
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 #: name -> (arch, format, target); "bf16" serves the source checkpoint itself
