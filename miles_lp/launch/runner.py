@@ -48,6 +48,13 @@ def model_context(config: Mapping[str, Any] | None) -> int | None:
     return int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
+def _rotation_base(engine: Any, version_offset: int) -> None:
+    """Start C3's rotating layer where a straight run's would be after ``version_offset`` syncs (engines that
+    rotate it by their own weight version, which a resumed or restarted engine counts from 0)."""
+    if hasattr(engine, "c3_rotation_base"):
+        engine.c3_rotation_base = int(version_offset)
+
+
 def read_model_config(model_dir: Path) -> dict[str, Any] | None:
     import json
 
@@ -447,6 +454,7 @@ class Run:
         self.initial = self.sync.initial_sync(self.learner)
         # the engine's version counts syncs since ITS start; report the run's count
         self.version_offset = int(loop_state.get("engine_weight_version", 0))
+        _rotation_base(self.engine, self.version_offset)
         self.step = start_step
         self.restarts = 0
         self.parts = StepParts(learner=self.learner, engine=self.engine, sync=self.sync, task=self.task,
@@ -517,6 +525,7 @@ class Run:
         self.parts.engine = self.engine
         self.initial = self.sync.initial_sync(self.learner)
         self.version_offset += served
+        _rotation_base(self.engine, self.version_offset)
 
     def checkpoint(self) -> Path:
         sent = self.sync.sentinel

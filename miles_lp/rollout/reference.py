@@ -218,6 +218,9 @@ class ReferenceEngine:
         self._cond = threading.Condition()
         self._gen_lock = threading.Lock()
         self._c3_lock = threading.RLock()  # one self-check at a time (``_c3_guarded``)
+        # added to the weight version where C3's rotating layer is chosen: the run's sync count before this engine
+        # started (a resumed or restarted run probes the layer a straight run would, ``launch.runner``)
+        self.c3_rotation_base = 0
         self._paused = False
         self._pause_mode = "retract"
         self._updating = False
@@ -768,7 +771,7 @@ class ReferenceEngine:
         rot = self._c3_rotation()
         if not rot:
             return None
-        layer = rot[self.weight_version % len(rot)]
+        layer = rot[(self.weight_version + self.c3_rotation_base) % len(rot)]
         return None if layer in fixed else layer
 
     def _graphs_on(self) -> bool:

@@ -102,6 +102,9 @@ class VLLMEngine:
         self.checkpoint = Path(checkpoint).absolute()  # the worker runs in a temp folder (a relative path: a Hub id)
         self.ckpt = open_checkpoint(checkpoint)  # headers: the names, dtypes and shapes updates must have
         self.weight_version = 0
+        # added to the weight version where C3's rotating layer is chosen: the run's sync count before this engine
+        # started (a resumed or restarted run probes the layer a straight run would, ``launch.runner``)
+        self.c3_rotation_base = 0
         self._paused = self._updating = False
         self._tmp = tempfile.TemporaryDirectory(prefix="miles-lp-vllm-")
         address = os.path.join(self._tmp.name, "sock")
@@ -302,7 +305,7 @@ class VLLMEngine:
         weights (``rel_err``), and ``fresh_diff`` (the served state vs the one derived afresh here from the captured
         bytes: 0 when rebuilt; MXFP8, and NVFP4 on vLLM's emulation kernel). Keys ``<vLLM module>.weight``;
         ``ok``: every rel_err within the tolerance and every fresh_diff 0."""
-        res = self._call("self_check", seed=seed, version=self.weight_version)["result"]
+        res = self._call("self_check", seed=seed, version=self.weight_version + self.c3_rotation_base)["result"]
         res.setdefault("tolerance", SELF_CHECK_TOLERANCE)
         layers = res.get("layers") or {}
         res["ok"] = bool(layers) and all(_c3_ok(e, res["tolerance"]) for e in layers.values())

@@ -234,3 +234,19 @@ def test_cuda_rotating_graph_equals_eager_and_sees_stale_state():
     sc = engine.self_check(0)
     _, v = _rotating(sc)
     assert v["graph"] == "graph replay" and v["fresh_diff"] > 0 and not sc["ok"]
+
+
+def test_the_rotation_base_shifts_the_rotating_layer():
+    """``c3_rotation_base`` (set by the runner to the run's sync count before this engine started) picks the layer a
+    straight run's engine would probe at the same step: the one of weight version + base."""
+    engine = ReferenceEngine(tiny_checkpoint("qwen3", "qwen3_mxfp8.yaml"), device="cpu")
+
+    def probed(version, base):
+        engine.weight_version, engine.c3_rotation_base = version, base
+        return _rotating(engine.self_check(0))[0]
+
+    n = len(engine._c3_rotation())
+    straight = [probed(v, 0) for v in range(3, 3 + n)]  # a straight run's engine at versions 3, 4, ...
+    resumed = [probed(v, 2) for v in range(1, 1 + n)]  # a fresh engine two syncs later in the run
+    assert straight == resumed and any(name is not None for name in straight)
+    assert [probed(v, 0) for v in range(1, 1 + n)] != resumed  # without the base: other layers
