@@ -713,18 +713,14 @@ class ReferenceEngine:
         return out
 
     def _rotating_scratch(self, layer: EngineLinear) -> EngineLinear:
-        """A private copy of ``layer`` derived afresh from its canonical tensors now, reusing one kept copy per
-        layer configuration but prefix (the experts of a projection share one): no module built per sync."""
+        """A private copy of ``layer``'s configuration, one kept per configuration but prefix (the experts of a
+        projection share one): no module built per sync. ``rotating_graph.serving_and_fresh`` sets its canonical
+        tensors and rebuilds its derived state at each use."""
         cfg = _fresh_config(layer)[1:]
         cache = self.__dict__.setdefault("_rot_scratch", {})
         fresh = cache.get(cfg)
         if fresh is None:
-            fresh = cache[cfg] = _freshly_derived(layer)
-            return fresh
-        with torch.no_grad():
-            for suffix, t in layer.canonical().items():
-                _attr(fresh, suffix).copy_(t)
-        fresh.process_weights_after_loading()
+            fresh = cache[cfg] = layer.detached_copy()
         return fresh
 
     def _rot_probe(self, seed: int, width: int) -> torch.Tensor:
@@ -743,11 +739,9 @@ class ReferenceEngine:
     def _serving_and_fresh(self, layer: EngineLinear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``layer``'s serving kernel on ``x``, and the same kernel on state derived afresh from its canonical
         tensors (equal when healthy)."""
-        with torch.no_grad():
-            xq = layer._quantize_input(x)
-            fresh = self._rotating_scratch(layer)
-            fq = xq if _input_key(fresh) == _input_key(layer) else fresh._quantize_input(x)
-            return layer.gemm(xq, x.dtype), fresh.gemm(fq, x.dtype)
+        from miles_lp.rollout.rotating_graph import serving_and_fresh
+
+        return serving_and_fresh(layer, self._rotating_scratch(layer), x)
 
     def _c3_rotating(self, seed: int, fixed: set) -> tuple[EngineLinear, float, float, str] | None:
         """C3 beyond its fixed pair: one more layer per sync, the next of ``_c3_rotation`` (by weight version),
@@ -788,12 +782,9 @@ class ReferenceEngine:
         return g
 
     def _c3_rotating_eager(self, layer: EngineLinear, x: torch.Tensor) -> list[float]:
-        y, y_fresh = self._serving_and_fresh(layer, x)
-        with torch.no_grad():
-            y64 = y.double()
-            ref = x.double() @ dequantize_exact(layer.decoded(), torch.float64).T
-            return torch.stack([(y64 - ref).norm() / ref.norm().clamp_min(1e-30),
-                                (y64 - y_fresh.double()).abs().max()]).tolist()
+        from miles_lp.rollout.rotating_graph import figures
+
+        return figures(layer, self._rotating_scratch(layer), x, x.double()).tolist()
 
     def _c3_figures(self, work: list[tuple]) -> torch.Tensor:
         """Per layer of ``work``: rel_err and fresh_diff (float64, stacked, on the engine's device; no host
@@ -852,6 +843,8 @@ class ReferenceEngine:
         anything else (a capture error, a mismatch) runs eager from then on, the reason in ``graph``."""
         import os
 
+        from miles_lp.rollout.rotating_graph import same_figures
+
         if self.device.type != "cuda" or os.environ.get("MILES_LP_SYNC_GRAPHS", "1") == "0":
             return self._c3_figures(work).tolist(), "eager"
         off = self.__dict__.get("_c3_graph_off")
@@ -871,7 +864,7 @@ class ReferenceEngine:
             g[1].replay()
             got = g[2].tolist()
             vals = self._c3_figures(work).tolist()
-            if all(a == b or (a != a and b != b) for a, b in zip(got, vals, strict=True)):
+            if same_figures(got, vals):
                 return vals, "graph replay (checked against eager)"
             self.__dict__["_c3_graph"] = None
             self.__dict__["_c3_graph_off"] = f"replay {got} != eager {vals} after {g[4][0]} replays"
@@ -899,7 +892,7 @@ class ReferenceEngine:
         except Exception as exc:  # noqa: BLE001 (any capture failure: the eager path stays exact)
             self.__dict__["_c3_graph_off"] = f"capture failed: {type(exc).__name__}: {str(exc)[:160]}"
             return vals, "eager (" + self.__dict__["_c3_graph_off"] + ")"
-        same = all(a == b or (a != a and b != b) for a, b in zip(got, vals, strict=True))
+        same = same_figures(got, vals)
         if not same or self._c3_key(work) != key:
             self.__dict__["_c3_graph_off"] = (f"first replay {got} != eager {vals}" if not same else
                                               "capture moved a tensor it reads")

@@ -63,11 +63,12 @@ def _probe_grid(serve, fresh, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         return xq, (xq if _input_key(fresh) == _input_key(serve) else fresh._quantize_input(x))
 
 
-def _figures(serve, fresh, x: torch.Tensor, x64: torch.Tensor,
-             grid: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """``ReferenceEngine._c3_rotating``'s figures on the stand-in (no host synchronisation: capturable); ``grid``:
-    the probe already on both activation grids (``_probe_grid``)."""
-    from miles_lp.rollout.reference import _input_key, dequantize_exact
+def serving_and_fresh(serve, fresh, x: torch.Tensor,
+                      grid: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``serve``'s kernel on ``x``, and the same kernel on ``fresh`` after its canonical tensors are set to
+    ``serve``'s and its derived state is rebuilt from them (equal when ``serve``'s derived state is current). No
+    host synchronisation: capturable. ``grid``: the probe already on both activation grids (``_probe_grid``)."""
+    from miles_lp.rollout.reference import _input_key
 
     with torch.no_grad():
         for suffix, t in fresh.canonical().items():
@@ -78,8 +79,19 @@ def _figures(serve, fresh, x: torch.Tensor, x64: torch.Tensor,
         else:
             xq = serve._quantize_input(x)
             fq = xq if _input_key(fresh) == _input_key(serve) else fresh._quantize_input(x)
-        y = serve.gemm(xq, x.dtype).double()
-        y_fresh = fresh.gemm(fq, x.dtype).double()
+        return serve.gemm(xq, x.dtype), fresh.gemm(fq, x.dtype)
+
+
+def figures(serve, fresh, x: torch.Tensor, x64: torch.Tensor,
+            grid: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """C3's rotating figures, float64 ``[rel_err, fresh_diff]``: ``serve``'s kernel vs a float64 GEMM on its
+    dequantized canonical weights, and vs the fresh derivation (``serving_and_fresh``). The eager path runs it on
+    the live layer, the graph on the stand-in (no host synchronisation: capturable)."""
+    from miles_lp.rollout.reference import dequantize_exact
+
+    y, y_fresh = serving_and_fresh(serve, fresh, x, grid)
+    with torch.no_grad():
+        y, y_fresh = y.double(), y_fresh.double()
         ref = x64 @ dequantize_exact(serve.decoded(), torch.float64).T
         return torch.stack([(y - ref).norm() / ref.norm().clamp_min(1e-30), (y - y_fresh).abs().max()])
 
@@ -98,7 +110,8 @@ def capture(fn: Callable[[], torch.Tensor], pool) -> tuple[Any, torch.Tensor]:
     return graph, out
 
 
-def _same(a: list[float], b: list[float]) -> bool:
+def same_figures(a: list[float], b: list[float]) -> bool:
+    """Bit-for-bit equal figure lists (NaN equal to NaN: a NaN figure is a failing one on both sides)."""
     return all(p == q or (p != p and q != q) for p, q in zip(a, b, strict=True))
 
 
@@ -154,7 +167,7 @@ class RotatingGraphs:
         if ent.replays % RECHECK:
             return got, how
         vals = eager()
-        if _same(got, vals):
+        if same_figures(got, vals):
             return vals, how + " (checked against eager)"
         self._turn_off(cfg, f"replay {got} != eager {vals} after {ent.replays} replays")
         return vals, "eager (" + self.off[cfg] + ")"
@@ -190,10 +203,10 @@ class RotatingGraphs:
             x64 = x.double()
             torch._foreach_copy_(dsts, srcs)
             grid = _probe_grid(serve, fresh, x)
-            _figures(serve, fresh, x, x64, grid)  # warm-up outside the capture (kernel selection, lazy state)
+            figures(serve, fresh, x, x64, grid)  # warm-up outside the capture (kernel selection, lazy state)
             if self.pool is None:
                 self.pool = new_pool()
-            graph, out = capture(lambda: _figures(serve, fresh, x, x64, grid), self.pool)
+            graph, out = capture(lambda: figures(serve, fresh, x, x64, grid), self.pool)
             torch._foreach_copy_(dsts, srcs)
             # figures are >= 0 (or NaN): a graph that recorded nothing cannot pass the check below with values
             # left from the capture (review-5 M1)
@@ -203,7 +216,7 @@ class RotatingGraphs:
         except Exception as exc:  # noqa: BLE001 (any capture failure: the eager path stays exact)
             self.off[cfg] = f"capture failed: {type(exc).__name__}: {str(exc)[:160]}"
             return vals, "eager (" + self.off[cfg] + ")"
-        if not _same(got, vals):
+        if not same_figures(got, vals):
             self.off[cfg] = f"first replay {got} != eager {vals}"
             return vals, "eager (" + self.off[cfg] + ")"
         self.entries[cfg] = _Entry(serve, fresh, x, x64, grid, dsts, sig, graph, out)

@@ -137,7 +137,7 @@ def test_a_graph_that_records_nothing_is_turned_off(graphs_on_cpu, monkeypatch):
     (review-5 M1): the output is overwritten before that replay, so the configuration goes off, eager from then."""
     class _Empty:
         def replay(self):
-            pass
+            """Records nothing: the capture ran the ops eagerly (the output holds their capture-time values)."""
 
     monkeypatch.setattr(rotating_graph, "capture", lambda fn, pool: (_Empty(), fn()))
     engine = ReferenceEngine(tiny_checkpoint("qwen3", "qwen3_mxfp8.yaml"), device="cpu")

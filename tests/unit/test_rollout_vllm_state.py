@@ -190,8 +190,8 @@ def test_client_ok_needs_every_rel_err_within_tolerance_and_fresh_diff_zero():
 
 # ---- NVFP4 on vLLM's emulation kernel: fresh_diff re-derives its post-processing -------------------------------
 
-class EmulationNvFp4LinearKernel:  # the class name is what vllm_state gates the NVFP4 re-derivation on
-    pass
+class EmulationNvFp4LinearKernel:
+    """Stands in for vLLM's kernel class of that name: vllm_state gates the NVFP4 re-derivation on the name."""
 
 
 class FakeModelOptLinearMethod:
