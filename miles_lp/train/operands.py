@@ -173,6 +173,36 @@ def select_experts(q: Any) -> list[Any]:
     return [cls(**static, **{name: parts[e] for name, parts in cols.items()}) for e in range(n)]
 
 
+def select_expert_rows(q: Any, parts: int) -> list[Any]:
+    """``[select_rows(select_expert(q, e), rows p of parts) for e in range(E) for p in range(parts)]``: the row
+    blocks of every expert of a rowwise-quantized ``[E, N, K]`` tensor (gate and up of a fused ``gate_up`` for
+    ``parts=2``), with one ``unflatten`` + ``unbind`` per tensor field instead of ``E * parts`` indexing calls
+    each. The same views (storage, offsets, shapes, strides); a per-matrix global scale stays the expert's and
+    is shared by its parts, as ``select_rows`` keeps it."""
+    per_matrix = getattr(q, "scale_scope", "tensor") == "tensor"
+    names, shape_field = _layout(q)
+    n_exp, n = q.shape[0], q.shape[-2]
+    if n % parts or len(q.shape) != 3:
+        raise ValueError(f"select_expert_rows: {list(q.shape)} does not split into {parts} row blocks per expert")
+    rows = n // parts
+    cols: dict[str, list] = {}
+    static: dict[str, Any] = {}
+    for name in names:
+        v = getattr(q, name)
+        if not isinstance(v, torch.Tensor):
+            static[name] = v
+        elif v.dim() == 3 and v.shape[-2] == n:  # the row-indexed fields (data, scales, a per-row global scale)
+            cols[name] = [p for ve in v.unflatten(1, (parts, rows)).unbind(0) for p in ve.unbind(0)]
+        else:
+            if per_matrix and name in _PER_MATRIX_SCALARS and v.dim() == 3 and v.shape[1:] == (1, 1):
+                v = v.reshape(n_exp)  # [E, 1, 1] -> E 0-d scalars (select_expert's reshape)
+            cols[name] = [s for s in v.unbind(0) for _ in range(parts)]
+    if shape_field is not None:
+        static[shape_field] = type(static[shape_field])((rows, q.shape[-1]))
+    cls = type(q)
+    return [cls(**static, **{name: c[i] for name, c in cols.items()}) for i in range(n_exp * parts)]
+
+
 def select_rows(q: Any, rows: slice | torch.Tensor) -> Any:
     """Rows of a rowwise-quantized ``[N, K]`` tensor (data, scales and a per-row global scale follow).
 

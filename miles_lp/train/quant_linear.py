@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from miles_lp.errors import ConfigError
 from miles_lp.train.gemm import _APPLY, QuantLinearFn, _functorch_active, quantized_linear
 from miles_lp.train.grid import WeightGrid
-from miles_lp.train.operands import select_expert, select_experts, select_rows
+from miles_lp.train.operands import select_expert, select_expert_rows, select_experts
 from miles_lp.train.recipe import LinearRecipe
 
 __all__ = ["LinearRecipe", "QuantExperts", "QuantLinear", "WeightGrid", "executed_quantized", "invalidate_grids",
@@ -176,10 +176,8 @@ class QuantExperts(torch.nn.Module):
     def learner_weights(self) -> Iterator[tuple[str, Any]]:
         if self.gate_up_grid is not None:
             q = self.gate_up_grid.rowwise(self.gate_up_proj)
-            inter = self.gate_up_proj.shape[1] // 2
-            for e, qe in enumerate(select_experts(q)):
-                yield self.gate_up_members[2 * e], select_rows(qe, slice(0, inter))
-                yield self.gate_up_members[2 * e + 1], select_rows(qe, slice(inter, 2 * inter))
+            # (gate rows [0, I) then up rows [I, 2I) of each expert: the member order, e0.gate, e0.up, e1.gate, ...)
+            yield from zip(self.gate_up_members, select_expert_rows(q, 2), strict=True)
         if self.down_grid is not None:
             q = self.down_grid.rowwise(self.down_proj)
             for e, qe in enumerate(select_experts(q)):

@@ -531,3 +531,40 @@ def test_select_experts_equals_select_expert_field_by_field(case):
                 assert a == b, f.name
     if case == "nvfp4_tensor":
         assert many[1].global_scale.shape == () and many[1].amax.shape == ()
+
+
+@pytest.mark.parametrize("case", ["mxfp8", "nvfp4_tensor", "nvfp4_row"])
+def test_select_expert_rows_equals_select_rows_of_select_expert(case):
+    """The gate/up split QuantExperts.learner_weights exports equals the per-expert, per-block composition
+    ``select_rows(select_expert(q, e), block p)`` field by field: the same views, the same bytes, and a per-matrix
+    global scale shared by gate and up of one expert (NVFP4: one global scale per expert matrix)."""
+    import dataclasses
+
+    from miles_lp.train.operands import select_expert, select_expert_rows, select_rows
+
+    w = torch.randn(3, 64, 64)
+    w[1, 40:] *= 8  # expert 1's up rows dominate its amax: a split that took the block's own would differ
+    if case == "mxfp8":
+        q = formats.quantize_mxfp8(w)
+    else:
+        q = formats.quantize_nvfp4(w, scale_scope="tensor" if case == "nvfp4_tensor" else "row")
+    got = select_expert_rows(q, 2)
+    assert len(got) == 6
+    for i, g in enumerate(got):
+        e, p = divmod(i, 2)
+        want = select_rows(select_expert(q, e), slice(32 * p, 32 * (p + 1)))
+        assert type(g) is type(want)
+        for f in dataclasses.fields(want):
+            a, b = getattr(g, f.name), getattr(want, f.name)
+            if isinstance(b, torch.Tensor):
+                assert (a.shape, a.dtype, a.stride(), a.data_ptr()) == (b.shape, b.dtype, b.stride(), b.data_ptr()), \
+                    f.name
+                assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), f.name
+            else:
+                assert a == b, f.name
+        assert torch.equal(g.dequantize(torch.float32), want.dequantize(torch.float32))
+    if case == "nvfp4_tensor":
+        assert got[2].global_scale.data_ptr() == got[3].global_scale.data_ptr()  # gate and up of expert 1
+        assert not torch.equal(got[0].global_scale, got[2].global_scale)
+    with pytest.raises(ValueError, match="does not split into 3 row blocks"):
+        select_expert_rows(q, 3)
