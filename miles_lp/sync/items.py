@@ -51,8 +51,10 @@ def group_key(name: str, layout: Any = None) -> str:
     return module or name
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True, eq=False)  # not frozen: a frozen init costs ~5x (~2 us per item, ~1,200 per sync)
 class Item:
+    """One engine tensor of a sync (never mutated once built)."""
+
     name: str  # the engine's on-disk tensor name
     tensor: torch.Tensor
     source: str  # the canonical learner name it came from

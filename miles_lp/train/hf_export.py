@@ -65,7 +65,9 @@ def hf_named_tensors(model: torch.nn.Module, layout, quantized: Mapping[str, Any
             if t.numel() and key in storages:
                 continue
             storages.add(key)
-        if len(members) > 1 or (info.kind == "fused" and t.dim() == 3):
+        if len(members) > 1 and all(m in quantized for m in members):
+            pieces = [(m, None) for m in members]  # every member exports its grid: no views of the master needed
+        elif len(members) > 1 or (info.kind == "fused" and t.dim() == 3):
             pieces = split_fused(t, members)
         else:
             pieces = [(members[0], t)]
