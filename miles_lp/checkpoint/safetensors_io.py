@@ -194,6 +194,7 @@ class CheckpointFiles:
     files: list[Path]  # in the index's (or sorted) order
     tensors: dict[str, TensorHeader]  # in file order, then offset order
     index: dict | None
+    ignored: dict[Path, str] = dataclasses.field(default_factory=dict)  # other *.safetensors of root -> why not read
 
     @property
     def total_bytes(self) -> int:
@@ -202,17 +203,46 @@ class CheckpointFiles:
     def names_in_file(self, path: Path) -> list[str]:
         return [n for n, h in self.tensors.items() if h.file == path]
 
+    def ignored_note(self) -> str:
+        """``"a.safetensors (why); b.safetensors (why)"`` for the files not read, or ``""``."""
+        return "; ".join(f"{p.name} ({why})" for p, why in self.ignored.items())
 
-def open_checkpoint(root: str | Path) -> CheckpointFiles:
-    """Read every shard's header and check the index against the shards (names and files).
 
-    Layouts accepted: ``model.safetensors.index.json`` + exactly the shards it names, or a single
-    ``model.safetensors`` (alone: other ``*.safetensors`` next to it are not read), or (neither) every
-    ``*.safetensors`` in the folder.
+def weight_candidates(root: Path) -> list[Path]:
+    """The folder's ``*.safetensors`` files, sorted; hidden ones (``._model.safetensors`` AppleDouble copies,
+    editor temps) are never weights."""
+    return sorted(p for p in root.glob("*.safetensors") if p.is_file() and not p.name.startswith("."))
+
+
+def _names(paths: list[Path], limit: int = 6) -> str:
+    shown = ", ".join(p.name for p in paths[:limit])
+    return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
+
+
+def select_weight_files(root: str | Path) -> tuple[list[Path], dict[Path, str], dict | None]:
+    """Which ``*.safetensors`` files of ``root`` are the model: ``(files, ignored {path: why}, index)``.
+
+    The one rule every reader follows (review L13), the one Hugging Face transformers and vLLM agree on:
+
+    1. ``model.safetensors.index.json``: exactly the shards its ``weight_map`` names (vLLM's
+       ``filter_duplicate_safetensors_files``; transformers loads the index's files). A shard it names that is
+       missing is an error naming the index and the shard. Other ``*.safetensors`` (Mistral's
+       ``consolidated.safetensors`` next to the HF shards, a leftover copy) are not read.
+    2. No index, ``model.safetensors``: that file alone (transformers' single-file checkpoint).
+    3. No index, no ``model.safetensors``, exactly one ``*.safetensors``: that file.
+    4. No index, no ``model.safetensors``, several: an error naming the folder and the files. A glob would mix
+       foreign names (``consolidated.safetensors`` holds Mistral's native ``layers.0.attention.wq.weight``) or a
+       second copy of every tensor into the model; transformers refuses such a folder (no ``model.safetensors``),
+       vLLM would load every file (or, with a ``consolidated*.safetensors`` among them, only those, as Mistral's
+       format).
+
+    An index and a ``model.safetensors`` it does not name are an error too: transformers checks for
+    ``model.safetensors`` first and would load it (our learner loads through transformers), vLLM and this
+    converter the index's shards, so the two sides would hold different models.
     """
     root = Path(root)
     index_path = root / INDEX_NAME
-    index = None
+    present = weight_candidates(root)
     if index_path.exists():
         try:
             index = json.loads(index_path.read_text())
@@ -228,15 +258,40 @@ def open_checkpoint(root: str | Path) -> CheckpointFiles:
                 names = [n for n, v in weight_map.items() if root / v == f]
                 raise CheckpointError(f"{index_path}: names shard '{f.name}' (for {len(names)} tensors, e.g. "
                                       f"'{names[0]}'), which does not exist in {root}")
-    elif (root / SINGLE_NAME).is_file():
-        # a single-file checkpoint is model.safetensors alone, as transformers loads it: another *.safetensors
-        # next to it (Mistral's consolidated.safetensors, a leftover) is not part of the model (review L13)
+        single = root / SINGLE_NAME
+        if single.is_file() and single not in files:
+            raise CheckpointError(
+                f"{root}: holds both {INDEX_NAME} (naming {_names(sorted(files))}) and {SINGLE_NAME}, which the index does "
+                f"not name: transformers would load {SINGLE_NAME}, vLLM and miles-lp the index's shards, so "
+                f"which is the model is ambiguous; remove {SINGLE_NAME}, or the index and its shards")
+        ignored = {p: f"weights not read: {INDEX_NAME} does not name them" for p in present if p not in files}
+        return files, ignored, index
+    if (root / SINGLE_NAME).is_file():
         files = [root / SINGLE_NAME]
-    else:
-        files = sorted(root.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"{root}: no safetensors weights (neither {INDEX_NAME} nor *.safetensors); "
-                                  "convert from a Hugging Face checkpoint saved with safe_serialization")
+        ignored = {p: f"weights not read: no {INDEX_NAME}, so the model is {SINGLE_NAME} alone, as transformers "
+                      "loads it"
+                   for p in present if p not in files}
+        return files, ignored, None
+    if not present:
+        raise CheckpointError(f"{root}: no safetensors weights (neither {INDEX_NAME} nor *.safetensors); "
+                              "convert from a Hugging Face checkpoint saved with safe_serialization")
+    if len(present) > 1:
+        mistral = [p.name for p in present if p.name.startswith("consolidated")]
+        hint = (f" ({', '.join(mistral)} is Mistral's native format, with its own tensor names: vLLM reads it "
+                "instead of the HF shards; miles-lp reads the HF shards)" if mistral else "")
+        raise CheckpointError(
+            f"{root}: {len(present)} *.safetensors files ({_names(present)}) and neither {INDEX_NAME} nor "
+            f"{SINGLE_NAME}: cannot tell which files are the model{hint}. Add the {INDEX_NAME} that names the "
+            "shards (save_pretrained writes it), or remove the files that are not part of the model")
+    return present, {}, None
+
+
+def open_checkpoint(root: str | Path) -> CheckpointFiles:
+    """Read the model's shards' headers (``select_weight_files``: the index's shards, or ``model.safetensors``,
+    or the one ``*.safetensors``) and check the index against the shards (names and files)."""
+    root = Path(root)
+    index_path = root / INDEX_NAME
+    files, ignored, index = select_weight_files(root)
     tensors: dict[str, TensorHeader] = {}
     for f in files:
         fh = read_header(f)
@@ -255,7 +310,7 @@ def open_checkpoint(root: str | Path) -> CheckpointFiles:
         if extra:
             raise CheckpointError(f"{index_path}: shards hold {len(extra)} tensors the index does not name "
                                   f"(e.g. '{extra[0]}'); the index is stale")
-    return CheckpointFiles(root, files, tensors, index)
+    return CheckpointFiles(root, files, tensors, index, ignored)
 
 
 class ShardWriter:

@@ -17,6 +17,7 @@ from miles_lp.checkpoint.safetensors_io import (
     CheckpointFiles,
     TensorHeader,
     open_checkpoint,
+    weight_candidates,
 )
 from miles_lp.errors import CheckpointError, ConfigError, LayoutError
 
@@ -79,9 +80,10 @@ class SourceCheckpoint:
         the output; remote code that config.json's or tokenizer_config.json's ``auto_map`` names but the folder
         lacks is listed too."""
         converted = {p.name for p in self.files.files} | {INDEX_NAME, "config.json"}
+        ignored = {p.name: why for p, why in self.files.ignored.items()}  # other *.safetensors: why not read (L13)
         out = []
         for p in sorted(self.root.iterdir()):
-            why = side_file_verdict(p)
+            why = ignored.get(p.name) or side_file_verdict(p)
             if why is not None and p.name not in converted:
                 out.append(f"{p.name}{'/' if p.is_dir() else ''} ({why})")
         named = {m: "config.json" for m in auto_map_modules(self.config)}
@@ -171,17 +173,18 @@ def validate_source(root: str | Path) -> SourceCheckpoint:
 
 def read_safetensors_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
     """Names and shapes from safetensors headers only (no tensor data is read), through the converter's
-    index-aware reader (``open_checkpoint``): with ``model.safetensors.index.json`` exactly the shards it names
-    are read, a shard it names that is missing, or a tensor it names that no shard holds, is a
-    ``CheckpointError`` naming the index and the shard (review L13: a glob gave a silently partial plan, and a
-    stray ``consolidated.safetensors`` next to the shards was read too); a corrupt or truncated file is a
-    ``CheckpointError`` naming it."""
+    index-aware reader (``open_checkpoint``, whose ``select_weight_files`` picks the files): with
+    ``model.safetensors.index.json`` exactly the shards it names are read, a shard it names that is missing, or a
+    tensor it names that no shard holds, is a ``CheckpointError`` naming the index and the shard (review L13: a
+    glob gave a silently partial plan, and a stray ``consolidated.safetensors`` next to the shards was read too);
+    without an index, ``model.safetensors`` alone, else the one ``*.safetensors``, and several are an error; a
+    corrupt or truncated file is a ``CheckpointError`` naming it."""
     return {name: h.shape for name, h in open_checkpoint(model_dir).tensors.items()}
 
 
 def has_safetensors(model_dir: Path) -> bool:
-    """The folder holds weights the converter would read (an index, or any ``*.safetensors``)."""
-    return (model_dir / INDEX_NAME).exists() or any(model_dir.glob("*.safetensors"))
+    """The folder holds weights the converter would read (an index, or any non-hidden ``*.safetensors``)."""
+    return (model_dir / INDEX_NAME).exists() or bool(weight_candidates(model_dir))
 
 
 def load_model_layout(model: str | Path, include_mtp: bool = False):
@@ -203,7 +206,11 @@ def load_model_layout(model: str | Path, include_mtp: bool = False):
     try:
         layout = get_layout(config)
         if path.is_dir() and has_safetensors(path):
-            return layout, read_safetensors_shapes(path), f"safetensors headers in {path}"
+            files = open_checkpoint(path)
+            where = f"safetensors headers in {path}"
+            if files.ignored:  # named, never silent (L13): e.g. Mistral's consolidated.safetensors
+                where += f" (other files: {files.ignored_note()})"
+            return layout, {name: h.shape for name, h in files.tensors.items()}, where
         return layout, layout.synthesize(include_mtp=include_mtp), f"synthesized from {cfg_path}"
     except LayoutError as exc:
         raise LayoutError(f"--model {cfg_path}: {exc}") from None

@@ -399,7 +399,15 @@ def _check_index(ctx: _Ctx, report: VerifyReport) -> None:
     except MilesLPError as exc:
         report.add("index", FAIL, str(exc))
         return
-    report.add("index", PASS, f"{len(ctx.files.files)} shards, {len(ctx.files.tensors)} tensors, headers valid")
+    row = f"{len(ctx.files.files)} shards, {len(ctx.files.tensors)} tensors, headers valid"
+    mistral = [p.name for p in ctx.files.ignored if p.name.startswith("consolidated")]
+    if mistral:  # vLLM's load_format auto switches to Mistral's format when one exists, whatever the index says
+        report.add("index", FAIL, f"{row}, but the folder also holds {', '.join(mistral)}, which is not part of this "
+                                  "output: vLLM then loads Mistral's consolidated*.safetensors instead of the index's "
+                                  "shards; remove it")
+        return
+    note = f"; other files: {ctx.files.ignored_note()}" if ctx.files.ignored else ""  # named, not read (L13)
+    report.add("index", PASS, row + note)
 
 
 def _check_tensors(ctx: _Ctx, report: VerifyReport) -> None:
@@ -673,7 +681,8 @@ def _check_source(ctx: _Ctx, report: VerifyReport, source: Path) -> None:
         report.add("source", FAIL, f"{source} is not the checkpoint that was converted (sha256 differs for "
                                    f"{sorted({n for n, _ in diff})[:4]}); comparisons below are against it anyway")
     else:
-        report.add("source", PASS, f"{len(actual)} source files match the recorded sha256")
+        note = f" (other files, as convert read it: {src.files.ignored_note()})" if src.files.ignored else ""
+        report.add("source", PASS, f"{len(actual)} source files match the recorded sha256{note}")
     trained = _trained_steps(ctx.record)
     if trained:
         why = (f"an export of a learner trained {trained} optimizer step(s) past --source: its weights are not the "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -64,12 +65,14 @@ def _headers(root: Path) -> dict[str, TensorHeader]:
     naming the index and the shard; review L13: a glob served a partial model, or a stray extra file's tensors)."""
     from safetensors import safe_open
 
-    from miles_lp.checkpoint.safetensors_io import INDEX_NAME, open_checkpoint
+    from miles_lp.checkpoint.safetensors_io import INDEX_NAME, open_checkpoint, weight_candidates
 
-    if not (root / INDEX_NAME).exists() and not any(root.glob("*.safetensors")):
+    if not (root / INDEX_NAME).exists() and not weight_candidates(root):
         raise CheckpointError(f"{root}: no *.safetensors files (the engine loads safetensors only, never pickle)")
 
-    files = open_checkpoint(root)
+    files = open_checkpoint(root)  # which files: safetensors_io.select_weight_files, the converter's rule
+    if files.ignored:  # never silent (L13); a stray file is not served
+        warnings.warn(f"{root}: not serving {files.ignored_note()}", stacklevel=3)
     for f in files.files:  # the loader reads through safetensors itself: it must see the names our parser saw
         with safe_open(str(f), framework="pt") as sf:
             theirs = set(sf.keys())
