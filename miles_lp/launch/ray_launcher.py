@@ -16,6 +16,9 @@ Engine failure: if the rollout actor dies while generating, the run starts a new
 does a full resync (``WeightSync.initial_sync``: every tensor, full byte compare) and re-runs the step (no
 update happened yet, so nothing is lost and nothing is applied twice). If it dies after the update (in the
 sync), the run writes a checkpoint of the updated learner and stops with an error naming it: resume from it.
+At start, resume and every restart the actor's engine gets ``c3_rotation_base`` = the run's syncs before it
+started (``runner._rotation_base`` through the proxy, which sets the attribute in the actor), so C3's rotating
+layer is the one a straight run probes at that sync, as in process.
 """
 
 from __future__ import annotations
@@ -122,6 +125,13 @@ class EngineWorker(EngineSyncSide):
     def get(self, name: str):
         return pack(getattr(self.engine, name))
 
+    def set(self, name: str, value) -> None:
+        """Set one of the engine's own plain attributes (``c3_rotation_base``: the driver's run count); a name the
+        engine does not have is refused, so a typo cannot add state the engine never reads."""
+        if name.startswith("_") or not hasattr(self.engine, name) or callable(getattr(self.engine, name)):
+            raise AttributeError(f"the engine ({type(self.engine).__name__}) has no attribute {name!r} to set")
+        setattr(self.engine, name, unpack(value))
+
     def pid(self) -> int:
         import os
 
@@ -207,11 +217,26 @@ class ReferenceProxy:
 
 
 class EngineProxy:
-    """Every ``Engine`` method forwarded to the rollout actor; a dead actor raises ``EngineDied``."""
+    """Every ``Engine`` method forwarded to the rollout actor; a dead actor raises ``EngineDied``. The engine's
+    plain attributes are read from the actor and set in it (``proxy.c3_rotation_base = n`` sets the actor's
+    engine's, as ``runner._rotation_base`` does in process); the proxy's own (``actor``, ...) stay here."""
+
+    _OWN = frozenset({"actor", "_methods", "_attrs"})
 
     def __init__(self, actor):
         self.actor = actor
         self._learn_surface()
+
+    def __setattr__(self, name, value):
+        if name in EngineProxy._OWN or name not in self.__dict__.get("_attrs", ()):
+            object.__setattr__(self, name, value)
+            return
+        import ray
+
+        try:
+            ray.get(self.actor.set.remote(name, pack(value)))
+        except ray.exceptions.RayActorError as exc:
+            raise EngineDied(f"the rollout actor died while setting {name} ({type(exc).__name__})", name) from exc
 
     def _learn_surface(self) -> None:
         import ray
@@ -320,6 +345,7 @@ class RayRun:
 
         from miles_lp.launch.model import prepare_model, vocab_size
         from miles_lp.launch.runner import (
+            _rotation_base,
             _target,
             check_answerable,
             check_task_fits,
@@ -381,6 +407,7 @@ class RayRun:
         self.sync.sentinel.load_state_dict(loop_state.get("sentinel") or {})
         self.initial = self.sync.initial_sync(self.learner)
         self.version_offset = int(loop_state.get("engine_weight_version", 0))
+        _rotation_base(self.engine, self.version_offset)  # in the actor's engine, before the first step's sync
         self.restarts = 0
         self.step = start_step
         self.parts = StepParts(learner=self.learner, engine=self.engine, sync=self.sync, task=self.task,
@@ -397,8 +424,11 @@ class RayRun:
         return actor
 
     def restart_engine(self) -> None:
-        """A fresh rollout actor in the same bundle, recorded anew by the sync, then a full resync."""
+        """A fresh rollout actor in the same bundle, recorded anew by the sync, then a full resync; its engine's
+        ``c3_rotation_base`` set to the run's sync count (as ``Run.restart_engine`` does in process)."""
         import ray
+
+        from miles_lp.launch.runner import _rotation_base
 
         try:
             ray.kill(self.engine_actor)
@@ -414,6 +444,7 @@ class RayRun:
             self.sync.connect(self.engine_actor)
         self.initial = self.sync.initial_sync(self.learner)
         self.version_offset += served
+        _rotation_base(self.engine, self.version_offset)  # the fresh actor's engine counts from its own start
 
     def checkpoint(self) -> Path:
         import ray

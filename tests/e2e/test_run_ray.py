@@ -135,3 +135,61 @@ def test_engine_dying_inside_the_sync_checkpoints_the_updated_learner(tmp_path):
     assert out["steps"] == 3
     # step 1 updated the learner but never finished (its sync died): no metrics row for it, as in-process
     assert [r["step"] for r in rd.read_metrics()] == [0, 2]
+
+
+def test_c3_rotation_continues_across_engine_restart_and_resume(tmp_path, monkeypatch):
+    """C3's rotating layer is picked by the engine's weight version + its ``c3_rotation_base``; a restarted or
+    resumed rollout actor's engine counts its versions from its own start, so the launcher sets the actor's base
+    to the run's sync count (as the in-process runner does). Straight 3 steps, the engine killed after step 0,
+    and 2 steps + resume: every step's sync probes the same rotating layer with the same figure, the actor's
+    engine holds the base the run's count says, and every deterministic metric equals the straight run's."""
+    import ray
+
+    from miles_lp.launch.ray_launcher import run_with_ray
+    from miles_lp.launch.runner import deterministic_metrics
+    from miles_lp.sync import checks
+
+    probed: list[tuple[str, float] | None] = []  # the rotating layer of every C3 the driver's WeightSync judged
+    judge = checks.self_check
+
+    def spy(result, tolerance):
+        rot = [(n, float(v["rel_err"])) for n, v in ((result or {}).get("layers") or {}).items()
+               if isinstance(v, dict) and v.get("kind") == "rotating"]
+        probed.append(rot[0] if rot else None)
+        return judge(result, tolerance)
+    monkeypatch.setattr(checks, "self_check", spy)
+
+    def run(name, steps, kill_after=None, resume=None):
+        seen = []
+
+        def on_step(r, m):  # r.step: the next step; probed[-1]: the sync of the step just finished
+            seen.append((r.step - 1, probed[-1], r.engine.c3_rotation_base,
+                         r.engine.weight_version + r.engine.c3_rotation_base))
+            if kill_after is not None and r.step == kill_after + 1:
+                ray.kill(r.engine_actor)
+        p = tmp_path / f"{name}.yaml"
+        p.write_text(RECIPE.replace("OUT", str(tmp_path / "runs")))
+        recipe = load_recipe(p, ["ray.enabled=true", "ray.placement=split", f"steps={steps}"])
+        out = run_with_ray(recipe, run_name=name, resume=resume, progress=False, on_step=on_step)
+        return out, seen
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)  # one cluster for the four runs
+    try:
+        _, straight = run("straight", 3)
+        out, restarted = run("restarted", 3, kill_after=0)
+        run("two", 2)
+        _, resumed = run("two", 3, resume=str(tmp_path / "runs" / "two"))
+    finally:
+        ray.shutdown()
+    assert out["engine_restarts"] == 1 and [s for s, *_ in restarted] == [0, 1, 2] and [s for s, *_ in resumed] == [2]
+    layers = [p for _, p, _, _ in straight]
+    assert all(layers) and len({n for n, _ in layers}) == 3, layers  # the rotation moves: a shift would show
+    by_step = {s: (p, v) for s, p, _, v in straight}
+    assert {s: (p, v) for s, p, _, v in restarted} == by_step
+    assert {s: (p, v) for s, p, _, v in resumed} == {2: by_step[2]}
+    assert [b for _, _, b, _ in straight] == [0, 0, 0]
+    assert [b for _, _, b, _ in restarted] == [0, 1, 1]  # the restarted engine's own count starts after 1 sync
+    assert [b for _, _, b, _ in resumed] == [2]  # resumed at step 2: 2 syncs before this engine
+    rows = {n: deterministic_metrics(RunDir(tmp_path / "runs" / n).read_metrics()) for n in ("straight", "two")}
+    assert rows["two"] == rows["straight"]
+    assert all(r["sync/check/self_check"] == 1.0 for r in rows["straight"])
