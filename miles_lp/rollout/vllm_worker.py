@@ -29,12 +29,14 @@ def _reload(worker, tensors):
 
 
 def _checkpoint_tensors(folder: str) -> dict:
-    from pathlib import Path
-
+    """Every tensor of the model in ``folder``: the files ``select_weight_files`` names (the index's shards, else
+    ``model.safetensors``; never a stray ``consolidated.safetensors`` with foreign names)."""
     from safetensors.torch import load_file
 
+    from miles_lp.checkpoint.safetensors_io import select_weight_files
+
     out: dict = {}
-    for f in sorted(Path(folder).glob("*.safetensors")):
+    for f in select_weight_files(folder)[0]:
         out.update(load_file(str(f)))
     return out
 
