@@ -2,7 +2,7 @@
 
 import pytest
 
-from miles_lp.bench.sync import contract_floor
+from miles_lp.bench.sync import contract_floor, target_verdict
 
 
 def test_contract_floor_mxfp8_with_bf16_rebuild_is_above_3x_and_native_serving_below():
@@ -23,3 +23,13 @@ def test_contract_floor_counts_bf16_tensors_as_one_copy_each_way():
     reads them: 2.5x."""
     f = contract_floor(0, 1000, 1000, 0, 0)
     assert f["native"] == f["with_derived_state"] == 2.5
+
+
+def test_target_verdict_says_met_or_missed_and_what_the_floor_allows():
+    floor = {"contract": {"with_derived_state": 4.0, "native": 2.86}}
+    line = target_verdict({"format": "mxfp8", "ratio": 41.8, "check_share": 0.11, "floor": floor})
+    assert "sync 41.8x the copy (missed)" in line and "4.00x, so no implementation serving this way meets 3x" in line
+    assert "checks 11.0% (missed)" in line
+    ok = target_verdict({"format": "mxfp8", "ratio": 2.5, "check_share": 0.01,
+                         "floor": {"contract": {"with_derived_state": 2.4, "native": 2.0}}})
+    assert "(met)" in ok and "no implementation" not in ok and "checks 1.0% (met)" in ok
