@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import re
 
+from miles_lp.cli import args as cli_args
+
 HELP = "time QuantLinear forward+backward per backward mode against bf16 F.linear (CUDA)"
 DESCRIPTION = HELP + (
     "\n\nShapes: 'large' = 8192x8192x8192, 'small' = 2048x4096x4096 (tokens x out x in), 'tiny' = 256x512x512, "
@@ -30,7 +32,7 @@ MODES = [("mxfp8", "high_precision"), ("mxfp8", "dequantized"), ("mxfp8", "quant
 
 def add_arguments(p) -> None:
     p.add_argument("--shapes", default="large,small", help="comma list of large|small|tiny|MxNxK (default: %(default)s)")
-    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke run)")
+    p.add_argument("--device", type=cli_args.torch_device, default="cuda", help="cuda (default) or cpu (smoke run)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--modes", default="all", help="comma list of fmt/backward, e.g. mxfp8/dequantized (default: all)")

@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from miles_lp.cli import args as cli_args
+
 HELP = "measure quantize throughput (MXFP8 eager / compiled vs torchao) and NVFP4 agreement with torchao"
 DESCRIPTION = __doc__
 
@@ -27,7 +29,7 @@ def add_arguments(p) -> None:
     p.add_argument("--rows", type=int, default=8192, help="rows of the input tensor (default 8192)")
     p.add_argument("--cols", type=int, default=8192, help="columns (K, a multiple of 32; default 8192)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="input dtype")
-    p.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda, cuda:1, ...")
+    p.add_argument("--device", type=cli_args.torch_device, default="cpu", help="torch device: cpu (default), cuda, cuda:1, ...")
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions; the best is reported")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile path (compiles once)")
     p.add_argument("--no-torchao", action="store_true", help="skip the torchao anchor")

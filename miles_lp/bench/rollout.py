@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import time
 
+from miles_lp.cli import args as cli_args
+
 HELP = "generated tokens/s at batch 32: reference engine vs transformers generate (and vLLM CPU where installed)"
 DESCRIPTION = HELP + """
 
@@ -30,7 +32,7 @@ DESCRIPTION = HELP + """
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="tiny", choices=("tiny", "0.5b"), help="tiny (default) or 0.5b (random)")
-    p.add_argument("--device", default="cpu", help="cpu (default) | cuda")
+    p.add_argument("--device", type=cli_args.torch_device, default="cpu", help="cpu (default) | cuda")
     p.add_argument("--num-layers", type=int, default=None,
                    help="override the model's decoder layers (e.g. a 1-layer 0.5b smoke run on CPU)")
     p.add_argument("--batch", type=int, default=32)

@@ -15,10 +15,38 @@ DESCRIPTION = HELP + """
 """
 
 
+COST_DESCRIPTION = """What a low-precision recipe costs and saves per training stage, from runs you already made.
+
+Per stage (tokens/<stage> per step, T), fits t = F + c*T across each run's steps (the first --skip steps left
+out), with intervals from resampling steps; compares every run with the base (--base, default the first
+RUN_DIR) and prints the break-even tokens per micro-batch: the added fixed cost per micro-batch over the saved
+cost per token. Writes cost.json and cost_fit.png to --out.
+
+  miles-lp run recipes/tiny-bf16.yaml --run-name tiny-bf16
+  miles-lp run recipes/tiny-mxfp8.yaml --run-name tiny-mxfp8
+  miles-lp experiment cost runs/tiny-bf16 runs/tiny-mxfp8 --out /tmp/cost
+"""
+
+MATCHING_DESCRIPTION = """Which sampler matches an MXFP8 learner (seed 000's Table 2), at learning rate 0.
+
+The weights never change and every step generates from the same prompts, so differences are the samplers'
+alone. Five arms: a BF16 learner with a BF16 sampler (the control), then an MXFP8 learner with the shared-grid
+sampler, one with gate_up kept BF16, a BF16 sampler, and a sampler on a different grid; per arm, rollout_corr/kl
+with paired bootstrap intervals over prompts. Writes matching.json, matching.md and matching.png to --out.
+
+  miles-lp experiment matching recipes/tiny-mxfp8.yaml --out /tmp/matching
+  miles-lp experiment matching recipes/tiny-mxfp8.yaml --arms "shared grid,bf16 sampler" --steps 3
+"""
+
+
 def add_arguments(p) -> None:
     sub = p.add_subparsers(dest="experiment", metavar="EXPERIMENT", required=True)
-    c = sub.add_parser("cost", help="fit t = F + c*T per stage; break-even tokens per micro-batch")
-    c.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    import argparse
+
+    c = sub.add_parser("cost", help="fit t = F + c*T per stage; break-even tokens per micro-batch",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, description=COST_DESCRIPTION)
+    c.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                   help="run folders written by `miles-lp run` (their metrics.jsonl); the first is the base")
     c.add_argument("--base", default=None, help="name of the base (BF16) run; default the first RUN_DIR")
     c.add_argument("--names", nargs="+", default=None, help="display names, one per RUN_DIR")
     c.add_argument("--skip", type=int, default=1, help="warm-up steps left out of the fit (default 1)")
@@ -31,8 +59,9 @@ def add_arguments(p) -> None:
     c.add_argument("--sizes", default="64,128,256,1024,8192",
                    help="micro_batch_tokens of the sweep (default 64,128,256,1024,8192)")
     c.add_argument("--repeats", type=int, default=2, help="timed update passes per size (default 2)")
-    m = sub.add_parser("matching", help="seed 000's Table 2: sampler pairings at learning rate 0")
-    m.add_argument("recipe", metavar="RECIPE")
+    m = sub.add_parser("matching", help="seed 000's Table 2: sampler pairings at learning rate 0",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, description=MATCHING_DESCRIPTION)
+    m.add_argument("recipe", metavar="RECIPE", help="the MXFP8 learner's recipe YAML (e.g. recipes/tiny-mxfp8.yaml)")
     m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe overrides")
     m.add_argument("--steps", type=int, default=6, help="steps pooled (the same prompts each step; default 6)")
     m.add_argument("--prompts", type=int, default=None, help="prompts per step (default: the recipe's)")

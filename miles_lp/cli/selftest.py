@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from miles_lp.cli import args as cli_args
+
 HELP = "inject each known weight-sync failure into the embedded stack and show which check catches it"
 DESCRIPTION = HELP + """
 
@@ -32,7 +34,7 @@ def add_arguments(p) -> None:
                    help="turn a check off (repeatable), e.g. --off self_check: its faults are then reported MISSED "
                         "and the exit code is 1 (shows the selftest can fail)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the table as JSON")
-    p.add_argument("--device", default="cpu",
+    p.add_argument("--device", type=cli_args.torch_device, default="cpu",
                    help="where the learner, the engine and the staging buffer run (default cpu; cuda: the sync's "
                         "kernel paths, C2 and C4 from one engine call with its cached digest launch)")
     p.add_argument("--workdir", default=None, help="where to build the tiny model and checkpoints (default: temp)")
@@ -65,6 +67,12 @@ def run(args) -> int:
     bad = [c for c in args.off if c not in CHECKS]
     if bad:
         raise ConfigError(f"--off {bad[0]}: no such check; known: {', '.join(CHECKS)}")
+    from miles_lp.sync.selftest import FAULTS
+
+    unmatched = [o for o in args.only or () if not any(o in f.name for f in FAULTS)]
+    if unmatched:  # a typo would otherwise test nothing and print PASS
+        raise ConfigError(f"--only {unmatched[0]!r} matches no fault; the faults are: "
+                          + "; ".join(f.name for f in FAULTS))
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"--device {args.device}: CUDA is not available here; use --device cpu")
     if args.threads < 1:

@@ -9,7 +9,11 @@ HELP = "print miles-lp's version and which optional backends are importable"
 DESCRIPTION = HELP + """
 
 Backends that are missing are not errors: every format has an exact PyTorch emulation, so miles-lp runs
-on CPU. Native backends (Transformer Engine, SGLang, FlashInfer) are used when present.
+on CPU. Being installed does not make a backend used; the recipe chooses: Transformer Engine with
+`train.backend: megatron` + `train.megatron.impl: transformer_engine` (its MXFP8/NVFP4 GEMMs need Blackwell),
+SGLang with `rollout.backend: sglang` (an SGLang server), vLLM with `rollout.backend: vllm` (its own
+interpreter: the `vllm engine` line), Ray with `ray.enabled: true`; Triton runs the GPU kernels on CUDA.
+FlashInfer is listed only to show what is installed: no code path imports it.
 
   miles-lp version
   miles-lp --version          # the version line only

@@ -61,6 +61,26 @@ class StageTimer:
             self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - t0
 
 
+def _report_sentinel_without_sync(sync: Any, v: Any, step: int, m: dict[str, Any]) -> None:
+    """A step without an optimizer step (every group dropped) runs no sync, so its sentinel verdict (C6) is put in
+    its metrics and log line here, and fails the step in raise mode, as a sync would have."""
+    from miles_lp.sync.verdict import STATUS_VALUE
+
+    m["sync/check/sentinel"] = STATUS_VALUE[v.status]
+    if v.figure is not None:
+        m["sync/check/sentinel/figure"] = float(v.figure)
+    if not v.failed:
+        return
+    mode = sync.mode("sentinel") if callable(getattr(sync, "mode", None)) else "warn"
+    line = f"step {step} (no optimizer step, no sync): {v.short()} | FAILED: {v.describe()}"
+    log = getattr(sync, "log", None)
+    if callable(log):
+        log(line)
+    if mode == "raise":
+        raise RunError(f"step {step}: {v.describe()} (sync.checks.sentinel: raise; the step ran no optimizer step, "
+                       "so no sync reported it)")
+
+
 def step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step * 7919 + 1) % (2**31 - 1)
 
@@ -168,6 +188,8 @@ def grpo_step(p: StepParts, step: int) -> dict[str, float]:
         m.update({k: float(v) for k, v in dict(report.metrics).items() if isinstance(v, int | float)})
         t.seconds["checks"] = min(t.seconds["sync"], m.get("perf/sync_check_seconds", 0.0))
         t.seconds["sync"] -= t.seconds["checks"]  # the stages add up to the step
+    elif sentinel is not None:  # no sync reports this step's C6 verdict: the step does (review-6 M2)
+        _report_sentinel_without_sync(p.sync, sentinel.last, step, m)
     # 8. metrics
     capped = [g.finish_reason == "length" for g in gens]
     m.update({"reward/mean": float(scores.mean()), "reward/std": float(scores.std()), "reward/max": float(scores.max()),

@@ -203,14 +203,26 @@ def self_check(result: Mapping[str, Any] | None, tolerance: float) -> Verdict:
     # tensors, exactly 0 when healthy. The tolerance alone sees stale state only once the weights moved far
     # from what it was derived from (a wrong layout: ~1 at once; old weights after small steps: barely).
     # An entry without ``rel_err`` (the reference engine's rotating layer) is checked by ``fresh_diff`` alone.
-    errs = {n: float(e["rel_err"] if isinstance(e, Mapping) else e) for n, e in layers.items()
-            if not isinstance(e, Mapping) or "rel_err" in e}
-    fresh = {n: float(e["fresh_diff"]) for n, e in layers.items() if isinstance(e, Mapping) and "fresh_diff" in e}
+    # An entry with neither figure, or a figure that is not a number, fails: a layer nothing measured is no evidence.
+    errs: dict[str, float] = {}
+    fresh: dict[str, float] = {}
+    bad: list[str] = []
+    for n, e in layers.items():
+        entry = e if isinstance(e, Mapping) else {"rel_err": e}
+        if "rel_err" not in entry and "fresh_diff" not in entry:
+            bad.append(f"{n} (no figure reported: neither rel_err nor fresh_diff)")
+        for key, into in (("rel_err", errs), ("fresh_diff", fresh)):
+            if key in entry:
+                v = _number(entry[key])
+                if v is None:
+                    bad.append(f"{n} ({key} is not a number: {entry[key]!r})")
+                else:
+                    into[n] = v
     worst = max(errs.values(), key=lambda e: math.inf if not math.isfinite(e) else e) if errs else 0.0
-    bad = [f"{n} ({e:.4g})" for n, e in errs.items() if not (math.isfinite(e) and e <= tolerance)]
+    bad += [f"{n} ({e:.4g})" for n, e in errs.items() if not (math.isfinite(e) and e <= tolerance)]
     bad += [f"{n} (serving differs from a fresh derivation by {d:.3g})" for n, d in fresh.items() if d != 0]
     figs = ", ".join(f"{n.split('.', 2)[-1]}={e:.3g}" for n, e in errs.items())
-    extra = len(layers) - len(errs)
+    extra = len(set(fresh) - set(errs))
     figs += f" (+{extra} checked against a fresh derivation)" if extra else ""
     if bad:
         n_bad = len({b.split(" (", 1)[0] for b in bad})  # a layer can fail both ways: count it once
@@ -219,6 +231,13 @@ def self_check(result: Mapping[str, Any] | None, tolerance: float) -> Verdict:
                       "the synced weights (stale derived state?)", bad)
     how = (result or {}).get("graph")  # the reference engine: "graph replay" | "eager ..." (how it ran)
     return ok("self_check", worst, f"{len(layers)} layers within {tolerance}: {figs}" + (f" ({how})" if how else ""))
+
+
+def _number(v: Any) -> float | None:
+    """``v`` as a float when it is a real number (NaN / inf included: the tolerance fails those), else None."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) and not (isinstance(v, torch.Tensor) and v.numel() == 1):
+        return None
+    return float(v)
 
 
 # --- C4 ----------------------------------------------------------------------------------------------------

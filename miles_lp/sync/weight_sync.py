@@ -182,6 +182,7 @@ class WeightSync:
                               "in the engine's process and a miles_lp.sync.remote.RemoteEngine here")
         self.transport = transport
         self.sentinel = sentinel or Sentinel(self.config.sentinel)
+        self._sentinel_steps = self.sentinel.steps  # the steps it had seen at the last probe (a fresh step's verdict)
         self.log = log or logger.info
         self.probe_prompts = probe_prompts or [[1, 2, 3, 4]]
         self.fused_digest = False  # whether the last sync's C2 took the learner side from the transport's copy
@@ -565,11 +566,21 @@ class WeightSync:
         kl = rollout_kl([g.logprobs for g in gens], train)
         self.probe_kl = kl
         versions = {g.weight_version for g in gens}
-        v = self.sentinel.update(rollout_logprobs=[g.logprobs for g in gens], kl=kl)
+        # the probe judged on its own (a fresh Sentinel: one generation is not a step of the run's streaks), then
+        # combined with the RL step's verdict when a step fed the shared sentinel since the last sync: the probe
+        # must not hide the step's own failure (review-6 M2: NaN rollout log-probs reported as ok)
+        probe = Sentinel(self.sentinel.config).update(rollout_logprobs=[g.logprobs for g in gens], kl=kl)
         if versions != {self.expected_version}:
-            return failed("sentinel", kl, f"probe generations report weight version(s) {sorted(versions)}, "
-                          f"expected {self.expected_version}")
-        return v
+            probe = failed("sentinel", kl, f"probe generations report weight version(s) {sorted(versions)}, "
+                           f"expected {self.expected_version}")
+        step = self.sentinel.last if self.sentinel.steps > self._sentinel_steps else None
+        self._sentinel_steps = self.sentinel.steps
+        if step is not None and step.failed:
+            return dataclasses.replace(step, reason=f"{step.reason} (the RL step's rollouts; the probe: "
+                                       f"{probe.status})")
+        if probe.failed or step is None:
+            return dataclasses.replace(probe, reason="probe generation: " + probe.reason)
+        return dataclasses.replace(probe, reason=f"probe generation: {probe.reason}; the RL step: {step.reason}")
 
     # ---- reporting -------------------------------------------------------------------------------------
     def _abort(self, stage: str, exc: BaseException) -> bool:

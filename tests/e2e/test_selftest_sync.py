@@ -184,3 +184,10 @@ def test_storage_through_the_shared_engine_call_sees_a_data_swap_and_a_reregiste
         ws2.sync(stack.learner)
     v = err.value.report.verdict("storage")
     assert v.failed and f"{lin2.prefix}operand" in v.examples
+
+
+def test_only_that_matches_no_fault_is_refused_not_a_pass(capsys):
+    """review-6 L1: a typo in --only used to test nothing and print PASS with exit code 0."""
+    assert main(["selftest", "sync", "--arch", "qwen3", "--only", "typo"]) == 2
+    err = capsys.readouterr().err
+    assert "--only 'typo' matches no fault" in err and "re-bound parameter" in err

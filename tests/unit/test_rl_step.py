@@ -295,3 +295,42 @@ def test_aborted_groups_are_regenerated_then_dropped_and_counted():
     assert p.learner.calls == [] and p.sync.n == 0
     with pytest.raises(Exception, match=r"rl.abort_retries.: must be >= 0"):
         rl(abort_retries=-1)
+
+
+class _CapEngine(Engine):
+    """Every sample the same capped response: every group all-equal (dropped), every response at the length cap."""
+
+    def generate(self, inputs, sampling):
+        return [Generation([5, 5], torch.full((2,), -1.0), "length", self.weight_version) for _ in inputs]
+
+
+class _SentinelSync(Sync):
+    def __init__(self, engine, mode):
+        from miles_lp.sync.config import SentinelConfig
+        from miles_lp.sync.sentinel import Sentinel
+
+        super().__init__(engine)
+        self.sentinel, self._mode, self.lines = Sentinel(SentinelConfig(consecutive_steps=1)), mode, []
+
+    def mode(self, name):
+        return self._mode
+
+    def log(self, line):
+        self.lines.append(line)
+
+
+@pytest.mark.parametrize("mode", ["warn", "raise"])
+def test_a_step_without_a_sync_still_reports_its_sentinel_verdict(mode):
+    """review-6 M2: every group dropped -> no optimizer step, no sync; the step's C6 verdict (every response at the
+    length cap) is still in its metrics and log line, and fails the step in raise mode."""
+    import dataclasses
+
+    p = parts(rl(dynamic_sampling=True, group_size=2, prompts_per_step=1), engine=_CapEngine())
+    p = dataclasses.replace(p, sync=_SentinelSync(p.engine, mode))
+    if mode == "raise":
+        with pytest.raises(RunError, match=r"step 0: C6 sentinel: failed.*length cap.*no optimizer step"):
+            grpo_step(p, 0)
+        return
+    m = grpo_step(p, 0)
+    assert m["rl/optimizer_steps"] == 0.0 and p.sync.n == 0
+    assert m["sync/check/sentinel"] == 0.0 and "FAILED" in p.sync.lines[0] and "length cap" in p.sync.lines[0]

@@ -105,6 +105,16 @@ def test_self_check_tolerance_nan_and_skip():
     assert v.failed and "fresh derivation" in v.examples[0]
     v = checks.self_check({"layers": {}, "skipped": ["no quantized expert layer"]}, 0.25)
     assert v.status == "skipped" and "no quantized expert" in v.reason
+    # a layer entry nothing measured is no evidence (review-6 M3): neither figure, or a figure that is not a number
+    v = checks.self_check({"layers": {"m.layers.0.mlp.down_proj.weight": {"kind": "rotating", "format": "mxfp8"}}},
+                          0.25)
+    assert v.failed and "no figure reported" in v.examples[0]
+    v = checks.self_check({"layers": {"a.weight": 0.03, "b.weight": {"rel_err": None}}}, 0.25)
+    assert v.failed and v.examples == ("b.weight (rel_err is not a number: None)",)
+    v = checks.self_check({"layers": {"a.weight": {"fresh_diff": "0"}}}, 0.25)
+    assert v.failed and "fresh_diff is not a number" in v.examples[0]
+    v = checks.self_check({"layers": {"a.weight": 0.03, "r.weight": {"fresh_diff": 0.0}}}, 0.25)
+    assert v.ok and "(+1 checked against a fresh derivation)" in v.reason
 
 
 def test_storage_identity():

@@ -464,3 +464,51 @@ def test_a_repeated_layout_reuses_its_host_work_and_a_changed_one_is_validated_a
     with pytest.raises(SyncCheckError, match="model.norm.weight.*float32"):
         ws.sync(bad)
     assert ws._layout_cache is not lay
+
+
+class _ProbeEngine(StubEngine):
+    """StubEngine that also generates (the C6 probe): log-probs -1, or NaN with ``nan_probe``."""
+
+    nan_probe = False
+
+    def generate(self, prompts, sampling):
+        from miles_lp.rollout.engine import Generation
+
+        lp = torch.tensor([float("nan") if self.nan_probe else -1.0, -1.0])
+        return [Generation([5, 6], lp, "stop", self.weight_version) for _ in prompts]
+
+
+class _ProbeLearner(Learner):
+    def logprobs(self, seqs):
+        return [torch.full((len(s) - 1,), -1.0) for s in seqs], None
+
+
+def _probe_sync():
+    cfg = SyncConfig(bucket_mb=0.004, probe_tokens=2).with_modes(all="raise")
+    eng = _ProbeEngine()
+    ws = WeightSync(eng, _plan(), "sglang", cfg, env={}, log=lambda s: None)
+    ws.initial_sync(_ProbeLearner())
+    return eng, ws
+
+
+def test_sentinel_probe_does_not_hide_the_rl_steps_own_failure():
+    """review-6 M2: with ``probe_tokens > 0`` the RL step's verdict (here NaN rollout log-probs) still fails the sync
+    in raise mode; the probe is judged on its own and is not a step of the run's streaks."""
+    eng, ws = _probe_sync()
+    ws.sentinel.update(rollout_logprobs=[torch.tensor([float("nan"), -1.0])], kl=0.0, finish_reasons=["stop"])
+    steps = ws.sentinel.steps
+    with pytest.raises(SyncCheckError, match=r"sentinel: failed.*not finite.*the RL step's rollouts; the probe: ok"):
+        ws.sync(_ProbeLearner())
+    assert ws.sentinel.steps == steps  # the probe did not count as a step
+    # a healthy step next: ok, both named; no step since the last sync: the probe alone
+    ws.expected_version = eng.weight_version
+    ws.sentinel.update(rollout_logprobs=[torch.tensor([-1.0])], kl=0.0, finish_reasons=["stop"])
+    eng.resume()
+    v = ws.sync(_ProbeLearner()).verdict("sentinel")
+    assert v.ok and "probe generation" in v.reason and "the RL step" in v.reason
+    v = ws.sync(_ProbeLearner()).verdict("sentinel")
+    assert v.ok and "the RL step" not in v.reason
+    # the probe's own failure still fails
+    eng.nan_probe = True
+    with pytest.raises(SyncCheckError, match=r"sentinel: failed.*probe generation: 1 of 2 rollout log-probs"):
+        ws.sync(_ProbeLearner())
