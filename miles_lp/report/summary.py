@@ -1,7 +1,8 @@
 """The Markdown summary table of ``miles-lp report``: last-N means per run, per-stage time, tokens per second.
 
-Tokens per second: generated tokens per second of step time (``tokens/generate / timing_s/step``), and per
-stage ``tokens/<stage> / timing_s/<stage>`` (the stage's own throughput) for the stages that count tokens.
+Tokens per second: generated tokens per second of step time (the window's ``sum(tokens/generate) /
+sum(timing_s/step)``), and per stage ``sum(tokens/<stage>) / sum(timing_s/<stage>)`` (the stage's own throughput)
+for the stages that count tokens.
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ def last_mean(run: RunData, key: str, last: int) -> float:
 
 
 def rate(run: RunData, tokens_key: str, time_key: str, last: int) -> float:
-    """Mean of per-step ratios over the last ``last`` steps with both keys (and a positive time)."""
-    vals = []
+    """Tokens over time across the last ``last`` steps with both keys (and a positive time): ``sum(n) / sum(t)``,
+    not the mean of per-step ratios, which overstates throughput when step times vary (review-6 L9)."""
+    tokens = seconds = 0.0
     for r in run.rows[-last:]:
         t, n = r.get(time_key), r.get(tokens_key)
         if isinstance(t, int | float) and isinstance(n, int | float) and t > 0:
-            vals.append(n / t)
-    return sum(vals) / len(vals) if vals else math.nan
+            tokens += n
+            seconds += t
+    return tokens / seconds if seconds > 0 else math.nan
 
 
 def fmt(v: float) -> str:

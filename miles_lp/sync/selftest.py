@@ -153,8 +153,10 @@ class Stack:
         key = repr(mapping)
         if key not in self._ckpts:
             out = self.workdir / f"ckpt{len(self._ckpts)}"
-            convert_checkpoint(self.hf, out, self._policy(mapping), target=self.target, progress=False,
-                               log=lambda s: None)
+            # overwrite: the folder is this selftest's own (a --workdir reused from an earlier run holds one
+            # converted from an hf model rebuilt since; review-6 L10)
+            convert_checkpoint(self.hf, out, self._policy(mapping), target=self.target, overwrite=True,
+                               progress=False, log=lambda s: None)
             self._ckpts[key] = out
         return self._ckpts[key]
 

@@ -191,3 +191,11 @@ def test_only_that_matches_no_fault_is_refused_not_a_pass(capsys):
     assert main(["selftest", "sync", "--arch", "qwen3", "--only", "typo"]) == 2
     err = capsys.readouterr().err
     assert "--only 'typo' matches no fault" in err and "re-bound parameter" in err
+
+
+def test_a_reused_workdir_runs_again(tmp_path, capsys):
+    """review-6 L10: the second run in the same --workdir used to fail on its own ckpt0 ('pass --overwrite')."""
+    argv = ["selftest", "sync", "--arch", "qwen3", "--only", "lm_head", "--workdir", str(tmp_path / "w")]
+    assert main(argv) == 0
+    assert main(argv) == 0
+    assert capsys.readouterr().out.count("selftest sync: PASS") == 2
