@@ -48,6 +48,10 @@ def run(args) -> int:
     if args.prepare_engine and (args.resume or args.dry_run or args.run_name):
         raise ConfigError("--prepare-engine only writes the engine's checkpoint: pass it without --resume, "
                           "--dry-run and --run-name")
+    if args.resume:  # before the recipe is parsed or a Ray cluster starts: a folder that is no run is refused first
+        from miles_lp.launch.run_dir import RunDir
+
+        RunDir(args.resume).require_run()
     recipe = load_recipe(args.recipe, args.overrides)  # everything is validated before anything starts
     if args.prepare_engine:
         return _prepare_engine(recipe, args.recipe, args.prepare_engine, args.overrides)
@@ -74,12 +78,12 @@ def run(args) -> int:
             try:
                 rows = run_.train(progress=False if args.no_progress else None)
             except KeyboardInterrupt:
-                raise RunInterrupted(run_.dir, run_.step) from None
+                raise RunInterrupted(run_.dir, run_.step, run_.recipe.steps) from None
             finally:
                 run_.close()  # before the note: an engine process must not write into a folder being removed
             summary = {"run_dir": str(run_.dir.path), "steps": run_.step, **summarize(rows)}
     except RunInterrupted as exc:
-        print(interrupted_note(exc.run_dir, exc.step), file=sys.stderr, flush=True)
+        print(interrupted_note(exc.run_dir, exc.step, exc.steps), file=sys.stderr, flush=True)
         return 130
     except KeyboardInterrupt:
         print("miles-lp run: interrupted while starting: nothing was recorded"

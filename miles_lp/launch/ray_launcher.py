@@ -526,7 +526,18 @@ def run_with_ray(recipe: Recipe, *, resume: str | None = None, run_name: str | N
             bar = tqdm(total=recipe.steps, initial=run.step, desc=rd.path.name, file=sys.stderr)
         try:
             while run.step < run.recipe.steps:
-                m = run.step_once()
+                step = run.step
+                try:
+                    m = run.step_once()
+                except RunError:
+                    raise
+                except Exception as exc:
+                    from miles_lp.launch.runner import sync_failed
+                    from miles_lp.sync import SyncError
+
+                    if isinstance(exc, SyncError):  # as the in-process run: the failure, then how to resume
+                        raise sync_failed(rd, step, run.recipe.steps, exc) from exc
+                    raise
                 rows.append(m)
                 if on_step is not None:
                     on_step(run, m)
@@ -536,7 +547,7 @@ def run_with_ray(recipe: Recipe, *, resume: str | None = None, run_name: str | N
         except KeyboardInterrupt:
             from miles_lp.launch.runner import RunInterrupted
 
-            raise RunInterrupted(rd, run.step) from None  # noted by the CLI after the actors stop (below)
+            raise RunInterrupted(rd, run.step, run.recipe.steps) from None  # noted by the CLI after the actors stop (below)
         finally:
             if bar is not None:
                 bar.close()

@@ -89,6 +89,30 @@ class RunDir:
     def recipe_path(self) -> Path:
         return self.path / "recipe.yaml"
 
+    def require_run(self, flag: str = "--resume") -> None:
+        """Refuse a folder that ``miles-lp run`` did not make (review-6 L5), before anything reads or starts: a run
+        folder holds recipe.yaml and run.json from its start (``write_header``). A folder whose sub-folders are run
+        folders (``runs/``) gets them named."""
+        p = self.path
+        if not p.exists():
+            raise ConfigError(f"{flag} {p}: no such folder; pass a run folder (logging.output_dir/<run name>, "
+                              "printed by `miles-lp run` as run_dir)")
+        if not p.is_dir():
+            raise ConfigError(f"{flag} {p}: a file, not a run folder; pass the folder that holds it")
+        missing = [n for n in ("recipe.yaml", "run.json") if not (p / n).is_file()]
+        if not missing:
+            return
+        runs = sorted(c.name for c in p.iterdir() if c.is_dir() and (c / "run.json").is_file()
+                      and (c / "recipe.yaml").is_file())
+        hint = ""
+        if runs:
+            shown = ", ".join(str(p / r) for r in runs[-3:])
+            hint = f"; it holds {len(runs)} run folder(s), e.g. {shown}: pass one of them"
+        raise ConfigError(f"{flag} {p}: not a miles-lp run folder (no {' and no '.join(missing)}). A run folder is "
+                          "what `miles-lp run RECIPE` creates under logging.output_dir: recipe.yaml (the effective "
+                          "recipe), run.json, plan.json, metrics.jsonl and checkpoints/ (latest.json names the "
+                          f"checkpoint a resume starts from){hint}")
+
     def info(self) -> dict[str, Any]:
         f = self.path / "run.json"
         if not f.is_file():

@@ -122,10 +122,10 @@ def step_with_restarts(run: Any, *, engine_dead: Callable[[BaseException], bool]
             moved = learner_steps() != learner_at
             if moved or run.restarts >= MAX_ENGINE_RESTARTS:
                 run.step = step + int(moved)
-                ck = run.checkpoint() if moved else run.dir.latest()
+                if moved:
+                    run.checkpoint()
                 raise RunError(f"step {step}: {what} died ({type(exc).__name__}: {exc}); stopped (engine restarts so "
-                               f"far: {run.restarts}); resume from {ck or 'the start'} with --resume "
-                               f"{run.dir.path}") from exc
+                               f"far: {run.restarts}); {resume_note(run.dir, run.recipe.steps)}") from exc
             print(f"miles-lp run: step {step}: {what} died ({exc}); restarting it and resyncing every tensor",
                   file=sys.stderr)
             run.restart_engine()
@@ -557,8 +557,7 @@ class Run:
                     from miles_lp.sync import SyncError
 
                     if isinstance(exc, SyncError):
-                        raise RunError(f"step {step}: {exc}; last checkpoint: {self.dir.latest() or 'none'} "
-                                       f"(resume with --resume {self.dir.path})") from exc
+                        raise sync_failed(self.dir, step, self.recipe.steps, exc) from exc
                     raise
                 out.append(m)
                 if tb is not None:
@@ -586,31 +585,70 @@ class Run:
 class RunInterrupted(KeyboardInterrupt):
     """Ctrl-C in a run's loop (the Ray run raises it after stopping its actors): which folder, which step."""
 
-    def __init__(self, run_dir: RunDir, step: int):
+    def __init__(self, run_dir: RunDir, step: int, steps: int | None = None):
         super().__init__(f"interrupted at step {step}")
-        self.run_dir, self.step = run_dir, step
+        self.run_dir, self.step, self.steps = run_dir, step, steps
 
 
-def interrupted_note(rd: RunDir, step: int) -> str:
-    """What to do after Ctrl-C at ``step`` (the step in progress; review-4 L14): the last checkpoint and the exact
-    resume command, or that there is nothing to resume. A folder holding neither a checkpoint nor a metrics row
-    is removed (``discard_unstarted``), as for a run interrupted while starting."""
+def resume_command(rd: RunDir, steps: int | None = None) -> str:
+    """The command that resumes ``rd``: the run's own recipe.yaml (the effective recipe: every ``--set`` of its start
+    is in it, and a resume refuses any other), plus ``--set steps=N`` when the run went on to more steps than
+    recipe.yaml says (a resume that raised ``steps``: recipe.yaml keeps the start's)."""
     import shlex
 
+    saved = load_recipe(rd.recipe_path).steps if rd.recipe_path.is_file() else None
+    more = f" --set steps={int(steps)}" if steps is not None and saved is not None and int(steps) != saved else ""
+    return f"miles-lp run {shlex.quote(str(rd.recipe_path))} --resume {shlex.quote(str(rd.path))}{more}"
+
+
+def resume_note(rd: RunDir, steps: int | None = None) -> str:
+    """What a stopped run can do next, one text for Ctrl-C, a failed sync and an engine that died (review-4 L14,
+    review-6 L3): the last checkpoint, the step it resumes at and the exact command (``resume_command``; ``steps``:
+    the run's effective ``steps``), or, without a checkpoint, that there is nothing to resume and what to do."""
     latest = rd.latest()
-    rows = len(rd.read_metrics())
     if latest is not None:
         at = int(json_load(latest / "loop.json").get("step", -1))
-        cmd = f"miles-lp run {shlex.quote(str(rd.recipe_path))} --resume {shlex.quote(str(rd.path))}"
-        return (f"miles-lp run: interrupted at step {step} ({rows} metrics rows in {rd.metrics_path}); the last "
-                f"checkpoint is {latest} (it resumes at step {at}): {cmd}")
+        return f"the last checkpoint is {latest} (it resumes at step {at}): {resume_command(rd, steps)}"
+    rows = len(rd.read_metrics())
+    every = rd.recipe_path.is_file() and load_recipe(rd.recipe_path).checkpoint_every
+    return (f"no checkpoint yet (checkpoint_every: {every or 0}, and the last step writes one): nothing to resume. "
+            f"{rd.path} keeps the metrics of {rows} step(s); to train, start a new run (a lower checkpoint_every "
+            "leaves a checkpoint to resume from sooner)")
+
+
+def sync_failed(rd: RunDir, step: int, steps: int, exc: BaseException) -> RunError:
+    """The error a run stops with when the sync after ``step``'s update fails (a raise-mode check, or an aborted
+    sync): the failure, then ``resume_note``. A resume re-runs from the checkpoint with the same seeds (bit-identical,
+    docs/rl.md), so a failed check is expected to fail again there: the note says how to let it warn instead."""
+    from miles_lp.sync.config import env_name
+
+    text = f"step {step}: {exc}; {resume_note(rd, steps)}"
+    names = [v.name for v in getattr(exc, "verdicts", ())]
+    if names:
+        if rd.latest() is not None:
+            env = " ".join(f"{env_name(n)}=warn" for n in names)
+            text += (f". The resume re-runs the same steps with the same seeds, so the same check is expected to fail "
+                     f"again unless its cause is fixed; to go on with it warning, put {env} before that command "
+                     "(run.json records it)")
+        else:
+            keys = ", ".join(f"sync.checks.{n}: warn" for n in names)
+            text += f"; to run past this check, set {keys} in the new run's recipe, or fix its cause"
+    return RunError(text)
+
+
+def interrupted_note(rd: RunDir, step: int, steps: int | None = None) -> str:
+    """What to do after Ctrl-C at ``step`` (the step in progress; review-4 L14): ``resume_note``. A folder holding
+    neither a checkpoint nor a metrics row is removed (``discard_unstarted``), as for a run interrupted while
+    starting."""
+    if rd.latest() is not None:
+        rows = len(rd.read_metrics())
+        return (f"miles-lp run: interrupted at step {step} ({rows} metrics rows in {rd.metrics_path}); "
+                f"{resume_note(rd, steps)}")
     rd.discard_unstarted()
     if not rd.path.exists():
         return (f"miles-lp run: interrupted at step {step}; no checkpoint and no metrics row yet: nothing to resume "
                 f"(removed {rd.path})")
-    every = rd.recipe_path.is_file() and load_recipe(rd.recipe_path).checkpoint_every
-    return (f"miles-lp run: interrupted at step {step}; no checkpoint yet (checkpoint_every: {every or 0}, and the "
-            f"last step writes one): nothing to resume. {rd.path} keeps the metrics of {rows} step(s)")
+    return f"miles-lp run: interrupted at step {step}; {resume_note(rd, steps)}"
 
 
 def json_load(path: Path) -> dict[str, Any]:
@@ -624,6 +662,7 @@ def json_load(path: Path) -> dict[str, Any]:
 
 def resumed_recipe(rd: RunDir, recipe: Recipe | None) -> Recipe:
     """The run's saved effective recipe; ``recipe`` (if given) must equal it except for ``steps``."""
+    rd.require_run()
     saved = load_recipe(rd.recipe_path)
     if recipe is None:
         return saved

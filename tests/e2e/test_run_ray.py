@@ -127,7 +127,7 @@ def test_engine_dying_inside_the_sync_checkpoints_the_updated_learner(tmp_path):
                 return send(bucket)
             run.sync.transport.send = dying_send
 
-    with pytest.raises(RunError, match=r"step 1: the rollout actor died .* resume from .*step_000002 with --resume"):
+    with pytest.raises(RunError, match=r"step 1: the rollout actor died .* the last checkpoint is .*step_000002 \(it resumes at step 2\): miles-lp run .*recipe.yaml --resume "):
         run_with_ray(recipe, run_name="dies", progress=False, on_step=on_step)
     rd = RunDir(tmp_path / "runs" / "dies")
     assert rd.latest() is not None and rd.latest().name == "step_000002"

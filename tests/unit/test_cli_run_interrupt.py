@@ -5,6 +5,7 @@ KeyboardInterrupt where the loop would; the folder, its checkpoints and metrics 
 from __future__ import annotations
 
 import shlex
+import types
 
 import pytest
 
@@ -17,8 +18,9 @@ from tests.e2e.test_run import RECIPE
 class Interrupted:
     """A started run whose loop gets Ctrl-C at ``step``."""
 
-    def __init__(self, rd: RunDir, step: int):
+    def __init__(self, rd: RunDir, step: int, steps: int | None = None):
         self.dir, self.step, self.closed = rd, step, False
+        self.recipe = types.SimpleNamespace(steps=steps)  # the run's effective steps (a resume may raise them)
 
     def train(self, progress=None):
         raise KeyboardInterrupt
