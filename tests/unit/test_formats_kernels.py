@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +24,8 @@ pytest.importorskip("triton")
 from miles_lp.errors import BackendUnavailable, FormatError  # noqa: E402
 from miles_lp.formats import kernels  # noqa: E402
 from miles_lp.formats.kernels import selfcheck  # noqa: E402
+
+_ROOT = Path(__file__).resolve().parents[2]  # the checkout these tests belong to
 
 FAST_CASES = ("nan_inf(64,128)", "subnormal(32,64)", "odd_rows(33,96)", "experts_fp16(2,32,64)",
               "specials_bf16(32,64)")
@@ -158,7 +161,7 @@ def test_bf16_rows_take_the_pairs_kernel_and_others_the_general_one():
     2-byte-offset view or the switch off take nvfp4_quantize_rows_kernel. Both paths' bytes are compared with
     the reference in the selfcheck rows above ("nvfp4 row pairs*", "nvfp4 row (one pass)")."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-c", _LAUNCH_NAMES], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", _LAUNCH_NAMES], cwd=_ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     pairs, general = ["nvfp4_rows_pairs_kernel"], ["nvfp4_quantize_rows_kernel"]
     assert json.loads(proc.stdout.splitlines()[-1]) == [pairs, pairs, general, general, general, general]
@@ -200,7 +203,7 @@ def test_persistent_grid_is_taken_only_when_configured():
     nvfp4_rows_persist_kernel on min(rows, 4 "SMs" x pps) programs (the interpreter's count); 0 keeps the
     one-row-per-program kernel. Its bytes: the "nvfp4 row persist *" selfcheck rows above."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-c", _PERSIST_NAMES], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", _PERSIST_NAMES], cwd=_ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     pairs, persist = "nvfp4_rows_pairs_kernel", "nvfp4_rows_persist_kernel"
     assert json.loads(proc.stdout.splitlines()[-1]) == [
@@ -264,7 +267,7 @@ def test_per_matrix_amax_starts_from_fresh_zeros_from_the_pool():
     call's slice is fresh (results equal the reference over repeated calls and a pool replacement), the
     returned amax tensors never share memory, a slice over the bound gets its own zeros."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-c", _ZERO_POOL], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", _ZERO_POOL], cwd=_ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.splitlines()[-1])
     assert out["ok"] == [True] * 20 and out["distinct"] and out["big"] == [0, 0, 0, 0]

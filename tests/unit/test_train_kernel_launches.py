@@ -15,10 +15,13 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
+
+_ROOT = Path(__file__).resolve().parents[2]  # the checkout these tests belong to (its code, not an installed one)
 
 _SCRIPT = r"""
 import json, sys
@@ -91,7 +94,7 @@ print(json.dumps({"case": "experts", "launches": list(launched), "same": [same(a
 @pytest.fixture(scope="module")
 def rows() -> dict[str, dict]:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=_ROOT, capture_output=True, text=True, env=env, timeout=600)
     out = {r["case"]: r for r in (json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{"))}
     assert proc.returncode == 0 and len(out) == 7, proc.stderr[-3000:]
     return out

@@ -16,10 +16,13 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
+
+_ROOT = Path(__file__).resolve().parents[2]  # the checkout these tests belong to (its code, not an installed one)
 
 _SCRIPT = r"""
 import json, sys
@@ -119,7 +122,7 @@ for dtype in [getattr(torch, name) for name in sys.argv[1:]]:
 
 def _rows(*dtypes: str) -> dict[str, dict]:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, *dtypes], capture_output=True, text=True, env=env,
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, *dtypes], cwd=_ROOT, capture_output=True, text=True, env=env,
                           timeout=600)
     out = {r["case"]: r for r in (json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{"))}
     assert proc.returncode == 0 and len(out) == 6 * len(dtypes), proc.stderr[-3000:]
