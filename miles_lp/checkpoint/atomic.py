@@ -5,7 +5,8 @@ into, and renames it to ``out`` only when the body finished without an exception
 (KeyboardInterrupt included) the temporary folder is removed. A run killed hard (SIGKILL, power loss) leaves
 its temporary folder behind; the next run on the same ``out`` removes it (unless the process that made it is
 still alive). With ``overwrite=True`` an existing ``out`` is replaced only after the new one is complete:
-it is moved aside, the new folder is renamed in, then the old one is deleted.
+it is moved aside, the new folder is renamed in, then the old one is deleted. Before the rename, weight files
+get the mode a plain file gets (``0o666 & ~umask``; safetensors creates them 0600).
 
 Disk-full, permission and read-only errors become ``CheckpointError`` with a message that says where and
 what to do; nothing half-written remains.
@@ -17,7 +18,7 @@ import contextlib
 import errno
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from miles_lp.errors import CheckpointError
@@ -134,38 +135,41 @@ def _replaceable(out: Path) -> bool:
         e.is_file() and (e.suffix in _CHECKPOINT_FILES or e.name.startswith("tokenizer")) for e in entries)
 
 
-def check_output_target(out: str | Path, overwrite: bool, inputs: tuple[str | Path, ...] = ()) -> Path:
+def check_output_target(out: str | Path, overwrite: bool, inputs: tuple[str | Path, ...] = (), *,
+                        flag: str = "--output") -> Path:
     """Fail early (before any work) when ``out`` exists and ``overwrite`` is off, or is a file; when
     ``overwrite`` would replace a folder that is not a checkpoint; and when ``out`` is, contains or lies inside
-    one of ``inputs`` (the replace at the end would delete the source). Returns ``out`` absolute."""
+    one of ``inputs`` (the replace at the end would delete the source). Returns ``out`` absolute. ``flag``: the
+    calling command's option for ``out`` (``--output``; make-tiny-model's ``--out``), named in the messages."""
     out = Path(out).absolute()
     real = out.resolve()
     for src in inputs:
         src_real = Path(src).resolve()
         if real == src_real:
-            raise CheckpointError(f"--output {out} is the input folder {src}: choose another output folder")
+            raise CheckpointError(f"{flag} {out} is the input folder {src}: choose another output folder")
         if src_real.is_relative_to(real):
-            raise CheckpointError(f"--output {out} contains the input {src}: replacing it would delete the input; "
+            raise CheckpointError(f"{flag} {out} contains the input {src}: replacing it would delete the input; "
                                   "choose an output folder outside the input's")
         if real.is_relative_to(src_real):
-            raise CheckpointError(f"--output {out} lies inside the input folder {src}: choose an output folder "
+            raise CheckpointError(f"{flag} {out} lies inside the input folder {src}: choose an output folder "
                                   "outside it")
     if out.exists() or out.is_symlink():
         if not out.is_dir():
-            raise CheckpointError(f"output {out} exists and is not a folder; choose another --output")
+            raise CheckpointError(f"output {out} exists and is not a folder; choose another {flag}")
         if not overwrite:
             raise CheckpointError(f"output folder {out} already exists; pass --overwrite to replace it "
                                   "(it is replaced only after the new checkpoint is complete)")
         if not _replaceable(out):
             raise CheckpointError(f"output folder {out} is not empty and is not a checkpoint (no miles-lp record at "
                                   "its top, nor config.json + *.safetensors with checkpoint files only): --overwrite "
-                                  "replaces checkpoints only; choose another --output or remove the folder yourself")
+                                  f"replaces checkpoints only; choose another {flag} or remove the folder yourself")
     return out
 
 
 @contextlib.contextmanager
-def atomic_output_dir(out: str | Path, overwrite: bool = False, inputs: tuple[str | Path, ...] = ()) -> Iterator[Path]:
-    out = check_output_target(out, overwrite, inputs)
+def atomic_output_dir(out: str | Path, overwrite: bool = False, inputs: tuple[str | Path, ...] = (), *,
+                      flag: str = "--output") -> Iterator[Path]:
+    out = check_output_target(out, overwrite, inputs, flag=flag)
     remove_stale_temps(out)
     tmp = tmp_name(out)
     try:
@@ -178,6 +182,7 @@ def atomic_output_dir(out: str | Path, overwrite: bool = False, inputs: tuple[st
         raise env_error(exc, f"output folder {out}", out.parent) or exc from None
     try:
         yield tmp
+        normal_file_modes(tmp)
         _commit(tmp, out, overwrite)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -188,6 +193,31 @@ def atomic_output_dir(out: str | Path, overwrite: bool = False, inputs: tuple[st
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux shows it (``os.umask`` sets it, which for an
+    instant would give files another thread creates mode 0666/0777)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def normal_file_modes(folder: Path, names: Iterable[str] | None = None) -> None:
+    """Give the ``*.safetensors`` under ``folder`` (or only ``names`` in it) the mode a file ``open()`` creates,
+    ``0o666 & ~umask``: safetensors' writer creates its files 0600 (a temporary file renamed), so a server under
+    another uid could read config.json but not the weights beside it (review-6 L6). Other files have that mode."""
+    mode = 0o666 & ~current_umask()
+    files = folder.rglob("*.safetensors") if names is None else (folder / n for n in names)
+    for f in files:
+        if f.is_file() and not f.is_symlink() and (f.stat().st_mode & 0o777) != mode:
+            os.chmod(f, mode)
 
 
 def _commit(tmp: Path, out: Path, overwrite: bool) -> None:

@@ -18,6 +18,8 @@ compressed-tensors     any                 ``compressed_tensors_config`` -> conf
 
 from __future__ import annotations
 
+from miles_lp.checkpoint import schemes as S
+from miles_lp.checkpoint.schemes import Scheme
 from miles_lp.errors import ConfigError
 from miles_lp.formats.spec import Format
 
@@ -82,6 +84,13 @@ def engine_formats_for(target: str, quant_config, files: dict[str, dict], plan) 
 
     ``ConfigError`` when the engine itself would refuse the config (fused shards that disagree, unknown algo).
     """
+    return {n: s.format for n, s in engine_schemes_for(target, quant_config, files, plan).items()}
+
+
+def engine_schemes_for(target: str, quant_config, files: dict[str, dict], plan) -> dict[str, Scheme]:
+    """`engine_formats_for` with the scheme fields the engine's reader then uses for each weight
+    (`miles_lp.checkpoint.schemes`: group sizes, bits, strategy, block size, ...), so a config that selects the
+    right format with the wrong parameters can be told from the plan's (review-6 M1)."""
     from miles_lp.policy import consumers as C
     from miles_lp.policy.emit import engine_modules
 
@@ -89,15 +98,18 @@ def engine_formats_for(target: str, quant_config, files: dict[str, dict], plan) 
         raise ConfigError("config.json has no quantization_config: the engine would load everything BF16")
     method, algo = quant_config.get("quant_method"), str(quant_config.get("quant_algo", "")).upper()
     mods = engine_modules(plan)
-    out: dict[str, Format] = {}
+    out: dict[str, Scheme] = {}
 
-    def fmt_of(m) -> Format:
+    def scheme_of(m) -> Scheme:
         if target == "sglang" and method == "mxfp8":
-            return Format.BF16 if C.sglang_is_layer_skipped(m.name, quant_config.get("modules_to_not_convert") or []) \
-                else Format.MXFP8
+            if C.sglang_is_layer_skipped(m.name, quant_config.get("modules_to_not_convert") or []):
+                return S.BF16
+            return S.Scheme(Format.MXFP8, S.sglang_mxfp8_params(quant_config))
         if method == "modelopt" and algo == "MIXED_PRECISION":
             a = C.modelopt_mixed_layer_algo(m.shards, quant_config.get("quantized_layers") or {})
-            return Format.BF16 if a is None else _algo(a)
+            if a is None:
+                return S.BF16
+            return S.Scheme(_algo(a))  # the fields: per shard, below
         if method == "modelopt" and target == "sglang":
             excl = quant_config.get("ignore") or []
             f = Format.BF16 if C.sglang_modelopt_is_layer_excluded(m.name, excl) else _algo(algo)
@@ -108,32 +120,53 @@ def engine_formats_for(target: str, quant_config, files: dict[str, dict], plan) 
                 if f2 != f:
                     raise ConfigError(f"{HF_QUANT_CONFIG} and config.json disagree on '{m.name}' "
                                       f"({f2.value} vs {f.value})")
-            return f
+            return S.BF16 if f is Format.BF16 else S.Scheme(f, S.modelopt_params(f, quant_config, hf))
         if method == "modelopt" and target == "vllm":
             excl = quant_config.get("ignore") or []
-            return Format.BF16 if C.vllm_modelopt_is_layer_excluded(m.name, excl) else _algo(algo)
+            if C.vllm_modelopt_is_layer_excluded(m.name, excl):
+                return S.BF16
+            f = _algo(algo)
+            return S.Scheme(f, S.modelopt_params(f, quant_config, None))
         if method == "compressed-tensors" and target == "compressed-tensors":
             groups, ignore = quant_config.get("config_groups") or {}, quant_config.get("ignore") or []
-            found = set()
+            top = quant_config.get("format")
+            found = {}
             for shard in m.shards:
                 hits = [g for g, spec in groups.items() if C.ct_is_match(shard, False, spec.get("targets", []), ignore)]
                 if len(hits) > 1:
                     raise ConfigError(f"'{shard}' matches several config groups {hits}")
-                found.add(_CT_FORMAT.get(groups[hits[0]].get("format"), None) if hits else Format.BF16)
-            if None in found:
-                raise ConfigError(f"'{m.name}': config group format not mxfp8-quantized / nvfp4-pack-quantized")
-            if len(found) > 1:
-                raise ConfigError(f"shards of '{m.name}' resolve to different formats {sorted(f.value for f in found)}")
-            return found.pop()
+                if not hits:
+                    found[None] = S.BF16
+                    continue
+                group = groups[hits[0]]
+                # vLLM: the group's format, else the config's (a 'mixed-precision' config needs one per group)
+                f = _CT_FORMAT.get(group.get("format") or (top if top != "mixed-precision" else None))
+                if f is None:
+                    raise ConfigError(f"'{m.name}': config group '{hits[0]}' format {group.get('format')!r} is not "
+                                      "mxfp8-quantized / nvfp4-pack-quantized")
+                found[hits[0]] = S.Scheme(f, S.ct_params(hits[0], group, quant_config))
+            fmts = {s.format for s in found.values()}
+            if len(fmts) > 1:
+                raise ConfigError(f"shards of '{m.name}' resolve to different formats {sorted(f.value for f in fmts)}")
+            if len({tuple((p.key, p.value) for p in s.params if p.key != "format") for s in found.values()}) > 1:
+                # vLLM reads a fused module with the FIRST shard's group (find_matched_target): the others' differ
+                raise ConfigError(f"shards of '{m.name}' resolve to config groups {sorted(found)} with different "
+                                  "schemes: the engine fuses them into one module and reads it with one scheme")
+            return next(iter(found.values()))
         raise ConfigError(f"quant_method {method!r} (quant_algo {algo!r}) is not what target '{target}' loads")
 
     for m in mods.values():
         try:
-            f = fmt_of(m)
+            s = scheme_of(m)
         except C.FusedShardMismatch as exc:
             raise ConfigError(f"the engine refuses this config: {exc}") from None
         for shard in m.shards:
-            out[shard + ".weight"] = f
+            if method == "modelopt" and algo == "MIXED_PRECISION" and s.format.quantized:
+                # each shard's own quantized_layers entry (the engine module's format is already agreed)
+                out[shard + ".weight"] = S.Scheme(s.format, S.modelopt_mixed_params(
+                    s.format, [shard], quant_config, vllm=target == "vllm"))
+            else:
+                out[shard + ".weight"] = s
     return out
 
 

@@ -9,7 +9,8 @@ Every check reports a verdict, or why it could not run (C7):
                  W4A4's ``input_global_scale``, is required: an engine leaves a missing one ``torch.empty``);
 * ``config``     config.json (and hf_quant_config.json) equal what the policy's emitters write for the plan,
                  and, read back with the engine's own skip-matching rules, quantize exactly the plan's layer
-                 set with the plan's formats (C1, offline);
+                 set with the plan's formats and scheme fields (``checkpoint.schemes``: group sizes, bits,
+                 strategy, block size, ...; a difference FAILs with and without a record) (C1, offline);
 * ``scales``     scales are finite and in range (no E8M0 NaN byte, E4M3 scales finite and >= 0, global
                  scales finite and > 0, the static activation scale the recipe defines), every fused group
                  (q/k/v, gate/up, MLA q_a/kv_a: what SGLang and vLLM fuse into one GEMM) stores ONE NVFP4
@@ -467,7 +468,7 @@ def _check_config(ctx: _Ctx, report: VerifyReport) -> None:
         except (OSError, json.JSONDecodeError) as exc:
             textual.append(f"{fname} missing or unreadable: {exc}")
     qc = config.get("quantization_config")
-    problems += _consumer_problems(ctx, qc, disk_files)
+    problems += _consumer_problems(ctx, qc, disk_files, want_qc, want_files)
     if qc != want_qc:
         textual.append("config.json quantization_config differs from what the plan emits: " + _dict_diff(want_qc, qc))
     for fname, content in want_files.items():
@@ -483,7 +484,8 @@ def _check_config(ctx: _Ctx, report: VerifyReport) -> None:
             "; it also equals what the plan emits"
         report.add("config", PASS, f"read as the engine reads it, quantization_config "
                                    f"({(qc or {}).get('quant_method')}) quantizes exactly the plan's "
-                                   f"{len(ctx.formats)} weights with the plan's formats (C1){note}")
+                                   f"{len(ctx.formats)} weights with the plan's formats and scheme fields "
+                                   f"(C1){note}")
 
 
 def _dict_diff(want, have, path: str = "") -> str:
@@ -505,23 +507,45 @@ def _dict_diff(want, have, path: str = "") -> str:
     return "; ".join(parts)
 
 
-def _consumer_problems(ctx: _Ctx, qc, disk_files: dict) -> list[str]:
-    """Read the on-disk config the way the engine does; list weights whose format differs from the plan."""
-    from miles_lp.checkpoint.configs import engine_formats_for
+def _consumer_problems(ctx: _Ctx, qc, disk_files: dict, want_qc, want_files: dict) -> list[str]:
+    """Read the on-disk config the way the engine does; list weights whose format differs from the plan, and
+    the scheme fields (group size, bits, strategy, block size, ...: `checkpoint.schemes`) the engine would read
+    with another value than the plan's own config gives it (review-6 M1). A FAIL with and without a record."""
+    from miles_lp.checkpoint.configs import engine_schemes_for
+    from miles_lp.checkpoint.schemes import BF16, compare
 
     try:
-        engine = engine_formats_for(ctx.target, qc, disk_files, ctx.plan)
+        engine = engine_schemes_for(ctx.target, qc, disk_files, ctx.plan)
     except MilesLPError as exc:
         return [f"the engine could not read this config: {exc}"]
+    try:
+        planned = engine_schemes_for(ctx.target, want_qc, want_files, ctx.plan)
+    except MilesLPError as exc:  # our emitters re-read what they write: this is a bug here, not in the checkpoint
+        return [f"the plan's own config cannot be read back ({exc}); report this as a miles-lp bug"]
     problems = []
+    fields: dict[tuple, tuple[dict, dict]] = {}  # (field, found, plan's, format) -> ({on-disk place}, {weight})
     for name in ctx.shapes:
         if not name.endswith(".weight") or len(ctx.shapes[name]) != 2:
             continue
         want = ctx.formats.get(name, Format.BF16)
-        got = engine.get(name, Format.BF16)
-        if got != want:
-            problems.append(f"C1: the engine would load '{name}' as {got.value}, the plan says {want.value}")
+        got = engine.get(name, BF16)
+        if got.format != want:
+            problems.append(f"C1: the engine would load '{name}' as {got.format.value}, the plan says {want.value}")
+            continue
+        for param, plan_value in compare(got, planned.get(name, BF16)):
+            wheres, names = fields.setdefault((param.key, _shown(param.value), _shown(plan_value), want.value),
+                                              ({}, {}))
+            wheres[param.where] = names[name] = None
+    for (_, found, plan_value, fmt), (wheres, names) in fields.items():
+        where = next(iter(wheres)) + (f" (and {len(wheres) - 1} more such entries)" if len(wheres) > 1 else "")
+        first = next(iter(names))
+        problems.append(f"C1: {where} is {found}, the plan's {fmt} scheme has {plan_value}: the engine would read "
+                        f"{len(names)} weight(s) with it, e.g. '{first}'")
     return problems
+
+
+def _shown(v) -> str:
+    return v if isinstance(v, str) and v.startswith("(") else json.dumps(v)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ def run(args) -> int:
     parse_size(args.max_shard_size)  # "banana": one line naming the flag, not transformers' ValueError
     out = Path(args.out)
     empty_dir = out.is_dir() and not any(out.iterdir())
-    with atomic_output_dir(out, overwrite=args.overwrite or empty_dir) as tmp:
+    with atomic_output_dir(out, overwrite=args.overwrite or empty_dir, flag="--out") as tmp:
         make_tiny_model(args.arch, tmp, seed=args.seed, num_layers=args.num_layers, dtype=args.dtype,
                         max_shard_size=args.max_shard_size)
     files = sorted(p.name for p in out.iterdir())

@@ -10,8 +10,10 @@ Checks (each reports pass, FAIL, or skip with the reason):
   index    shard headers valid, index names exactly the stored tensors
   tensors  every tensor the plan and the declared scheme imply (e.g. compressed-tensors W4A4
            input_global_scale), with the target's dtype and shape, nothing else
-  config   quantization_config / hf_quant_config.json equal the plan's emitters' output, and the engine's
-           own skip-matching selects exactly the plan's quantized weights (C1, offline)
+  config   quantization_config / hf_quant_config.json equal the plan's emitters' output, the engine's
+           own skip-matching selects exactly the plan's quantized weights, and every scheme field the
+           engine's reader uses (group_size, num_bits, strategy, weight_block_size, scale_fmt, ...) has
+           the plan's value (C1, offline)
   scales   finite and in range (E8M0 != 0xFF, E4M3 finite and >= 0, global scales > 0, the static
            activation scale 1.0); every fused group (q/k/v, gate/up) stores ONE NVFP4 global scale and
            its largest block scale is 448 (global scale = group amax / 2688)
@@ -26,7 +28,8 @@ policy and the target, and the plan is compiled here, as `miles-lp convert --rec
 --source's names and shapes (or, without --source, on those the checkpoint's tensors imply for the target):
   miles-lp verify OUT --recipe R.yaml --target sglang [--source IN] [--fp8-decode bf16|fp32]
 Then `record` is skipped, `config` fails only where the engine would read the config differently from the
-plan (C1; differences from our emitters' text are notes), `source` is skipped (no recorded sha256) and `grid` /
+plan (C1: a format or a scheme field; other differences from our emitters' text are notes), `source` is
+skipped (no recorded sha256) and `grid` /
 `error` run against --source as given (a block-FP8 IN decoded per --fp8-decode, default bf16 as convert).
 """
 
