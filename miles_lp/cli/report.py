@@ -39,6 +39,12 @@ def run(args) -> int:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file; name a folder (created if missing)")
     runs = load_runs(args.run_dirs, args.names)
+    try:  # before any figure: a path under a file or an unwritable place is a clear error, not a traceback
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+        why = f"{blocker} is a file, not a folder" if blocker else (exc.strerror or type(exc).__name__)
+        raise ConfigError(f"--out {out}: cannot create the folder ({why}); name a folder that can be created")
     written = []
     import matplotlib.pyplot as plt
 

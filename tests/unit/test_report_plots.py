@@ -90,3 +90,14 @@ def test_cli_writes_pngs_and_table(tmp_path, capsys):
     md = (tmp_path / "out" / "report.md").read_text()
     assert "| bf16 | 5 |" in md and "| mxfp8 | 5 |" in md
     assert not math.isnan(float(md.split("| bf16 | 5 | ")[1].split(" |")[0]))
+
+
+def test_cli_out_under_a_file_is_a_clear_error_and_writes_nothing(tmp_path, capsys):
+    """review-6 L14: ``--out`` under a regular file was a NotADirectoryError traceback."""
+    from miles_lp.cli import main
+
+    a = write_run(tmp_path / "bf16", rows_for(0, 5))
+    (tmp_path / "afile").write_text("x")
+    assert main(["report", str(a), "--out", str(tmp_path / "afile" / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot create the folder" in err and "afile is a file, not a folder" in err
