@@ -4,6 +4,7 @@
       bucket_mb: 512            # Miles' / slime's default (--update-weight-buffer-size)
       transport: inprocess      # inprocess | ray | cuda_ipc | nccl | gloo (nccl / gloo: ray.enabled, own actors)
       full_compare: initial     # C2 full byte compare: off | initial (first sync) | always
+      c2_learner_side: export   # the per-sync C2 digest's learner side: export | fused (see SyncConfig)
       self_check_tolerance: 0.25
       probe_tokens: 0           # > 0: a short generation after each sync feeds the sentinel (C6)
       checks:                   # warn | raise | off, per check
@@ -100,6 +101,11 @@ class SyncConfig:
     transport: Literal["inprocess", "ray", "cuda_ipc", "nccl", "gloo"] = "inprocess"
     checks: ChecksConfig = dataclasses.field(default_factory=ChecksConfig)
     full_compare: Literal["off", "initial", "always"] = "initial"
+    # The learner side of the per-sync C2 digest. ``export``: computed from the export's own tensors (one more read
+    # of the bytes sent, ~0.3 ms per GB on an H200), so a transfer that reads or writes the wrong bytes differs
+    # from it. ``fused``: taken by the CUDA bucket fill from the bytes it copies (that read saved), which makes C2
+    # blind to a fill that reads the wrong source: both sides then hold the same wrong bytes (review-6 M5).
+    c2_learner_side: Literal["export", "fused"] = "export"
     self_check_tolerance: float = 0.25
     self_check_seed: int = 0
     probe_tokens: int = 0

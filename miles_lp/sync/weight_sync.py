@@ -319,8 +319,8 @@ class WeightSync:
         # 3. pause -> flush -> begin -> buckets -> finish
         buckets = layout.buckets_for(items, self.config.bucket_bytes)
         fused = None  # the learner side of C2 computed by the transport while it reads the payload
-        if (isinstance(self.transport, InProcessTransport) and not full_compare and self.mode("grid") != "off"
-                and hasattr(self.engine, "weight_group_fingerprints")):
+        if (self.config.c2_learner_side == "fused" and isinstance(self.transport, InProcessTransport)
+                and not full_compare and self.mode("grid") != "off" and hasattr(self.engine, "weight_group_fingerprints")):
             fused = torch.zeros(len(layout.groups), dtype=torch.int64, device=self.transport.staging.device)
             for b in buckets:
                 b.digest = (layout.digest_where, fused)

@@ -52,3 +52,27 @@ def test_sync_uses_group_digests_and_names_the_tensors_of_a_differing_group():
     assert regrid.inner.grouped == 1 and regrid.inner.fingerprinted  # per-tensor only for the differing group
     assert set(v.examples) <= {DOWN, DOWN[:-6] + "weight_scale_inv"} and DOWN in v.examples
     assert "in 1 of" in v.reason
+
+
+def test_a_transfer_that_reads_the_wrong_source_fails_the_per_sync_digest():
+    """review-6 M5: the learner side of the per-sync C2 digest comes from the export's own tensors by default
+    (``sync.c2_learner_side: export``), so a transfer that copies gate's bytes into up's slot and the reverse (an
+    addressing bug in the fill) fails C2 naming both; with the fused side (taken from the fill's own reads, opt-in)
+    both sides would hold the same wrong bytes."""
+    from tests.unit.test_sync_weight_sync import GATE, UP
+
+    engine, ws, _ = _sync(GroupEngine())
+    assert ws.config.c2_learner_side == "export"
+    send = ws.transport.send
+
+    def swapped(bucket):
+        p = bucket.payload
+        if GATE in p and UP in p:
+            p[GATE], p[UP] = p[UP], p[GATE]
+        return send(bucket)
+
+    ws.transport.send = swapped
+    with pytest.raises(SyncCheckError, match="grid: failed") as err:
+        ws.sync(Learner(), full_compare=False)
+    assert {GATE, UP} <= set(err.value.report.verdict("grid").examples)
+    assert not ws.fused_digest

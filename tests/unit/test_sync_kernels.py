@@ -49,18 +49,37 @@ def spy(self, items, expected, groups=None, mine=None, *rest):
     seen.append((mine is not None, got == indep))
     return orig(self, items, expected, groups, mine, *rest)
 WeightSync._grid_groups = spy
-engine, ws, _ = _sync(GroupEngine())
+engine, ws, _ = _sync(GroupEngine(), c2_learner_side="fused")  # opt-in (sync.c2_learner_side: fused)
 learner = Learner()
 ws.initial_sync(learner)
 r = ws.sync(learner)
 healthy = (r.ok, ws.fused_digest)
-_, ws2, _ = _sync(RegridEngine(GroupEngine(), "floor"))
+_, ws2, _ = _sync(RegridEngine(GroupEngine(), "floor"), c2_learner_side="fused")
 try:
     ws2.sync(Learner(), full_compare=False)
     caught = []
 except SyncCheckError as e:
     caught = list(e.report.verdict("grid").examples)
-print(json.dumps({"healthy": healthy, "seen": seen, "caught": caught, "fused2": ws2.fused_digest, "down": DOWN}))
+from tests.unit.test_sync_weight_sync import GATE, UP
+seen_fused = list(seen)  # the fused syncs' (the runs below take the export side)
+blind = {}
+for side in ("export", "fused"):  # a fill that copies gate's bytes into up's slot and the reverse (review-6 M5)
+    _, ws3, _ = _sync(GroupEngine(), c2_learner_side=side)
+    ws3.initial_sync(Learner())
+    send = ws3.transport.send
+    def swapped(bucket, send=send):
+        p = bucket.payload
+        if GATE in p and UP in p:
+            p[GATE], p[UP] = p[UP], p[GATE]
+        return send(bucket)
+    ws3.transport.send = swapped
+    try:
+        ws3.sync(Learner())
+        blind[side] = [ws3.fused_digest, []]
+    except SyncCheckError as e:
+        blind[side] = [ws3.fused_digest, sorted(e.report.verdict("grid").examples)]
+print(json.dumps({"healthy": healthy, "seen": seen_fused, "caught": caught, "fused2": ws2.fused_digest, "down": DOWN,
+                  "blind": blind, "gate_up": sorted([GATE, UP])}))
 """
 
 
@@ -72,6 +91,10 @@ def test_the_fused_learner_digest_equals_the_independent_one_and_a_regrid_is_sti
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["healthy"] == [True, True] and res["fused2"]
+    # a fill reading the wrong sources: caught with the default learner side (the export's own tensors); the fused
+    # side, opt-in, holds the same wrong bytes as the engine and passes (the blind spot its docs name)
+    assert res["blind"]["export"][0] is False and set(res["gate_up"]) <= set(res["blind"]["export"][1])
+    assert res["blind"]["fused"] == [True, []]
     assert res["seen"] and all(fused and equal for fused, equal in res["seen"]), res["seen"]
     assert res["down"] in res["caught"]
 

@@ -112,7 +112,8 @@ class StubEngine:
 def _sync(engine=None, mode="raise", **kw):
     engine = engine or StubEngine()
     lines = []
-    cfg = SyncConfig(bucket_mb=kw.pop("bucket_mb", 0.004)).with_modes(all=mode)
+    cfg = SyncConfig(bucket_mb=kw.pop("bucket_mb", 0.004),
+                     c2_learner_side=kw.pop("c2_learner_side", "export")).with_modes(all=mode)
     return engine, WeightSync(engine, _plan(), "sglang", cfg, env={}, log=lines.append, **kw), lines
 
 
