@@ -44,7 +44,7 @@ def run(args) -> int:
     except OSError as exc:
         blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
         why = f"{blocker} is a file, not a folder" if blocker else (exc.strerror or type(exc).__name__)
-        raise ConfigError(f"--out {out}: cannot create the folder ({why}); name a folder that can be created")
+        raise ConfigError(f"--out {out}: cannot create the folder ({why}); name a folder that can be created") from exc
     written = []
     import matplotlib.pyplot as plt
 
