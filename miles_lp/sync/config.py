@@ -78,9 +78,9 @@ class ChecksConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SentinelConfig:
-    """C6 thresholds (seed 000): non-finite rollout log-probs always trip; ``rollout_corr/kl`` above
-    ``kl_threshold`` trips; a clip ratio >= ``clip_ratio_threshold`` or every response at the length cap trips
-    after ``consecutive_steps`` steps in a row."""
+    """C6 thresholds (seed 000): non-finite rollout log-probs always trip; ``|rollout_corr/kl|`` above
+    ``kl_threshold`` trips (two-sided: k1 is signed); a clip ratio >= ``clip_ratio_threshold`` or every response at
+    the length cap trips after ``consecutive_steps`` steps in a row."""
 
     kl_threshold: float = 1.0
     clip_ratio_threshold: float = 0.99

@@ -180,6 +180,9 @@ def test_sentinel_trips_on_each_condition():
     v = s.update(rollout_logprobs=[torch.tensor([-1.0, float("nan")])], kl=0.01)
     assert v.failed and v.figure == 1 and "not finite" in v.reason
     assert s.update(kl=1.5).failed
+    v = s.update(kl=-5.0)  # a sampler's log-probs far below the learner's: k1 negative, k3 ~ e^5 - 6 (review-6 L15)
+    assert v.failed and "|rollout_corr/kl| = 5 > 1" in v.reason
+    assert s.update(kl=-0.5).ok
     assert s.update(kl=float("inf")).failed
     s = Sentinel()
     assert s.update(clip_ratio=1.0).ok  # one step is not enough
