@@ -36,6 +36,7 @@ def run(args) -> int:
     from miles_lp.policy import compile_plan, load_policy
     from miles_lp.policy.explain import explain_plan, format_explain
 
+    _refuse_quantized(Path(args.model))
     policy = load_policy(args.recipe)
     layout, tensors, source = load_model_layout(args.model, include_mtp=args.mtp)
     plan = compile_plan(policy, layout, tensors)
@@ -49,6 +50,31 @@ def run(args) -> int:
     else:
         print(format_explain(report, source))
     return 0
+
+
+def _refuse_quantized(model) -> None:
+    """A converted checkpoint's packed shapes and scale tensors make a plan of it meaningless (review-6 L16): refuse
+    as convert does, and say where its own plan is."""
+    import json
+
+    from miles_lp.errors import ConfigError
+
+    cfg = model / "config.json" if model.is_dir() else model
+    try:
+        qc = json.loads(cfg.read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return  # load_model_layout reports a missing or bad config.json
+    if not qc:
+        return
+    method = qc.get("quant_method") if isinstance(qc, dict) else qc
+    if method == "fp8" and list(qc.get("weight_block_size") or []) == [128, 128]:
+        return  # a DeepSeek-style block-FP8 source: convert reads it (decoded), so it is a model to plan
+    where = model if model.is_dir() else model.parent
+    record = where / "miles_lp_plan.json"
+    hint = (f"its plan is recorded in {record} (`miles-lp verify {where}` checks it)" if record.exists() else
+            "explain the recipe against the BF16 / FP16 / FP32 model it was made from")
+    raise ConfigError(f"--model {model}: an already-quantized checkpoint (quant_method={method!r}): its packed "
+                      f"shapes and scale tensors are not a model to plan; {hint}")
 
 
 def _plot(plan, png: str, recipe: str) -> None:

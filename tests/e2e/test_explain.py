@@ -104,3 +104,17 @@ def test_explain_bad_model_config_exit_2(capsys, tmp_path):
     cfg.write_text((ROOT / "tests" / "fixtures" / "deepseek_v3_config.json").read_text())
     assert main(["explain", str(ROOT / "recipes" / "deepseek_v3_mxfp8.yaml"), "--model", str(tmp_path)]) == 2
     assert "model.safetensors: truncated safetensors file" in capsys.readouterr().err
+
+
+def test_explain_refuses_an_already_quantized_checkpoint_and_says_where_its_plan_is(capsys, tmp_path):
+    """review-6 L16: a converted checkpoint's packed shapes and scales gave a confident, wrong plan table."""
+    from miles_lp.checkpoint.tiny import make_tiny_model
+
+    src = make_tiny_model("qwen3", tmp_path / "m", num_layers=1)
+    out = tmp_path / "c"
+    assert main(["convert", "--hf-checkpoint", str(src), "--output", str(out), "--format", "mxfp8"]) == 0
+    capsys.readouterr()
+    assert main(["explain", "recipes/tiny-mxfp8.yaml", "--model", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "already-quantized checkpoint (quant_method='mxfp8')" in err and "miles_lp_plan.json" in err
+    assert main(["explain", "recipes/tiny-mxfp8.yaml", "--model", str(src)]) == 0  # its BF16 source still plans
