@@ -43,7 +43,15 @@ from miles_lp.rollout.engine import EngineError, WeightUpdateError, tensor_diges
 from miles_lp.sync import checks
 from miles_lp.sync.buckets import Bucket, Ledger, make_buckets
 from miles_lp.sync.config import CHECKS, ENV_ALL, SyncConfig, env_name
-from miles_lp.sync.digest import _head, fingerprints, group_fingerprints, group_strings, member_weight
+from miles_lp.sync.digest import (
+    _head,
+    _values,
+    fingerprints,
+    group_fingerprints,
+    group_plan,
+    group_strings,
+    member_weight,
+)
 from miles_lp.sync.items import Item, engine_items, group_items
 from miles_lp.sync.remote import Receipt
 from miles_lp.sync.sentinel import Sentinel, rollout_kl
@@ -147,6 +155,18 @@ class _Layout:
             return made
         return [Bucket(b.index, b.slots, {items[i].name: items[i].tensor for i in idx}, b.nbytes, b.groups, b.last)
                 for b, idx in self._buckets]
+
+    def learner_values(self, items: list[Item]) -> tuple[list[str], list[int]]:
+        """The learner side of the per-sync group digest, ``(heads, int64 sums)`` as ``group_fingerprints`` of the
+        export computes them, read from the export's own tensors (not from the transfer's copy, review-6 M5) with
+        this layout's group order, slots and member weights: no per-tensor work but the list of tensors."""
+        if getattr(self, "_learner_plan", None) is None:
+            index = {it.name: i for i, it in enumerate(items)}
+            order = [index[n] for ns in self.groups.values() for n in ns]
+            self._learner_plan = (order, group_plan([len(ns) for ns in self.groups.values()]))
+        order, (slots, mults) = self._learner_plan
+        ts = [items[i].tensor for i in order]
+        return self.heads, _values(ts, slots, mults, len(self.groups)).cpu().tolist()
 
 
 class WeightSync:
@@ -386,6 +406,8 @@ class WeightSync:
             mine = None
             if self.fused_digest:  # read back here, so the check's timer holds it: (heads, int64 sums)
                 mine = (layout.heads, fused.cpu().tolist())
+            elif not full_compare and hasattr(self.engine, "weight_group_fingerprints"):
+                mine = layout.learner_values(items)  # the export's own tensors (sync.c2_learner_side: export)
             return self._grid(items, full_compare, engine_q, layout.groups, mine, layout, state)
 
         # C3's device work queued first (a captured graph's replay, where the engine offers it): it then runs
