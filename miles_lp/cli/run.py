@@ -60,7 +60,15 @@ def run(args) -> int:
 
         print(json.dumps(dry_run(recipe), indent=2))
         return 0
-    from miles_lp.launch.runner import RunInterrupted, interrupted_note
+    from miles_lp.launch.runner import RunInterrupted, check_transport, interrupted_note, resumed_recipe
+
+    # refusals that need no model, before a Ray cluster starts or anything is built (Run and the Ray launcher make
+    # them again): the transport (review-6 L12), a resume's model folder and steps (M4, L11)
+    check_transport(recipe)
+    if args.resume:
+        from miles_lp.launch.run_dir import RunDir
+
+        resumed_recipe(RunDir(args.resume), recipe)
 
     # Ctrl-C (review-4 L14): while starting, the folder is removed (nothing recorded); in the loop, the note says
     # where the last checkpoint is and the exact resume command, or that there is nothing to resume

@@ -140,10 +140,13 @@ def _would_refuse(recipe: Recipe, plan=None, hf_config: dict | None = None) -> l
                        "the reference engine")
     from miles_lp.errors import ConfigError
     from miles_lp.launch.actor_sync import check_broadcast
-    from miles_lp.launch.runner import check_answerable, check_devices, sync_env
+    from miles_lp.launch.runner import check_answerable, check_devices, check_transport, sync_env
 
-    # under Ray the devices are the workers' (checked where the learner is built), not this host's
-    checks = (check_broadcast,) + (() if recipe.ray.enabled else (check_devices,))
+    # under Ray the devices are the workers' (checked where the learner is built), not this host's; the transport's
+    # are this host's either way (the ray / cuda_ipc sync runs in the driver)
+    checks = (check_broadcast, check_transport) + (() if recipe.ray.enabled else (check_devices,))
+    if not recipe.model.is_tiny:
+        checks += (_check_source,)
     # raise for a check the engine can never answer (a stock SGLang server: C1-C4), with this shell's variables
     checks += (lambda r: check_answerable(r, sync_env()),)
     for check in checks:
@@ -161,3 +164,16 @@ def _would_refuse(recipe: Recipe, plan=None, hf_config: dict | None = None) -> l
         except ConfigError as e:
             out.append(str(e))
     return out
+
+
+def _check_source(recipe: Recipe) -> None:
+    """The model folder as the learner reads it at start (``checkpoint.validate.validate_source``: config.json,
+    every shard header, the index; an already-quantized checkpoint is refused there, review-6 L12), its
+    ``CheckpointError`` reported as the start would."""
+    from miles_lp.checkpoint.validate import validate_source
+    from miles_lp.errors import CheckpointError, ConfigError
+
+    try:
+        validate_source(recipe.model.path)
+    except CheckpointError as e:
+        raise ConfigError(f"model.path {recipe.model.path}: {e}") from None

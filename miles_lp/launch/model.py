@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 from miles_lp.errors import ConfigError
 from miles_lp.launch.recipe import ModelConfig
@@ -43,3 +45,38 @@ def prepare_model(cfg: ModelConfig, out: Path) -> Path:
 
 def vocab_size(model_dir: Path) -> int:
     return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+
+
+#: the files of a model folder whose sizes ``model_id`` records (the weights and their index)
+_WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json")
+
+
+def model_id(model_dir: str | Path) -> dict[str, Any] | None:
+    """A cheap content id of a model folder (review-6 M4): config.json's sha256 and the weight files' names and
+    sizes (no weight bytes are read). run.json records it at start; a resume compares (``runner.check_resumed_model``),
+    so a folder replaced by another model under the same path is refused. None when there is no config.json."""
+    d = Path(model_dir)
+    try:
+        config = (d / "config.json").read_bytes()
+    except OSError:
+        return None
+    weights = {p.name: p.stat().st_size for p in sorted(d.iterdir()) if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES)}
+    return {"config_sha256": hashlib.sha256(config).hexdigest(), "weight_files": weights}
+
+
+def model_id_difference(recorded: dict[str, Any], now: dict[str, Any] | None) -> str | None:
+    """What differs between two ``model_id`` values, in words; None when they are equal."""
+    if now is None:
+        return "it has no config.json now"
+    diffs = []
+    if recorded.get("config_sha256") != now.get("config_sha256"):
+        diffs.append("its config.json differs")
+    a, b = dict(recorded.get("weight_files") or {}), dict(now.get("weight_files") or {})
+    for name in sorted(set(a) | set(b)):
+        if name not in b:
+            diffs.append(f"{name} is gone")
+        elif name not in a:
+            diffs.append(f"{name} is new")
+        elif a[name] != b[name]:
+            diffs.append(f"{name} is {b[name]} bytes (was {a[name]})")
+    return "; ".join(diffs) or None

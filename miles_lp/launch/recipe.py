@@ -38,7 +38,8 @@ from miles_lp.train.config import TrainConfig
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """``path``: an HF checkpoint folder, or ``tiny:<arch>`` (built with ``checkpoint.tiny`` at run start).
+    """``path``: an HF checkpoint folder (``~`` expanded, made absolute at parse: ``normalize_paths``), or
+    ``tiny:<arch>`` (built with ``checkpoint.tiny`` at run start).
     ``num_layers`` / ``overrides`` (transformers config fields such as ``hidden_size``) apply to tiny models."""
 
     path: str
@@ -342,8 +343,38 @@ def _check_combinations(data: dict[str, Any], train: TrainConfig, rollout: Any, 
             "report; use rollout.backend: reference (or sglang, which returns them) or set rl.routing_replay: false")
 
 
+#: the recipe's path-valued keys (section, key): ``~`` expanded at parse time (review-6 L17)
+PATH_KEYS = (("model", "path"), ("task", "path"), ("logging", "output_dir"))
+#: of these, the model and the task are also made absolute (against the working directory, as they were always
+#: read): the run's recipe.yaml then names the very folder and file the run started from, so a resume from
+#: another working directory reads the same ones (review-6 M4). ``logging.output_dir`` stays as written: the
+#: run folder itself is made absolute (``RunDir``) and a resume never reads it.
+ABSOLUTE_KEYS = (("model", "path"), ("task", "path"))
+
+
+def normalize_paths(data: dict[str, Any], w: Where) -> dict[str, Any]:
+    """``data`` with ``PATH_KEYS`` expanded (``~``, ``~user``) and ``ABSOLUTE_KEYS`` made absolute; a new mapping
+    (sections copied where changed), so ``Recipe.raw`` and the saved recipe.yaml record the paths used. A
+    ``tiny:<arch>`` model path and values that are not strings (refused by the schema) are left alone."""
+    out = dict(data)
+    for section, key in PATH_KEYS:
+        sec = data.get(section)
+        value = sec.get(key) if isinstance(sec, dict) else None
+        if not isinstance(value, str) or not value or (section == "model" and value.startswith("tiny:")):
+            continue
+        try:
+            path = Path(value).expanduser()
+        except RuntimeError as exc:  # ~user of no such user, or no home folder
+            raise w.child(section).child(key).error(f"{value!r}: cannot expand '~' ({exc}); write the path out") from None
+        if (section, key) in ABSOLUTE_KEYS:
+            path = path.absolute()
+        if str(path) != value:
+            out[section] = {**sec, key: str(path)}
+    return out
+
+
 def parse_recipe(doc: YamlDoc) -> Recipe:
-    """Build a ``Recipe`` from a loaded YAML document; every section is validated here."""
+    """Build a ``Recipe`` from a loaded YAML document; every section is validated here (paths: ``normalize_paths``)."""
     from miles_lp.policy import parse_policy
 
     data = doc.data
@@ -351,6 +382,7 @@ def parse_recipe(doc: YamlDoc) -> Recipe:
     if not isinstance(data, dict):
         raise ConfigError("a recipe must be a mapping of sections (model, precision, train, ...)", source=doc.source,
                           line=1)
+    data = normalize_paths(data, w)
     check_keys(data, SECTIONS, w, what="section")
     for required in ("model", "precision", "steps"):
         if required not in data:

@@ -53,14 +53,25 @@ class RunDir:
     # ---- creation -------------------------------------------------------------------------------------
     @classmethod
     def create(cls, root: str | Path, name: str) -> RunDir:
+        """The new run folder ``root/name`` (``root``: ``logging.output_dir``). A path that cannot be a folder (a
+        regular file on the way, a parent that refuses new folders) is a ``ConfigError`` naming the blocking path
+        (review-6 L14), not a traceback."""
         path = Path(root) / name
+        blocker = next((p for p in (path, *path.parents) if p.exists()), None)
+        if blocker is not None and not blocker.is_dir():
+            raise ConfigError(f"logging.output_dir {root}: the run folder {path} cannot be created: {blocker} is a "
+                              "file, not a folder; set logging.output_dir to a folder (or move that file away)")
         if path.exists() and any(path.iterdir()):
             if (path / "checkpoints" / LATEST).is_file():
                 raise ConfigError(f"run folder {path} exists and holds a run; choose another logging.run_name or "
                                   f"continue it with --resume {path}")
             raise ConfigError(f"run folder {path} exists, is not empty and holds no checkpoint to resume from; "
                               "choose another logging.run_name or remove that folder")
-        path.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"logging.output_dir {root}: the run folder {path} cannot be created in {blocker} "
+                              f"({exc.strerror or exc}); set logging.output_dir to a folder you can write") from None
         return cls(path)
 
     def discard_unstarted(self) -> None:
@@ -72,6 +83,14 @@ class RunDir:
             shutil.rmtree(self.path, ignore_errors=True)
 
     def write_header(self, recipe_yaml: str, plan_json: str | None, info: Mapping[str, Any]) -> None:
+        """recipe.yaml, plan.json, run.json (``info``). With a ``model_dir`` in ``info``, run.json also gets its
+        ``model_id`` (``launch.model.model_id``: config.json's sha256, the weight files' names and sizes), which a
+        resume compares (review-6 M4); here, so the in-process and the Ray start both record it."""
+        info = dict(info)
+        if info.get("model_dir") and "model_id" not in info:
+            from miles_lp.launch.model import model_id
+
+            info["model_id"] = model_id(info["model_dir"])
         _write_atomic(self.path / "recipe.yaml", recipe_yaml)
         if plan_json is not None:
             _write_atomic(self.path / "plan.json", plan_json)

@@ -379,6 +379,23 @@ def check_devices(recipe: Recipe) -> None:
             raise ConfigError(f"{key}: {dev}, but this host has no CUDA device; set {key}: cpu (or auto)")
 
 
+def check_transport(recipe: Recipe) -> None:
+    """``sync.transport`` against ``ray.enabled`` and this host's devices, in recipe keys (review-6 L12): the same
+    refusal at start (``Run``, and ``miles-lp run`` before a Ray cluster starts) and in ``--dry-run``. The sync
+    of ``ray`` and ``cuda_ipc`` runs in this (the driver's) process, so its devices are this host's under Ray too;
+    ``nccl`` / ``gloo`` are ``actor_sync.check_broadcast``'s."""
+    name = recipe.sync.transport
+    if name == "ray" and not recipe.ray.enabled:
+        raise ConfigError("sync.transport: ray relays the sync's buckets through Ray's object store, which exists only "
+                          "in a Ray run; set ray.enabled: true, or sync.transport: inprocess (this process)")
+    if name == "cuda_ipc":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("sync.transport: cuda_ipc shares CUDA buffers between processes, but this host has no "
+                              "CUDA device; set sync.transport: inprocess (or ray, with ray.enabled: true)")
+
+
 def make_learner(recipe: Recipe, model_dir: Path, plan):
     check_devices(recipe)
     if recipe.train.backend == "megatron":  # tp = ep = 1: one process; tp * ep > 1: MegatronGroup (spawned ranks)
@@ -410,6 +427,7 @@ class Run:
         from miles_lp.rl.tasks import make_task
 
         check_broadcast(recipe)  # nccl / gloo: the learner and engine in actors of their own (ray.enabled)
+        check_transport(recipe)
         check_devices(recipe)
         self.sync_env = sync_env()  # read once, here: the refusal below and the sync see the same variables
         check_answerable(recipe, self.sync_env)
@@ -661,19 +679,65 @@ def json_load(path: Path) -> dict[str, Any]:
 
 
 def resumed_recipe(rd: RunDir, recipe: Recipe | None) -> Recipe:
-    """The run's saved effective recipe; ``recipe`` (if given) must equal it except for ``steps``."""
+    """The run's saved effective recipe; ``recipe`` (if given) must equal it except for ``steps``. Refused here,
+    before anything is built (the in-process and the Ray resume, and ``miles-lp run`` before a cluster starts):
+    a model folder that is not the run's (``check_resumed_model``), and ``steps`` that leave nothing to run
+    (review-6 L11: the resume then ran no step, exited 0 and recorded a resume)."""
     rd.require_run()
     saved = load_recipe(rd.recipe_path)
-    if recipe is None:
-        return saved
-    a = {k: v for k, v in saved.raw.items() if k != "steps"}
-    b = {k: v for k, v in recipe.raw.items() if k != "steps"}
-    if a != b:
-        diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-        raise ConfigError(f"--resume {rd.path}: the recipe differs from the run's recipe.yaml in section(s) "
-                          f"{', '.join(diff)}; resume with the same recipe and the same --set overrides (only steps "
-                          f"may change), or with the run's own: `miles-lp run {rd.recipe_path} --resume {rd.path}`")
-    return dataclasses.replace(saved, steps=recipe.steps, raw={**saved.raw, "steps": recipe.steps})
+    check_resumed_model(rd, saved)
+    if recipe is not None:
+        a = {k: v for k, v in saved.raw.items() if k != "steps"}
+        b = {k: v for k, v in recipe.raw.items() if k != "steps"}
+        if a != b:
+            diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+            paths = [f"{s}.{k}: this recipe names {(b.get(s) or {}).get(k)}, the run's "
+                     f"{(a.get(s) or {}).get(k)}" for s, k in (("model", "path"), ("task", "path"))
+                     if (a.get(s) or {}).get(k) != (b.get(s) or {}).get(k)]
+            why = (f" ({'; '.join(paths)}: a relative path is read against the working directory, now {Path.cwd()})"
+                   if paths else "")
+            raise ConfigError(f"--resume {rd.path}: the recipe differs from the run's recipe.yaml in section(s) "
+                              f"{', '.join(diff)}{why}; resume with the same recipe and the same --set overrides "
+                              f"(only steps may change), or with the run's own: "
+                              f"`miles-lp run {rd.recipe_path} --resume {rd.path}`")
+        saved = dataclasses.replace(saved, steps=recipe.steps, raw={**saved.raw, "steps": recipe.steps})
+    latest = rd.latest()
+    if latest is not None:
+        at = int(json_load(latest / "loop.json").get("step", 0))
+        if saved.steps <= at:
+            raise ConfigError(f"--resume {rd.path}: the run is at step {at} (its latest checkpoint, {latest.name}) and "
+                              f"steps is {saved.steps}: nothing to run; pass --set steps=M with M > {at} to continue")
+    return saved
+
+
+def check_resumed_model(rd: RunDir, saved: Recipe) -> None:
+    """The model a resume would read is the one the run started from (review-6 M4): run.json's ``model_dir``
+    against the saved recipe's ``model.path`` (a relative path in an older run's recipe.yaml is read against
+    today's working directory), and run.json's ``model_id`` (config.json's sha256, the weight files' names and
+    sizes) against the folder now. A ``tiny:<arch>`` model is the run's own ``RUN_DIR/model`` (rebuilt from its
+    stamp if missing; the folder may have been moved since). Refused naming both."""
+    from miles_lp.launch.model import model_id, model_id_difference
+
+    info = rd.info()
+    recorded = info.get("model_dir")
+    if saved.model.is_tiny:
+        current = rd.path / "model"
+        if not current.is_dir():
+            return  # rebuilt deterministically from the recipe's tiny settings
+    else:
+        current = Path(saved.model.path)
+        if recorded and Path(recorded).resolve() != current.resolve():
+            raise ConfigError(f"--resume {rd.path}: model.path {current} is not the model this run started from: "
+                              f"run.json's model_dir is {recorded} (a relative model.path in {rd.recipe_path} is "
+                              f"read against the working directory, now {Path.cwd()}); resume from the folder the "
+                              f"run started in, or set model.path: {recorded} in {rd.recipe_path}")
+    rec_id = info.get("model_id")
+    if rec_id:
+        diff = model_id_difference(rec_id, model_id(current))
+        if diff:
+            raise ConfigError(f"--resume {rd.path}: the model folder {current} is not the one this run started from "
+                              f"({diff}; run.json's model_id records config.json's sha256 and the weight files' "
+                              "sizes at the start); resume with the run's own model")
 
 
 def _tensorboard(path: Path):

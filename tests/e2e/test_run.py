@@ -116,6 +116,37 @@ def test_export_run_dir_from_another_folder(tmp_path, monkeypatch):
     assert list(out.glob("*.safetensors"))
 
 
+def test_resume_from_another_folder_reads_the_runs_own_model(tmp_path, monkeypatch, capsys):
+    """review-6 M4 on the real stack: a run started with a relative model.path, resumed from a folder holding
+    another model of that name. The run's recipe.yaml names the model absolute, so the resume reads the run's
+    (its learner, frozen KL reference and config); the user's recipe file read there names the other one and
+    is refused, naming both."""
+    from miles_lp.checkpoint.tiny import make_tiny_model
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    make_tiny_model("qwen3", a / "dq", num_layers=1)
+    make_tiny_model("qwen3", b / "dq", num_layers=1, seed=5)
+    p = tmp_path / "r.yaml"
+    p.write_text(RECIPE.replace("OUT", str(tmp_path / "runs")).replace('"tiny:qwen3", num_layers: 1', "dq")
+                 .replace("clip_high: 0.28}", "clip_high: 0.28, kl_coef: 0.05}"))
+    monkeypatch.chdir(a)
+    first = Run.start(load_recipe(p, ["steps=1"]), "rel")
+    first.train()
+    first.close()
+    rd = first.dir
+    assert load_recipe(rd.recipe_path).model.path == str(a / "dq")  # recorded absolute
+    monkeypatch.chdir(b)
+    assert main(["run", str(p), "--resume", str(rd.path), "--set", "steps=2", "--no-progress"]) == 2
+    assert f"model.path: this recipe names {b / 'dq'}, the run's {a / 'dq'}" in capsys.readouterr().err
+    run = Run.resume(rd.path, load_recipe(rd.recipe_path, ["steps=2"]))
+    try:
+        assert run.model_dir == a / "dq" and run.reference is not None
+        run.train(progress=False)
+    finally:
+        run.close()
+    assert [r["step"] for r in rd.read_metrics()] == [0, 1] and len(rd.info()["resumes"]) == 1
+
+
 @pytest.mark.slow
 def test_resume_is_bit_identical(recipe_file):
     straight = load_recipe(recipe_file, ["steps=4"])
