@@ -120,13 +120,13 @@ def engine_schemes_for(target: str, quant_config, files: dict[str, dict], plan) 
                 if f2 != f:
                     raise ConfigError(f"{HF_QUANT_CONFIG} and config.json disagree on '{m.name}' "
                                       f"({f2.value} vs {f.value})")
-            return S.BF16 if f is Format.BF16 else S.Scheme(f, S.modelopt_params(f, quant_config, hf))
+            return S.BF16 if f is Format.BF16 else S.Scheme(f, S.modelopt_params(f, quant_config, hf, sglang=True))
         if method == "modelopt" and target == "vllm":
             excl = quant_config.get("ignore") or []
             if C.vllm_modelopt_is_layer_excluded(m.name, excl):
                 return S.BF16
             f = _algo(algo)
-            return S.Scheme(f, S.modelopt_params(f, quant_config, None))
+            return S.Scheme(f, S.modelopt_params(f, quant_config, None, sglang=False))
         if method == "compressed-tensors" and target == "compressed-tensors":
             groups, ignore = quant_config.get("config_groups") or {}, quant_config.get("ignore") or []
             top = quant_config.get("format")

@@ -14,8 +14,8 @@ decompressor then failed on every module). Read from, per reader:
   compared too (absent = e4m3).
 * ModelOpt (vLLM 0.32 ``ModelOptQuantConfigBase.from_config`` / ``ModelOptNvFp4Config``, SGLang
   ``ModelOptFp4Config``): ``quant_algo`` (the format) and ``group_size``, which sizes the NVFP4 block-scale
-  parameters (``K // group_size``); default 16 for NVFP4. SGLang also reads ``hf_quant_config.json``'s
-  ``quantization.group_size``. MXFP8's block is fixed at 32 (vLLM does not read the field); a declared other value
+  parameters (``K // group_size``); vLLM's default 16 for NVFP4, SGLang requires it. SGLang also reads
+  ``hf_quant_config.json``'s ``quantization.group_size``. MXFP8's block is fixed at 32 (vLLM does not read the field); a declared other value
   contradicts the data and is compared (absent = 32).
 * ModelOpt ``MIXED_PRECISION``: each ``quantized_layers`` entry's ``quant_algo`` and ``group_size`` (absent: 16
   NVFP4, 32 MXFP8); vLLM 0.32 sizes every NVFP4 module with ONE group size, the top-level ``group_size``, else
@@ -77,12 +77,15 @@ def sglang_mxfp8_params(qc: dict) -> tuple[Param, ...]:
             Param("fmt", _norm(qc.get("fmt", "e4m3")), "fmt"))
 
 
-def modelopt_params(fmt: Format, qc: dict, hf_quant_config: dict | None) -> tuple[Param, ...]:
-    """Single-algo ModelOpt: ``group_size`` of config.json and, where SGLang reads it, hf_quant_config.json."""
-    out = [Param("group_size", _norm(qc.get("group_size", _MODELOPT_GROUP[fmt])), "group_size")]
+def modelopt_params(fmt: Format, qc: dict, hf_quant_config: dict | None, *, sglang: bool) -> tuple[Param, ...]:
+    """Single-algo ModelOpt: ``group_size`` of config.json and, where SGLang reads it, hf_quant_config.json.
+    vLLM defaults an absent NVFP4 ``group_size`` to 16; SGLang's ``ModelOptFp4Config.from_config`` raises
+    without one ("NVFP4 quantization requires group size"), so for SGLang NVFP4 absent is a value of its own."""
+    default = ABSENT if sglang and fmt is Format.NVFP4 else _MODELOPT_GROUP[fmt]
+    out = [Param("group_size", _norm(qc.get("group_size", default)), "group_size")]
     if hf_quant_config is not None:
         q = hf_quant_config.get("quantization") or {}
-        out.append(Param("hf_quant_config.group_size", _norm(q.get("group_size", _MODELOPT_GROUP[fmt])),
+        out.append(Param("hf_quant_config.group_size", _norm(q.get("group_size", default)),
                          "hf_quant_config.json quantization.group_size"))
     return tuple(out)
 

@@ -33,6 +33,7 @@ def made(tmp_path_factory):
                                 ("sglang-mixed", "sglang", ["--recipe", MIXED]),
                                 ("vllm-mixed", "vllm", ["--recipe", MIXED]),
                                 ("sglang-nvfp4", "sglang", ["--recipe", NVFP4_ONLY]),
+                                ("vllm-nvfp4", "vllm", ["--recipe", NVFP4_ONLY]),
                                 ("sglang-mxfp8", "sglang", ["--format", "mxfp8"])):
         out = root / key
         assert main(["convert", "--hf-checkpoint", str(src), "--output", str(out), *policy, "--target", target,
@@ -131,6 +132,9 @@ FAILING = [
      [r"C1: group_size \(vLLM sizes every NVFP4 module with it\) is 32, the plan's nvfp4 scheme has 16"]),
     ("sglang-nvfp4", _set("group_size", 32), "config.json",
      [r"C1: group_size is 32, the plan's nvfp4 scheme has 16"]),
+    ("sglang-nvfp4", _set("group_size", None), "config.json",  # SGLang's ModelOptFp4Config raises without it
+     [r"C1: group_size is \(absent\), the plan's nvfp4 scheme has 16"]),
+    ("vllm-nvfp4", _set("group_size", 64), "config.json", [r"C1: group_size is 64, the plan's nvfp4 scheme has 16"]),
     ("sglang-nvfp4", _set("quantization.group_size", 32), "hf_quant_config.json",
      [r"C1: hf_quant_config\.json quantization\.group_size is 32, the plan's nvfp4 scheme has 16"]),
     # SGLang mxfp8: weight_block_size, scale_fmt, fmt, activation_scheme
@@ -162,7 +166,7 @@ NEUTRAL = [  # what the readers do not use, or leave at their defaults: the engi
     ("ct", _set("weights.scale_dtype", "uint8", "mxfp8-quantized")),  # the package parses it as torch.uint8
     ("sglang-mxfp8", _set("weight_block_size", None)),  # SGLang's default [1, 32]
     ("sglang-mxfp8", _set("fmt", None)),  # not read by SGLang's Fp8Config
-    ("sglang-nvfp4", _set("group_size", None)),  # the readers' default 16
+    ("vllm-nvfp4", _set("group_size", None)),  # vLLM's default 16
 ]
 
 
@@ -174,7 +178,7 @@ def test_fields_the_engine_reads_the_same_are_notes_without_a_record(made, tmp_p
     assert "notes (not failures without a record)" in config.detail and "C1:" not in config.detail, config.detail
 
 
-@pytest.mark.parametrize("key", ["ct", "sglang-mixed", "vllm-mixed", "sglang-nvfp4", "sglang-mxfp8"])
+@pytest.mark.parametrize("key", ["ct", "sglang-mixed", "vllm-mixed", "sglang-nvfp4", "vllm-nvfp4", "sglang-mxfp8"])
 def test_healthy_conversions_pass_both_ways(made, tmp_path, key):
     out, target, policy = _edited(made, tmp_path, key, lambda qc: None)
     for with_record in (True, False):
