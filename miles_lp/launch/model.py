@@ -80,3 +80,17 @@ def model_id_difference(recorded: dict[str, Any], now: dict[str, Any] | None) ->
         elif a[name] != b[name]:
             diffs.append(f"{name} is {b[name]} bytes (was {a[name]})")
     return "; ".join(diffs) or None
+
+
+def file_id(path: str | Path) -> dict[str, Any] | None:
+    """A task file's content id (its sha256 and size), recorded in run.json as ``task_id`` and compared at resume:
+    a prompts file changed between the start and a resume would feed the resumed steps other prompts. None when
+    the file cannot be read."""
+    h = hashlib.sha256()
+    try:
+        with Path(path).open("rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    except OSError:
+        return None
+    return {"path": str(path), "sha256": h.hexdigest(), "size": Path(path).stat().st_size}

@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from miles_lp.errors import CheckpointError, ConfigError
 
 LATEST = "latest.json"
@@ -84,13 +86,19 @@ class RunDir:
 
     def write_header(self, recipe_yaml: str, plan_json: str | None, info: Mapping[str, Any]) -> None:
         """recipe.yaml, plan.json, run.json (``info``). With a ``model_dir`` in ``info``, run.json also gets its
-        ``model_id`` (``launch.model.model_id``: config.json's sha256, the weight files' names and sizes), which a
-        resume compares (review-6 M4); here, so the in-process and the Ray start both record it."""
+        ``model_id`` (``launch.model.model_id``: config.json's sha256, the weight files' names and sizes), and with a
+        ``task.path`` in the recipe its ``task_id`` (``file_id``: sha256 and size), which a resume compares
+        (review-6 M4); here, so the in-process and the Ray start both record them."""
         info = dict(info)
         if info.get("model_dir") and "model_id" not in info:
             from miles_lp.launch.model import model_id
 
             info["model_id"] = model_id(info["model_dir"])
+        task = (yaml.safe_load(recipe_yaml) or {}).get("task") if "task_id" not in info else None
+        if isinstance(task, dict) and isinstance(task.get("path"), str):  # task jsonl: its file's sha256 and size
+            from miles_lp.launch.model import file_id
+
+            info["task_id"] = file_id(task["path"])
         _write_atomic(self.path / "recipe.yaml", recipe_yaml)
         if plan_json is not None:
             _write_atomic(self.path / "plan.json", plan_json)

@@ -715,7 +715,8 @@ def check_resumed_model(rd: RunDir, saved: Recipe) -> None:
     against the saved recipe's ``model.path`` (a relative path in an older run's recipe.yaml is read against
     today's working directory), and run.json's ``model_id`` (config.json's sha256, the weight files' names and
     sizes) against the folder now. A ``tiny:<arch>`` model is the run's own ``RUN_DIR/model`` (rebuilt from its
-    stamp if missing; the folder may have been moved since). Refused naming both."""
+    stamp if missing; the folder may have been moved since). A ``task.path`` (task jsonl) against run.json's
+    ``task_id`` (its sha256 and size). Refused naming both."""
     from miles_lp.launch.model import model_id, model_id_difference
 
     info = rd.info()
@@ -738,6 +739,17 @@ def check_resumed_model(rd: RunDir, saved: Recipe) -> None:
             raise ConfigError(f"--resume {rd.path}: the model folder {current} is not the one this run started from "
                               f"({diff}; run.json's model_id records config.json's sha256 and the weight files' "
                               "sizes at the start); resume with the run's own model")
+    task = info.get("task_id")
+    if task and saved.task.path:
+        from miles_lp.launch.model import file_id
+
+        now = file_id(saved.task.path)
+        if Path(saved.task.path) != Path(task.get("path", "")) or now is None or now["sha256"] != task.get("sha256"):
+            what = ("cannot be read" if now is None else f"is {now['size']} bytes, sha256 {now['sha256'][:12]}")
+            raise ConfigError(f"--resume {rd.path}: task.path {saved.task.path} is not the prompts file this run "
+                              f"started from ({task.get('path')}, {task.get('size')} bytes, sha256 "
+                              f"{str(task.get('sha256'))[:12]}; now it {what}): the resumed steps would draw other "
+                              "prompts; resume with the run's own file")
 
 
 def _tensorboard(path: Path):

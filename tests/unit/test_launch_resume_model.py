@@ -1,6 +1,7 @@
 """review-6 fixes in the run's start and resume, each on a hand-made run folder (nothing is built):
 
-* M4: a resume reads the model the run started from, or refuses naming both (run.json's model_dir and model_id);
+* M4: a resume reads the model the run started from, or refuses naming both (run.json's model_dir and model_id),
+  and the same prompts file (task_id);
 * L11: a resume whose ``steps`` leave nothing to run is refused, and records no resume;
 * L12: the transport refusals of the start are the dry run's too, in recipe keys;
 * L17: ``~`` in the path-valued keys is expanded at parse time (recipe.yaml records it);
@@ -130,6 +131,25 @@ def test_a_tiny_model_is_the_run_folders_own(tmp_path, monkeypatch):
     resumed_recipe(rd, None)
     (rd.path / "model" / "model.safetensors").unlink()
     with pytest.raises(ConfigError, match="model.safetensors is gone"):
+        resumed_recipe(rd, None)
+
+
+def test_a_prompts_file_changed_since_the_start_is_refused(tmp_path):
+    model = _model(tmp_path / "m")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": [1, 2], "answer": [3]}\n')
+    rd = _run_folder(tmp_path, str(model), model)
+    text = rd.recipe_path.read_text().replace("task: {name: copy, length: 1, alphabet: 4}",
+                                              f"task: {{name: jsonl, path: {prompts}}}")
+    rd.write_header(text, None, {"model_dir": str(model)})  # what a start with task jsonl writes
+    assert rd.info()["task_id"]["size"] == prompts.stat().st_size
+    assert resumed_recipe(rd, None).task.path == str(prompts)
+    prompts.write_text('{"prompt": [1, 2], "answer": [4]}\n')
+    with pytest.raises(ConfigError, match=f"task.path {prompts} is not the prompts file this run started from "
+                                          r".*the resumed steps would draw other prompts"):
+        resumed_recipe(rd, None)
+    prompts.unlink()
+    with pytest.raises(ConfigError, match="now it cannot be read"):
         resumed_recipe(rd, None)
 
 
