@@ -61,16 +61,46 @@ def check_broadcast(recipe: Any) -> None:
                               "two ranks on one device): set ray.placement: split, or use cuda_ipc when colocated")
 
 
+def _family(host: str) -> int:
+    import socket
+
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def free_address() -> tuple[str, int]:
-    """This node's address and a free TCP port for the group's store (rank 0 hosts it)."""
+    """This node's address (127.0.0.1 in the local cluster ``start_local_ray`` starts) and a free TCP port on it for
+    the group's store (rank 0 hosts it)."""
     import socket
 
     import ray
 
-    with socket.socket() as s:
-        s.bind(("", 0))
+    host = ray.util.get_node_ip_address()
+    with socket.socket(_family(host)) as s:
+        s.bind((host, 0))
         port = s.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
+    return host, port
+
+
+def group_store(host: str, port: int, rank: int, timeout: datetime.timedelta) -> Any:
+    """The group's rendezvous store. Rank 0 hosts it listening on ``host`` only: torch's ``TCPStore`` server (what
+    ``init_method="tcp://..."`` starts) listens on every interface (``::``, measured with torch 2.13), which would
+    undo the local cluster's loopback-only binding (review-6 L7); a socket bound to ``(host, port)`` is handed to
+    it instead (``master_listen_fd``, the store owns it from then on)."""
+    import socket
+
+    import torch.distributed as dist
+
+    if rank != 0:
+        return dist.TCPStore(host, port, 2, False, timeout)
+    sock = socket.socket(_family(host))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen()
+    except OSError:
+        sock.close()
+        raise
+    return dist.TCPStore(host, port, 2, True, timeout, master_listen_fd=sock.detach())
 
 
 def init_group(backend: str, host: str, port: int, rank: int, device: str) -> None:
@@ -82,8 +112,9 @@ def init_group(backend: str, host: str, port: int, rank: int, device: str) -> No
         dist.destroy_process_group()
     if backend == "nccl":  # object collectives stage on the current device
         torch.cuda.set_device(torch.device(device))
-    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    timeout = datetime.timedelta(seconds=TIMEOUT_S)
+    dist.init_process_group(backend, store=group_store(host, port, rank, timeout), rank=rank, world_size=2,
+                            timeout=timeout)
 
 
 class LearnerSyncSide:

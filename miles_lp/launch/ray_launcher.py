@@ -8,8 +8,8 @@ sync's buckets from the learner's export to the engine: a CPU path; a GPU deploy
 
 Placement (``ray.placement``), as Miles does: ``colocate`` = one bundle holding both roles' resources (learner
 and sampler share the node / GPU); ``split`` = one bundle per role, spread over the cluster where it can be.
-``ray.address`` unset starts a local cluster (shut down at the end); set, it connects (``ray.init(address=)``)
-and an unreachable address is an error naming it. Actor output is streamed to the driver (``log_to_driver``).
+``ray.address`` unset starts a local cluster listening on loopback only (``start_local_ray``; shut down at the
+end); set, it connects (``ray.init(address=)``) and an unreachable address is an error naming it. Actor output is streamed to the driver (``log_to_driver``).
 Ctrl-C kills the actors, removes the placement group, and shuts Ray down if this process started it.
 
 Engine failure: if the rollout actor dies while generating, the run starts a new one in the same bundle,
@@ -288,7 +288,7 @@ def _init_ray(recipe: Recipe) -> bool:
         kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
         if rc.num_cpus is not None:
             kw["num_cpus"] = rc.num_cpus
-        ray.init(**kw)
+        start_local_ray(**kw)
         return True
     _check_reachable(rc.address)
     try:
@@ -297,6 +297,58 @@ def _init_ray(recipe: Recipe) -> bool:
         raise ConfigError(f"ray.address {rc.address!r}: cannot connect to a Ray cluster there ({type(exc).__name__}: "
                           f"{exc}); start one (ray start --head) or remove ray.address for a local cluster") from None
     return False
+
+
+#: Ray's switch for clusters of more than this machine (``ray_constants.ENABLE_RAY_CLUSTER``, read from this
+#: variable when ray is imported); off, Ray takes the loopback address as the node's IP
+MULTI_NODE_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def start_local_ray(**kw: Any) -> str:
+    """``ray.init(**kw)`` of a cluster on this machine whose servers listen on loopback only (the project's rule:
+    servers bind 127.0.0.1 by default; review-6 L7). Returns the node's IP (127.0.0.1).
+
+    Ray binds its servers (GCS, raylet and object manager, every core worker, the runtime-env agent) to the node's
+    IP. Left alone it takes the machine's outward address, and the servers listen on every interface (``::``);
+    ``_node_ip_address="127.0.0.1"`` does not help: ``ray.init`` turns a loopback address into the outward one
+    (``services.resolve_ip_for_localhost``) unless Ray's multi-node switch is off. So, during ``ray.init`` only, the
+    switch is off in this process (``ray_constants.ENABLE_RAY_CLUSTER``, which Ray reads at import) and in the
+    environment the cluster's processes inherit (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``); both are restored after.
+    Measured with Ray 2.60 (tests/e2e/test_run_ray_loopback.py, slow): every listening socket of the cluster's
+    processes on 127.0.0.1 (``::ffff:127.0.0.1``), none on 0.0.0.0 / ::. If a Ray version takes another address
+    anyway, the run says so on stderr. Connecting to a cluster (``ray.address``) is unchanged."""
+    import ipaddress
+    import os
+
+    import ray
+    from ray._private import ray_constants
+
+    var = getattr(ray_constants, "ENABLE_RAY_CLUSTERS_ENV_VAR", MULTI_NODE_VAR)
+    had_env = os.environ.get(var)
+    had_switch = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
+    os.environ[var] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(**kw)
+    finally:
+        if had_env is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = had_env
+        if had_switch is None:
+            del ray_constants.ENABLE_RAY_CLUSTER
+        else:
+            ray_constants.ENABLE_RAY_CLUSTER = had_switch
+    ip = ray.util.get_node_ip_address()
+    try:
+        loopback = ipaddress.ip_address(ip).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        print(f"miles-lp run: the local Ray cluster took {ip} as its address (this Ray version ignored the loopback "
+              f"setting, {var}=0): its servers may be reachable from the network; see docs/rl.md (Ray)",
+              file=sys.stderr, flush=True)
+    return ip
 
 
 def _check_reachable(address: str, timeout_s: float = 3.0) -> None:

@@ -145,7 +145,7 @@ def test_c3_rotation_continues_across_engine_restart_and_resume(tmp_path, monkey
     engine holds the base the run's count says, and every deterministic metric equals the straight run's."""
     import ray
 
-    from miles_lp.launch.ray_launcher import run_with_ray
+    from miles_lp.launch.ray_launcher import run_with_ray, start_local_ray
     from miles_lp.launch.runner import deterministic_metrics
     from miles_lp.sync import checks
 
@@ -173,7 +173,7 @@ def test_c3_rotation_continues_across_engine_restart_and_resume(tmp_path, monkey
         out = run_with_ray(recipe, run_name=name, resume=resume, progress=False, on_step=on_step)
         return out, seen
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)  # one cluster for the four runs
+    start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)  # one cluster for the four runs
     try:
         _, straight = run("straight", 3)
         out, restarted = run("restarted", 3, kill_after=0)
@@ -193,3 +193,29 @@ def test_c3_rotation_continues_across_engine_restart_and_resume(tmp_path, monkey
     rows = {n: deterministic_metrics(RunDir(tmp_path / "runs" / n).read_metrics()) for n in ("straight", "two")}
     assert rows["two"] == rows["straight"]
     assert all(r["sync/check/self_check"] == 1.0 for r in rows["straight"])
+
+
+def test_a_failed_check_under_ray_names_the_resume_command(tmp_path):
+    """review-6 L3 under Ray (which printed no advice at all): the C6 sentinel in raise mode fails at step 1's
+    sync (every response hits the length cap); the error is the in-process run's: the checkpoint at step 1, the
+    exact resume command, and that the check is expected to fail again there."""
+    import shlex
+
+    import ray
+
+    from miles_lp.launch.ray_launcher import run_with_ray
+    from miles_lp.rl.step import RunError
+
+    p = tmp_path / "r.yaml"
+    p.write_text(RECIPE.replace("OUT", str(tmp_path / "runs")))
+    recipe = load_recipe(p, ["ray.enabled=true", "ray.num_cpus=2", "steps=3", "sync.checks.sentinel=raise",
+                             "checkpoint_every=1"])
+    with pytest.raises(RunError) as info:
+        run_with_ray(recipe, run_name="sent", progress=False)
+    rd = RunDir(tmp_path / "runs" / "sent")
+    cmd = f"miles-lp run {shlex.quote(str(rd.recipe_path))} --resume {shlex.quote(str(rd.path))}"
+    text = str(info.value)
+    assert text.startswith("step 1: weight sync v3 failed 1 check(s)") and "C6 sentinel: failed" in text, text
+    assert f"the last checkpoint is {rd.checkpoints / 'step_000001'} (it resumes at step 1): {cmd}. " in text, text
+    assert "put MILES_LP_SYNC_CHECK_SENTINEL=warn before that command" in text
+    assert not ray.is_initialized()

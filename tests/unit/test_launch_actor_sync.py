@@ -35,3 +35,44 @@ def test_dry_run_names_the_broadcast_refusal(tmp_path):
     assert out["sync_transport"] == "gloo"
     assert any("set ray.enabled: true" in r for r in out["would_refuse_at_start"]), out["would_refuse_at_start"]
     assert not dry_run(load_recipe(p, ["sync.transport=gloo", "ray.enabled=true"]))["would_refuse_at_start"]
+
+
+def _listening(port: int) -> list[str]:
+    import os
+
+    import psutil
+
+    return sorted({c.laddr.ip for c in psutil.net_connections(kind="inet") if c.pid == os.getpid()
+                   and c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port})
+
+
+def test_the_group_store_listens_on_the_nodes_address_only():
+    """review-6 L7: the broadcast group's rendezvous store (rank 0, in the learner actor) listens on the node's
+    address (127.0.0.1 in the local cluster), not on every interface as torch's own TCPStore server does."""
+    import datetime
+    import socket
+    import threading
+
+    import torch.distributed as dist
+
+    from miles_lp.launch.actor_sync import group_store
+
+    timeout = datetime.timedelta(seconds=30)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    stores = {}
+    master = threading.Thread(target=lambda: stores.setdefault(0, group_store("127.0.0.1", port, 0, timeout)))
+    master.start()  # waits for the other rank, as in the actor
+    stores[1] = group_store("127.0.0.1", port, 1, timeout)
+    master.join(timeout=30)
+    stores[0].set("k", "v")
+    assert stores[1].get("k") == b"v"  # the two ranks rendezvous through it
+    assert _listening(port) == ["127.0.0.1"]
+    # what init_method="tcp://127.0.0.1:PORT" starts instead: the measurement sees every interface
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        plain_port = s.getsockname()[1]
+    plain = dist.TCPStore("127.0.0.1", plain_port, 1, True, timeout)
+    assert plain.num_keys() >= 0 and _listening(plain_port)
+    assert not all(ip.startswith(("127.", "::ffff:127.")) for ip in _listening(plain_port)), _listening(plain_port)

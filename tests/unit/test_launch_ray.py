@@ -155,3 +155,36 @@ def test_restarted_actor_engine_gets_the_runs_sync_count(monkeypatch):
     assert fresh.c3_rotation_base == 5 and dead.c3_rotation_base == 0
     _, fresh = restart(_HttpEngine)
     assert not hasattr(fresh, "c3_rotation_base")
+
+
+def test_local_cluster_start_switches_ray_to_loopback_for_the_init_only(monkeypatch):
+    """start_local_ray (review-6 L7): during ray.init Ray's multi-node switch is off, in this process and in the
+    environment its processes inherit, so the node IP (which its servers bind) is loopback; restored after, also
+    when ray.init fails. The sockets themselves are measured in tests/e2e/test_run_ray_loopback.py (slow)."""
+    import os
+
+    import ray
+    from ray._private import ray_constants
+
+    from miles_lp.launch import ray_launcher
+
+    var = ray_launcher.MULTI_NODE_VAR
+    seen = []
+
+    def fake_init(**kw):
+        from ray._private import services
+
+        seen.append((ray_constants.ENABLE_RAY_CLUSTER, os.environ.get(var), services.get_node_ip_address(), kw))
+        raise RuntimeError("no cluster in a unit test")
+
+    monkeypatch.setattr(ray, "init", fake_init)
+    monkeypatch.setenv(var, "1")
+    switch = ray_constants.ENABLE_RAY_CLUSTER
+    with pytest.raises(RuntimeError, match="no cluster"):
+        ray_launcher.start_local_ray(num_cpus=1, include_dashboard=False)
+    assert seen == [(False, "0", "127.0.0.1", {"num_cpus": 1, "include_dashboard": False})]
+    assert ray_constants.ENABLE_RAY_CLUSTER == switch and os.environ[var] == "1"
+    monkeypatch.delenv(var)
+    with pytest.raises(RuntimeError):
+        ray_launcher.start_local_ray()
+    assert var not in os.environ and ray_constants.ENABLE_RAY_CLUSTER == switch
