@@ -166,4 +166,7 @@ def _env_mode(var: str, value: str) -> str:
 def parse_sync_config(mapping: Any, where: Where | None = None) -> SyncConfig:
     """The ``sync:`` section of a recipe (``None``: all defaults). The environment is applied separately
     (``with_env``), by whoever builds the sync."""
+    if isinstance(mapping, Mapping) and mapping.get("full_compare") is False:
+        # YAML 1.1 reads an unquoted ``full_compare: off`` as false (as for the check modes): that is "off"
+        mapping = {**mapping, "full_compare": "off"}
     return parse_dataclass(SyncConfig, mapping, where or Where("<sync>", "sync"))

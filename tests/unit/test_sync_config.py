@@ -54,3 +54,14 @@ def test_env_refuses_bad_values_and_unknown_checks():
         SyncConfig().with_env({"MILES_LP_SYNC_CHECK_GIRD": "raise"})
     with pytest.raises(ConfigError, match="unknown sync check 'nope'"):
         SyncConfig().with_modes(nope="raise")
+
+
+def test_unquoted_full_compare_off_is_off():
+    """review-6 L5: YAML 1.1 reads ``full_compare: off`` as false; it was refused as "got False"."""
+    import yaml
+
+    from miles_lp.sync.config import parse_sync_config
+
+    assert parse_sync_config(yaml.safe_load("full_compare: off")).full_compare == "off"
+    with pytest.raises(ConfigError, match="full_compare.*got True"):
+        parse_sync_config(yaml.safe_load("full_compare: true"))
