@@ -203,9 +203,12 @@ class ActorSync:
     ``initial_sync``, ``sentinel``, ``expected_version``), carried out in the learner actor."""
 
     def __init__(self, learner_actor: Any, engine_actor: Any, target: str, sentinel: Any,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, config: Any = None, log: Any = None):
         self.learner_actor, self.target, self.sentinel = learner_actor, target, sentinel
         self.env = dict(env or {})
+        # ``mode`` / ``log`` as WeightSync's: the RL step reports a step without a sync through them (C6)
+        self.config = None if config is None else config.with_env(self.env)
+        self.log = log if log is not None else (lambda line: None)
         self.expected_version = 0
         self.connect(engine_actor)
 
@@ -232,6 +235,10 @@ class ActorSync:
                 raise EngineDied(f"the rollout actor died during the weight sync ({exc.cause})", "sync") from exc
             raise
         return report
+
+    def mode(self, name: str) -> str:
+        """The effective mode of check ``name`` (the recipe's, the environment applied), as ``WeightSync.mode``."""
+        return "warn" if self.config is None else self.config.mode(name)
 
     def sync(self, learner: Any = None) -> Any:
         return self._run(initial=False)

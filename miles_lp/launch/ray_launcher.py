@@ -452,7 +452,8 @@ class RayRun:
         note_skipped_checks(recipe, self.sync_env)
         if recipe.sync.transport in BROADCAST:  # the sync runs in the learner actor, bytes straight to the engine's
             sentinel = Sentinel(recipe.sync.sentinel)
-            self.sync = ActorSync(self.learner_actor, self.engine_actor, _target(recipe), sentinel, self.sync_env)
+            self.sync = ActorSync(self.learner_actor, self.engine_actor, _target(recipe), sentinel, self.sync_env,
+                                  config=recipe.sync, log=sync_log)
         else:  # the sync runs here, buckets relayed through the object store
             self.sync = WeightSync(self.engine, self.plan, _target(recipe), recipe.sync, env=self.sync_env,
                                    log=sync_log)

@@ -76,3 +76,25 @@ def test_the_group_store_listens_on_the_nodes_address_only():
     plain = dist.TCPStore("127.0.0.1", plain_port, 1, True, timeout)
     assert plain.num_keys() >= 0 and _listening(plain_port)
     assert not all(ip.startswith(("127.", "::ffff:127.")) for ip in _listening(plain_port)), _listening(plain_port)
+
+
+def test_actor_sync_answers_mode_and_log_so_a_step_without_a_sync_still_raises(monkeypatch):
+    """review-6 M2's gap under Ray with sync.transport gloo | nccl: the RL step reports a step without an optimizer
+    step through ``sync.mode`` / ``sync.log``; ActorSync had neither, so a raise-mode sentinel failure never raised."""
+    import pytest
+
+    from miles_lp.launch.actor_sync import ActorSync
+    from miles_lp.rl.step import RunError, _report_sentinel_without_sync
+    from miles_lp.sync.config import SyncConfig
+    from miles_lp.sync.verdict import failed
+
+    monkeypatch.setattr(ActorSync, "connect", lambda self, engine_actor: None)
+    lines = []
+    s = ActorSync(None, None, "sglang", None, env={"MILES_LP_SYNC_CHECK_GRID": "off"},
+                  config=SyncConfig().with_modes(sentinel="raise"), log=lines.append)
+    assert s.mode("sentinel") == "raise" and s.mode("grid") == "off"
+    v = failed("sentinel", 3.0, "every response hit the length cap for 3 steps in a row")
+    m = {}
+    with pytest.raises(RunError, match="step 4: C6 sentinel: failed"):
+        _report_sentinel_without_sync(s, v, 4, m)
+    assert m["sync/check/sentinel"] == 0.0 and "FAILED" in lines[0]
