@@ -95,6 +95,9 @@ FAULTS: list[Fault] = [
 ]
 
 
+SELFTEST_MARKER = ".miles-lp-selftest"  # in WORKDIR/hf: the folder is the selftest's own, safe to rebuild
+
+
 class Stack:
     """The tiny model, its plan and converted checkpoints (cached per sampler policy), and the learner."""
 
@@ -106,7 +109,16 @@ class Stack:
 
         self.arch, self.target, self.log, self.workdir = arch, target, log, Path(workdir)
         self.device = device  # the learner, the engine and the staging buffer (cuda: the kernels' paths)
-        self.hf = make_tiny_model(arch, self.workdir / "hf", seed=seed, num_layers=num_layers)
+        hf = self.workdir / "hf"
+        marker = hf / SELFTEST_MARKER
+        if hf.exists() and not marker.is_file() and any(hf.iterdir()):  # not ours: never write into it (review-6 L18)
+            from miles_lp.errors import ConfigError
+
+            raise ConfigError(f"--workdir {self.workdir}: {hf} exists and was not made by selftest sync (no "
+                              f"{SELFTEST_MARKER}); the selftest builds its tiny model there: name an empty or new "
+                              "--workdir, or one an earlier selftest used")
+        self.hf = make_tiny_model(arch, hf, seed=seed, num_layers=num_layers)
+        marker.write_text("made by miles-lp selftest sync: its tiny model, rebuilt by every run in this --workdir\n")
         cfg = _read_json(self.hf / "config.json")
         moe = any(k in cfg for k in ("num_experts", "num_local_experts", "n_routed_experts"))
         self.recipe = Path(recipe) if recipe else _recipes_dir() / DEFAULT_RECIPES["moe" if moe else "dense"]

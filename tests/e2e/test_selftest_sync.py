@@ -199,3 +199,10 @@ def test_a_reused_workdir_runs_again(tmp_path, capsys):
     assert main(argv) == 0
     assert main(argv) == 0
     assert capsys.readouterr().out.count("selftest sync: PASS") == 2
+    # a workdir whose hf/ someone else made is never written into (review-6 L18)
+    other = tmp_path / "mine"
+    (other / "hf").mkdir(parents=True)
+    (other / "hf" / "config.json").write_text("{}")
+    assert main(["selftest", "sync", "--arch", "qwen3", "--only", "lm_head", "--workdir", str(other)]) == 2
+    assert "was not made by selftest sync" in capsys.readouterr().err
+    assert (other / "hf" / "config.json").read_text() == "{}"
