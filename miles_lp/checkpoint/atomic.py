@@ -153,6 +153,10 @@ def check_output_target(out: str | Path, overwrite: bool, inputs: tuple[str | Pa
         if real.is_relative_to(src_real):
             raise CheckpointError(f"{flag} {out} lies inside the input folder {src}: choose an output folder "
                                   "outside it")
+    blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:  # review-6 L14: was a FileExistsError / NotADirectoryError traceback after the work
+        raise CheckpointError(f"{flag} {out}: {blocker} is a file, not a folder; choose an output path whose parent "
+                              "folders exist or can be created")
     if out.exists() or out.is_symlink():
         if not out.is_dir():
             raise CheckpointError(f"output {out} exists and is not a folder; choose another {flag}")
@@ -179,7 +183,10 @@ def atomic_output_dir(out: str | Path, overwrite: bool = False, inputs: tuple[st
         tmp.mkdir()
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise env_error(exc, f"output folder {out}", out.parent) or exc from None
+        raise env_error(exc, f"output folder {out}", out.parent) or CheckpointError(
+            f"cannot create the output folder {out} ({exc.strerror or type(exc).__name__}"
+            + (f": {exc.filename}" if getattr(exc, "filename", None) else "")
+            + f"); choose another {flag}. Nothing was written.") from None
     try:
         yield tmp
         normal_file_modes(tmp)

@@ -35,12 +35,14 @@ def run(args) -> int:
         raise ConfigError(f"--num-layers must be >= 1, got {args.num_layers}")
     from miles_lp.cli.convert import parse_size
 
-    parse_size(args.max_shard_size)  # "banana": one line naming the flag, not transformers' ValueError
+    # "banana": one line naming the flag, not transformers' ValueError; the bytes, not the text, go to
+    # save_pretrained (it reads "1" as an unknown unit where we read one byte; review-6 L14)
+    shard_bytes = parse_size(args.max_shard_size)
     out = Path(args.out)
     empty_dir = out.is_dir() and not any(out.iterdir())
     with atomic_output_dir(out, overwrite=args.overwrite or empty_dir, flag="--out") as tmp:
         make_tiny_model(args.arch, tmp, seed=args.seed, num_layers=args.num_layers, dtype=args.dtype,
-                        max_shard_size=args.max_shard_size)
+                        max_shard_size=shard_bytes)
     files = sorted(p.name for p in out.iterdir())
     print(f"wrote tiny {args.arch} ({args.num_layers} layers, {args.dtype}, seed {args.seed}) to {out}: "
           f"{', '.join(files)}")

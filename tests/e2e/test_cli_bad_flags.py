@@ -32,3 +32,26 @@ def test_report_out_is_a_file(tmp_path, capsys):
     f.write_text("{}")
     assert main(["report", str(tmp_path), "--out", str(f)]) == 2
     assert f"--out {f} is a file" in capsys.readouterr().err and f.read_text() == "{}"
+
+
+def test_an_output_under_a_regular_file_is_one_line_naming_it(tmp_path, capsys):
+    """review-6 L14: convert / make-tiny-model output under a regular file was a FileExistsError traceback."""
+    (tmp_path / "afile").write_text("x")
+    assert main(["make-tiny-model", "--arch", "qwen3", "--out", str(tmp_path / "afile" / "m")]) == 2
+    err = capsys.readouterr().err
+    assert "afile is a file, not a folder" in err and "--out" in err and "Traceback" not in err
+    src = tmp_path / "tiny"
+    assert main(["make-tiny-model", "--arch", "qwen3", "--num-layers", "1", "--out", str(src)]) == 0
+    capsys.readouterr()
+    assert main(["convert", "--hf-checkpoint", str(src), "--output", str(tmp_path / "afile" / "c"),
+                 "--format", "mxfp8"]) == 2
+    assert "afile is a file, not a folder" in capsys.readouterr().err
+    assert (tmp_path / "afile").read_text() == "x"
+
+
+def test_make_tiny_model_one_byte_shards(tmp_path):
+    """``--max-shard-size 1`` (one byte: every tensor its own shard) reached transformers as the text '1'."""
+    out = tmp_path / "m"
+    assert main(["make-tiny-model", "--arch", "qwen3", "--num-layers", "1", "--out", str(out), "--max-shard-size",
+                 "1"]) == 0
+    assert len(list(out.glob("model-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").is_file()
