@@ -401,6 +401,7 @@ class RayRun:
             _target,
             check_answerable,
             check_task_fits,
+            check_transport,
             engine_side,
             note_skipped_checks,
             plan_for,
@@ -416,6 +417,7 @@ class RayRun:
         from miles_lp.sync.sentinel import Sentinel
 
         check_broadcast(recipe)
+        check_transport(recipe)  # the refusal the CLI and --dry-run share, for an API caller too
         self.sync_env = sync_env()  # read once, here: the refusal below and the sync see the same variables
         check_answerable(recipe, self.sync_env)
         self.recipe, self.dir = recipe, run_dir
@@ -544,12 +546,12 @@ def run_with_ray(recipe: Recipe, *, resume: str | None = None, run_name: str | N
     from miles_lp.launch.run_dir import RunDir
     from miles_lp.launch.runner import resumed_recipe, summary
 
+    saved = resumed_recipe(RunDir(resume), recipe) if resume else None  # refused before a cluster starts
     started = _init_ray(recipe)
     run = None
     try:
         if resume:
             rd = RunDir(resume)
-            saved = resumed_recipe(rd, recipe)
             latest = rd.latest()
             if latest is None:
                 raise RunError(f"{rd.path}: no checkpoint to resume from")
