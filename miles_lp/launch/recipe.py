@@ -420,7 +420,8 @@ def parse_recipe(doc: YamlDoc) -> Recipe:
 
 
 def apply_override(data: dict[str, Any], text: str) -> None:
-    """``key.sub=value`` (value read as YAML) into ``data``, in place. Intermediate mappings are created."""
+    """``key.sub=value`` (value read as YAML) into ``data``, in place. Intermediate mappings are created; a mapping
+    value merges into an existing mapping (``_merged``), anything else replaces the value."""
     key, sep, value = text.partition("=")
     key = key.strip()
     if not sep or not key or any(not p for p in key.split(".")):
@@ -439,7 +440,22 @@ def apply_override(data: dict[str, Any], text: str) -> None:
             raise ConfigError(f"--set {text!r}: '{'.'.join(parts[:i + 1])}' is a {type(nxt).__name__}, not a "
                               "section")
         node = nxt
-    node[parts[-1]] = parsed
+    old = node.get(parts[-1])
+    if isinstance(parsed, dict) and isinstance(old, dict):
+        # a mapping merges into the section it names (review-6 L19: `--set 'sync.checks={self_check: raise}'` used to
+        # reset every other check to its default): the keys it names change, the others keep the recipe's value.
+        # To replace a section whole, set it to null first (`--set sync.checks=null --set 'sync.checks={...}'`)
+        node[parts[-1]] = _merged(old, parsed)
+    else:
+        node[parts[-1]] = parsed
+
+
+def _merged(base: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``new``'s keys set, mappings merged recursively (lists and scalars replaced)."""
+    out = dict(base)
+    for k, v in new.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:

@@ -189,3 +189,18 @@ def test_tiny_only_model_keys_are_refused_for_an_hf_checkpoint(tmp_path):
     with pytest.raises(ConfigError, match=r"'model.overrides': overrides apply to tiny:<arch> models only"):
         load_recipe(write(tmp_path, GOOD), [f"model.path={hf}", "model.overrides={hidden_size: 8}"])
     assert load_recipe(write(tmp_path, GOOD), [f"model.path={hf}"]).model.path == str(hf)  # defaults: accepted
+
+
+def test_a_mapping_override_merges_into_its_section():
+    """review-6 L19: `--set 'sync.checks={self_check: raise}'` reset every other check to warn; it merges now, and
+    `=null` first still replaces the section whole."""
+    from miles_lp.launch.recipe import load_recipe
+
+    base = load_recipe("recipes/tiny-mxfp8.yaml").sync.checks
+    got = load_recipe("recipes/tiny-mxfp8.yaml", ["sync.checks={self_check: raise}"]).sync.checks
+    assert got.self_check == "raise" and (got.layer_audit, got.grid, got.storage) == (
+        base.layer_audit, base.grid, base.storage) == ("raise", "raise", "raise")
+    whole = load_recipe("recipes/tiny-mxfp8.yaml", ["sync.checks=null", "sync.checks={self_check: raise}"]).sync.checks
+    assert whole.self_check == "raise" and whole.grid == "warn"
+    r = load_recipe("recipes/tiny-mxfp8.yaml", ["rl={kl_coef: 0.01}"])
+    assert r.rl.kl_coef == 0.01 and r.rl.group_size == load_recipe("recipes/tiny-mxfp8.yaml").rl.group_size
