@@ -256,9 +256,10 @@ def note_skipped_checks(recipe: Recipe, env: Mapping[str, str] | None = None) ->
 
 
 def sync_log(line: str) -> None:
-    """The sync's one line per sync (C7): a failed check (``warn`` mode too) goes to stderr above the progress
-    bar, where someone sees it; a clean sync to the log only."""
-    if "FAILED" in line:
+    """The sync's one line per sync (C7): a failed check (``warn`` mode too), or a raise-mode check the engine
+    could not answer (first time), goes to stderr above the progress bar, where someone sees it; a clean sync to
+    the log only."""
+    if "FAILED" in line or "SKIPPED IN RAISE MODE" in line:
         from tqdm import tqdm
 
         tqdm.write(f"miles-lp run: {line}", file=sys.stderr)

@@ -203,6 +203,7 @@ class WeightSync:
         self.transport = transport
         self.sentinel = sentinel or Sentinel(self.config.sentinel)
         self._sentinel_steps = self.sentinel.steps  # the steps it had seen at the last probe (a fresh step's verdict)
+        self._skips_said: set[str] = set()  # raise-mode checks whose "cannot answer" skip was printed once
         self.log = log or logger.info
         self.probe_prompts = probe_prompts or [[1, 2, 3, 4]]
         self.fused_digest = False  # whether the last sync's C2 took the learner side from the transport's copy
@@ -441,7 +442,12 @@ class WeightSync:
                 self.engine.pause()
                 raising = [verdicts["sentinel"]]
 
-        report = self._report(verdicts, times, t0, nbytes, len(buckets), full_compare, "done")
+        # a raise-mode check that ran and came back skipped guards nothing: said once per check, on the console
+        # (review-6 L20; the sentinel is skipped until the RL loop's first step, by design)
+        skip_notes = [v for n, v in verdicts.items() if v.status == "skipped" and n != "sentinel"
+                      and self.mode(n) == "raise" and n not in self._skips_said]
+        self._skips_said.update(v.name for v in skip_notes)
+        report = self._report(verdicts, times, t0, nbytes, len(buckets), full_compare, "done", skip_notes)
         if raising:
             raise SyncCheckError(f"weight sync v{self.expected_version} failed {len(raising)} check(s); the engine "
                                  "is left paused: " + " | ".join(v.describe() for v in raising), raising, report)
@@ -634,7 +640,7 @@ class WeightSync:
             return False
 
     def _report(self, verdicts: dict[str, Verdict], times: dict[str, float], t0: float, nbytes: int,
-                nbuckets: int, full: bool, stage: str) -> SyncReport:
+                nbuckets: int, full: bool, stage: str, skip_notes: list[Verdict] = ()) -> SyncReport:
         for name in CHECKS:  # C7: every check has a verdict, or the reason it did not run
             verdicts.setdefault(name, skipped(name, f"the sync stopped in '{stage}' before this check ran"))
         ordered = tuple(verdicts[n] for n in CHECKS)
@@ -660,5 +666,8 @@ class WeightSync:
         bad = [v.describe() for v in ordered if v.failed]
         if bad:
             line += " | FAILED: " + " | ".join(bad)
+        if skip_notes:
+            line += (" | SKIPPED IN RAISE MODE (said once per check): "
+                     + " | ".join(v.describe() for v in skip_notes))
         self.log(line)
         return SyncReport(self.expected_version, ordered, m, total, check_s, nbytes, nbuckets, full, line, stage)

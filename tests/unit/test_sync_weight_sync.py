@@ -396,6 +396,10 @@ def test_a_backend_that_cannot_answer_digests_or_self_checks_gets_skip_verdicts_
     assert r.ok and r.verdict("grid").status == "skipped" and "no canonical tensors" in r.verdict("grid").reason
     assert r.verdict("self_check").status == "skipped" and "no serving kernel" in r.verdict("self_check").reason
     assert r.verdict("completeness").ok and r.verdict("storage").ok
+    # raise mode guards nothing there: said once per check in the sync's line (review-6 L20), not again
+    assert "SKIPPED IN RAISE MODE" in lines[-1] and "no serving kernel" in lines[-1] and "no canonical" in lines[-1]
+    ws.sync(Learner(), full_compare=False)
+    assert "SKIPPED IN RAISE MODE" not in lines[-1]
 
 
 def test_a_bf16_gate_up_sampler_arm_skips_the_joint_scale_check_instead_of_failing_it():
