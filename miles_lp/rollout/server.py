@@ -33,6 +33,7 @@ from __future__ import annotations
 import hmac
 import json
 import os
+import socket
 import threading
 import urllib.parse
 from http import HTTPStatus
@@ -156,12 +157,14 @@ class EngineServer(ThreadingHTTPServer):
         self.api_key = api_key
         self.verbose = verbose
         self.update_lock = threading.Lock()  # one open tensor update at a time
+        if ":" in host:  # an IPv6 address (``::1``): the socket's family follows it (review-6 L5)
+            self.address_family = socket.AF_INET6
         super().__init__((host, port), _Handler)
 
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -69,3 +69,27 @@ def test_pause_without_a_mode_aborts_as_sglang(served):
     assert post(url + "/pause_generation", {}) == (200, {"success": True})
     assert post(url + "/pause_generation", {"mode": "retract"})[0] == 200
     assert eng.paused == ["abort", "retract"]
+
+
+def test_serve_on_ipv6_loopback():
+    """review-6 L5: `serve --host ::1` (a loopback host the CLI accepts) could not bind: the server was IPv4 only."""
+    import socket
+
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this host")
+    from miles_lp.rollout.server import EngineServer
+
+    try:
+        srv = EngineServer(FakeEngine(), "::1", 0)
+    except OSError as exc:  # IPv6 configured off in this kernel / container
+        pytest.skip(f"cannot bind ::1 here: {exc}")
+    import threading
+
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        assert srv.url.startswith("http://[::1]:")
+        with urllib.request.urlopen(srv.url + "/health", timeout=30) as r:
+            assert r.status == 200 and json.loads(r.read())["status"] == "ok"
+    finally:
+        srv.shutdown()
+        srv.server_close()
