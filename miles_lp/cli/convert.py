@@ -113,9 +113,30 @@ def policy_for_format(fmt: str, start_bf16: int = 0, end_bf16: int = 0, bf16_pat
     return parse_policy({"default": default, "rules": rules}, Where("<flags>", "precision"))
 
 
+def check_layer_flags(args) -> None:
+    """``--num-layers-at-*-in-bf16`` against the model's layer count, named by flag (review-6 L5: the plan's error
+    described a ``first N`` rule the user never wrote)."""
+    import json
+    from pathlib import Path
+
+    from miles_lp.errors import ConfigError
+
+    start, end = args.num_layers_at_start_in_bf16, args.num_layers_at_end_in_bf16
+    if args.recipe or not (start or end):
+        return
+    try:
+        n = int(json.loads((Path(args.hf_checkpoint) / "config.json").read_text())["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # the converter's own checks name a missing or odd config.json
+    for flag, value in (("--num-layers-at-start-in-bf16", start), ("--num-layers-at-end-in-bf16", end)):
+        if value > n:
+            raise ConfigError(f"{flag} {value}: {args.hf_checkpoint} has {n} layers; pass at most {n}")
+
+
 def run(args) -> int:
     from miles_lp.checkpoint.convert import convert_checkpoint
 
+    check_layer_flags(args)
     policy = build_policy(args)
     max_shard = parse_size(args.max_shard_size) if args.max_shard_size else None
     summary = convert_checkpoint(args.hf_checkpoint, args.output, policy, target=args.target, device=args.device,

@@ -77,9 +77,10 @@ def run(args) -> int:
 
 
 def _hf_learner(args):
-    from miles_lp.cli.convert import build_policy
+    from miles_lp.cli.convert import build_policy, check_layer_flags
     from miles_lp.export.writer import learner_from_hf
 
+    check_layer_flags(args)
     return learner_from_hf(args.hf_checkpoint, build_policy(args), device=args.device or "cpu")
 
 

@@ -55,3 +55,15 @@ def test_make_tiny_model_one_byte_shards(tmp_path):
     assert main(["make-tiny-model", "--arch", "qwen3", "--num-layers", "1", "--out", str(out), "--max-shard-size",
                  "1"]) == 0
     assert len(list(out.glob("model-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").is_file()
+
+
+def test_convert_layer_flags_beyond_the_model_name_the_flag(tmp_path, capsys):
+    """review-6 L5: the plan's error described a 'first 10' rule the user never wrote."""
+    src = tmp_path / "tiny"
+    assert main(["make-tiny-model", "--arch", "qwen3", "--num-layers", "2", "--out", str(src)]) == 0
+    capsys.readouterr()
+    assert main(["convert", "--hf-checkpoint", str(src), "--output", str(tmp_path / "c"), "--format", "mxfp8",
+                 "--num-layers-at-end-in-bf16", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--num-layers-at-end-in-bf16 3:" in err and "has 2 layers; pass at most 2" in err
+    assert not (tmp_path / "c").exists()
