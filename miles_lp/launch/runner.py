@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import re
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -268,8 +269,24 @@ def sync_log(line: str) -> None:
 
 
 def plan_for(recipe: Recipe, model_dir: Path):
-    """The learner's compiled plan (``plan_for_policy`` of ``precision:``)."""
-    return plan_for_policy(recipe.precision, model_dir)
+    """The learner's compiled plan (``plan_for_policy`` of ``precision:``). A compile error caused by a rule a
+    ``--set`` gave names that ``--set``, not the recipe file (review-6 L5)."""
+    from miles_lp.errors import MilesLPError
+
+    try:
+        return plan_for_policy(recipe.precision, model_dir)
+    except MilesLPError as exc:
+        msg = str(exc)
+        m = re.search(r"\brules\[(\d+)\]", msg)
+        where, _ = recipe.origin(f"precision.rules.{m.group(1)}" if m else "precision")
+        prefix = f"{recipe.source}: "
+        if not (where.startswith("--set") and msg.startswith(prefix)):
+            raise
+        try:
+            named = type(exc)(f"{where}: {msg[len(prefix):]}")
+        except TypeError:  # an error type whose constructor takes more than a message
+            named = ConfigError(f"{where}: {msg[len(prefix):]}")
+        raise named from None
 
 
 def plan_for_policy(pol, model_dir: Path):

@@ -204,3 +204,21 @@ def test_a_mapping_override_merges_into_its_section():
     assert whole.self_check == "raise" and whole.grid == "warn"
     r = load_recipe("recipes/tiny-mxfp8.yaml", ["rl={kl_coef: 0.01}"])
     assert r.rl.kl_coef == 0.01 and r.rl.group_size == load_recipe("recipes/tiny-mxfp8.yaml").rl.group_size
+
+
+def test_a_plan_error_from_a_set_rule_names_that_set(tmp_path):
+    """review-6 L5: a compile-level error caused by a rule a --set gave named the recipe file, which has no such rule."""
+    import pytest
+
+    from miles_lp.checkpoint.tiny import make_tiny_model
+    from miles_lp.errors import MilesLPError
+    from miles_lp.launch.recipe import load_recipe
+    from miles_lp.launch.runner import plan_for
+
+    model = make_tiny_model("qwen3", tmp_path / "m", num_layers=1)
+    rule = 'precision.rules=[{match: "*.q_proj*", format: bf16}]'
+    r = load_recipe("recipes/tiny-mxfp8.yaml", [rule])
+    with pytest.raises(MilesLPError, match=r"^--set precision\.rules=.*fused shards") as err:
+        plan_for(r, model)
+    assert "tiny-mxfp8.yaml" not in str(err.value)
+    assert plan_for(load_recipe("recipes/tiny-mxfp8.yaml"), model) is not None
