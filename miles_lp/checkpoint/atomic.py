@@ -205,12 +205,11 @@ def atomic_output_dir(out: str | Path, overwrite: bool = False, inputs: tuple[st
 def current_umask() -> int:
     """The process umask, read without changing it where Linux shows it (``os.umask`` sets it, which for an
     instant would give files another thread creates mode 0666/0777)."""
-    try:
+    # no /proc (macOS) or an odd line: the portable way below, which sets the mask for an instant
+    with contextlib.suppress(OSError, ValueError, IndexError):
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("Umask:"):
                 return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
