@@ -153,7 +153,7 @@ def check_output_target(out: str | Path, overwrite: bool, inputs: tuple[str | Pa
         if real.is_relative_to(src_real):
             raise CheckpointError(f"{flag} {out} lies inside the input folder {src}: choose an output folder "
                                   "outside it")
-    blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    blocker = blocking_file(out.parent)
     if blocker is not None:  # review-6 L14: was a FileExistsError / NotADirectoryError traceback after the work
         raise CheckpointError(f"{flag} {out}: {blocker} is a file, not a folder; choose an output path whose parent "
                               "folders exist or can be created")
@@ -168,6 +168,14 @@ def check_output_target(out: str | Path, overwrite: bool, inputs: tuple[str | Pa
                                   "its top, nor config.json + *.safetensors with checkpoint files only): --overwrite "
                                   f"replaces checkpoints only; choose another {flag} or remove the folder yourself")
     return out
+
+
+def blocking_file(path: str | Path) -> Path | None:
+    """The nearest existing component of ``path`` (itself, else its closest existing parent) when it is not a
+    folder: the file that makes ``mkdir(parents=True)`` fail; ``None`` when nothing is in the way."""
+    path = Path(path)
+    near = next((p for p in (path, *path.parents) if p.exists()), None)
+    return near if near is not None and not near.is_dir() else None
 
 
 @contextlib.contextmanager

@@ -129,19 +129,31 @@ def read_config(root: str | Path) -> dict:
     return config
 
 
+def already_quantized(config: dict) -> tuple[object, object] | None:
+    """``(quant_method, weight_block_size)`` when ``config`` says its weights are already quantized in a form the
+    converter does not read (anything but DeepSeek-style block FP8), else None: the one rule convert and
+    ``explain --model`` refuse by."""
+    qc = config.get("quantization_config")
+    if qc is None:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    block = qc.get("weight_block_size") if isinstance(qc, dict) else None
+    if method == "fp8" and list(block or []) == [FP8_BLOCK, FP8_BLOCK]:
+        return None
+    return method, block
+
+
 def validate_source(root: str | Path) -> SourceCheckpoint:
     """Check the folder, config.json, every shard header and the index; classify block-FP8 weights."""
     root = Path(root)
     config = read_config(root)
-    qc = config.get("quantization_config")
-    if qc is not None:
-        method = qc.get("quant_method") if isinstance(qc, dict) else None
-        block = qc.get("weight_block_size") if isinstance(qc, dict) else None
-        if method != "fp8" or list(block or []) != [FP8_BLOCK, FP8_BLOCK]:
-            raise CheckpointError(
-                f"{root / 'config.json'}: the input is already quantized (quant_method={method!r}, "
-                f"weight_block_size={block!r}); convert from the BF16/FP16/FP32 checkpoint or a DeepSeek-style "
-                "block-FP8 one (quant_method 'fp8', weight_block_size [128, 128])")
+    quantized = already_quantized(config)
+    if quantized is not None:
+        method, block = quantized
+        raise CheckpointError(
+            f"{root / 'config.json'}: the input is already quantized (quant_method={method!r}, "
+            f"weight_block_size={block!r}); convert from the BF16/FP16/FP32 checkpoint or a DeepSeek-style "
+            "block-FP8 one (quant_method 'fp8', weight_block_size [128, 128])")
     files = open_checkpoint(root)
     fp8_scale_of: dict[str, str] = {}
     scale_names: set[str] = set()

@@ -116,17 +116,15 @@ def policy_for_format(fmt: str, start_bf16: int = 0, end_bf16: int = 0, bf16_pat
 def check_layer_flags(args) -> None:
     """``--num-layers-at-*-in-bf16`` against the model's layer count, named by flag (review-6 L5: the plan's error
     described a ``first N`` rule the user never wrote)."""
-    import json
-    from pathlib import Path
-
-    from miles_lp.errors import ConfigError
+    from miles_lp.checkpoint.validate import read_config
+    from miles_lp.errors import CheckpointError, ConfigError
 
     start, end = args.num_layers_at_start_in_bf16, args.num_layers_at_end_in_bf16
     if args.recipe or not (start or end):
         return
     try:
-        n = int(json.loads((Path(args.hf_checkpoint) / "config.json").read_text())["num_hidden_layers"])
-    except (OSError, ValueError, KeyError, TypeError):
+        n = int(read_config(args.hf_checkpoint)["num_hidden_layers"])
+    except (CheckpointError, KeyError, TypeError, ValueError):
         return  # the converter's own checks name a missing or odd config.json
     for flag, value in (("--num-layers-at-start-in-bf16", start), ("--num-layers-at-end-in-bf16", end)):
         if value > n:

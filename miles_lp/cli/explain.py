@@ -57,23 +57,22 @@ def _refuse_quantized(model) -> None:
     as convert does, and say where its own plan is."""
     import json
 
+    from miles_lp.checkpoint.validate import already_quantized
     from miles_lp.errors import ConfigError
 
     cfg = model / "config.json" if model.is_dir() else model
     try:
-        qc = json.loads(cfg.read_text()).get("quantization_config")
+        config = json.loads(cfg.read_text())
+        quantized = already_quantized(config) if isinstance(config, dict) else None
     except (OSError, ValueError, AttributeError):
         return  # load_model_layout reports a missing or bad config.json
-    if not qc:
+    if quantized is None:  # not quantized, or DeepSeek-style block FP8, which convert reads (decoded)
         return
-    method = qc.get("quant_method") if isinstance(qc, dict) else qc
-    if method == "fp8" and list(qc.get("weight_block_size") or []) == [128, 128]:
-        return  # a DeepSeek-style block-FP8 source: convert reads it (decoded), so it is a model to plan
     where = model if model.is_dir() else model.parent
     record = where / "miles_lp_plan.json"
     hint = (f"its plan is recorded in {record} (`miles-lp verify {where}` checks it)" if record.exists() else
             "explain the recipe against the BF16 / FP16 / FP32 model it was made from")
-    raise ConfigError(f"--model {model}: an already-quantized checkpoint (quant_method={method!r}): its packed "
+    raise ConfigError(f"--model {model}: an already-quantized checkpoint (quant_method={quantized[0]!r}): its packed "
                       f"shapes and scale tensors are not a model to plan; {hint}")
 
 

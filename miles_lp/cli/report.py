@@ -42,7 +42,9 @@ def run(args) -> int:
     try:  # before any figure: a path under a file or an unwritable place is a clear error, not a traceback
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+        from miles_lp.checkpoint.atomic import blocking_file
+
+        blocker = blocking_file(out.parent)
         why = f"{blocker} is a file, not a folder" if blocker else (exc.strerror or type(exc).__name__)
         raise ConfigError(f"--out {out}: cannot create the folder ({why}); name a folder that can be created") from exc
     written = []

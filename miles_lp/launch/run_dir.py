@@ -59,8 +59,10 @@ class RunDir:
         regular file on the way, a parent that refuses new folders) is a ``ConfigError`` naming the blocking path
         (review-6 L14), not a traceback."""
         path = Path(root) / name
-        blocker = next((p for p in (path, *path.parents) if p.exists()), None)
-        if blocker is not None and not blocker.is_dir():
+        from miles_lp.checkpoint.atomic import blocking_file
+
+        blocker = blocking_file(path)
+        if blocker is not None:
             raise ConfigError(f"logging.output_dir {root}: the run folder {path} cannot be created: {blocker} is a "
                               "file, not a folder; set logging.output_dir to a folder (or move that file away)")
         if path.exists() and any(path.iterdir()):
@@ -72,7 +74,8 @@ class RunDir:
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise ConfigError(f"logging.output_dir {root}: the run folder {path} cannot be created in {blocker} "
+            near = next((p for p in path.parents if p.exists()), None)
+            raise ConfigError(f"logging.output_dir {root}: the run folder {path} cannot be created in {near} "
                               f"({exc.strerror or exc}); set logging.output_dir to a folder you can write") from None
         return cls(path)
 

@@ -64,11 +64,7 @@ class StageTimer:
 def _report_sentinel_without_sync(sync: Any, v: Any, step: int, m: dict[str, Any]) -> None:
     """A step without an optimizer step (every group dropped) runs no sync, so its sentinel verdict (C6) is put in
     its metrics and log line here, and fails the step in raise mode, as a sync would have."""
-    from miles_lp.sync.verdict import STATUS_VALUE
-
-    m["sync/check/sentinel"] = STATUS_VALUE[v.status]
-    if v.figure is not None:
-        m["sync/check/sentinel/figure"] = float(v.figure)
+    m.update(v.metrics())
     if not v.failed:
         return
     mode = sync.mode("sentinel") if callable(getattr(sync, "mode", None)) else "warn"

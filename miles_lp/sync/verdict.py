@@ -42,6 +42,13 @@ class Verdict:
     def failed(self) -> bool:
         return self.status == "failed"
 
+    def metrics(self) -> dict[str, float]:
+        """``sync/check/<name>`` (``STATUS_VALUE``) and, with a figure, ``sync/check/<name>/figure``."""
+        m = {f"sync/check/{self.name}": STATUS_VALUE[self.status]}
+        if self.figure is not None:
+            m[f"sync/check/{self.name}/figure"] = float(self.figure)
+        return m
+
     def short(self) -> str:
         fig = "" if self.figure is None else f"({_fmt(self.figure)})"
         return f"{self.name}={self.status}{fig}"

@@ -33,7 +33,7 @@ import gc
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -57,7 +57,6 @@ from miles_lp.sync.remote import Receipt
 from miles_lp.sync.sentinel import Sentinel, rollout_kl
 from miles_lp.sync.transport import BroadcastTransport, InProcessTransport, Transport, make_transport
 from miles_lp.sync.verdict import (
-    STATUS_VALUE,
     SyncAbortedError,
     SyncCheckError,
     Verdict,
@@ -143,6 +142,7 @@ class _Layout:
         self.validation: Verdict | None = None  # validate_update's ok verdict for this layout (seconds 0)
         self._buckets: list[tuple[Bucket, list[int]]] | None = None
         self._bucket_bytes = None
+        self._learner_plan: tuple | None = None  # learner_values' item order and group plan, built on first use
 
     def buckets_for(self, items: list[Item], bucket_bytes: int) -> list[Bucket]:
         """``make_buckets(group_items(items), bucket_bytes)``: the same slots (the same objects, so a transport
@@ -160,7 +160,7 @@ class _Layout:
         """The learner side of the per-sync group digest, ``(heads, int64 sums)`` as ``group_fingerprints`` of the
         export computes them, read from the export's own tensors (not from the transfer's copy, review-6 M5) with
         this layout's group order, slots and member weights: no per-tensor work but the list of tensors."""
-        if getattr(self, "_learner_plan", None) is None:
+        if self._learner_plan is None:
             index = {it.name: i for i, it in enumerate(items)}
             order = [index[n] for ns in self.groups.values() for n in ns]
             self._learner_plan = (order, group_plan([len(ns) for ns in self.groups.values()]))
@@ -640,7 +640,7 @@ class WeightSync:
             return False
 
     def _report(self, verdicts: dict[str, Verdict], times: dict[str, float], t0: float, nbytes: int,
-                nbuckets: int, full: bool, stage: str, skip_notes: list[Verdict] = ()) -> SyncReport:
+                nbuckets: int, full: bool, stage: str, skip_notes: Sequence[Verdict] = ()) -> SyncReport:
         for name in CHECKS:  # C7: every check has a verdict, or the reason it did not run
             verdicts.setdefault(name, skipped(name, f"the sync stopped in '{stage}' before this check ran"))
         ordered = tuple(verdicts[n] for n in CHECKS)
@@ -657,9 +657,7 @@ class WeightSync:
             if k in times:
                 m[f"perf/sync_{k}_seconds"] = times[k]
         for v in ordered:
-            m[f"sync/check/{v.name}"] = STATUS_VALUE[v.status]
-            if v.figure is not None:
-                m[f"sync/check/{v.name}/figure"] = float(v.figure)
+            m.update(v.metrics())
         line = (f"sync v{self.expected_version} [{stage}]: {nbuckets} bucket(s), {nbytes / 1e6:.2f} MB in "
                 f"{total:.3f} s (checks {check_s:.3f} s{', full compare' if full else ''}): "
                 + " ".join(v.short() for v in ordered))
