@@ -1,0 +1,126 @@
+"""The parts of the SGLang CPU backend that run without SGLang: the two ``sgl_kernel`` ops of the shim (against
+their definition, written out element by element), the server's command line, the canonical view of fused
+parameters that the checks read, and the client's refusals."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from miles_lp.rollout.engine import EngineError, tensor_digest
+from miles_lp.rollout.sglang_cpu.launch import CPU_FLAGS, server_args
+
+shim = importlib.import_module("miles_lp.rollout.sglang_cpu.shim.sgl_kernel")
+
+
+def test_assign_req_to_token_pool_matches_its_definition():
+    g = torch.Generator().manual_seed(0)
+    rows = torch.tensor([2, 4, 1], dtype=torch.int32)
+    table = torch.zeros(5, 32, dtype=torch.int32)
+    start = torch.tensor([0, 3, 8], dtype=torch.int64)
+    end = torch.tensor([6, 3, 15], dtype=torch.int64)  # the middle request allocates nothing
+    locs = torch.randperm(4096, generator=g)[:13].to(torch.int64)
+    want = table.clone()
+    at = 0
+    for i in range(3):
+        for j in range(int(start[i]), int(end[i])):
+            want[int(rows[i]), j] = int(locs[at])
+            at += 1
+    shim.assign_req_to_token_pool_cpu(rows, table, start, end, locs, 32)
+    assert torch.equal(table, want)
+
+
+def test_copy_all_layer_kv_cache_reads_every_source_before_writing():
+    bufs = [torch.arange(10 * 6, dtype=torch.float32).reshape(10, 6) + 1000 * b for b in range(4)]
+    before = [b.clone() for b in bufs]
+    ptrs = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.uint64)
+    strides = torch.tensor([b.stride(0) * b.element_size() for b in bufs], dtype=torch.int64)
+    tgt = torch.tensor([1, 2, 3], dtype=torch.int64)  # overlaps the sources: a chain 0->1->2->3
+    src = torch.tensor([0, 1, 2], dtype=torch.int64)
+    shim.copy_all_layer_kv_cache_cpu(ptrs, strides, tgt, src)
+    for b, old in zip(bufs, before, strict=True):
+        want = old.clone()
+        want[[1, 2, 3]] = old[[0, 1, 2]]
+        assert torch.equal(b, want)
+
+
+def test_server_args_bind_loopback_with_the_cpu_flags():
+    args = server_args("/m", 1234)
+    assert args[args.index("--host") + 1] == "127.0.0.1" and args[args.index("--port") + 1] == "1234"
+    joined = " ".join(args)
+    assert " ".join(CPU_FLAGS) in joined and "--skip-tokenizer-init" in args and "--dtype bfloat16" in joined
+
+
+class _QKV(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head_size, self.total_num_heads, self.total_num_kv_heads = 4, 2, 1
+        self.weight = torch.nn.Parameter(torch.randn(16, 8, dtype=torch.bfloat16), requires_grad=False)
+
+
+class _GateUp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.output_sizes = [6, 6]
+        self.weight = torch.nn.Parameter(torch.randn(12, 8, dtype=torch.bfloat16), requires_grad=False)
+
+
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList([torch.nn.Module()])
+        layer = self.model.layers[0]
+        layer.self_attn, layer.mlp = torch.nn.Module(), torch.nn.Module()
+        layer.self_attn.qkv_proj, layer.mlp.gate_up_proj = _QKV(), _GateUp()
+        self.lm_head = torch.nn.Linear(8, 3, bias=False)
+
+
+def test_introspection_splits_fused_parameters_into_checkpoint_views():
+    from miles_lp.rollout.sglang_cpu.introspect import SGLangIntrospection
+
+    m = _Model()
+    ins = SGLangIntrospection(m)
+    views = ins.views()
+    qkv = m.model.layers[0].self_attn.qkv_proj.weight
+    p = "model.layers.0."
+    assert torch.equal(views[p + "self_attn.q_proj.weight"], qkv[:8])
+    assert torch.equal(views[p + "self_attn.k_proj.weight"], qkv[8:12])
+    assert torch.equal(views[p + "self_attn.v_proj.weight"], qkv[12:])
+    assert views[p + "self_attn.k_proj.weight"].data_ptr() == qkv.data_ptr() + 8 * 8 * 2  # a view, not a copy
+    assert ins.param_specs()[p + "mlp.up_proj.weight"] == ("bfloat16", (6, 8))
+    assert ins.weight_digests([p + "mlp.gate_proj.weight"]) == {
+        p + "mlp.gate_proj.weight": tensor_digest(m.model.layers[0].mlp.gate_up_proj.weight[:6].contiguous())}
+    assert ins.quantized_params() == {}  # nothing here serves in low precision
+    assert ins.self_check()["layers"] == {}
+
+
+def test_injected_faults_change_what_the_checks_read(monkeypatch):
+    from miles_lp.rollout.sglang_cpu.introspect import SGLangIntrospection
+
+    m = _Model()
+    with pytest.raises(EngineError, match="MILES_LP_SGLANG_FAULTS=1"):
+        SGLangIntrospection(m).inject("perturb", "lm_head.weight")
+    monkeypatch.setenv("MILES_LP_SGLANG_FAULTS", "1")
+    ins = SGLangIntrospection(m)
+    name = "model.layers.0.mlp.up_proj.weight"
+    d0, p0 = ins.weight_digests([name]), ins.storage_pointers()
+    ins.inject("perturb", name)
+    assert ins.weight_digests([name]) != d0 and ins.storage_pointers() == p0
+    ins.inject("rebind", name)
+    p1 = ins.storage_pointers()
+    assert p1[name] != p0[name] and p1["model.layers.0.mlp.gate_proj.weight"] != p0["model.layers.0.mlp.gate_proj.weight"]
+    assert p1["lm_head.weight"] == p0["lm_head.weight"]
+
+
+def test_the_client_refuses_launch_without_what_it_needs():
+    from miles_lp.rollout.sglang import SGLangHTTPEngine
+
+    with pytest.raises(EngineError, match="checkpoint="):
+        SGLangHTTPEngine(None, flavor="launch")
+    with pytest.raises(EngineError, match="give no url"):
+        SGLangHTTPEngine("http://127.0.0.1:1", flavor="launch", checkpoint="/x", update_dir="/y")
+    with pytest.raises(EngineError, match="needs the server's url"):
+        SGLangHTTPEngine(None, flavor="sglang")
