@@ -1,7 +1,10 @@
 """Real SGLang (0.5.23, its CPU platform, in its own venv) serving a tiny BF16 Qwen3, driven by miles-lp: started by
 the client (``flavor="launch"``: loopback, a free port, stopped at the end), sampled with log-probs, updated live from
 disk, and asked the checks through the introspection that runs inside SGLang's own process. A fault written into the
-real server's model after an update is caught by the sync's checks (C2 a changed byte, C4 a re-bound parameter).
+real server's model after an update is caught by the sync's checks (C2 a changed byte, C4 a re-bound parameter, C3
+a derived GEMM operand in the wrong layout). ``bf16``: every linear BF16 (default CI); ``mxfp8`` (slow): our
+``--target sglang`` MXFP8 checkpoint through SGLang's own config parsing and loader, with miles-lp's CPU linear
+method.
 
 One server for the module (its start is most of the time: ~30 s on an idle 2-core machine). Skipped, saying why,
 without SGLang's venv (``MILES_LP_SGLANG_PYTHON`` or ``.ci/sglang_venv.sh``'s default folder) or with
@@ -9,23 +12,43 @@ without SGLang's venv (``MILES_LP_SGLANG_PYTHON`` or ``.ci/sglang_venv.sh``'s de
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
 import torch
 
-from tests.sglang_env import FIGURES, record, sglang_python_or_skip
+from tests.sglang_env import record, sglang_python_or_skip
 
 PROMPTS = [[3, 17, 99, 4, 250, 7, 1, 2], [5, 6, 9, 11], [40, 41, 42, 43, 44, 45]]
 KEY = "sglang-cpu-test-key"
 
 
+@pytest.fixture(scope="module", params=["bf16", pytest.param("mxfp8", marks=pytest.mark.slow)])
+def fmt(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def ckpt():
+def hf():
+    from miles_lp.rollout.testing import tiny_hf
+
+    return tiny_hf("qwen3", 0, 2)
+
+
+@pytest.fixture(scope="module")
+def ckpt(fmt):
+    """What SGLang serves: the BF16 model itself, or its MXFP8 conversion (``--target sglang``)."""
     from miles_lp.rollout.testing import tiny_checkpoint
 
-    return tiny_checkpoint("qwen3", None, num_layers=2)
+    return tiny_checkpoint("qwen3", None if fmt == "bf16" else fmt, num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def plan(fmt, hf):
+    from miles_lp.rollout.testing import policy_for
+    from miles_lp.train.embedded import plan_for_model
+
+    return None if fmt == "bf16" else plan_for_model(policy_for(fmt), hf)
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +70,11 @@ def engine(ckpt, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def learner(ckpt):
+def learner(hf, plan):
     from miles_lp.train.config import TrainConfig
     from miles_lp.train.embedded import EmbeddedTrainer
 
-    return EmbeddedTrainer(ckpt, None, TrainConfig(device="cpu"))
+    return EmbeddedTrainer(hf, plan, TrainConfig(device="cpu"))
 
 
 def _max_gap(engine, learner, prompts=PROMPTS, n=8):
@@ -75,25 +98,34 @@ def test_server_binds_loopback_and_answers_with_the_key(engine):
     assert engine.health()["status"] == "ok" and engine.weight_version == 0
 
 
-def test_sglang_logprobs_match_the_learner(engine, learner):
-    """SGLang's served log-probs of its own samples vs the learner's (fp32 master) on the same BF16 weights."""
+def test_sglang_logprobs_match_the_learner(engine, learner, fmt):
+    """SGLang's served log-probs of its own samples vs the learner's (fp32 master) on the same weights (the same
+    MXFP8 grid for mxfp8: SGLang's loader, our CPU linear method)."""
     gens, gap = _max_gap(engine, learner)
     assert all(len(g.output_ids) == 8 and g.finish_reason == "length" and g.weight_version == 0 for g in gens)
-    record(what="sglang-cpu max |logprob - learner|", format="bf16", value=gap)
-    assert gap < 0.05  # BF16 serving vs an fp32 learner: measured ~1e-2 on this model
+    record(what="sglang-cpu max |logprob - learner|", format=fmt, value=gap)
+    assert gap < 0.05  # measured 2.4e-3 (bf16) on this model
 
 
-def test_checks_are_answered_by_sglangs_own_model(engine, ckpt):
+def test_checks_are_answered_by_sglangs_own_model(engine, ckpt, fmt):
     from safetensors.torch import load_file
 
     from miles_lp.rollout.engine import tensor_digest
 
     disk = load_file(ckpt / "model.safetensors")
-    assert engine.quantized_params() == {}  # SGLang serves every linear BF16 here
     held = engine.weight_digests(list(disk))
     assert held == {n: tensor_digest(t) for n, t in disk.items()}  # q/k/v and gate/up read back out of SGLang's fusion
     assert set(engine.storage_pointers()) >= set(disk)
-    assert "every linear serves BF16" in engine.self_check()["reason"]
+    live = engine.quantized_params()
+    c3 = engine.self_check()
+    if fmt == "bf16":
+        assert live == {} and "every linear serves BF16" in c3["reason"]
+        return
+    linears = {n for n in disk if n.endswith("_proj.weight")}
+    assert live == dict.fromkeys(linears, fmt)  # every projection, from SGLang's live quant methods
+    (name, entry), = c3["layers"].items()
+    record(what="sglang-cpu self_check rel_err", format=fmt, layer=name, value=entry["rel_err"])
+    assert c3["ok"] and 0 < entry["rel_err"] < 0.1  # the emulated GEMM's activation grid: ~0.03 when healthy
 
 
 class _FaultAfterFinish:
@@ -111,7 +143,7 @@ class _FaultAfterFinish:
         return out
 
 
-def test_live_update_from_disk_checked_by_sglang_and_faults_caught(engine, learner):
+def test_live_update_from_disk_checked_by_sglang_and_faults_caught(engine, learner, plan, fmt):
     from miles_lp.sync.config import parse_sync_config
     from miles_lp.sync.verdict import SyncCheckError
     from miles_lp.sync.weight_sync import WeightSync
@@ -119,7 +151,10 @@ def test_live_update_from_disk_checked_by_sglang_and_faults_caught(engine, learn
     raise_all = parse_sync_config({"checks": {"layer_audit": "raise", "grid": "raise", "storage": "raise",
                                               "completeness": "raise", "version": "raise", "self_check": "warn",
                                               "sentinel": "warn"}})
-    sync = WeightSync(engine, None, "sglang", raise_all)
+    if fmt != "bf16":
+        raise_all = parse_sync_config({"checks": {c: "raise" for c in ("layer_audit", "grid", "storage", "completeness",
+                                                                        "version", "self_check")} | {"sentinel": "warn"}})
+    sync = WeightSync(engine, plan, "sglang", raise_all)
     first = sync.initial_sync(learner)
     assert first.ok and first.verdict("grid").reason.endswith("(full compare)")
     gens0, _ = _max_gap(engine, learner)
@@ -128,10 +163,10 @@ def test_live_update_from_disk_checked_by_sglang_and_faults_caught(engine, learn
             p.add_(0.02 * torch.randn_like(p))
     t0 = time.monotonic()
     rep = sync.sync(learner)
-    record(what="sglang-cpu sync seconds (disk path, whole model)", format="bf16", value=round(rep.seconds, 3),
+    record(what="sglang-cpu sync seconds (disk path, whole model)", format=fmt, value=round(rep.seconds, 3),
            wall=round(time.monotonic() - t0, 3), bytes=rep.bytes)
     assert rep.ok, [str(v) for v in rep.failed]
-    for c in ("grid", "storage", "completeness", "version"):
+    for c in ("grid", "storage", "completeness", "version") + (("layer_audit", "self_check") if plan else ()):
         assert rep.verdict(c).ok, rep.verdict(c)
     assert engine.weight_version == first.weight_version + 1
     gens1, gap = _max_gap(engine, learner)
@@ -140,15 +175,14 @@ def test_live_update_from_disk_checked_by_sglang_and_faults_caught(engine, learn
     assert gap < 0.05 and all(g.weight_version == engine.weight_version for g in gens1)
 
     name = "model.layers.1.mlp.up_proj.weight"
-    for kind, check in (("perturb", "grid"), ("rebind", "storage")):
-        bad = WeightSync(_FaultAfterFinish(engine, kind, name), None, "sglang", raise_all)
+    faults = [("perturb", "grid"), ("rebind", "storage")] + ([("stale_layout", "self_check")] if plan else [])
+    for kind, check in faults:
+        bad = WeightSync(_FaultAfterFinish(engine, kind, name), plan, "sglang", raise_all)
         bad.pointers = sync.pointers  # the pointers recorded at load, before any fault
         with pytest.raises(SyncCheckError) as e:
             bad.sync(learner)
         failed = {v.name for v in e.value.verdicts}
         assert check in failed, (kind, failed)
         engine.resume()  # raise mode leaves the engine paused
-    if FIGURES:
-        with open(FIGURES, "a") as f:
-            f.write(json.dumps({"what": "sglang-cpu faults caught", "perturb": "grid", "rebind": "storage"}) + "\n")
+        record(what="sglang-cpu fault caught", format=fmt, fault=kind, check=check)
 

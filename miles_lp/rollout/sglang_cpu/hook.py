@@ -1,10 +1,11 @@
-"""What miles-lp adds inside the SGLang server process: its introspection endpoints.
+"""What miles-lp adds inside the SGLang server process: its introspection endpoints and its CPU linear method.
 
-SGLang 0.5.23 has no plugin point for it, so ``install()`` does the least invasive thing, in this one place:
+SGLang 0.5.23 has no plugin point for either, so ``install()`` does the least invasive thing, in this one place:
 
 * it wraps ``ModelRunner.load_model`` so that, once SGLang built its model, the scheduler process (TP rank 0) serves
   ``SGLangIntrospection`` of that very model on a loopback port of its own (``MILES_LP_SGLANG_INTROSPECT_PORT``),
   through ``miles-lp serve``'s handler (the same ``/miles_lp/*`` JSON and safetensors answers, the same API key);
+* ``linear.register()`` gives SGLang's CPU platform the MXFP8 linear method it lacks (``linear``: why, and how);
 * ``add_routes(app)`` adds ``/miles_lp/{path}`` to SGLang's FastAPI app in the HTTP process, forwarding each
   request to that port: a client talks to one URL, SGLang's own routes untouched;
 
@@ -28,9 +29,12 @@ _started: list = []
 
 
 def install() -> None:
-    """Wrap SGLang's ``ModelRunner.load_model`` (once per process)."""
+    """Wrap SGLang's ``ModelRunner.load_model`` (once per process); register the CPU linear method."""
     from sglang.srt.model_executor import model_runner as mr
 
+    from miles_lp.rollout.sglang_cpu import linear
+
+    linear.register()
     orig = mr.ModelRunner.load_model
     if getattr(orig, "_miles_lp", False):
         return

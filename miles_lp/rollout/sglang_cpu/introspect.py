@@ -9,7 +9,8 @@ parameter, a view of SGLang's own storage, so a digest or a pointer read here is
 ``inject(kind, name)`` (only when the server was started with ``MILES_LP_SGLANG_FAULTS=1``): a fault written into the
 live model, as a broken loader would leave it: ``perturb`` flips the bits of one element of ``name`` in place (C2
 must catch it), ``rebind`` moves the fused parameter holding ``name`` to new storage with the same values (C4 must
-catch it).
+catch it), ``stale_layout`` rotates the rows of the derived GEMM operand of the linear holding ``name`` (a layout
+derived wrong or left stale: C3 must catch it).
 """
 
 from __future__ import annotations
@@ -141,9 +142,24 @@ class SGLangIntrospection:
             raw = flat[:1].view(torch.uint8)
             raw.copy_(raw ^ 0x40)  # the exponent's top bits of one element: far off the learner's grid
             return {"injected": kind, "name": name}
+        if kind == "stale_layout":  # the derived GEMM operand of the linear holding ``name``, rows rotated
+            mod = self._module_of(views[name])
+            op = getattr(mod, "miles_lp_operand", None)
+            if op is None:
+                raise EngineError(f"'{name}' is not served by miles-lp's CPU linear method: no derived operand")
+            op.copy_(op.roll(1, dims=0))
+            return {"injected": kind, "name": name}
         if kind == "rebind":
             for pname, p in self.model.named_parameters():
                 if views[name].untyped_storage().data_ptr() == p.data.untyped_storage().data_ptr():
                     p.data = p.data.clone()  # same values, new storage: the kernels' captured pointer goes stale
                     return {"injected": kind, "name": name, "parameter": pname}
-        raise EngineError(f"unknown fault kind {kind!r} (perturb | rebind)")
+        raise EngineError(f"unknown fault kind {kind!r} (perturb | rebind | stale_layout)")
+
+    def _module_of(self, view: torch.Tensor) -> torch.nn.Module:
+        ptr = view.untyped_storage().data_ptr()
+        for mod in self.model.modules():
+            w = mod._parameters.get("weight")
+            if w is not None and w.untyped_storage().data_ptr() == ptr:
+                return mod
+        raise EngineError("no module holds that tensor")

@@ -25,3 +25,103 @@ def reference_output(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     y = x.double() @ w(module).double().t()
     bias = getattr(module, "bias", None)
     return y + bias.double() if bias is not None else y
+
+
+# ---- the CPU linear method (runs inside the SGLang process) ----------------------------------------------------------
+# SGLang's CPU platform serves MXFP8 only through AMX kernels (Fp8LinearMethod asserts AMX support) and has no CPU
+# branch for NVFP4. Its Fp8Config has no registration point for another linear method either: ``register()`` wraps
+# ``Fp8Config.get_quant_method`` in this one place so that, on CPU, every MXFP8 linear it would quantize gets
+# ``_CpuEmulatedLinear`` instead. The weights are still created by SGLang's own ``Fp8LinearMethod.create_fp8_weight_``
+# (its parameter classes and weight loaders: fused q/k/v and gate/up shards load as SGLang loads them) and
+# loaded by SGLang's loader; only the GEMM is ours, emulated exactly as the reference engine's ``EngineLinear``
+# does: the served bytes decoded and dequantized once per load into the operand (``process_weights_after_loading``,
+# rebuilt in place, which SGLang's disk update re-runs), the activation quantized by the learner's rule and
+# dequantized, ``F.linear`` in the reference engine's operand dtype.
+
+
+def _emulated_method_class():
+    from sglang.srt.layers.quantization.base_config import LinearMethodBase
+    from sglang.srt.layers.quantization.fp8 import Fp8LinearMethod
+
+    from miles_lp.formats.spec import Format
+    from miles_lp.rollout.layers import _dequantize, decode_weight, operand_dtype
+
+    class _CpuEmulatedLinear(LinearMethodBase):
+        miles_lp_format = Format.MXFP8.value
+
+        def __init__(self, quant_config):
+            self.quant_config = quant_config
+
+        def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                           params_dtype, **extra_weight_attrs):
+            Fp8LinearMethod.create_fp8_weight_(
+                layer, block_quant=True, quant_config=self.quant_config, use_mxfp8=True,
+                output_size_per_partition=sum(output_partition_sizes), input_size_per_partition=input_size_per_partition,
+                output_partition_sizes=output_partition_sizes, input_size=input_size, output_size=output_size,
+                params_dtype=params_dtype, weight_loader=extra_weight_attrs.get("weight_loader"),
+                is_checkpoint_fp8_serialized=True)
+            layer.miles_lp_op_dtype = operand_dtype(torch.device("cpu"), params_dtype)
+
+        def decoded(self, layer):
+            n, k = layer.weight.shape
+            return decode_weight("sglang", Format.MXFP8, {"weight": layer.weight.data,
+                                                          "weight_scale_inv": layer.weight_scale_inv.data}, (n, k))
+
+        def dequantized_weight(self, layer) -> torch.Tensor:
+            """The weight decoded afresh from the served bytes (C3's reference, not the derived operand)."""
+            return self.decoded(layer).dequantize(torch.float64)
+
+        def process_weights_after_loading(self, layer) -> None:
+            operand = _dequantize(self.decoded(layer), layer.miles_lp_op_dtype)
+            old = getattr(layer, "miles_lp_operand", None)
+            if old is not None and old.shape == operand.shape:
+                old.copy_(operand)  # rebuilt in place: the storage the GEMM reads stays put
+            else:
+                layer.register_buffer("miles_lp_operand", operand.contiguous(), persistent=False)
+
+        def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+            from miles_lp import formats
+
+            k = x.shape[-1]
+            x2 = formats.quantize_mxfp8(x.reshape(-1, k), axis=-1).dequantize(layer.miles_lp_op_dtype)
+            y = torch.nn.functional.linear(x2, layer.miles_lp_operand)
+            if bias is not None:
+                y = y + bias.to(y.dtype)
+            return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+    return _CpuEmulatedLinear
+
+
+def register() -> None:
+    """On SGLang's CPU platform, MXFP8 linears get the emulated method (see above); elsewhere nothing changes."""
+    from sglang.srt.layers.linear import LinearBase
+    from sglang.srt.layers.quantization import fp8
+    from sglang.srt.utils import is_cpu
+
+    orig = fp8.Fp8Config.get_quant_method
+    if not is_cpu() or getattr(orig, "_miles_lp", False):
+        return
+    method = _emulated_method_class()
+
+    def get_quant_method(self, layer, prefix):
+        if isinstance(layer, LinearBase) and self.use_mxfp8:
+            if fp8.is_layer_skipped(prefix, self.ignored_layers, fused_mapping=self.packed_modules_mapping):
+                return fp8.UnquantizedLinearMethod()
+            return method(self)
+        return orig(self, layer, prefix)
+
+    get_quant_method._miles_lp = True
+    fp8.Fp8Config.get_quant_method = get_quant_method
+
+    # SGLang's CPU tensor-parallel padding asks the weight block for a square shape; MXFP8's [1, 32] blocks one row
+    # at a time, so the rows need no padding at all (a multiple of 1): the answer for that block, nothing else
+    from sglang.srt.configs import update_config
+
+    pad = update_config.get_moe_padding_size
+
+    def get_moe_padding_size(weight_block_size):
+        if weight_block_size is not None and list(weight_block_size) == [1, 32]:
+            return 1
+        return pad(weight_block_size)
+
+    update_config.get_moe_padding_size = get_moe_padding_size
