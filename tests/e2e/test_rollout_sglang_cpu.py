@@ -112,7 +112,7 @@ def test_checks_are_answered_by_sglangs_own_model(engine, ckpt, fmt):
 
     from miles_lp.rollout.engine import tensor_digest
 
-    disk = load_file(ckpt / "model.safetensors")
+    disk = {n: t for f in sorted(ckpt.glob("*.safetensors")) for n, t in load_file(f).items()}
     held = engine.weight_digests(list(disk))
     assert held == {n: tensor_digest(t) for n, t in disk.items()}  # q/k/v and gate/up read back out of SGLang's fusion
     assert set(engine.storage_pointers()) >= set(disk)

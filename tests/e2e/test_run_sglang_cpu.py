@@ -90,3 +90,28 @@ def test_mxfp8_learner_bf16_sampler_arm_on_real_sglang(tmp_path):
             assert m[f"sync/check/{c}"] == 1.0, (i, c)
         record(what="sglang-cpu run", recipe="tiny-mxfp8-bf16-sampler", step=i, kl=m["rollout_corr/kl"],
                max_abs_logprob_diff=m["rollout_corr/logprob_abs_diff_max"], sync_seconds=m["perf/sync_seconds"])
+
+
+def test_mxfp8_run_on_real_sglang_every_check_raise(tmp_path):
+    """The shared MXFP8 grid: SGLang serves the run's converted checkpoint (``engine_init``) through its own loader
+    with miles-lp's CPU linear method; C1-C5 and the version in raise mode, answered inside SGLang."""
+    from miles_lp.launch.runner import Run
+
+    python = sglang_python_or_skip()
+    checks = [f"sync.checks.{c}=raise" for c in ("layer_audit", "grid", "self_check", "storage", "completeness",
+                                                 "version")]
+    recipe = _recipe("tiny-mxfp8.yaml", tmp_path, "steps=2", "checkpoint_every=0", *checks)
+    run_dir = tmp_path / "runs" / "mxfp8"
+    run = Run.start(recipe, run_name="mxfp8", build_engine=_builder(run_dir, python, lambda d: d / "engine_init"))
+    try:
+        assert run.initial.ok and run.initial.verdict("self_check").ok
+        rows = run.train(progress=False)
+    finally:
+        run.close()
+    assert len(rows) == 2
+    for i, m in enumerate(rows):
+        for c in ("layer_audit", "grid", "self_check", "storage", "completeness", "version"):
+            assert m[f"sync/check/{c}"] == 1.0, (i, c)
+        record(what="sglang-cpu run", recipe="tiny-mxfp8", step=i, kl=m["rollout_corr/kl"],
+               max_abs_logprob_diff=m["rollout_corr/logprob_abs_diff_max"], sync_seconds=m["perf/sync_seconds"])
+        assert m["rollout_corr/logprob_abs_diff_max"] < 0.05

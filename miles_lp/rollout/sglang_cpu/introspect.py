@@ -58,12 +58,18 @@ class SGLangIntrospection:
             if base in FUSED and p.dim() >= 1:
                 parent = mod_name.rpartition(".")[0]
                 rows = _shard_rows(modules[mod_name], base)
+                if p.dim() == 1 and p.shape[0] == len(FUSED[base]) != sum(rows):  # one scalar per shard (NVFP4's
+                    for i, shard in enumerate(FUSED[base]):  # global and input scales): 0-d, as on disk
+                        out[f"{parent}.{shard}.{leaf}"] = p.data[i]
+                    continue
                 if sum(rows) != p.shape[0]:
                     raise EngineError(f"{name}: {p.shape[0]} rows, its shards {FUSED[base]} have {rows}")
                 at = 0
                 for shard, n in zip(FUSED[base], rows, strict=True):
                     out[f"{parent}.{shard}.{leaf}"] = p.data[at:at + n]
                     at += n
+            elif p.dim() == 1 and p.shape[0] == 1 and leaf in ("weight_scale_2", "input_scale"):
+                out[name] = p.data[0]  # SGLang keeps a 1-element array of a scalar the checkpoint stores 0-d
             else:
                 out[name] = p.data
         return out

@@ -29,28 +29,79 @@ def reference_output(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 # ---- the CPU linear method (runs inside the SGLang process) ----------------------------------------------------------
 # SGLang's CPU platform serves MXFP8 only through AMX kernels (Fp8LinearMethod asserts AMX support) and has no CPU
-# branch for NVFP4. Its Fp8Config has no registration point for another linear method either: ``register()`` wraps
-# ``Fp8Config.get_quant_method`` in this one place so that, on CPU, every MXFP8 linear it would quantize gets
-# ``_CpuEmulatedLinear`` instead. The weights are still created by SGLang's own ``Fp8LinearMethod.create_fp8_weight_``
-# (its parameter classes and weight loaders: fused q/k/v and gate/up shards load as SGLang loads them) and
+# branch for NVFP4 (ModelOpt). Neither config has a registration point for another linear method: ``register()``
+# wraps ``Fp8Config.get_quant_method`` and ``ModelOptFp4Config.get_quant_method`` in this one place so that, on CPU,
+# every MXFP8 / NVFP4 dense linear they would quantize gets the emulated method instead (MoE experts are not
+# covered: SGLang's fused-MoE methods are left as they are). The weights are still created by SGLang's own code
+# (``Fp8LinearMethod.create_fp8_weight_``, ``ModelOptFp4LinearMethod.create_weights``: its parameter classes and
+# weight loaders, so fused q/k/v and gate/up shards load as SGLang loads them; NVFP4 keeps one global scale per
+# shard, and each shard is decoded with its own) and
 # loaded by SGLang's loader; only the GEMM is ours, emulated exactly as the reference engine's ``EngineLinear``
 # does: the served bytes decoded and dequantized once per load into the operand (``process_weights_after_loading``,
 # rebuilt in place, which SGLang's disk update re-runs), the activation quantized by the learner's rule and
 # dequantized, ``F.linear`` in the reference engine's operand dtype.
 
 
-def _emulated_method_class():
+def _emulated_method_classes():
+    """``(MXFP8 method, NVFP4 method)``: SGLang's own ``create_weights`` (Fp8LinearMethod's static helper, the
+    ModelOpt NVFP4 method's), miles-lp's derived operand and GEMM."""
     from sglang.srt.layers.quantization.base_config import LinearMethodBase
     from sglang.srt.layers.quantization.fp8 import Fp8LinearMethod
+    from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp4LinearMethod
 
     from miles_lp.formats.spec import Format
     from miles_lp.rollout.layers import _dequantize, decode_weight, operand_dtype
 
-    class _CpuEmulatedLinear(LinearMethodBase):
-        miles_lp_format = Format.MXFP8.value
+    class _Emulated(LinearMethodBase):
+        fmt: Format
+        suffixes: tuple[str, ...]
+
+        @property
+        def miles_lp_format(self) -> str:
+            return self.fmt.value
 
         def __init__(self, quant_config):
             self.quant_config = quant_config
+
+        def shards(self, layer):
+            """The codec tensor of each checkpoint shard (q/k/v, gate/up) of the fused weight, as served."""
+            k = layer.input_size_per_partition
+            widths = list(getattr(layer, "logical_widths", None) or [layer.weight.shape[0]])
+            at, out = 0, []
+            for i, n in enumerate(widths):
+                parts = {}
+                for s in self.suffixes:
+                    t = getattr(layer, s).data
+                    parts[s] = t[i] if t.dim() == 1 and t.shape[0] == len(widths) and s != "weight" else t[at:at + n]
+                out.append(decode_weight("sglang", self.fmt, parts, (n, k)))
+                at += n
+            return out
+
+        def dequantized_weight(self, layer) -> torch.Tensor:
+            """The weight decoded afresh from the served bytes (C3's reference, not the derived operand)."""
+            return torch.cat([q.dequantize(torch.float64) for q in self.shards(layer)])
+
+        def process_weights_after_loading(self, layer) -> None:
+            operand = torch.cat([_dequantize(q, layer.miles_lp_op_dtype) for q in self.shards(layer)])
+            old = getattr(layer, "miles_lp_operand", None)
+            if old is not None and old.shape == operand.shape:
+                old.copy_(operand)  # rebuilt in place: the storage the GEMM reads stays put
+            else:
+                layer.register_buffer("miles_lp_operand", operand.contiguous(), persistent=False)
+
+        def quantize_input(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            raise NotImplementedError
+
+        def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+            k = x.shape[-1]
+            x2 = self.quantize_input(x.reshape(-1, k), layer.miles_lp_op_dtype)
+            y = torch.nn.functional.linear(x2, layer.miles_lp_operand)
+            if bias is not None:
+                y = y + bias.to(y.dtype)
+            return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+    class Mxfp8(_Emulated):
+        fmt, suffixes = Format.MXFP8, ("weight", "weight_scale_inv")
 
         def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                            params_dtype, **extra_weight_attrs):
@@ -62,38 +113,30 @@ def _emulated_method_class():
                 is_checkpoint_fp8_serialized=True)
             layer.miles_lp_op_dtype = operand_dtype(torch.device("cpu"), params_dtype)
 
-        def decoded(self, layer):
-            n, k = layer.weight.shape
-            return decode_weight("sglang", Format.MXFP8, {"weight": layer.weight.data,
-                                                          "weight_scale_inv": layer.weight_scale_inv.data}, (n, k))
-
-        def dequantized_weight(self, layer) -> torch.Tensor:
-            """The weight decoded afresh from the served bytes (C3's reference, not the derived operand)."""
-            return self.decoded(layer).dequantize(torch.float64)
-
-        def process_weights_after_loading(self, layer) -> None:
-            operand = _dequantize(self.decoded(layer), layer.miles_lp_op_dtype)
-            old = getattr(layer, "miles_lp_operand", None)
-            if old is not None and old.shape == operand.shape:
-                old.copy_(operand)  # rebuilt in place: the storage the GEMM reads stays put
-            else:
-                layer.register_buffer("miles_lp_operand", operand.contiguous(), persistent=False)
-
-        def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        def quantize_input(self, x, dtype):
             from miles_lp import formats
 
-            k = x.shape[-1]
-            x2 = formats.quantize_mxfp8(x.reshape(-1, k), axis=-1).dequantize(layer.miles_lp_op_dtype)
-            y = torch.nn.functional.linear(x2, layer.miles_lp_operand)
-            if bias is not None:
-                y = y + bias.to(y.dtype)
-            return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+            return formats.quantize_mxfp8(x, axis=-1).dequantize(dtype)
 
-    return _CpuEmulatedLinear
+    class Nvfp4(_Emulated):
+        fmt, suffixes = Format.NVFP4, ("weight", "weight_scale", "weight_scale_2", "input_scale")
+
+        def create_weights(self, layer, *args, **kwargs):
+            ModelOptFp4LinearMethod.create_weights(self, layer, *args, **kwargs)
+            layer.miles_lp_op_dtype = operand_dtype(torch.device("cpu"), layer.params_dtype)
+
+        def quantize_input(self, x, dtype):
+            from miles_lp import formats
+
+            # the RL recipe's per-token global scale (the reference engine's default ``activation_scale``)
+            return formats.quantize_nvfp4(x, scale_scope="row").dequantize(dtype)
+
+    return Mxfp8, Nvfp4
 
 
 def register() -> None:
-    """On SGLang's CPU platform, MXFP8 linears get the emulated method (see above); elsewhere nothing changes."""
+    """On SGLang's CPU platform, MXFP8 / NVFP4 dense linears get the emulated methods (see above); elsewhere nothing
+    changes."""
     from sglang.srt.layers.linear import LinearBase
     from sglang.srt.layers.quantization import fp8
     from sglang.srt.utils import is_cpu
@@ -101,7 +144,7 @@ def register() -> None:
     orig = fp8.Fp8Config.get_quant_method
     if not is_cpu() or getattr(orig, "_miles_lp", False):
         return
-    method = _emulated_method_class()
+    method, nvfp4 = _emulated_method_classes()
 
     def get_quant_method(self, layer, prefix):
         if isinstance(layer, LinearBase) and self.use_mxfp8:
@@ -125,3 +168,13 @@ def register() -> None:
         return pad(weight_block_size)
 
     update_config.get_moe_padding_size = get_moe_padding_size
+
+    from sglang.srt.layers.quantization import modelopt_quant
+
+    orig_fp4 = modelopt_quant.ModelOptFp4Config.get_quant_method
+
+    def get_fp4_quant_method(self, layer, prefix):
+        out = orig_fp4(self, layer, prefix)
+        return nvfp4(self) if type(out) is modelopt_quant.ModelOptFp4LinearMethod else out
+
+    modelopt_quant.ModelOptFp4Config.get_quant_method = get_fp4_quant_method
