@@ -2,9 +2,9 @@
 the client (``flavor="launch"``: loopback, a free port, stopped at the end), sampled with log-probs, updated live from
 disk, and asked the checks through the introspection that runs inside SGLang's own process. A fault written into the
 real server's model after an update is caught by the sync's checks (C2 a changed byte, C4 a re-bound parameter, C3
-a derived GEMM operand in the wrong layout). ``bf16``: every linear BF16 (default CI); ``mxfp8`` (slow): our
-``--target sglang`` MXFP8 checkpoint through SGLang's own config parsing and loader, with miles-lp's CPU linear
-method.
+a derived GEMM operand in the wrong layout). ``bf16``: every linear BF16 (default CI); ``mxfp8`` / ``nvfp4`` (slow):
+our ``--target sglang`` MXFP8 / ModelOpt NVFP4 checkpoint through SGLang's own config parsing and loader, with
+miles-lp's CPU linear method.
 
 One server for the module (its start is most of the time: ~30 s on an idle 2-core machine). Skipped, saying why,
 without SGLang's venv (``MILES_LP_SGLANG_PYTHON`` or ``.ci/sglang_venv.sh``'s default folder) or with
@@ -23,7 +23,8 @@ PROMPTS = [[3, 17, 99, 4, 250, 7, 1, 2], [5, 6, 9, 11], [40, 41, 42, 43, 44, 45]
 KEY = "sglang-cpu-test-key"
 
 
-@pytest.fixture(scope="module", params=["bf16", pytest.param("mxfp8", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=["bf16", pytest.param("mxfp8", marks=pytest.mark.slow),
+                                        pytest.param("nvfp4", marks=pytest.mark.slow)])
 def fmt(request):
     return request.param
 
@@ -104,7 +105,9 @@ def test_sglang_logprobs_match_the_learner(engine, learner, fmt):
     gens, gap = _max_gap(engine, learner)
     assert all(len(g.output_ids) == 8 and g.finish_reason == "length" and g.weight_version == 0 for g in gens)
     record(what="sglang-cpu max |logprob - learner|", format=fmt, value=gap)
-    assert gap < 0.05  # measured 2.4e-3 (bf16) on this model
+    # measured 0.0024 (bf16), 0.012-0.017 (mxfp8), 0.049 (nvfp4): SGLang's bf16 activations between layers differ
+    # slightly from the learner's, and a coarser activation grid turns that into whole rounding steps
+    assert gap < {"bf16": 0.02, "mxfp8": 0.05, "nvfp4": 0.1}[fmt]
 
 
 def test_checks_are_answered_by_sglangs_own_model(engine, ckpt, fmt):
@@ -125,7 +128,8 @@ def test_checks_are_answered_by_sglangs_own_model(engine, ckpt, fmt):
     assert live == dict.fromkeys(linears, fmt)  # every projection, from SGLang's live quant methods
     (name, entry), = c3["layers"].items()
     record(what="sglang-cpu self_check rel_err", format=fmt, layer=name, value=entry["rel_err"])
-    assert c3["ok"] and 0 < entry["rel_err"] < 0.1  # the emulated GEMM's activation grid: ~0.03 when healthy
+    # the activation grid's error alone when healthy: measured 0.028 (mxfp8), 0.098 (nvfp4); a stale layout ~1
+    assert c3["ok"] and 0 < entry["rel_err"] < 0.2
 
 
 class _FaultAfterFinish:
@@ -156,7 +160,7 @@ def test_live_update_from_disk_checked_by_sglang_and_faults_caught(engine, learn
                                                                         "version", "self_check")} | {"sentinel": "warn"}})
     sync = WeightSync(engine, plan, "sglang", raise_all)
     first = sync.initial_sync(learner)
-    assert first.ok and first.verdict("grid").reason.endswith("(full compare)")
+    assert first.ok and "(full compare)" in first.verdict("grid").reason
     gens0, _ = _max_gap(engine, learner)
     with torch.no_grad():  # a learner step's worth of change, on every weight
         for p in learner.model.parameters():
@@ -172,11 +176,16 @@ def test_live_update_from_disk_checked_by_sglang_and_faults_caught(engine, learn
     gens1, gap = _max_gap(engine, learner)
     assert [g.output_ids for g in gens1] != [g.output_ids for g in gens0] or not torch.equal(
         gens1[0].logprobs, gens0[0].logprobs)
-    assert gap < 0.05 and all(g.weight_version == engine.weight_version for g in gens1)
+    assert gap < {"bf16": 0.02, "mxfp8": 0.05, "nvfp4": 0.1}[fmt]
+    assert all(g.weight_version == engine.weight_version for g in gens1)
 
     name = "model.layers.1.mlp.up_proj.weight"
-    faults = [("perturb", "grid"), ("rebind", "storage")] + ([("stale_layout", "self_check")] if plan else [])
-    for kind, check in faults:
+    # C3 probes the first quantized linear (layer 0's fused q/k/v): the stale layout is put there
+    # (the re-bound storage stays moved for later syncs: that fault comes last)
+    faults = [("perturb", "grid", name)] + (
+        [("stale_layout", "self_check", "model.layers.0.self_attn.k_proj.weight")] if plan else []) + [
+        ("rebind", "storage", name)]
+    for kind, check, name in faults:
         bad = WeightSync(_FaultAfterFinish(engine, kind, name), plan, "sglang", raise_all)
         bad.pointers = sync.pointers  # the pointers recorded at load, before any fault
         with pytest.raises(SyncCheckError) as e:
