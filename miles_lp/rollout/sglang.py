@@ -1,11 +1,12 @@
 """SGLang backend: an HTTP client for a running server (SGLang's, or ``miles-lp serve``) and a thin
 ``sglang.Engine`` path. Both implement the ``Engine`` protocol.
 
-What ran where: the HTTP client is tested here against ``miles-lp serve`` over loopback (the same protocol
-subset). SGLang itself cannot run on these machines (its MXFP8 kernels need SM100 and its wheel is CUDA-only):
-``SGLangEngine`` is written against SGLang's documented Python API (``sglang.Engine``: ``generate``,
-``update_weights_from_tensor(named_tensors, load_format, flush_cache)``, ``pause_generation``,
-``continue_generation``, ``flush_cache``) and has **not** been run; it is kept thin on purpose.
+What ran where: the HTTP client runs against real SGLang 0.5.23 on its CPU platform (``flavor="launch"``: the client
+starts the server itself through ``miles_lp.rollout.sglang_cpu``, on loopback, and stops it at ``close()``; BF16,
+MXFP8 and NVFP4 dense checkpoints; updates from disk; the checks answered inside SGLang's process) and against
+``miles-lp serve`` over loopback (the same protocol subset plus tensor updates). ``SGLangEngine`` (in-process
+``sglang.Engine``: ``generate``, ``update_weights_from_tensor(named_tensors, load_format, flush_cache)``,
+``pause_generation``, ``continue_generation``, ``flush_cache``) has **not** been run; it is kept thin on purpose.
 
 Weight updates:
 
@@ -16,7 +17,10 @@ Weight updates:
   checkpoint's names, dtypes and shapes) and ``finish`` writes them as one checkpoint folder (the served
   checkpoint's config files + one safetensors file, written to a temporary name and renamed) and posts
   ``/update_weights_from_disk`` with it (the path must be visible to the server: same host or shared storage);
-  or use ``SGLangEngine``.
+  or use ``SGLangEngine``. Flavor launch takes this disk path too: it is the one SGLang update path that never
+  unpickles anything and on which SGLang itself re-runs ``process_weights_after_loading`` (the CPU linear method's
+  derived operand is rebuilt by SGLang's loader); it sends ``keep_pause`` while paused (SGLang would resume) and
+  numbers the versions from the server's ``--weight-version 0``.
 * ``SGLangEngine`` sends ``update_weights_from_tensor(bucket, load_format=LOADER)`` where ``LOADER`` is
   ``miles_lp.rollout.weight_loader.load_weights`` registered with ``--custom-weight-loader``: it re-runs
   ``process_weights_after_loading`` on the touched modules and keeps the captured storage (CONTRACT 5), DeepSeek's
@@ -26,8 +30,10 @@ Weight updates:
   uses approximate reciprocals and is not TE's rule); ``SGLangEngine`` sets it before importing SGLang.
 
 Introspection (``quantized_params``, ``weight_digests``, ``read_weights``, ``storage_pointers``, ``self_check``)
-uses ``miles-lp serve``'s ``/miles_lp/*`` endpoints; a stock SGLang server has none, and the client raises
-``BackendUnavailable`` saying so rather than answering from the configuration.
+uses the ``/miles_lp/*`` endpoints of ``miles-lp serve``, or of an SGLang server started as
+``miles_lp.rollout.sglang_cpu.serve`` (flavor launch, or ``introspect=True``), which answers them from SGLang's own
+model; a stock SGLang server has none, and the client raises ``BackendUnavailable`` saying so rather than answering
+from the configuration.
 """
 
 from __future__ import annotations
