@@ -138,6 +138,7 @@ class SGLangHTTPEngine:
         # whether SGLang's own model answers /miles_lp/* (a server run as miles_lp.rollout.sglang_cpu.serve: flavor
         # launch always; flavor sglang only when told, a stock server having none)
         self._introspectable = (flavor == "launch") if introspect is None else bool(introspect)
+        self._version_path = "/model_info" if flavor == "launch" else "/get_weight_version"
 
     def probe(self, timeout: float = 5.0) -> dict[str, Any]:
         """``GET /health`` with a short timeout: raises ``EngineError`` naming the url when nothing answers."""
@@ -204,8 +205,17 @@ class SGLangHTTPEngine:
     # ---- Engine protocol -------------------------------------------------------------------------
     @property
     def weight_version(self) -> int:
-        # SGLang 0.5.23 reports it in /model_info (it has no /get_weight_version); `miles-lp serve` in both
-        v = self._request("GET", "/model_info" if self.flavor == "launch" else "/get_weight_version")
+        # SGLang 0.5.23 reports it in /model_info only (404 for /get_weight_version); `miles-lp serve` in
+        # /get_weight_version: asked there first unless the server is known to be SGLang's
+        if self._version_path == "/get_weight_version":
+            try:
+                v = self._request("GET", self._version_path)
+            except EngineError as exc:
+                if ": 404 " not in str(exc):
+                    raise
+                self._version_path = "/model_info"
+        if self._version_path == "/model_info":
+            v = self._request("GET", "/model_info")
         v = v.get("weight_version") if isinstance(v, dict) else v
         try:
             return int(v)

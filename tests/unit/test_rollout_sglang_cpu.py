@@ -124,3 +124,81 @@ def test_the_client_refuses_launch_without_what_it_needs():
         SGLangHTTPEngine("http://127.0.0.1:1", flavor="launch", checkpoint="/x", update_dir="/y")
     with pytest.raises(EngineError, match="needs the server's url"):
         SGLangHTTPEngine(None, flavor="sglang")
+
+
+class _FakeSGLang:
+    """What the client sees of SGLang 0.5.23's HTTP surface on the disk path: no /get_weight_version (404), the
+    version in /model_info as a string, /update_weights_from_disk recording its body."""
+
+    def __init__(self):
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.version, self.bodies, self.paths = "0", [], []
+        fake = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _send(self, code, obj):
+                data = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                fake.paths.append(self.path)
+                if self.path == "/model_info":
+                    return self._send(200, {"weight_version": fake.version})
+                if self.path == "/health":
+                    return self._send(200, {})
+                self._send(404, {"detail": "Not Found"})
+
+            def do_POST(self):
+                n = int(self.headers.get("Content-Length", 0))
+                body = json.loads(self.rfile.read(n) or b"{}")
+                fake.paths.append(self.path)
+                if self.path == "/update_weights_from_disk":
+                    fake.bodies.append(body)
+                    fake.version = body.get("weight_version", fake.version)
+                self._send(200, {"success": True})
+
+        self.srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        threading.Thread(target=self.srv.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.srv.server_address[1]}"
+
+
+def test_disk_updates_speak_sglangs_fields(tmp_path):
+    """The version read from /model_info after /get_weight_version answers 404, sent back as SGLang's string
+    field, and ``keep_pause`` while paused (SGLang resumes generation after a disk update otherwise)."""
+    from safetensors.torch import save_file
+
+    from miles_lp.rollout.sglang import SGLangHTTPEngine
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    w = torch.ones(2, 2, dtype=torch.bfloat16)
+    save_file({"w": w}, str(ckpt / "model.safetensors"))
+    fake = _FakeSGLang()
+    try:
+        eng = SGLangHTTPEngine(fake.url, flavor="sglang", checkpoint=ckpt, update_dir=tmp_path / "up")
+        assert eng.weight_version == 0 and fake.paths == ["/get_weight_version", "/model_info"]
+        eng.pause()
+        eng.begin_weight_update()
+        eng.update_weights([("w", 2 * w)])
+        eng.finish_weight_update(weight_version=1)
+        body = fake.bodies[-1]
+        assert body["weight_version"] == "1" and body["keep_pause"] is True
+        assert eng.weight_version == 1 and fake.paths[-1] == "/model_info"  # no second 404
+        eng.resume()
+        eng.begin_weight_update()
+        eng.update_weights([("w", w)])
+        eng.finish_weight_update(weight_version=2)
+        assert "keep_pause" not in fake.bodies[-1]
+    finally:
+        fake.srv.shutdown()
