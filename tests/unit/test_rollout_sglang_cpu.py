@@ -202,3 +202,43 @@ def test_disk_updates_speak_sglangs_fields(tmp_path):
         assert "keep_pause" not in fake.bodies[-1]
     finally:
         fake.srv.shutdown()
+
+
+class _FakeMethod:
+    """A serving quant method: the GEMM on its weight, or on the weight's rows rotated (a stale layout)."""
+
+    miles_lp_format = "mxfp8"
+
+    def __init__(self, stale: bool = False):
+        self.stale = stale
+
+    def apply(self, layer, x, bias=None):
+        w = layer.weight.float()
+        return (x.float() @ (w.roll(1, 0) if self.stale else w).t()).to(x.dtype)
+
+    def dequantized_weight(self, layer):
+        return layer.weight.double()
+
+
+class _FakeLinear(torch.nn.Module):
+    input_size = 8
+
+    def __init__(self, stale: bool = False):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(6, 8, dtype=torch.bfloat16), requires_grad=False)
+        self.quant_method = _FakeMethod(stale)
+
+
+def test_self_check_probes_the_first_linear_and_rotates_through_the_others():
+    from miles_lp.rollout.sglang_cpu.introspect import SGLangIntrospection
+
+    model = torch.nn.ModuleDict({f"l{i}": _FakeLinear(stale=(i == 2)) for i in range(4)})
+    ins = SGLangIntrospection(model)
+    seen = []
+    for _ in range(4):
+        out = ins.self_check(seed=0)
+        seen.append({n: round(v["rel_err"], 3) > 0.25 for n, v in out["layers"].items()})
+        assert [v["kind"] for v in out["layers"].values()] == ["dense", "rotating"]
+    assert [sorted(s) for s in seen] == [["l0.weight", "l1.weight"], ["l0.weight", "l2.weight"],
+                                         ["l0.weight", "l3.weight"], ["l0.weight", "l1.weight"]]
+    assert [any(s.values()) for s in seen] == [False, True, False, False]  # the stale l2 fails the sync it is probed

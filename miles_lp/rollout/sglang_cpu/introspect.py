@@ -37,6 +37,18 @@ def _shard_rows(module: torch.nn.Module, fused: str) -> list[int]:
     return [int(s) for s in module.output_sizes]
 
 
+def _rel_err(mod: torch.nn.Module, seed: int) -> float:
+    """Relative Frobenius error of ``mod``'s serving GEMM on 4 random bf16 rows vs the float64 reference."""
+    from miles_lp.rollout.sglang_cpu.linear import reference_output
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, mod.input_size, generator=g, dtype=torch.float32).to(torch.bfloat16)
+    with torch.no_grad():
+        got = mod.quant_method.apply(mod, x, None).double()
+        want = reference_output(mod, x)
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
 class SGLangIntrospection:
     def __init__(self, owner: Any):
         """``owner``: SGLang's ``ModelRunner`` (its ``model`` read at each call) or a ``torch.nn.Module``."""
@@ -111,23 +123,21 @@ class SGLangIntrospection:
         return out
 
     def self_check(self, seed: int = 0) -> dict[str, Any]:
-        """C3: the first quantized dense linear through SGLang's serving ``quant_method.apply`` on random input vs
-        a float64 GEMM on its dequantized weights (``linear.reference_output``)."""
-        from miles_lp.rollout.sglang_cpu.linear import live_format, reference_output
+        """C3: the first quantized dense linear and one rotating through the others (the next one at each call: each
+        within as many syncs as there are linears) through SGLang's serving ``quant_method.apply`` on random input vs
+        a float64 GEMM on its weights decoded afresh (``linear.reference_output``)."""
+        from miles_lp.rollout.sglang_cpu.linear import live_format
 
         out: dict[str, Any] = {"tolerance": SELF_CHECK_TOLERANCE, "layers": {}, "skipped": []}
-        for name, mod in self.model.named_modules():
-            fmt = live_format(mod)
-            if fmt is None or ".experts" in name:
-                continue
-            g = torch.Generator().manual_seed(seed)
-            x = torch.randn(4, mod.input_size, generator=g, dtype=torch.float32).to(torch.bfloat16)
-            with torch.no_grad():
-                got = mod.quant_method.apply(mod, x, None).double()
-                want = reference_output(mod, x)
-            rel = float((got - want).norm() / want.norm().clamp_min(1e-30))
-            out["layers"][f"{name}.weight"] = {"kind": "dense", "format": fmt, "rel_err": rel}
-            break
+        linears = [(n, m, f) for n, m in self.model.named_modules()
+                   if (f := live_format(m)) is not None and ".experts" not in n]
+        calls = self.__dict__.get("_c3_calls", 0)
+        self._c3_calls = calls + 1
+        picks = [("dense", linears[0])] if linears else []
+        if len(linears) > 1:
+            picks.append(("rotating", linears[1 + calls % (len(linears) - 1)]))
+        for kind, (name, mod, fmt) in picks:
+            out["layers"][f"{name}.weight"] = {"kind": kind, "format": fmt, "rel_err": _rel_err(mod, seed)}
         if not out["layers"]:
             out["reason"] = "SGLang's model holds no quantized linear (every linear serves BF16)"
         out["ok"] = bool(out["layers"]) and all(v["rel_err"] <= SELF_CHECK_TOLERANCE for v in out["layers"].values())
