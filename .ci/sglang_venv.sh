@@ -9,10 +9,11 @@
 # names for the tests.
 #
 # Like vllm_venv in .ci/run: the folder name carries the pin; a venv that imports sglang is reused as it is
-# (nothing of miles-lp is installed into it: the server gets the checkout on its PYTHONPATH); a folder that does not import sglang is
-# rebuilt only if this function made it (its marker file, written right after `python3 -m venv`), any other
-# folder is refused, named, and left as it was. A cold build took about 15 min on this machine with its 2 cores
-# shared by other builds (6.3 GB; the torch 2.14.1 CUDA build and its libraries are most of it).
+# (nothing of miles-lp is installed into it: the server gets the checkout on its PYTHONPATH); a folder that does
+# not import sglang is rebuilt only if this function made it (its marker file, written right after
+# `python3 -m venv`), any other folder is refused, named, and left as it was. A cold build took about 15 min on
+# this machine with its 2 cores shared by other builds (6.3 GB; the torch 2.14.1 CUDA build and its libraries
+# are most of it).
 
 SGLANG_VENV_MARKER=.miles-lp-ci-sglang-venv
 SGLANG_VERSION=0.5.23
