@@ -1,11 +1,12 @@
 """SGLang backend: an HTTP client for a running server (SGLang's, or ``miles-lp serve``) and a thin
 ``sglang.Engine`` path. Both implement the ``Engine`` protocol.
 
-What ran where: the HTTP client is tested here against ``miles-lp serve`` over loopback (the same protocol
-subset). SGLang itself cannot run on these machines (its MXFP8 kernels need SM100 and its wheel is CUDA-only):
-``SGLangEngine`` is written against SGLang's documented Python API (``sglang.Engine``: ``generate``,
-``update_weights_from_tensor(named_tensors, load_format, flush_cache)``, ``pause_generation``,
-``continue_generation``, ``flush_cache``) and has **not** been run; it is kept thin on purpose.
+What ran where: the HTTP client runs against real SGLang 0.5.23 on its CPU platform (``flavor="launch"``: the client
+starts the server itself through ``miles_lp.rollout.sglang_cpu``, on loopback, and stops it at ``close()``; BF16,
+MXFP8 and NVFP4 dense checkpoints; updates from disk; the checks answered inside SGLang's process) and against
+``miles-lp serve`` over loopback (the same protocol subset plus tensor updates). ``SGLangEngine`` (in-process
+``sglang.Engine``: ``generate``, ``update_weights_from_tensor(named_tensors, load_format, flush_cache)``,
+``pause_generation``, ``continue_generation``, ``flush_cache``) has **not** been run; it is kept thin on purpose.
 
 Weight updates:
 
@@ -16,7 +17,10 @@ Weight updates:
   checkpoint's names, dtypes and shapes) and ``finish`` writes them as one checkpoint folder (the served
   checkpoint's config files + one safetensors file, written to a temporary name and renamed) and posts
   ``/update_weights_from_disk`` with it (the path must be visible to the server: same host or shared storage);
-  or use ``SGLangEngine``.
+  or use ``SGLangEngine``. Flavor launch takes this disk path too: it is the one SGLang update path that never
+  unpickles anything and on which SGLang itself re-runs ``process_weights_after_loading`` (the CPU linear method's
+  derived operand is rebuilt by SGLang's loader); it sends ``keep_pause`` while paused (SGLang would resume) and
+  numbers the versions from the server's ``--weight-version 0``.
 * ``SGLangEngine`` sends ``update_weights_from_tensor(bucket, load_format=LOADER)`` where ``LOADER`` is
   ``miles_lp.rollout.weight_loader.load_weights`` registered with ``--custom-weight-loader``: it re-runs
   ``process_weights_after_loading`` on the touched modules and keeps the captured storage (CONTRACT 5), DeepSeek's
@@ -26,8 +30,10 @@ Weight updates:
   uses approximate reciprocals and is not TE's rule); ``SGLangEngine`` sets it before importing SGLang.
 
 Introspection (``quantized_params``, ``weight_digests``, ``read_weights``, ``storage_pointers``, ``self_check``)
-uses ``miles-lp serve``'s ``/miles_lp/*`` endpoints; a stock SGLang server has none, and the client raises
-``BackendUnavailable`` saying so rather than answering from the configuration.
+uses the ``/miles_lp/*`` endpoints of ``miles-lp serve``, or of an SGLang server started as
+``miles_lp.rollout.sglang_cpu.serve`` (flavor launch, or ``introspect=True``), which answers them from SGLang's own
+model; a stock SGLang server has none, and the client raises ``BackendUnavailable`` saying so rather than answering
+from the configuration.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from miles_lp.errors import BackendUnavailable
 from miles_lp.rollout.engine import EngineBusy, EngineError, Generation, SamplingParams, WeightUpdateError
 
 LOADER = "miles_lp.rollout.weight_loader.load_weights"
-FLAVORS = ("miles-lp", "sglang")
+FLAVORS = ("miles-lp", "sglang", "launch")
 
 
 def sampling_json(sp: SamplingParams) -> dict[str, Any]:
@@ -95,23 +101,44 @@ class SGLangHTTPEngine:
 
     def __init__(self, url: str, api_key: str | None = None, *, timeout: float = 600.0, flavor: str = "miles-lp",
                  pause_mode: str = "retract", checkpoint: str | os.PathLike | None = None,
-                 update_dir: str | os.PathLike | None = None):
+                 update_dir: str | os.PathLike | None = None, server_options: Mapping[str, Any] | None = None,
+                 introspect: bool | None = None):
         from miles_lp.rollout.server import api_key_from_env
 
         if flavor not in FLAVORS:
             raise EngineError(f"flavor must be one of {', '.join(FLAVORS)}, got {flavor!r}")
-        self.url = url.rstrip("/")
         self.api_key = api_key if api_key is not None else api_key_from_env()
+        self.server = None  # the SGLang server this client started (flavor "launch")
+        if flavor == "launch":
+            if url:
+                raise EngineError("flavor launch starts its own server: give no url (or use flavor sglang for a "
+                                  "server started by hand)")
+            if checkpoint is None or update_dir is None:
+                raise EngineError("flavor launch needs checkpoint= (what the server loads) and update_dir= (where "
+                                  "each update is written for /update_weights_from_disk)")
+            from miles_lp.rollout.sglang_cpu.launch import SGLangCPUServer
+
+            opts = {"log_path": Path(update_dir).parent / "sglang-server.log", **(server_options or {})}
+            self.server = SGLangCPUServer(checkpoint, api_key=self.api_key, **opts).start()
+            url = self.server.url
+        elif not url:
+            raise EngineError(f"flavor {flavor} needs the server's url")
+        self.url = url.rstrip("/")
         self.timeout = timeout
         self.flavor = flavor
         self.pause_mode = pause_mode
         self._updating = False
+        self._paused = False
         self._sent = 0
         # the checkpoint the server serves (names / dtypes / shapes of updates; the disk path's config files)
         self.checkpoint = None if checkpoint is None else Path(checkpoint)
         self.update_dir = None if update_dir is None else Path(update_dir).absolute()  # the server resolves it in its cwd
         self._staged: dict[str, torch.Tensor] = {}
         self._disk_version = 0
+        # whether SGLang's own model answers /miles_lp/* (a server run as miles_lp.rollout.sglang_cpu.serve: flavor
+        # launch always; flavor sglang only when told, a stock server having none)
+        self._introspectable = (flavor == "launch") if introspect is None else bool(introspect)
+        self._version_path = "/model_info" if flavor == "launch" else "/get_weight_version"
 
     def probe(self, timeout: float = 5.0) -> dict[str, Any]:
         """``GET /health`` with a short timeout: raises ``EngineError`` naming the url when nothing answers."""
@@ -121,10 +148,20 @@ class SGLangHTTPEngine:
         finally:
             self.timeout = saved
 
+    @property
+    def _disk(self) -> bool:
+        """Updates go through ``/update_weights_from_disk`` (a real SGLang server: its tensor path takes pickle)."""
+        return self.flavor in ("sglang", "launch")
+
     def _stock(self, what: str) -> None:
-        if self.flavor == "sglang":
+        """Raise ``BackendUnavailable`` for a server without the ``/miles_lp/*`` introspection: a stock SGLang
+        server. One started as ``miles_lp.rollout.sglang_cpu.serve`` (flavor launch, or ``introspect=True``)
+        answers it from SGLang's own model (``sglang_cpu.introspect``)."""
+        if self._disk and not self._introspectable:
             raise BackendUnavailable(f"{what}: a stock SGLang server ({self.url}) cannot report its live quantized "
-                                     "state (no /miles_lp/ endpoints); serve with `miles-lp serve` for the live checks")
+                                     "state (no /miles_lp/ endpoints); serve with `miles-lp serve` for the live "
+                                     "checks, or start SGLang as miles_lp.rollout.sglang_cpu.serve "
+                                     "(rollout.server: launch does)")
 
     # ---- transport -------------------------------------------------------------------------------
     def _request(self, method: str, path: str, body: Any = None, *, raw: bytes | None = None,
@@ -168,7 +205,17 @@ class SGLangHTTPEngine:
     # ---- Engine protocol -------------------------------------------------------------------------
     @property
     def weight_version(self) -> int:
-        v = self._request("GET", "/get_weight_version")
+        # SGLang 0.5.23 reports it in /model_info only (404 for /get_weight_version); `miles-lp serve` in
+        # /get_weight_version: asked there first unless the server is known to be SGLang's
+        if self._version_path == "/get_weight_version":
+            try:
+                v = self._request("GET", self._version_path)
+            except EngineError as exc:
+                if ": 404 " not in str(exc):
+                    raise
+                self._version_path = "/model_info"
+        if self._version_path == "/model_info":
+            v = self._request("GET", "/model_info")
         v = v.get("weight_version") if isinstance(v, dict) else v
         try:
             return int(v)
@@ -190,9 +237,11 @@ class SGLangHTTPEngine:
 
     def pause(self, mode: str | None = None) -> None:
         self._request("POST", "/pause_generation", {"mode": mode or self.pause_mode})
+        self._paused = True
 
     def resume(self) -> None:
         self._request("POST", "/continue_generation", {})
+        self._paused = False
 
     def flush_cache(self) -> None:
         self._request("POST", "/flush_cache", {})
@@ -200,7 +249,7 @@ class SGLangHTTPEngine:
     def begin_weight_update(self) -> None:
         if self._updating:
             raise EngineError("begin_weight_update: an update is already in progress")
-        if self.flavor == "sglang" and (self.update_dir is None or self.checkpoint is None):
+        if self._disk and (self.update_dir is None or self.checkpoint is None):
             raise BackendUnavailable("a stock SGLang server takes tensors only in its pickle-based serialization, "
                                      "which miles-lp does not produce; give the client checkpoint= and update_dir= "
                                      "(updates from disk), call update_from_disk(path) or use SGLangEngine "
@@ -217,7 +266,7 @@ class SGLangHTTPEngine:
             if name in bucket or name in self._staged:
                 raise WeightUpdateError(f"update bucket: '{name}' appears twice")
             bucket[name] = t.detach().contiguous().cpu()
-        if self.flavor == "sglang":  # disk path: checked whole against the served checkpoint, then staged
+        if self._disk:  # disk path: checked whole against the served checkpoint, then staged
             specs = self.param_specs()
             for name, t in bucket.items():
                 spec = specs.get(name)
@@ -238,7 +287,7 @@ class SGLangHTTPEngine:
         if not self._updating:
             raise EngineError("finish_weight_update without begin_weight_update")
         try:
-            if self.flavor == "sglang":
+            if self._disk:
                 return self._finish_from_disk(weight_version)
             q = "finish=true" + (f"&weight_version={int(weight_version)}" if weight_version is not None else "")
             return self._request("POST", "/update_weights_from_tensor", raw=save({}), query=q)
@@ -251,7 +300,7 @@ class SGLangHTTPEngine:
         if not self._updating:
             return
         try:
-            if self.flavor != "sglang":  # the server opens an update at its first bucket, refused or not
+            if not self._disk:  # the server opens an update at its first bucket, refused or not
                 self._request("POST", "/miles_lp/abort_update", {})
         finally:
             self._updating, self._staged, self._sent = False, {}, 0
@@ -266,6 +315,8 @@ class SGLangHTTPEngine:
         if missing:  # SGLang's disk load replaces every tensor: a partial folder cannot be loaded
             raise WeightUpdateError(f"update from disk: {len(missing)} tensor(s) of the served checkpoint were not "
                                     f"sent (first: {missing[0]}); nothing was loaded")
+        if weight_version is None and self.flavor == "launch":  # started with --weight-version 0: one per update
+            weight_version = self.weight_version + 1
         self._disk_version += 1
         self.update_dir.mkdir(parents=True, exist_ok=True)
         final = self.update_dir / f"update_{self._disk_version:06d}"
@@ -286,8 +337,10 @@ class SGLangHTTPEngine:
 
     def update_from_disk(self, path: str, weight_version: int | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {"model_path": str(path)}
-        if weight_version is not None:
-            body["weight_version"] = weight_version
+        if weight_version is not None:  # SGLang's field is a string (its /generate reports it back as one)
+            body["weight_version"] = str(weight_version) if self._disk else weight_version
+        if self._disk and self._paused:  # SGLang resumes generation after a disk update unless told to stay paused
+            body["keep_pause"] = True
         return self._request("POST", "/update_weights_from_disk", body)
 
     def quantized_params(self) -> dict[str, str]:
@@ -298,7 +351,7 @@ class SGLangHTTPEngine:
         return self._request("GET", "/miles_lp/quantized_params")
 
     def param_specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
-        if self.flavor == "sglang" and self.checkpoint is not None:  # the served checkpoint's headers
+        if self._disk and self.checkpoint is not None:  # the served checkpoint's headers
             from miles_lp.rollout.checkpoint import open_checkpoint
 
             return {n: (h.dtype, tuple(h.shape)) for n, h in open_checkpoint(self.checkpoint).tensors.items()}
@@ -324,16 +377,25 @@ class SGLangHTTPEngine:
         return self._request("POST", "/miles_lp/self_check", {"seed": seed})
 
     def health(self) -> dict[str, Any]:
+        if self.server is not None and not self.server.running:  # the runner restarts a dead engine
+            return {"status": "dead", "backend": "sglang", "url": self.url}
         base = self._request("GET", "/health") or {}
         try:
             self._stock("health")
             return self._request("GET", "/miles_lp/health")
         except BackendUnavailable:
             return {"status": base.get("status", "ok"), "backend": "sglang", "weight_version": self.weight_version,
-                    "updates": "from disk" if self.flavor == "sglang" else "tensor"}
+                    "updates": "from disk" if self._disk else "tensor"}
+
+    def inject_fault(self, kind: str, name: str) -> dict[str, Any]:
+        """A fault written into the live model (a server started with ``MILES_LP_SGLANG_FAULTS=1``): ``perturb``
+        (one element of ``name`` changed in place) or ``rebind`` (its parameter moved to new storage)."""
+        self._stock("inject_fault")
+        return self._request("POST", "/miles_lp/inject_fault", {"kind": kind, "name": name})
 
     def close(self) -> None:
-        pass
+        if self.server is not None:
+            self.server.stop()
 
 
 class SGLangEngine:

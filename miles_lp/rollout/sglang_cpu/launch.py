@@ -1,0 +1,207 @@
+"""Start and stop a real SGLang server on its CPU platform (``rollout.server: launch``, the tests).
+
+The server runs in SGLang's own venv (``sglang_python()``: ``MILES_LP_SGLANG_PYTHON``, else the venv
+``.ci/sglang_venv.sh`` builds) as ``python -m miles_lp.rollout.sglang_cpu.serve``: SGLang's ``launch_server`` with
+miles-lp's introspection endpoints added (``serve``) and this package's ``shim/`` first on its PYTHONPATH (the two
+``sgl_kernel`` CPU ops, in torch). It binds loopback on a free port; ``start()`` returns once ``/health`` answers
+(or raises with the end of its log when the process exits first or the timeout passes); ``stop()`` ends the
+process group it started (SGLang's scheduler and detokenizer are its children) and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from miles_lp.errors import BackendUnavailable
+from miles_lp.rollout.engine import EngineError
+
+REPO = Path(__file__).resolve().parents[3]
+SHIM = Path(__file__).resolve().parent / "shim"
+SGLANG_VENV_NAME = "venv-sglang-cpu-0.5.23"  # keyed by the pin, as .ci/sglang_venv.sh names it
+
+#: the server's flags on SGLang's CPU platform, each needed there: torch-native attention and sampling (the
+#: FlashInfer / Triton ones are CUDA kernels), no CUDA graphs, no grammar backend, token ids in and out (no
+#: tokenizer), a small static KV pool (``--mem-fraction-static`` is a fraction of host memory on CPU)
+CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+             "--disable-cuda-graph", "--grammar-backend", "none", "--skip-tokenizer-init")
+
+
+def default_sglang_venv() -> Path:
+    env = os.environ.get("MILES_LP_SGLANG_VENV")
+    if env:
+        return Path(env)
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path(os.environ.get("HOME") or "/tmp") / ".cache")
+    return Path(cache) / "miles-lp" / SGLANG_VENV_NAME
+
+
+def sglang_python() -> str | None:
+    """SGLang's interpreter: ``MILES_LP_SGLANG_PYTHON`` (None when it names a missing file), else
+    ``build/venv-sglang/bin/python``, else the venv ``.ci/sglang_venv.sh`` builds, else None."""
+    env = os.environ.get("MILES_LP_SGLANG_PYTHON")
+    if env:
+        return env if Path(env).exists() else None
+    for p in (REPO / "build" / "venv-sglang" / "bin" / "python", default_sglang_venv() / "bin" / "python"):
+        if p.exists():
+            return str(p)
+    return None
+
+
+def sglang_missing() -> str:
+    env = os.environ.get("MILES_LP_SGLANG_PYTHON")
+    bad = f": MILES_LP_SGLANG_PYTHON={env} does not exist" if env else ""
+    return (f"no SGLang interpreter (set MILES_LP_SGLANG_PYTHON to a python with sglang 0.5.23, or build "
+            f"{default_sglang_venv()} with `source .ci/sglang_venv.sh; sglang_venv DIR`){bad}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def server_args(model_path: str | Path, port: int, *, host: str = "127.0.0.1", max_total_tokens: int = 4096,
+                context_length: int | None = None, dtype: str = "bfloat16",
+                extra: Sequence[str] = ()) -> list[str]:
+    """SGLang's command-line flags for ``model_path`` on CPU (``CPU_FLAGS`` + the size of the KV pool)."""
+    args = ["--model-path", str(model_path), "--host", host, "--port", str(port), "--dtype", dtype, *CPU_FLAGS,
+            "--mem-fraction-static", "0.05", "--max-total-tokens", str(max_total_tokens), "--log-level", "warning",
+            "--weight-version", "0"]
+    if context_length is not None:
+        args += ["--context-length", str(context_length)]
+    return [*args, *extra]
+
+
+class SGLangCPUServer:
+    """One SGLang server process serving ``model_path`` on CPU, on loopback. ``api_key``: passed as SGLang's
+    ``--api-key`` (default ``MILES_LP_API_KEY`` / ``SGLANG_API_KEY``); ``log_path``: both streams (default: a file
+    beside nothing, discarded)."""
+
+    def __init__(self, model_path: str | Path, *, python: str | None = None, port: int | None = None,
+                 host: str = "127.0.0.1", api_key: str | None = None, log_path: str | Path | None = None,
+                 threads: int | None = None, max_total_tokens: int = 4096, context_length: int | None = None,
+                 extra_args: Sequence[str] = (), start_timeout_s: float = 600.0,
+                 extra_env: Mapping[str, str] | None = None):
+        from miles_lp.rollout.server import api_key_from_env
+
+        self.python = python or sglang_python()
+        if self.python is None:
+            raise BackendUnavailable(sglang_missing())
+        self.model_path = Path(model_path).absolute()
+        self.host = host
+        self.port = port or free_port(host)
+        self.api_key = api_key if api_key is not None else api_key_from_env()
+        self.log_path = Path(log_path) if log_path else None
+        self.threads = threads
+        self.extra_env = dict(extra_env or {})
+        self.start_timeout_s = start_timeout_s
+        self.args = server_args(self.model_path, self.port, host=host, max_total_tokens=max_total_tokens,
+                                context_length=context_length, extra=extra_args)
+        if self.api_key:
+            self.args += ["--api-key", self.api_key]
+        self._proc: subprocess.Popen | None = None
+        self._log = None
+        self.start_seconds: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        from miles_lp.rollout.sglang_cpu.hook import ENV_KEY
+
+        env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", **self.extra_env)
+        if self.api_key:  # the introspection endpoints take the key SGLang's own routes take
+            env[ENV_KEY] = self.api_key
+        # the shim first (SGLang's `import sgl_kernel`), then this checkout (the serve module, miles_lp)
+        env["PYTHONPATH"] = os.pathsep.join([str(SHIM), str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        if self.threads:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = "all"
+        return env
+
+    def start(self) -> SGLangCPUServer:
+        if self._proc is not None:
+            raise EngineError(f"the SGLang server on {self.url} is already started")
+        self._log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115 (closed in stop)
+        out = self._log or subprocess.DEVNULL
+        t0 = time.monotonic()
+        # its own process group: stop() ends SGLang's scheduler and detokenizer children with it
+        self._proc = subprocess.Popen([self.python, "-m", "miles_lp.rollout.sglang_cpu.serve", *self.args],
+                                      env=self.env(), stdout=out, stderr=subprocess.STDOUT if self._log else None,
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            self._wait_healthy(t0 + self.start_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        self.start_seconds = time.monotonic() - t0
+        return self
+
+    def _wait_healthy(self, deadline: float) -> None:
+        req = urllib.request.Request(self.url + "/health")
+        while True:
+            code = self._proc.poll()
+            if code is not None:
+                raise EngineError(f"the SGLang server serving {self.model_path} exited with code {code} before it "
+                                  f"answered /health{self._log_tail()}")
+            try:
+                with urllib.request.urlopen(req, timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise EngineError(f"the SGLang server serving {self.model_path} did not answer {self.url}/health "
+                                  f"within {self.start_timeout_s:.0f} s{self._log_tail()}")
+            time.sleep(0.5)
+
+    def _log_tail(self, n: int = 3000) -> str:
+        if not self.log_path or not self.log_path.is_file():
+            return " (no log: pass log_path)"
+        text = self.log_path.read_bytes()[-n:].decode(errors="replace")
+        return f"; the end of {self.log_path}:\n{text}"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the server's process group at once (fault injection: a server that dies mid-run)."""
+        if self._proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait(30)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the process group this object started, SIGKILL what is left after ``timeout``."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 30.0)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, sig)
+                try:
+                    proc.wait(wait)
+                    # the group's other members (SGLang's children) may outlive the leader by a moment
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> SGLangCPUServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

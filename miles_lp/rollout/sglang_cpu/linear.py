@@ -1,0 +1,180 @@
+"""The linear layers of SGLang's model as the checks see them: which ones serve in low precision (C1) and what a
+high-precision GEMM on their dequantized weights gives (C3's reference)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def live_format(module: torch.nn.Module) -> str | None:
+    """The low-precision format ``module`` serves in, read from its live quant method: None for a module that is
+    not a linear layer or that SGLang serves unquantized."""
+    qm = getattr(module, "quant_method", None)
+    if qm is None or not hasattr(module, "weight") or type(qm).__name__ == "UnquantizedLinearMethod":
+        return None
+    if not hasattr(qm, "apply") or type(module).__name__.endswith(("Embedding", "ParallelLMHead")):
+        return None
+    return getattr(qm, "miles_lp_format", None) or type(qm).__name__
+
+
+def reference_output(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` in float64 on the module's weights dequantized (``dequantized_weight``)."""
+    w = getattr(module.quant_method, "dequantized_weight", None)
+    if w is None:
+        raise NotImplementedError(f"{type(module.quant_method).__name__} has no dequantized_weight(layer)")
+    y = x.double() @ w(module).double().t()
+    bias = getattr(module, "bias", None)
+    return y + bias.double() if bias is not None else y
+
+
+# ---- the CPU linear method (runs inside the SGLang process) ----------------------------------------------------------
+# SGLang's CPU platform serves MXFP8 only through AMX kernels (Fp8LinearMethod asserts AMX support) and has no CPU
+# branch for NVFP4 (ModelOpt). Neither config has a registration point for another linear method: ``register()``
+# wraps ``Fp8Config.get_quant_method`` and ``ModelOptFp4Config.get_quant_method`` in this one place so that, on CPU,
+# every MXFP8 / NVFP4 dense linear they would quantize gets the emulated method instead (MoE experts are not
+# covered: SGLang's fused-MoE methods are left as they are). The weights are still created by SGLang's own code
+# (``Fp8LinearMethod.create_fp8_weight_``, ``ModelOptFp4LinearMethod.create_weights``: its parameter classes and
+# weight loaders, so fused q/k/v and gate/up shards load as SGLang loads them; NVFP4 keeps one global scale per
+# shard, and each shard is decoded with its own) and
+# loaded by SGLang's loader; only the GEMM is ours, emulated exactly as the reference engine's ``EngineLinear``
+# does: the served bytes decoded and dequantized once per load into the operand (``process_weights_after_loading``,
+# rebuilt in place, which SGLang's disk update re-runs), the activation quantized by the learner's rule and
+# dequantized, ``F.linear`` in the reference engine's operand dtype.
+
+
+def _emulated_method_classes():
+    """``(MXFP8 method, NVFP4 method)``: SGLang's own ``create_weights`` (Fp8LinearMethod's static helper, the
+    ModelOpt NVFP4 method's), miles-lp's derived operand and GEMM."""
+    from sglang.srt.layers.quantization.base_config import LinearMethodBase
+    from sglang.srt.layers.quantization.fp8 import Fp8LinearMethod
+    from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp4LinearMethod
+
+    from miles_lp.formats.spec import Format
+    from miles_lp.rollout.layers import _dequantize, decode_weight, operand_dtype
+
+    class _Emulated(LinearMethodBase):
+        fmt: Format
+        suffixes: tuple[str, ...]
+
+        @property
+        def miles_lp_format(self) -> str:
+            return self.fmt.value
+
+        def __init__(self, quant_config):
+            self.quant_config = quant_config
+
+        def shards(self, layer):
+            """The codec tensor of each checkpoint shard (q/k/v, gate/up) of the fused weight, as served."""
+            k = layer.input_size_per_partition
+            widths = list(getattr(layer, "logical_widths", None) or [layer.weight.shape[0]])
+            at, out = 0, []
+            for i, n in enumerate(widths):
+                parts = {}
+                for s in self.suffixes:
+                    t = getattr(layer, s).data
+                    parts[s] = t[i] if t.dim() == 1 and t.shape[0] == len(widths) and s != "weight" else t[at:at + n]
+                out.append(decode_weight("sglang", self.fmt, parts, (n, k)))
+                at += n
+            return out
+
+        def dequantized_weight(self, layer) -> torch.Tensor:
+            """The weight decoded afresh from the served bytes (C3's reference, not the derived operand)."""
+            return torch.cat([q.dequantize(torch.float64) for q in self.shards(layer)])
+
+        def process_weights_after_loading(self, layer) -> None:
+            operand = torch.cat([_dequantize(q, layer.miles_lp_op_dtype) for q in self.shards(layer)])
+            old = getattr(layer, "miles_lp_operand", None)
+            if old is not None and old.shape == operand.shape:
+                old.copy_(operand)  # rebuilt in place: the storage the GEMM reads stays put
+            else:
+                layer.register_buffer("miles_lp_operand", operand.contiguous(), persistent=False)
+
+        def quantize_input(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            raise NotImplementedError
+
+        def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+            k = x.shape[-1]
+            x2 = self.quantize_input(x.reshape(-1, k), layer.miles_lp_op_dtype)
+            y = torch.nn.functional.linear(x2, layer.miles_lp_operand)
+            if bias is not None:
+                y = y + bias.to(y.dtype)
+            return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+    class Mxfp8(_Emulated):
+        fmt, suffixes = Format.MXFP8, ("weight", "weight_scale_inv")
+
+        def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                           params_dtype, **extra_weight_attrs):
+            Fp8LinearMethod.create_fp8_weight_(
+                layer, block_quant=True, quant_config=self.quant_config, use_mxfp8=True,
+                output_size_per_partition=sum(output_partition_sizes), input_size_per_partition=input_size_per_partition,
+                output_partition_sizes=output_partition_sizes, input_size=input_size, output_size=output_size,
+                params_dtype=params_dtype, weight_loader=extra_weight_attrs.get("weight_loader"),
+                is_checkpoint_fp8_serialized=True)
+            layer.miles_lp_op_dtype = operand_dtype(torch.device("cpu"), params_dtype)
+
+        def quantize_input(self, x, dtype):
+            from miles_lp import formats
+
+            return formats.quantize_mxfp8(x, axis=-1).dequantize(dtype)
+
+    class Nvfp4(_Emulated):
+        fmt, suffixes = Format.NVFP4, ("weight", "weight_scale", "weight_scale_2", "input_scale")
+
+        def create_weights(self, layer, *args, **kwargs):
+            ModelOptFp4LinearMethod.create_weights(self, layer, *args, **kwargs)
+            layer.miles_lp_op_dtype = operand_dtype(torch.device("cpu"), layer.params_dtype)
+
+        def quantize_input(self, x, dtype):
+            from miles_lp import formats
+
+            # the RL recipe's per-token global scale (the reference engine's default ``activation_scale``)
+            return formats.quantize_nvfp4(x, scale_scope="row").dequantize(dtype)
+
+    return Mxfp8, Nvfp4
+
+
+def register() -> None:
+    """On SGLang's CPU platform, MXFP8 / NVFP4 dense linears get the emulated methods (see above); elsewhere nothing
+    changes."""
+    from sglang.srt.layers.linear import LinearBase
+    from sglang.srt.layers.quantization import fp8
+    from sglang.srt.utils import is_cpu
+
+    orig = fp8.Fp8Config.get_quant_method
+    if not is_cpu() or getattr(orig, "_miles_lp", False):
+        return
+    method, nvfp4 = _emulated_method_classes()
+
+    def get_quant_method(self, layer, prefix):
+        if isinstance(layer, LinearBase) and self.use_mxfp8:
+            if fp8.is_layer_skipped(prefix, self.ignored_layers, fused_mapping=self.packed_modules_mapping):
+                return fp8.UnquantizedLinearMethod()
+            return method(self)
+        return orig(self, layer, prefix)
+
+    get_quant_method._miles_lp = True
+    fp8.Fp8Config.get_quant_method = get_quant_method
+
+    # SGLang's CPU tensor-parallel padding asks the weight block for a square shape; MXFP8's [1, 32] blocks one row
+    # at a time, so the rows need no padding at all (a multiple of 1): the answer for that block, nothing else
+    from sglang.srt.configs import update_config
+
+    pad = update_config.get_moe_padding_size
+
+    def get_moe_padding_size(weight_block_size):
+        if weight_block_size is not None and list(weight_block_size) == [1, 32]:
+            return 1
+        return pad(weight_block_size)
+
+    update_config.get_moe_padding_size = get_moe_padding_size
+
+    from sglang.srt.layers.quantization import modelopt_quant
+
+    orig_fp4 = modelopt_quant.ModelOptFp4Config.get_quant_method
+
+    def get_fp4_quant_method(self, layer, prefix):
+        out = orig_fp4(self, layer, prefix)
+        return nvfp4(self) if type(out) is modelopt_quant.ModelOptFp4LinearMethod else out
+
+    modelopt_quant.ModelOptFp4Config.get_quant_method = get_fp4_quant_method
