@@ -6,7 +6,8 @@ Parsed with ``miles_lp.config.parse_dataclass`` (unknown keys refused with a sug
       backend: reference        # reference (embedded, default) | vllm (vLLM CPU, own venv) | sglang (HTTP client)
       url: null                 # sglang: http://127.0.0.1:30000 (API key from MILES_LP_API_KEY / SGLANG_API_KEY)
       server: miles-lp          # sglang: miles-lp (`miles-lp serve`: safetensors tensor updates, live checks) |
-                                #   sglang (a stock server: updates from disk, an exported checkpoint per sync)
+                                #   sglang (a stock server: updates from disk, an exported checkpoint per sync) |
+                                #   launch (real SGLang on CPU started here: updates from disk, live checks)
       max_model_len: null       # vllm: prompt + response tokens per sequence (null: max_response_len + 256)
       device: auto              # reference: auto (cuda if available) | cpu | cuda | cuda:N
       dtype: auto               # reference: activation dtype; auto = the learner's master dtype in `miles-lp run`
@@ -52,7 +53,7 @@ class SamplingSection:
 class RolloutConfig:
     backend: Literal["reference", "vllm", "sglang"] = "reference"
     url: str | None = None
-    server: Literal["miles-lp", "sglang"] = "miles-lp"
+    server: Literal["miles-lp", "sglang", "launch"] = "miles-lp"
     max_model_len: int | None = None
     device: str = "auto"
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
@@ -64,8 +65,12 @@ class RolloutConfig:
     def _validate(self, where: Where) -> None:
         if self.max_response_len < 1:
             raise where.child("max_response_len").error(f"must be >= 1, got {self.max_response_len}")
-        if self.backend == "sglang" and not self.url:
-            raise where.child("url").error("backend sglang needs the server's url, e.g. http://127.0.0.1:30000")
+        if self.backend == "sglang" and self.server == "launch" and self.url:
+            raise where.child("url").error("server launch starts its own SGLang server (loopback, a free port): "
+                                           "remove url, or use server sglang for a server started by hand")
+        if self.backend == "sglang" and self.server != "launch" and not self.url:
+            raise where.child("url").error("backend sglang needs the server's url, e.g. http://127.0.0.1:30000 "
+                                           "(or server: launch, which starts SGLang itself)")
         if self.backend != "sglang" and self.url:
             raise where.child("url").error(f"url is only used by backend sglang (backend is {self.backend})")
         if self.server != "miles-lp" and self.backend != "sglang":

@@ -88,6 +88,9 @@ RECIPES = {
     "tiny-bf16.yaml": ("qwen3", 2, all_bf16, None, None),
     "tiny-bf16-vllm.yaml": ("qwen3", 2, all_bf16, None, None),  # the same learner; vLLM samples
     "tiny-mxfp8-vllm.yaml": ("qwen3", 2, tiny_mxfp8, "dequantized", None),
+    "tiny-bf16-sglang.yaml": ("qwen3", 2, all_bf16, None, None),  # the same learner; real SGLang (CPU) samples
+    "tiny-mxfp8-sglang.yaml": ("qwen3", 2, tiny_mxfp8, "dequantized", None),
+    "tiny-mxfp8-bf16-sampler-sglang.yaml": ("qwen3", 2, tiny_mxfp8, "dequantized", None),
     "tiny-fp8-blockwise.yaml": ("qwen3", 2, tiny_mxfp8, "dequantized", None),
     "tiny-fp8-tensorwise.yaml": ("qwen3", 2, tiny_mxfp8, "dequantized", None),
     "tiny-mxfp8-bf16-sampler.yaml": ("qwen3", 2, tiny_mxfp8, "dequantized", None),
