@@ -244,11 +244,14 @@ def _qkv_rows(config: Any, members: tuple[str, ...]) -> list[tuple[str, torch.Te
     return list(zip(members, rows, strict=True))
 
 
-def attach_plan(model: torch.nn.Module, plan, layout) -> dict[str, str]:
+def attach_plan(model: torch.nn.Module, plan, layout, *, layer_offset: int = 0) -> dict[str, str]:
     """Give every quantized parallel linear of ``model`` its recipe from ``plan``. Returns name -> recipe text.
 
-    ``layout`` is the policy layout of the HF model the Megatron model was built from.
+    ``layout`` is the policy layout of the HF model the Megatron model was built from; ``layer_offset``: the
+    global index of this pipeline stage's first decoder layer (``model.stage_offset``).
     """
+    from miles_lp.train.megatron.naming import layer_global
+
     report: dict[str, str] = {}
     holder: dict[str, Any] = {}  # canonical member -> the quantized module that runs it
     for name, module in model.named_modules():
@@ -257,6 +260,7 @@ def attach_plan(model: torch.nn.Module, plan, layout) -> dict[str, str]:
         pname = _global_expert_name(f"{name}.weight", module)
         while pname.startswith("module."):
             pname = pname[len("module."):]
+        pname = layer_global(pname, layer_offset)
         members = layout.describe(pname).members
         entries = [plan.entries[m] for m in members if m in plan.entries]
         if len(entries) != len(members) or not entries:
