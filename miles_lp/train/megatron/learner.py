@@ -1,4 +1,5 @@
-"""The Megatron-Core learner: ``Learner`` over a Megatron ``GPTModel`` (tp = pp = ep = 1), the embedded semantics.
+"""The Megatron-Core learner: ``Learner`` over a Megatron ``GPTModel`` (one rank's shards and stage), the embedded
+semantics.
 
     learner = MegatronLearner("/tmp/tiny", plan, TrainConfig(backend="megatron", lr=1e-5))
     lp, ent = learner.logprobs([seq0, seq1])       # per sequence: log p(x_t | x_<t), entropy, [L-1], fp32 CPU
@@ -21,7 +22,10 @@ functions take ``(logprobs, entropy, samples, totals)``):
   ``attach_plan``; masters in ``config.master_dtype``; ``torch.optim.AdamW`` over the Megatron parameters, with
   ``invalidate_on_step`` (Megatron layers hold the per-step grid like ``QuantLinear``).
 * Distributed: a world of one is created when ``torch.distributed`` is not initialised (gloo on CPU, nccl on
-  CUDA) and Megatron's model-parallel state at tp = pp = ep = 1; larger sizes are refused (``ConfigError``).
+  CUDA) and Megatron's model-parallel state at tp = pp = dp = ep = 1; larger sizes need the ranks' group
+  already initialised (``group.MegatronGroup`` does it) and then: each data-parallel replica runs its share of
+  the micro-batches (``data``), pipeline stages run Megatron's 1F1B schedule (``pipeline``), and the gradients
+  are reduced as Megatron's DDP would (``parallel.finalize_grads``).
 * CPU: megatron-core 0.16.1 calls ``torch.cuda.current_device()`` (RoPE, router, attention buffers) and forks the
   CUDA RNG tracker around attention dropout (0 here); on a CPU-only torch ``_cpu_megatron`` redirects those two
   names while the learner builds or runs the model, and restores them after (no global patch left behind).
@@ -82,9 +86,9 @@ def ensure_model_parallel(device: torch.device, config: TrainConfig, sizes=None)
                           "spawns the ranks), not MegatronLearner in one process")
     created, created_mp = False, False
     if not dist.is_initialized():
-        from miles_lp.train.megatron.group import free_loopback_port
+        from miles_lp.train.megatron.ranks import free_port
 
-        port = free_loopback_port()
+        port = free_port("127.0.0.1")
         # an explicit address (not MASTER_ADDR/MASTER_PORT): a stale port left in the environment cannot collide
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                                 rank=0, world_size=1)
