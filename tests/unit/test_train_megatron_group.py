@@ -411,8 +411,9 @@ def test_resolve_parallel_and_group_refusals(ckpts):
     with pytest.raises(ConfigError, match="pp=3 with first_stage_layers=None last_stage_layers=None does not split "
                                           "the 4 decoder layers"):
         resolve_parallel(MegatronSection(pp=3), dense)
-    with pytest.raises(ConfigError, match=r"multi-rank MLA is not mapped"):
+    with pytest.raises(ConfigError, match=r"tp=2 on deepseek_v3 \(MLA\): tensor-parallel MLA is not mapped"):
         resolve_parallel(MegatronSection(tp=2), tiny_config("deepseek_v3"))
+    assert resolve_parallel(MegatronSection(ep=2), tiny_config("deepseek_v3")).world == 2  # MLA under EP: mapped
     with pytest.raises(ConfigError, match="MegatronGroup is for tp \\* ep > 1"):
         MegatronGroup(ckpts["qwen3"], None, CFG)
     with pytest.raises(ConfigError, match="from an HF checkpoint folder"):

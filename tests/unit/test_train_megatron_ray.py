@@ -17,12 +17,11 @@ import pytest
 import torch
 
 mc = pytest.importorskip("megatron.core", reason="megatron-core not installed (extra 'megatron')")
-ray = pytest.importorskip("ray", reason="ray not installed (extra 'ray')")
+import ray  # noqa: E402 - a core dependency
+from test_train_megatron_dp import CFG, Section, assert_equal_to_one_rank, run, seqs  # noqa: E402
 
 from miles_lp.errors import ConfigError  # noqa: E402
 from miles_lp.train.embedded import nll_loss, plan_for_model  # noqa: E402
-
-from test_train_megatron_dp import CFG, Section, assert_equal_to_one_rank, run, seqs  # noqa: E402
 
 
 @pytest.fixture(scope="module")

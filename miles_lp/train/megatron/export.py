@@ -141,9 +141,8 @@ def megatron_export_weights(model: torch.nn.Module, hf_config: Any, *, tp_group=
     stages' tensors are gathered (``gather_stages``) so every rank gets the whole model, unless ``stage_only``
     (this stage's tensors only, for a sync that sends from every stage).
     """
-    from miles_lp.train.megatron.naming import layer_global
-
     from miles_lp.train.megatron.model import megatron_targets
+    from miles_lp.train.megatron.naming import layer_global
 
     dtypes = dtypes or {}
     etp_group = tp_group if etp_group is None else etp_group
