@@ -158,8 +158,10 @@ def resolve_parallel(section: Any, hf_config: Any) -> ParallelSizes:
         mt = _get(hf_config, "model_type")
         if mt in MLA_TYPES and tp > 1:
             # measured on the tiny DeepSeek at tp 2 (SP): log-probs equal to one rank, but the grad norm off by
-            # 1.3e-5 relative and kv_a_proj's grid after a step differing in 7 % of its codes: some MLA gradient
-            # is not reduced as Megatron's local MLA needs; expert / pipeline / data parallelism are fine
+            # 1.3e-5 relative and kv_a_proj's grid after a step differing in 7 % of its codes. Read in megatron-core
+            # 0.16's MLA: with a ColumnParallelLinear kv down projection (the local spec) the rope key k_pos_emb is
+            # taken from the TP-gathered output and used by this rank's heads only; the gather's backward slices
+            # the gradient without summing the other ranks' heads' share (the TE path's sequence gather does sum)
             raise ConfigError(f"{where}: tp={tp} on {mt} (MLA): tensor-parallel MLA is not mapped here (its "
                               "gradients do not match one rank yet); run tp: 1 (ep, pp and dp are supported)")
         heads = int(_get(hf_config, "num_attention_heads"))
