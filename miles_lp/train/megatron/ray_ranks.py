@@ -110,8 +110,6 @@ class RayPlacement:
         import ray
 
         where = "ray.learner"
-        if not ray.is_initialized():
-            raise ConfigError("RayPlacement: Ray is not initialised in this process (ray.init first)")
         gpu = backend_for(config) == "nccl"
         if gpu and self.gpus_per_node < 1:
             raise ConfigError(f"{where}.gpus_per_node={self.gpus_per_node}: a CUDA learner needs one GPU per rank")
@@ -125,6 +123,8 @@ class RayPlacement:
         if self.placement_group is not None and len(self.bundles or ()) != world - 1:
             raise ConfigError(f"RayPlacement with a placement group names the bundle of each rank > 0: "
                               f"{world - 1} bundle(s), got {self.bundles}")
+        if not ray.is_initialized():
+            raise ConfigError("RayPlacement: Ray is not initialised in this process (ray.init first)")
 
     def _bundle(self) -> dict[str, float]:
         out = {"CPU": float(self.cpus_per_rank)}
