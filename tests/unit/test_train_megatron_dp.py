@@ -123,7 +123,9 @@ def group(d, plan, config, **kw) -> dict:
     return run(MegatronGroup(d, plan, config, **kw))
 
 
-def assert_equal_to_one_rank(got: dict, ref: dict) -> None:
+def assert_equal_to_one_rank(got: dict, ref: dict, master_atol: float = MASTER_ATOL) -> None:
+    """``master_atol``: larger under tensor parallelism, whose row-parallel GEMMs sum K in per-rank parts
+    (``test_train_megatron_group``: masters up to ~2e-5 from one rank)."""
     assert all(torch.equal(a, b) for a, b in zip(got["lp"], ref["lp"], strict=True))
     g, r = got["stats"], ref["stats"]
     assert g["micro_batches"] == r["micro_batches"] == 3 and g["tokens"] == r["tokens"]
@@ -131,7 +133,7 @@ def assert_equal_to_one_rank(got: dict, ref: dict) -> None:
     assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=NORM_RTOL)
     assert got["masters"].keys() == ref["masters"].keys()
     worst = max(float((got["masters"][k] - v).abs().max()) for k, v in ref["masters"].items())
-    assert worst <= MASTER_ATOL, worst
+    assert worst <= master_atol, worst
     assert list(got["export"]) == list(ref["export"])  # the same names in the same order
     bad = [k for k, v in ref["export"].items()
            if not all(same_bytes(x, components(got["export"][k])[n]) for n, x in components(v).items())]
@@ -142,7 +144,7 @@ def assert_equal_to_one_rank(got: dict, ref: dict) -> None:
         assert isinstance(a, torch.Tensor) and a.is_floating_point() and a.dtype == b.dtype, k
         step = torch.finfo(a.dtype).eps
         a, b = a.float(), b.float()
-        assert bool(((a - b).abs() <= MASTER_ATOL + step * torch.maximum(a.abs(), b.abs())).all()), k
+        assert bool(((a - b).abs() <= master_atol + step * torch.maximum(a.abs(), b.abs())).all()), k
 
 
 def test_dp2_equals_one_rank(ckpts):

@@ -411,9 +411,11 @@ def test_resolve_parallel_and_group_refusals(ckpts):
     with pytest.raises(ConfigError, match="pp=3 with first_stage_layers=None last_stage_layers=None does not split "
                                           "the 4 decoder layers"):
         resolve_parallel(MegatronSection(pp=3), dense)
-    with pytest.raises(ConfigError, match=r"tp=2 on deepseek_v3 \(MLA\): tensor-parallel MLA is not mapped"):
-        resolve_parallel(MegatronSection(tp=2), tiny_config("deepseek_v3"))
-    assert resolve_parallel(MegatronSection(ep=2), tiny_config("deepseek_v3")).world == 2  # MLA under EP: mapped
+    ds = tiny_config("deepseek_v3")
+    assert resolve_parallel(MegatronSection(tp=2), ds).world == 2  # MLA under TP (and EP): mapped
+    ds.kv_lora_rank = 62  # + qk_rope_head_dim 32 = 94
+    with pytest.raises(ConfigError, match=r"tp=4 does not divide kv_lora_rank \+ qk_rope_head_dim=94"):
+        resolve_parallel(MegatronSection(tp=4), ds)
     with pytest.raises(ConfigError, match="MegatronGroup is for tp \\* ep > 1"):
         MegatronGroup(ckpts["qwen3"], None, CFG)
     with pytest.raises(ConfigError, match="from an HF checkpoint folder"):

@@ -305,7 +305,9 @@ class MegatronLearner(PackedLearnerSteps):
         pos = pack.position_ids.to(self.device)
         rot = self.model.rotary_pos_emb if isinstance(getattr(self.model, "rotary_pos_emb", None),
                                                         _PackedRotary) else None
-        with _cpu_megatron(self.device), self._replaying(pack):
+        from miles_lp.train.megatron.layers import mla_rope_grad_over_tp
+
+        with _cpu_megatron(self.device), self._replaying(pack), mla_rope_grad_over_tp(self.model.config):
             if rot is not None:
                 rot.positions = pos[0]
             try:

@@ -157,13 +157,15 @@ def resolve_parallel(section: Any, hf_config: Any) -> ParallelSizes:
     if tp > 1 or ep > 1 or etp > 1:
         mt = _get(hf_config, "model_type")
         if mt in MLA_TYPES and tp > 1:
-            # measured on the tiny DeepSeek at tp 2 (SP): log-probs equal to one rank, but the grad norm off by
-            # 1.3e-5 relative and kv_a_proj's grid after a step differing in 7 % of its codes. Read in megatron-core
-            # 0.16's MLA: with a ColumnParallelLinear kv down projection (the local spec) the rope key k_pos_emb is
-            # taken from the TP-gathered output and used by this rank's heads only; the gather's backward slices
-            # the gradient without summing the other ranks' heads' share (the TE path's sequence gather does sum)
-            raise ConfigError(f"{where}: tp={tp} on {mt} (MLA): tensor-parallel MLA is not mapped here (its "
-                              "gradients do not match one rank yet); run tp: 1 (ep, pp and dp are supported)")
+            # Megatron's local MLA: the q / kv down projections are column-parallel (outputs all-gathered over TP,
+            # then scattered back to the sequence slices under SP); the rope key's gradient is summed over TP by
+            # layers.mla_rope_grad_over_tp (the learner's forward)
+            for what, n in (("q_lora_rank", _get(hf_config, "q_lora_rank")),
+                            ("kv_lora_rank + qk_rope_head_dim", int(_get(hf_config, "kv_lora_rank"))
+                             + int(_get(hf_config, "qk_rope_head_dim")))):
+                if n is not None and int(n) % tp:
+                    raise ConfigError(f"{where}.tp={tp} does not divide {what}={n} (MLA's column-parallel down "
+                                      "projections)")
         heads = int(_get(hf_config, "num_attention_heads"))
         groups = int(_get(hf_config, "num_key_value_heads") or heads)
         for what, n, p in (("num_attention_heads", heads, tp), ("num_key_value_heads", groups, tp),
