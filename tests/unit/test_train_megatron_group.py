@@ -302,7 +302,7 @@ def test_group_resume_is_bit_identical_and_a_failing_rank_is_named(ckpts, tmp_pa
         a.train_step(samples, nll_loss)
         save_learner_state(a.state_dict(), tmp_path / "state")
         state = load_learner_state(tmp_path / "state")
-        assert state["group"] == {"world": 2, "tp": 2, "ep": 1, "etp": 1} and len(state["ranks"]) == 2
+        assert state["group"] == {"world": 2, "tp": 2, "pp": 1, "dp": 1, "ep": 1, "etp": 1} and len(state["ranks"]) == 2
         a.train_step(samples, nll_loss)
         ma, ea = a.gathered_masters(), dict(a.export_weights())
     finally:
@@ -406,10 +406,16 @@ def test_resolve_parallel_and_group_refusals(ckpts):
         resolve_parallel(MegatronSection(ep=2), dense)
     with pytest.raises(ConfigError, match="tp=3 does not divide num_attention_heads=4"):
         resolve_parallel(MegatronSection(tp=3), dense)
-    with pytest.raises(ConfigError, match="pp=2: pipeline parallelism is not implemented"):
-        resolve_parallel(MegatronSection(pp=2), dense)
-    with pytest.raises(ConfigError, match=r"multi-rank MLA is not mapped"):
-        resolve_parallel(MegatronSection(tp=2), tiny_config("deepseek_v3"))
+    s = resolve_parallel(MegatronSection(pp=2), dense)  # 4 layers: 2 + 2
+    assert (s.world, s.pp, s.dp) == (2, 2, 1)
+    with pytest.raises(ConfigError, match="pp=3 with first_stage_layers=None last_stage_layers=None does not split "
+                                          "the 4 decoder layers"):
+        resolve_parallel(MegatronSection(pp=3), dense)
+    ds = tiny_config("deepseek_v3")
+    assert resolve_parallel(MegatronSection(tp=2), ds).world == 2  # MLA under TP (and EP): mapped
+    ds.kv_lora_rank = 62  # + qk_rope_head_dim 32 = 94
+    with pytest.raises(ConfigError, match=r"tp=4 does not divide kv_lora_rank \+ qk_rope_head_dim=94"):
+        resolve_parallel(MegatronSection(tp=4), ds)
     with pytest.raises(ConfigError, match="MegatronGroup is for tp \\* ep > 1"):
         MegatronGroup(ckpts["qwen3"], None, CFG)
     with pytest.raises(ConfigError, match="from an HF checkpoint folder"):

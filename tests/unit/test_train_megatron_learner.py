@@ -219,8 +219,8 @@ def test_refusals(ckpts):
     bad.pop("decoder.final_layernorm.weight")
     with pytest.raises(ConfigError, match=r"missing \['decoder.final_layernorm.weight'\]"):
         m.load_state_dict({**state, "model": bad})
-    with pytest.raises(ConfigError, match="tp=2 ep=1 etp=2 runs in 2 processes: build the learner with "
-                                          "miles_lp.train.megatron.group.MegatronGroup"):
+    with pytest.raises(ConfigError, match=r"tp=2 pp=1 dp=1 ep=1 etp=2 \(world 2, expert-dp 1\) runs in 2 "
+                                          "processes: build the learner with miles_lp.train.megatron.group.MegatronGroup"):
         MegatronLearner(d, None, TrainConfig(backend="megatron", device="cpu", megatron=MegatronSection(tp=2)))
     with pytest.raises(ConfigError, match="compiled PrecisionPlan"):
         MegatronLearner(d, {"default": "mxfp8"}, CFG)

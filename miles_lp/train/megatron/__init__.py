@@ -7,6 +7,10 @@
 * ``naming``: Megatron -> HF names (the inverse of ``hf_to_megatron``) and the tensor-parallel gather of shards
   (pure tensor code, no megatron-core needed); ``export``: the Megatron learner's whole-model export under HF
   names (``megatron_export_weights``: forward grids gathered over TP, named, the rest in the checkpoint dtype).
+* ``parallel``: the sizes (tp x pp x dp, the expert grid), the gradient reductions and norm; ``data``: which
+  micro-batches each data-parallel replica runs; ``pipeline``: Megatron-Core's 1F1B schedule over the packed rows;
+* ``group``: ``MegatronGroup``, the ranks driven from one process as one ``Learner``; ``ranks``: the protocol
+  between rank 0 and the others and the spawned-process placement; ``ray_ranks``: one Ray actor per rank.
 
 Importing ``miles_lp.train.megatron.layers`` / ``.model`` needs megatron-core; this package itself does not.
 """

@@ -64,6 +64,52 @@ def all_gather_value(v: Any, group) -> list[Any]:
     return [type(v)(**static, **{k: parts[r] for k, parts in per_field.items()}) for r in range(n)]
 
 
+def gather_stages(state: Mapping[str, Any], pp_group) -> dict[str, Any]:
+    """Every pipeline stage's ``{name: tensor | grid}`` on every rank of ``pp_group``, stage order.
+
+    The layout (names, each value's class, its non-tensor fields, its tensors' shapes and dtypes) goes round with
+    ``all_gather_object`` (our own ranks' metadata, never tensors); each tensor then crosses as bytes in a
+    ``broadcast`` from the stage that holds it.
+    """
+    import torch.distributed as dist
+
+    def layout(v: Any) -> tuple:
+        if isinstance(v, torch.Tensor):
+            return (None, {}, [("", tuple(v.shape), v.dtype)])
+        static, fields = {}, []
+        for f in dataclasses.fields(v):
+            if not f.init:
+                continue
+            x = getattr(v, f.name)
+            if isinstance(x, torch.Tensor):
+                fields.append((f.name, tuple(x.shape), x.dtype))
+            else:
+                static[f.name] = x
+        return (type(v), static, fields)
+
+    mine = [(name, *layout(v)) for name, v in state.items()]
+    every: list[Any] = [None] * _world(pp_group)
+    dist.all_gather_object(every, mine, group=pp_group)
+    me = dist.get_rank(pp_group)
+    device = next((v.device for v in state.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
+    out: dict[str, Any] = {}
+    for stage, entries in enumerate(every):
+        src = dist.get_global_rank(pp_group, stage)
+        for name, cls, static, fields in entries:
+            v = state[name] if stage == me else None
+            got = {}
+            for fname, shape, dtype in fields:
+                if stage == me:
+                    t = (v if cls is None else getattr(v, fname)).detach().contiguous()
+                else:
+                    t = torch.empty(shape, dtype=dtype, device=device)
+                if t.numel():
+                    dist.broadcast(t.reshape(-1).view(torch.uint8), src=src, group=pp_group)
+                got[fname] = t
+            out[name] = got[""] if cls is None else cls(**static, **got)
+    return out
+
+
 def quantized_grids(model: torch.nn.Module) -> dict[str, Any]:
     """``{Megatron weight name: forward grid}`` of the quantized parallel linears (``module.`` prefixes off)."""
     from miles_lp.train.megatron.layers import _QuantParallelMixin
@@ -83,25 +129,31 @@ _LOCAL_EXPERT = re.compile(r"(.*\.local_experts\.)(\d+)(\..*)")
 def megatron_export_weights(model: torch.nn.Module, hf_config: Any, *, tp_group=None, ep_group=None,
                             etp_group=None, dtypes: Mapping[str, torch.dtype] | None = None,
                             default_dtype: torch.dtype = DEFAULT_DTYPE, grids: bool = True,
-                            cast: bool = True) -> Iterator[tuple[str, Any]]:
+                            cast: bool = True, pp_group=None, layer_offset: int = 0,
+                            stage_only: bool = False) -> Iterator[tuple[str, Any]]:
     """``(canonical HF name, grid | tensor)`` for every tensor of the HF checkpoint the model was built from.
 
     ``tp_group``: the tensor-parallel group (dense weights); ``etp_group``: the expert tensor-parallel group
     (default: ``tp_group``, Megatron's default ``etp = tp``); ``ep_group``: the expert-parallel group: each rank's
     local experts ``local_experts.{l}`` are gathered and renamed to the global index ``ep_rank * E/ep + l``.
     ``grids=False, cast=False``: the gathered master tensors themselves (tests compare the grids to them).
+    Pipeline parallelism: ``layer_offset`` renames this stage's layers to their global index; ``pp_group``: the
+    stages' tensors are gathered (``gather_stages``) so every rank gets the whole model, unless ``stage_only``
+    (this stage's tensors only, for a sync that sends from every stage).
     """
     from miles_lp.train.megatron.model import megatron_targets
+    from miles_lp.train.megatron.naming import layer_global
 
     dtypes = dtypes or {}
     etp_group = tp_group if etp_group is None else etp_group
     grids = quantized_grids(model) if grids else {}
     state: dict[str, Any] = {}
     targets = {}
+    grids = {layer_global(k, layer_offset): v for k, v in grids.items()}
     for name, p in megatron_targets(model).items():
         while name.startswith("module."):
             name = name[len("module."):]
-        targets[name] = p
+        targets[layer_global(name, layer_offset)] = p
     per_rank = len({m.group(2) for n in targets if (m := _LOCAL_EXPERT.fullmatch(n))})
     for name, p in targets.items():
         value = grids[name][0] if name in grids else p.detach()
@@ -112,7 +164,13 @@ def megatron_export_weights(model: torch.nn.Module, hf_config: Any, *, tp_group=
         full = gather_shards(name, all_gather_value(value, etp_group))
         for ep_rank, v in enumerate(all_gather_value(full, ep_group)):
             state[f"{m.group(1)}{ep_rank * per_rank + int(m.group(2))}{m.group(3)}"] = v
-    for hf_name, v in megatron_to_hf(state, hf_config).items():
+    partial = False
+    if _world(pp_group) > 1:
+        if stage_only:
+            partial = True
+        else:
+            state = gather_stages(state, pp_group)
+    for hf_name, v in megatron_to_hf(state, hf_config, partial=partial).items():
         if cast and isinstance(v, torch.Tensor) and v.is_floating_point():
             v = v.to(dtypes.get(hf_name, default_dtype))
         yield hf_name, v

@@ -212,6 +212,68 @@ def mla_without_te() -> Iterator[None]:
         mla.HAVE_TE = saved
 
 
+class _GatherRopeGradSummed(torch.autograd.Function):
+    """Megatron's ``gather_from_tensor_model_parallel_region`` (all-gather along the last dim; backward: this
+    rank's slice) whose backward first SUMS the last ``rope`` columns of the gradient over the TP group."""
+
+    @staticmethod
+    def forward(ctx, x, group, rope: int):
+        from megatron.core.tensor_parallel.mappings import _gather_along_last_dim
+
+        ctx.group, ctx.rope = group, rope
+        return _gather_along_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+        from megatron.core.tensor_parallel.mappings import _split_along_last_dim
+
+        grad = grad.clone()
+        tail = grad[..., -ctx.rope:].contiguous()
+        dist.all_reduce(tail, group=ctx.group)
+        grad[..., -ctx.rope:] = tail
+        return _split_along_last_dim(grad, ctx.group), None, None
+
+
+@contextlib.contextmanager
+def mla_rope_grad_over_tp(config: Any) -> Iterator[None]:
+    """While a tensor-parallel MLA model runs forward: the kv down projection's TP gather sums the rope key's
+    gradient over the TP group in its backward.
+
+    Why: in megatron-core 0.16's MLA with a ``ColumnParallelLinear`` kv down projection (the local spec), the
+    output ``[kv_compressed | k_pos_emb]`` is all-gathered over TP and ``k_pos_emb`` (the rope key, shared by every
+    head) is used by this rank's heads only; the gather's backward hands each rank its column slice of the
+    gradient, so the rope columns keep only the owning rank's heads' share (the compressed columns are complete:
+    their consumer, the column-parallel up projection, reduces over TP). The TE path gathers ``k_pos_emb`` over
+    the sequence instead, whose backward sums. Only the module-level name ``multi_latent_attention`` calls is
+    swapped, and only for the kv gather (recognised by its width); restored on exit.
+    """
+    tp = int(getattr(config, "tensor_model_parallel_size", 1))
+    if not getattr(config, "multi_latent_attention", False) or tp == 1:
+        yield
+        return
+    from megatron.core.tensor_parallel.mappings import get_tensor_model_parallel_group_if_none
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    rope = int(config.qk_pos_emb_head_dim)
+    kv = int(config.kv_lora_rank) + rope
+    if config.q_lora_rank is not None and int(config.q_lora_rank) == kv:
+        raise ConfigError(f"tensor-parallel MLA with q_lora_rank == kv_lora_rank + qk_rope_head_dim ({kv}): the two "
+                          "down projections' gathers cannot be told apart; run tp: 1")
+    original = mla.gather_from_tensor_model_parallel_region
+
+    def gather(x, group=None):
+        if x.shape[-1] * tp == kv:
+            return _GatherRopeGradSummed.apply(x, get_tensor_model_parallel_group_if_none(group), rope)
+        return original(x, group)
+
+    mla.gather_from_tensor_model_parallel_region = gather
+    try:
+        yield
+    finally:
+        mla.gather_from_tensor_model_parallel_region = original
+
+
 def quantize_mla_down_projections(model: torch.nn.Module) -> int:
     """Give MLA's ``linear_q_down_proj`` / ``linear_kv_down_proj`` (built as plain ``ColumnParallelLinear``, see
     ``_KEEP_IN_SPEC``) the quantized class. The subclass adds methods and class attributes only (no ``__init__``
@@ -244,11 +306,14 @@ def _qkv_rows(config: Any, members: tuple[str, ...]) -> list[tuple[str, torch.Te
     return list(zip(members, rows, strict=True))
 
 
-def attach_plan(model: torch.nn.Module, plan, layout) -> dict[str, str]:
+def attach_plan(model: torch.nn.Module, plan, layout, *, layer_offset: int = 0) -> dict[str, str]:
     """Give every quantized parallel linear of ``model`` its recipe from ``plan``. Returns name -> recipe text.
 
-    ``layout`` is the policy layout of the HF model the Megatron model was built from.
+    ``layout`` is the policy layout of the HF model the Megatron model was built from; ``layer_offset``: the
+    global index of this pipeline stage's first decoder layer (``model.stage_offset``).
     """
+    from miles_lp.train.megatron.naming import layer_global
+
     report: dict[str, str] = {}
     holder: dict[str, Any] = {}  # canonical member -> the quantized module that runs it
     for name, module in model.named_modules():
@@ -257,6 +322,7 @@ def attach_plan(model: torch.nn.Module, plan, layout) -> dict[str, str]:
         pname = _global_expert_name(f"{name}.weight", module)
         while pname.startswith("module."):
             pname = pname[len("module."):]
+        pname = layer_global(pname, layer_offset)
         members = layout.describe(pname).members
         entries = [plan.entries[m] for m in members if m in plan.entries]
         if len(entries) != len(members) or not entries:

@@ -1,4 +1,5 @@
-"""The Megatron-Core learner: ``Learner`` over a Megatron ``GPTModel`` (tp = pp = ep = 1), the embedded semantics.
+"""The Megatron-Core learner: ``Learner`` over a Megatron ``GPTModel`` (one rank's shards and stage), the embedded
+semantics.
 
     learner = MegatronLearner("/tmp/tiny", plan, TrainConfig(backend="megatron", lr=1e-5))
     lp, ent = learner.logprobs([seq0, seq1])       # per sequence: log p(x_t | x_<t), entropy, [L-1], fp32 CPU
@@ -21,7 +22,10 @@ functions take ``(logprobs, entropy, samples, totals)``):
   ``attach_plan``; masters in ``config.master_dtype``; ``torch.optim.AdamW`` over the Megatron parameters, with
   ``invalidate_on_step`` (Megatron layers hold the per-step grid like ``QuantLinear``).
 * Distributed: a world of one is created when ``torch.distributed`` is not initialised (gloo on CPU, nccl on
-  CUDA) and Megatron's model-parallel state at tp = pp = ep = 1; larger sizes are refused (``ConfigError``).
+  CUDA) and Megatron's model-parallel state at tp = pp = dp = ep = 1; larger sizes need the ranks' group
+  already initialised (``group.MegatronGroup`` does it) and then: each data-parallel replica runs its share of
+  the micro-batches (``data``), pipeline stages run Megatron's 1F1B schedule (``pipeline``), and the gradients
+  are reduced as Megatron's DDP would (``parallel.finalize_grads``).
 * CPU: megatron-core 0.16.1 calls ``torch.cuda.current_device()`` (RoPE, router, attention buffers) and forks the
   CUDA RNG tracker around attention dropout (0 here); on a CPU-only torch ``_cpu_megatron`` redirects those two
   names while the learner builds or runs the model, and restores them after (no global patch left behind).
@@ -47,6 +51,7 @@ from miles_lp.train.embedded import (
     pad_multiple_for,
     restore_rng,
     rng_state,
+    token_logprobs_and_entropy,
 )
 from miles_lp.train.quant_linear import executed_quantized, invalidate_grids, invalidate_on_step
 from miles_lp.train.state_io import check_learner_state
@@ -73,40 +78,42 @@ def ensure_model_parallel(device: torch.device, config: TrainConfig, sizes=None)
 
     sizes = sizes or ParallelSizes()
     m = config.megatron
-    if m.impl != "local" or m.pp != 1:
-        raise ConfigError(f"MegatronLearner runs train.megatron pp=1 impl=local; got pp={m.pp} impl={m.impl}")
+    if m.impl != "local":
+        raise ConfigError(f"MegatronLearner runs train.megatron impl=local; got impl={m.impl}")
     if sizes.world > 1 and not (dist.is_initialized() and dist.get_world_size() == sizes.world):
-        raise ConfigError(f"train.megatron tp={sizes.tp} ep={sizes.ep} etp={sizes.etp} runs in {sizes.world} "
+        raise ConfigError(f"train.megatron {sizes.describe()} runs in {sizes.world} "
                           "processes: build the learner with miles_lp.train.megatron.group.MegatronGroup (which "
                           "spawns the ranks), not MegatronLearner in one process")
     created, created_mp = False, False
     if not dist.is_initialized():
-        from miles_lp.train.megatron.group import free_loopback_port
+        from miles_lp.train.megatron.ranks import free_port
 
-        port = free_loopback_port()
+        port = free_port("127.0.0.1")
         # an explicit address (not MASTER_ADDR/MASTER_PORT): a stale port left in the environment cannot collide
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                                 rank=0, world_size=1)
         created = True
     if dist.get_world_size() != sizes.world:
-        raise ConfigError(f"MegatronLearner at tp={sizes.tp} ep={sizes.ep} etp={sizes.etp} needs a world of "
+        raise ConfigError(f"MegatronLearner at {sizes.describe()} needs a world of "
                           f"{sizes.world} process(es); torch.distributed has {dist.get_world_size()} ranks")
-    want = (sizes.tp, 1, sizes.ep, sizes.etp)
+    want = (sizes.tp, sizes.pp, sizes.ep, sizes.etp)
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(sizes.tp, 1, expert_model_parallel_size=sizes.ep,
+        # Megatron's default rank order (tp fastest, then cp, ep, dp, pp): rank 0 is tp 0, dp 0 of the first stage
+        ps.initialize_model_parallel(sizes.tp, sizes.pp, expert_model_parallel_size=sizes.ep,
                                      expert_tensor_parallel_size=sizes.etp)
         created_mp = True
     elif (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
           ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()) != want:
         raise ConfigError(f"Megatron's model-parallel state is already initialised with other sizes; this learner "
-                          f"runs tp={sizes.tp} ep={sizes.ep} etp={sizes.etp}")
+                          f"runs {sizes.describe()}")
     return created, created_mp
 
 
 @contextlib.contextmanager
 def _cpu_megatron(device: torch.device) -> Iterator[None]:
     """While Megatron builds or runs on a CPU-only torch: ``torch.cuda.current_device`` -> "cpu" and a CUDA RNG
-    tracker whose ``fork()`` does nothing (attention dropout is 0). No-op on CUDA or when CUDA is available."""
+    tracker whose ``fork()`` does nothing (attention dropout is 0); ``torch.cuda.synchronize`` does nothing (the
+    pipeline's shape exchange calls it). No-op on CUDA or when CUDA is available."""
     if device.type != "cpu" or torch.cuda.is_available():
         yield
         return
@@ -116,13 +123,14 @@ def _cpu_megatron(device: torch.device) -> Iterator[None]:
         def fork(self, *a, **k):
             return contextlib.nullcontext()
 
-    saved = (torch.cuda.current_device, tp.get_cuda_rng_tracker)
+    saved = (torch.cuda.current_device, torch.cuda.synchronize, tp.get_cuda_rng_tracker)
     torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None  # the pipeline p2p's guard after its shape exchange
     tp.get_cuda_rng_tracker = lambda *a, **k: _NoFork()
     try:
         yield
     finally:
-        torch.cuda.current_device, tp.get_cuda_rng_tracker = saved
+        torch.cuda.current_device, torch.cuda.synchronize, tp.get_cuda_rng_tracker = saved
 
 
 class _PackedRotary(torch.nn.Module):
@@ -228,15 +236,21 @@ class MegatronLearner(PackedLearnerSteps):
         with _cpu_megatron(self.device):
             model = build_gpt_model(self.hf_config, quantized=plan is not None, params_dtype=cfg.torch_master_dtype,
                                     tp=sizes.tp, ep=sizes.ep, etp=sizes.etp,
-                                    sequence_parallel=sizes.sequence_parallel, parallel_output=False)
+                                    sequence_parallel=sizes.sequence_parallel, parallel_output=False,
+                                    pp=sizes.pp, first_stage_layers=sizes.first_stage_layers,
+                                    last_stage_layers=sizes.last_stage_layers)
             load_hf_weights(model, hf.state_dict(), self.hf_config)
+        from miles_lp.train.megatron.model import stage_offset
+
+        self.layer_offset = stage_offset(model)  # global index of this pipeline stage's first decoder layer
         del hf
         self.model = model.to(self.device)
         self.model.train()
         if getattr(self.model, "rotary_pos_emb", None) is not None and not getattr(
                 self.model.config, "multi_latent_attention", False):
             self.model.rotary_pos_emb = _PackedRotary(self.model.rotary_pos_emb)
-        self.attached = attach_plan(self.model, plan, self.layout) if plan is not None else {}
+        self.attached = (attach_plan(self.model, plan, self.layout, layer_offset=self.layer_offset)
+                         if plan is not None else {})
         if plan is not None:
             self._check_complete()
         self.pad_multiple = pad_multiple_for(plan)
@@ -291,7 +305,9 @@ class MegatronLearner(PackedLearnerSteps):
         pos = pack.position_ids.to(self.device)
         rot = self.model.rotary_pos_emb if isinstance(getattr(self.model, "rotary_pos_emb", None),
                                                         _PackedRotary) else None
-        with _cpu_megatron(self.device), self._replaying(pack):
+        from miles_lp.train.megatron.layers import mla_rope_grad_over_tp
+
+        with _cpu_megatron(self.device), self._replaying(pack), mla_rope_grad_over_tp(self.model.config):
             if rot is not None:
                 rot.positions = pos[0]
             try:
@@ -330,22 +346,131 @@ class MegatronLearner(PackedLearnerSteps):
             sp_group = ps.get_tensor_model_parallel_group()
         return replay_megatron_routes(routers, packed, replayed, self._routing_counter, sp_group=sp_group)
 
-    # ---- the step under tensor / expert parallelism ---------------------------------------------------
+    # ---- several ranks: data-parallel shares, pipeline stages ----------------------------------------
+    def _ps(self):
+        from megatron.core import parallel_state as ps
+
+        return ps
+
+    def _rounds(self, packs: list[Pack]) -> list[Pack]:
+        """This data-parallel replica's micro-batches (``data.replica_rounds``; equal rounds under EP, whose
+        dispatcher's collectives span replicas)."""
+        from miles_lp.train.megatron.data import replica_rounds
+
+        p = self.parallel
+        if p.dp == 1:
+            return list(packs)
+        return replica_rounds(packs, p.dp, self._ps().get_data_parallel_rank(), equal=p.ep > 1)
+
+    def _batch_routes(self, batch):
+        routes = super()._batch_routes(batch)
+        if routes is not None and self.parallel.pp > 1:
+            from miles_lp.train.routing_replay import RoutingReplayError
+
+            raise RoutingReplayError("routing replay under pipeline parallelism (pp > 1) is not mapped (each stage "
+                                     "holds a slice of the MoE layers); run pp: 1 or rl.routing_replay: false")
+        return routes
+
+    def _finish_routing(self) -> dict[str, float]:
+        """One counter for the whole mini-batch: the TP-rank-0 counters of every replica summed (a TP rank's
+        counter already sees every position of its rows: the flags are all-gathered under SP)."""
+        if self.world == 1 or self.parallel.dp == 1:
+            return super()._finish_routing()
+        import torch.distributed as dist
+
+        from miles_lp.train.routing_replay import AgreementCounter
+
+        c = self._routing_counter or AgreementCounter()
+        mine = torch.tensor([c.pairs, c.pairs_agree, c.tokens, c.tokens_agree], dtype=torch.float64)
+        if self._ps().get_tensor_model_parallel_rank() != 0:
+            mine.zero_()
+        mine = mine.to(self.device)
+        dist.all_reduce(mine)
+        c.pairs, c.pairs_agree, c.tokens, c.tokens_agree = (int(x) for x in mine.tolist())
+        self._routing_counter = c
+        return super()._finish_routing()
+
+    def _pack_loss(self, logits, pack: Pack, samples, loss_fn, totals) -> torch.Tensor:
+        if not pack.lengths:  # a filler round: the collectives pair up, the gradient is zero
+            return logits.sum() * 0.0
+        lp, ent = token_logprobs_and_entropy(logits, pack, self.config.logits_temperature)
+        return loss_fn(lp, ent, [samples[i] for i in pack.indices], totals)
+
+    def _is_output_rank(self) -> bool:
+        """The ranks whose loss / log-probs count once: tensor-parallel rank 0 of each replica's last stage."""
+        ps = self._ps()
+        return ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_last_stage()
+
+    @torch.no_grad()
+    def logprobs(self, batch):
+        """``PackedLearnerSteps.logprobs``; on several ranks each replica computes its micro-batches (through the
+        pipeline schedule at pp > 1) and every rank returns the whole batch's (all ranks must call it)."""
+        if self.world == 1:
+            return super().logprobs(batch)
+        import torch.distributed as dist
+
+        seqs = [b["tokens"] if isinstance(b, Mapping) else b for b in batch]
+        routes = self._batch_routes(batch)
+        rounds = self._rounds(self.micro_batches(seqs, routes))
+        found: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        temp = self.config.logits_temperature
+        with _cpu_megatron(self.device):
+            if self.parallel.pp == 1:
+                for pack in rounds:
+                    logits = self._forward(pack)
+                    if pack.lengths:
+                        lp, ent = token_logprobs_and_entropy(logits, pack, temp)
+                        found.update({i: (a.cpu(), b.cpu()) for i, a, b in zip(pack.indices, lp, ent, strict=True)})
+            else:
+                from miles_lp.train.megatron.pipeline import pipeline_logprobs
+
+                found = pipeline_logprobs(self, rounds, temp)
+        self._finish_routing()
+        every: list[Any] = [None] * self.world
+        dist.all_gather_object(every, found if self._is_output_rank() else {})
+        merged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for d in every:
+            merged.update(d)
+        if len(merged) != len(seqs):
+            raise RuntimeError(f"Megatron logprobs: {len(merged)} of {len(seqs)} sequences came back from the ranks")
+        return [merged[i][0] for i in range(len(seqs))], [merged[i][1] for i in range(len(seqs))]
+
     def train_step(self, samples, loss_fn=None) -> dict[str, Any]:
-        """``PackedLearnerSteps.train_step`` at tp = ep = 1. On several ranks (every rank runs the same samples):
-        forward/backward, Megatron's gradient reductions (``parallel.finalize_grads``), the global gradient norm
-        and clipping over all shards (``parallel.clip_grads``), AdamW on each rank's shards."""
-        from miles_lp.train.embedded import nll_loss
+        """``PackedLearnerSteps.train_step`` at world 1. On several ranks (every rank receives the whole
+        mini-batch): each data-parallel replica forward/backwards its share of the micro-batches (through
+        Megatron's pipeline schedule at pp > 1), the losses normalised by the whole mini-batch's totals; then
+        Megatron's gradient reductions (``parallel.finalize_grads``), the global gradient norm and clipping over
+        all shards (``parallel.clip_grads``), AdamW on each rank's shards."""
+        from miles_lp.train.embedded import _loss_mask, nll_loss
 
         loss_fn = loss_fn or nll_loss
         if self.world == 1:
             with _cpu_megatron(self.device):  # the backward runs Megatron code too (SP's gather buffers)
                 return super().train_step(samples, loss_fn)
+        import torch.distributed as dist
+
         from miles_lp.train.megatron.parallel import clip_grads, finalize_grads
 
         self.optimizer.zero_grad(set_to_none=True)
+        seqs = [s["tokens"] for s in samples]
+        routes = self._batch_routes(samples)
+        totals = {"tokens": int(sum(float(_loss_mask(s).sum()) for s in samples)), "sequences": len(samples)}
+        packs = self.micro_batches(seqs, routes)
+        rounds = self._rounds(packs)
         with _cpu_megatron(self.device):
-            loss_sum, packs = self.accumulate_grads(samples, loss_fn)
+            if self.parallel.pp == 1:
+                loss_sum = 0.0
+                for pack in rounds:
+                    loss = self._pack_loss(self._forward(pack), pack, samples, loss_fn, totals)
+                    loss.backward()
+                    loss_sum += float(loss.detach())
+            else:
+                from miles_lp.train.megatron.pipeline import pipeline_train
+
+                loss_sum = pipeline_train(self, rounds, samples, loss_fn, totals)
+        self._finish_routing()
+        total = torch.tensor([loss_sum if self._is_output_rank() else 0.0], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)
         finalize_grads(self.model, self.parallel)
         norm = clip_grads(self.model, self.parallel, self.config.grad_clip)
         finite = math.isfinite(norm)
@@ -353,7 +478,7 @@ class MegatronLearner(PackedLearnerSteps):
             self.optimizer.step()
             self.step += 1
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss_sum, "grad_norm": norm, "finite": finite, "skipped": not finite,
+        return {"loss": float(total), "grad_norm": norm, "finite": finite, "skipped": not finite,
                 "micro_batches": len(packs), "tokens": sum(int(s["tokens"].numel()) for s in samples),
                 "padded_tokens": sum(p.tokens for p in packs), "step": self.step, **self.routing_stats}
 
@@ -361,20 +486,46 @@ class MegatronLearner(PackedLearnerSteps):
     def _groups(self) -> dict[str, Any]:
         if self.world == 1:
             return {}
-        from megatron.core import parallel_state as ps
-
+        ps = self._ps()
         return {"tp_group": ps.get_tensor_model_parallel_group(), "ep_group": ps.get_expert_model_parallel_group(),
-                "etp_group": ps.get_expert_tensor_parallel_group()}
+                "etp_group": ps.get_expert_tensor_parallel_group(),
+                "pp_group": ps.get_pipeline_model_parallel_group() if self.parallel.pp > 1 else None}
 
     def export_weights(self) -> Iterator[tuple[str, Any]]:
         """Every tensor of the HF checkpoint once, under its canonical name: quantized weights as the forward
         grid, the others in the source checkpoint's dtype (``megatron_export_weights``). On several ranks every
-        rank must call it (the shards are all-gathered over TP / ETP / EP); every rank gets the whole model."""
+        rank must call it (the shards are all-gathered over TP / ETP / EP, the stages over PP); every rank gets
+        the whole model."""
         from miles_lp.train.megatron.export import megatron_export_weights
 
         with _cpu_megatron(self.device):
             yield from megatron_export_weights(self.model, self.hf_config, dtypes=self.source.dtypes,
-                                               default_dtype=self.source.default_dtype, **self._groups())
+                                               default_dtype=self.source.default_dtype,
+                                               layer_offset=self.layer_offset, **self._groups())
+
+    def export_owned(self) -> Iterator[tuple[str, Any]]:
+        """What a weight sync sends from this rank: this pipeline stage's tensors under their HF names
+        (gathered over TP / ETP / EP within the stage, as ``export_weights`` does), yielded only on the stage's
+        owner rank (``export_owner()``); the other ranks of the stage take part in the gathers and yield
+        nothing. Every rank of the group must call it (collectives); no pipeline-stage gather."""
+        from miles_lp.train.megatron.export import megatron_export_weights
+
+        owner = self.export_owner()
+        with _cpu_megatron(self.device):
+            for name, value in megatron_export_weights(self.model, self.hf_config, dtypes=self.source.dtypes,
+                                                       default_dtype=self.source.default_dtype,
+                                                       layer_offset=self.layer_offset, stage_only=True,
+                                                       **self._groups()):
+                if owner:
+                    yield name, value
+
+    def export_owner(self) -> bool:
+        """Whether this rank sends its pipeline stage's weights in a sync: tensor-parallel rank 0 of data-parallel
+        replica 0 (after the gathers every rank of the stage holds the same tensors; one sends)."""
+        if self.world == 1:
+            return True
+        ps = self._ps()
+        return ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
 
     def gathered_masters(self) -> dict[str, torch.Tensor]:
         """The master weights, gathered over every parallel group, under HF names in the master dtype (what a
@@ -383,7 +534,7 @@ class MegatronLearner(PackedLearnerSteps):
 
         with _cpu_megatron(self.device):
             return dict(megatron_export_weights(self.model, self.hf_config, grids=False, cast=False,
-                                                **self._groups()))
+                                                layer_offset=self.layer_offset, **self._groups()))
 
     def executed_quantized(self) -> dict[str, str]:
         """``{canonical: format}`` the forwards so far ran quantized, as the Megatron linears recorded it (C1);
@@ -416,7 +567,8 @@ class MegatronLearner(PackedLearnerSteps):
                "model": dict(self._targets()), "optimizer": self.optimizer.state_dict(), "rng": rng}
         if self.world > 1:  # this rank's shards: a resume needs the same sizes and rank
             p = self.parallel
-            out["parallel"] = {"tp": p.tp, "ep": p.ep, "etp": p.etp, "sp": p.sequence_parallel, "rank": self.rank()}
+            out["parallel"] = {"tp": p.tp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "etp": p.etp,
+                               "sp": p.sequence_parallel, "rank": self.rank()}
         return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -426,7 +578,8 @@ class MegatronLearner(PackedLearnerSteps):
                             learner="the Megatron learner")
         if self.world > 1 or "parallel" in state:
             p = self.parallel
-            mine = {"tp": p.tp, "ep": p.ep, "etp": p.etp, "sp": p.sequence_parallel, "rank": self.rank()}
+            mine = {"tp": p.tp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "etp": p.etp, "sp": p.sequence_parallel,
+                    "rank": self.rank()}
             if state.get("parallel") != mine:
                 raise ConfigError(f"learner state was saved by rank/sizes {state.get('parallel')}, this learner is "
                                   f"{mine}; resume with the same train.megatron sizes")

@@ -79,9 +79,18 @@ def _rope_parameters(cfg: Any) -> dict:
 
 
 def transformer_config_kwargs(hf_config: Any, *, tp: int = 1, ep: int = 1, etp: int | None = None,
-                              sequence_parallel: bool = False, params_dtype=torch.float32) -> dict[str, Any]:
+                              sequence_parallel: bool = False, params_dtype=torch.float32, pp: int = 1,
+                              first_stage_layers: int | None = None, last_stage_layers: int | None = None
+                              ) -> dict[str, Any]:
     """``TransformerConfig`` (``MLATransformerConfig`` when ``multi_latent_attention``) keyword arguments that
-    reproduce the HF model (local, non-TE layers)."""
+    reproduce the HF model (local, non-TE layers).
+
+    ``pp > 1``: Megatron's pipeline settings the learner's schedule runs with: ``pipeline_dtype`` (the p2p
+    buffers) = the parameters' dtype; ``calculate_per_token_loss`` (the schedule does not divide a micro-batch's
+    loss by the number of micro-batches: miles-lp's losses are already normalised by the mini-batch's totals);
+    ``batch_p2p_comm=False`` (plain isend / irecv, which gloo runs). Not ``variable_seq_lengths``: Megatron 0.16
+    refuses it with the all-gather token dispatcher, so the schedule pads every row of a step to one length
+    (``pipeline._schedule``)."""
     mt = _get(hf_config, "model_type")
     if mt not in SUPPORTED:
         raise LayoutError(f"the Megatron backend builds {', '.join(SUPPORTED)}; got model_type '{mt}' "
@@ -120,6 +129,11 @@ def transformer_config_kwargs(hf_config: Any, *, tp: int = 1, ep: int = 1, etp: 
         tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
         expert_model_parallel_size=ep,
     )
+    if pp > 1:
+        kw.update(pipeline_model_parallel_size=pp, pipeline_dtype=params_dtype,
+                  calculate_per_token_loss=True, batch_p2p_comm=False,
+                  num_layers_in_first_pipeline_stage=first_stage_layers,
+                  num_layers_in_last_pipeline_stage=last_stage_layers)
     if mla:
         if _get(hf_config, "rope_interleave", True) is False:
             raise LayoutError("deepseek_v3 with rope_interleave=False: Megatron's MLA always de-interleaves the rope "
@@ -177,7 +191,8 @@ def transformer_config_kwargs(hf_config: Any, *, tp: int = 1, ep: int = 1, etp: 
 
 def build_gpt_model(hf_config: Any, *, quantized: bool = True, tp: int = 1, ep: int = 1, etp: int | None = None,
                     sequence_parallel: bool = False, params_dtype=torch.float32, device=None,
-                    parallel_output: bool = True):
+                    parallel_output: bool = True, pp: int = 1, first_stage_layers: int | None = None,
+                    last_stage_layers: int | None = None):
     """A Megatron ``GPTModel`` with the local layer spec (``quantized``: miles-lp's parallel linears).
 
     Model-parallel state must be initialized (``parallel_state.initialize_model_parallel``) first. Models whose
@@ -185,6 +200,10 @@ def build_gpt_model(hf_config: Any, *, quantized: bool = True, tp: int = 1, ep: 
     layer. ``sequence_parallel``: every norm (layer, q/k and final) is ``parallel.SequenceParallelNorm`` (the local
     spec's ``WrappedTorchNorm`` refuses SP). ``parallel_output=False``: the logits are gathered over TP (full
     vocabulary on every rank; the gather's backward hands each rank its vocabulary slice of the gradient).
+
+    ``pp > 1``: this rank's pipeline stage (Megatron's ``get_transformer_layer_offset`` /
+    ``get_num_layers_to_build`` for the layers, the embedding on the first stage, the final norm and output layer
+    on the last); ``first_stage_layers`` / ``last_stage_layers``: Megatron's uneven first / last stages.
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -194,7 +213,8 @@ def build_gpt_model(hf_config: Any, *, quantized: bool = True, tp: int = 1, ep: 
     from miles_lp.train.megatron.layers import mla_without_te, quant_layer_spec, quantize_mla_down_projections
 
     kw = transformer_config_kwargs(hf_config, tp=tp, ep=ep, etp=etp, sequence_parallel=sequence_parallel,
-                                   params_dtype=params_dtype)
+                                   params_dtype=params_dtype, pp=pp, first_stage_layers=first_stage_layers,
+                                   last_stage_layers=last_stage_layers)
     mla = bool(kw.get("multi_latent_attention"))
     if mla:
         from megatron.core.transformer.transformer_config import MLATransformerConfig
@@ -218,21 +238,28 @@ def build_gpt_model(hf_config: Any, *, quantized: bool = True, tp: int = 1, ep: 
         return quant_layer_spec(spec, quantized=quantized, norm=norm)
 
     pattern = kw.get("moe_layer_freq")
-    if norm is None and (not n_exp or all(pattern)):
+    if pp == 1 and norm is None and (not n_exp or all(pattern)):
         spec = layer_spec(n_exp)
     else:
-        from megatron.core.transformer.transformer_block import LayerNormImpl
+        from megatron.core.transformer.transformer_block import LayerNormImpl, get_num_layers_to_build
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
         dense, moe = layer_spec(None), layer_spec(n_exp)
-        spec = TransformerBlockSubmodules(layer_specs=[moe if (pattern and m) else dense
-                                                       for m in (pattern or [0] * kw["num_layers"])],
+        every = [moe if (pattern and m) else dense for m in (pattern or [0] * kw["num_layers"])]
+        # a TransformerBlockSubmodules is taken as this stage's layers: slice the global list at Megatron's offset
+        offset = get_transformer_layer_offset(config) if pp > 1 else 0
+        n_local = get_num_layers_to_build(config) if pp > 1 else len(every)
+        spec = TransformerBlockSubmodules(layer_specs=every[offset:offset + n_local],
                                           layer_norm=norm or LayerNormImpl)
+    from megatron.core import parallel_state as ps
+
+    first, last = (ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()) if pp > 1 else (True, True)
     with mla_without_te() if mla else contextlib.nullcontext():
         model = GPTModel(config, spec, vocab_size=int(_get(hf_config, "vocab_size")),
                          max_sequence_length=int(_get(hf_config, "max_position_embeddings")),
                          position_embedding_type="rope", rotary_base=_rope_theta(hf_config),
                          share_embeddings_and_output_weights=bool(_get(hf_config, "tie_word_embeddings", False)),
-                         parallel_output=parallel_output)
+                         parallel_output=parallel_output, pre_process=first, post_process=last)
     if quantized and mla:
         quantize_mla_down_projections(model)
     if device is not None:
@@ -391,16 +418,31 @@ def megatron_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return targets
 
 
+def stage_offset(model: torch.nn.Module) -> int:
+    """Global index of the model's first decoder layer (its pipeline stage's offset; 0 without PP): Megatron
+    numbers a stage's layers ``layer_number`` = global index + 1 while its module names count from 0."""
+    layers = getattr(getattr(model, "decoder", None), "layers", None)
+    if not layers:
+        return 0
+    return int(layers[0].layer_number) - 1
+
+
 def load_hf_weights(model: torch.nn.Module, hf_state: Mapping[str, torch.Tensor], hf_config: Any) -> None:
-    """Copy HF weights into ``model`` (this rank's shards). Every Megatron parameter must be written and every HF
-    tensor read exactly once (``LayoutError`` otherwise)."""
+    """Copy HF weights into ``model`` (this rank's shards; under PP this stage's layers, the embedding on the first
+    stage, the final norm and output layer on the last). Every Megatron parameter must be written and every HF
+    tensor read exactly once by the whole-model conversion (``LayoutError`` otherwise)."""
     from megatron.core import parallel_state as ps
+
+    from miles_lp.train.megatron.naming import stage_state
 
     tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     ep_rank, ep_size = ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size()
     etp_rank, etp_size = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
     state = hf_to_megatron(hf_state, hf_config, tp_rank=tp_rank, tp_size=tp_size, ep_rank=ep_rank,
                            ep_size=ep_size, etp_rank=etp_rank, etp_size=etp_size)
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        state = stage_state(state, stage_offset(model), len(model.decoder.layers),
+                            first=ps.is_pipeline_first_stage(), last=ps.is_pipeline_last_stage())
     params = megatron_targets(model)
     missing = sorted(set(params) - set(state))
     extra = sorted(set(state) - set(params))

@@ -38,6 +38,7 @@ import torch
 from miles_lp.errors import LayoutError
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_LAYER_PREFIX = re.compile(r"((?:module\.)*decoder\.layers\.)(\d+)(?=\.)")
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
 _COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "linear_q_down_proj.weight", "linear_q_up_proj.weight",
            "linear_q_proj.weight", "linear_kv_down_proj.weight", "linear_kv_up_proj.weight")
@@ -167,9 +168,37 @@ def _get(cfg: Any, key: str, default: Any = None) -> Any:
     return cfg.get(key, default) if isinstance(cfg, Mapping) else getattr(cfg, key, default)
 
 
-def megatron_to_hf(state: Mapping[str, Any], hf_config: Any) -> dict[str, Any]:
+def layer_global(name: str, offset: int) -> str:
+    """A pipeline stage's module name -> the whole model's (``decoder.layers.{local}`` + ``offset``)."""
+    if not offset:
+        return name
+    m = _LAYER_PREFIX.match(name)
+    return name if m is None else f"{m.group(1)}{int(m.group(2)) + offset}{name[m.end():]}"
+
+
+def stage_state(state: Mapping[str, Any], offset: int, n_layers: int, *, first: bool, last: bool) -> dict[str, Any]:
+    """The tensors of a whole-model Megatron state (global layer indices) that a pipeline stage holds, under the
+    stage's module names (``decoder.layers.{global - offset}``; the embedding on the first stage, the final norm
+    and output layer on the last)."""
+    out = {}
+    for name, v in state.items():
+        m = _LAYER_PREFIX.match(name)
+        if m is not None:
+            i = int(m.group(2)) - offset
+            if 0 <= i < n_layers:
+                out[f"{m.group(1)}{i}{name[m.end():]}"] = v
+        elif name.startswith("embedding."):
+            if first:
+                out[name] = v
+        elif last:  # decoder.final_layernorm, output_layer
+            out[name] = v
+    return out
+
+
+def megatron_to_hf(state: Mapping[str, Any], hf_config: Any, *, partial: bool = False) -> dict[str, Any]:
     """Canonical HF checkpoint names for a full (tp = 1 or gathered, ep = 1) Megatron state; the inverse of
-    ``hf_to_megatron``. Every Megatron tensor is consumed exactly once (``LayoutError`` otherwise)."""
+    ``hf_to_megatron``. Every Megatron tensor is consumed exactly once (``LayoutError`` otherwise).
+    ``partial``: a pipeline stage's share (global layer indices; embedding / final norm only where present)."""
     from miles_lp.policy import get_layout
 
     layout = get_layout(hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config))
@@ -190,8 +219,11 @@ def megatron_to_hf(state: Mapping[str, Any], hf_config: Any) -> dict[str, Any]:
         n = _num_rows(v) // 2
         return _rows(v, torch.arange(0, n)), _rows(v, torch.arange(n, 2 * n))
 
-    out: dict[str, Any] = {"model.embed_tokens.weight": take("embedding.word_embeddings.weight"),
-                           "model.norm.weight": take("decoder.final_layernorm.weight")}
+    out: dict[str, Any] = {}
+    for mname, hname in (("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+                         ("decoder.final_layernorm.weight", "model.norm.weight")):
+        if not partial or mname in state:
+            out[hname] = take(mname)
     if "output_layer.weight" in state:
         lm = take("output_layer.weight")
         if not _get(hf_config, "tie_word_embeddings", False):

@@ -1,22 +1,28 @@
-"""Tensor / expert parallelism for the Megatron learner: the sizes, the norm that supports sequence parallelism,
-the gradient reductions Megatron's DDP would do, the global gradient norm, and the NVFP4 activation-partition rule.
+"""Tensor / pipeline / data / expert parallelism for the Megatron learner: the sizes, the norm that supports
+sequence parallelism, the gradient reductions Megatron's DDP would do, the global gradient norm, and the NVFP4
+activation-partition rule.
 
-    sizes = resolve_parallel(config.megatron, hf_config)    # tp, ep, etp, sequence_parallel, world
+    sizes = resolve_parallel(config.megatron, hf_config)    # tp, pp, dp, ep, etp, sequence_parallel, world
     finalize_grads(model, sizes)                             # after backward, before the norm / optimizer step
     norm = clip_grads(params, sizes, max_norm)               # the norm of the whole (unsharded) gradient
 
-Every rank of the group runs the SAME batch (the driver, ``group.py``, sends each command to all ranks): the
-data-parallel replicas (``dp = world / tp``) see identical tokens. Megatron's rules then give the TP-1 gradient:
+The grid is Megatron's: ``world = tp x pp x dp``; the expert grid is ``etp x ep x edp x pp`` over the same ranks,
+so ``edp = world / (ep x etp x pp)`` (``initialize_model_parallel``'s rule); a layout that does not tile is
+refused naming the sizes. ``dp`` left out (``None``) is the smallest data-parallel size that tiles both grids.
+
+Data parallelism (``data.py``): every DP replica trains on its own share of each mini-batch's micro-batches, and
+the loss functions normalise by the WHOLE mini-batch's totals (tokens, sequences). The step's gradient is then the
+SUM of the replicas' gradients, which is Megatron DDP's ``calculate_per_token_loss`` semantics (gradient scaling
+factor 1, the loss already divided by the global count). The rules that give the one-rank gradient:
 
 * tensor-parallel shards (``tensor_model_parallel``): each rank's gradient is its shard's, nothing to reduce;
 * sequence parallelism (``tp > 1``; Megatron's MoE layer refuses TP without it in training): a replicated
   parameter that sees only this rank's sequence slice (the norms, the router, the shared-expert gate: Megatron
   marks them ``sequence_parallel``) holds a partial gradient: SUM over the TP group (Megatron's
   ``finalize_model_grads``). The q/k layernorms (Qwen3) see this rank's heads only: SUM over TP whatever SP says;
-* dense parameters over the DP group and expert parameters over the expert-DP group: SUM, then x 1/dp (Megatron
-  DDP's ``gradient_scaling_factor = 1/dp`` for both). With identical data, a dense gradient is the same on every
-  replica (the average is exact), and an expert under EP receives every replica's copy of the tokens (the
-  all-gather dispatcher), dp copies summed, hence the 1/dp.
+* dense parameters: SUM over the DP group; expert parameters: SUM over the expert-DP group (an expert under EP
+  already received, through the all-gather dispatcher, the tokens of every rank of its tp x ep group);
+* pipeline stages hold disjoint layers: nothing to reduce between them (tied embeddings are refused at pp > 1).
 
 Sequence parallelism and the norm: megatron-core 0.16's local spec uses ``WrappedTorchNorm``, which asserts
 ``not sequence_parallel``; Megatron's own SP-capable norms are TE's ``TENorm`` and Apex's ``FusedLayerNorm``, neither
@@ -50,19 +56,63 @@ class ParallelSizes:
     ep: int = 1
     etp: int = 1
     sequence_parallel: bool = False
-
-    @property
-    def world(self) -> int:
-        """Ranks the group needs: both Megatron grids (tp x dp and etp x ep x edp) must tile it."""
-        return math.lcm(self.tp, self.ep * self.etp)
+    pp: int = 1
+    #: data-parallel size; None: the smallest that tiles both grids (``lcm(tp, ep * etp) / tp``)
+    dp_size: int | None = None
+    #: Megatron's uneven pipeline stages (None: the layers split evenly over the stages)
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
     @property
     def dp(self) -> int:
-        return self.world // self.tp
+        if self.dp_size is not None:
+            return self.dp_size
+        return math.lcm(self.tp, self.ep * self.etp) // self.tp
+
+    @property
+    def world(self) -> int:
+        """Ranks the group runs: ``tp x pp x dp`` (Megatron's rule)."""
+        return self.tp * self.pp * self.dp
 
     @property
     def edp(self) -> int:
-        return self.world // (self.ep * self.etp)
+        """Expert data-parallel size: ``world / (ep x etp x pp)``."""
+        return self.world // (self.ep * self.etp * self.pp)
+
+    def describe(self) -> str:
+        return (f"tp={self.tp} pp={self.pp} dp={self.dp} ep={self.ep} etp={self.etp} (world {self.world}, "
+                f"expert-dp {self.edp})")
+
+
+def stage_layers(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> list[range]:
+    """The global decoder-layer indices each pipeline stage holds (Megatron's ``get_transformer_layer_offset`` /
+    ``get_num_layers_to_build`` rule without virtual stages), or ``ConfigError`` naming the sizes."""
+    where = "train.megatron"
+    if pp == 1:
+        if first is not None or last is not None:
+            raise ConfigError(f"{where}: first/last_stage_layers need pp > 1 (pp=1)")
+        return [range(num_layers)]
+    for key, v in (("first_stage_layers", first), ("last_stage_layers", last)):
+        if v is not None and v < 1:
+            raise ConfigError(f"{where}.{key}={v}: must be >= 1")
+    middle_stages = pp - (first is not None) - (last is not None)
+    middle_layers = num_layers - (first or 0) - (last or 0)
+    if middle_layers < 0 or (middle_stages == 0 and middle_layers != 0) or (
+            middle_stages > 0 and (middle_layers <= 0 or middle_layers % middle_stages)):
+        raise ConfigError(f"{where}: pp={pp} with first_stage_layers={first} last_stage_layers={last} does not split "
+                          f"the {num_layers} decoder layers (the layers between the first and last stage must fill "
+                          f"the {middle_stages} middle stage(s) evenly, at least one each)")
+    per = middle_layers // middle_stages if middle_stages else 0
+    sizes = [per] * pp
+    if first is not None:
+        sizes[0] = first
+    if last is not None:
+        sizes[-1] = last
+    out, o = [], 0
+    for n in sizes:
+        out.append(range(o, o + n))
+        o += n
+    return out
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -79,9 +129,16 @@ def resolve_parallel(section: Any, hf_config: Any) -> ParallelSizes:
 
     tp, ep, pp = int(section.tp), int(section.ep), int(section.pp)
     etp = tp if section.etp is None else int(section.etp)
+    dp = _get(section, "dp")
+    dp = None if dp is None else int(dp)
+    first, last = _get(section, "first_stage_layers"), _get(section, "last_stage_layers")
     where = "train.megatron"
-    if pp != 1:
-        raise ConfigError(f"{where}.pp={pp}: pipeline parallelism is not implemented (set pp: 1)")
+    if dp is not None and dp < 1:
+        raise ConfigError(f"{where}.dp={dp}: must be >= 1 (or null: the smallest that tiles the expert grid)")
+    if dp is not None and (tp * pp * dp) % (ep * etp * pp):
+        raise ConfigError(f"{where}: tp={tp} x pp={pp} x dp={dp} = {tp * pp * dp} ranks do not tile the expert grid "
+                          f"ep={ep} x etp={etp} x pp={pp} (world / (ep x etp x pp) must be whole); choose dp so that "
+                          f"ep x etp = {ep * etp} divides tp x dp = {tp * dp}")
     if section.impl != "local":
         raise ConfigError(f"{where}.impl={section.impl}: only the local path (miles-lp GEMMs in Megatron's linears) "
                           "runs here; the Transformer Engine path needs Blackwell + TE")
@@ -89,11 +146,26 @@ def resolve_parallel(section: Any, hf_config: Any) -> ParallelSizes:
     if not n_exp and (ep != 1 or section.etp not in (None, tp)):
         raise ConfigError(f"{where}: ep={ep} etp={section.etp} on a dense model ({_get(hf_config, 'model_type')}); "
                           "set ep: 1 and etp: null")
+    if pp > 1:
+        if _get(hf_config, "tie_word_embeddings", False):
+            raise ConfigError(f"{where}.pp={pp}: tied input / output embeddings across pipeline stages are not "
+                              "mapped here (the last stage would need its own copy and an embedding-group "
+                              "all-reduce); run pp: 1 for this model")
+        stage_layers(int(_get(hf_config, "num_hidden_layers")), pp, first, last)
+    elif first is not None or last is not None:
+        raise ConfigError(f"{where}: first_stage_layers / last_stage_layers need pp > 1")
     if tp > 1 or ep > 1 or etp > 1:
         mt = _get(hf_config, "model_type")
-        if mt in MLA_TYPES:
-            raise ConfigError(f"{where}: tp={tp} ep={ep} on {mt} (MLA): multi-rank MLA is not mapped here "
-                              "(tested: qwen3, qwen3_moe); run tp=ep=1")
+        if mt in MLA_TYPES and tp > 1:
+            # Megatron's local MLA: the q / kv down projections are column-parallel (outputs all-gathered over TP,
+            # then scattered back to the sequence slices under SP); the rope key's gradient is summed over TP by
+            # layers.mla_rope_grad_over_tp (the learner's forward)
+            for what, n in (("q_lora_rank", _get(hf_config, "q_lora_rank")),
+                            ("kv_lora_rank + qk_rope_head_dim", int(_get(hf_config, "kv_lora_rank"))
+                             + int(_get(hf_config, "qk_rope_head_dim")))):
+                if n is not None and int(n) % tp:
+                    raise ConfigError(f"{where}.tp={tp} does not divide {what}={n} (MLA's column-parallel down "
+                                      "projections)")
         heads = int(_get(hf_config, "num_attention_heads"))
         groups = int(_get(hf_config, "num_key_value_heads") or heads)
         for what, n, p in (("num_attention_heads", heads, tp), ("num_key_value_heads", groups, tp),
@@ -108,7 +180,9 @@ def resolve_parallel(section: Any, hf_config: Any) -> ParallelSizes:
             if inter % etp:
                 raise ConfigError(f"{where}.etp={etp} does not divide moe_intermediate_size={inter}")
     sp = bool(section.sequence_parallel) or (bool(n_exp) and tp > 1)
-    return ParallelSizes(tp=tp, ep=ep, etp=etp, sequence_parallel=sp)
+    return ParallelSizes(tp=tp, ep=ep, etp=etp, sequence_parallel=sp, pp=pp, dp_size=dp,
+                         first_stage_layers=None if first is None else int(first),
+                         last_stage_layers=None if last is None else int(last))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -161,7 +235,8 @@ def _groups():
 
 
 def finalize_grads(model: torch.nn.Module, sizes: ParallelSizes) -> None:
-    """Megatron's gradient reductions for a group whose ranks all ran the same batch (module docstring)."""
+    """Megatron's gradient reductions when each DP replica ran its own share of the mini-batch and the losses
+    were normalised by the whole mini-batch's totals (module docstring): sums, no 1/dp."""
     if sizes.world == 1:
         return
     import torch.distributed as dist
@@ -177,8 +252,6 @@ def finalize_grads(model: torch.nn.Module, sizes: ParallelSizes) -> None:
                 dist.all_reduce(p.grad, group=g["edp"])
         elif sizes.dp > 1:
             dist.all_reduce(p.grad, group=g["dp"])
-        if sizes.dp > 1:
-            p.grad.mul_(1.0 / sizes.dp)
 
 
 def sharded_params(model: torch.nn.Module) -> set[str]:
@@ -201,12 +274,13 @@ def sharded_params(model: torch.nn.Module) -> set[str]:
 
 
 def _copies(name: str, sharded: bool, sizes: ParallelSizes) -> int:
-    """How many ranks hold this very gradient (so the global norm counts it once)."""
+    """How many ranks hold this very gradient (so the global norm counts it once): the ranks of its pipeline
+    stage (``world / pp``) over the distinct shards among them."""
     if is_expert_param(name):
         distinct = sizes.ep * (sizes.etp if sharded else 1)
     else:
         distinct = sizes.tp if sharded else 1
-    return sizes.world // distinct
+    return sizes.world // (sizes.pp * distinct)
 
 
 def clip_grads(model: torch.nn.Module, sizes: ParallelSizes, max_norm: float | None) -> float:
