@@ -35,6 +35,9 @@ class MegatronSection:
     pp: int = 1  # pipeline model parallel size
     ep: int = 1  # expert model parallel size
     etp: int | None = None  # expert tensor parallel size (None: Megatron's default, = tp)
+    dp: int | None = None  # data-parallel replicas (None: the smallest that tiles the expert grid, lcm(tp, ep*etp)/tp)
+    first_stage_layers: int | None = None  # Megatron's num_layers_in_first_pipeline_stage (pp > 1)
+    last_stage_layers: int | None = None  # Megatron's num_layers_in_last_pipeline_stage (pp > 1)
     sequence_parallel: bool = False
     # local: Megatron's own linears with miles-lp QuantLinear GEMMs (any GPU, every format);
     # transformer_engine: TE layers configured from the plan (Blackwell + TE only).
@@ -44,8 +47,9 @@ class MegatronSection:
         for key in ("tp", "pp", "ep"):
             if getattr(self, key) < 1:
                 raise where.child(key).error(f"must be >= 1, got {getattr(self, key)}")
-        if self.etp is not None and self.etp < 1:
-            raise where.child("etp").error(f"must be >= 1 or null, got {self.etp}")
+        for key in ("etp", "dp", "first_stage_layers", "last_stage_layers"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise where.child(key).error(f"must be >= 1 or null, got {getattr(self, key)}")
         if self.sequence_parallel and self.tp == 1:
             raise where.child("sequence_parallel").error("needs tp > 1; set tp or drop sequence_parallel")
 

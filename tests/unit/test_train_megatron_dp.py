@@ -45,14 +45,7 @@ NORM_RTOL, LOSS_RTOL, MASTER_ATOL = 1e-6, 1e-6, 1e-6
 LENGTHS = (17, 30, 9, 40, 23, 50)  # -> 3 micro-batches of 64 tokens under MXFP8's 32-token padding
 
 
-@dataclasses.dataclass(frozen=True)
-class Section(MegatronSection):
-    """``train.megatron`` with the data-parallel size and the uneven pipeline stages (the keys the learner reads;
-    ``MegatronSection`` gains them in ``miles_lp.train.config``)."""
-
-    dp: int | None = None
-    first_stage_layers: int | None = None
-    last_stage_layers: int | None = None
+Section = MegatronSection  # train.megatron: dp and the uneven pipeline stages included
 
 
 def cfg(**megatron) -> TrainConfig:
