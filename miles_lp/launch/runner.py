@@ -52,7 +52,9 @@ def model_context(config: Mapping[str, Any] | None) -> int | None:
 def _rotation_base(engine: Any, version_offset: int) -> None:
     """Start C3's rotating layer where a straight run's would be after ``version_offset`` syncs (engines that
     rotate it by their own weight version, which a resumed or restarted engine counts from 0)."""
-    if hasattr(engine, "c3_rotation_base"):
+    from miles_lp.rollout.engine import Capability, engine_capabilities
+
+    if Capability.ROTATION_BASE in engine_capabilities(engine):
         engine.c3_rotation_base = int(version_offset)
 
 
