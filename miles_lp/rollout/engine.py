@@ -152,7 +152,7 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
-class Capability(str, enum.Enum):
+class Capability(enum.StrEnum):
     """An optional part of the engine protocol (``OptionalEngine``); the value is the method or attribute name."""
 
     PARAM_SPECS = "param_specs"

@@ -39,7 +39,13 @@ from typing import Any
 import torch
 
 from miles_lp.errors import BackendUnavailable, ConfigError
-from miles_lp.rollout.engine import Capability, EngineError, WeightUpdateError, engine_capabilities, tensor_digest
+from miles_lp.rollout.engine import (
+    Capability,
+    EngineError,
+    WeightUpdateError,
+    engine_capabilities,
+    tensor_digest,
+)
 from miles_lp.sync import checks
 from miles_lp.sync.buckets import Bucket, Ledger, make_buckets
 from miles_lp.sync.config import CHECKS, ENV_ALL, SyncConfig, env_name
