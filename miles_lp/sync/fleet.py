@@ -139,7 +139,7 @@ class FleetSync:
         t0 = time.perf_counter()
         once = ExportOnce(learner)
         reports: dict[int, Any] = dict(done or {})
-        first_error: SyncError | None = None
+        first_error: tuple[int, SyncCheckError] | None = None
         for i, ws in enumerate(self.syncs):
             if only is not None and i not in only:
                 continue
@@ -147,7 +147,7 @@ class FleetSync:
                 reports[i] = ws.initial_sync(once) if full else ws.sync(once, full_compare=full_compare)
             except SyncCheckError as exc:  # checked and failed: the others still get this version
                 reports[i] = exc.report
-                first_error = first_error or exc
+                first_error = first_error or (i, exc)
             except SyncError as exc:  # aborted: the engine's state is unknown; the caller decides (restart it)
                 exc.engine_index = i
                 raise
@@ -158,7 +158,8 @@ class FleetSync:
         self._offset = [self.expected_version - int(ws.expected_version) for ws in self.syncs]
         report = self._report([reports[i] for i in sorted(reports)], sorted(reports), t0, full)
         if first_error is not None:
-            raise SyncCheckError(f"fleet sync v{self.expected_version}: {first_error}", report.failed, report)
+            i, exc = first_error
+            raise SyncCheckError(f"fleet sync v{self.expected_version}: engine {i}: {exc}", report.failed, report)
         return report
 
     def _report(self, reports: list[Any], index: list[int], t0: float, full: bool) -> FleetReport:
