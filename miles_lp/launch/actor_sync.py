@@ -19,10 +19,11 @@ An engine that dies breaks the group: ``reconnect`` builds a new one with the ne
 gives the learner's ``WeightSync`` the new remote engine and transport; the caller then runs ``initial_sync``
 (full resync), as for the other transports. A collective waits at most ``TIMEOUT_S`` for a dead peer.
 
-Refused with the Megatron learner: its actor's default group is Megatron's world, which the sync group would
-replace (a non-default communicator, as vLLM's ``StatelessProcessGroup``, is the lasting fix; not built).
-One engine rank: tensor-parallel engine ranks would join the same broadcast (``BroadcastReceiver`` on each),
-which is not built. NCCL needs the two actors on different GPUs (``ray.placement: split``); on one GPU use
+The group is the sync's own (``miles_lp.sync.group.SyncGroup``: a store and a gloo / NCCL process group built
+directly, never torch's default group), so the Megatron learner's world in the learner actor (its TP / EP / DP
+groups) is untouched, as SGLang's ``init_weights_update_group`` keeps the weight-update group apart. One engine
+rank per group: several engines (``rollout.engines``) or tensor-parallel engine ranks in one broadcast are not
+built (refused by ``engines.check_fleet``). NCCL needs the two actors on different GPUs (``ray.placement: split``); on one GPU use
 ``cuda_ipc``. The NCCL variant has not run here (no machine with two GPUs is lent); gloo runs in the tests.
 """
 
@@ -47,10 +48,6 @@ def check_broadcast(recipe: Any) -> None:
     if not recipe.ray.enabled:
         raise ConfigError(f"sync.transport: {name} broadcasts between the learner and engine processes; set "
                           "ray.enabled: true (or use inprocess in one process)")
-    if recipe.train.backend == "megatron":
-        raise ConfigError(f"sync.transport: {name} with train.backend: megatron is not built: the sync group would "
-                          "replace the Megatron learner's own torch.distributed world in its actor; use "
-                          "sync.transport: ray (or train.backend: embedded)")
     devices = (str(recipe.train.device), str(getattr(recipe.rollout, "device", "auto")))
     if name == "nccl":
         if "cpu" in devices:
@@ -81,40 +78,26 @@ def free_address() -> tuple[str, int]:
     return host, port
 
 
-def group_store(host: str, port: int, rank: int, timeout: datetime.timedelta) -> Any:
-    """The group's rendezvous store. Rank 0 hosts it listening on ``host`` only: torch's ``TCPStore`` server (what
-    ``init_method="tcp://..."`` starts) listens on every interface (``::``, measured with torch 2.13), which would
-    undo the local cluster's loopback-only binding (review-6 L7); a socket bound to ``(host, port)`` is handed to
-    it instead (``master_listen_fd``, the store owns it from then on)."""
-    import socket
+def group_store(host: str, port: int, rank: int, timeout: datetime.timedelta, size: int = 2) -> Any:
+    """The group's rendezvous store (``sync.group.group_store``): rank 0 hosts it listening on ``host`` only (torch's
+    ``TCPStore`` server alone listens on every interface, ``::``, measured with torch 2.13, which would undo the
+    local cluster's loopback-only binding)."""
+    from miles_lp.sync.group import group_store as store
 
-    import torch.distributed as dist
-
-    if rank != 0:
-        return dist.TCPStore(host, port, 2, False, timeout)
-    sock = socket.socket(_family(host))
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen()
-    except OSError:
-        sock.close()
-        raise
-    return dist.TCPStore(host, port, 2, True, timeout, master_listen_fd=sock.detach())
+    return store(host, port, rank, size, timeout)
 
 
-def init_group(backend: str, host: str, port: int, rank: int, device: str) -> None:
-    """Join the two-rank group (a previous one, from before an engine restart, is destroyed first)."""
+def join_group(backend: str, host: str, port: int, rank: int, device: str) -> Any:
+    """The sync's own two-rank group (``SyncGroup``): a store and a process group of its own, never torch's default
+    group, so a Megatron learner's world in the same process stays as it is."""
     import torch
-    import torch.distributed as dist
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    if backend == "nccl":  # object collectives stage on the current device
+    from miles_lp.sync.group import SyncGroup
+
+    if backend == "nccl":  # object broadcasts stage on the current device
         torch.cuda.set_device(torch.device(device))
     timeout = datetime.timedelta(seconds=TIMEOUT_S)
-    dist.init_process_group(backend, store=group_store(host, port, rank, timeout), rank=rank, world_size=2,
-                            timeout=timeout)
+    return SyncGroup.create(backend, group_store(host, port, rank, timeout), rank, 2, device=device, timeout=timeout)
 
 
 class LearnerSyncSide:
@@ -124,22 +107,25 @@ class LearnerSyncSide:
     recipe: Any
     plan: Any
     weight_sync: Any = None
+    sync_group: Any = None
 
     def group_address(self) -> tuple[str, int]:
         return free_address()
 
     def join_group(self, host: str, port: int) -> None:
-        init_group(self.recipe.sync.transport, host, port, LEARNER_RANK, str(self.learner.device))
+        if self.sync_group is not None:  # the group of a previous engine (before a restart)
+            self.sync_group.close()
+        self.sync_group = join_group(self.recipe.sync.transport, host, port, LEARNER_RANK, str(self.learner.device))
 
     def attach_engine(self, target: str, env: dict[str, str] | None = None) -> None:
         """A ``RemoteEngine`` on the group's engine rank (which must be serving): a new ``WeightSync`` the
         first time, afterwards (an engine restart) the same one with the new engine and transport."""
         from miles_lp.sync import WeightSync
-        from miles_lp.sync.remote import RemoteEngine
+        from miles_lp.sync.group import GroupRemoteEngine
         from miles_lp.sync.transport import BroadcastTransport
 
-        engine = RemoteEngine(engine_rank=ENGINE_RANK, learner_rank=LEARNER_RANK)
-        transport = BroadcastTransport(src=LEARNER_RANK, device=self.learner.device,
+        engine = GroupRemoteEngine(self.sync_group, engine_rank=ENGINE_RANK, learner_rank=LEARNER_RANK)
+        transport = BroadcastTransport(group=self.sync_group, src=LEARNER_RANK, device=self.learner.device,
                                        name=self.recipe.sync.transport, receipts=True, reply_from=ENGINE_RANK)
         if self.weight_sync is None:
             # the driver's MILES_LP_SYNC_CHECK* variables (printed and recorded there), not this actor's
@@ -157,12 +143,11 @@ class LearnerSyncSide:
         return report, ws.sentinel, int(ws.expected_version)
 
     def leave_group(self) -> None:
-        import torch.distributed as dist
-
         if self.weight_sync is not None:
             self.weight_sync.engine.close()  # the engine rank's serving loop returns
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if self.sync_group is not None:
+            self.sync_group.close()
+            self.sync_group = None
 
 
 class EngineSyncSide:
@@ -170,19 +155,21 @@ class EngineSyncSide:
 
     engine: Any
     recipe: Any
+    sync_group: Any = None
     _serving: threading.Thread | None = None
     _serve_error: BaseException | None = None
 
     def join_group(self, host: str, port: int) -> None:
-        init_group(self.recipe.sync.transport, host, port, ENGINE_RANK,
-                   str(getattr(self.engine, "device", None) or "cpu"))
+        self.sync_group = join_group(self.recipe.sync.transport, host, port, ENGINE_RANK,
+                                     str(getattr(self.engine, "device", None) or "cpu"))
 
     def serve_weights(self) -> None:
         """Start answering the learner's calls and buckets (returns at once; the loop ends when the learner
         closes its ``RemoteEngine``)."""
         from miles_lp.sync.transport import BroadcastReceiver
 
-        receiver = BroadcastReceiver(src=LEARNER_RANK, device=getattr(self.engine, "device", None) or "cpu")
+        receiver = BroadcastReceiver(group=self.sync_group, src=LEARNER_RANK,
+                                     device=getattr(self.engine, "device", None) or "cpu")
 
         def loop() -> None:
             try:
