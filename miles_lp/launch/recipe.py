@@ -200,6 +200,9 @@ def _fleet(mapping: Any, where: Where) -> tuple[Any, FleetSection]:
         raise where.child("engines").error(f"must be an integer >= 1, got {engines!r}")
     urls = mapping.get("urls")
     if urls is None:
+        if engines > 1 and rest.get("backend") == "sglang":
+            raise where.child("engines").error(f"engines: {engines} with backend sglang: name each server in urls "
+                                               "([http://HOST:PORT, ...]; one url is one engine, a server or a router)")
         return rest, FleetSection(engines=engines)
     if not isinstance(urls, list) or not urls or not all(isinstance(u, str) and u for u in urls):
         raise where.child("urls").error(f"must be a list of server URLs (http://HOST:PORT), got {urls!r}")
