@@ -242,10 +242,6 @@ def check_fleet(recipe: Any) -> None:
     n = engines_of(recipe)
     if n == 1:
         return
-    if recipe.sync.transport in ("nccl", "gloo"):
-        raise ConfigError(f"rollout.engines: {n} with sync.transport: {recipe.sync.transport}: the sync group over "
-                          "several engine ranks is not built; use sync.transport: ray (or inprocess) with several "
-                          "engines, or one engine")
     if recipe.sampler_precision is not None:
         raise ConfigError(f"rollout.engines: {n} with sampler_precision (a comparison arm) is not built; use one "
                           "engine for comparison arms")

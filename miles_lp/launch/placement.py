@@ -9,8 +9,8 @@ the parts where they run:
 * ``ray_launcher.RayPlacement``: the learner in a Ray actor, each engine in an actor of its own, in one placement
   group.
 
-The run (``runner.Run``) calls the same five methods on either: ``learner``, ``engine(i)``, ``sync_for(engine)``,
-``dead(engine, exc)`` and ``checkpoint``; ``close`` at the end. What the loop then does is the same code for both
+The run (``runner.Run``) calls the same methods on either: ``learner``, ``engine(i)``, ``sync_for(engine)`` (or
+``fleet_sync(engines)`` for several), ``dead(engine, exc)`` and ``checkpoint``; ``close`` at the end. What the loop then does is the same code for both
 (``launch/loop.py``).
 """
 
@@ -81,6 +81,10 @@ class Placement(Protocol):
         """The weight sync of the learner into ``engine`` (a ``WeightSync`` or what stands for one)."""
         ...
 
+    def fleet_sync(self, run: Any, engines: list[Any]) -> Any:
+        """The sync of the learner into several engines (a ``FleetSync`` or what stands for one)."""
+        ...
+
     def dead(self, engine: Any, exc: BaseException | None) -> bool:
         """Whether ``engine`` is gone (its process or actor), so a fresh one may replace it."""
         ...
@@ -134,6 +138,12 @@ class LocalPlacement:
 
             sync = SyncVia(sync, run.prep.view(run.learner))
         return sync
+
+    def fleet_sync(self, run: Any, engines: list[Any]) -> Any:
+        from miles_lp.launch.runner import sync_log
+        from miles_lp.sync.fleet import FleetSync
+
+        return FleetSync([self.sync_for(run, e) for e in engines], log=sync_log)
 
     def dead(self, engine: Any, exc: BaseException | None) -> bool:
         """The engine's process is gone (only engines with a process of their own report ``dead``)."""

@@ -30,6 +30,7 @@ from typing import Any
 from miles_lp.errors import ConfigError
 from miles_lp.launch.actor_sync import (
     BROADCAST,
+    ActorFleetSync,
     ActorSync,
     EngineSyncSide,
     LearnerSyncSide,
@@ -464,6 +465,17 @@ class RayPlacement:
         # the sync runs here, buckets relayed through the object store
         return WeightSync(engine, run.plan, target_of(recipe), recipe.sync, env=run.sync_env, log=sync_log)
 
+    def fleet_sync(self, run: Any, engines: list[Any]) -> Any:
+        from miles_lp.launch.runner import sync_log, target_of
+        from miles_lp.sync.fleet import FleetSync
+        from miles_lp.sync.sentinel import Sentinel
+
+        recipe = run.recipe
+        if recipe.sync.transport in BROADCAST:  # one group per engine with the learner actor, the sync runs there
+            return ActorFleetSync(self.learner_actor, [e.actor for e in engines], target_of(recipe),
+                                  Sentinel(recipe.sync.sentinel), run.sync_env, config=recipe.sync, log=sync_log)
+        return FleetSync([self.sync_for(run, e) for e in engines], log=sync_log)
+
     def dead(self, engine: Any, exc: BaseException | None) -> bool:
         # the sync wraps an engine's failure (SyncAbortedError): ask the actor, not only the exception type
         return isinstance(exc, EngineDied) or not actor_alive(engine.actor)
@@ -476,8 +488,10 @@ class RayPlacement:
     def close(self, run: Any) -> None:
         from ray.util.placement_group import remove_placement_group
 
-        if isinstance(getattr(run, "sync", None), ActorSync):
-            run.sync.close()
+        sync = getattr(run, "sync", None)
+        sync = getattr(sync, "inner", sync)  # a fleet's step-facing sync wraps its FleetSync
+        if isinstance(sync, (ActorSync, ActorFleetSync)):
+            sync.close()
         for a in [*self.engine_actors.values(), self.learner_actor]:
             if a is not None:
                 _kill(a)

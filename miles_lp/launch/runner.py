@@ -497,7 +497,6 @@ class Run:
     def _fleet(self, engines: list[Any]) -> tuple[Any, Any]:
         """``rollout.engines`` > 1: the engines as one (``EngineFleet``), synced and checked each (``FleetSync``)."""
         from miles_lp.launch.engines import EngineFleet, FleetSyncForStep
-        from miles_lp.sync.fleet import FleetSync
 
         def restarted(i: int, engine: Any) -> None:  # C3's rotation where a straight engine's would be
             rotation_base(engine, self.version_offset + int(fleet.sync.expected_version)
@@ -505,7 +504,7 @@ class Run:
 
         fleet = EngineFleet(engines, rebuild=lambda i: self.placement.engine(self, i), dead=self.placement.dead,
                             on_restart=restarted)
-        fleet.attach(FleetSync([self.placement.sync_for(self, e) for e in engines], log=sync_log), self.learner)
+        fleet.attach(self.placement.fleet_sync(self, engines), self.learner)
         return fleet, FleetSyncForStep(fleet)
 
     # ---- construction ---------------------------------------------------------------------------------

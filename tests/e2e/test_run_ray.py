@@ -237,10 +237,12 @@ def test_megatron_learner_syncs_over_its_own_group(tmp_path):
             assert r[f"sync/check/{c}"] == 1.0, (c, r["step"])
 
 
-def test_two_engine_actors_one_killed(tmp_path):
+@pytest.mark.parametrize("transport", ["ray", "gloo"])
+def test_two_engine_actors_one_killed(tmp_path, transport):
     """rollout.engines 2 under Ray: an actor per engine; engine 1's actor killed between steps is replaced by the
     fleet (the other keeps serving) and resynced; the metrics equal an undisturbed in-process run's with three
-    engines (the samples do not depend on the engines or on the kill)."""
+    engines (the samples do not depend on the engines or on the kill). ``ray``: the sync in the driver, buckets
+    through the object store; ``gloo``: the sync in the learner actor, a group of its own with each engine."""
     import ray
 
     from tests.e2e.test_run_engines import _comparable, _recipe
@@ -252,7 +254,8 @@ def test_two_engine_actors_one_killed(tmp_path):
             ray.kill(run.engine.engines[1].actor)
             killed.append(True)
 
-    out, rows = _ray_run(tmp_path, "two", ["rollout.engines=2", "checkpoint_every=0"], on_step=on_step)
+    out, rows = _ray_run(tmp_path, "two", ["rollout.engines=2", "checkpoint_every=0", f"sync.transport={transport}"],
+                         on_step=on_step)
     assert killed and out["engine_restarts"] == 1
     assert [r["rollout/engine_restarts"] for r in rows] == [0.0, 1.0, 1.0]
     assert all(r["sync/check/grid/engine1"] == 1.0 and r["sync/check/grid/engine0"] == 1.0 for r in rows)

@@ -1,5 +1,5 @@
 """``rollout.engines`` / ``rollout.urls``: parsed into the recipe's fleet, every bad combination refused naming
-the key; several engines with a broadcast transport or a comparison arm refused at start (and by --dry-run)."""
+the key; several engines for a comparison arm refused at start (and by --dry-run)."""
 
 from __future__ import annotations
 
@@ -42,8 +42,12 @@ def test_bad_fleet_keys_are_refused_by_name(path, sets, match):
         load_recipe(path, sets)
 
 
-def test_several_engines_with_a_broadcast_transport_are_refused_at_start(path):
-    r = load_recipe(path, ["rollout.engines=2", "ray.enabled=true", "sync.transport=gloo"])
-    with pytest.raises(ConfigError, match=r"rollout.engines: 2 with sync.transport: gloo"):
-        check_fleet(r)
-    check_fleet(load_recipe(path, ["rollout.engines=2", "ray.enabled=true", "sync.transport=ray"]))
+def test_several_engines_take_every_transport_but_not_a_comparison_arm(path):
+    for transport in ("gloo", "ray"):
+        check_fleet(load_recipe(path, ["rollout.engines=2", "ray.enabled=true", f"sync.transport={transport}"]))
+    from pathlib import Path
+
+    arm = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "tiny-mxfp8-bf16-sampler.yaml",
+                      ["rollout.engines=2"])
+    with pytest.raises(ConfigError, match=r"rollout.engines: 2 with sampler_precision"):
+        check_fleet(arm)
