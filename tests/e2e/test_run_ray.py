@@ -254,8 +254,8 @@ def test_two_engine_actors_one_killed(tmp_path, transport):
             ray.kill(run.engine.engines[1].actor)
             killed.append(True)
 
-    out, rows = _ray_run(tmp_path, "two", ["rollout.engines=2", "checkpoint_every=0", f"sync.transport={transport}"],
-                         on_step=on_step)
+    out, rows = _ray_run(tmp_path, "two", ["rollout.engines=2", "ray.num_cpus=3", "checkpoint_every=0",
+                                           f"sync.transport={transport}"], on_step=on_step)
     assert killed and out["engine_restarts"] == 1
     assert [r["rollout/engine_restarts"] for r in rows] == [0.0, 1.0, 1.0]
     assert all(r["sync/check/grid/engine1"] == 1.0 and r["sync/check/grid/engine0"] == 1.0 for r in rows)
