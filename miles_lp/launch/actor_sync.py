@@ -35,8 +35,17 @@ import threading
 from typing import Any
 
 from miles_lp.errors import ConfigError
+from miles_lp.rl.step import RunError
 
 BROADCAST = ("nccl", "gloo")
+
+
+class EngineDied(RunError):
+    """A rollout actor died during a call (``method``): the run restarts it (``ray_launcher``)."""
+
+    def __init__(self, message: str, method: str):
+        super().__init__(message)
+        self.method = method
 TIMEOUT_S = 300
 LEARNER_RANK, ENGINE_RANK = 0, 1
 
@@ -259,8 +268,6 @@ class ActorSync:
 
     def _run(self, initial: bool):
         import ray
-
-        from miles_lp.launch.ray_launcher import EngineDied
 
         try:
             report, self.sentinel, self.expected_version = ray.get(

@@ -6,7 +6,7 @@
         log(metrics); checkpoint every N steps        # runner.record_step
 
 ``drive`` is that loop with its progress bar, TensorBoard scalars and the errors a run stops with: a failed
-sync names the resume command (``runner.sync_failed``); an engine that died is restarted inside ``step_once``.
+sync names the resume command (``run.sync_failed``); an engine that died is restarted inside ``step_once``.
 """
 
 from __future__ import annotations
@@ -14,13 +14,16 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+HEADLINE = (("reward/mean", "reward"), ("rollout_corr/kl", "kl"), ("actor/entropy", "ent"),
+            ("response_length/mean", "len"), ("timing_s/step", "s/step"))
 
 
 def drive(run: Any, *, progress: bool | None = None, tensorboard: bool | None = None,
           on_step: Callable[[Any, dict[str, float]], None] | None = None) -> list[dict[str, float]]:
     """Steps of ``run`` until ``run.recipe.steps``; the metrics of the steps run here."""
-    from miles_lp.launch.runner import HEADLINE, _tensorboard, sync_failed
     from miles_lp.rl.step import RunError
     from miles_lp.sync import SyncError
 
@@ -41,7 +44,7 @@ def drive(run: Any, *, progress: bool | None = None, tensorboard: bool | None = 
             except RunError:
                 raise
             except SyncError as exc:  # the failure, then how to resume
-                raise sync_failed(run.dir, step, recipe.steps, exc) from exc
+                raise run.sync_failed(step, exc) from exc
             out.append(m)
             if on_step is not None:
                 on_step(run, m)
@@ -59,3 +62,13 @@ def drive(run: Any, *, progress: bool | None = None, tensorboard: bool | None = 
             tb.close()
     return out
 
+
+
+def _tensorboard(path: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional; JSONL is always written
+        print("miles-lp run: logging.tensorboard is on but the tensorboard package is not installed; metrics go "
+              "to metrics.jsonl only (pip install tensorboard)", file=sys.stderr)
+        return None
+    return SummaryWriter(str(path / "tensorboard"))

@@ -32,6 +32,7 @@ from miles_lp.launch.actor_sync import (
     BROADCAST,
     ActorFleetSync,
     ActorSync,
+    EngineDied,
     EngineSyncSide,
     LearnerSyncSide,
     actor_alive,
@@ -40,12 +41,6 @@ from miles_lp.launch.recipe import Recipe
 from miles_lp.launch.runner import Run
 from miles_lp.launch.wire import pack, unpack
 from miles_lp.rl.step import RunError
-
-
-class EngineDied(RunError):
-    def __init__(self, message: str, method: str):
-        super().__init__(message)
-        self.method = method
 
 
 # ---------------------------------------------------------------------------------------------------------

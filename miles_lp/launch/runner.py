@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_lp.errors import ConfigError
+from miles_lp.launch.loop import HEADLINE, _tensorboard, drive  # noqa: F401 - _tensorboard: read here by callers
 from miles_lp.launch.recipe import Recipe, load_recipe
 from miles_lp.launch.run_dir import RunDir
 from miles_lp.rl.step import RunError, StepParts, grpo_step
@@ -153,8 +154,6 @@ def record_step(run: Any, step: int, m: dict[str, float]) -> dict[str, float]:
         run.checkpoint()
     return m
 
-HEADLINE = (("reward/mean", "reward"), ("rollout_corr/kl", "kl"), ("actor/entropy", "ent"),
-            ("response_length/mean", "len"), ("timing_s/step", "s/step"))
 
 
 def sync_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -444,6 +443,94 @@ def sampling_for(recipe: Recipe, task):
     return ro.sampling_params(stop_token_ids=stop, logprob_mode=mode)
 
 
+def check_start(recipe: Recipe, env: dict[str, str]) -> None:
+    """Every refusal made before anything is built, in recipe keys (the CLI, ``--dry-run`` and both placements)."""
+    from miles_lp.launch.actor_sync import check_broadcast
+    from miles_lp.launch.engines import check_fleet
+
+    check_broadcast(recipe)  # nccl / gloo: the learner and engine in actors of their own (ray.enabled)
+    check_transport(recipe)
+    check_fleet(recipe)
+    if not recipe.ray.enabled:  # under Ray the devices are the workers' (checked where each part is built)
+        check_devices(recipe)
+    check_answerable(recipe, env)
+
+
+def prepare(recipe: Recipe, run_dir: Any) -> Any:
+    """The refusals, then the model folder, plan, task and engine checkpoint (``RUN_DIR/engine_init``)."""
+    from miles_lp.launch.model import prepare_model, vocab_size
+    from miles_lp.launch.placement import Prepared
+    from miles_lp.rl.tasks import make_task
+
+    env = sync_env()  # read once, here: the refusal and the sync see the same variables
+    check_start(recipe, env)
+    model_dir = prepare_model(recipe.model, run_dir.path / "model")
+    plan = plan_for(recipe, model_dir)
+    task = make_task(recipe.task, vocab_size(model_dir), model_dir)
+    check_task_fits(recipe, task, read_model_config(model_dir))
+    ckpt, engine_plan, view = engine_side(recipe, model_dir, plan, run_dir.path / "engine_init")
+    return Prepared(model_dir, plan, task, ckpt, engine_plan, view, env)
+
+
+class LocalPlacement:
+    """The ``placement.Placement`` of a run without Ray: everything in this process (a Megatron learner's ranks are processes it spawns)."""
+
+    engine_name = "the engine process"  # what a run's error calls an engine that died
+
+    def __init__(self, build_engine: Any = None):
+        self.build_engine = build_engine  # tests: an engine factory standing for make_engine
+
+    def learner(self, run: Any, learner_state: Any) -> tuple[Any, Any]:
+        learner = make_learner(run.recipe, run.model_dir, run.plan)
+        run.learner = learner  # closed by the run if what follows fails
+        if learner_state is not None:
+            learner.load_state_dict(learner_state)
+        reference = None
+        if run.recipe.rl.kl_coef > 0:
+            from miles_lp.train.embedded import EmbeddedTrainer
+
+            reference = EmbeddedTrainer(run.model_dir, None, run.recipe.train)  # frozen: never stepped
+        return learner, reference
+
+    def engine(self, run: Any, index: int) -> Any:
+        if self.build_engine is not None:
+            return self.build_engine()
+        return make_engine(run.recipe, run.prep.engine_ckpt, run_dir=run.dir.path, index=index)
+
+    def sync_for(self, run: Any, engine: Any) -> Any:
+        from miles_lp.sync import WeightSync
+
+        sync = WeightSync(engine, run.prep.engine_plan, target_of(run.recipe), run.recipe.sync, env=run.sync_env,
+                          log=sync_log)
+        if run.prep.view is not None:  # a comparison arm: the sampler gets its own re-quantization of the master
+            from miles_lp.launch.sampler import SyncVia
+
+            sync = SyncVia(sync, run.prep.view(run.learner))
+        return sync
+
+    def fleet_sync(self, run: Any, engines: list[Any]) -> Any:
+        from miles_lp.sync.fleet import FleetSync
+
+        return FleetSync([self.sync_for(run, e) for e in engines], log=sync_log)
+
+    def dead(self, engine: Any, exc: BaseException | None) -> bool:
+        """The engine's process is gone (only engines with a process of their own report ``dead``)."""
+        try:
+            return str(engine.health().get("status")) == "dead"
+        except Exception:  # noqa: BLE001 - cannot tell (an HTTP server that stopped answering): not restartable
+            return False
+
+    def checkpoint(self, run: Any, loop: dict[str, Any]) -> Path:
+        return run.dir.save_checkpoint(run.step, run.learner.state_dict(), loop)
+
+    def close(self, run: Any) -> None:
+        # the engines' threads / processes, the Megatron learner's process group (also for a half-built run)
+        for part in (getattr(run, "engine", None), getattr(run, "learner", None)):
+            close = getattr(part, "close", None)
+            if close is not None:
+                close()
+
+
 class Run:
     """One run: the parts, the run folder and the loop state, built the same way wherever the parts live
     (``placement``: this process by default, Ray actors with ``ray_launcher.RayPlacement``). Build with ``start`` or
@@ -452,8 +539,6 @@ class Run:
     def __init__(self, recipe: Recipe, run_dir: RunDir, *, start_step: int = 0, learner_state=None,
                  loop_state: Mapping[str, Any] | None = None, build_engine: Callable | None = None,
                  placement: Any = None):
-        from miles_lp.launch.placement import LocalPlacement, prepare
-
         self.recipe, self.dir = recipe, run_dir
         self.placement = placement if placement is not None else LocalPlacement(build_engine)
         self.prep = prepare(recipe, run_dir)  # the refusals first: nothing is built before them
@@ -577,6 +662,10 @@ class Run:
         self.version_offset += served
         rotation_base(self.engine, self.version_offset)
 
+    def sync_failed(self, step: int, exc: BaseException) -> RunError:
+        """The error the run stops with when the sync after ``step``'s update failed (``sync_failed``)."""
+        return sync_failed(self.dir, step, self.recipe.steps, exc)
+
     @property
     def engine_restarts(self) -> int:
         """Engines started again over this run: the one engine's restarts, or every fleet engine's."""
@@ -593,8 +682,6 @@ class Run:
     def train(self, progress: bool | None = None, tensorboard: bool | None = None,
               on_step: Callable[[Any, dict[str, float]], None] | None = None) -> list[dict[str, float]]:
         """Run until ``recipe.steps``; returns the metrics of the steps run here (``launch/loop.py``)."""
-        from miles_lp.launch.loop import drive
-
         return drive(self, progress=progress, tensorboard=tensorboard, on_step=on_step)
 
     def close(self) -> None:
@@ -757,16 +844,6 @@ def check_resumed_model(rd: RunDir, saved: Recipe) -> None:
                               f"started from ({task.get('path')}, {task.get('size')} bytes, sha256 "
                               f"{str(task.get('sha256'))[:12]}; now it {what}): the resumed steps would draw other "
                               "prompts; resume with the run's own file")
-
-
-def _tensorboard(path: Path):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # tensorboard is optional; JSONL is always written
-        print("miles-lp run: logging.tensorboard is on but the tensorboard package is not installed; metrics go "
-              "to metrics.jsonl only (pip install tensorboard)", file=sys.stderr)
-        return None
-    return SummaryWriter(str(path / "tensorboard"))
 
 
 def _version() -> str:

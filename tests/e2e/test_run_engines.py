@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from miles_lp.launch.placement import LocalPlacement
 from miles_lp.launch.recipe import load_recipe
-from miles_lp.launch.runner import Run, deterministic_metrics
+from miles_lp.launch.runner import LocalPlacement, Run, deterministic_metrics
 from miles_lp.rollout.engine import EngineError
 from tests.e2e.test_run import RECIPE
 

@@ -274,3 +274,26 @@ def test_two_engine_actors_one_killed(tmp_path, transport):
     finally:
         torch.set_num_threads(threads)
     assert _comparable(rows) == _comparable(local.dir.read_metrics())
+
+
+@pytest.mark.parametrize("arch, parallel, kl0", [
+    # the dense recipes' shape: a tensor-parallel learner (dp lands with the learner); the engine's log-probs equal
+    # the learner's exactly at step 0
+    ("qwen3", ["train.megatron.tp=2"], 0.0),
+    # the MoE recipes' shape: an expert-parallel learner; the experts' outputs are combined across the two ranks in
+    # another fp32 order than the engine's single pass (measured 2.9e-5 here), the grid itself is byte-equal
+    ("qwen3_moe", ["train.megatron.ep=2"], 1e-4),
+])
+def test_rehearsal_multi_rank_learner_two_engines_own_group(tmp_path, arch, parallel, kl0):
+    """A tiny rehearsal of the full-scale shape on CPU: a two-rank Megatron learner (its ranks spawned by the
+    learner actor, its export gathered on rank 0), two engine actors, the sync over its own gloo group per engine,
+    every check in raise mode on each engine, the engine serving the learner's own grid at the start."""
+    pytest.importorskip("megatron.core")
+    sets = ["train.backend=megatron", *parallel, "rollout.engines=2", "ray.num_cpus=3", "sync.transport=gloo",
+            "steps=2", "checkpoint_every=0", f"model.path=tiny:{arch}"]
+    out, rows = _ray_run(tmp_path, f"rehearse-{arch}", sets)
+    assert out["steps"] == 2 and [r["step"] for r in rows] == [0, 1]
+    assert abs(rows[0]["rollout_corr/kl"]) <= kl0
+    for r in rows:
+        for c in ("layer_audit", "grid", "self_check", "storage", "completeness", "version"):
+            assert r[f"sync/check/{c}/engine0"] == 1.0 and r[f"sync/check/{c}/engine1"] == 1.0, (c, r["step"])
