@@ -603,7 +603,8 @@ class Run:
         except BaseException:  # failed or interrupted while starting: no half-made run folder
             rd.discard_unstarted()
             raise
-        extra = {"ray": dataclasses.asdict(recipe.ray)} if recipe.ray.enabled else {"miles_lp_version": _version()}
+        extra = {"miles_lp_version": _version(), **({"ray": dataclasses.asdict(recipe.ray)} if recipe.ray.enabled
+                                                    else {})}
         rd.write_header(recipe.to_yaml(), None if run.plan is None else run.plan.to_json(),
                         {"plan_hash": None if run.plan is None else run.plan.hash,
                          "model_dir": str(Path(run.model_dir).resolve()), "recipe_source": recipe.source,
