@@ -19,10 +19,12 @@ An engine that dies breaks the group: ``reconnect`` builds a new one with the ne
 gives the learner's ``WeightSync`` the new remote engine and transport; the caller then runs ``initial_sync``
 (full resync), as for the other transports. A collective waits at most ``TIMEOUT_S`` for a dead peer.
 
-Refused with the Megatron learner: its actor's default group is Megatron's world, which the sync group would
-replace (a non-default communicator, as vLLM's ``StatelessProcessGroup``, is the lasting fix; not built).
-One engine rank: tensor-parallel engine ranks would join the same broadcast (``BroadcastReceiver`` on each),
-which is not built. NCCL needs the two actors on different GPUs (``ray.placement: split``); on one GPU use
+The group is the sync's own (``miles_lp.sync.group.SyncGroup``: a store and a gloo / NCCL process group built
+directly, never torch's default group), so the Megatron learner's world in the learner actor (its TP / EP / DP
+groups) is untouched, as SGLang's ``init_weights_update_group`` keeps the weight-update group apart. One engine
+rank per group: several engines (``rollout.engines``) each get a group of their own with the learner
+(``ActorFleetSync``; the learner sends each bucket once per engine); tensor-parallel engine ranks in one broadcast
+are not built. NCCL needs the two actors on different GPUs (``ray.placement: split``); on one GPU use
 ``cuda_ipc``. The NCCL variant has not run here (no machine with two GPUs is lent); gloo runs in the tests.
 """
 
@@ -33,8 +35,17 @@ import threading
 from typing import Any
 
 from miles_lp.errors import ConfigError
+from miles_lp.rl.step import RunError
 
 BROADCAST = ("nccl", "gloo")
+
+
+class EngineDied(RunError):
+    """A rollout actor died during a call (``method``): the run restarts it (``ray_launcher``)."""
+
+    def __init__(self, message: str, method: str):
+        super().__init__(message)
+        self.method = method
 TIMEOUT_S = 300
 LEARNER_RANK, ENGINE_RANK = 0, 1
 
@@ -47,10 +58,6 @@ def check_broadcast(recipe: Any) -> None:
     if not recipe.ray.enabled:
         raise ConfigError(f"sync.transport: {name} broadcasts between the learner and engine processes; set "
                           "ray.enabled: true (or use inprocess in one process)")
-    if recipe.train.backend == "megatron":
-        raise ConfigError(f"sync.transport: {name} with train.backend: megatron is not built: the sync group would "
-                          "replace the Megatron learner's own torch.distributed world in its actor; use "
-                          "sync.transport: ray (or train.backend: embedded)")
     devices = (str(recipe.train.device), str(getattr(recipe.rollout, "device", "auto")))
     if name == "nccl":
         if "cpu" in devices:
@@ -81,72 +88,72 @@ def free_address() -> tuple[str, int]:
     return host, port
 
 
-def group_store(host: str, port: int, rank: int, timeout: datetime.timedelta) -> Any:
-    """The group's rendezvous store. Rank 0 hosts it listening on ``host`` only: torch's ``TCPStore`` server (what
-    ``init_method="tcp://..."`` starts) listens on every interface (``::``, measured with torch 2.13), which would
-    undo the local cluster's loopback-only binding (review-6 L7); a socket bound to ``(host, port)`` is handed to
-    it instead (``master_listen_fd``, the store owns it from then on)."""
-    import socket
+def group_store(host: str, port: int, rank: int, timeout: datetime.timedelta, size: int = 2) -> Any:
+    """The group's rendezvous store (``sync.group.group_store``): rank 0 hosts it listening on ``host`` only (torch's
+    ``TCPStore`` server alone listens on every interface, ``::``, measured with torch 2.13, which would undo the
+    local cluster's loopback-only binding)."""
+    from miles_lp.sync.group import group_store as store
 
-    import torch.distributed as dist
-
-    if rank != 0:
-        return dist.TCPStore(host, port, 2, False, timeout)
-    sock = socket.socket(_family(host))
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen()
-    except OSError:
-        sock.close()
-        raise
-    return dist.TCPStore(host, port, 2, True, timeout, master_listen_fd=sock.detach())
+    return store(host, port, rank, size, timeout)
 
 
-def init_group(backend: str, host: str, port: int, rank: int, device: str) -> None:
-    """Join the two-rank group (a previous one, from before an engine restart, is destroyed first)."""
+def join_group(backend: str, host: str, port: int, rank: int, device: str) -> Any:
+    """The sync's own two-rank group (``SyncGroup``): a store and a process group of its own, never torch's default
+    group, so a Megatron learner's world in the same process stays as it is."""
     import torch
-    import torch.distributed as dist
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    if backend == "nccl":  # object collectives stage on the current device
+    from miles_lp.sync.group import SyncGroup
+
+    if backend == "nccl":  # object broadcasts stage on the current device
         torch.cuda.set_device(torch.device(device))
     timeout = datetime.timedelta(seconds=TIMEOUT_S)
-    dist.init_process_group(backend, store=group_store(host, port, rank, timeout), rank=rank, world_size=2,
-                            timeout=timeout)
+    return SyncGroup.create(backend, group_store(host, port, rank, timeout), rank, 2, device=device, timeout=timeout)
 
 
 class LearnerSyncSide:
-    """Mixed into the learner actor: the group's rank 0 and the ``WeightSync`` that runs there."""
+    """Mixed into the learner actor: rank 0 of one sync group per engine (``index``), the ``WeightSync`` of each,
+    and for several engines the ``FleetSync`` over them (one export per sync, every engine checked)."""
 
     learner: Any
     recipe: Any
     plan: Any
-    weight_sync: Any = None
+    _slots: dict[int, list[Any]] | None = None  # index -> [SyncGroup, WeightSync or None]
+    _fleet: Any = None
+    _resynced: dict[int, Any] | None = None
+
+    @property
+    def weight_sync(self) -> Any:
+        """Engine 0's ``WeightSync`` (the one-engine run's)."""
+        return (self._slots or {}).get(0, [None, None])[1]
 
     def group_address(self) -> tuple[str, int]:
         return free_address()
 
-    def join_group(self, host: str, port: int) -> None:
-        init_group(self.recipe.sync.transport, host, port, LEARNER_RANK, str(self.learner.device))
+    def join_group(self, host: str, port: int, index: int = 0) -> None:
+        slots = self._slots if self._slots is not None else {}
+        self._slots = slots
+        slot = slots.setdefault(index, [None, None])
+        if slot[0] is not None:  # the group of a previous engine (before a restart)
+            slot[0].close()
+        slot[0] = join_group(self.recipe.sync.transport, host, port, LEARNER_RANK, str(self.learner.device))
 
-    def attach_engine(self, target: str, env: dict[str, str] | None = None) -> None:
-        """A ``RemoteEngine`` on the group's engine rank (which must be serving): a new ``WeightSync`` the
+    def attach_engine(self, target: str, env: dict[str, str] | None = None, index: int = 0) -> None:
+        """A ``RemoteEngine`` on engine ``index``'s group (its engine rank must be serving): a new ``WeightSync`` the
         first time, afterwards (an engine restart) the same one with the new engine and transport."""
         from miles_lp.sync import WeightSync
-        from miles_lp.sync.remote import RemoteEngine
+        from miles_lp.sync.group import GroupRemoteEngine
         from miles_lp.sync.transport import BroadcastTransport
 
-        engine = RemoteEngine(engine_rank=ENGINE_RANK, learner_rank=LEARNER_RANK)
-        transport = BroadcastTransport(src=LEARNER_RANK, device=self.learner.device,
+        slot = self._slots[index]
+        engine = GroupRemoteEngine(slot[0], engine_rank=ENGINE_RANK, learner_rank=LEARNER_RANK)
+        transport = BroadcastTransport(group=slot[0], src=LEARNER_RANK, device=self.learner.device,
                                        name=self.recipe.sync.transport, receipts=True, reply_from=ENGINE_RANK)
-        if self.weight_sync is None:
+        if slot[1] is None:
             # the driver's MILES_LP_SYNC_CHECK* variables (printed and recorded there), not this actor's
-            self.weight_sync = WeightSync(engine, self.plan, target, self.recipe.sync,
-                                          transport=transport, log=print, env=env or {})
+            slot[1] = WeightSync(engine, self.plan, target, self.recipe.sync, transport=transport, log=print,
+                                 env=env or {})
         else:
-            self.weight_sync.engine, self.weight_sync.transport = engine, transport
+            slot[1].engine, slot[1].transport = engine, transport
 
     def run_sync(self, sentinel: Any, initial: bool) -> tuple[Any, Any, int]:
         """One sync (``initial``: after recording the engine anew, full compare); returns the report, the
@@ -156,13 +163,48 @@ class LearnerSyncSide:
         report = ws.initial_sync(self.learner) if initial else ws.sync(self.learner)
         return report, ws.sentinel, int(ws.expected_version)
 
-    def leave_group(self) -> None:
-        import torch.distributed as dist
+    def _fleet_sync(self, sentinel: Any) -> Any:
+        from miles_lp.sync.fleet import FleetSync
 
-        if self.weight_sync is not None:
-            self.weight_sync.engine.close()  # the engine rank's serving loop returns
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if self._fleet is None:
+            self._fleet = FleetSync([self._slots[i][1] for i in sorted(self._slots)], log=print)
+        self._fleet.sentinel = sentinel
+        for ws in self._fleet.syncs:
+            ws.sentinel = sentinel
+        return self._fleet
+
+    def run_fleet_sync(self, sentinel: Any, initial: bool, only: list[int] | None = None,
+                       resynced: tuple[int, ...] = ()) -> tuple[Any, Any, int, list[int]]:
+        """One sync of every engine (``FleetSync``; ``only``: these engines, ``resynced``: engines that already
+        hold this update from their full resync, whose reports count in this one). Returns the report, the
+        sentinel, the fleet's version and each engine's offset to it."""
+        fleet = self._fleet_sync(sentinel)
+        done = {i: (self._resynced or {}).pop(i) for i in resynced}
+        if initial:
+            report = fleet.initial_sync(self.learner)
+        else:
+            report = fleet.sync(self.learner, only=only, done=done)
+        return report, fleet.sentinel, int(fleet.expected_version), list(fleet._offset)
+
+    def run_fleet_resync(self, sentinel: Any, index: int) -> tuple[Any, Any, int, list[int]]:
+        """Engine ``index`` (attached anew after its restart) recorded and synced in full to the fleet's version."""
+        fleet = self._fleet_sync(sentinel)
+        ws = self._slots[index][1]
+        fleet.syncs[index] = ws
+        report = fleet.resync(index, ws.engine, self.learner)
+        self._resynced = {**(self._resynced or {}), index: report}
+        return report, fleet.sentinel, int(fleet.expected_version), list(fleet._offset)
+
+    def leave_group(self) -> None:
+        for slot in (self._slots or {}).values():
+            if slot[1] is not None:
+                try:
+                    slot[1].engine.close()  # the engine rank's serving loop returns
+                except Exception:  # noqa: BLE001 - a dead engine rank: nothing to end
+                    pass
+            if slot[0] is not None:
+                slot[0].close()
+        self._slots = None
 
 
 class EngineSyncSide:
@@ -170,19 +212,21 @@ class EngineSyncSide:
 
     engine: Any
     recipe: Any
+    sync_group: Any = None
     _serving: threading.Thread | None = None
     _serve_error: BaseException | None = None
 
     def join_group(self, host: str, port: int) -> None:
-        init_group(self.recipe.sync.transport, host, port, ENGINE_RANK,
-                   str(getattr(self.engine, "device", None) or "cpu"))
+        self.sync_group = join_group(self.recipe.sync.transport, host, port, ENGINE_RANK,
+                                     str(getattr(self.engine, "device", None) or "cpu"))
 
     def serve_weights(self) -> None:
         """Start answering the learner's calls and buckets (returns at once; the loop ends when the learner
         closes its ``RemoteEngine``)."""
         from miles_lp.sync.transport import BroadcastReceiver
 
-        receiver = BroadcastReceiver(src=LEARNER_RANK, device=getattr(self.engine, "device", None) or "cpu")
+        receiver = BroadcastReceiver(group=self.sync_group, src=LEARNER_RANK,
+                                     device=getattr(self.engine, "device", None) or "cpu")
 
         def loop() -> None:
             try:
@@ -225,8 +269,6 @@ class ActorSync:
     def _run(self, initial: bool):
         import ray
 
-        from miles_lp.launch.ray_launcher import EngineDied
-
         try:
             report, self.sentinel, self.expected_version = ray.get(
                 self.learner_actor.run_sync.remote(self.sentinel, initial))
@@ -252,6 +294,78 @@ class ActorSync:
         try:
             ray.get(self.learner_actor.leave_group.remote(), timeout=30)
         except Exception:  # an actor already gone: nothing left to close
+            pass
+
+
+class ActorFleetSync:
+    """The driver's ``FleetSync`` for several engine actors over ``nccl`` / ``gloo``: the learner actor holds one
+    sync group and one ``WeightSync`` per engine and a ``FleetSync`` over them (one export per sync, every engine
+    updated and checked, ``sync/check/<name>/engine<i>``); this object offers what ``EngineFleet`` and the run call
+    (``sync``, ``initial_sync``, ``resync``, ``version_of``, ``sentinel``, ``mode``, ``log``, ``expected_version``).
+    Each engine has a group of its own with the learner (two ranks): the learner sends each bucket once per engine."""
+
+    def __init__(self, learner_actor: Any, engine_actors: list[Any], target: str, sentinel: Any,
+                 env: dict[str, str] | None = None, config: Any = None, log: Any = None):
+        self.learner_actor, self.target, self.sentinel = learner_actor, target, sentinel
+        self.env = dict(env or {})
+        self.config = None if config is None else config.with_env(self.env)
+        self.log = log if log is not None else (lambda line: None)
+        self.expected_version = 0
+        self._offset = [0] * len(engine_actors)
+        self.engine_actors = list(engine_actors)
+        for i, actor in enumerate(engine_actors):
+            self.connect(i, actor)
+
+    def connect(self, index: int, engine_actor: Any) -> None:
+        import ray
+
+        self.engine_actors[index] = engine_actor
+        host, port = ray.get(self.learner_actor.group_address.remote())
+        ray.get([self.learner_actor.join_group.remote(host, port, index), engine_actor.join_group.remote(host, port)])
+        ray.get(engine_actor.serve_weights.remote())
+        ray.get(self.learner_actor.attach_engine.remote(self.target, self.env, index))
+
+    def mode(self, name: str) -> str:
+        return "warn" if self.config is None else self.config.mode(name)
+
+    def version_of(self, index: int, engine_version: int) -> int:
+        return int(engine_version) + self._offset[index]
+
+    def _call(self, method: str, *args: Any) -> Any:
+        import ray
+
+        from miles_lp.sync.verdict import SyncAbortedError
+
+        try:
+            report, self.sentinel, self.expected_version, self._offset = ray.get(
+                getattr(self.learner_actor, method).remote(self.sentinel, *args))
+        except ray.exceptions.RayTaskError as exc:
+            dead = [i for i, a in enumerate(self.engine_actors) if not actor_alive(a)]
+            if not dead:
+                raise
+            err = SyncAbortedError(f"engine {dead[0]}'s actor died during the weight sync ({exc.cause})", "transfer")
+            err.engine_index = dead[0]
+            raise err from exc
+        return report
+
+    def initial_sync(self, learner: Any = None) -> Any:
+        return self._call("run_fleet_sync", True)
+
+    def sync(self, learner: Any = None, *, full_compare: bool | None = None, only: Any = None,
+             done: dict[int, Any] | None = None) -> Any:
+        return self._call("run_fleet_sync", False, None if only is None else list(only), tuple(done or ()))
+
+    def resync(self, index: int, engine: Any, learner: Any = None) -> Any:
+        """Engine ``index`` restarted (``engine``: its proxy): a new group with its actor, then a full resync."""
+        self.connect(index, engine.actor)
+        return self._call("run_fleet_resync", index)
+
+    def close(self) -> None:
+        import ray
+
+        try:
+            ray.get(self.learner_actor.leave_group.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 - an actor already gone: nothing left to close
             pass
 
 

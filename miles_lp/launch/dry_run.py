@@ -66,6 +66,8 @@ def dry_run(recipe: Recipe) -> dict[str, Any]:
         "train_backend": recipe.train.backend, "rollout_backend": recipe.rollout.backend,
         "ray": {"enabled": recipe.ray.enabled, "address": recipe.ray.address or "local",
                 "placement": recipe.ray.placement},
+        "rollout_engines": {"count": recipe.fleet.count, **({"urls": list(recipe.fleet.urls)} if recipe.fleet.urls
+                                                           else {})},
         "sync_transport": recipe.sync.transport,
         "would_refuse_at_start": would_refuse,
         **({"checks_never_answered": skipped} if skipped else {}),
@@ -140,11 +142,12 @@ def _would_refuse(recipe: Recipe, plan=None, hf_config: dict | None = None) -> l
                        "the reference engine")
     from miles_lp.errors import ConfigError
     from miles_lp.launch.actor_sync import check_broadcast
+    from miles_lp.launch.engines import check_fleet
     from miles_lp.launch.runner import check_answerable, check_devices, check_transport, sync_env
 
     # under Ray the devices are the workers' (checked where the learner is built), not this host's; the transport's
     # are this host's either way (the ray / cuda_ipc sync runs in the driver)
-    checks = (check_broadcast, check_transport) + (() if recipe.ray.enabled else (check_devices,))
+    checks = (check_broadcast, check_transport, check_fleet) + (() if recipe.ray.enabled else (check_devices,))
     if not recipe.model.is_tiny:
         checks += (_check_source,)
     # raise for a check the engine can never answer (a stock SGLang server: C1-C4), with this shell's variables

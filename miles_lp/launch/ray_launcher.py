@@ -23,7 +23,6 @@ layer is the one a straight run probes at that sync, as in process.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,21 +30,17 @@ from typing import Any
 from miles_lp.errors import ConfigError
 from miles_lp.launch.actor_sync import (
     BROADCAST,
+    ActorFleetSync,
     ActorSync,
+    EngineDied,
     EngineSyncSide,
     LearnerSyncSide,
     actor_alive,
-    check_broadcast,
 )
 from miles_lp.launch.recipe import Recipe
+from miles_lp.launch.runner import Run
 from miles_lp.launch.wire import pack, unpack
 from miles_lp.rl.step import RunError
-
-
-class EngineDied(RunError):
-    def __init__(self, message: str, method: str):
-        super().__init__(message)
-        self.method = method
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -105,7 +100,7 @@ class LearnerWorker(LearnerSyncSide):
 
 
 class EngineWorker(EngineSyncSide):
-    def __init__(self, checkpoint: str, recipe_yaml: str, source: str, threads: int):
+    def __init__(self, checkpoint: str, recipe_yaml: str, source: str, threads: int, index: int = 0):
         import torch
 
         from miles_lp.config import load_yaml_text
@@ -114,7 +109,7 @@ class EngineWorker(EngineSyncSide):
 
         torch.set_num_threads(max(1, threads))
         self.recipe = parse_recipe(load_yaml_text(recipe_yaml, source))
-        self.engine = make_engine(self.recipe, Path(checkpoint))
+        self.engine = make_engine(self.recipe, Path(checkpoint), index=index)
 
     def call(self, name: str, *args, **kwargs):
         out = getattr(self.engine, name)(*unpack(args), **unpack(kwargs))
@@ -370,243 +365,213 @@ def _check_reachable(address: str, timeout_s: float = 3.0) -> None:
 
 
 def _bundles(recipe: Recipe) -> list[dict[str, float]]:
+    """The placement group: ``colocate`` one bundle holding the learner and every engine (they share the node /
+    GPU); ``split`` one bundle for the learner and one per engine (``rollout.engines``), spread where they can."""
+    from miles_lp.launch.engines import engines_of
+
     lr, ro = recipe.ray.learner, recipe.ray.rollout
+    n = engines_of(recipe)
 
     def b(cpu, gpu):
         return {"CPU": cpu, **({"GPU": gpu} if gpu else {})}
     if recipe.ray.placement == "colocate":
-        return [b(lr.num_cpus + ro.num_cpus, max(lr.num_gpus, ro.num_gpus))]
-    return [b(lr.num_cpus, lr.num_gpus), b(ro.num_cpus, ro.num_gpus)]
+        return [b(lr.num_cpus + n * ro.num_cpus, max(lr.num_gpus, n * ro.num_gpus))]
+    return [b(lr.num_cpus, lr.num_gpus)] + [b(ro.num_cpus, ro.num_gpus) for _ in range(n)]
 
 
-class RayRun:
-    """The in-process ``Run`` with its learner and engine moved into actors."""
+class RayPlacement:
+    """The learner (with the frozen reference) in one actor, each engine in an actor of its own, all in one
+    placement group (``_bundles``). The driver keeps the loop, the sentinel and, for the ``inprocess`` / ``ray``
+    transports, the sync (buckets relayed through the object store); ``nccl`` / ``gloo`` run the sync in the learner
+    actor (``actor_sync``)."""
 
-    def __init__(self, recipe: Recipe, run_dir, *, resume: bool, start_step: int, loop_state: dict,
-                 learner_state_dir: str | None):
-        try:
-            self._build(recipe, run_dir, start_step, loop_state, learner_state_dir)
-        except BaseException:  # no actor or placement group outlives a run that failed to start
-            self.close()
-            raise
+    engine_name = "the rollout actor"
 
-    def _build(self, recipe: Recipe, run_dir, start_step: int, loop_state: dict, learner_state_dir: str | None):
+    def __init__(self, learner_state_dir: str | None = None):
+        self.learner_state_dir = learner_state_dir
+        self.pg = None
+        self.learner_actor = None
+        self.engine_actors: dict[int, Any] = {}
+
+    def _place(self, run: Any) -> None:
         import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from miles_lp.launch.model import prepare_model, vocab_size
-        from miles_lp.launch.runner import (
-            _rotation_base,
-            _target,
-            check_answerable,
-            check_task_fits,
-            check_transport,
-            engine_side,
-            note_skipped_checks,
-            plan_for,
-            read_model_config,
-            sampling_for,
-            sync_env,
-            sync_log,
-            sync_overrides,
-        )
-        from miles_lp.rl.step import StepParts
-        from miles_lp.rl.tasks import make_task
-        from miles_lp.sync import WeightSync
-        from miles_lp.sync.sentinel import Sentinel
-
-        check_broadcast(recipe)
-        check_transport(recipe)  # the refusal the CLI and --dry-run share, for an API caller too
-        self.sync_env = sync_env()  # read once, here: the refusal below and the sync see the same variables
-        check_answerable(recipe, self.sync_env)
-        self.recipe, self.dir = recipe, run_dir
-        self.model_dir = prepare_model(recipe.model, run_dir.path / "model")
-        self.plan = plan_for(recipe, self.model_dir)
-        self.task = make_task(recipe.task, vocab_size(self.model_dir), self.model_dir)
-        check_task_fits(recipe, self.task, read_model_config(self.model_dir))
-        self.engine_ckpt, _, _ = engine_side(recipe, self.model_dir, self.plan, run_dir.path / "engine_init")
+        recipe = run.recipe
         bundles = _bundles(recipe)
-        strategy = "PACK" if len(bundles) == 1 else "SPREAD"
-        self.pg = placement_group(bundles, strategy=strategy)
+        self.pg = placement_group(bundles, strategy="PACK" if len(bundles) == 1 else "SPREAD")
         try:
             ray.get(self.pg.ready(), timeout=120)
         except ray.exceptions.GetTimeoutError:
             raise ConfigError(f"ray: the placement group {bundles} ({recipe.ray.placement}) was not granted in 120 s; "
                               f"the cluster has {ray.available_resources()} free: lower ray.learner / ray.rollout "
-                              "num_cpus / num_gpus or add nodes") from None
-        self._rollout_bundle = 0 if len(bundles) == 1 else 1
-
-        def opts(res, bundle):
-            return {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus,
-                    "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, bundle)}
+                              "num_cpus / num_gpus, rollout.engines, or add nodes") from None
+        self._colocated = len(bundles) == 1
         self._yaml, self._source = recipe.to_yaml(), recipe.source
-        self._engine_opts = opts(recipe.ray.rollout, self._rollout_bundle)
-        threads = int(max(1, recipe.ray.learner.num_cpus))
-        self.learner_actor = ray.remote(LearnerWorker).options(**opts(recipe.ray.learner, 0)).remote(
-            self._yaml, self._source, str(self.model_dir), None if self.plan is None else self.plan.to_json(),
-            threads, learner_state_dir, recipe.rl.kl_coef > 0)
-        self.learner = LearnerProxy(self.learner_actor, self.plan)
-        self.reference = ReferenceProxy(self.learner_actor) if recipe.rl.kl_coef > 0 else None
-        self.engine_actor = self._start_engine()
-        self.engine = EngineProxy(self.engine_actor)
-        self.sync_overrides = sync_overrides(recipe, self.sync_env)
-        note_skipped_checks(recipe, self.sync_env)
-        if recipe.sync.transport in BROADCAST:  # the sync runs in the learner actor, bytes straight to the engine's
-            sentinel = Sentinel(recipe.sync.sentinel)
-            self.sync = ActorSync(self.learner_actor, self.engine_actor, _target(recipe), sentinel, self.sync_env,
-                                  config=recipe.sync, log=sync_log)
-        else:  # the sync runs here, buckets relayed through the object store
-            self.sync = WeightSync(self.engine, self.plan, _target(recipe), recipe.sync, env=self.sync_env,
-                                   log=sync_log)
-        self.sync.sentinel.load_state_dict(loop_state.get("sentinel") or {})
-        self.initial = self.sync.initial_sync(self.learner)
-        self.version_offset = int(loop_state.get("engine_weight_version", 0))
-        _rotation_base(self.engine, self.version_offset)  # in the actor's engine, before the first step's sync
-        self.restarts = 0
-        self.step = start_step
-        self.parts = StepParts(learner=self.learner, engine=self.engine, sync=self.sync, task=self.task,
-                               sampling=sampling_for(recipe, self.task), rl=recipe.rl, seed=recipe.seed,
-                               reference=self.reference)
 
-    def _start_engine(self):
+    def _opts(self, res: Any, bundle: int) -> dict[str, Any]:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, bundle)}
+
+    def learner(self, run: Any, learner_state: Any) -> tuple[Any, Any]:
         import ray
 
-        threads = int(max(1, self.recipe.ray.rollout.num_cpus))
-        actor = ray.remote(EngineWorker).options(**self._engine_opts).remote(str(self.engine_ckpt), self._yaml,
-                                                                             self._source, threads)
+        self._place(run)
+        recipe = run.recipe
+        threads = int(max(1, recipe.ray.learner.num_cpus))
+        self.learner_actor = ray.remote(LearnerWorker).options(**self._opts(recipe.ray.learner, 0)).remote(
+            self._yaml, self._source, str(run.model_dir), None if run.plan is None else run.plan.to_json(),
+            threads, self.learner_state_dir, recipe.rl.kl_coef > 0)
+        run.learner_actor = self.learner_actor
+        reference = ReferenceProxy(self.learner_actor) if recipe.rl.kl_coef > 0 else None
+        return LearnerProxy(self.learner_actor, run.plan), reference
+
+    def start_engine_actor(self, run: Any, index: int) -> Any:
+        import ray
+
+        recipe = run.recipe
+        threads = int(max(1, recipe.ray.rollout.num_cpus))
+        bundle = 0 if self._colocated else 1 + index
+        actor = ray.remote(EngineWorker).options(**self._opts(recipe.ray.rollout, bundle)).remote(
+            str(run.prep.engine_ckpt), self._yaml, self._source, threads, index)
         ray.get(actor.pid.remote())  # started (or raises)
+        self.engine_actors[index] = actor
+        if index == 0:
+            run.engine_actor = actor
         return actor
+
+    def engine(self, run: Any, index: int) -> Any:
+        old = self.engine_actors.get(index)
+        if old is not None:  # a restart: the dead actor is gone for good
+            _kill(old)
+        return EngineProxy(self.start_engine_actor(run, index))
+
+    def sync_for(self, run: Any, engine: Any) -> Any:
+        from miles_lp.launch.runner import sync_log, target_of
+        from miles_lp.sync import WeightSync
+        from miles_lp.sync.sentinel import Sentinel
+
+        recipe = run.recipe
+        if recipe.sync.transport in BROADCAST:  # the sync runs in the learner actor, bytes straight to the engine's
+            return ActorSync(self.learner_actor, engine.actor, target_of(recipe), Sentinel(recipe.sync.sentinel),
+                             run.sync_env, config=recipe.sync, log=sync_log)
+        # the sync runs here, buckets relayed through the object store
+        return WeightSync(engine, run.plan, target_of(recipe), recipe.sync, env=run.sync_env, log=sync_log)
+
+    def fleet_sync(self, run: Any, engines: list[Any]) -> Any:
+        from miles_lp.launch.runner import sync_log, target_of
+        from miles_lp.sync.fleet import FleetSync
+        from miles_lp.sync.sentinel import Sentinel
+
+        recipe = run.recipe
+        if recipe.sync.transport in BROADCAST:  # one group per engine with the learner actor, the sync runs there
+            return ActorFleetSync(self.learner_actor, [e.actor for e in engines], target_of(recipe),
+                                  Sentinel(recipe.sync.sentinel), run.sync_env, config=recipe.sync, log=sync_log)
+        return FleetSync([self.sync_for(run, e) for e in engines], log=sync_log)
+
+    def dead(self, engine: Any, exc: BaseException | None) -> bool:
+        # the sync wraps an engine's failure (SyncAbortedError): ask the actor, not only the exception type
+        return isinstance(exc, EngineDied) or not actor_alive(engine.actor)
+
+    def checkpoint(self, run: Any, loop: dict[str, Any]) -> Path:
+        import ray
+
+        return Path(ray.get(self.learner_actor.save_state.remote(str(run.dir.path), run.step, loop)))
+
+    def close(self, run: Any) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        sync = getattr(run, "sync", None)
+        sync = getattr(sync, "inner", sync)  # a fleet's step-facing sync wraps its FleetSync
+        if isinstance(sync, (ActorSync, ActorFleetSync)):
+            sync.close()
+        for a in [*self.engine_actors.values(), self.learner_actor]:
+            if a is not None:
+                _kill(a)
+        if self.pg is not None:
+            try:
+                remove_placement_group(self.pg)
+            except Exception:  # noqa: BLE001 - already removed
+                pass
+
+
+def _kill(actor: Any) -> None:
+    import ray
+
+    try:
+        ray.kill(actor)
+    except Exception:  # noqa: BLE001 - already gone
+        pass
+
+
+class RayRun(Run):
+    """``Run`` with ``RayPlacement``: the same build and loop, the parts in actors."""
+
+    def __init__(self, recipe: Recipe, run_dir, *, resume: bool = False, start_step: int = 0,
+                 loop_state: dict | None = None, learner_state_dir: str | None = None):
+        super().__init__(recipe, run_dir, start_step=start_step, loop_state=loop_state or {},
+                         placement=RayPlacement(learner_state_dir))
+
+    @classmethod
+    def _checkpoint_state(cls, rd: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The learner actor loads its state from the checkpoint folder itself: the driver reads loop.json only."""
+        import json
+
+        latest = rd.latest()
+        if latest is None:
+            raise RunError(f"{rd.path}: no checkpoint to resume from")
+        return {"learner_state_dir": str(latest / "learner")}, json.loads((latest / "loop.json").read_text())
+
+    def _start_engine(self):
+        return self.placement.start_engine_actor(self, 0)
 
     def restart_engine(self) -> None:
         """A fresh rollout actor in the same bundle, recorded anew by the sync, then a full resync; its engine's
-        ``c3_rotation_base`` set to the run's sync count (as ``Run.restart_engine`` does in process)."""
-        import ray
+        ``c3_rotation_base`` set to the run's sync count (as ``Run.restart_engine`` does in process). The proxy
+        stays the run's engine object (the step's parts hold it); its actor is replaced."""
+        from miles_lp.launch.runner import rotation_base
 
-        from miles_lp.launch.runner import _rotation_base
-
-        try:
-            ray.kill(self.engine_actor)
-        except Exception:  # already gone
-            pass
+        _kill(self.engine_actor)
         self.restarts += 1
-        old_version_base = self.initial.weight_version
-        served = self.sync.expected_version - old_version_base  # syncs since the last (re)start
+        served = self.sync.expected_version - self.initial.weight_version  # syncs since the last (re)start
         self.engine_actor = self._start_engine()
         self.engine.actor = self.engine_actor
         self.engine._learn_surface()
         if isinstance(self.sync, ActorSync):  # a new group with the new engine rank
             self.sync.connect(self.engine_actor)
+        elif hasattr(self.sync, "engine"):
+            self.sync.engine = self.engine  # its capabilities read again
         self.initial = self.sync.initial_sync(self.learner)
         self.version_offset += served
-        _rotation_base(self.engine, self.version_offset)  # the fresh actor's engine counts from its own start
-
-    def checkpoint(self) -> Path:
-        import ray
-
-        sent = self.sync.sentinel
-        loop = {"data_position": self.step,
-                "engine_weight_version": int(self.sync.expected_version) - int(self.initial.weight_version)
-                + self.version_offset,
-                "sentinel": sent.state_dict()}
-        return Path(ray.get(self.learner_actor.save_state.remote(str(self.dir.path), self.step, loop)))
-
-    def step_once(self) -> dict[str, float]:
-        from miles_lp.launch.runner import step_with_restarts
-
-        # the sync wraps an engine's failure (SyncAbortedError): ask the actor, not only the exception type
-        return step_with_restarts(
-            self, engine_dead=lambda exc: isinstance(exc, EngineDied) or not actor_alive(self.engine_actor),
-            learner_steps=lambda: int(self.learner.step), what="the rollout actor")
-
-    def close(self) -> None:
-        import ray
-        from ray.util.placement_group import remove_placement_group
-
-        if isinstance(getattr(self, "sync", None), ActorSync):
-            self.sync.close()
-        for a in (getattr(self, "engine_actor", None), getattr(self, "learner_actor", None)):
-            if a is not None:
-                try:
-                    ray.kill(a)
-                except Exception:
-                    pass
-        try:
-            remove_placement_group(self.pg)
-        except Exception:  # never created (a start that failed earlier) or already removed
-            pass
+        rotation_base(self.engine, self.version_offset)  # the fresh actor's engine counts from its own start
 
 
 def run_with_ray(recipe: Recipe, *, resume: str | None = None, run_name: str | None = None,
                  progress: bool = True, on_step=None) -> dict[str, Any]:
     """Run ``recipe`` under Ray; returns a summary. ``on_step(run, metrics)`` is called after each step."""
-    import json
     import time
 
     from miles_lp.launch.run_dir import RunDir
-    from miles_lp.launch.runner import resumed_recipe, summary
+    from miles_lp.launch.runner import RunInterrupted, resumed_recipe, summary
 
     saved = resumed_recipe(RunDir(resume), recipe) if resume else None  # refused before a cluster starts
     started = _init_ray(recipe)
     run = None
     try:
         if resume:
-            rd = RunDir(resume)
-            latest = rd.latest()
-            if latest is None:
-                raise RunError(f"{rd.path}: no checkpoint to resume from")
-            loop = json.loads((latest / "loop.json").read_text())
-            rd.truncate_metrics(int(loop["step"]))
-            run = RayRun(saved, rd, resume=True, start_step=int(loop["step"]), loop_state=loop,
-                         learner_state_dir=str(latest / "learner"))
-            rd.record_resume(run.step, {"sync_check_overrides": run.sync_overrides})
+            run = RayRun.resume(resume, saved)
         else:
             name = run_name or recipe.logging.run_name or (
                 f"{Path(recipe.source).stem}-ray-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
-            rd = RunDir.create(recipe.logging.output_dir, name)
-            try:
-                run = RayRun(recipe, rd, resume=False, start_step=0, loop_state={}, learner_state_dir=None)
-            except BaseException:  # failed or interrupted while starting: no half-made run folder
-                rd.discard_unstarted()
-                raise
-            rd.write_header(recipe.to_yaml(), None if run.plan is None else run.plan.to_json(),
-                            {"plan_hash": None if run.plan is None else run.plan.hash, "model_dir": str(Path(run.model_dir).resolve()),
-                             "recipe_source": recipe.source, "created": time.time(), "steps": recipe.steps,
-                             "ray": dataclasses.asdict(recipe.ray), "sync_check_overrides": run.sync_overrides})
-        rows = []
-        bar = None
-        if progress and recipe.logging.progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=recipe.steps, initial=run.step, desc=rd.path.name, file=sys.stderr)
+            run = RayRun.start(recipe, name)
+        rd = run.dir
         try:
-            while run.step < run.recipe.steps:
-                step = run.step
-                try:
-                    m = run.step_once()
-                except RunError:
-                    raise
-                except Exception as exc:
-                    from miles_lp.launch.runner import sync_failed
-                    from miles_lp.sync import SyncError
-
-                    if isinstance(exc, SyncError):  # as the in-process run: the failure, then how to resume
-                        raise sync_failed(rd, step, run.recipe.steps, exc) from exc
-                    raise
-                rows.append(m)
-                if on_step is not None:
-                    on_step(run, m)
-                if bar is not None:
-                    bar.set_postfix_str(f"reward={m['reward/mean']:.3g} kl={m.get('rollout_corr/kl', 0):.3g}")
-                    bar.update(1)
+            rows = run.train(progress=progress and recipe.logging.progress, tensorboard=False, on_step=on_step)
         except KeyboardInterrupt:
-            from miles_lp.launch.runner import RunInterrupted
-
-            raise RunInterrupted(rd, run.step, run.recipe.steps) from None  # noted by the CLI after the actors stop (below)
-        finally:
-            if bar is not None:
-                bar.close()
-        return {"run_dir": str(rd.path), "steps": run.step, "engine_restarts": run.restarts, **summary(rows)}
+            raise RunInterrupted(rd, run.step, run.recipe.steps) from None  # noted by the CLI after the actors stop
+        return {"run_dir": str(rd.path), "steps": run.step, "engine_restarts": run.engine_restarts, **summary(rows)}
     finally:  # Ctrl-C included: no actor, placement group or cluster left behind
         if run is not None:
             run.close()

@@ -133,6 +133,22 @@ class LoggingConfig:
     progress: bool = True  # a tqdm bar with the headline numbers
 
 
+@dataclasses.dataclass(frozen=True)
+class FleetSection:
+    """``rollout.engines`` / ``rollout.urls``: how many rollout engines serve the run (``launch/engines.py``).
+
+    ``engines: N`` starts N engines of ``rollout.backend`` (reference, vllm: each its own engine; under Ray each its
+    own actor). ``urls: [u1, u2, ...]`` (backend sglang) names N running servers, one engine each; one router
+    (sglang-router) is one ``rollout.url``: the router spreads the requests itself."""
+
+    engines: int = 1
+    urls: tuple[str, ...] = ()
+
+    @property
+    def count(self) -> int:
+        return len(self.urls) or self.engines
+
+
 SECTIONS = ("model", "precision", "sampler_precision", "train", "rollout", "sync", "rl", "task", "ray", "logging", "steps", "seed",
             "checkpoint_every")
 
@@ -158,6 +174,7 @@ class Recipe:
     # refusal made at start, after parsing, still names the line or the override that set the key
     lines: Mapping[str, int] = dataclasses.field(default_factory=dict, compare=False, repr=False)
     overrides: tuple[str, ...] = dataclasses.field(default=(), compare=False)
+    fleet: FleetSection = dataclasses.field(default_factory=FleetSection)  # rollout.engines / rollout.urls
 
     def origin(self, key: str) -> tuple[str, int | None]:
         """Where ``key`` (a dotted path) got its value: ``("--set k=v", None)`` for the last override that set
@@ -171,6 +188,37 @@ class Recipe:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.raw, sort_keys=False)
+
+
+def _fleet(mapping: Any, where: Where) -> tuple[Any, FleetSection]:
+    """(the rollout mapping without the fleet's keys, the fleet section), validated naming the keys."""
+    if not isinstance(mapping, dict):
+        return mapping, FleetSection()
+    rest = {k: v for k, v in mapping.items() if k not in ("engines", "urls")}
+    engines = mapping.get("engines", 1)
+    if isinstance(engines, bool) or not isinstance(engines, int) or engines < 1:
+        raise where.child("engines").error(f"must be an integer >= 1, got {engines!r}")
+    urls = mapping.get("urls")
+    if urls is None:
+        if engines > 1 and rest.get("backend") == "sglang":
+            raise where.child("engines").error(f"engines: {engines} with backend sglang: name each server in urls "
+                                               "([http://HOST:PORT, ...]; one url is one engine, a server or a router)")
+        return rest, FleetSection(engines=engines)
+    if not isinstance(urls, list) or not urls or not all(isinstance(u, str) and u for u in urls):
+        raise where.child("urls").error(f"must be a list of server URLs (http://HOST:PORT), got {urls!r}")
+    if rest.get("backend") != "sglang":
+        raise where.child("urls").error(f"urls names running SGLang servers: set backend: sglang (backend is "
+                                        f"{rest.get('backend', 'reference')})")
+    if rest.get("url") is not None:
+        raise where.child("urls").error("give either url (one server, or one sglang-router in front of several) or "
+                                        "urls (several servers), not both")
+    if "engines" in mapping and engines != len(urls):
+        raise where.child("engines").error(f"engines: {engines} but urls names {len(urls)} servers; remove engines "
+                                           "(urls gives the count)")
+    if len(set(urls)) != len(urls):
+        raise where.child("urls").error(f"a server is named twice: {urls}")
+    rest["url"] = urls[0]  # the rollout section's own checks (scheme, host, port) read the first; each is checked
+    return rest, FleetSection(engines=len(urls), urls=tuple(urls))
 
 
 def _rollout(mapping: Any, where: Where):
@@ -391,8 +439,11 @@ def parse_recipe(doc: YamlDoc) -> Recipe:
     train = parse_dataclass(TrainConfig, data.get("train"), w.child("train"))
     rl = parse_dataclass(RLConfig, data.get("rl"), w.child("rl"))
     _check_routing_replay(model, train, rl, w.child("rl").child("routing_replay"))
-    rollout = _rollout(data.get("rollout"), w.child("rollout"))
+    rollout_map, fleet = _fleet(data.get("rollout"), w.child("rollout"))
+    rollout = _rollout(rollout_map, w.child("rollout"))
     _check_url(rollout, w.child("rollout").child("url"))
+    for i, url in enumerate(fleet.urls[1:], 1):
+        _check_url(dataclasses.replace(rollout, url=url), w.child("rollout").child("urls").child(str(i)))
     _check_param_dtype(train, rollout, w.child("train").child("param_dtype"))
     ray = parse_dataclass(RayConfig, data.get("ray"), w.child("ray"))
     _check_combinations(data, train, rollout, rl, ray, w)
@@ -416,6 +467,7 @@ def parse_recipe(doc: YamlDoc) -> Recipe:
         source=doc.source,
         raw=copy.deepcopy(data),
         lines=dict(doc.lines),
+        fleet=fleet,
     )
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import re
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_lp.errors import ConfigError
+from miles_lp.launch.loop import HEADLINE, _tensorboard, drive  # noqa: F401 - _tensorboard: read here by callers
 from miles_lp.launch.recipe import Recipe, load_recipe
 from miles_lp.launch.run_dir import RunDir
 from miles_lp.rl.step import RunError, StepParts, grpo_step
@@ -49,11 +49,16 @@ def model_context(config: Mapping[str, Any] | None) -> int | None:
     return int(v) if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
-def _rotation_base(engine: Any, version_offset: int) -> None:
+def rotation_base(engine: Any, version_offset: int) -> None:
     """Start C3's rotating layer where a straight run's would be after ``version_offset`` syncs (engines that
     rotate it by their own weight version, which a resumed or restarted engine counts from 0)."""
-    if hasattr(engine, "c3_rotation_base"):
+    from miles_lp.rollout.engine import Capability, engine_capabilities
+
+    if Capability.ROTATION_BASE in engine_capabilities(engine):
         engine.c3_rotation_base = int(version_offset)
+
+
+_rotation_base = rotation_base  # the name older callers import
 
 
 def read_model_config(model_dir: Path) -> dict[str, Any] | None:
@@ -141,7 +146,7 @@ def record_step(run: Any, step: int, m: dict[str, float]) -> dict[str, float]:
     for k in VERSION_KEYS:
         if k in m:
             m[k] += run.version_offset
-    m["rollout/engine_restarts"] = float(run.restarts)
+    m["rollout/engine_restarts"] = float(run.engine_restarts)
     run.dir.append_metrics(step, m)
     run.step += 1
     every = run.recipe.checkpoint_every
@@ -149,8 +154,6 @@ def record_step(run: Any, step: int, m: dict[str, float]) -> dict[str, float]:
         run.checkpoint()
     return m
 
-HEADLINE = (("reward/mean", "reward"), ("rollout_corr/kl", "kl"), ("actor/entropy", "ent"),
-            ("response_length/mean", "len"), ("timing_s/step", "s/step"))
 
 
 def sync_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -308,7 +311,7 @@ def _engine_checkpoint(recipe: Recipe, model_dir: Path, policy, out: Path) -> Pa
         return out
     from miles_lp.checkpoint.convert import convert_checkpoint
 
-    convert_checkpoint(model_dir, out, policy, target=_target(recipe), overwrite=True, progress=False,
+    convert_checkpoint(model_dir, out, policy, target=target_of(recipe), overwrite=True, progress=False,
                        log=lambda s: logger.debug(s))
     return out
 
@@ -329,12 +332,13 @@ def engine_side(recipe: Recipe, model_dir: Path, plan, out: Path):
     return ckpt, engine_plan, (lambda learner: SamplerView(learner, sampler_plan, engine_plan))
 
 
-def _target(recipe: Recipe) -> str:
+def target_of(recipe: Recipe) -> str:
     return getattr(recipe.rollout, "target", "sglang")
 
 
-def make_engine(recipe: Recipe, checkpoint: Path, *, run_dir: Path | None = None):
-    """The rollout engine of ``rollout.backend``, serving ``checkpoint`` (the converted engine checkpoint).
+def make_engine(recipe: Recipe, checkpoint: Path, *, run_dir: Path | None = None, index: int = 0):
+    """The rollout engine of ``rollout.backend``, serving ``checkpoint`` (the converted engine checkpoint);
+    ``index``: which of ``rollout.engines`` (its own log / update folder; with ``rollout.urls`` its server).
 
     * ``reference``: the embedded engine, computing in the learner's master dtype when ``dtype: auto``.
     * ``vllm``: vLLM CPU in its own process and venv (``rollout.vllm``; bf16); its log goes to
@@ -346,6 +350,7 @@ def make_engine(recipe: Recipe, checkpoint: Path, *, run_dir: Path | None = None
       pickle, which miles-lp never produces)."""
     ro = recipe.rollout
     run_dir = Path(run_dir) if run_dir is not None else Path(checkpoint).parent
+    suffix = f"-engine{index}" if index else ""  # engine 0 keeps the names a one-engine run has
     if ro.backend == "vllm":
         import json
 
@@ -362,16 +367,19 @@ def make_engine(recipe: Recipe, checkpoint: Path, *, run_dir: Path | None = None
         limit = json.loads((Path(checkpoint) / "config.json").read_text()).get("max_position_embeddings")
         model_len = ro.model_len if (ro.max_model_len or not limit) else min(ro.model_len, int(limit))
         return VLLMEngine(checkpoint, dtype="bfloat16", max_model_len=model_len, kv_cache=ro.kv_cache,
-                          log_path=run_dir / "vllm-engine.log")
+                          log_path=run_dir / f"vllm-engine{suffix}.log")
     if ro.backend == "sglang":
         from miles_lp.rollout.sglang import SGLangHTTPEngine
 
-        eng = SGLangHTTPEngine(ro.url, flavor=ro.server, checkpoint=checkpoint,
-                               update_dir=run_dir / "engine_updates")
+        urls = recipe.fleet.urls
+        url = urls[index] if urls else ro.url
+        eng = SGLangHTTPEngine(url, flavor=ro.server, checkpoint=checkpoint,
+                               update_dir=run_dir / f"engine_updates{suffix}")
         try:
             eng.probe()
         except Exception as exc:
-            raise ConfigError(f"rollout.url {ro.url}: no engine answers there ({exc}); start the server first: "
+            key = f"rollout.urls[{index}]" if urls else "rollout.url"
+            raise ConfigError(f"{key} {url}: no engine answers there ({exc}); start the server first: "
                               "`miles-lp run RECIPE --prepare-engine DIR` writes the checkpoint it must serve and "
                               "prints the `miles-lp serve` command; or fix rollout.url") from None
         return eng
@@ -435,67 +443,154 @@ def sampling_for(recipe: Recipe, task):
     return ro.sampling_params(stop_token_ids=stop, logprob_mode=mode)
 
 
+def check_start(recipe: Recipe, env: dict[str, str]) -> None:
+    """Every refusal made before anything is built, in recipe keys (the CLI, ``--dry-run`` and both placements)."""
+    from miles_lp.launch.actor_sync import check_broadcast
+    from miles_lp.launch.engines import check_fleet
+
+    check_broadcast(recipe)  # nccl / gloo: the learner and engine in actors of their own (ray.enabled)
+    check_transport(recipe)
+    check_fleet(recipe)
+    if not recipe.ray.enabled:  # under Ray the devices are the workers' (checked where each part is built)
+        check_devices(recipe)
+    check_answerable(recipe, env)
+
+
+def prepare(recipe: Recipe, run_dir: Any) -> Any:
+    """The refusals, then the model folder, plan, task and engine checkpoint (``RUN_DIR/engine_init``)."""
+    from miles_lp.launch.model import prepare_model, vocab_size
+    from miles_lp.launch.placement import Prepared
+    from miles_lp.rl.tasks import make_task
+
+    env = sync_env()  # read once, here: the refusal and the sync see the same variables
+    check_start(recipe, env)
+    model_dir = prepare_model(recipe.model, run_dir.path / "model")
+    plan = plan_for(recipe, model_dir)
+    task = make_task(recipe.task, vocab_size(model_dir), model_dir)
+    check_task_fits(recipe, task, read_model_config(model_dir))
+    ckpt, engine_plan, view = engine_side(recipe, model_dir, plan, run_dir.path / "engine_init")
+    return Prepared(model_dir, plan, task, ckpt, engine_plan, view, env)
+
+
+class LocalPlacement:
+    """The ``placement.Placement`` of a run without Ray: everything in this process (a Megatron learner's ranks are processes it spawns)."""
+
+    engine_name = "the engine process"  # what a run's error calls an engine that died
+
+    def __init__(self, build_engine: Any = None):
+        self.build_engine = build_engine  # tests: an engine factory standing for make_engine
+
+    def learner(self, run: Any, learner_state: Any) -> tuple[Any, Any]:
+        learner = make_learner(run.recipe, run.model_dir, run.plan)
+        run.learner = learner  # closed by the run if what follows fails
+        if learner_state is not None:
+            learner.load_state_dict(learner_state)
+        reference = None
+        if run.recipe.rl.kl_coef > 0:
+            from miles_lp.train.embedded import EmbeddedTrainer
+
+            reference = EmbeddedTrainer(run.model_dir, None, run.recipe.train)  # frozen: never stepped
+        return learner, reference
+
+    def engine(self, run: Any, index: int) -> Any:
+        if self.build_engine is not None:
+            return self.build_engine()
+        return make_engine(run.recipe, run.prep.engine_ckpt, run_dir=run.dir.path, index=index)
+
+    def sync_for(self, run: Any, engine: Any) -> Any:
+        from miles_lp.sync import WeightSync
+
+        sync = WeightSync(engine, run.prep.engine_plan, target_of(run.recipe), run.recipe.sync, env=run.sync_env,
+                          log=sync_log)
+        if run.prep.view is not None:  # a comparison arm: the sampler gets its own re-quantization of the master
+            from miles_lp.launch.sampler import SyncVia
+
+            sync = SyncVia(sync, run.prep.view(run.learner))
+        return sync
+
+    def fleet_sync(self, run: Any, engines: list[Any]) -> Any:
+        from miles_lp.sync.fleet import FleetSync
+
+        return FleetSync([self.sync_for(run, e) for e in engines], log=sync_log)
+
+    def dead(self, engine: Any, exc: BaseException | None) -> bool:
+        """The engine's process is gone (only engines with a process of their own report ``dead``)."""
+        try:
+            return str(engine.health().get("status")) == "dead"
+        except Exception:  # noqa: BLE001 - cannot tell (an HTTP server that stopped answering): not restartable
+            return False
+
+    def checkpoint(self, run: Any, loop: dict[str, Any]) -> Path:
+        return run.dir.save_checkpoint(run.step, run.learner.state_dict(), loop)
+
+    def close(self, run: Any) -> None:
+        # the engines' threads / processes, the Megatron learner's process group (also for a half-built run)
+        for part in (getattr(run, "engine", None), getattr(run, "learner", None)):
+            close = getattr(part, "close", None)
+            if close is not None:
+                close()
+
+
 class Run:
-    """One run: the parts, the run folder and the loop state. Build with ``start`` or ``resume``."""
+    """One run: the parts, the run folder and the loop state, built the same way wherever the parts live
+    (``placement``: this process by default, Ray actors with ``ray_launcher.RayPlacement``). Build with ``start`` or
+    ``resume``; ``train`` runs the loop (``launch/loop.py``)."""
 
     def __init__(self, recipe: Recipe, run_dir: RunDir, *, start_step: int = 0, learner_state=None,
-                 loop_state: Mapping[str, Any] | None = None, build_engine: Callable | None = None):
-        from miles_lp.launch.actor_sync import check_broadcast
-        from miles_lp.launch.model import prepare_model, vocab_size
-        from miles_lp.rl.tasks import make_task
-
-        check_broadcast(recipe)  # nccl / gloo: the learner and engine in actors of their own (ray.enabled)
-        check_transport(recipe)
-        check_devices(recipe)
-        self.sync_env = sync_env()  # read once, here: the refusal below and the sync see the same variables
-        check_answerable(recipe, self.sync_env)
+                 loop_state: Mapping[str, Any] | None = None, build_engine: Callable | None = None,
+                 placement: Any = None):
         self.recipe, self.dir = recipe, run_dir
-        self.model_dir = prepare_model(recipe.model, run_dir.path / "model")
-        self.plan = plan_for(recipe, self.model_dir)
-        self.task = make_task(recipe.task, vocab_size(self.model_dir), self.model_dir)
-        check_task_fits(recipe, self.task, read_model_config(self.model_dir))
-        self.learner = make_learner(recipe, self.model_dir, self.plan)
+        self.placement = placement if placement is not None else LocalPlacement(build_engine)
+        self.prep = prepare(recipe, run_dir)  # the refusals first: nothing is built before them
+        self.sync_env = self.prep.sync_env
+        self.model_dir, self.plan, self.task = self.prep.model_dir, self.prep.plan, self.prep.task
+        self.engine_ckpt = self.prep.engine_ckpt
         try:
-            self._build(recipe, run_dir, start_step, learner_state, loop_state, build_engine)
-        except BaseException:  # no engine process or Megatron group outlives a run that failed to start
+            self._build(recipe, start_step, learner_state, loop_state)
+        except BaseException:  # no engine, actor or Megatron group outlives a run that failed to start
             self.close()
             raise
 
-    def _build(self, recipe: Recipe, run_dir: RunDir, start_step: int, learner_state, loop_state,
-               build_engine: Callable | None) -> None:
-        from miles_lp.sync import WeightSync
+    def _build(self, recipe: Recipe, start_step: int, learner_state, loop_state) -> None:
+        from miles_lp.launch.engines import engines_of
 
-        if learner_state is not None:
-            self.learner.load_state_dict(learner_state)
-        self.reference = None
-        if recipe.rl.kl_coef > 0:
-            from miles_lp.train.embedded import EmbeddedTrainer
-
-            self.reference = EmbeddedTrainer(self.model_dir, None, recipe.train)  # frozen: never stepped
-        self.engine_ckpt, engine_plan, view = engine_side(recipe, self.model_dir, self.plan,
-                                                          run_dir.path / "engine_init")
-        self.build_engine = build_engine or (lambda: make_engine(recipe, self.engine_ckpt, run_dir=run_dir.path))
-        self.engine = self.build_engine()
+        self.learner, self.reference = self.placement.learner(self, learner_state)
+        self._engines: list[Any] = []
+        for i in range(engines_of(recipe)):
+            self._engines.append(self.placement.engine(self, i))
         self.sync_overrides = sync_overrides(recipe, self.sync_env)
         note_skipped_checks(recipe, self.sync_env)
-        self.sync = WeightSync(self.engine, engine_plan, _target(recipe), recipe.sync, env=self.sync_env,
-                               log=sync_log)
-        if view is not None:  # a comparison arm: the sampler gets its own re-quantization of the master weights
-            from miles_lp.launch.sampler import SyncVia
-
-            self.sync = SyncVia(self.sync, view(self.learner))
+        if len(self._engines) == 1:
+            self.engine = self._engines[0]
+            self.sync = self.placement.sync_for(self, self.engine)
+        else:
+            self.engine, self.sync = self._fleet(self._engines)
         loop_state = dict(loop_state or {})
         if "sentinel" in loop_state:  # the C6 streaks, so a resumed run trips exactly when a straight one would
             self.sync.sentinel.load_state_dict(loop_state["sentinel"])
         self.initial = self.sync.initial_sync(self.learner)
         # the engine's version counts syncs since ITS start; report the run's count
         self.version_offset = int(loop_state.get("engine_weight_version", 0))
-        _rotation_base(self.engine, self.version_offset)
+        for e in self._engines:
+            rotation_base(e, self.version_offset)
         self.step = start_step
         self.restarts = 0
         self.parts = StepParts(learner=self.learner, engine=self.engine, sync=self.sync, task=self.task,
                                sampling=sampling_for(recipe, self.task), rl=recipe.rl, seed=recipe.seed,
                                reference=self.reference)
+
+    def _fleet(self, engines: list[Any]) -> tuple[Any, Any]:
+        """``rollout.engines`` > 1: the engines as one (``EngineFleet``), synced and checked each (``FleetSync``)."""
+        from miles_lp.launch.engines import EngineFleet, FleetSyncForStep
+
+        def restarted(i: int, engine: Any) -> None:  # C3's rotation where a straight engine's would be
+            rotation_base(engine, self.version_offset + int(fleet.sync.expected_version)
+                          - int(self.initial.weight_version))
+
+        fleet = EngineFleet(engines, rebuild=lambda i: self.placement.engine(self, i), dead=self.placement.dead,
+                            on_restart=restarted)
+        fleet.attach(self.placement.fleet_sync(self, engines), self.learner)
+        return fleet, FleetSyncForStep(fleet)
 
     # ---- construction ---------------------------------------------------------------------------------
     @classmethod
@@ -508,10 +603,13 @@ class Run:
         except BaseException:  # failed or interrupted while starting: no half-made run folder
             rd.discard_unstarted()
             raise
+        extra = {"miles_lp_version": _version(), **({"ray": dataclasses.asdict(recipe.ray)} if recipe.ray.enabled
+                                                    else {})}
         rd.write_header(recipe.to_yaml(), None if run.plan is None else run.plan.to_json(),
-                        {"plan_hash": None if run.plan is None else run.plan.hash, "model_dir": str(Path(run.model_dir).resolve()),
-                         "recipe_source": recipe.source, "created": time.time(), "steps": recipe.steps,
-                         "miles_lp_version": _version(), "sync_check_overrides": run.sync_overrides})
+                        {"plan_hash": None if run.plan is None else run.plan.hash,
+                         "model_dir": str(Path(run.model_dir).resolve()), "recipe_source": recipe.source,
+                         "created": time.time(), "steps": recipe.steps, **extra,
+                         "sync_check_overrides": run.sync_overrides})
         return run
 
     @classmethod
@@ -520,9 +618,9 @@ class Run:
         recipe; only ``steps`` may differ (to run longer)."""
         rd = RunDir(run_dir)
         saved = resumed_recipe(rd, recipe)
-        state, loop = rd.load_checkpoint()
+        state, loop = cls._checkpoint_state(rd)
         rd.truncate_metrics(int(loop["step"]))
-        run = cls(saved, rd, start_step=int(loop["step"]), learner_state=state, loop_state=loop, **kw)
+        run = cls(saved, rd, start_step=int(loop["step"]), loop_state=loop, **state, **kw)
         try:
             rd.record_resume(run.step, {"sync_check_overrides": run.sync_overrides})
         except BaseException:
@@ -530,18 +628,19 @@ class Run:
             raise
         return run
 
+    @classmethod
+    def _checkpoint_state(cls, rd: RunDir) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(the learner's state as keyword arguments of the constructor, loop.json) of ``rd``'s latest checkpoint."""
+        state, loop = rd.load_checkpoint()
+        return {"learner_state": state}, loop
+
     # ---- the loop -------------------------------------------------------------------------------------
     def step_once(self) -> dict[str, float]:
-        return step_with_restarts(self, engine_dead=lambda exc: self._engine_dead(),
-                                  learner_steps=self._learner_steps, what="the engine process")
-
-    # ---- an engine process that died (vLLM's) ---------------------------------------------------------
-    def _engine_dead(self) -> bool:
-        """The engine's process is gone (only engines with a process of their own report ``dead``)."""
-        try:
-            return str(self.engine.health().get("status")) == "dead"
-        except Exception:
-            return False  # cannot tell (an HTTP server that stopped answering): not restartable from here
+        """One step (``grpo_step``: generate -> train -> sync), surviving an engine that dies
+        (``step_with_restarts``; a fleet replaces its own engines and never gets here for that)."""
+        single = len(getattr(self, "_engines", ())) <= 1
+        return step_with_restarts(self, engine_dead=lambda exc: single and self.placement.dead(self.engine, exc),
+                                  learner_steps=self._learner_steps, what=self.placement.engine_name)
 
     def _learner_steps(self) -> int:
         v = self.learner.step  # the Learner protocol's attribute (a method on some proxies)
@@ -556,66 +655,44 @@ class Run:
         self.restarts += 1
         ws = getattr(self.sync, "inner", self.sync)  # a comparison arm's SyncVia wraps the WeightSync
         served = ws.expected_version - int(self.initial.weight_version)  # syncs since the last (re)start
-        self.engine = self.build_engine()
+        self.engine = self.placement.engine(self, 0)
+        self._engines = [self.engine]
         ws.engine = self.engine
         self.parts.engine = self.engine
         self.initial = self.sync.initial_sync(self.learner)
         self.version_offset += served
-        _rotation_base(self.engine, self.version_offset)
+        rotation_base(self.engine, self.version_offset)
+
+    def sync_failed(self, step: int, exc: BaseException) -> RunError:
+        """The error the run stops with when the sync after ``step``'s update failed (``sync_failed``)."""
+        return sync_failed(self.dir, step, self.recipe.steps, exc)
+
+    @property
+    def engine_restarts(self) -> int:
+        """Engines started again over this run: the one engine's restarts, or every fleet engine's."""
+        fleet = getattr(self.engine, "total_restarts", None)
+        return self.restarts + (fleet() if callable(fleet) else 0)
 
     def checkpoint(self) -> Path:
         sent = self.sync.sentinel
-        loop = {"data_position": self.step, "engine_weight_version": int(self.engine.weight_version)
+        loop = {"data_position": self.step, "engine_weight_version": int(self.sync.expected_version)
                 + self.version_offset - int(self.initial.weight_version),
                 "sentinel": sent.state_dict()}
-        return self.dir.save_checkpoint(self.step, self.learner.state_dict(), loop)
+        return self.placement.checkpoint(self, loop)
 
-    def train(self, progress: bool | None = None, tensorboard: bool | None = None) -> list[dict[str, float]]:
-        """Run until ``recipe.steps``; returns the metrics of the steps run here."""
-        progress = self.recipe.logging.progress if progress is None else progress
-        tb = _tensorboard(self.dir.path) if (self.recipe.logging.tensorboard if tensorboard is None else tensorboard) \
-            else None
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=self.recipe.steps, initial=self.step, desc=self.dir.path.name, file=sys.stderr,
-                       dynamic_ncols=True)
-        out = []
-        try:
-            while self.step < self.recipe.steps:
-                step = self.step
-                try:
-                    m = self.step_once()
-                except RunError:
-                    raise
-                except Exception as exc:
-                    from miles_lp.sync import SyncError
-
-                    if isinstance(exc, SyncError):
-                        raise sync_failed(self.dir, step, self.recipe.steps, exc) from exc
-                    raise
-                out.append(m)
-                if tb is not None:
-                    for k, v in m.items():
-                        if isinstance(v, float) and math.isfinite(v):
-                            tb.add_scalar(k, v, step)
-                if bar is not None:
-                    bar.set_postfix_str(" ".join(f"{short}={m[k]:.3g}" for k, short in HEADLINE if k in m))
-                    bar.update(1)
-        finally:
-            if bar is not None:
-                bar.close()
-            if tb is not None:
-                tb.close()
-        return out
+    def train(self, progress: bool | None = None, tensorboard: bool | None = None,
+              on_step: Callable[[Any, dict[str, float]], None] | None = None) -> list[dict[str, float]]:
+        """Run until ``recipe.steps``; returns the metrics of the steps run here (``launch/loop.py``)."""
+        return drive(self, progress=progress, tensorboard=tensorboard, on_step=on_step)
 
     def close(self) -> None:
-        # the engine's threads / process, the Megatron learner's process group (also for a half-built run)
-        for part in (getattr(self, "engine", None), getattr(self, "learner", None)):
-            close = getattr(part, "close", None)
-            if close is not None:
-                close()
+        engines = [e for e in getattr(self, "_engines", ()) if e is not getattr(self, "engine", None)]
+        for e in engines:  # a fleet half built: the engines made so far
+            try:
+                e.close()
+            except Exception:  # noqa: BLE001 - closing the rest matters more
+                pass
+        self.placement.close(self)
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -768,16 +845,6 @@ def check_resumed_model(rd: RunDir, saved: Recipe) -> None:
                               f"started from ({task.get('path')}, {task.get('size')} bytes, sha256 "
                               f"{str(task.get('sha256'))[:12]}; now it {what}): the resumed steps would draw other "
                               "prompts; resume with the run's own file")
-
-
-def _tensorboard(path: Path):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # tensorboard is optional; JSONL is always written
-        print("miles-lp run: logging.tensorboard is on but the tensorboard package is not installed; metrics go "
-              "to metrics.jsonl only (pip install tensorboard)", file=sys.stderr)
-        return None
-    return SummaryWriter(str(path / "tensorboard"))
 
 
 def _version() -> str:

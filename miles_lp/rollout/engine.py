@@ -20,6 +20,7 @@ Log-probs: ``Generation.logprobs`` are the raw policy log-probs (temperature 1, 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -79,21 +80,47 @@ class Generation:
 
 @runtime_checkable
 class Engine(Protocol):
+    """What every engine answers: generation, the pause / update / resume cycle, and the introspection the
+    weight sync's checks read (C1 ``quantized_params``, C2 ``weight_digests`` / ``read_weights``, C3
+    ``self_check``, C4 ``storage_pointers``). A backend that cannot answer one of the introspection calls (a stock
+    SGLang server has no endpoint for them) raises ``NotImplementedError`` or ``BackendUnavailable`` there: the
+    check is then skipped with that reason (C7), never guessed.
+
+    Faster or finer answers are optional and declared, not probed: ``capabilities`` (a set of ``Capability``)
+    names the optional methods below that the engine implements (``OptionalEngine`` documents each). The sync
+    reads the set once per engine (``engine_capabilities``) and calls only what it names."""
+
     weight_version: int
 
-    def generate(self, input_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Generation]: ...
+    def generate(self, input_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> list[Generation]:
+        """One ``Generation`` per prompt, in order. ``sampling.seed`` makes the call reproducible for the same
+        prompts in the same order; ``EngineBusy`` while paused or in an update."""
+        ...
 
-    def pause(self) -> None: ...
+    def pause(self) -> None:
+        """Stop serving (requests in flight wait or abort, as the engine's pause mode says)."""
+        ...
 
-    def resume(self) -> None: ...
+    def resume(self) -> None:
+        """Serve again after ``pause`` (or after a finished update)."""
+        ...
 
-    def flush_cache(self) -> None: ...
+    def flush_cache(self) -> None:
+        """Drop the prefix / KV cache (its entries were computed with the weights being replaced)."""
+        ...
 
-    def begin_weight_update(self) -> None: ...
+    def begin_weight_update(self) -> None:
+        """Open an update: generation refused until ``finish_weight_update``."""
+        ...
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Validate the whole bucket (names, shapes, dtypes: ``WeightUpdateError``, nothing written), then write it
+        in place into the canonical tensors; the engine copies before returning (the caller reuses the buffer)."""
+        ...
 
-    def finish_weight_update(self) -> None: ...
+    def finish_weight_update(self) -> None:
+        """Rebuild derived state (swizzled scales, dequantized operands), bump ``weight_version``."""
+        ...
 
     def quantized_params(self) -> Mapping[str, str]:
         """``{canonical weight name: format}`` of every parameter the engine's live modules hold in low
@@ -101,7 +128,8 @@ class Engine(Protocol):
         ...
 
     def weight_digests(self, names: Iterable[str] | None = None) -> Mapping[str, str]:
-        """A digest of each canonical on-disk-named tensor the engine serves from (C2)."""
+        """A digest (``tensor_digest``) of each canonical on-disk-named tensor the engine serves from (C2; also
+        the update's target spec when the engine lacks ``Capability.PARAM_SPECS``)."""
         ...
 
     def read_weights(self, names: Iterable[str]) -> Mapping[str, torch.Tensor]:
@@ -117,9 +145,82 @@ class Engine(Protocol):
         high-precision GEMM on the dequantized canonical weights; ``{"layers": {name: rel_err}, ...}``."""
         ...
 
-    def health(self) -> Mapping[str, Any]: ...
+    def health(self) -> Mapping[str, Any]:
+        """``{"status": "ok" | "dead" | ..., ...}``; ``dead`` only from an engine whose own process is gone."""
+        ...
 
     def close(self) -> None: ...
+
+
+class Capability(enum.StrEnum):
+    """An optional part of the engine protocol (``OptionalEngine``); the value is the method or attribute name."""
+
+    PARAM_SPECS = "param_specs"
+    GROUP_FINGERPRINTS = "weight_group_fingerprints"
+    FINGERPRINTS = "weight_fingerprints"
+    CHECK_STATE = "check_state"
+    SELF_CHECK_BEGIN = "self_check_begin"
+    SELF_CHECK_EVERY_LAYER = "self_check_every_layer"
+    ABORT_UPDATE = "abort_weight_update"
+    ROTATION_BASE = "c3_rotation_base"
+
+
+class OptionalEngine(Engine, Protocol):
+    """The optional methods, each present exactly when its ``Capability`` is in ``capabilities``."""
+
+    capabilities: frozenset[Capability]
+    c3_rotation_base: int
+    """``ROTATION_BASE``: C3 rotates its probed layer with the weight version; a restarted engine counts from 0,
+    so the run sets this to its syncs so far and the rotation stays where a straight run's is."""
+
+    def param_specs(self) -> Mapping[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """``PARAM_SPECS``: ``{name: (dtype, shape)}`` of every canonical tensor, without hashing any."""
+        ...
+
+    def weight_group_fingerprints(self, groups: Mapping[str, Sequence[str]]) -> Mapping[str, str]:
+        """``GROUP_FINGERPRINTS``: one fingerprint per atomic group (``miles_lp.sync.digest.group_fingerprints``
+        of the group's tensors in the given order): C2 in one value per group."""
+        ...
+
+    def weight_fingerprints(self, names: Sequence[str]) -> Mapping[str, str]:
+        """``FINGERPRINTS``: ``miles_lp.sync.digest.fingerprints`` of each named tensor (C2, names the differing
+        tensors of a group; faster than ``weight_digests``)."""
+        ...
+
+    def check_state(self, groups: Mapping[str, Sequence[str]] | None) -> Mapping[str, Any]:
+        """``CHECK_STATE``: C2's and C4's engine side in one read of the live tensors: ``{"names", "pointers"}``
+        (aligned tuples) and, with ``groups``, ``"group_heads"`` / ``"group_values"`` (what
+        ``weight_group_fingerprints`` hashes, unhashed) and ``"pointer_seconds"``."""
+        ...
+
+    def self_check_begin(self, seed: int = 0) -> bool:
+        """``SELF_CHECK_BEGIN``: queue C3's device work now; ``self_check(seed)`` collects it."""
+        ...
+
+    def self_check_every_layer(self) -> Mapping[str, float]:
+        """``SELF_CHECK_EVERY_LAYER``: every quantized layer's serving state against a fresh derivation (the
+        full-compare syncs run it)."""
+        ...
+
+    def abort_weight_update(self) -> None:
+        """``ABORT_UPDATE``: drop an update opened by ``begin_weight_update`` before any byte was written, so the
+        previous weights serve again."""
+        ...
+
+
+def engine_capabilities(engine: Any) -> frozenset[Capability]:
+    """The optional capabilities of ``engine``: its declared ``capabilities`` attribute; for an engine class that
+    does not declare one, the members of ``Capability`` it defines (read once, here, so the callers name what
+    they use instead of probing). A declared set naming a method the engine lacks is refused: a declaration
+    must not promise what the engine cannot do."""
+    declared = getattr(engine, "capabilities", None)
+    if declared is None:
+        return frozenset(c for c in Capability if getattr(engine, c.value, None) is not None)
+    caps = frozenset(Capability(c) for c in declared)
+    missing = [c.value for c in caps if getattr(engine, c.value, None) is None]
+    if missing:
+        raise TypeError(f"{type(engine).__name__} declares capabilities {missing} it does not implement")
+    return caps
 
 
 def tensor_digest(t: torch.Tensor) -> str:

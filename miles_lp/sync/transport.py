@@ -11,9 +11,10 @@ buffer in the receiver's memory), four implementations:
 * ``CudaIpcTransport``: the bucket is flattened on the learner's GPU and shared through a CUDA IPC handle
   (``torch.multiprocessing.reductions.reduce_tensor``, SGLang's same-host tensor path); the receiving process
   rebuilds the tensor from the handle and copies it into its staging buffer (``cuda_ipc_receive``).
-* ``BroadcastTransport``: ``torch.distributed.broadcast`` of the layout (``broadcast_object_list``) then of the
-  flat buffer from the learner's rank; ``BroadcastReceiver`` is the engine ranks' half (NCCL on GPU, the
-  ``update_weights_from_distributed`` path; gloo on CPU, which the tests use).
+* ``BroadcastTransport``: a broadcast of the layout (an object broadcast) then of the flat buffer from the
+  learner's rank; ``BroadcastReceiver`` is the engine ranks' half (NCCL on GPU, the
+  ``update_weights_from_distributed`` path; gloo on CPU, which the tests use). The group is the sync's own
+  (``sync/group.py`` ``SyncGroup``, apart from a Megatron learner's world) or a ``torch.distributed`` group.
 
 A staging buffer is reused bucket to bucket and refilled with 0xFF before every bucket (``Staging``), so a
 byte a transport did not write is a NaN in whatever dtype it belongs to (C5). Engines copy a bucket before
@@ -315,6 +316,25 @@ class CudaIpcTransport:
 _END = ("end",)
 
 
+def _broadcast(tensor: torch.Tensor, src: int, group: Any) -> None:
+    """Over a ``torch.distributed`` group (None: the default one), or the sync's own ``SyncGroup``."""
+    if hasattr(group, "broadcast_object_list"):  # a SyncGroup (sync/group.py): not a member of torch's world
+        group.broadcast(tensor, src)
+        return
+    import torch.distributed as dist
+
+    dist.broadcast(tensor, src=src, group=group)
+
+
+def _broadcast_objects(objs: list[Any], src: int, group: Any) -> None:
+    if hasattr(group, "broadcast_object_list"):
+        group.broadcast_object_list(objs, src)
+        return
+    import torch.distributed as dist
+
+    dist.broadcast_object_list(objs, src=src, group=group)
+
+
 @dataclasses.dataclass
 class BroadcastTransport:
     """The learner's half of a ``torch.distributed`` broadcast (NCCL on GPU, gloo on CPU) to engine ranks.
@@ -333,22 +353,17 @@ class BroadcastTransport:
     reply_from: int = 1
 
     def send(self, bucket: Bucket):
-        import torch.distributed as dist
-
-        dist.broadcast_object_list([("bucket", bucket.index, bucket.slots, bucket.nbytes)], src=self.src,
-                                   group=self.group)
+        _broadcast_objects([("bucket", bucket.index, bucket.slots, bucket.nbytes)], self.src, self.group)
         flat = flatten(bucket, self.device)
-        dist.broadcast(flat, src=self.src, group=self.group)
+        _broadcast(flat, self.src, self.group)
         if not self.receipts:
             return []
         box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=self.reply_from, group=self.group)
+        _broadcast_objects(box, self.reply_from, self.group)
         return box[0]
 
     def close(self) -> None:
-        import torch.distributed as dist
-
-        dist.broadcast_object_list([_END], src=self.src, group=self.group)
+        _broadcast_objects([_END], self.src, self.group)
 
 
 @dataclasses.dataclass
@@ -368,18 +383,14 @@ class BroadcastReceiver:
         self.staging = Staging(self.device)
 
     def _next(self) -> Any:
-        import torch.distributed as dist
-
         box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=self.src, group=self.group)
+        _broadcast_objects(box, self.src, self.group)
         return box[0]
 
     def _bucket(self, msg) -> tuple[int, tuple[Slot, ...], Received]:
-        import torch.distributed as dist
-
         _, index, slots, nbytes = msg
         buf = self.staging.take(nbytes)
-        dist.broadcast(buf, src=self.src, group=self.group)
+        _broadcast(buf, self.src, self.group)
         return index, slots, list(iter_received(slots, buf))
 
     def receive(self):
@@ -392,8 +403,6 @@ class BroadcastReceiver:
     def serve(self, engine: Any, rank: int) -> int:
         """Serve ``engine`` to the learner until it ends the loop; returns the buckets applied. ``rank``: this
         process's rank in the group (the one the learner's ``reply_from`` / ``RemoteEngine(engine_rank=)``)."""
-        import torch.distributed as dist
-
         from miles_lp.sync.buckets import ff_counts
         from miles_lp.sync.remote import Receipt, answer
 
@@ -415,7 +424,7 @@ class BroadcastReceiver:
                 reply: Any = Receipt(index, tuple(n for n, _ in received), ff, error)
             else:
                 reply = answer(engine, msg)
-            dist.broadcast_object_list([reply], src=rank, group=self.group)
+            _broadcast_objects([reply], rank, self.group)
 
 
 def make_transport(name: str, device: torch.device | str = "cpu", **kw) -> Transport:

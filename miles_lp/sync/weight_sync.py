@@ -39,7 +39,13 @@ from typing import Any
 import torch
 
 from miles_lp.errors import BackendUnavailable, ConfigError
-from miles_lp.rollout.engine import EngineError, WeightUpdateError, tensor_digest
+from miles_lp.rollout.engine import (
+    Capability,
+    EngineError,
+    WeightUpdateError,
+    engine_capabilities,
+    tensor_digest,
+)
 from miles_lp.sync import checks
 from miles_lp.sync.buckets import Bucket, Ledger, make_buckets
 from miles_lp.sync.config import CHECKS, ENV_ALL, SyncConfig, env_name
@@ -211,11 +217,21 @@ class WeightSync:
         self.syncs = 0
         self.record_engine()
 
+    @property
+    def engine(self) -> Any:
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine: Any) -> None:
+        """The engine the sync updates (set again after an engine restart); its optional capabilities read once."""
+        self._engine = engine
+        self.caps = engine_capabilities(engine)
+
     # ---- state recorded at load ------------------------------------------------------------------------
     def record_engine(self) -> None:
         """What the engine serves right after a load: its tensor names, dtypes, shapes (the update's target
         spec) and the data pointers its kernels read (the C4 baseline). Call again after an engine restart."""
-        if hasattr(self.engine, "param_specs"):  # {name: (dtype, shape)} without hashing every tensor
+        if Capability.PARAM_SPECS in self.caps:  # {name: (dtype, shape)} without hashing every tensor
             self.spec = {n: (str(d).removeprefix("torch."), tuple(s)) for n, (d, s) in self.engine.param_specs().items()}
         else:
             self.spec = {n: checks.parse_digest(d) for n, d in self.engine.weight_digests().items()}
@@ -225,7 +241,7 @@ class WeightSync:
         # its live tensors; the pointers then come as two aligned tuples, compared as one tuple per sync
         # (``MILES_LP_SYNC_SHARED=0``: the two separate calls, storage_pointers and weight_group_fingerprints, for
         # an A/B of the same engine)
-        self._shared = (callable(getattr(self.engine, "check_state", None))
+        self._shared = (Capability.CHECK_STATE in self.caps
                         and os.environ.get("MILES_LP_SYNC_SHARED", "1") != "0")
         self._ptr_names: tuple[str, ...] | None = None
         self._ptr_base: tuple[int, ...] | None = None
@@ -341,7 +357,7 @@ class WeightSync:
         buckets = layout.buckets_for(items, self.config.bucket_bytes)
         fused = None  # the learner side of C2 computed by the transport while it reads the payload
         if (self.config.c2_learner_side == "fused" and isinstance(self.transport, InProcessTransport)
-                and not full_compare and self.mode("grid") != "off" and hasattr(self.engine, "weight_group_fingerprints")):
+                and not full_compare and self.mode("grid") != "off" and Capability.GROUP_FINGERPRINTS in self.caps):
             fused = torch.zeros(len(layout.groups), dtype=torch.int64, device=self.transport.staging.device)
             for b in buckets:
                 b.digest = (layout.digest_where, fused)
@@ -407,7 +423,7 @@ class WeightSync:
             mine = None
             if self.fused_digest:  # read back here, so the check's timer holds it: (heads, int64 sums)
                 mine = (layout.heads, fused.cpu().tolist())
-            elif not full_compare and hasattr(self.engine, "weight_group_fingerprints"):
+            elif not full_compare and Capability.GROUP_FINGERPRINTS in self.caps:
                 mine = layout.learner_values(items)  # the export's own tensors (sync.c2_learner_side: export)
             return self._grid(items, full_compare, engine_q, layout.groups, mine, layout, state)
 
@@ -415,7 +431,7 @@ class WeightSync:
         # while grid and storage walk the served tensors on the host; its launch time is self_check's, and any
         # of its device time not hidden by that walk is waited for by grid's read-back
         begun = 0.0
-        if self.mode("self_check") != "off" and callable(getattr(self.engine, "self_check_begin", None)):
+        if self.mode("self_check") != "off" and Capability.SELF_CHECK_BEGIN in self.caps:
             s = time.perf_counter()
             try:
                 self.engine.self_check_begin(self.config.self_check_seed)
@@ -486,9 +502,9 @@ class WeightSync:
             expected = {it.name: it.tensor for it in items}
             got = self.engine.read_weights(list(expected))
             main = checks.grid_full(expected, got)
-        elif hasattr(self.engine, "weight_group_fingerprints"):
+        elif Capability.GROUP_FINGERPRINTS in self.caps:
             main = self._grid_groups(items, None, groups, mine, state)
-        elif hasattr(self.engine, "weight_fingerprints"):
+        elif Capability.FINGERPRINTS in self.caps:
             expected = {it.name: it.tensor for it in items}
             main = checks.grid_digests(fingerprints(expected), self.engine.weight_fingerprints(list(expected)))
         else:
@@ -568,12 +584,11 @@ class WeightSync:
     def _self_check(self, full_compare: bool = False) -> Mapping[str, Any] | None:
         try:
             result = self.engine.self_check(self.config.self_check_seed)
-            every = getattr(self.engine, "self_check_every_layer", None)
-            if full_compare and callable(every) and isinstance(result, Mapping):
+            if full_compare and Capability.SELF_CHECK_EVERY_LAYER in self.caps and isinstance(result, Mapping):
                 # the full-compare syncs (the initial one, after every engine restart): every quantized layer's
                 # serving state against a fresh derivation, where a loader mismatch shows first
                 layers = dict(result.get("layers", {}))
-                layers.update((n, v) for n, v in every().items() if n not in layers)  # the probed ones keep rel_err
+                layers.update((n, v) for n, v in self.engine.self_check_every_layer().items() if n not in layers)  # the probed ones keep rel_err
                 result = {**result, "layers": layers}
             return result
         except (NotImplementedError, BackendUnavailable) as exc:
@@ -628,12 +643,11 @@ class WeightSync:
                 return str(self.engine.health().get("status", "ok")) == "ok"
             except Exception:  # noqa: BLE001 - a dead engine: the caller restarts it
                 return False
-        abort = getattr(self.engine, "abort_weight_update", None)
         try:
             if stage != "begin":
-                if abort is None:
+                if Capability.ABORT_UPDATE not in self.caps:
                     return False
-                abort()
+                self.engine.abort_weight_update()
             self.engine.resume()
             return True
         except Exception:  # noqa: BLE001 - a dead or partially written engine: the caller restarts it
