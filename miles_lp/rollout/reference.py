@@ -46,6 +46,7 @@ from miles_lp.errors import CheckpointError
 from miles_lp.formats.spec import Format
 from miles_lp.rollout.checkpoint import EngineCheckpoint, iter_tensors, open_checkpoint
 from miles_lp.rollout.engine import (
+    Capability,
     EngineBusy,
     EngineError,
     Generation,
@@ -178,6 +179,9 @@ def _c3_guarded(fn):
 
 class ReferenceEngine:
     """See the module docstring. ``checkpoint``: a folder (converted or BF16 HF)."""
+
+    #: every optional part of the engine protocol: the sync reads them instead of probing
+    capabilities = frozenset(Capability)
 
     def __init__(self, checkpoint: str | Path, *, device: str = "auto", dtype: str | torch.dtype | None = "auto",
                  kv_cache: str = "bf16", kv_scales: tuple[float, float] = (1.0, 1.0),

@@ -50,7 +50,14 @@ from typing import Any
 import torch
 
 from miles_lp.errors import BackendUnavailable
-from miles_lp.rollout.engine import EngineBusy, EngineError, Generation, SamplingParams, WeightUpdateError
+from miles_lp.rollout.engine import (
+    Capability,
+    EngineBusy,
+    EngineError,
+    Generation,
+    SamplingParams,
+    WeightUpdateError,
+)
 
 LOADER = "miles_lp.rollout.weight_loader.load_weights"
 FLAVORS = ("miles-lp", "sglang", "launch")
@@ -98,6 +105,8 @@ def generation_from_json(obj: Mapping[str, Any], want_routes: bool = False) -> G
 class SGLangHTTPEngine:
     """``Engine`` over HTTP. ``url``: ``http://127.0.0.1:30000``; ``api_key``: default from ``MILES_LP_API_KEY``
     or ``SGLANG_API_KEY``; ``flavor``: ``miles-lp`` (our server: tensor updates and introspection) or ``sglang``."""
+
+    capabilities = frozenset({Capability.PARAM_SPECS, Capability.ABORT_UPDATE})
 
     def __init__(self, url: str, api_key: str | None = None, *, timeout: float = 600.0, flavor: str = "miles-lp",
                  pause_mode: str = "retract", checkpoint: str | os.PathLike | None = None,
@@ -400,6 +409,8 @@ class SGLangHTTPEngine:
 
 class SGLangEngine:
     """In-process ``sglang.Engine`` (CUDA only; not run on these machines, see the module docstring)."""
+
+    capabilities: frozenset[Capability] = frozenset()
 
     def __init__(self, model_path: str, *, custom_weight_loader: str = LOADER, **server_args: Any):
         os.environ.setdefault("FLASHINFER_DISABLE_FP4_QUANT_FAST_MATH", "1")

@@ -44,7 +44,14 @@ from typing import Any
 import torch
 
 from miles_lp.errors import BackendUnavailable
-from miles_lp.rollout.engine import EngineBusy, EngineError, Generation, SamplingParams, WeightUpdateError
+from miles_lp.rollout.engine import (
+    Capability,
+    EngineBusy,
+    EngineError,
+    Generation,
+    SamplingParams,
+    WeightUpdateError,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 #: ``kv_cache`` (policy / RolloutConfig) -> vLLM's ``kv_cache_dtype`` (scales 1.0 without calibrated k/v scales)
@@ -87,6 +94,10 @@ def vllm_missing() -> str:
 
 class VLLMEngine:
     """``Engine`` over vLLM's offline ``LLM`` in a subprocess (see the module docstring)."""
+
+    #: answered from inside the vLLM process (C3 over every layer; no stepwise C3 / C4 state from outside)
+    capabilities = frozenset({Capability.PARAM_SPECS, Capability.GROUP_FINGERPRINTS, Capability.FINGERPRINTS,
+                              Capability.SELF_CHECK_EVERY_LAYER, Capability.ABORT_UPDATE, Capability.ROTATION_BASE})
 
     def __init__(self, checkpoint: str | Path, *, python: str | None = None, dtype: str = "bfloat16",
                  max_model_len: int = 256, max_num_seqs: int = 64, start_timeout_s: float = 900.0,

@@ -46,15 +46,9 @@ def test_full_scale_recipe_is_refused_for_nothing_but_weights_task_and_te(capsys
     assert out["train_backend"] == "megatron" and out["sync_transport"] == "nccl"
 
 
-@pytest.mark.xfail(strict=True, reason="the learner's pipeline parallelism (train.megatron.pp > 1) is not merged: "
-                   "its refusal is still listed; this fails (strict) once it lands, and the mark goes")
 def test_deepseek_v3_recipe_is_refused_for_nothing_but_weights_task_and_te(capsys):
+    """pp 8 over 61 layers: Megatron's uneven first / last stages, 7 + 6 stages of 8 + 6, as the recipe sets them."""
     out = _dry(capsys, "deepseek-v3-mxfp8.yaml", "deepseek-v3")
     assert _unexpected(out) == [], out["would_refuse_at_start"]
-
-
-def test_deepseek_v3_recipe_refusals_today(capsys):
-    """What the DeepSeek-V3 recipe is refused for today, exactly: weights, task file, and pipeline parallelism."""
-    out = _dry(capsys, "deepseek-v3-mxfp8.yaml", "deepseek-v3")
-    assert [r[:40] for r in _unexpected(out)] == ["train.megatron.pp=8: pipeline parallelis"]
-    assert out["megatron"]["parallel"] == {"tp": 8, "pp": 8, "ep": 16, "etp": 1, "impl": "transformer_engine"}
+    refused = " | ".join(out["would_refuse_at_start"])
+    assert "no safetensors weights" in refused and "task jsonl: cannot read" in refused
