@@ -38,7 +38,7 @@ def _hwm():  # peak RSS of this process (VmHWM). ru_maxrss would include the par
 """
 _CHILD = _HWM + """
 import json, os, sys, time
-from miles_lp.cli.convert import policy_for_format
+from miles_lp.policy.presets import policy_for_format
 from miles_lp.checkpoint import pipeline
 from miles_lp.checkpoint.convert import convert_checkpoint
 src, out, fmt, target, shard = sys.argv[1:6]
@@ -134,7 +134,7 @@ def build(root, size_gb: float, shard_mb: float):
 
     import torch
 
-    from miles_lp.checkpoint.safetensors_io import ShardWriter
+    from miles_lp.io.safetensors_io import ShardWriter
 
     cfg = synth_config(size_gb * 1e9)
     stamp = {"size_gb": size_gb, "shard_mb": shard_mb, "config": cfg, "seed": 0}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from miles_lp.cli import args as cli_args
+from miles_lp import devices
 
 FORMATS = ("mxfp8", "mxfp8+nvfp4-experts")
 HELP = "time a live weight sync (export + transfer + apply + checks) against a plain copy of the same bytes"
@@ -24,7 +24,7 @@ DESCRIPTION = __doc__
 def add_arguments(p) -> None:
     p.add_argument("--params", type=float, default=None,
                    help="model size in parameters (default 1e9 on CUDA, 2e7 on CPU)")
-    p.add_argument("--device", type=cli_args.device, default="auto", help="cpu | cuda | cuda:N | auto (default auto)")
+    p.add_argument("--device", type=devices.device, default="auto", help="cpu | cuda | cuda:N | auto (default auto)")
     p.add_argument("--format", default=None, choices=FORMATS, help="one format only (default: both)")
     p.add_argument("--iters", type=int, default=3, help="timed syncs per format after one warm-up (default 3)")
     p.add_argument("--bucket-mb", type=float, default=512, help="sync bucket size (default 512, as Miles)")
@@ -301,7 +301,7 @@ def bench_format(hf, fmt: str, workdir, device, args, log) -> dict:
     import time
 
     from miles_lp.checkpoint.convert import convert_checkpoint
-    from miles_lp.cli.convert import policy_for_format
+    from miles_lp.policy.presets import policy_for_format
     from miles_lp.rollout.reference import ReferenceEngine
     from miles_lp.sync import SyncConfig, WeightSync
     from miles_lp.sync.transport import InProcessTransport

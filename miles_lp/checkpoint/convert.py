@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import sys
 import time
 import warnings
@@ -22,15 +21,15 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from miles_lp.checkpoint import pipeline
-from miles_lp.checkpoint.atomic import atomic_output_dir, check_output_target
-from miles_lp.checkpoint.configs import emit_configs
-from miles_lp.checkpoint.safetensors_io import INDEX_NAME, ShardWriter, TensorHeader
-from miles_lp.checkpoint.validate import SourceCheckpoint, validate_source
 from miles_lp.errors import CheckpointError, ConfigError, FormatError
 from miles_lp.export import naming
-from miles_lp.export.writer import write_metadata
+from miles_lp.export.configs import emit_configs
+from miles_lp.export.writer import explain_text, side_file_rows, write_metadata
 from miles_lp.formats.api import quantize
 from miles_lp.formats.spec import Format
+from miles_lp.io.atomic import atomic_output_dir, check_output_target
+from miles_lp.io.safetensors_io import INDEX_NAME, ShardWriter, TensorHeader, sha256_file
+from miles_lp.io.validate import SourceCheckpoint, validate_source
 
 COMPILE_MIN_NUMEL = 1 << 22  # with compile=True: torch.compile'd MXFP8 for tensors of >= 4M elements
 
@@ -66,14 +65,6 @@ class ConvertSummary:
         return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
 
 
-def side_file_rows(copied: list[str], not_copied: list[str]) -> list[tuple[str, str]]:
-    """Summary rows for the input's side files: what was copied, and every file not copied with the reason."""
-    rows = [("copied files", ", ".join(copied) if copied else "none")]
-    if not_copied:
-        rows.append(("not copied", "; ".join(not_copied)))
-    return rows
-
-
 def _human(n: int) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1000 or unit == "GB":
@@ -91,13 +82,6 @@ def build_plan(policy, source: SourceCheckpoint):
     from miles_lp.policy import compile_plan, get_layout
 
     return compile_plan(policy, get_layout(source.config), source.logical)
-
-
-def explain_text(plan, source: str = "") -> str:
-    """The effective plan as ``miles-lp explain`` shows it (rows per layer range and role, totals, warnings)."""
-    from miles_lp.policy.explain import explain_plan, format_explain
-
-    return format_explain(explain_plan(plan), source)
 
 
 def codec_options(entry, *, amax=None, compile: bool = False, name: str | None = None) -> dict:
@@ -132,14 +116,6 @@ def dequantize_fp8_block(data, scale_inv, decode: str = DEFAULT_FP8_DECODE):
 # --------------------------------------------------------------------------------------------------------
 # the pipeline
 # --------------------------------------------------------------------------------------------------------
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _check_finite(name: str, x, allow: bool, found: list[str]) -> None:
     """NaN/inf check in one fast pass (``aminmax`` propagates NaN; ~8 GB/s on CPU, vs ~1.4 for abs().amax())."""
     import torch
@@ -210,8 +186,8 @@ def group_amax(src: SourceCheckpoint, groups: list[tuple[str, ...]], device: str
 
     Groups whose members are all in ``skip`` (``inline_groups``: computed during the conversion) are left out.
     """
-    from miles_lp.checkpoint.safetensors_io import TensorReader
     from miles_lp.formats import nvfp4_global_amax
+    from miles_lp.io.safetensors_io import TensorReader
 
     out: dict[str, object] = {}
     groups = [g for g in groups if not all(n in skip for n in g)]

@@ -32,16 +32,15 @@ source hashes from here. Only the plan (the declaration being checked), the poli
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from miles_lp.checkpoint.safetensors_io import CheckpointFiles, TensorReader, open_checkpoint
 from miles_lp.errors import CheckpointError, MilesLPError
 from miles_lp.formats.spec import MXFP8_BLOCK, NVFP4_BLOCK, Format
+from miles_lp.io.safetensors_io import CheckpointFiles, TensorReader, open_checkpoint, sha256_file
 
 PASS, FAIL, SKIP = "pass", "FAIL", "skip"
 PLAN_FILE = "miles_lp_plan.json"  # the converter's record (name on disk)
@@ -371,7 +370,7 @@ def _plan_from_recipe(ctx: _Ctx, report: VerifyReport, source) -> None:
         return
     try:
         if source is not None:
-            from miles_lp.checkpoint.validate import validate_source
+            from miles_lp.io.validate import validate_source
 
             src = validate_source(source)
             shapes = dict(src.logical)
@@ -440,7 +439,7 @@ def _check_tensors(ctx: _Ctx, report: VerifyReport) -> None:
 
 
 def _check_config(ctx: _Ctx, report: VerifyReport) -> None:
-    from miles_lp.checkpoint.configs import emit_configs
+    from miles_lp.export.configs import emit_configs
 
     if not _prereq(report, "config", ctx.plan is not None, "the record failed"):
         return
@@ -511,8 +510,8 @@ def _consumer_problems(ctx: _Ctx, qc, disk_files: dict, want_qc, want_files: dic
     """Read the on-disk config the way the engine does; list weights whose format differs from the plan, and
     the scheme fields (group size, bits, strategy, block size, ...: `checkpoint.schemes`) the engine would read
     with another value than the plan's own config gives it (review-6 M1). A FAIL with and without a record."""
-    from miles_lp.checkpoint.configs import engine_schemes_for
-    from miles_lp.checkpoint.schemes import BF16, compare
+    from miles_lp.export.configs import engine_schemes_for
+    from miles_lp.export.schemes import BF16, compare
 
     try:
         engine = engine_schemes_for(ctx.target, qc, disk_files, ctx.plan)
@@ -672,14 +671,6 @@ def _scale_problem(target: str, part: Part, t) -> str | None:
 # --------------------------------------------------------------------------------------------------------
 # source, grid and error (--source)
 # --------------------------------------------------------------------------------------------------------
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _check_source(ctx: _Ctx, report: VerifyReport, source: Path) -> None:
     if not _prereq(report, "source", ctx.plan is not None and ctx.files is not None,
                    "the record or the index failed"):
@@ -687,7 +678,7 @@ def _check_source(ctx: _Ctx, report: VerifyReport, source: Path) -> None:
             report.add(name, SKIP, "could not run: the record or the index failed")
         return
     try:
-        from miles_lp.checkpoint.validate import validate_source
+        from miles_lp.io.validate import validate_source
 
         src = validate_source(source)
     except MilesLPError as exc:
@@ -695,7 +686,7 @@ def _check_source(ctx: _Ctx, report: VerifyReport, source: Path) -> None:
         for name in ("grid", "error"):
             report.add(name, SKIP, "could not run: --source unreadable")
         return
-    actual = {p.name: _sha256(p) for p in src.files.files} if ctx.record is not None else {}
+    actual = {p.name: sha256_file(p) for p in src.files.files} if ctx.record is not None else {}
     recorded = ctx.record["source"]["files"] if ctx.record is not None else None
     if recorded is None:
         report.add("source", SKIP, f"no record of the converted files' sha256 (--recipe mode); the grid and error "

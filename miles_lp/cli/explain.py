@@ -32,7 +32,7 @@ def run(args) -> int:
     import json
     from pathlib import Path
 
-    from miles_lp.checkpoint.validate import load_model_layout
+    from miles_lp.io.validate import load_model_layout
     from miles_lp.policy import compile_plan, load_policy
     from miles_lp.policy.explain import explain_plan, format_explain
 
@@ -57,8 +57,8 @@ def _refuse_quantized(model) -> None:
     as convert does, and say where its own plan is."""
     import json
 
-    from miles_lp.checkpoint.validate import already_quantized
     from miles_lp.errors import ConfigError
+    from miles_lp.io.validate import already_quantized
 
     cfg = model / "config.json" if model.is_dir() else model
     try:

@@ -27,9 +27,9 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from pathlib import Path
 
-    from miles_lp.checkpoint.atomic import atomic_output_dir
     from miles_lp.checkpoint.tiny import make_tiny_model
     from miles_lp.errors import ConfigError
+    from miles_lp.io.atomic import atomic_output_dir
 
     if args.num_layers < 1:
         raise ConfigError(f"--num-layers must be >= 1, got {args.num_layers}")

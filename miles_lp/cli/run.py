@@ -109,8 +109,8 @@ def _prepare_engine(recipe, recipe_path: str, out: str, overrides: list[str]) ->
     import shutil
     from pathlib import Path
 
-    from miles_lp.checkpoint.atomic import check_output_target
     from miles_lp.errors import ConfigError
+    from miles_lp.io.atomic import check_output_target
     from miles_lp.launch.model import prepare_model
     from miles_lp.launch.runner import engine_side, plan_for
 
