@@ -80,11 +80,17 @@ class ChecksConfig:
 class SentinelConfig:
     """C6 thresholds (seed 000): non-finite rollout log-probs always trip; ``|rollout_corr/kl|`` above
     ``kl_threshold`` trips (two-sided: k1 is signed); a clip ratio >= ``clip_ratio_threshold`` or every response at
-    the length cap trips after ``consecutive_steps`` steps in a row."""
+    the length cap trips after ``consecutive_steps`` steps in a row.
+
+    ``at_length_cap``: ``trip`` (default) treats "every response ended at ``max_response_len``" as a fault (a
+    sampler that never emits EOS); ``expected`` is for a task whose answers are meant to fill the cap (the tiny
+    ``copy`` recipes: a 2-token answer under a 3-token cap, so an untrained policy that has not learnt EOS yet ends
+    every response there). With ``expected`` that rule is reported but never trips; the others still do."""
 
     kl_threshold: float = 1.0
     clip_ratio_threshold: float = 0.99
     consecutive_steps: int = 2
+    at_length_cap: Literal["trip", "expected"] = "trip"
 
     def _validate(self, where: Where) -> None:
         if not self.kl_threshold > 0:
