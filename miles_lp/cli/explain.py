@@ -8,9 +8,9 @@ Compile the recipe's `precision:` section against a model and print, grouped by 
 role, each tensor group's format and the rule that decided it; totals of parameters and bytes per format with
 the compression ratio; and warnings (rules that match nothing, rules shadowed by an earlier rule).
 
-  miles-lp explain recipes/deepseek_v3_mxfp8.yaml --model tests/fixtures/deepseek_v3_config.json
-  miles-lp explain recipes/qwen3_moe_mxfp8_nvfp4_experts.yaml --model /tmp/tiny --json
-  miles-lp explain recipes/deepseek_v3_mxfp8.yaml --model tests/fixtures/deepseek_v3_config.json --mtp --plot plan.png
+  miles-lp explain recipes/policies/deepseek-v3-mxfp8.yaml --model tests/fixtures/deepseek_v3_config.json
+  miles-lp explain recipes/policies/qwen3-moe-mxfp8-nvfp4-experts.yaml --model /tmp/tiny --json
+  miles-lp explain recipes/policies/deepseek-v3-mxfp8.yaml --model tests/fixtures/deepseek_v3_config.json --mtp --plot plan.png
 
 --model is a directory holding config.json (names and shapes come from its safetensors headers when
 present, else from the config) or a config.json path.

@@ -24,8 +24,9 @@ def add_arguments(p) -> None:
     p.add_argument("what", choices=("sync",), help="what to self-test")
     p.add_argument("--arch", default="qwen3_moe", help="tiny model architecture (default qwen3_moe)")
     p.add_argument("--recipe", default=None,
-                   help="recipe whose precision: section both sides run (default: recipes/"
-                        "qwen3_moe_mxfp8_nvfp4_experts.yaml for MoE models, recipes/qwen3_mxfp8.yaml for dense)")
+                   help="recipe whose precision: section both sides run (default: recipes/policies/"
+                        "qwen3-moe-mxfp8-nvfp4-experts.yaml for MoE models, recipes/policies/qwen3-mxfp8.yaml "
+                        "for dense)")
     p.add_argument("--engine", default="reference", choices=("reference", "vllm"),
                    help="sampler backend (default reference)")
     p.add_argument("--only", action="append", default=None, metavar="TEXT",

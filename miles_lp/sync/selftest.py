@@ -31,7 +31,7 @@ from miles_lp.sync.sentinel import rollout_kl
 from miles_lp.sync.verdict import SyncCheckError, SyncError
 from miles_lp.sync.weight_sync import SyncReport, WeightSync
 
-DEFAULT_RECIPES = {"moe": "qwen3_moe_mxfp8_nvfp4_experts.yaml", "dense": "qwen3_mxfp8.yaml"}
+DEFAULT_RECIPES = {"moe": "policies/qwen3-moe-mxfp8-nvfp4-experts.yaml", "dense": "policies/qwen3-mxfp8.yaml"}
 
 
 @dataclasses.dataclass

@@ -17,7 +17,7 @@ from miles_lp.io.safetensors_io import INDEX_NAME
 from miles_lp.io.validate import load_model_layout, read_safetensors_shapes
 from miles_lp.rollout.checkpoint import open_checkpoint as engine_open
 
-RECIPE = "recipes/qwen3_mxfp8.yaml"
+RECIPE = "recipes/policies/qwen3-mxfp8.yaml"
 
 
 @pytest.fixture(scope="module")
