@@ -1,6 +1,6 @@
 """`miles-lp bench plan`: compile time of the full DeepSeek-V3 plan and per-tensor lookup cost.
 
-Targets (issue 3): compile under 1 s, lookup under 1 microsecond per tensor, for canonical names
+Targets: compile under 1 s, lookup under 1 microsecond per tensor, for canonical names
 (`entry` / `format_for`) and for Megatron / fused names (`entries_for_any` / `format_for_any`, memoised).
 The anchor is a plain dict lookup of the same names, so the ratio says what the plan's lookup adds over
 the floor.

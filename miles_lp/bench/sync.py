@@ -7,7 +7,7 @@ trainer on the HF model, then per ``--format`` (default: mxfp8 and mxfp8+nvfp4-e
 and syncs with ``WeightSync`` (default recipe settings: 512 MiB buckets, every check on, digest C2), timing
 the sync end to end; in the same run, a plain device copy (``dst.copy_(src)``) of as many bytes as the sync
 sent. Reports seconds per sync, the copy's seconds, their ratio, and the checks' share of the sync, plus the
-stages (export, transfer, apply, finish). Targets (issue 11): sync <= 3x the copy; checks < 2% of the sync.
+stages (export, transfer, apply, finish). Targets: sync <= 3x the copy; checks < 2% of the sync.
 """
 
 from __future__ import annotations
@@ -280,7 +280,7 @@ def contract_floor(quantize_bytes: int, plain_bytes: int, nbytes: int, qbytes: i
       masters read, codes and scales written) and the BF16 tensors are copied in (``2 * plain_bytes``);
     * apply: one copy from staging into the tensors the engine serves. It cannot be skipped: an update is checked
       whole before any byte reaches a served tensor, so a refused one leaves the previous weights serving
-      (issue 11, CONTRACT 5);
+      (CONTRACT 5);
     * C2: one read of every byte the engine now serves (``nbytes``), after ``finish``: a digest taken while apply
       writes would not see bytes that changed afterwards (C4 sees re-bound tensors, not overwritten ones);
     * finish: the engine's derived state, rebuilt from the synced codes (``qbytes`` read, ``derived_bytes``
@@ -495,7 +495,7 @@ def _run(args, device, torch) -> int:
                   f"{c['with_derived_state']:.2f}x with this engine's derived state (BF16 operands: a GPU without "
                   f"MXFP8/NVFP4 tensor cores); {c['native']:.2f}x for an engine serving the canonical bytes as they "
                   "are (native MXFP8/NVFP4 GEMMs, sm_100)")
-    print("targets (issue 11): sync <= 3x the copy; checks < 2% of the sync")
+    print("targets: sync <= 3x the copy; checks < 2% of the sync")
     for r in results:
         print("  " + target_verdict(r))
     if args.json:

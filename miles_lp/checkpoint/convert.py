@@ -46,7 +46,7 @@ class ConvertSummary:
     num_shards: int
     nonfinite: list[str]
     copied: list[str] = dataclasses.field(default_factory=list)  # side files carried over (tokenizer, code, ...)
-    not_copied: list[str] = dataclasses.field(default_factory=list)  # "<name> (why)" (review L18: never silent)
+    not_copied: list[str] = dataclasses.field(default_factory=list)  # "<name> (why)" (never silent)
 
     @property
     def gb_per_s(self) -> float:
@@ -98,7 +98,7 @@ def codec_options(entry, *, amax=None, compile: bool = False, name: str | None =
 #: ``bf16`` (default): bf16(fp32(q) * s), DeepSeek's ``fp8_cast_bf16``, i.e. the BF16 checkpoint the recipes tell
 #: users to train from, so the conversion is that checkpoint's conversion byte for byte (the learner's initial
 #: grid). ``fp32``: fp32(q) * s, one rounding per element (an E4M3 value times an arbitrary fp32 scale needs up
-#: to 28 significant bits): closer to the FP8 values, but another MXFP8 grid (review L17: 4.4% of data bytes
+#: to 28 significant bits): closer to the FP8 values, but another MXFP8 grid (4.4% of data bytes
 #: differed on a random 512x1024 tensor).
 FP8_DECODES = ("bf16", "fp32")
 DEFAULT_FP8_DECODE = "bf16"

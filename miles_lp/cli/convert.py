@@ -97,7 +97,7 @@ def build_policy(args):
 
 
 def check_layer_flags(args) -> None:
-    """``--num-layers-at-*-in-bf16`` against the model's layer count, named by flag (review-6 L5: the plan's error
+    """``--num-layers-at-*-in-bf16`` against the model's layer count, named by flag (the plan's error
     described a ``first N`` rule the user never wrote)."""
     from miles_lp.errors import CheckpointError, ConfigError
     from miles_lp.io.validate import read_config

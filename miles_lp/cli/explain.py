@@ -53,7 +53,7 @@ def run(args) -> int:
 
 
 def _refuse_quantized(model) -> None:
-    """A converted checkpoint's packed shapes and scale tensors make a plan of it meaningless (review-6 L16): refuse
+    """A converted checkpoint's packed shapes and scale tensors make a plan of it meaningless: refuse
     as convert does, and say where its own plan is."""
     import json
 

@@ -36,7 +36,7 @@ def run(args) -> int:
     from miles_lp.cli.convert import parse_size
 
     # "banana": one line naming the flag, not transformers' ValueError; the bytes, not the text, go to
-    # save_pretrained (it reads "1" as an unknown unit where we read one byte; review-6 L14)
+    # save_pretrained (it reads "1" as an unknown unit where we read one byte)
     shard_bytes = parse_size(args.max_shard_size)
     out = Path(args.out)
     empty_dir = out.is_dir() and not any(out.iterdir())

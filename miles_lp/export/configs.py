@@ -90,7 +90,7 @@ def engine_formats_for(target: str, quant_config, files: dict[str, dict], plan) 
 def engine_schemes_for(target: str, quant_config, files: dict[str, dict], plan) -> dict[str, Scheme]:
     """`engine_formats_for` with the scheme fields the engine's reader then uses for each weight
     (`miles_lp.export.schemes`: group sizes, bits, strategy, block size, ...), so a config that selects the
-    right format with the wrong parameters can be told from the plan's (review-6 M1)."""
+    right format with the wrong parameters can be told from the plan's."""
     from miles_lp.policy import consumers as C
     from miles_lp.policy.emit import engine_modules
 

@@ -3,7 +3,7 @@
 `configs.engine_schemes_for` resolves which config entry governs each weight (skip lists, ``quantized_layers``,
 config groups); the functions here say which of that entry's fields the reader then acts on, with the reader's
 default for an absent field, so that ``verify`` can compare a checkpoint's config with the plan's field by field
-(review-6 M1: a compressed-tensors group with ``group_size: 64`` selected the right format but the package's
+(a compressed-tensors group with ``group_size: 64`` selected the right format but the package's
 decompressor then failed on every module). Read from, per reader:
 
 * SGLang ``quant_method: mxfp8`` (``Fp8Config.from_config``, layers/quantization/fp8.py): ``activation_scheme``

@@ -1,4 +1,4 @@
-"""An engine checkpoint from a learner: ``miles-lp export`` (issue 8), the same files ``miles-lp convert`` writes.
+"""An engine checkpoint from a learner: ``miles-lp export``, the same files ``miles-lp convert`` writes.
 
     learner = learner_from_hf("/tmp/tiny", load_policy("recipe.yaml"))      # or any Learner (a resumed run)
     export_learner(learner, "/tmp/tiny-mxfp8", target="sglang", base="/tmp/tiny")
@@ -95,7 +95,7 @@ class ExportSummary:
     num_shards: int
     step: int
     copied: list[str] = dataclasses.field(default_factory=list)  # the base's side files carried over
-    not_copied: list[str] = dataclasses.field(default_factory=list)  # "<name> (why)" (review L18)
+    not_copied: list[str] = dataclasses.field(default_factory=list)  # "<name> (why)"
 
     def table(self) -> str:
         rows = [("output", str(self.out)), ("target", self.target), ("learner step", str(self.step))]

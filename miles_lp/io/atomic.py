@@ -154,7 +154,7 @@ def check_output_target(out: str | Path, overwrite: bool, inputs: tuple[str | Pa
             raise CheckpointError(f"{flag} {out} lies inside the input folder {src}: choose an output folder "
                                   "outside it")
     blocker = blocking_file(out.parent)
-    if blocker is not None:  # review-6 L14: was a FileExistsError / NotADirectoryError traceback after the work
+    if blocker is not None:  # was a FileExistsError / NotADirectoryError traceback after the work
         raise CheckpointError(f"{flag} {out}: {blocker} is a file, not a folder; choose an output path whose parent "
                               "folders exist or can be created")
     if out.exists() or out.is_symlink():
@@ -226,7 +226,7 @@ def current_umask() -> int:
 def normal_file_modes(folder: Path, names: Iterable[str] | None = None) -> None:
     """Give the ``*.safetensors`` under ``folder`` (or only ``names`` in it) the mode a file ``open()`` creates,
     ``0o666 & ~umask``: safetensors' writer creates its files 0600 (a temporary file renamed), so a server under
-    another uid could read config.json but not the weights beside it (review-6 L6). Other files have that mode."""
+    another uid could read config.json but not the weights beside it. Other files have that mode."""
     mode = 0o666 & ~current_umask()
     files = folder.rglob("*.safetensors") if names is None else (folder / n for n in names)
     for f in files:

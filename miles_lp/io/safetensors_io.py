@@ -223,7 +223,7 @@ def _names(paths: list[Path], limit: int = 6) -> str:
 def select_weight_files(root: str | Path) -> tuple[list[Path], dict[Path, str], dict | None]:
     """Which ``*.safetensors`` files of ``root`` are the model: ``(files, ignored {path: why}, index)``.
 
-    The one rule every reader follows (review L13), the one Hugging Face transformers and vLLM agree on:
+    The one rule every reader follows, the one Hugging Face transformers and vLLM agree on:
 
     1. ``model.safetensors.index.json``: exactly the shards its ``weight_map`` names (vLLM's
        ``filter_duplicate_safetensors_files``; transformers loads the index's files). A shard it names that is
@@ -365,7 +365,7 @@ class ShardWriter:
             save(self._pending, str(path), metadata={"format": "pt"})
         except OSError:
             raise
-        except Exception as exc:  # safetensors raises its own SafetensorError, not OSError (issue 9, item 4)
+        except Exception as exc:  # safetensors raises its own SafetensorError, not OSError
             raise as_os_error(exc, path) from exc
         self.bytes_written += path.stat().st_size
         self._shards.append(list(self._pending))

@@ -23,7 +23,7 @@ from miles_lp.io.safetensors_io import (
 
 FP8_BLOCK = 128
 SCALE_INV_SUFFIX = "_scale_inv"  # DeepSeek-V3 block-FP8: "<m>.weight" + "<m>.weight_scale_inv"
-# Side files (review L18): every top-level file but the weights is copied into the output (tokenizers of any
+# Side files: every top-level file but the weights is copied into the output (tokenizers of any
 # kind, remote code named by config.json's ``auto_map``, processor configs, README, LICENSE, ...); these are not.
 REWRITTEN_FILES = ("config.json", "miles_lp_plan.json")  # the output's own are written
 _QUANT_METADATA = ("hf_quant_config.json",)  # ModelOpt's: the output's own is written from the plan
@@ -80,7 +80,7 @@ class SourceCheckpoint:
         the output; remote code that config.json's or tokenizer_config.json's ``auto_map`` names but the folder
         lacks is listed too."""
         converted = {p.name for p in self.files.files} | {INDEX_NAME, "config.json"}
-        ignored = {p.name: why for p, why in self.files.ignored.items()}  # other *.safetensors: why not read (L13)
+        ignored = {p.name: why for p, why in self.files.ignored.items()}  # other *.safetensors: why not read
         out = []
         for p in sorted(self.root.iterdir()):
             why = ignored.get(p.name) or side_file_verdict(p)
@@ -187,7 +187,7 @@ def read_safetensors_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
     """Names and shapes from safetensors headers only (no tensor data is read), through the converter's
     index-aware reader (``open_checkpoint``, whose ``select_weight_files`` picks the files): with
     ``model.safetensors.index.json`` exactly the shards it names are read, a shard it names that is missing, or a
-    tensor it names that no shard holds, is a ``CheckpointError`` naming the index and the shard (review L13: a
+    tensor it names that no shard holds, is a ``CheckpointError`` naming the index and the shard (a
     glob gave a silently partial plan, and a stray ``consolidated.safetensors`` next to the shards was read too);
     without an index, ``model.safetensors`` alone, else the one ``*.safetensors``, and several are an error; a
     corrupt or truncated file is a ``CheckpointError`` naming it."""
@@ -220,7 +220,7 @@ def load_model_layout(model: str | Path, include_mtp: bool = False):
         if path.is_dir() and has_safetensors(path):
             files = open_checkpoint(path)
             where = f"safetensors headers in {path}"
-            if files.ignored:  # named, never silent (L13): e.g. Mistral's consolidated.safetensors
+            if files.ignored:  # named, never silent: e.g. Mistral's consolidated.safetensors
                 where += f" (other files: {files.ignored_note()})"
             return layout, {name: h.shape for name, h in files.tensors.items()}, where
         return layout, layout.synthesize(include_mtp=include_mtp), f"synthesized from {cfg_path}"

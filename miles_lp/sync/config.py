@@ -1,4 +1,4 @@
-"""The recipe's ``sync:`` section: buckets, transport, and the mode of each check (issue 11).
+"""The recipe's ``sync:`` section: buckets, transport, and the mode of each check.
 
     sync:
       bucket_mb: 512            # Miles' / slime's default (--update-weight-buffer-size)
@@ -110,7 +110,7 @@ class SyncConfig:
     # The learner side of the per-sync C2 digest. ``export``: computed from the export's own tensors (one more read
     # of the bytes sent, ~0.3 ms per GB on an H200), so a transfer that reads or writes the wrong bytes differs
     # from it. ``fused``: taken by the CUDA bucket fill from the bytes it copies (that read saved), which makes C2
-    # blind to a fill that reads the wrong source: both sides then hold the same wrong bytes (review-6 M5).
+    # blind to a fill that reads the wrong source: both sides then hold the same wrong bytes.
     c2_learner_side: Literal["export", "fused"] = "export"
     self_check_tolerance: float = 0.25
     self_check_seed: int = 0

@@ -74,7 +74,7 @@ class Sentinel:
             v = failed("sentinel", kl, "rollout_corr/kl is not finite")
         elif kl is not None and abs(kl) > cfg.kl_threshold:
             # two-sided: k1 = mean(lp_rollout - lp_train) is signed, and a sampler whose log-probs sit far BELOW
-            # the learner's (another temperature, a shifted position) gives a large negative k1 (review-6 L15)
+            # the learner's (another temperature, a shifted position) gives a large negative k1
             v = failed("sentinel", kl, f"|rollout_corr/kl| = {abs(kl):.4g} > {cfg.kl_threshold} (kl {kl:.4g})")
         elif self._clip_streak >= n:
             v = failed("sentinel", clip_ratio, f"clip ratio >= {cfg.clip_ratio_threshold} for {self._clip_streak} "

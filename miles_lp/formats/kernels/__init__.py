@@ -525,7 +525,7 @@ def _zeros_i32(n: int, dev: torch.device) -> torch.Tensor:
     if n > _POOL_INTS // 16 or (dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return torch.zeros(n, dtype=torch.int32, device=dev)
     key = (dev, _stream(dev.index) if dev.type == "cuda" else None)
-    with _ZERO_POOLS_LOCK:  # two threads on one stream must not be handed the same slice (review-4 C6)
+    with _ZERO_POOLS_LOCK:  # two threads on one stream must not be handed the same slice
         ent = _ZERO_POOLS.get(key)
         if ent is None or ent[1] + n > _POOL_INTS:
             ent = _ZERO_POOLS[key] = [torch.zeros(_POOL_INTS, dtype=torch.int32, device=dev), 0]
