@@ -15,6 +15,7 @@ a listed one that no longer exists, so the lists stay true: remove an entry when
 from __future__ import annotations
 
 import ast
+import functools
 from collections import defaultdict
 from pathlib import Path
 
@@ -105,6 +106,11 @@ def _strings(node: ast.AST) -> list[str]:
 
 def import_edges() -> dict[tuple[str, str], list[int]]:
     """(module, imported module) -> line numbers, for every import of a ``miles_lp`` module."""
+    return _import_edges(PKG)
+
+
+@functools.lru_cache(maxsize=2)
+def _import_edges(pkg: Path) -> dict[tuple[str, str], list[int]]:
     modules = _modules()
     edges: dict[tuple[str, str], list[int]] = defaultdict(list)
     for mod, path in modules.items():
