@@ -202,22 +202,6 @@ def decode_components(target: str, fmt: Format, weight_name: str, tensors: Mappi
     return comps
 
 
-def constant_parts(target: str, fmt: Format, weight_name: str) -> dict[str, float]:
-    """On-disk tensors with a fixed value (``input_scale``), for ``verify``."""
-    prefix = module_prefix(weight_name)
-    return {prefix + p.suffix: _constant(p) for p in parts(target, fmt) if p.component is None}
-
-
 def _constant(p: Part) -> float:
     """The stored value of a constant part: the static activation decode scale, or its reciprocal."""
     return 1.0 / INPUT_SCALE_VALUE if p.transform == "reciprocal" else INPUT_SCALE_VALUE
-
-
-def owner_of(name: str, quantized_weights: Mapping[str, Format], target: str) -> str | None:
-    """The quantized weight whose module wrote on-disk tensor ``name`` (``None``: not a quantized part)."""
-    module, _, suffix = name.rpartition(".")
-    weight = f"{module}.weight"
-    fmt = quantized_weights.get(weight)
-    if fmt is None:
-        return None
-    return weight if any(p.suffix == suffix for p in parts(target, fmt)) else None

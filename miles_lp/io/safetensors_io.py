@@ -20,7 +20,7 @@ import math
 import os
 import re
 import struct
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -414,14 +414,6 @@ def write_json(path: str | Path, obj, *, sort_keys: bool = False) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=sort_keys)
         f.write("\n")
-
-
-def iter_file_order(ckpt: CheckpointFiles, names: Iterable[str] | None = None) -> Iterator[TensorHeader]:
-    """Headers in storage order (file by file, ascending offset): sequential reads."""
-    wanted = None if names is None else set(names)
-    for h in ckpt.tensors.values():
-        if wanted is None or h.name in wanted:
-            yield h
 
 
 def sha256_file(path: str | Path) -> str:

@@ -51,9 +51,6 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-KINDS = ("digest", "copy", "ff")
-
-
 def enabled(device: torch.device, kind: str = "digest") -> bool:
     """Whether the sync should use kernel ``kind`` (``digest``: C2 fingerprints, ``copy``: the bucket fill,
     ``ff``: C5's 0xFF counts) for tensors on ``device``: CUDA (or CPU under ``TRITON_INTERPRET=1``), Triton
