@@ -55,8 +55,8 @@ KNOWN_UPWARD: set[tuple[str, str]] = {
 KNOWN_MODULE_CYCLES: set[tuple[str, ...]] = {
     # the codecs pick their kernel (formats.mxfp8 / nvfp4 -> kernels) and the kernels return the codecs'
     # tensors (kernels -> mxfp8 / nvfp4): the choice belongs in one dispatch module above both
-    ("miles_lp.formats.kernels", "miles_lp.formats.kernels.bound", "miles_lp.formats.mxfp8",
-     "miles_lp.formats.nvfp4"),
+    ("miles_lp.formats.kernels", "miles_lp.formats.kernels.mxfp8", "miles_lp.formats.kernels.nvfp4",
+     "miles_lp.formats.mxfp8", "miles_lp.formats.nvfp4"),
     ("miles_lp.launch.actor_sync", "miles_lp.launch.ray_launcher", "miles_lp.launch.runner"),
     ("miles_lp.rollout.reference", "miles_lp.rollout.rotating_graph"),
     ("miles_lp.train.gemm", "miles_lp.train.lean"),
