@@ -32,143 +32,32 @@ source hashes from here. Only the plan (the declaration being checked), the poli
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
-import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from miles_lp.checkpoint.safetensors_io import CheckpointFiles, TensorReader, open_checkpoint
+from miles_lp.checkpoint.disk_layout import (  # the oracle's tables (re-exported: verify's public API)
+    CT_INPUT_GLOBAL_SCALE,
+    PLAN_FILE,
+    TARGETS,
+    Part,
+    expected_tensors,
+    fused_groups,
+    required_parts,
+    weight_prefix,
+)
 from miles_lp.errors import CheckpointError, MilesLPError
 from miles_lp.formats.spec import MXFP8_BLOCK, NVFP4_BLOCK, Format
+from miles_lp.io.safetensors_io import CheckpointFiles, TensorReader, open_checkpoint, sha256_file
 
 PASS, FAIL, SKIP = "pass", "FAIL", "skip"
-PLAN_FILE = "miles_lp_plan.json"  # the converter's record (name on disk)
-TARGETS = ("sglang", "vllm", "compressed-tensors")
 E8M0_MAX_FINITE = 247  # the largest E8M0 scale byte a finite bf16/fp16/fp32 block produces (TE's rule)
 E4M3_MAX_BYTE = 0x7E  # 448: the block scale of the block that holds an NVFP4 scope's amax
 STATIC_INPUT_SCALE = 1.0  # the static activation DECODE scale the recipe defines: activations are scaled per token
 #                           at run time, so converters write 1.0 (docs/converter.md). ModelOpt ``input_scale``
 #                           stores it as is; compressed-tensors ``input_global_scale`` as the encode scale 1 / it.
 _MAX_LISTED = 5
-
-
-# --------------------------------------------------------------------------------------------------------
-# The on-disk layout per target (CONTRACT 4), written here on purpose (see the module docstring)
-# --------------------------------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Part:
-    """One on-disk tensor of a quantized module ``<m>.``: suffix, what it holds, dtype, shape rule.
-
-    ``role``: ``data``; ``scale`` (block scales); ``global`` (NVFP4 global scale, stored as the decode
-    scale S_dec when ``stored == "dec"``, as fp32(1 / S_dec) when ``"enc"``); ``input`` (static activation
-    scale). ``shape``: ``same`` [N, K], ``half`` [N, K/2], ``k32`` [N, K/32], ``k16`` [N, K/16],
-    ``scalar`` [], ``one`` [1].
-    """
-
-    suffix: str
-    role: str
-    dtype: str
-    shape: str
-    stored: str = ""
-
-
-_MXFP8_PARTS = {
-    "sglang": (Part("weight", "data", "F8_E4M3", "same"), Part("weight_scale_inv", "scale", "U8", "k32")),
-    "vllm": (Part("weight", "data", "F8_E4M3", "same"), Part("weight_scale", "scale", "U8", "k32")),
-    "compressed-tensors": (Part("weight", "data", "F8_E4M3", "same"), Part("weight_scale", "scale", "U8", "k32")),
-}
-_MODELOPT_NVFP4 = (Part("weight", "data", "U8", "half"), Part("weight_scale", "scale", "F8_E4M3", "k16"),
-                   Part("weight_scale_2", "global", "F32", "scalar", "dec"),
-                   Part("input_scale", "input", "F32", "scalar", "dec"))
-_NVFP4_PARTS = {
-    "sglang": _MODELOPT_NVFP4,
-    "vllm": _MODELOPT_NVFP4,
-    "compressed-tensors": (Part("weight_packed", "data", "U8", "half"),
-                           Part("weight_scale", "scale", "F8_E4M3", "k16"),
-                           Part("weight_global_scale", "global", "F32", "one", "enc")),
-}
-CT_INPUT_GLOBAL_SCALE = Part("input_global_scale", "input", "F32", "one", "enc")  # W4A4 (see required_parts)
-CT_INPUT_SCALE_REQUIRED = True  # issue 9 item 2 (a switch only so that a test can show the requirement)
-
-
-def _config_needs_ct_input_scale(quant_config) -> bool:
-    """compressed-tensors: an ``nvfp4-pack-quantized`` config group that declares ``input_activations``
-    (W4A4) makes vLLM's ``CompressedTensorsW4A4Fp4`` create ``input_global_scale`` and read it from the
-    checkpoint (issue 9); a W4A16 group (``input_activations`` null) does not."""
-    groups = (quant_config or {}).get("config_groups") or {} if isinstance(quant_config, dict) else {}
-    return any(isinstance(g, dict) and g.get("format") == "nvfp4-pack-quantized"
-               and g.get("input_activations") is not None for g in groups.values())
-
-
-def required_parts(target: str, fmt: Format, quant_config=None) -> tuple[Part, ...]:
-    """The on-disk tensors of a module in ``fmt`` for ``target``, including what the declared scheme in
-    ``quant_config`` (config.json's ``quantization_config``) needs."""
-    if target not in TARGETS:
-        raise CheckpointError(f"unknown target '{target}' in {PLAN_FILE}; verify knows {', '.join(TARGETS)}")
-    if fmt is Format.MXFP8:
-        return _MXFP8_PARTS[target]
-    if fmt is Format.NVFP4:
-        parts = _NVFP4_PARTS[target]
-        if target == "compressed-tensors" and CT_INPUT_SCALE_REQUIRED and _config_needs_ct_input_scale(quant_config):
-            parts = (*parts, CT_INPUT_GLOBAL_SCALE)
-        return parts
-    raise CheckpointError(f"format {fmt.value} is not a checkpoint format verify knows (mxfp8, nvfp4)")
-
-
-def _part_shape(rule: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    n, k = shape
-    return {"same": (n, k), "half": (n, k // 2), "k32": (n, k // MXFP8_BLOCK), "k16": (n, k // NVFP4_BLOCK),
-            "scalar": (), "one": (1,)}[rule]
-
-
-def _prefix(weight: str) -> str:
-    if not weight.endswith(".weight"):
-        raise CheckpointError(f"'{weight}' is planned quantized but is not a '<module>.weight' tensor")
-    return weight[: -len("weight")]
-
-
-def expected_tensors(target: str, formats: Mapping[str, Format], shapes: Mapping[str, tuple],
-                     dtypes: Mapping[str, str], quant_config=None) -> dict[str, tuple[str, tuple]]:
-    """``{on-disk name: (dtype, shape)}`` a checkpoint of this plan, source and config must hold."""
-    table: dict[str, tuple[str, tuple]] = {}
-    for name, shape in shapes.items():
-        fmt = formats.get(name)
-        if fmt is None:
-            table[name] = ("BF16" if dtypes[name] == "F8_E4M3" else dtypes[name], tuple(shape))
-            continue
-        if len(shape) != 2:
-            raise CheckpointError(f"'{name}' is planned {fmt.value} but has shape {list(shape)}; checkpoint "
-                                  "weights must be 2-D")
-        for p in required_parts(target, fmt, quant_config):
-            table[_prefix(name) + p.suffix] = (p.dtype, _part_shape(p.shape, tuple(shape)))
-    return table
-
-
-# --------------------------------------------------------------------------------------------------------
-# Fused groups: what SGLang and vLLM load into ONE parameter (one NVFP4 global scale kept; CONTRACT 2, 10)
-# --------------------------------------------------------------------------------------------------------
-FUSED_SHARDS = (
-    ("q_proj", "k_proj", "v_proj"),  # qkv_proj
-    ("gate_proj", "up_proj"),  # gate_up_proj: dense MLP, shared experts, each routed expert (w13)
-    ("w1", "w3"),  # Mixtral's per-expert gate (w1) and up (w3): w13
-    ("q_a_proj", "kv_a_proj_with_mqa"),  # DeepSeek MLA: SGLang fused_qkv_a_proj_with_mqa, vLLM fused_qkv_a_proj
-)
-_LEAF = re.compile(r"^(?P<parent>.+)\.(?P<leaf>[A-Za-z0-9_]+)\.weight$")
-
-
-def fused_groups(names) -> dict[str, tuple[str, ...]]:
-    """``{group label: member weights}`` for every fused group with at least two members among ``names``."""
-    found: dict[str, list[str]] = {}
-    for n in names:
-        m = _LEAF.match(n)
-        if m is None:
-            continue
-        for shards in FUSED_SHARDS:
-            if m["leaf"] in shards:
-                found.setdefault(f"{m['parent']}.{{{','.join(shards)}}}", []).append(n)
-    return {g: tuple(sorted(v)) for g, v in found.items() if len(v) > 1}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -238,7 +127,7 @@ def verify_checkpoint(out: str | Path, source: str | Path | None = None,
                       log: Callable[[str], None] | None = None, *, policy=None, target: str | None = None,
                       recipe_name: str = "the recipe", fp8_decode: str = "bf16") -> VerifyReport:
     """Run every check on ``out``. The plan comes from its ``miles_lp_plan.json`` record, or, with ``policy``
-    (a ``PrecisionPolicy``, ``verify --recipe``) and ``target``, is compiled here without a record (review L22: a
+    (a ``PrecisionPolicy``, ``verify --recipe``) and ``target``, is compiled here without a record (a
     checkpoint another tool wrote), on the source's names and shapes (``source``) or on the names and shapes
     the checkpoint's own tensors imply for ``target``; ``fp8_decode``: how a block-FP8 ``source`` is decoded
     then (the record's value otherwise)."""
@@ -371,7 +260,7 @@ def _plan_from_recipe(ctx: _Ctx, report: VerifyReport, source) -> None:
         return
     try:
         if source is not None:
-            from miles_lp.checkpoint.validate import validate_source
+            from miles_lp.io.validate import validate_source
 
             src = validate_source(source)
             shapes = dict(src.logical)
@@ -407,7 +296,7 @@ def _check_index(ctx: _Ctx, report: VerifyReport) -> None:
                                   "output: vLLM then loads Mistral's consolidated*.safetensors instead of the index's "
                                   "shards; remove it")
         return
-    note = f"; other files: {ctx.files.ignored_note()}" if ctx.files.ignored else ""  # named, not read (L13)
+    note = f"; other files: {ctx.files.ignored_note()}" if ctx.files.ignored else ""  # named, not read
     report.add("index", PASS, row + note)
 
 
@@ -440,7 +329,7 @@ def _check_tensors(ctx: _Ctx, report: VerifyReport) -> None:
 
 
 def _check_config(ctx: _Ctx, report: VerifyReport) -> None:
-    from miles_lp.checkpoint.configs import emit_configs
+    from miles_lp.export.configs import emit_configs
 
     if not _prereq(report, "config", ctx.plan is not None, "the record failed"):
         return
@@ -510,9 +399,9 @@ def _dict_diff(want, have, path: str = "") -> str:
 def _consumer_problems(ctx: _Ctx, qc, disk_files: dict, want_qc, want_files: dict) -> list[str]:
     """Read the on-disk config the way the engine does; list weights whose format differs from the plan, and
     the scheme fields (group size, bits, strategy, block size, ...: `checkpoint.schemes`) the engine would read
-    with another value than the plan's own config gives it (review-6 M1). A FAIL with and without a record."""
-    from miles_lp.checkpoint.configs import engine_schemes_for
-    from miles_lp.checkpoint.schemes import BF16, compare
+    with another value than the plan's own config gives it. A FAIL with and without a record."""
+    from miles_lp.export.configs import engine_schemes_for
+    from miles_lp.export.schemes import BF16, compare
 
     try:
         engine = engine_schemes_for(ctx.target, qc, disk_files, ctx.plan)
@@ -577,7 +466,7 @@ def _check_scales(ctx: _Ctx, report: VerifyReport) -> None:
             if weight in allowed:
                 continue
             for p in ctx.parts(fmt):
-                h = have.get(_prefix(weight) + p.suffix)
+                h = have.get(weight_prefix(weight) + p.suffix)
                 if h is None or p.role == "data":
                     continue  # a missing tensor is the `tensors` check's finding
                 t = reader.read(h)
@@ -672,14 +561,6 @@ def _scale_problem(target: str, part: Part, t) -> str | None:
 # --------------------------------------------------------------------------------------------------------
 # source, grid and error (--source)
 # --------------------------------------------------------------------------------------------------------
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _check_source(ctx: _Ctx, report: VerifyReport, source: Path) -> None:
     if not _prereq(report, "source", ctx.plan is not None and ctx.files is not None,
                    "the record or the index failed"):
@@ -687,7 +568,7 @@ def _check_source(ctx: _Ctx, report: VerifyReport, source: Path) -> None:
             report.add(name, SKIP, "could not run: the record or the index failed")
         return
     try:
-        from miles_lp.checkpoint.validate import validate_source
+        from miles_lp.io.validate import validate_source
 
         src = validate_source(source)
     except MilesLPError as exc:
@@ -695,7 +576,7 @@ def _check_source(ctx: _Ctx, report: VerifyReport, source: Path) -> None:
         for name in ("grid", "error"):
             report.add(name, SKIP, "could not run: --source unreadable")
         return
-    actual = {p.name: _sha256(p) for p in src.files.files} if ctx.record is not None else {}
+    actual = {p.name: sha256_file(p) for p in src.files.files} if ctx.record is not None else {}
     recorded = ctx.record["source"]["files"] if ctx.record is not None else None
     if recorded is None:
         report.add("source", SKIP, f"no record of the converted files' sha256 (--recipe mode); the grid and error "
@@ -757,7 +638,7 @@ def expected_quantized(target: str, fmt: Format, weight: str, x, *, amax: float 
 
     from miles_lp.formats import oracle
 
-    prefix = _prefix(weight)
+    prefix = weight_prefix(weight)
     out = {}
     # Rows are independent given the global amax (16-row tiles for 2-D blocks): the reference codec runs on
     # slices of ~64K elements, whose float64 temporaries stay in cache (2-3x faster than whole tensors here).
@@ -881,7 +762,7 @@ def _components(target: str, fmt: Format, weight: str, tensors: Mapping) -> dict
     """data / scale / S_dec (a float) from on-disk tensors, the way the engines read them."""
     comps = {}
     for p in required_parts(target, fmt):
-        name = _prefix(weight) + p.suffix
+        name = weight_prefix(weight) + p.suffix
         if p.role == "input":
             continue
         if name not in tensors:

@@ -16,11 +16,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from miles_lp.checkpoint import disk_layout
 from miles_lp.checkpoint import verify as V
-from miles_lp.checkpoint.safetensors_io import INDEX_NAME, open_checkpoint
 from miles_lp.checkpoint.tiny import make_tiny_model
 from miles_lp.cli import main
 from miles_lp.formats import Format, oracle
+from miles_lp.io.safetensors_io import INDEX_NAME, open_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -441,13 +442,12 @@ def test_group_scale_from_a_larger_amax_fails_the_448_rule(copy):
     assert "the largest E4M3 block scale is byte 0x76, not 0x7e (448)" in detail and "amax / 2688" in detail
 
 
-def test_ct_w4a4_needs_input_global_scale(copy, monkeypatch):
-    """Issue 9 item 2: a compressed-tensors NVFP4 group declaring input_activations (W4A4) needs
-    `input_global_scale`; verify fails when it is absent (switch on: see verify.CT_INPUT_SCALE_REQUIRED)."""
-    monkeypatch.setattr(V, "CT_INPUT_SCALE_REQUIRED", True)
+def test_ct_w4a4_needs_input_global_scale(copy):
+    """A compressed-tensors NVFP4 group declaring input_activations (W4A4) needs `input_global_scale`; verify
+    fails when it is absent."""
     src, out = copy("mxfp8+nvfp4-experts", "compressed-tensors")
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert V._config_needs_ct_input_scale(qc)
+    assert disk_layout.ct_needs_input_scale(qc)
     present = [n for n in open_checkpoint(out).tensors if n.endswith(".input_global_scale")]
     if present:  # the converter writes it (after issue 9): remove the first one
         _tamper_remove(out, present[:1])
@@ -457,7 +457,7 @@ def test_ct_w4a4_needs_input_global_scale(copy, monkeypatch):
     w4a16 = json.loads(json.dumps(qc))
     for g in w4a16["config_groups"].values():
         g["input_activations"] = None
-    assert not V._config_needs_ct_input_scale(w4a16)
+    assert not disk_layout.ct_needs_input_scale(w4a16)
     assert [p.suffix for p in V.required_parts("compressed-tensors", Format.NVFP4, w4a16)] == [
         "weight_packed", "weight_scale", "weight_global_scale"]
 

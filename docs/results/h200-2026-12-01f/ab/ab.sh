@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A/B of the sync's host cuts in one device call: the session-5 tree (old) and this session's (new), alternating.
+# A/B of the sync's host cuts in one device call: the 12-01e tree (old) and the host cuts' (new), alternating.
 set -uo pipefail
 cd "$(dirname "$0")"
 source new/scripts/h200_common.sh
