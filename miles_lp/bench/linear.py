@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 
-from miles_lp.cli import args as cli_args
+from miles_lp import devices as cli_args
 
 HELP = "time QuantLinear forward+backward per backward mode against bf16 F.linear (CUDA)"
 DESCRIPTION = HELP + (

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import time
 
-from miles_lp.cli import args as cli_args
+from miles_lp import devices as cli_args
 
 HELP = "generated tokens/s at batch 32: reference engine vs transformers generate (and vLLM CPU where installed)"
 DESCRIPTION = HELP + """

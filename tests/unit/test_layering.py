@@ -46,9 +46,6 @@ KNOWN_UPWARD: set[tuple[str, str]] = {
     ("miles_lp.rollout.reference", "miles_lp.sync.strided"),
     ("miles_lp.rollout.reference", "miles_lp.sync.kernels"),
     ("miles_lp.rollout.vllm_state", "miles_lp.sync.digest"),
-    # the benchmarks' device flag type moved to miles_lp.devices (cli.args re-exports it)
-    ("miles_lp.bench.linear", "miles_lp.cli.args"),
-    ("miles_lp.bench.rollout", "miles_lp.cli.args"),
 }
 
 #: module-level cycles (strongly connected sets of modules) that remain, each as a sorted tuple. Exact.
@@ -57,10 +54,8 @@ KNOWN_MODULE_CYCLES: set[tuple[str, ...]] = {
     # tensors (kernels -> mxfp8 / nvfp4): the choice belongs in one dispatch module above both
     ("miles_lp.formats.kernels", "miles_lp.formats.kernels.mxfp8", "miles_lp.formats.kernels.nvfp4",
      "miles_lp.formats.mxfp8", "miles_lp.formats.nvfp4"),
-    ("miles_lp.launch.actor_sync", "miles_lp.launch.ray_launcher", "miles_lp.launch.runner"),
     ("miles_lp.rollout.reference", "miles_lp.rollout.rotating_graph"),
     ("miles_lp.train.gemm", "miles_lp.train.lean"),
-    ("miles_lp.train.megatron.group", "miles_lp.train.megatron.learner"),
     ("miles_lp.train.megatron.model", "miles_lp.train.megatron.parallel"),
 }
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 import logging
 import os
 
+from miles_lp.rollout.sglang_cpu.launch import ENV_KEY  # the introspection key the launcher hands over
+
 ENV_PORT = "MILES_LP_SGLANG_INTROSPECT_PORT"
-ENV_KEY = "MILES_LP_SGLANG_INTROSPECT_KEY"
 FAULT_PATH = "/miles_lp/inject_fault"
 
 logger = logging.getLogger("miles_lp.sglang_cpu")
@@ -110,7 +111,7 @@ def add_routes(app) -> None:
 def prepare_env() -> None:
     """In the HTTP process, before SGLang spawns its scheduler: the introspection port and key it inherits."""
     if not os.environ.get(ENV_PORT):
-        from miles_lp.rollout.sglang_cpu.launch import free_port
+        from miles_lp.ports import free_port
 
         os.environ[ENV_PORT] = str(free_port())
     if not os.environ.get(ENV_KEY):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -22,10 +21,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from miles_lp.errors import BackendUnavailable
+from miles_lp.ports import free_port
 from miles_lp.rollout.engine import EngineError
 
 REPO = Path(__file__).resolve().parents[3]
 SHIM = Path(__file__).resolve().parent / "shim"
+#: the introspection endpoint's API key, handed to the server process (read there by ``hook``)
+ENV_KEY = "MILES_LP_SGLANG_INTROSPECT_KEY"
 SGLANG_VENV_NAME = "venv-sglang-cpu-0.5.23"  # keyed by the pin, as .ci/sglang_venv.sh names it
 
 #: the server's flags on SGLang's CPU platform, each needed there: torch-native attention and sampling (the
@@ -60,12 +62,6 @@ def sglang_missing() -> str:
     bad = f": MILES_LP_SGLANG_PYTHON={env} does not exist" if env else ""
     return (f"no SGLang interpreter (set MILES_LP_SGLANG_PYTHON to a python with sglang 0.5.23, or build "
             f"{default_sglang_venv()} with `source .ci/sglang_venv.sh; sglang_venv DIR`){bad}")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def server_args(model_path: str | Path, port: int, *, host: str = "127.0.0.1", max_total_tokens: int = 4096,
@@ -116,7 +112,6 @@ class SGLangCPUServer:
         return f"http://{self.host}:{self.port}"
 
     def env(self) -> dict[str, str]:
-        from miles_lp.rollout.sglang_cpu.hook import ENV_KEY
 
         env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", **self.extra_env)
         if self.api_key:  # the introspection endpoints take the key SGLang's own routes take

@@ -86,7 +86,7 @@ def ensure_model_parallel(device: torch.device, config: TrainConfig, sizes=None)
                           "spawns the ranks), not MegatronLearner in one process")
     created, created_mp = False, False
     if not dist.is_initialized():
-        from miles_lp.train.megatron.ranks import free_port
+        from miles_lp.ports import free_port
 
         port = free_port("127.0.0.1")
         # an explicit address (not MASTER_ADDR/MASTER_PORT): a stale port left in the environment cannot collide

@@ -20,13 +20,13 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-import socket
 import traceback
 from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
 
+from miles_lp.ports import free_port  # noqa: F401  (the group's store port; group.py imports it from here)
 from miles_lp.train.config import TrainConfig
 
 #: calls whose per-rank results come back from the workers (the others reply ``ok``)
@@ -43,13 +43,6 @@ def loads(data: bytes) -> Any:
     import pickle
 
     return pickle.loads(data)  # our own ranks' messages over a private channel (never data from a file or network)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A free TCP port on ``host`` for a process group's store."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def backend_for(config: TrainConfig) -> str:
