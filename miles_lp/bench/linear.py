@@ -9,6 +9,11 @@ Kernels (``QuantLinear(kernel=...)``, the same bytes): ``reference`` = the codec
 bf16 GEMM; ``compiled`` = ``miles_lp.train.fused`` (one ``torch.compile``'d quantize->dequantize pass per
 operand; the step's dequantized weight cached with its grid), what ``kernel="auto"`` runs on CUDA. The first
 warm-up call of a compiled row includes the compilation. Target for MXFP8 ``dequantized``: 1.10x bf16 at 8192^3.
+FP8 blockwise (``fp8_block``): ``reference`` = the codecs and an fp32 GEMM on the decoded operands (the
+emulation); ``native`` (what ``compiled`` / ``auto`` run for it on an sm_90 GPU) = the operand kernels of
+``miles_lp.formats.kernels.fp8_block`` and FP8 tensor-core GEMMs (``miles_lp.train.fp8_block_gemm``): the forward
+in every mode, dgrad and wgrad in ``quantized``. Targets (``quantized``): 0.70x bf16 at 8192^3, 0.90x at
+2048x4096x4096, fresh and cached.
 
 ``--json FILE`` saves the rows; ``--plot PNG`` draws them; ``--from-json FILE --plot PNG`` draws a saved run
 on a machine without a GPU. ``parse_table(text)`` reads a printed table back into rows.
@@ -27,7 +32,8 @@ DESCRIPTION = HELP + (
 
 SHAPES = {"large": (8192, 8192, 8192), "small": (2048, 4096, 4096), "tiny": (256, 512, 512)}
 MODES = [("mxfp8", "high_precision"), ("mxfp8", "dequantized"), ("mxfp8", "quantized"),
-         ("nvfp4", "high_precision"), ("nvfp4", "dequantized")]
+         ("nvfp4", "high_precision"), ("nvfp4", "dequantized"),
+         ("fp8_block", "high_precision"), ("fp8_block", "dequantized"), ("fp8_block", "quantized")]
 
 
 def add_arguments(p) -> None:
@@ -196,7 +202,8 @@ def _bench_shape(m: int, n: int, k: int, dev, timer, warmup: int, iters: int, mo
             # round-robin with the bf16 step: each ratio is to the bf16 time measured beside it
             base_ms, ms_fresh, ms_cached = timer([step_bf16, fresh, lambda ql=ql: step(ql)], warmup, iters)
             base_all.append(base_ms)
-            out_rows.append(dict(shape=shape, mode=f"{fmt}/{bw}", kernel=kernel, ms_fresh=ms_fresh,
+            label = "native" if fmt == "fp8_block" and kernel != "reference" else kernel
+            out_rows.append(dict(shape=shape, mode=f"{fmt}/{bw}", kernel=label, ms_fresh=ms_fresh,
                                  ms_cached=ms_cached, ratio_fresh=ms_fresh / base_ms,
                                  ratio_cached=ms_cached / base_ms, peak_mib=_peak_mib(dev, fresh)))
             if on_row:
