@@ -190,8 +190,10 @@ def _bench_shape(m: int, n: int, k: int, dev, timer, warmup: int, iters: int, mo
         bf16_mod = torch.nn.Linear(k, n, bias=False, device=dev, dtype=lin.weight.dtype)
         bf16_mod.weight = lin.weight
         g_bf16 = _graphed(bf16_mod, x, dy)
-    for fmt, bw in modes or MODES:
-        recipe = LinearRecipe(Format(fmt), BackwardMode(bw), "token" if fmt == "nvfp4" else None)
+    for fmt_opt, bw in modes or MODES:
+        fmt, _, opt = fmt_opt.partition("+")  # fp8_block+pow2: power-of-two block scales
+        recipe = LinearRecipe(Format(fmt), BackwardMode(bw), "token" if fmt == "nvfp4" else None,
+                              pow2_scales=opt == "pow2")
         for kernel in kernels:
             ql = QuantLinear.from_linear(lin, recipe, canonical="bench", kernel=kernel)
 
@@ -203,13 +205,13 @@ def _bench_shape(m: int, n: int, k: int, dev, timer, warmup: int, iters: int, mo
             base_ms, ms_fresh, ms_cached = timer([step_bf16, fresh, lambda ql=ql: step(ql)], warmup, iters)
             base_all.append(base_ms)
             label = "native" if fmt == "fp8_block" and kernel != "reference" else kernel
-            out_rows.append(dict(shape=shape, mode=f"{fmt}/{bw}", kernel=label, ms_fresh=ms_fresh,
+            out_rows.append(dict(shape=shape, mode=f"{fmt_opt}/{bw}", kernel=label, ms_fresh=ms_fresh,
                                  ms_cached=ms_cached, ratio_fresh=ms_fresh / base_ms,
                                  ratio_cached=ms_cached / base_ms, peak_mib=_peak_mib(dev, fresh)))
             if on_row:
                 on_row(out_rows[-1])
             if kernel == "compiled" and graph:
-                out_rows.append(_graph_row(ql, x, dy, lin, g_bf16, timer, warmup, iters, shape, f"{fmt}/{bw}"))
+                out_rows.append(_graph_row(ql, x, dy, lin, g_bf16, timer, warmup, iters, shape, f"{fmt_opt}/{bw}"))
                 if on_row:
                     on_row(out_rows[-1])
             del ql
@@ -486,8 +488,10 @@ def _profile_cases(m: int, n: int, k: int, dev, modes) -> list[tuple[str, object
         F.linear(x, lin.weight).backward(dy)
 
     cases = [("bf16 F.linear", bf16_step)]
-    for fmt, bw in modes or MODES:
-        recipe = LinearRecipe(Format(fmt), BackwardMode(bw), "token" if fmt == "nvfp4" else None)
+    for fmt_opt, bw in modes or MODES:
+        fmt, _, opt = fmt_opt.partition("+")  # fp8_block+pow2: power-of-two block scales
+        recipe = LinearRecipe(Format(fmt), BackwardMode(bw), "token" if fmt == "nvfp4" else None,
+                              pow2_scales=opt == "pow2")
         ql = QuantLinear.from_linear(lin, recipe, canonical="bench", kernel="compiled")
 
         def fresh(ql=ql) -> None:

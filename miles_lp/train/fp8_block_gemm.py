@@ -12,9 +12,12 @@ dgrad        dy rowwise ``[M, N]``        w 128x128, ``[K, N]``  N (the weight's
 wgrad        dy 128x1, as ``[N, M]``      x 128x1, as ``[K, M]`` M (tokens; padded to 128 with zeros)
 ==========  ===========================  =====================  ======================================
 
-Scale layouts (measured on the H200, torch 2.11; the other layouts ``scaled_mm`` accepts give wrong results
-without an error): BlockWise1x128 reads ``[rows, red/128]`` stored rows-fastest (strides ``(1, rows)``);
-BlockWise128x128 reads ``[red/128, out/128]`` stored red-fastest (strides ``(1, red/128)``). The emulated GEMM
+Scale layouts (torch 2.11's checks, confirmed against the emulation on the H200): BlockWise1x128 reads
+``[rows, red/128]`` stored rows-fastest (strides ``(1, rows)``); BlockWise128x128 reads ``[L4, out/128]`` with
+``L4 = round_up(red/128, 4)`` stored red-fastest (strides ``(1, L4)``; the padding is never read). A
+BlockWise128x128 scale stored out-fastest is accepted by some torch versions and gives wrong results without an
+error (``tests/unit/test_fp8_block_gemm_gpu.py`` checks that the check catches it). cuBLAS refuses M = 1: the
+operand kernels pad tokens to a multiple of 128. The emulated GEMM
 (``miles_lp.train.gemm``: dequantize in fp32, then one GEMM) is the reference and the CPU path; the native result
 differs from it by the order of accumulation and where the scales are applied (per 128-slice, in fp32), within
 ``REL_TOL`` (relative Frobenius error, tested on the device).
@@ -45,6 +48,16 @@ def _api():
     return (f, st) if f is not None and st is not None else (None, None)
 
 
+@lru_cache(maxsize=4)
+def _recipe_ids(recipe_b: str) -> tuple[list[int], list[int]] | None:
+    """``scaled_mm``'s own call of ``torch._scaled_mm_v2`` takes the recipes as int lists; building them (and the
+    list wrapping of every argument) costs more host time than the launch on the hot path, so it is done once."""
+    f, st = _api()
+    if f is None or not hasattr(torch, "_scaled_mm_v2"):
+        return None
+    return [int(st.BlockWise1x128.value)], [int(getattr(st, recipe_b).value)]
+
+
 def unavailable_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     """Why the native path cannot run this GEMM (None: it can)."""
     if os.environ.get("MILES_LP_FP8_GEMM", "auto") == "emulated":
@@ -63,21 +76,51 @@ def unavailable_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     return None
 
 
+_NO_SWIZZLE: list[int] = []
+
+
 def _mm(a, scale_a, b, scale_b, recipe_b, out_dtype=torch.bfloat16):
-    f, st = _api()
-    return f(a, b, scale_a, st.BlockWise1x128, scale_b, getattr(st, recipe_b), output_dtype=out_dtype)
+    ids = _recipe_ids(recipe_b)
+    if ids is None:
+        f, st = _api()
+        return f(a, b, scale_a, st.BlockWise1x128, scale_b, getattr(st, recipe_b), output_dtype=out_dtype)
+    return torch._scaled_mm_v2(a, b, [scale_a], ids[0], _NO_SWIZZLE, [scale_b], ids[1], _NO_SWIZZLE, None, out_dtype,
+                               _NO_SWIZZLE, False)
 
 
-def forward_mm(xs: kernels.NativeOperand, wq) -> torch.Tensor:
+def block_scale_b(s_out_red: torch.Tensor) -> torch.Tensor:
+    """The BlockWise128x128 ``scale_b`` of a weight whose block scales are ``[out/128, red/128]``: the view
+    ``[L4, out/128]``, strides ``(1, L4)`` (a copy only when ``red/128`` is not a multiple of 4 or the values are
+    not stored red-fastest)."""
+    out_b, red_b = s_out_red.shape
+    l4 = -(-red_b // 4) * 4
+    if l4 == red_b and s_out_red.is_contiguous():
+        return s_out_red.t()
+    buf = torch.ones((out_b, l4), dtype=torch.float32, device=s_out_red.device)
+    buf[:, :red_b] = s_out_red
+    return buf.t()
+
+
+class WeightOperands:
+    """The weight's native operands for one step: the 128x128 grid, its data transposed, both GEMMs' scale_b."""
+
+    __slots__ = ("q", "t", "scale_fwd", "scale_dgrad")
+
+    def __init__(self, q, t: torch.Tensor):
+        self.q, self.t = q, t
+        self.scale_fwd = block_scale_b(q.scale_inv)
+        self.scale_dgrad = block_scale_b(q.scale_inv.t())
+
+
+def forward_mm(xs: kernels.NativeOperand, w: WeightOperands) -> torch.Tensor:
     """y ``[M, N]`` = x ``[M, K]`` @ w ``[N, K]``.T on the forward operands (x rowwise storage, w 128x128)."""
-    y = _mm(xs.data, xs.scale_inv, wq.data.t(), wq.scale_inv.t(), "BlockWise128x128")
+    y = _mm(xs.data, xs.scale_inv, w.q.data.t(), w.scale_fwd, "BlockWise128x128")
     return y[:xs.rows] if y.shape[0] != xs.rows else y
 
 
-def dgrad_mm(gs: kernels.NativeOperand, wq, w_t: torch.Tensor) -> torch.Tensor:
-    """dx ``[M, K]`` = dy ``[M, N]`` @ w ``[N, K]`` (dy rowwise storage; ``w_t`` the weight's data ``[K, N]``)."""
-    scale_b = wq.scale_inv.t().contiguous().t()  # [N/128, K/128] stored N-fastest
-    y = _mm(gs.data, gs.scale_inv, w_t.t(), scale_b, "BlockWise128x128")
+def dgrad_mm(gs: kernels.NativeOperand, w: WeightOperands) -> torch.Tensor:
+    """dx ``[M, K]`` = dy ``[M, N]`` @ w ``[N, K]`` (dy rowwise storage; the weight's transposed data)."""
+    y = _mm(gs.data, gs.scale_inv, w.t.t(), w.scale_dgrad, "BlockWise128x128")
     return y[:gs.rows] if y.shape[0] != gs.rows else y
 
 

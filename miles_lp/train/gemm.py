@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from miles_lp.formats.spec import MXFP8_BLOCK, BackwardMode, Format
 from miles_lp.train import fused, lean
-from miles_lp.train.grid import WeightGrid
+from miles_lp.train.grid import WeightGrid, _no_grad
 from miles_lp.train.operands import (
     check_operand,
     fused_activation,
@@ -248,10 +248,11 @@ def _fp8_forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
     recipe, mode = grid.recipe, grid.recipe.backward
     quantized = mode is BackwardMode.QUANTIZED
-    with torch.no_grad():
-        xq, xc, (xs, xcs) = k8.quantize_act(x, recipe.pow2_scales, rows=True, cols=quantized)
-        wq, w_t = grid.fp8_block_native(weight)
-        y = fp8_block_gemm.forward_mm(xs, wq)
+    with _no_grad():
+        xq, _, (xs, xcs) = k8.quantize_act(x, recipe.pow2_scales, rows=True, cols=quantized,
+                                           grids=mode is BackwardMode.DEQUANTIZED)
+        w = grid.fp8_block_native(weight)
+        y = fp8_block_gemm.forward_mm(xs, w)
     if bias is not None:
         y = y + bias.to(y.dtype)
     if y.dtype != x.dtype:
@@ -261,12 +262,12 @@ def _fp8_forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         ctx.save_for_backward(x, weight)
         ctx.native = (mode, recipe, None, None, None)
     elif mode is BackwardMode.DEQUANTIZED:  # the forward's operands, decoded in the backward (fp32 unless pow2)
-        ctx.save_for_backward(xq.data, xq.scale_inv, wq.data, wq.scale_inv)
-        ctx.native = (mode, recipe, None, None, None)
-    else:
-        ctx.save_for_backward(xcs.data, xcs.scale_inv, wq.data, wq.scale_inv, w_t)
-        ctx.native = (mode, recipe, xcs.rows, None, None)
-    del xq, xc, xs
+        ctx.save_for_backward(xq.data, xq.scale_inv, w.q.data, w.q.scale_inv)
+        ctx.native = (mode, recipe, None, None)
+    else:  # the step's weight operands are held by the grid; the backward reads them from ctx (not saved tensors)
+        ctx.save_for_backward(xcs.data, xcs.scale_inv)
+        ctx.native = (mode, recipe, xcs.rows, w)
+    del xq, xs
     return y
 
 
@@ -276,7 +277,7 @@ def _fp8_backward(ctx, dy: torch.Tensor):
     from miles_lp.train import fp8_block_gemm
     from miles_lp.train.operands import FP8_ROW_BLOCK, FP8_WEIGHT_BLOCK
 
-    mode, recipe, rows = ctx.native[:3]
+    mode, recipe, rows, w = ctx.native
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     saved = ctx.saved_tensors
     dx = dw = db = None
@@ -294,15 +295,14 @@ def _fp8_backward(ctx, dy: torch.Tensor):
         if need_w:
             dw = torch.mm(g.t(), FP8BlockTensor(xd, xs, FP8_ROW_BLOCK).dequantize(op))
     else:
-        xcd, xcs, wd, ws, w_t = saved
-        if not dy.is_contiguous():
-            dy = dy.contiguous()
-        with torch.no_grad():
-            _, _, (gs, gcs) = k8.quantize_act(dy, recipe.pow2_scales, rows=need_x, cols=need_w)
+        xcd, xcs = saved
+        with _no_grad():
+            _, _, (gs, gcs) = k8.quantize_act(dy, recipe.pow2_scales, rows=need_x, cols=need_w, grids=False)
             if need_x:
-                dx = fp8_block_gemm.dgrad_mm(gs, FP8BlockTensor(wd, ws, FP8_WEIGHT_BLOCK), w_t)
+                dx = fp8_block_gemm.dgrad_mm(gs, w)
             if need_w:
                 dw = fp8_block_gemm.wgrad_mm(gcs, k8.NativeOperand(xcd, xcs, rows))
+        ctx.native = None
     if ctx.has_bias:
         db = dy.float().sum(0)
     if dx is not None:

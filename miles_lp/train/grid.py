@@ -80,7 +80,7 @@ class WeightGrid:
         self._deq: torch.Tensor | None = None  # dequantized rowwise grid (compiled path), same key as _row
         self._col: Any = None
         self._col_key: tuple | None = None
-        self._t: torch.Tensor | None = None  # FP8 blockwise: the forward grid's data transposed (native dgrad)
+        self._t: Any = None  # FP8 blockwise: fp8_block_gemm.WeightOperands of the forward grid (native GEMMs)
         self.quantize_calls = 0  # observable in tests: once per step
         self._exact_div: bool | None = None
 
@@ -193,20 +193,23 @@ class WeightGrid:
             self._col_key = key
         return self._col
 
-    def fp8_block_native(self, weight: torch.Tensor) -> tuple[Any, torch.Tensor]:
-        """(128x128 forward grid, its data transposed ``[K, N]``): the native FP8 GEMMs' weight operands, from one
-        read of the master through ``miles_lp.formats.kernels.fp8_block`` (the codec's bytes); cached per step
-        like ``rowwise`` (one quantization per step serves the forward, dgrad and the weight export)."""
+    def fp8_block_native(self, weight: torch.Tensor):
+        """``fp8_block_gemm.WeightOperands``: the 128x128 forward grid, its data transposed ``[K, N]`` and the
+        GEMMs' scale views, from one read of the master through ``miles_lp.formats.kernels.fp8_block`` (the
+        codec's bytes); cached per step like ``rowwise`` (one quantization per step serves the forward, dgrad and
+        the weight export)."""
         key = self._key(weight)
-        if self._fresh(key) and self._t is not None:
-            return self._row, self._t
+        if self._t is not None and self._fresh(key):
+            return self._t
         from miles_lp.formats.kernels import fp8_block
+        from miles_lp.train.fp8_block_gemm import WeightOperands
 
         with torch.no_grad():
             q, t = fp8_block.quantize_weight(weight, self.recipe.pow2_scales, transposed=True)
-        self._row, self._row_key, self._t = q, key, t
+            ops = WeightOperands(q, t)
+        self._row, self._row_key, self._t = q, key, ops
         self.quantize_calls += 1
-        return q, t
+        return ops
 
     def invalidate(self) -> None:
         self._t = None
