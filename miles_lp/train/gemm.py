@@ -260,7 +260,7 @@ def _fp8_forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x.dtype, weight.dtype, bias is not None
     if mode is BackwardMode.HIGH_PRECISION:
         ctx.save_for_backward(x, weight)
-        ctx.native = (mode, recipe, None, None, None)
+        ctx.native = (mode, recipe, None, None)
     elif mode is BackwardMode.DEQUANTIZED:  # the forward's operands, decoded in the backward (fp32 unless pow2)
         ctx.save_for_backward(xq.data, xq.scale_inv, w.q.data, w.q.scale_inv)
         ctx.native = (mode, recipe, None, None)
