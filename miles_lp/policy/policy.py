@@ -1,8 +1,9 @@
 """The recipe's ``precision:`` section: one declarative policy for every stage.
 
     precision:
-      default: mxfp8            # quantizable linear weights: bf16 | mxfp8 | nvfp4 | fp8_block
-                                # (fp8_tensor: sampler_precision comparison arms only)
+      default: mxfp8            # quantizable linear weights: bf16 | mxfp8 | nvfp4
+                                # (fp8_block: learner and library, not yet in engine checkpoints;
+                                #  fp8_tensor: sampler_precision comparison arms only)
       backward: dequantized     # high_precision | dequantized | quantized
       rules:                    # first match wins, after the built-in invariants
         - {layers: first 1, format: bf16}
@@ -52,10 +53,15 @@ from miles_lp.policy.roles import Role, resolve_role_selector, role_selector_val
 ActivationScale = Literal["per_tensor", "per_token"]
 #: formats only a ``sampler_precision:`` comparison arm may use: no learner trains them and no target's checkpoint
 #: holds them, so a recipe's ``precision:`` section (the learner's and the converted checkpoint's) refuses them at
-#: parse time, naming the key (they would fail later, in convert or run, with no key named). ``fp8_block`` is a
-#: learner format (TE Float8BlockScaling: 128x128 weights, 1x128 activations and gradients).
+#: parse time, naming the key (they would fail later, in convert or run, with no key named).
 COMPARISON_ONLY = (Format.FP8_TENSOR,)
 COMPARISON_ONLY_NOTE = "fp8_tensor: sampler_precision comparison arms only"
+#: formats the learner trains (``LinearRecipe``, ``QuantLinear``: TE Float8BlockScaling, emulated on CPU, native FP8
+#: GEMMs on sm_90) but that no engine checkpoint or live weight sync holds yet (``miles_lp.export.naming`` has no
+#: parts for them), so a run or a conversion would stop in the converter without naming the key: a recipe's
+#: ``precision:`` section refuses them here, naming it. Plans and learners built through the library
+#: (``parse_policy(..., comparison_formats=True)``, ``compile_plan``) take them.
+ENGINE_PENDING = (Format.FP8_BLOCK,)
 _LAYER_WORDS = ("first", "last", "mtp")
 
 
@@ -220,6 +226,12 @@ def _rule_text(raw: dict[str, Any]) -> str:
 
 
 def _refuse_comparison_only(fmt: Format, where: Where) -> None:
+    if fmt in ENGINE_PENDING:
+        raise where.error(f"{fmt.value} is not yet a precision: format for a run or a conversion: the learner trains "
+                          "it (QuantLinear: emulated on CPU, native FP8 GEMMs on sm_90; `miles-lp bench linear`) but "
+                          "no engine checkpoint or live weight sync holds it yet (miles_lp.export.naming has no "
+                          f"{fmt.value} parts); use bf16, mxfp8 or nvfp4 here, or {fmt.value} in a sampler_precision: "
+                          "comparison arm (recipes/tiny-fp8-blockwise.yaml)")
     if fmt in COMPARISON_ONLY:
         raise where.error(f"{fmt.value} is not a precision: format ({COMPARISON_ONLY_NOTE}: no learner trains it "
                           "and no engine checkpoint holds it); use bf16, mxfp8, nvfp4 or fp8_block here, or compare "
@@ -312,7 +324,7 @@ class PrecisionPolicy:
 def parse_policy(mapping: Any, where: Where, *, comparison_formats: bool | None = None) -> PrecisionPolicy:
     """Parse a ``precision:`` mapping (already loaded) into a `PrecisionPolicy`.
 
-    ``comparison_formats``: accept ``fp8_tensor`` (``COMPARISON_ONLY``). None (the default):
+    ``comparison_formats``: accept ``fp8_tensor`` (``COMPARISON_ONLY``) and ``fp8_block`` (``ENGINE_PENDING``). None (the default):
     refused in a recipe's ``precision:`` section (``where.path == "precision"``: the learner's and the
     checkpoint's policy), accepted elsewhere (``sampler_precision``)."""
     if comparison_formats is None:

@@ -1,5 +1,6 @@
-"""fp8_block as a learner + sampler policy format: parsing, ``pow2_scales`` (policy and rule), the plan's entries,
-their JSON (unchanged for every plan without pow2), the joint-group rule and the learner recipe built from it."""
+"""fp8_block as a policy format of the learner: parsing, ``pow2_scales`` (policy and rule), the plan's entries, their
+JSON (unchanged for every plan without pow2), the joint-group rule and the learner recipe built from it; and the
+refusal, naming the key, of a recipe's ``precision:`` section until an engine checkpoint can hold it."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from miles_lp.train.recipe import LinearRecipe
 
 
 def _plan(d, arch="qwen3"):
-    return compile_plan(parse_policy(d, Where("r.yaml", "precision")), get_layout(tiny_config(arch).to_dict()))
+    policy = parse_policy(d, Where("r.yaml", "precision"), comparison_formats=True)
+    return compile_plan(policy, get_layout(tiny_config(arch).to_dict()))
 
 
 def test_precision_accepts_fp8_block_with_all_backward_modes():
@@ -76,6 +78,13 @@ def test_unknown_key_named():
         _plan({"default": "fp8_block", "pow2_scale": True})
 
 
-def test_fp8_tensor_still_comparison_only():
-    with pytest.raises(ConfigError, match="fp8_tensor is not a precision: format"):
-        _plan({"default": "fp8_tensor"})
+def test_recipe_precision_section_refuses_fp8_block_naming_the_key(tmp_path):
+    from miles_lp.policy import load_policy
+
+    r = tmp_path / "r.yaml"
+    r.write_text("precision:\n  default: mxfp8\n  rules:\n    - {role: mlp, format: fp8_block}\n")
+    with pytest.raises(ConfigError, match=r"r.yaml:4: 'precision.rules.0.format': fp8_block is not yet a precision: "
+                                          r"format for a run or a conversion: .*no engine checkpoint"):
+        load_policy(r)
+    r.write_text("precision:\n  default: mxfp8\nsampler_precision:\n  default: fp8_block\n")
+    assert load_policy(r, "sampler_precision").default is Format.FP8_BLOCK  # the comparison arm still parses
