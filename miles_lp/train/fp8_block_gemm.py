@@ -84,6 +84,7 @@ def _mm(a, scale_a, b, scale_b, recipe_b, out_dtype=torch.bfloat16):
     if ids is None:
         f, st = _api()
         return f(a, b, scale_a, st.BlockWise1x128, scale_b, getattr(st, recipe_b), output_dtype=out_dtype)
+    # (use_fast_accum: torch 2.11 refuses it with block scales, "scaled_gemm doesn't support fast accum")
     return torch._scaled_mm_v2(a, b, [scale_a], ids[0], _NO_SWIZZLE, [scale_b], ids[1], _NO_SWIZZLE, None, out_dtype,
                                _NO_SWIZZLE, False)
 
