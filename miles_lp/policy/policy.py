@@ -27,13 +27,15 @@ Selectors (a rule needs at least one; several are ANDed):
   ``mla``, ``mlp``, ``experts``, ``moe_routing``, ``linear``); a string or a list.
 
 Options: ``format`` (required), ``activation_scale`` (``per_token`` | ``per_tensor``; NVFP4 only),
-``weight_scale_2d`` (NVFP4 only), ``pow2_scales`` (fp8_block only), ``backward``, ``allow_unsafe`` + ``reason`` (needed to quantize an invariant
-tensor: embeddings, lm_head, norms, biases, routers and their gates, MTP ``eh_proj``, any 1-D tensor).
+``weight_scale_2d`` (NVFP4 only), ``pow2_scales`` (fp8_block only), ``backward``, ``allow_unsafe`` + ``reason``
+(needed to quantize an invariant tensor: embeddings, lm_head, norms, biases, routers and their gates, MTP
+``eh_proj``, any 1-D tensor).
 
 Policy keys besides ``rules``: ``default`` (required), ``backward`` (default ``dequantized``),
 ``activation_scale`` (default for NVFP4 tensors: ``per_token``), ``weight_scale_2d`` (default false),
 ``pow2_scales`` (fp8_block: round every block scale down to a power of two, TE Float8BlockScaling's
-``force_pow_2_scales``; default false, the FP32 scales DeepSeek-V3 checkpoints carry), ``on_unaligned`` (``error`` | ``keep_bf16``: a tensor whose K is not a multiple of its format's block).
+``force_pow_2_scales``; default false, the FP32 scales DeepSeek-V3 checkpoints carry), ``on_unaligned``
+(``error`` | ``keep_bf16``: a tensor whose K is not a multiple of its format's block).
 """
 
 from __future__ import annotations
@@ -324,8 +326,8 @@ class PrecisionPolicy:
 def parse_policy(mapping: Any, where: Where, *, comparison_formats: bool | None = None) -> PrecisionPolicy:
     """Parse a ``precision:`` mapping (already loaded) into a `PrecisionPolicy`.
 
-    ``comparison_formats``: accept ``fp8_tensor`` (``COMPARISON_ONLY``) and ``fp8_block`` (``ENGINE_PENDING``). None (the default):
-    refused in a recipe's ``precision:`` section (``where.path == "precision"``: the learner's and the
+    ``comparison_formats``: accept ``fp8_tensor`` (``COMPARISON_ONLY``) and ``fp8_block`` (``ENGINE_PENDING``).
+    None (the default): refused in a recipe's ``precision:`` section (``where.path == "precision"``: the learner's and the
     checkpoint's policy), accepted elsewhere (``sampler_precision``)."""
     if comparison_formats is None:
         comparison_formats = where.path != "precision"

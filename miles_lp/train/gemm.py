@@ -19,8 +19,8 @@ Backward modes (``BackwardMode``; TE's ``NVTE_BACKWARD_OVERRIDE``, CONTRACT 7):
 * ``high_precision``: dgrad = dy @ w, wgrad = dy.T @ x on the original operands. Saves x and w.
 * ``dequantized``: dgrad = dy @ deq(wq), wgrad = dy.T @ deq(xq) on the forward's rowwise operands.
   Saves only the compact quantized x and w (bytes + scales); nothing columnwise is kept.
-* ``quantized`` (MXFP8 and FP8 blockwise; TE's default MXFP8 and Float8BlockScaling recipes): every operand is quantized along the reduction
-  dim of its backward GEMM, from full precision. In TE ``module/linear.py`` the dgrad GEMM is
+* ``quantized`` (MXFP8 and FP8 blockwise; TE's default MXFP8 and Float8BlockScaling recipes): every operand is
+  quantized along the reduction dim of its backward GEMM, from full precision. In TE ``module/linear.py`` the dgrad GEMM is
   ``general_gemm(weight, grad_output, layout="NN")`` and wgrad ``general_gemm(inputmat, grad_output,
   layout="NT")``; a non-transposed MXFP8 operand uses its columnwise data (``tensor/mxfp8_tensor.py``,
   rowwise and columnwise usages). Hence: dgrad (reduces over N) = deq(q_row(dy)) @ deq(q_col(w)); wgrad
