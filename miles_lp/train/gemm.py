@@ -94,12 +94,17 @@ class _Packed:
 
 
 
-def _operand_dtype(x: torch.Tensor, recipe: LinearRecipe | None = None) -> torch.dtype:
-    """bf16 operands (fp32 accumulation in cuBLAS) on CUDA for bf16 activations, fp32 otherwise; fp32 for FP8
-    blockwise with arbitrary fp32 scales (their decode is not exact in bf16)."""
-    if recipe is not None and recipe.format is Format.FP8_BLOCK and not recipe.pow2_scales:
-        return torch.float32
+def _operand_dtype(x: torch.Tensor) -> torch.dtype:
+    """bf16 operands (fp32 accumulation in cuBLAS) on CUDA for bf16 activations, fp32 otherwise."""
     return torch.bfloat16 if (x.is_cuda and x.dtype == torch.bfloat16) else torch.float32
+
+
+def _recipe_operand_dtype(x: torch.Tensor, recipe: LinearRecipe) -> torch.dtype:
+    """``_operand_dtype``, except fp32 for FP8 blockwise with arbitrary fp32 scales (their decode is not exact in
+    bf16)."""
+    if recipe.format is Format.FP8_BLOCK and not recipe.pow2_scales:
+        return torch.float32
+    return _operand_dtype(x)
 
 
 def _fp8_native(x: torch.Tensor, weight: torch.Tensor, grid: WeightGrid) -> bool:
@@ -126,7 +131,7 @@ class QuantLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grid: WeightGrid):
         recipe = grid.recipe
-        op = _operand_dtype(x, recipe)
+        op = _recipe_operand_dtype(x, recipe)
         compiled = grid.use_compiled(x)
         if compiled and fused.uses_kernels(x, op):  # the Triton kernels: the lean path (miles_lp.train.lean)
             return lean.forward(ctx, x, weight, bias, grid, op)
@@ -287,7 +292,7 @@ def _fp8_backward(ctx, dy: torch.Tensor):
         dx = torch.mm(g, weight.to(g.dtype)) if need_x else None
         dw = torch.mm(g.t(), x.to(g.dtype)) if need_w else None
     elif mode is BackwardMode.DEQUANTIZED:
-        op = _operand_dtype(dy, recipe)
+        op = _recipe_operand_dtype(dy, recipe)
         xd, xs, wd, ws = saved
         g = _as_dtype(dy, op)
         if need_x:
