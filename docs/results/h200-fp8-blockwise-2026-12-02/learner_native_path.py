@@ -1,11 +1,15 @@
-import tempfile, torch
+import tempfile
+
+import torch
+
 from miles_lp.bench.rollout import _model
 from miles_lp.config import Where
 from miles_lp.policy import parse_policy
+from miles_lp.train import fp8_block_gemm, gemm
 from miles_lp.train.config import TrainConfig
 from miles_lp.train.embedded import EmbeddedTrainer, plan_for_model
 from miles_lp.train.quant_linear import QuantLinear
-from miles_lp.train import fp8_block_gemm, gemm
+
 src = _model("0.5b", "cuda", tempfile.mkdtemp(), num_layers=2)
 raw = {"default": "fp8_block", "backward": "quantized"}
 plan = plan_for_model(parse_policy(raw, Where("<b>", "precision"), comparison_formats=True), src)

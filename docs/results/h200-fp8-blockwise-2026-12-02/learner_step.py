@@ -1,8 +1,14 @@
 """Train-stage time of the embedded learner on a random Qwen3 0.5B (Qwen2.5-0.5B's shape) on the H200: BF16,
 MXFP8 (dequantized), fp8_block (quantized: native FP8 GEMMs), first and last layer BF16; 32 sequences x 512 tokens
 per step (two 8192-token micro-batches); median of 5 steps after 2."""
-import json, os, statistics, sys, tempfile, time
+import json
+import os
+import statistics
+import tempfile
+import time
+
 import torch
+
 from miles_lp.bench.rollout import _model
 from miles_lp.config import Where
 from miles_lp.policy import parse_policy
@@ -26,9 +32,11 @@ for name, raw in arms.items():
     tr = EmbeddedTrainer(src, plan, cfg)
     times, losses = [], []
     for i in range(12):
-        torch.cuda.synchronize(); t0 = time.perf_counter()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         st = tr.train_step(samples)
-        torch.cuda.synchronize(); dt = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
         losses.append(float(st["loss"]))
         if i >= 2:
             times.append(dt)
