@@ -17,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-CASES = [("qwen3", "recipes/qwen3_mxfp8.yaml"), ("qwen3_moe", "recipes/qwen3_moe_mxfp8_nvfp4_experts.yaml")]
+CASES = [("qwen3", "recipes/policies/qwen3-mxfp8.yaml"), ("qwen3_moe", "recipes/policies/qwen3-moe-mxfp8-nvfp4-experts.yaml")]
 
 
 def main() -> int:

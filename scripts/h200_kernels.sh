@@ -87,7 +87,7 @@ if [ "${NCU:-0}" = 1 ]; then  # hardware counters of the two near-miss kernels, 
     -k 'regex:mxfp8_quantize_kernel|nvfp4_rows_pairs_kernel' \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section MemoryWorkloadAnalysis --section SchedulerStats \
-    python3 -c 'from miles_lp.formats.kernels.bench import ncu_targets; ncu_targets()'
+    python3 -c 'from miles_lp.bench.quantize_cuda import ncu_targets; ncu_targets()'
 fi
 echo "failed steps: ${failed[*]:-none}"
 [ ${#failed[@]} -eq 0 ]

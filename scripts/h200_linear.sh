@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# QuantLinear's host path on the H200 in one device call (gpu-linear, 2026-12-01 session d): the GPU tests
+# QuantLinear's host path on the H200 in one device call: the GPU tests
 # of QuantLinear and its bound launches, `bench linear` (small + large, eager fresh / cached and CUDA-graphed),
 # the small shape again without the bound launches (MILES_LP_LINEAR_BIND=0: A/B in the same process
 # environment), `bench linear --profile` (host vs device time per call), and `--host-cpu` on that host's CPU.

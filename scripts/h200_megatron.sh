@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Issue 15 items 1-2 on the two-GPU kind (nvidia-h200-x2): the Megatron learner at TP 2 / EP 2 on NCCL, rank r
+# The Megatron learner on two GPUs (nvidia-h200-x2): TP 2 / EP 2 on NCCL, rank r
 # on cuda:r, the same cases the CPU suite runs on 2 gloo ranks (tests/unit/test_train_megatron_group.py with
 # MILES_LP_MEGATRON_DEVICE=cuda: logprobs vs TP 1, one optimizer step, gathered masters, export after the step
 # = codecs of the masters = convert of them, the NVFP4 activation-partition mismatch, resume, a failing rank),
 # then the routing-replay tests (CPU learners; the TP-2 one on gloo). Logs under $OUT, one verdict per step,
-# non-zero exit if any failed. Not run yet: the two-GPU kind was not lent in the session that wrote it.
-# Usage: MILES_LP_COMMIT=<sha> bash scripts/h200_megatron.sh   (carry megatron-core in .whl/, as h200_lead.sh)
+# non-zero exit if any failed. Not run yet: no two-GPU machine has been available.
+# Usage: MILES_LP_COMMIT=<sha> bash scripts/h200_megatron.sh   (carry megatron-core in .whl/, as h200_rollout.sh)
 set -uo pipefail
 source "$(dirname "$0")/h200_common.sh"
 h200_setup megatron.log

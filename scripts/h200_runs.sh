@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Short RL runs of miles-lp on one CUDA device in one device call (learner and reference engine colocated on
-# the GPU, ray off, every check in raise mode but the sentinel, whose length-cap rule an untrained tiny policy trips by design: the recipes keep it warn): routing replay (Miles R3) on the embedded and the Megatron
+# the GPU, ray off, every check in raise mode but the sentinel, which the recipes keep at warn): routing replay (Miles R3) on the embedded and the Megatron
 # learner, MXFP8 and NVFP4 experts, and train.param_dtype bf16. Each run's metrics.jsonl comes back under $OUT
 # (at most 8 files: the device tool's limit). Exits non-zero if any run failed.
 # Usage: MILES_LP_COMMIT=<sha> bash scripts/h200_runs.sh   (carry megatron-core in .whl/ for the Megatron runs)

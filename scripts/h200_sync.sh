@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The weight sync (issue 11) on one CUDA device, in one device call; logs under $OUT.
+# The weight sync on one CUDA device, in one device call; logs under $OUT.
 #   pytest -m gpu for the sync and the reference engine; bench sync (1B random Qwen3-MoE: 9 layers, hidden 2048,
 #   16 experts; MXFP8 and MXFP8 + NVFP4 experts; vs a flat device copy and a tensor-by-tensor copy of the same
 #   bytes; with --profile: torch ops per stage and CUDA kernel count/time). Each step reports its verdict; the

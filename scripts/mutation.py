@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Mutation check: apply each one-line change of scripts/mutations.yaml to a COPY of the tree and run the
-tests named for it; every mutation must make at least one of them fail (issue 17).
+tests named for it; every mutation must make at least one of them fail.
 
     python scripts/mutation.py                       # all mutations, a Markdown table on stdout
     python scripts/mutation.py --only M1,M5 --out report.md

@@ -14,8 +14,8 @@ echo "== metrics: $work/runs/tiny-mxfp8/metrics.jsonl; checkpoints: $work/runs/t
 
 echo "== 2. convert -> explain -> verify"
 miles-lp make-tiny-model --arch qwen3_moe --out "$work/tiny" --overwrite
-miles-lp explain recipes/qwen3_moe_mxfp8_nvfp4_experts.yaml --model "$work/tiny"
+miles-lp explain recipes/policies/qwen3-moe-mxfp8-nvfp4-experts.yaml --model "$work/tiny"
 miles-lp convert --hf-checkpoint "$work/tiny" --output "$work/tiny-lp" \
-    --recipe recipes/qwen3_moe_mxfp8_nvfp4_experts.yaml --target sglang --overwrite
+    --recipe recipes/policies/qwen3-moe-mxfp8-nvfp4-experts.yaml --target sglang --overwrite
 miles-lp verify "$work/tiny-lp" --source "$work/tiny"
 echo "== done: run in $work/runs/tiny-mxfp8, converted checkpoint in $work/tiny-lp"

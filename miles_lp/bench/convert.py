@@ -8,7 +8,7 @@ Both read the input from the page cache (it was just written or read) and both a
 output is on disk (``os.sync``), so the ratio compares like with like. ``--repeat N`` alternates copy and
 conversions N times and prints every round and the spread (the machine may be shared: read the spread).
 
-Targets (issue 16): MXFP8 >= 0.7x the copy (stretch 0.9x), MXFP8 + NVFP4-experts >= 0.6x, peak RSS < 3x
+Targets: MXFP8 >= 0.7x the copy (stretch 0.9x), MXFP8 + NVFP4-experts >= 0.6x, peak RSS < 3x
 the largest shard. Each conversion prints its split: the CPU seconds of each pipeline stage (read, hash,
 quantize, write: ``checkpoint.pipeline``; summed over threads, they overlap), the sync, and the rest
 (validation, plan, configs, index, metadata), so a regression shows where it is.
@@ -38,7 +38,7 @@ def _hwm():  # peak RSS of this process (VmHWM). ru_maxrss would include the par
 """
 _CHILD = _HWM + """
 import json, os, sys, time
-from miles_lp.cli.convert import policy_for_format
+from miles_lp.policy.presets import policy_for_format
 from miles_lp.checkpoint import pipeline
 from miles_lp.checkpoint.convert import convert_checkpoint
 src, out, fmt, target, shard = sys.argv[1:6]
@@ -134,7 +134,7 @@ def build(root, size_gb: float, shard_mb: float):
 
     import torch
 
-    from miles_lp.checkpoint.safetensors_io import ShardWriter
+    from miles_lp.io.safetensors_io import ShardWriter
 
     cfg = synth_config(size_gb * 1e9)
     stamp = {"size_gb": size_gb, "shard_mb": shard_mb, "config": cfg, "seed": 0}
@@ -343,7 +343,7 @@ def run(args) -> int:
 
 def plot_convert(summary: dict, path) -> None:
     """Two panels from the ``--json`` figures. Left: each conversion's throughput as a fraction of the copy's
-    (the median over ``--repeat`` rounds as the bar, every round as a dot), with its issue-16 target over its
+    (the median over ``--repeat`` rounds as the bar, every round as a dot), with its target over its
     bar (MXFP8 0.7x, dotted stretch 0.9x; with NVFP4 0.6x). Right: peak RSS of each conversion next to the
     largest input shard (with the 3x target). Matplotlib Agg, imported here."""
     import statistics

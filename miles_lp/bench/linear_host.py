@@ -21,18 +21,19 @@ def _stubbed():
     import torch
 
     from miles_lp.formats import kernels
+    from miles_lp.formats.kernels import runtime
     from miles_lp.train import gemm
     from miles_lp.train import launch as bound
 
-    saved = (kernels._launch, kernels.enabled, kernels._module, gemm._operand_dtype, bound.FAKE_BIND)
+    saved = (runtime.launch, kernels.enabled, runtime.module_for, gemm._operand_dtype, bound.FAKE_BIND)
     calls = {"n": 0}
 
     def launch(*a, **k):
         calls["n"] += 1
 
-    kernels._launch = launch
+    runtime.launch = launch
     kernels.enabled = lambda x: True
-    kernels._module = lambda x: None
+    runtime.module_for = lambda x: None
     # the bound launches (miles_lp.train.launch) as on CUDA, their C launcher a counting no-op
     bound.FAKE_BIND = lambda mod, name, grid, consts: launch
     bound.clear()
@@ -40,8 +41,8 @@ def _stubbed():
     try:
         yield calls
     finally:
-        kernels._launch, kernels.enabled, kernels._module, gemm._operand_dtype, bound.FAKE_BIND = saved
-        getattr(kernels, "_PLANS", {}).clear()
+        runtime.launch, kernels.enabled, runtime.module_for, gemm._operand_dtype, bound.FAKE_BIND = saved
+        runtime.PLANS.clear()
         bound.clear()
 
 

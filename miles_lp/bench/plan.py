@@ -1,12 +1,12 @@
 """`miles-lp bench plan`: compile time of the full DeepSeek-V3 plan and per-tensor lookup cost.
 
-Targets (issue 3): compile under 1 s, lookup under 1 microsecond per tensor, for canonical names
+Targets: compile under 1 s, lookup under 1 microsecond per tensor, for canonical names
 (`entry` / `format_for`) and for Megatron / fused names (`entries_for_any` / `format_for_any`, memoised).
 The anchor is a plain dict lookup of the same names, so the ratio says what the plan's lookup adds over
 the floor.
 
   miles-lp bench plan
-  miles-lp bench plan --recipe recipes/qwen3_moe_mxfp8_nvfp4_experts.yaml --config /tmp/tiny/config.json --json
+  miles-lp bench plan --recipe recipes/policies/qwen3-moe-mxfp8-nvfp4-experts.yaml --config /tmp/tiny/config.json --json
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ DESCRIPTION = __doc__
 
 def add_arguments(p) -> None:
     p.add_argument("--config", default=None, help="HF config.json (default: the DeepSeek-V3 test fixture)")
-    p.add_argument("--recipe", default=None, help="recipe YAML (default: recipes/deepseek_v3_mxfp8.yaml)")
+    p.add_argument("--recipe", default=None, help="recipe YAML (default: recipes/policies/deepseek-v3-mxfp8.yaml)")
     p.add_argument("--repeats", type=int, default=5, help="compile repeats (median reported)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
 
@@ -36,7 +36,7 @@ def run(args) -> int:
 
     root = Path(__file__).resolve().parents[2]
     config = json.loads(Path(args.config or root / "tests/fixtures/deepseek_v3_config.json").read_text())
-    policy = load_policy(args.recipe or root / "recipes/deepseek_v3_mxfp8.yaml")
+    policy = load_policy(args.recipe or root / "recipes/policies/deepseek-v3-mxfp8.yaml")
     layout = get_layout(config)
     tensors = layout.synthesize(include_mtp=True)
     names = list(tensors)

@@ -4,7 +4,7 @@ On CPU (GB/s of input): our MXFP8 eager and ``torch.compile`` paths against torc
 ``to_mx(..., RCEIL)`` (the anchor: ratio = ours / torchao), NVFP4 / FP8 eager, and the rate of scale and
 data bytes where torchao's NVFP4 (``nvfp4_quantize`` with a per-tensor scale) differs from TE's rule.
 
-On CUDA (``miles_lp.formats.kernels.bench``): every Triton kernel (``miles_lp.formats.kernels``) in GB/s
+On CUDA (``miles_lp.bench.quantize_cuda``): every Triton kernel (``miles_lp.formats.kernels``) in GB/s
 counting the bytes it must read plus write (each input once, each output once), side by side in the same
 run with torchao's compiled ``to_mx(..., RCEIL)`` and NVFP4 and a device-to-device copy (the ceiling);
 prints each kernel's fraction of copy bandwidth and its ratio to the torchao anchor of the same bytes.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from miles_lp.cli import args as cli_args
+from miles_lp import devices
 
 HELP = "measure quantize throughput (MXFP8 eager / compiled vs torchao) and NVFP4 agreement with torchao"
 DESCRIPTION = __doc__
@@ -29,7 +29,7 @@ def add_arguments(p) -> None:
     p.add_argument("--rows", type=int, default=8192, help="rows of the input tensor (default 8192)")
     p.add_argument("--cols", type=int, default=8192, help="columns (K, a multiple of 32; default 8192)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="input dtype")
-    p.add_argument("--device", type=cli_args.torch_device, default="cpu", help="torch device: cpu (default), cuda, cuda:1, ...")
+    p.add_argument("--device", type=devices.torch_device, default="cpu", help="torch device: cpu (default), cuda, cuda:1, ...")
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions; the best is reported")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile path (compiles once)")
     p.add_argument("--no-torchao", action="store_true", help="skip the torchao anchor")
@@ -59,7 +59,7 @@ def run(args) -> int:
 
     dtype = getattr(torch, args.dtype)
     if str(args.device).startswith("cuda"):
-        from miles_lp.formats.kernels.bench import run_cuda
+        from miles_lp.bench.quantize_cuda import run_cuda
 
         return run_cuda(args)
     x = torch.randn(args.rows, args.cols, dtype=torch.float32, device=args.device).to(dtype)

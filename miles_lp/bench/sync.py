@@ -7,14 +7,14 @@ trainer on the HF model, then per ``--format`` (default: mxfp8 and mxfp8+nvfp4-e
 and syncs with ``WeightSync`` (default recipe settings: 512 MiB buckets, every check on, digest C2), timing
 the sync end to end; in the same run, a plain device copy (``dst.copy_(src)``) of as many bytes as the sync
 sent. Reports seconds per sync, the copy's seconds, their ratio, and the checks' share of the sync, plus the
-stages (export, transfer, apply, finish). Targets (issue 11): sync <= 3x the copy; checks < 2% of the sync.
+stages (export, transfer, apply, finish). Targets: sync <= 3x the copy; checks < 2% of the sync.
 """
 
 from __future__ import annotations
 
 import math
 
-from miles_lp.cli import args as cli_args
+from miles_lp import devices
 
 FORMATS = ("mxfp8", "mxfp8+nvfp4-experts")
 HELP = "time a live weight sync (export + transfer + apply + checks) against a plain copy of the same bytes"
@@ -24,7 +24,7 @@ DESCRIPTION = __doc__
 def add_arguments(p) -> None:
     p.add_argument("--params", type=float, default=None,
                    help="model size in parameters (default 1e9 on CUDA, 2e7 on CPU)")
-    p.add_argument("--device", type=cli_args.device, default="auto", help="cpu | cuda | cuda:N | auto (default auto)")
+    p.add_argument("--device", type=devices.device, default="auto", help="cpu | cuda | cuda:N | auto (default auto)")
     p.add_argument("--format", default=None, choices=FORMATS, help="one format only (default: both)")
     p.add_argument("--iters", type=int, default=3, help="timed syncs per format after one warm-up (default 3)")
     p.add_argument("--bucket-mb", type=float, default=512, help="sync bucket size (default 512, as Miles)")
@@ -280,7 +280,7 @@ def contract_floor(quantize_bytes: int, plain_bytes: int, nbytes: int, qbytes: i
       masters read, codes and scales written) and the BF16 tensors are copied in (``2 * plain_bytes``);
     * apply: one copy from staging into the tensors the engine serves. It cannot be skipped: an update is checked
       whole before any byte reaches a served tensor, so a refused one leaves the previous weights serving
-      (issue 11, CONTRACT 5);
+      (CONTRACT 5);
     * C2: one read of every byte the engine now serves (``nbytes``), after ``finish``: a digest taken while apply
       writes would not see bytes that changed afterwards (C4 sees re-bound tensors, not overwritten ones);
     * finish: the engine's derived state, rebuilt from the synced codes (``qbytes`` read, ``derived_bytes``
@@ -301,7 +301,7 @@ def bench_format(hf, fmt: str, workdir, device, args, log) -> dict:
     import time
 
     from miles_lp.checkpoint.convert import convert_checkpoint
-    from miles_lp.cli.convert import policy_for_format
+    from miles_lp.policy.presets import policy_for_format
     from miles_lp.rollout.reference import ReferenceEngine
     from miles_lp.sync import SyncConfig, WeightSync
     from miles_lp.sync.transport import InProcessTransport
@@ -495,7 +495,7 @@ def _run(args, device, torch) -> int:
                   f"{c['with_derived_state']:.2f}x with this engine's derived state (BF16 operands: a GPU without "
                   f"MXFP8/NVFP4 tensor cores); {c['native']:.2f}x for an engine serving the canonical bytes as they "
                   "are (native MXFP8/NVFP4 GEMMs, sm_100)")
-    print("targets (issue 11): sync <= 3x the copy; checks < 2% of the sync")
+    print("targets: sync <= 3x the copy; checks < 2% of the sync")
     for r in results:
         print("  " + target_verdict(r))
     if args.json:

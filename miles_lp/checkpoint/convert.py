@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import sys
 import time
 import warnings
@@ -22,15 +21,15 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from miles_lp.checkpoint import pipeline
-from miles_lp.checkpoint.atomic import atomic_output_dir, check_output_target
-from miles_lp.checkpoint.configs import emit_configs
-from miles_lp.checkpoint.safetensors_io import INDEX_NAME, ShardWriter, TensorHeader
-from miles_lp.checkpoint.validate import SourceCheckpoint, validate_source
 from miles_lp.errors import CheckpointError, ConfigError, FormatError
 from miles_lp.export import naming
-from miles_lp.export.writer import write_metadata
+from miles_lp.export.configs import emit_configs
+from miles_lp.export.writer import explain_text, side_file_rows, write_metadata
 from miles_lp.formats.api import quantize
 from miles_lp.formats.spec import Format
+from miles_lp.io.atomic import atomic_output_dir, check_output_target
+from miles_lp.io.safetensors_io import INDEX_NAME, ShardWriter, TensorHeader, sha256_file
+from miles_lp.io.validate import SourceCheckpoint, validate_source
 
 COMPILE_MIN_NUMEL = 1 << 22  # with compile=True: torch.compile'd MXFP8 for tensors of >= 4M elements
 
@@ -47,7 +46,7 @@ class ConvertSummary:
     num_shards: int
     nonfinite: list[str]
     copied: list[str] = dataclasses.field(default_factory=list)  # side files carried over (tokenizer, code, ...)
-    not_copied: list[str] = dataclasses.field(default_factory=list)  # "<name> (why)" (review L18: never silent)
+    not_copied: list[str] = dataclasses.field(default_factory=list)  # "<name> (why)" (never silent)
 
     @property
     def gb_per_s(self) -> float:
@@ -64,14 +63,6 @@ class ConvertSummary:
         rows += side_file_rows(self.copied, self.not_copied)
         w = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
-
-
-def side_file_rows(copied: list[str], not_copied: list[str]) -> list[tuple[str, str]]:
-    """Summary rows for the input's side files: what was copied, and every file not copied with the reason."""
-    rows = [("copied files", ", ".join(copied) if copied else "none")]
-    if not_copied:
-        rows.append(("not copied", "; ".join(not_copied)))
-    return rows
 
 
 def _human(n: int) -> str:
@@ -93,13 +84,6 @@ def build_plan(policy, source: SourceCheckpoint):
     return compile_plan(policy, get_layout(source.config), source.logical)
 
 
-def explain_text(plan, source: str = "") -> str:
-    """The effective plan as ``miles-lp explain`` shows it (rows per layer range and role, totals, warnings)."""
-    from miles_lp.policy.explain import explain_plan, format_explain
-
-    return format_explain(explain_plan(plan), source)
-
-
 def codec_options(entry, *, amax=None, compile: bool = False, name: str | None = None) -> dict:
     """``formats.quantize`` options for a checkpoint weight of plan ``entry`` (rowwise MXFP8; NVFP4 with a
     per-tensor global scale, the group's joint ``amax`` and the entry's 2-D blocks)."""
@@ -114,7 +98,7 @@ def codec_options(entry, *, amax=None, compile: bool = False, name: str | None =
 #: ``bf16`` (default): bf16(fp32(q) * s), DeepSeek's ``fp8_cast_bf16``, i.e. the BF16 checkpoint the recipes tell
 #: users to train from, so the conversion is that checkpoint's conversion byte for byte (the learner's initial
 #: grid). ``fp32``: fp32(q) * s, one rounding per element (an E4M3 value times an arbitrary fp32 scale needs up
-#: to 28 significant bits): closer to the FP8 values, but another MXFP8 grid (review L17: 4.4% of data bytes
+#: to 28 significant bits): closer to the FP8 values, but another MXFP8 grid (4.4% of data bytes
 #: differed on a random 512x1024 tensor).
 FP8_DECODES = ("bf16", "fp32")
 DEFAULT_FP8_DECODE = "bf16"
@@ -132,14 +116,6 @@ def dequantize_fp8_block(data, scale_inv, decode: str = DEFAULT_FP8_DECODE):
 # --------------------------------------------------------------------------------------------------------
 # the pipeline
 # --------------------------------------------------------------------------------------------------------
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _check_finite(name: str, x, allow: bool, found: list[str]) -> None:
     """NaN/inf check in one fast pass (``aminmax`` propagates NaN; ~8 GB/s on CPU, vs ~1.4 for abs().amax())."""
     import torch
@@ -210,8 +186,8 @@ def group_amax(src: SourceCheckpoint, groups: list[tuple[str, ...]], device: str
 
     Groups whose members are all in ``skip`` (``inline_groups``: computed during the conversion) are left out.
     """
-    from miles_lp.checkpoint.safetensors_io import TensorReader
     from miles_lp.formats import nvfp4_global_amax
+    from miles_lp.io.safetensors_io import TensorReader
 
     out: dict[str, object] = {}
     groups = [g for g in groups if not all(n in skip for n in g)]

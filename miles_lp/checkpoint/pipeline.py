@@ -224,7 +224,7 @@ class HashingReader:
 
     The tensors of a file are read in ascending offset; the gaps (header, padding) are read and hashed too,
     so each file is read once. A tensor read out of order makes that file be hashed separately at the end
-    (``digests`` then lacks it: the caller hashes it, e.g. ``convert.sha256_file``). Hashing runs on one
+    (``digests`` then lacks it: the caller hashes it, e.g. ``io.safetensors_io.sha256_file``). Hashing runs on one
     background thread, in submission order (``hashlib`` releases the GIL), at most ``max_backlog`` bytes
     behind; its busy time goes to ``clock`` as "hash". A returned tensor must not be modified in place
     before ``close()`` (it may still be waiting to be hashed). One thread calls ``read`` (the reader).
@@ -260,7 +260,7 @@ class HashingReader:
     def read(self, h):
         import torch
 
-        from miles_lp.checkpoint.safetensors_io import read_tensor
+        from miles_lp.io.safetensors_io import read_tensor
 
         if self._path != h.file:
             self._finish()

@@ -63,7 +63,7 @@ def make_tiny_model(arch: str, out: str | Path, *, seed: int = 0, num_layers: in
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     out = Path(out)
     model.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
-    from miles_lp.checkpoint.atomic import normal_file_modes
+    from miles_lp.io.atomic import normal_file_modes
 
     index = out / "model.safetensors.index.json"  # only what save_pretrained wrote (0600; config.json is 0644)
     names = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else {"model.safetensors"}

@@ -32,16 +32,15 @@ source hashes from here. Only the plan (the declaration being checked), the poli
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from miles_lp.checkpoint.safetensors_io import CheckpointFiles, TensorReader, open_checkpoint
 from miles_lp.errors import CheckpointError, MilesLPError
 from miles_lp.formats.spec import MXFP8_BLOCK, NVFP4_BLOCK, Format
+from miles_lp.io.safetensors_io import CheckpointFiles, TensorReader, open_checkpoint, sha256_file
 
 PASS, FAIL, SKIP = "pass", "FAIL", "skip"
 PLAN_FILE = "miles_lp_plan.json"  # the converter's record (name on disk)
@@ -90,13 +89,13 @@ _NVFP4_PARTS = {
                            Part("weight_global_scale", "global", "F32", "one", "enc")),
 }
 CT_INPUT_GLOBAL_SCALE = Part("input_global_scale", "input", "F32", "one", "enc")  # W4A4 (see required_parts)
-CT_INPUT_SCALE_REQUIRED = True  # issue 9 item 2 (a switch only so that a test can show the requirement)
+CT_INPUT_SCALE_REQUIRED = True  # W4A4 groups need input_global_scale (a switch so a mutation can turn it off)
 
 
 def _config_needs_ct_input_scale(quant_config) -> bool:
     """compressed-tensors: an ``nvfp4-pack-quantized`` config group that declares ``input_activations``
     (W4A4) makes vLLM's ``CompressedTensorsW4A4Fp4`` create ``input_global_scale`` and read it from the
-    checkpoint (issue 9); a W4A16 group (``input_activations`` null) does not."""
+    checkpoint; a W4A16 group (``input_activations`` null) does not."""
     groups = (quant_config or {}).get("config_groups") or {} if isinstance(quant_config, dict) else {}
     return any(isinstance(g, dict) and g.get("format") == "nvfp4-pack-quantized"
                and g.get("input_activations") is not None for g in groups.values())
@@ -238,7 +237,7 @@ def verify_checkpoint(out: str | Path, source: str | Path | None = None,
                       log: Callable[[str], None] | None = None, *, policy=None, target: str | None = None,
                       recipe_name: str = "the recipe", fp8_decode: str = "bf16") -> VerifyReport:
     """Run every check on ``out``. The plan comes from its ``miles_lp_plan.json`` record, or, with ``policy``
-    (a ``PrecisionPolicy``, ``verify --recipe``) and ``target``, is compiled here without a record (review L22: a
+    (a ``PrecisionPolicy``, ``verify --recipe``) and ``target``, is compiled here without a record (a
     checkpoint another tool wrote), on the source's names and shapes (``source``) or on the names and shapes
     the checkpoint's own tensors imply for ``target``; ``fp8_decode``: how a block-FP8 ``source`` is decoded
     then (the record's value otherwise)."""
@@ -371,7 +370,7 @@ def _plan_from_recipe(ctx: _Ctx, report: VerifyReport, source) -> None:
         return
     try:
         if source is not None:
-            from miles_lp.checkpoint.validate import validate_source
+            from miles_lp.io.validate import validate_source
 
             src = validate_source(source)
             shapes = dict(src.logical)
@@ -407,7 +406,7 @@ def _check_index(ctx: _Ctx, report: VerifyReport) -> None:
                                   "output: vLLM then loads Mistral's consolidated*.safetensors instead of the index's "
                                   "shards; remove it")
         return
-    note = f"; other files: {ctx.files.ignored_note()}" if ctx.files.ignored else ""  # named, not read (L13)
+    note = f"; other files: {ctx.files.ignored_note()}" if ctx.files.ignored else ""  # named, not read
     report.add("index", PASS, row + note)
 
 
@@ -440,7 +439,7 @@ def _check_tensors(ctx: _Ctx, report: VerifyReport) -> None:
 
 
 def _check_config(ctx: _Ctx, report: VerifyReport) -> None:
-    from miles_lp.checkpoint.configs import emit_configs
+    from miles_lp.export.configs import emit_configs
 
     if not _prereq(report, "config", ctx.plan is not None, "the record failed"):
         return
@@ -510,9 +509,9 @@ def _dict_diff(want, have, path: str = "") -> str:
 def _consumer_problems(ctx: _Ctx, qc, disk_files: dict, want_qc, want_files: dict) -> list[str]:
     """Read the on-disk config the way the engine does; list weights whose format differs from the plan, and
     the scheme fields (group size, bits, strategy, block size, ...: `checkpoint.schemes`) the engine would read
-    with another value than the plan's own config gives it (review-6 M1). A FAIL with and without a record."""
-    from miles_lp.checkpoint.configs import engine_schemes_for
-    from miles_lp.checkpoint.schemes import BF16, compare
+    with another value than the plan's own config gives it. A FAIL with and without a record."""
+    from miles_lp.export.configs import engine_schemes_for
+    from miles_lp.export.schemes import BF16, compare
 
     try:
         engine = engine_schemes_for(ctx.target, qc, disk_files, ctx.plan)
@@ -672,14 +671,6 @@ def _scale_problem(target: str, part: Part, t) -> str | None:
 # --------------------------------------------------------------------------------------------------------
 # source, grid and error (--source)
 # --------------------------------------------------------------------------------------------------------
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _check_source(ctx: _Ctx, report: VerifyReport, source: Path) -> None:
     if not _prereq(report, "source", ctx.plan is not None and ctx.files is not None,
                    "the record or the index failed"):
@@ -687,7 +678,7 @@ def _check_source(ctx: _Ctx, report: VerifyReport, source: Path) -> None:
             report.add(name, SKIP, "could not run: the record or the index failed")
         return
     try:
-        from miles_lp.checkpoint.validate import validate_source
+        from miles_lp.io.validate import validate_source
 
         src = validate_source(source)
     except MilesLPError as exc:
@@ -695,7 +686,7 @@ def _check_source(ctx: _Ctx, report: VerifyReport, source: Path) -> None:
         for name in ("grid", "error"):
             report.add(name, SKIP, "could not run: --source unreadable")
         return
-    actual = {p.name: _sha256(p) for p in src.files.files} if ctx.record is not None else {}
+    actual = {p.name: sha256_file(p) for p in src.files.files} if ctx.record is not None else {}
     recorded = ctx.record["source"]["files"] if ctx.record is not None else None
     if recorded is None:
         report.add("source", SKIP, f"no record of the converted files' sha256 (--recipe mode); the grid and error "

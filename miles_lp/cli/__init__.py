@@ -38,7 +38,7 @@ COMMANDS: list[tuple[str, str]] = [
 EPILOG = """\
 typical workflow:
   miles-lp make-tiny-model --arch qwen3_moe --out /tmp/tiny      # a local random HF checkpoint
-  miles-lp explain recipes/qwen3_moe_mxfp8_nvfp4_experts.yaml --model /tmp/tiny  # which format per tensor, and why
+  miles-lp explain recipes/policies/qwen3-moe-mxfp8-nvfp4-experts.yaml --model /tmp/tiny  # which format per tensor, and why
   miles-lp convert --hf-checkpoint /tmp/tiny --output /tmp/tiny-mxfp8 --format mxfp8 --target sglang
   miles-lp verify /tmp/tiny-mxfp8 --source /tmp/tiny              # prove the checkpoint keeps the contract
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from miles_lp.policy.presets import policy_for_format  # the --format flags as a policy
+
 HELP = "convert a HF checkpoint to MXFP8 / NVFP4 for SGLang, vLLM or compressed-tensors (streaming, atomic)"
 DESCRIPTION = HELP + """
 
@@ -94,30 +96,11 @@ def build_policy(args):
                              tuple(args.bf16_patterns))
 
 
-def policy_for_format(fmt: str, start_bf16: int = 0, end_bf16: int = 0, bf16_patterns: tuple[str, ...] = ()):
-    """--format as a policy. ``mxfp8`` is ``policy_from_flags``; the expert formats add one rule
-    ``{role: experts, format: nvfp4}`` after the BF16 exceptions (first match wins), on a BF16 or MXFP8 default."""
-    from miles_lp.config import Where
-    from miles_lp.policy import parse_policy, policy_from_flags
-
-    if fmt == "mxfp8":
-        return policy_from_flags("mxfp8", start_bf16=start_bf16, end_bf16=end_bf16, bf16_patterns=bf16_patterns)
-    rules: list[dict] = []
-    if start_bf16:
-        rules.append({"layers": f"first {start_bf16}", "format": "bf16"})
-    if end_bf16:
-        rules.append({"layers": f"last {end_bf16}", "format": "bf16"})
-    rules += [{"match": p, "format": "bf16"} for p in bf16_patterns]
-    rules.append({"role": "experts", "format": "nvfp4"})
-    default = "bf16" if fmt == "nvfp4-experts" else "mxfp8"
-    return parse_policy({"default": default, "rules": rules}, Where("<flags>", "precision"))
-
-
 def check_layer_flags(args) -> None:
-    """``--num-layers-at-*-in-bf16`` against the model's layer count, named by flag (review-6 L5: the plan's error
+    """``--num-layers-at-*-in-bf16`` against the model's layer count, named by flag (the plan's error
     described a ``first N`` rule the user never wrote)."""
-    from miles_lp.checkpoint.validate import read_config
     from miles_lp.errors import CheckpointError, ConfigError
+    from miles_lp.io.validate import read_config
 
     start, end = args.num_layers_at_start_in_bf16, args.num_layers_at_end_in_bf16
     if args.recipe or not (start or end):

@@ -8,9 +8,9 @@ Compile the recipe's `precision:` section against a model and print, grouped by 
 role, each tensor group's format and the rule that decided it; totals of parameters and bytes per format with
 the compression ratio; and warnings (rules that match nothing, rules shadowed by an earlier rule).
 
-  miles-lp explain recipes/deepseek_v3_mxfp8.yaml --model tests/fixtures/deepseek_v3_config.json
-  miles-lp explain recipes/qwen3_moe_mxfp8_nvfp4_experts.yaml --model /tmp/tiny --json
-  miles-lp explain recipes/deepseek_v3_mxfp8.yaml --model tests/fixtures/deepseek_v3_config.json --mtp --plot plan.png
+  miles-lp explain recipes/policies/deepseek-v3-mxfp8.yaml --model tests/fixtures/deepseek_v3_config.json
+  miles-lp explain recipes/policies/qwen3-moe-mxfp8-nvfp4-experts.yaml --model /tmp/tiny --json
+  miles-lp explain recipes/policies/deepseek-v3-mxfp8.yaml --model tests/fixtures/deepseek_v3_config.json --mtp --plot plan.png
 
 --model is a directory holding config.json (names and shapes come from its safetensors headers when
 present, else from the config) or a config.json path.
@@ -32,7 +32,7 @@ def run(args) -> int:
     import json
     from pathlib import Path
 
-    from miles_lp.checkpoint.validate import load_model_layout
+    from miles_lp.io.validate import load_model_layout
     from miles_lp.policy import compile_plan, load_policy
     from miles_lp.policy.explain import explain_plan, format_explain
 
@@ -53,12 +53,12 @@ def run(args) -> int:
 
 
 def _refuse_quantized(model) -> None:
-    """A converted checkpoint's packed shapes and scale tensors make a plan of it meaningless (review-6 L16): refuse
+    """A converted checkpoint's packed shapes and scale tensors make a plan of it meaningless: refuse
     as convert does, and say where its own plan is."""
     import json
 
-    from miles_lp.checkpoint.validate import already_quantized
     from miles_lp.errors import ConfigError
+    from miles_lp.io.validate import already_quantized
 
     cfg = model / "config.json" if model.is_dir() else model
     try:

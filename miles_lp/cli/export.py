@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 HELP = "write an engine checkpoint (sglang / vllm / compressed-tensors) from the learner's weights"
 DESCRIPTION = HELP + """
 
@@ -78,10 +80,27 @@ def run(args) -> int:
 
 def _hf_learner(args):
     from miles_lp.cli.convert import build_policy, check_layer_flags
-    from miles_lp.export.writer import learner_from_hf
-
     check_layer_flags(args)
     return learner_from_hf(args.hf_checkpoint, build_policy(args), device=args.device or "cpu")
+
+
+def learner_from_hf(hf_checkpoint: str | os.PathLike, policy, *, device: str = "cpu"):
+    """The embedded learner on an HF checkpoint, its plan compiled on the checkpoint's names (as convert), for
+    ``miles_lp.export.writer.export_learner`` (which takes any ``Learner``).
+
+    Master weights in BF16 when every floating tensor of the checkpoint is BF16 (the same values, half the
+    memory of FP32), else FP32.
+    """
+    import torch
+
+    from miles_lp.train.config import TrainConfig
+    from miles_lp.train.embedded import EmbeddedTrainer, SourceInfo, plan_for_model
+
+    info = SourceInfo.from_checkpoint(hf_checkpoint)
+    floats = {d for d in info.dtypes.values() if d.is_floating_point}
+    master = "bf16" if floats <= {torch.bfloat16} else "fp32"
+    plan = plan_for_model(policy, hf_checkpoint)
+    return EmbeddedTrainer(hf_checkpoint, plan, TrainConfig(device=device, master_dtype=master))
 
 
 def _run_learner(args):

@@ -27,16 +27,16 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from pathlib import Path
 
-    from miles_lp.checkpoint.atomic import atomic_output_dir
     from miles_lp.checkpoint.tiny import make_tiny_model
     from miles_lp.errors import ConfigError
+    from miles_lp.io.atomic import atomic_output_dir
 
     if args.num_layers < 1:
         raise ConfigError(f"--num-layers must be >= 1, got {args.num_layers}")
     from miles_lp.cli.convert import parse_size
 
     # "banana": one line naming the flag, not transformers' ValueError; the bytes, not the text, go to
-    # save_pretrained (it reads "1" as an unknown unit where we read one byte; review-6 L14)
+    # save_pretrained (it reads "1" as an unknown unit where we read one byte)
     shard_bytes = parse_size(args.max_shard_size)
     out = Path(args.out)
     empty_dir = out.is_dir() and not any(out.iterdir())

@@ -42,7 +42,7 @@ def run(args) -> int:
     try:  # before any figure: a path under a file or an unwritable place is a clear error, not a traceback
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        from miles_lp.checkpoint.atomic import blocking_file
+        from miles_lp.io.atomic import blocking_file
 
         blocker = blocking_file(out.parent)
         why = f"{blocker} is a file, not a folder" if blocker else (exc.strerror or type(exc).__name__)

@@ -63,14 +63,14 @@ def run(args) -> int:
     from miles_lp.launch.runner import RunInterrupted, check_transport, interrupted_note, resumed_recipe
 
     # refusals that need no model, before a Ray cluster starts or anything is built (Run and the Ray launcher make
-    # them again): the transport (review-6 L12), a resume's model folder and steps (M4, L11)
+    # them again): the transport, a resume's model folder and steps
     check_transport(recipe)
     if args.resume:
         from miles_lp.launch.run_dir import RunDir
 
         resumed_recipe(RunDir(args.resume), recipe)
 
-    # Ctrl-C (review-4 L14): while starting, the folder is removed (nothing recorded); in the loop, the note says
+    # Ctrl-C: while starting, the folder is removed (nothing recorded); in the loop, the note says
     # where the last checkpoint is and the exact resume command, or that there is nothing to resume
     try:
         if recipe.ray.enabled:
@@ -109,8 +109,8 @@ def _prepare_engine(recipe, recipe_path: str, out: str, overrides: list[str]) ->
     import shutil
     from pathlib import Path
 
-    from miles_lp.checkpoint.atomic import check_output_target
     from miles_lp.errors import ConfigError
+    from miles_lp.io.atomic import check_output_target
     from miles_lp.launch.model import prepare_model
     from miles_lp.launch.runner import engine_side, plan_for
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from miles_lp.cli import args as cli_args
+from miles_lp import devices
 
 HELP = "inject each known weight-sync failure into the embedded stack and show which check catches it"
 DESCRIPTION = HELP + """
@@ -24,8 +24,9 @@ def add_arguments(p) -> None:
     p.add_argument("what", choices=("sync",), help="what to self-test")
     p.add_argument("--arch", default="qwen3_moe", help="tiny model architecture (default qwen3_moe)")
     p.add_argument("--recipe", default=None,
-                   help="recipe whose precision: section both sides run (default: recipes/"
-                        "qwen3_moe_mxfp8_nvfp4_experts.yaml for MoE models, recipes/qwen3_mxfp8.yaml for dense)")
+                   help="recipe whose precision: section both sides run (default: recipes/policies/"
+                        "qwen3-moe-mxfp8-nvfp4-experts.yaml for MoE models, recipes/policies/qwen3-mxfp8.yaml "
+                        "for dense)")
     p.add_argument("--engine", default="reference", choices=("reference", "vllm"),
                    help="sampler backend (default reference)")
     p.add_argument("--only", action="append", default=None, metavar="TEXT",
@@ -34,7 +35,7 @@ def add_arguments(p) -> None:
                    help="turn a check off (repeatable), e.g. --off self_check: its faults are then reported MISSED "
                         "and the exit code is 1 (shows the selftest can fail)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the table as JSON")
-    p.add_argument("--device", type=cli_args.torch_device, default="cpu",
+    p.add_argument("--device", type=devices.torch_device, default="cpu",
                    help="where the learner, the engine and the staging buffer run (default cpu; cuda: the sync's "
                         "kernel paths, C2 and C4 from one engine call with its cached digest launch)")
     p.add_argument("--workdir", default=None, help="where to build the tiny model and checkpoints (default: temp)")

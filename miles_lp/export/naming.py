@@ -32,7 +32,7 @@ no calibrated value: we write ``1.0``, as Miles' ``tools/convert_hf_to_nvfp4.py`
 A per-token kernel ignores it; a static-scale kernel then quantizes activations with ``S_enc = 1`` (correct for
 block amax up to 2688). ``verify`` checks that it is exactly 1.0. compressed-tensors W4A4 groups carry the same
 static scale as ``input_global_scale`` (stored as the encode scale, so 1 / 1.0): vLLM's NVFP4 linear has no
-per-token activation scale, and without the tensor it serves ``torch.empty`` memory (issue 9).
+per-token activation scale, and without the tensor it serves ``torch.empty`` memory.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ _NVFP4 = {
         Part("weight_scale", "scale", "F8_E4M3", "nv"),
         Part("weight_global_scale", "global_scale", "F32", "one", transform="reciprocal"),
         # W4A4 (the config group declares input_activations): vLLM's CompressedTensorsW4A4Fp4 creates this with
-        # torch.empty and reads it from the checkpoint (issue 9, item 2); stored as the ENCODE scale, like
+        # torch.empty and reads it from the checkpoint; stored as the ENCODE scale, like
         # weight_global_scale: 1 / INPUT_SCALE_VALUE.
         Part("input_global_scale", None, "F32", "one", transform="reciprocal"),
     ),
@@ -202,22 +202,6 @@ def decode_components(target: str, fmt: Format, weight_name: str, tensors: Mappi
     return comps
 
 
-def constant_parts(target: str, fmt: Format, weight_name: str) -> dict[str, float]:
-    """On-disk tensors with a fixed value (``input_scale``), for ``verify``."""
-    prefix = module_prefix(weight_name)
-    return {prefix + p.suffix: _constant(p) for p in parts(target, fmt) if p.component is None}
-
-
 def _constant(p: Part) -> float:
     """The stored value of a constant part: the static activation decode scale, or its reciprocal."""
     return 1.0 / INPUT_SCALE_VALUE if p.transform == "reciprocal" else INPUT_SCALE_VALUE
-
-
-def owner_of(name: str, quantized_weights: Mapping[str, Format], target: str) -> str | None:
-    """The quantized weight whose module wrote on-disk tensor ``name`` (``None``: not a quantized part)."""
-    module, _, suffix = name.rpartition(".")
-    weight = f"{module}.weight"
-    fmt = quantized_weights.get(weight)
-    if fmt is None:
-        return None
-    return weight if any(p.suffix == suffix for p in parts(target, fmt)) else None

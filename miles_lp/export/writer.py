@@ -1,4 +1,4 @@
-"""An engine checkpoint from a learner: ``miles-lp export`` (issue 8), the same files ``miles-lp convert`` writes.
+"""An engine checkpoint from a learner: ``miles-lp export``, the same files ``miles-lp convert`` writes.
 
     learner = learner_from_hf("/tmp/tiny", load_policy("recipe.yaml"))      # or any Learner (a resumed run)
     export_learner(learner, "/tmp/tiny-mxfp8", target="sglang", base="/tmp/tiny")
@@ -47,7 +47,7 @@ def write_metadata(tmp: Path, *, hf_config: Mapping[str, Any], plan, target: str
     """The input's side files (``copied_files``: every top-level non-weight file, ``SourceCheckpoint.copied_files``),
     then config.json (the HF config with the target's ``quantization_config``), the emitters' extra files and
     ``miles_lp_plan.json`` (version, target, plan + hash, source, index)."""
-    from miles_lp.checkpoint.safetensors_io import write_json
+    from miles_lp.io.safetensors_io import write_json
 
     for p in copied_files:  # first: the files written below are the output's own, whatever the input held
         shutil.copy2(p, tmp / p.name)
@@ -69,6 +69,21 @@ def write_metadata(tmp: Path, *, hf_config: Mapping[str, Any], plan, target: str
     write_json(tmp / PLAN_FILE, record)
 
 
+def side_file_rows(copied: list[str], not_copied: list[str]) -> list[tuple[str, str]]:
+    """Summary rows for the input's side files: what was copied, and every file not copied with the reason."""
+    rows = [("copied files", ", ".join(copied) if copied else "none")]
+    if not_copied:
+        rows.append(("not copied", "; ".join(not_copied)))
+    return rows
+
+
+def explain_text(plan, source: str = "") -> str:
+    """The effective plan as ``miles-lp explain`` shows it (rows per layer range and role, totals, warnings)."""
+    from miles_lp.policy.explain import explain_plan, format_explain
+
+    return format_explain(explain_plan(plan), source)
+
+
 @dataclasses.dataclass
 class ExportSummary:
     out: Path
@@ -80,11 +95,9 @@ class ExportSummary:
     num_shards: int
     step: int
     copied: list[str] = dataclasses.field(default_factory=list)  # the base's side files carried over
-    not_copied: list[str] = dataclasses.field(default_factory=list)  # "<name> (why)" (review L18)
+    not_copied: list[str] = dataclasses.field(default_factory=list)  # "<name> (why)"
 
     def table(self) -> str:
-        from miles_lp.checkpoint.convert import side_file_rows
-
         rows = [("output", str(self.out)), ("target", self.target), ("learner step", str(self.step))]
         rows += [(f"weights {fmt}", str(n)) for fmt, n in sorted(self.weights_by_format.items())]
         rows += [("tensors written", str(self.tensors_written)), ("shards", str(self.num_shards)),
@@ -94,29 +107,11 @@ class ExportSummary:
         return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)
 
 
-def learner_from_hf(hf_checkpoint: str | Path, policy, *, device: str = "cpu"):
-    """The embedded learner on an HF checkpoint, its plan compiled on the checkpoint's names (as convert).
-
-    Master weights in BF16 when every floating tensor of the checkpoint is BF16 (the same values, half the
-    memory of FP32), else FP32.
-    """
-    import torch
-
-    from miles_lp.train.config import TrainConfig
-    from miles_lp.train.embedded import EmbeddedTrainer, SourceInfo, plan_for_model
-
-    info = SourceInfo.from_checkpoint(hf_checkpoint)
-    floats = {d for d in info.dtypes.values() if d.is_floating_point}
-    master = "bf16" if floats <= {torch.bfloat16} else "fp32"
-    plan = plan_for_model(policy, hf_checkpoint)
-    return EmbeddedTrainer(hf_checkpoint, plan, TrainConfig(device=device, master_dtype=master))
-
-
 def preflight(out: str | Path, base: str | Path, target: str, overwrite: bool):
     """The checks that need no learner (run them before loading one): target, output folder, base checkpoint.
     Returns ``(output path, validated base SourceCheckpoint)``."""
-    from miles_lp.checkpoint.atomic import check_output_target
-    from miles_lp.checkpoint.validate import validate_source
+    from miles_lp.io.atomic import check_output_target
+    from miles_lp.io.validate import validate_source
 
     naming.check_target(target)
     src = validate_source(base)
@@ -135,10 +130,9 @@ def export_learner(learner, out: str | Path, *, target: str = "sglang", base: st
     relative to the plan (C5).
     """
     from miles_lp import __version__
-    from miles_lp.checkpoint.atomic import atomic_output_dir
-    from miles_lp.checkpoint.configs import emit_configs
-    from miles_lp.checkpoint.convert import explain_text, sha256_file
-    from miles_lp.checkpoint.safetensors_io import INDEX_NAME, ShardWriter, st_dtype
+    from miles_lp.export.configs import emit_configs
+    from miles_lp.io.atomic import atomic_output_dir
+    from miles_lp.io.safetensors_io import INDEX_NAME, ShardWriter, sha256_file, st_dtype
 
     log = log or (lambda s: print(s, file=sys.stderr))
     t0 = time.perf_counter()

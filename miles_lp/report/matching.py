@@ -110,7 +110,7 @@ class ArmResult:
 def _file_sha(model_dir: Path) -> str:
     """The model's identity: its weight files (``select_weight_files``: a stray ``*.safetensors`` beside them is
     not part of the model, so it does not change the hash)."""
-    from miles_lp.checkpoint.safetensors_io import select_weight_files
+    from miles_lp.io.safetensors_io import select_weight_files
 
     h = hashlib.sha256()
     for f in sorted(select_weight_files(model_dir)[0]):

@@ -24,7 +24,7 @@ def last_mean(run: RunData, key: str, last: int) -> float:
 
 def rate(run: RunData, tokens_key: str, time_key: str, last: int) -> float:
     """Tokens over time across the last ``last`` steps with both keys (and a positive time): ``sum(n) / sum(t)``,
-    not the mean of per-step ratios, which overstates throughput when step times vary (review-6 L9)."""
+    not the mean of per-step ratios, which overstates throughput when step times vary."""
     tokens = seconds = 0.0
     for r in run.rows[-last:]:
         t, n = r.get(time_key), r.get(tokens_key)

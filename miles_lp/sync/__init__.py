@@ -1,4 +1,4 @@
-"""Shared-grid weight sync: the learner's own quantized weights into a live engine, checked (issue 11).
+"""Shared-grid weight sync: the learner's own quantized weights into a live engine, checked.
 
     from miles_lp.sync import WeightSync, SyncConfig
     sync = WeightSync(engine, plan, "sglang", SyncConfig())

@@ -103,12 +103,6 @@ def iter_received(bucket_slots: Sequence[Slot], staging: torch.Tensor) -> Iterat
         yield s.name, raw.view(s.dtype).reshape(s.shape)
 
 
-def write_slot(staging: torch.Tensor, slot: Slot, t: torch.Tensor) -> None:
-    """Copy tensor ``t``'s bytes into its slot of ``staging`` (same device or across devices)."""
-    src = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    staging[slot.offset:slot.offset + slot.nbytes].copy_(src, non_blocking=False)
-
-
 def ff_counts(ts: list[torch.Tensor]) -> torch.Tensor:
     """Bytes equal to the 0xFF fill in each tensor of ``ts`` (all on one device), as an int64 ``[len(ts)]``
     tensor there: one concatenation, one running count and one difference at the tensors' boundaries, not

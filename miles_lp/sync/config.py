@@ -1,4 +1,4 @@
-"""The recipe's ``sync:`` section: buckets, transport, and the mode of each check (issue 11).
+"""The recipe's ``sync:`` section: buckets, transport, and the mode of each check.
 
     sync:
       bucket_mb: 512            # Miles' / slime's default (--update-weight-buffer-size)
@@ -80,11 +80,17 @@ class ChecksConfig:
 class SentinelConfig:
     """C6 thresholds (seed 000): non-finite rollout log-probs always trip; ``|rollout_corr/kl|`` above
     ``kl_threshold`` trips (two-sided: k1 is signed); a clip ratio >= ``clip_ratio_threshold`` or every response at
-    the length cap trips after ``consecutive_steps`` steps in a row."""
+    the length cap trips after ``consecutive_steps`` steps in a row.
+
+    ``at_length_cap``: ``trip`` (default) treats "every response ended at ``max_response_len``" as a fault (a
+    sampler that never emits EOS); ``expected`` is for a task whose answers are meant to fill the cap (the tiny
+    ``copy`` recipes: a 2-token answer under a 3-token cap, so an untrained policy that has not learnt EOS yet ends
+    every response there). With ``expected`` that rule is reported but never trips; the others still do."""
 
     kl_threshold: float = 1.0
     clip_ratio_threshold: float = 0.99
     consecutive_steps: int = 2
+    at_length_cap: Literal["trip", "expected"] = "trip"
 
     def _validate(self, where: Where) -> None:
         if not self.kl_threshold > 0:
@@ -104,7 +110,7 @@ class SyncConfig:
     # The learner side of the per-sync C2 digest. ``export``: computed from the export's own tensors (one more read
     # of the bytes sent, ~0.3 ms per GB on an H200), so a transfer that reads or writes the wrong bytes differs
     # from it. ``fused``: taken by the CUDA bucket fill from the bytes it copies (that read saved), which makes C2
-    # blind to a fill that reads the wrong source: both sides then hold the same wrong bytes (review-6 M5).
+    # blind to a fill that reads the wrong source: both sides then hold the same wrong bytes.
     c2_learner_side: Literal["export", "fused"] = "export"
     self_check_tolerance: float = 0.25
     self_check_seed: int = 0

@@ -5,7 +5,7 @@
 ``<m>.weight`` e4m3 + ``<m>.weight_scale_inv`` u8), so a live update writes exactly what a fresh load from
 disk reads (CONTRACT 5). Nothing is copied here: items hold the export's own tensors; BF16 travels as BF16.
 
-Atomic groups (issue 11): tensors an engine loader must see together. The weight and the scales of one
+Atomic groups: tensors an engine loader must see together. The weight and the scales of one
 module; gate and up of one MLP (one fused GEMM, one NVFP4 global scale); q/k/v of one attention (fused
 QKV); every expert of one MoE layer (engines fuse all experts of a layer into one tensor). A bucket never
 splits a group.

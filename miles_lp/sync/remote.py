@@ -41,10 +41,6 @@ _ERRORS: dict[str, type[Exception]] = {"WeightUpdateError": WeightUpdateError, "
                                        "EngineError": EngineError, "BackendUnavailable": BackendUnavailable,
                                        "NotImplementedError": NotImplementedError}
 
-#: what an engine rank answers besides its engine's public methods
-_PROTOCOL = ("surface", "getattr")
-
-
 @dataclasses.dataclass(frozen=True)
 class Receipt:
     """What the engine rank received and applied for one bucket (C5's ledger input, across processes)."""

@@ -1,5 +1,5 @@
 """``miles-lp selftest sync``: a healthy sync on the embedded stack, then each known silent failure injected,
-with the check that caught it, its figure and the KL the fault produced (issue 11).
+with the check that caught it, its figure and the KL the fault produced.
 
 The stack: a tiny random HF model (``make_tiny_model``), converted by ``convert_checkpoint`` with the recipe's
 policy (the sampler's checkpoint, what ``miles-lp convert`` writes), served by the reference engine; the
@@ -31,7 +31,7 @@ from miles_lp.sync.sentinel import rollout_kl
 from miles_lp.sync.verdict import SyncCheckError, SyncError
 from miles_lp.sync.weight_sync import SyncReport, WeightSync
 
-DEFAULT_RECIPES = {"moe": "qwen3_moe_mxfp8_nvfp4_experts.yaml", "dense": "qwen3_mxfp8.yaml"}
+DEFAULT_RECIPES = {"moe": "policies/qwen3-moe-mxfp8-nvfp4-experts.yaml", "dense": "policies/qwen3-mxfp8.yaml"}
 
 
 @dataclasses.dataclass
@@ -111,7 +111,7 @@ class Stack:
         self.device = device  # the learner, the engine and the staging buffer (cuda: the kernels' paths)
         hf = self.workdir / "hf"
         marker = hf / SELFTEST_MARKER
-        if hf.exists() and not marker.is_file() and any(hf.iterdir()):  # not ours: never write into it (review-6 L18)
+        if hf.exists() and not marker.is_file() and any(hf.iterdir()):  # not ours: never write into it
             from miles_lp.errors import ConfigError
 
             raise ConfigError(f"--workdir {self.workdir}: {hf} exists and was not made by selftest sync (no "
@@ -166,7 +166,7 @@ class Stack:
         if key not in self._ckpts:
             out = self.workdir / f"ckpt{len(self._ckpts)}"
             # overwrite: the folder is this selftest's own (a --workdir reused from an earlier run holds one
-            # converted from an hf model rebuilt since; review-6 L10)
+            # converted from an hf model rebuilt since)
             convert_checkpoint(self.hf, out, self._policy(mapping), target=self.target, overwrite=True,
                                progress=False, log=lambda s: None)
             self._ckpts[key] = out

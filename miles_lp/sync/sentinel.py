@@ -3,8 +3,8 @@
 Trips on: any non-finite rollout log-prob (an lm_head quantized on the sampler gave NaN logits with exit
 code 0); ``rollout_corr/kl`` above ``kl_threshold`` (default 1: gross failures only; a stale expert layout
 raised KL to just 0.047, inside the healthy range, which is why the mechanism checks C1-C5 exist); a clip
-ratio at or above ``clip_ratio_threshold``, or every response ending at the length cap, for
-``consecutive_steps`` steps in a row.
+ratio at or above ``clip_ratio_threshold``, or every response ending at the length cap (unless the config says
+the task's answers fill the cap: ``at_length_cap: expected``), for ``consecutive_steps`` steps in a row.
 
     sentinel = Sentinel(config.sentinel)
     verdict = sentinel.update(rollout_logprobs=lps, kl=metrics["rollout_corr/kl"], clip_ratio=...,
@@ -74,17 +74,18 @@ class Sentinel:
             v = failed("sentinel", kl, "rollout_corr/kl is not finite")
         elif kl is not None and abs(kl) > cfg.kl_threshold:
             # two-sided: k1 = mean(lp_rollout - lp_train) is signed, and a sampler whose log-probs sit far BELOW
-            # the learner's (another temperature, a shifted position) gives a large negative k1 (review-6 L15)
+            # the learner's (another temperature, a shifted position) gives a large negative k1
             v = failed("sentinel", kl, f"|rollout_corr/kl| = {abs(kl):.4g} > {cfg.kl_threshold} (kl {kl:.4g})")
         elif self._clip_streak >= n:
             v = failed("sentinel", clip_ratio, f"clip ratio >= {cfg.clip_ratio_threshold} for {self._clip_streak} "
                        "steps in a row")
-        elif self._cap_streak >= n:
+        elif self._cap_streak >= n and cfg.at_length_cap == "trip":
             v = failed("sentinel", float(self._cap_streak), f"every response hit the length cap for "
                        f"{self._cap_streak} steps in a row")
         elif rollout_logprobs is None and kl is None and clip_ratio is None and not finish_reasons:
             v = skipped("sentinel", "the step reported no rollout log-probs, kl, clip ratio or finish reasons")
         else:
-            v = ok("sentinel", kl, f"{seen} log-probs finite" + (f", kl {kl:.3g}" if kl is not None else ""))
+            at_cap = f", all at the length cap {self._cap_streak} steps (expected)" if self._cap_streak else ""
+            v = ok("sentinel", kl, f"{seen} log-probs finite" + (f", kl {kl:.3g}" if kl is not None else "") + at_cap)
         self.last = v
         return v

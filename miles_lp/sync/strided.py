@@ -24,17 +24,6 @@ _WIDE = (torch.int64, torch.int32, torch.int16)
 _WIDTH = {torch.int64: 8, torch.int32: 4, torch.int16: 2}
 
 
-def wide_dtype(ts: Sequence[torch.Tensor]) -> torch.dtype:
-    """The widest integer dtype every tensor of ``ts`` (contiguous) can be viewed as: its byte size and address
-    divisible by the width. Copies and concatenations of 1-byte elements (FP8 data, E8M0 scales, raw bytes) run
-    several times below the memory bandwidth on a GPU; the same bytes as 8-byte words do not."""
-    for dt in _WIDE:
-        w = _WIDTH[dt]
-        if all((t.numel() * t.element_size()) % w == 0 and t.data_ptr() % w == 0 for t in ts):
-            return dt
-    return torch.uint8
-
-
 def as_words(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Contiguous ``t``'s bytes as a flat ``dtype`` tensor (no copy)."""
     return t.reshape(-1).view(torch.uint8).view(dtype)

@@ -18,7 +18,7 @@ def test_make_tiny_model_bad_shard_size(tmp_path, capsys):
 
 
 def test_explain_save_plan_needs_a_folder_that_exists(tmp_path, capsys):
-    recipe = str(ROOT / "recipes" / "deepseek_v3_mxfp8.yaml")
+    recipe = str(ROOT / "recipes" / "policies/deepseek-v3-mxfp8.yaml")
     assert main(["explain", recipe, "--model", str(FIXTURE), "--save-plan", str(tmp_path / "no" / "plan.json")]) == 2
     assert "the folder" in capsys.readouterr().err and not (tmp_path / "no").exists()
     assert main(["explain", recipe, "--model", str(FIXTURE), "--save-plan", str(tmp_path)]) == 2

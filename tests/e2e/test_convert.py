@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from miles_lp.checkpoint.safetensors_io import INDEX_NAME, TensorReader, open_checkpoint
 from miles_lp.checkpoint.tiny import make_tiny_model
 from miles_lp.checkpoint.verify import decode, verify_checkpoint
 from miles_lp.cli import main
 from miles_lp.formats import Format
+from miles_lp.io.safetensors_io import INDEX_NAME, TensorReader, open_checkpoint
 
 ARCHS = ("qwen3", "qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral")
 MOE = ("qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral")

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from miles_lp.checkpoint.safetensors_io import INDEX_NAME
 from miles_lp.checkpoint.tiny import make_tiny_model
 from miles_lp.cli import main
+from miles_lp.io.safetensors_io import INDEX_NAME
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +143,7 @@ def test_unaligned_shape(capsys, tmp_path):
 ])
 def test_disk_full_or_permission_denied(capsys, src, tmp_path, monkeypatch, exc, match):
     """Root ignores chmod, so the writer is made to fail the way a full disk / denied write fails."""
-    import miles_lp.checkpoint.safetensors_io as io
+    import miles_lp.io.safetensors_io as io
 
     calls = []
 
@@ -164,7 +164,7 @@ def test_disk_full_or_permission_denied(capsys, src, tmp_path, monkeypatch, exc,
 
 
 def _flush_with(save):
-    from miles_lp.checkpoint.safetensors_io import ShardWriter
+    from miles_lp.io.safetensors_io import ShardWriter
 
     real = ShardWriter.flush
 
@@ -297,7 +297,7 @@ def _tree(path):
 def test_failed_overwrite_keeps_the_previous_output_intact(capsys, src, tmp_path, monkeypatch, failure):
     """--overwrite onto a good OUT, then the new run dies mid-shard: OUT keeps every byte of the old run."""
     import miles_lp.checkpoint.convert as conv
-    import miles_lp.checkpoint.safetensors_io as io
+    import miles_lp.io.safetensors_io as io
 
     out = tmp_path / "out"
     rc, _ = run(capsys, src, out, "--format", "mxfp8")

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from miles_lp.checkpoint.atomic import current_umask
 from miles_lp.checkpoint.tiny import make_tiny_model
 from miles_lp.cli import main
+from miles_lp.io.atomic import current_umask
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPE = str(ROOT / "recipes" / "qwen3_moe_mxfp8_nvfp4_experts.yaml")
+RECIPE = str(ROOT / "recipes" / "policies/qwen3-moe-mxfp8-nvfp4-experts.yaml")
 
 
 @pytest.fixture(params=[0o022, 0o027], ids=["umask022", "umask027"])

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from miles_lp.checkpoint.safetensors_io import INDEX_NAME
 from miles_lp.checkpoint.tiny import make_tiny_model
 from miles_lp.checkpoint.verify import verify_checkpoint
 from miles_lp.cli import main
+from miles_lp.io.safetensors_io import INDEX_NAME
 from tests.e2e.test_convert import _to_block_fp8
 
 PLAN = "miles_lp_plan.json"

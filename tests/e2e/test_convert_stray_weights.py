@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from miles_lp.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, open_checkpoint
 from miles_lp.checkpoint.tiny import make_tiny_model
 from miles_lp.cli import main
+from miles_lp.io.safetensors_io import INDEX_NAME, SINGLE_NAME, open_checkpoint
 
 FOREIGN = {"tok_embeddings.weight": torch.ones(256, 64, dtype=torch.bfloat16),
            "layers.0.attention.wq.weight": torch.ones(64, 64, dtype=torch.bfloat16)}

@@ -14,7 +14,7 @@ FIXTURE = ROOT / "tests" / "fixtures" / "deepseek_v3_config.json"
 
 def test_explain_deepseek_v3_fixture(capsys, tmp_path):
     plan_path = tmp_path / "plan.json"
-    rc = main(["explain", str(ROOT / "recipes" / "deepseek_v3_mxfp8.yaml"), "--model", str(FIXTURE), "--mtp",
+    rc = main(["explain", str(ROOT / "recipes" / "policies/deepseek-v3-mxfp8.yaml"), "--model", str(FIXTURE), "--mtp",
                "--save-plan", str(plan_path)])
     out = capsys.readouterr().out
     assert rc == 0
@@ -41,7 +41,7 @@ def test_explain_saved_tiny_model_uses_headers(capsys, tmp_path):
     from miles_lp.checkpoint.tiny import make_tiny_model
 
     d = make_tiny_model("qwen3_moe", tmp_path / "m")
-    rc = main(["explain", str(ROOT / "recipes" / "qwen3_moe_mxfp8_nvfp4_experts.yaml"), "--model", str(d)])
+    rc = main(["explain", str(ROOT / "recipes" / "policies/qwen3-moe-mxfp8-nvfp4-experts.yaml"), "--model", str(d)])
     out = capsys.readouterr().out
     assert rc == 0 and "safetensors headers" in out and "nvfp4" in out
 
@@ -55,7 +55,7 @@ def test_explain_bad_recipe_exit_2(capsys, tmp_path):
 
 def test_explain_plot_writes_a_png(capsys, tmp_path):
     png = tmp_path / "plan.png"
-    rc = main(["explain", str(ROOT / "recipes" / "deepseek_v3_mxfp8.yaml"), "--model", str(FIXTURE), "--mtp",
+    rc = main(["explain", str(ROOT / "recipes" / "policies/deepseek-v3-mxfp8.yaml"), "--model", str(FIXTURE), "--mtp",
                "--json", "--plot", str(png)])
     captured = capsys.readouterr()
     assert rc == 0
@@ -73,7 +73,7 @@ def test_plan_grid_cells_follow_the_plan():
     from miles_lp.policy.plot import plan_grid
 
     layout = get_layout(json.loads(FIXTURE.read_text()))
-    plan = compile_plan(load_policy(ROOT / "recipes" / "deepseek_v3_mxfp8.yaml"), layout,
+    plan = compile_plan(load_policy(ROOT / "recipes" / "policies/deepseek-v3-mxfp8.yaml"), layout,
                         layout.synthesize(include_mtp=True))
     grid = plan_grid(plan)
     assert grid.columns[0] == "model" and grid.columns[1:3] == ["0", "1"] and grid.columns[-1] == "mtp0"
@@ -98,11 +98,11 @@ def test_plot_cell_split_in_proportion():
 def test_explain_bad_model_config_exit_2(capsys, tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"model_type": "qwen3", "hidden_size": 64}))
-    assert main(["explain", str(ROOT / "recipes" / "qwen3_mxfp8.yaml"), "--model", str(cfg)]) == 2
+    assert main(["explain", str(ROOT / "recipes" / "policies/qwen3-mxfp8.yaml"), "--model", str(cfg)]) == 2
     assert f"--model {cfg}: the model config (model_type 'qwen3') has no 'num_hidden_layers'" in capsys.readouterr().err
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00")  # truncated: no 8-byte header
     cfg.write_text((ROOT / "tests" / "fixtures" / "deepseek_v3_config.json").read_text())
-    assert main(["explain", str(ROOT / "recipes" / "deepseek_v3_mxfp8.yaml"), "--model", str(tmp_path)]) == 2
+    assert main(["explain", str(ROOT / "recipes" / "policies/deepseek-v3-mxfp8.yaml"), "--model", str(tmp_path)]) == 2
     assert "model.safetensors: truncated safetensors file" in capsys.readouterr().err
 
 

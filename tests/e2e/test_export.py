@@ -12,14 +12,15 @@ import torch
 
 from miles_lp import formats
 from miles_lp.checkpoint.convert import convert_checkpoint
-from miles_lp.checkpoint.safetensors_io import open_checkpoint, read_tensor
 from miles_lp.checkpoint.tiny import make_tiny_model
 from miles_lp.cli import main
 from miles_lp.cli.convert import policy_for_format
+from miles_lp.cli.export import learner_from_hf
 from miles_lp.config import Where
 from miles_lp.errors import CheckpointError, ConfigError
 from miles_lp.export import naming
-from miles_lp.export.writer import PLAN_FILE, export_learner, learner_from_hf
+from miles_lp.export.writer import PLAN_FILE, export_learner
+from miles_lp.io.safetensors_io import open_checkpoint, read_tensor
 from miles_lp.policy import parse_policy
 from miles_lp.train.config import TrainConfig
 from miles_lp.train.embedded import EmbeddedTrainer, plan_for_model

@@ -68,7 +68,7 @@ def test_convert_plot_draws_the_summary(tmp_path, figures):
 
 
 def _expected_deepseek(role: str, layer: int) -> str:
-    """recipes/deepseek_v3_mxfp8.yaml: last 15% of decoder layers (ceil(61 * 0.15) = 10: 51-60) BF16, shared
+    """recipes/policies/deepseek-v3-mxfp8.yaml: last 15% of decoder layers (ceil(61 * 0.15) = 10: 51-60) BF16, shared
     experts BF16, MLA kv_b BF16; other GEMMs MXFP8; norms, routers, embeddings BF16 (invariants)."""
     if layer >= 51 or role in ("shared_experts", "mla_kv_b", "norm", "router", "router_bias"):
         return "bf16"
@@ -82,7 +82,7 @@ def test_explain_plot_colours_every_cell_by_the_plan(capsys, tmp_path, figures):
     from miles_lp.policy.plot import FORMAT_COLOURS
 
     png = tmp_path / "plan.png"
-    assert main(["explain", str(ROOT / "recipes" / "deepseek_v3_mxfp8.yaml"), "--model", str(FIXTURE),
+    assert main(["explain", str(ROOT / "recipes" / "policies/deepseek-v3-mxfp8.yaml"), "--model", str(FIXTURE),
                  "--plot", str(png)]) == 0
     capsys.readouterr()
     (fig,) = figures

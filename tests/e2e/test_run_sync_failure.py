@@ -1,5 +1,5 @@
 """A run stopped by a failed sync check says what can be done next (review-6 L3), on the real stack: the reviewer's
-run (recipes/tiny-mxfp8.yaml, 4 steps, the C6 sentinel in raise mode: every response hits the length cap, so it
+run (recipes/tiny-mxfp8.yaml, 4 steps, the C6 sentinel in raise mode with its length-cap rule: every response hits the cap, so it
 fails at step 2's sync). Without a checkpoint the error says there is nothing to resume (the --resume it used to
 advise is refused); with one it prints the exact command, and that command does resume."""
 
@@ -16,7 +16,10 @@ from miles_lp.launch.run_dir import RunDir
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SETS = ["--set", "steps=4", "--set", "sync.checks.sentinel=raise", "--set", "logging.progress=false"]
+# the recipe expects its answers at the cap (sync.sentinel.at_length_cap: expected); the length-cap rule back on
+# makes the untrained policy's every-response-at-the-cap steps the sync failure this test needs
+SETS = ["--set", "steps=4", "--set", "sync.checks.sentinel=raise", "--set", "sync.sentinel.at_length_cap=trip",
+        "--set", "logging.progress=false"]
 
 
 def _run(tmp_path, capsys, name: str, *extra: str) -> tuple[int, str, RunDir]:

@@ -135,7 +135,7 @@ def test_selftest_every_fault_caught_in_raise_mode(tmp_path, capsys):
 def test_bench_sync_runs_on_cuda(capsys):
     assert main(["bench", "sync", "--device", "cuda", "--params", "2e7", "--iters", "1"]) == 0
     out = capsys.readouterr().out
-    assert "mxfp8+nvfp4-experts" in out and "targets (issue 11)" in out
+    assert "mxfp8+nvfp4-experts" in out and "targets: sync <= 3x the copy" in out
 
 
 @pytest.mark.slow

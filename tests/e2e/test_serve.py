@@ -22,7 +22,7 @@ from miles_lp.rollout.testing import tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-RECIPE = "qwen3_moe_mxfp8_nvfp4_experts.yaml"
+RECIPE = "policies/qwen3-moe-mxfp8-nvfp4-experts.yaml"
 KEY = "test-key-123"
 PROMPTS = [[3, 17, 99, 4], [5, 6, 7]]
 

@@ -17,10 +17,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from miles_lp.checkpoint import verify as V
-from miles_lp.checkpoint.safetensors_io import INDEX_NAME, open_checkpoint
 from miles_lp.checkpoint.tiny import make_tiny_model
 from miles_lp.cli import main
 from miles_lp.formats import Format, oracle
+from miles_lp.io.safetensors_io import INDEX_NAME, open_checkpoint
 
 
 @pytest.fixture(scope="module")

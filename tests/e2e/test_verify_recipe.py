@@ -17,8 +17,8 @@ from miles_lp.cli import main
 from miles_lp.policy import load_policy
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPE = str(ROOT / "recipes" / "qwen3_moe_mxfp8_nvfp4_experts.yaml")
-OTHER = str(ROOT / "recipes" / "qwen3_moe_nvfp4_experts.yaml")  # attention BF16: another plan
+RECIPE = str(ROOT / "recipes" / "policies/qwen3-moe-mxfp8-nvfp4-experts.yaml")
+OTHER = str(ROOT / "recipes" / "policies/qwen3-moe-nvfp4-experts.yaml")  # attention BF16: another plan
 PLAN = "miles_lp_plan.json"
 
 

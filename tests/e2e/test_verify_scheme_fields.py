@@ -19,8 +19,8 @@ from miles_lp.cli import main
 from miles_lp.policy import load_policy, policy_from_flags
 
 ROOT = Path(__file__).resolve().parents[2]
-MIXED = str(ROOT / "recipes" / "qwen3_moe_mxfp8_nvfp4_experts.yaml")
-NVFP4_ONLY = str(ROOT / "recipes" / "qwen3_moe_nvfp4_experts.yaml")  # SGLang: modelopt NVFP4 + hf_quant_config
+MIXED = str(ROOT / "recipes" / "policies/qwen3-moe-mxfp8-nvfp4-experts.yaml")
+NVFP4_ONLY = str(ROOT / "recipes" / "policies/qwen3-moe-nvfp4-experts.yaml")  # SGLang: modelopt NVFP4 + hf_quant_config
 PLAN = "miles_lp_plan.json"
 
 

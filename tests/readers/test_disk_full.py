@@ -73,8 +73,8 @@ def test_safetensor_error_from_the_writer_exits_2_with_one_line(capsys, src, tmp
 
 
 def test_other_writer_errors_name_the_shard(tmp_path):
-    from miles_lp.checkpoint.safetensors_io import as_os_error
     from miles_lp.errors import CheckpointError
+    from miles_lp.io.safetensors_io import as_os_error
 
     e = as_os_error(SafetensorError(MSG), tmp_path / "s.safetensors")
     assert isinstance(e, OSError) and e.errno == 28 and e.filename == str(tmp_path / "s.safetensors")

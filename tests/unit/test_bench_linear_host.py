@@ -11,10 +11,11 @@ pytest.importorskip("triton")
 def test_host_rows_count_launches_and_restore_the_kernels():
     from miles_lp.bench import linear_host
     from miles_lp.formats import kernels
+    from miles_lp.formats.kernels import runtime
 
-    before = (kernels._launch, kernels.enabled, kernels._module)
+    before = (runtime.launch, kernels.enabled, runtime.module_for)
     rows = {r["mode"]: r for r in linear_host.host_rows([("mxfp8", "dequantized"), ("nvfp4", "high_precision")])}
-    assert (kernels._launch, kernels.enabled, kernels._module) == before
+    assert (runtime.launch, kernels.enabled, runtime.module_for) == before
     assert rows["mxfp8/dequantized"]["launches"] == 3  # w qdq, x qdq, x decode (test_train_kernel_launches pins it)
     assert rows["nvfp4/high_precision"]["launches"] == 3  # w amax + quantize, x per-token
     assert rows["bf16 F.linear"]["aten_ops"] < rows["mxfp8/dequantized"]["aten_ops"]

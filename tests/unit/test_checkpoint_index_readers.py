@@ -10,14 +10,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from miles_lp.checkpoint.safetensors_io import INDEX_NAME
 from miles_lp.checkpoint.tiny import make_tiny_model
-from miles_lp.checkpoint.validate import load_model_layout, read_safetensors_shapes
 from miles_lp.cli import main
 from miles_lp.errors import CheckpointError
+from miles_lp.io.safetensors_io import INDEX_NAME
+from miles_lp.io.validate import load_model_layout, read_safetensors_shapes
 from miles_lp.rollout.checkpoint import open_checkpoint as engine_open
 
-RECIPE = "recipes/qwen3_mxfp8.yaml"
+RECIPE = "recipes/policies/qwen3-mxfp8.yaml"
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from miles_lp.checkpoint.atomic import TMP_TAG, atomic_output_dir, tmp_name
-from miles_lp.checkpoint.safetensors_io import (
+from miles_lp.errors import CheckpointError
+from miles_lp.io.atomic import TMP_TAG, atomic_output_dir, tmp_name
+from miles_lp.io.safetensors_io import (
     INDEX_NAME,
     ShardWriter,
     TensorReader,
@@ -21,8 +22,7 @@ from miles_lp.checkpoint.safetensors_io import (
     read_header,
     read_tensor,
 )
-from miles_lp.checkpoint.validate import validate_source
-from miles_lp.errors import CheckpointError
+from miles_lp.io.validate import validate_source
 
 
 def _write(path, tensors):

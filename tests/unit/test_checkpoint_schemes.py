@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from miles_lp.checkpoint import schemes as S
+from miles_lp.export import schemes as S
 from miles_lp.formats.spec import Format
 from miles_lp.policy.emit import _ct_scheme
 

@@ -18,14 +18,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from miles_lp.checkpoint.safetensors_io import INDEX_NAME, SINGLE_NAME, open_checkpoint, select_weight_files
 from miles_lp.checkpoint.tiny import make_tiny_model
-from miles_lp.checkpoint.validate import load_model_layout, read_safetensors_shapes, validate_source
 from miles_lp.cli import main
 from miles_lp.errors import CheckpointError
+from miles_lp.io.safetensors_io import INDEX_NAME, SINGLE_NAME, open_checkpoint, select_weight_files
+from miles_lp.io.validate import load_model_layout, read_safetensors_shapes, validate_source
 from miles_lp.rollout.checkpoint import open_checkpoint as engine_open
 
-RECIPE = "recipes/qwen3_mxfp8.yaml"
+RECIPE = "recipes/policies/qwen3-mxfp8.yaml"
 # Mistral's native names, as consolidated.safetensors holds them next to the HF shards (Mistral-7B-v0.3)
 FOREIGN = {"tok_embeddings.weight": torch.zeros(256, 64, dtype=torch.bfloat16),
            "layers.0.attention.wq.weight": torch.zeros(64, 64, dtype=torch.bfloat16)}

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PATH = re.compile(r"(?<![\w/.-])((?:recipes|scripts)/[\w.-]+\.(?:yaml|sh|py)"
+PATH = re.compile(r"(?<![\w/.-])((?:recipes|scripts)/(?:[\w.-]+/)*[\w.-]+\.(?:yaml|sh|py)"
                   r"|docs/[\w./-]+\.(?:md|txt|json|jsonl|png|log))(?![\w-])")
 LINK = re.compile(r"\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")  # [text](target "title"), ![alt](target)
 _EXTERNAL = re.compile(r"^(?:[a-z][a-z0-9+.-]*:|#|//)", re.IGNORECASE)  # http:, mailto:, an in-page anchor
@@ -62,7 +62,7 @@ def test_relative_markdown_links_resolve():
 
 def test_the_pattern_sees_the_cli_workflow():
     text = (ROOT / "miles_lp" / "cli" / "__init__.py").read_text()
-    assert "recipes/qwen3_moe_mxfp8_nvfp4_experts.yaml" in named_paths(text)
+    assert "recipes/policies/qwen3-moe-mxfp8-nvfp4-experts.yaml" in named_paths(text)
 
 
 def test_the_patterns_see_what_review_c4_found():

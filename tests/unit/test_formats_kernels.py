@@ -94,7 +94,7 @@ def test_cpu_tensor_without_the_interpreter_is_refused(monkeypatch):
 
 
 def test_missing_triton_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(kernels, "_TRITON", [])
+    monkeypatch.setattr(kernels.runtime, "_TRITON", [])
     monkeypatch.setitem(sys.modules, "triton", None)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(BackendUnavailable, match="Triton is not importable.*pip install triton"):
@@ -102,7 +102,7 @@ def test_missing_triton_is_a_clear_error(monkeypatch):
 
 
 def test_cached_launcher_key_separates_every_triton_specialization():
-    """kernels._launch reuses a compiled kernel for a key; two arguments Triton would compile differently
+    """kernels.runtime.launch reuses a compiled kernel for a key; two arguments Triton would compile differently
     (dtype, 16-byte pointer alignment, an int of 1, a multiple of 16, 64-bit) must never share one."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
@@ -111,12 +111,12 @@ def test_cached_launcher_key_separates_every_triton_specialization():
     pool = [a, a[1:], a[16:], a.view(torch.int8), torch.zeros(0, dtype=torch.uint8), torch.zeros(4),
             1, 2, 7, 16, 48, 40, 2**31 - 16, 2**31, -16, True, False]
     triton_spec = [native_specialize_impl(BaseBackend, v, False, True, True) for v in pool]
-    ours = [kernels._spec((v,)) for v in pool]
+    ours = [kernels.runtime.spec_key((v,)) for v in pool]
     for i in range(len(pool)):
         for j in range(len(pool)):
             if triton_spec[i] != triton_spec[j]:
                 assert ours[i] != ours[j], (pool[i], pool[j])
-    assert kernels._spec((a, 7)) == kernels._spec((a[16:], 9))  # same specialization: one launcher
+    assert kernels.runtime.spec_key((a, 7)) == kernels.runtime.spec_key((a[16:], 9))  # same specialization: one launcher
 
 
 def test_a_launch_hook_sends_launches_through_the_jit():
@@ -140,8 +140,8 @@ _LAUNCH_NAMES = """
 import json, torch
 from miles_lp.formats import kernels
 names = []
-real = kernels._launch
-kernels._launch = lambda mod, name, *a, **k: (names.append(name), real(mod, name, *a, **k))
+real = kernels.runtime.launch
+kernels.runtime.launch = lambda mod, name, *a, **k: (names.append(name), real(mod, name, *a, **k))
 x = torch.randn(4, 34, 64).bfloat16()
 out = []
 for t, dq in [(x[0], None), (x[0], torch.bfloat16), (x[0].float(), None), (x[0], torch.float32),
@@ -170,11 +170,11 @@ def test_bf16_rows_take_the_pairs_kernel_and_others_the_general_one():
 def test_plan_caches_are_bounded(monkeypatch):
     """Per-shape plans (and their launcher lookups) are dropped when the cache is full: micro-batch token
     counts vary, so an unbounded cache would grow for the whole run."""
-    monkeypatch.setattr(kernels, "_MAX_PLANS", 3)
-    monkeypatch.setattr(kernels, "_PLANS", {i: None for i in range(4)})
-    monkeypatch.setattr(kernels, "_SITES", {i: None for i in range(4)})
-    key = kernels._plan_key(torch.zeros(2, 32), "mx")
-    assert kernels._PLANS == {} and kernels._SITES == {}
+    monkeypatch.setattr(kernels.runtime, "MAX_PLANS", 3)
+    monkeypatch.setattr(kernels.runtime, "PLANS", {i: None for i in range(4)})
+    monkeypatch.setattr(kernels.runtime, "SITES", {i: None for i in range(4)})
+    key = kernels.runtime.plan_key(torch.zeros(2, 32), "mx")
+    assert kernels.runtime.PLANS == {} and kernels.runtime.SITES == {}
     assert key[0] == torch.Size([2, 32]) and key[-1] == "mx"
 
 
@@ -182,8 +182,8 @@ _PERSIST_NAMES = """
 import json, torch
 from miles_lp.formats import kernels
 names = []
-real = kernels._launch
-kernels._launch = lambda mod, name, *a, **k: (names.append((name, a[0])), real(mod, name, *a, **k))
+real = kernels.runtime.launch
+kernels.runtime.launch = lambda mod, name, *a, **k: (names.append((name, a[0])), real(mod, name, *a, **k))
 x = torch.randn(33, 64).bfloat16()
 out = []
 for cfg, dq in [({}, None), ({"pps": 2}, None), ({"pps_dq": 1}, torch.bfloat16), ({"pps": 2}, torch.bfloat16)]:
@@ -217,18 +217,18 @@ def test_unmasked_forms_and_register_caps_only_where_they_apply(interpret):
     cfg = {"BMB": 1, "NB": 8, "num_warps": 2, "STV": 16, "maxnreg": 168, "FULL": 1}
 
     def mx(shape, dq=None, **over):
-        return kernels._mxfp8_plan(torch.randn(*shape), True, True, dq, ("row", "col"), False, None, {**cfg, **over})
+        return kernels.mxfp8._mxfp8_plan(torch.randn(*shape), True, True, dq, ("row", "col"), False, None, {**cfg, **over})
 
     assert mx((64, 512))["consts"]["FULL"] == 1 and mx((64, 512))["maxnreg"] == 168
     assert mx((64, 96))["consts"]["FULL"] == 0  # K not a multiple of the 256-column tile
     assert mx((64, 512), FULL=0)["consts"]["FULL"] == 0
     assert mx((64, 512), torch.bfloat16)["maxnreg"] == 0
-    swz = kernels._mxfp8_plan(torch.randn(64, 512), True, True, None, ("row", "col"), True, None, cfg)
+    swz = kernels.mxfp8._mxfp8_plan(torch.randn(64, 512), True, True, None, ("row", "col"), True, None, cfg)
     assert (swz["maxnreg"], swz["consts"]["STV"], swz["consts"]["FULL"]) == (0, 0, 0)  # the 12-01c launch
-    assert kernels._mxfp8_plan(torch.randn(48, 256), True, False, None, ("row",), False, None, cfg)["consts"]["FULL"] == 0
+    assert kernels.mxfp8._mxfp8_plan(torch.randn(48, 256), True, False, None, ("row",), False, None, cfg)["consts"]["FULL"] == 0
 
     def nv(shape, dq=None):
-        return kernels._nvfp4_plan(torch.randn(*shape).bfloat16(), "row", False, False, dq)
+        return kernels.nvfp4._nvfp4_plan(torch.randn(*shape).bfloat16(), "row", False, False, dq)
 
     assert nv((4, 256))["path"] == "pairs" and nv((4, 256))["consts"]["FULL"] == 1  # K = 16 * next_pow2(K/16)
     assert nv((4, 96))["consts"]["FULL"] == 0  # 6 blocks in an 8-block tile: masked
@@ -246,7 +246,7 @@ def test_unmasked_forms_and_register_caps_only_where_they_apply(interpret):
 _ZERO_POOL = """
 import json, torch
 from miles_lp.formats import kernels, quantize_nvfp4
-kernels._POOL_INTS = 48  # tiny: the pool is replaced after 48 ints, slices up to 3 ints
+kernels.nvfp4._POOL_INTS = 48  # tiny: the pool is replaced after 48 ints, slices up to 3 ints
 x = torch.randn(3, 16, 32).bfloat16()
 got = []
 for i in range(20):  # 60 ints from pools of 48: one replacement (call 17); every call starts from zeros
@@ -256,8 +256,8 @@ for i in range(20):  # 60 ints from pools of 48: one replacement (call 17); ever
     got.append(bool(torch.equal(q.amax, ref.amax) and torch.equal(q.data, ref.data) and torch.equal(q.scale.view(torch.uint8), ref.scale.view(torch.uint8))))
 amaxes = [kernels.nvfp4_quantize(x * (i + 1), "tensor")[0].amax for i in range(3)]
 distinct = len({a.data_ptr() for a in amaxes}) == 3 and all(float(a.max()) > 0 for a in amaxes)
-big = kernels._zeros_i32(4, torch.device("cpu"))  # over the slice bound: its own zeros
-offsets = [ent[1] for ent in kernels._ZERO_POOLS.values()]
+big = kernels.nvfp4._zeros_i32(4, torch.device("cpu"))  # over the slice bound: its own zeros
+offsets = [ent[1] for ent in kernels.nvfp4._ZERO_POOLS.values()]
 print(json.dumps({"ok": got, "distinct": distinct, "big": big.tolist(), "offsets": offsets}))
 """
 
@@ -282,8 +282,8 @@ def test_zero_pool_slices_are_disjoint_across_threads(monkeypatch):
 
     from miles_lp.formats import kernels
 
-    monkeypatch.setattr(kernels, "_POOL_INTS", 1 << 12)
-    monkeypatch.setattr(kernels, "_ZERO_POOLS", {})
+    monkeypatch.setattr(kernels.nvfp4, "_POOL_INTS", 1 << 12)
+    monkeypatch.setattr(kernels.nvfp4, "_ZERO_POOLS", {})
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
     got: list[list[tuple[int, int]]] = [[], []]
@@ -291,7 +291,7 @@ def test_zero_pool_slices_are_disjoint_across_threads(monkeypatch):
 
     def take(out):
         for _ in range(3000):
-            t = kernels._zeros_i32(2, torch.device("cpu"))
+            t = kernels.nvfp4._zeros_i32(2, torch.device("cpu"))
             held.append(t)
             out.append((t.untyped_storage().data_ptr(), t.storage_offset()))
 
@@ -322,5 +322,5 @@ def test_the_bf16x2_amax_tree_is_chosen_only_where_ptx_has_it(monkeypatch):
 
     for cap, ok in (((8, 0), False), ((8, 6), True), ((9, 0), True)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None, cap=cap: cap)
-        assert kernels._has_bf16x2_max(torch.device("cuda", 0)) is ok
-    assert kernels._has_bf16x2_max(torch.device("cpu"))
+        assert kernels.nvfp4._has_bf16x2_max(torch.device("cuda", 0)) is ok
+    assert kernels.nvfp4._has_bf16x2_max(torch.device("cpu"))

@@ -22,10 +22,10 @@ from miles_lp.formats.kernels import bound  # noqa: E402
 def stubbed(monkeypatch):
     """Entry points that plan and allocate as on CUDA, their launches no-ops, CPU tensors accepted; the plan
     caches this test's own."""
-    monkeypatch.setattr(kernels, "_launch", lambda *a, **k: None)
-    monkeypatch.setattr(kernels, "_module", lambda x: None)
-    monkeypatch.setattr(kernels, "_PLANS", {})
-    monkeypatch.setattr(kernels, "_SITES", {})
+    monkeypatch.setattr(kernels.runtime, "launch", lambda *a, **k: None)
+    monkeypatch.setattr(kernels.runtime, "module_for", lambda x: None)
+    monkeypatch.setattr(kernels.runtime, "PLANS", {})
+    monkeypatch.setattr(kernels.runtime, "SITES", {})
 
 
 def fake(mod, name, grid, consts):
@@ -46,7 +46,7 @@ def _check_outputs(b, **tensors):
 def test_params_are_the_kernels_signatures():
     """PARAMS (what a Binding's launch takes) is each kernel's runtime parameters in order, read from
     ``_triton.py`` as Triton sees it (the interpreter's module: nothing compiles)."""
-    mod = kernels._load(True)
+    mod = kernels.runtime.load(True)
     for name, params in bound.PARAMS.items():
         assert tuple(getattr(mod, name).arg_names[:len(params)]) == params, name
 
@@ -69,7 +69,7 @@ def test_mxfp8_binding_matches_the_entry_point(stubbed, rowwise, colwise, dq, st
     outs.update({n: t for n, t in (("dr_ptr", res.row_deq), ("dc_ptr", res.col_deq)) if t is not None})
     _check_outputs(b, **outs)
     assert b.ints == {"R": 128, "K": 96, "M": 64} and b.kernel == "mxfp8_quantize_kernel"
-    plan = next(iter(kernels._PLANS.values()))
+    plan = next(iter(kernels.runtime.PLANS.values()))
     assert (b.launch.grid, b.launch.consts) == (plan["grid"], plan["consts"])
     other = dict(kw, dequant=("row",)) if dq is not None and store_q else dict(kw, rowwise=not rowwise, colwise=True)
     assert kernels.bind_mxfp8_quantize(x, **other, fake=fake) is None  # another call's plan: none seen
@@ -129,7 +129,7 @@ def test_a_changed_signature_is_refused(stubbed, monkeypatch):
     kernels.nvfp4_quantize(x, "row")
     names = list(bound.PARAMS["nvfp4_rows_pairs_kernel"]) + ["DQ", "NB"]
     mod = types.SimpleNamespace(nvfp4_rows_pairs_kernel=types.SimpleNamespace(arg_names=names))
-    monkeypatch.setattr(kernels, "_module", lambda t: mod)
+    monkeypatch.setattr(kernels.runtime, "module_for", lambda t: mod)
     assert kernels.bind_nvfp4_quantize(x, "row", fake=fake) is not None
     names[1], names[2] = names[2], names[1]
     assert kernels.bind_nvfp4_quantize(x, "row", fake=fake) is None
@@ -140,20 +140,20 @@ def test_the_launcher_refusals(monkeypatch):
     a layout this code does not call: each gives None."""
     name = "mxfp8_dequantize_kernel"
     mod = types.SimpleNamespace(**{name: types.SimpleNamespace(arg_names=bound.PARAMS[name])})
-    monkeypatch.setattr(kernels, "_module", lambda t: mod)
-    monkeypatch.setattr(kernels, "_SITES", {"site": (object(), ())})  # (no .run: not a compiled kernel)
+    monkeypatch.setattr(kernels.runtime, "module_for", lambda t: mod)
+    monkeypatch.setattr(kernels.runtime, "SITES", {"site": (object(), ())})  # (no .run: not a compiled kernel)
     x = torch.zeros(4)
     calls = []
     monkeypatch.setattr(bound, "BoundLaunch", lambda *a: calls.append(a) or "bound")
     assert bound._launcher(x, name, (1,), {}, "site", None) == "bound" and len(calls) == 1
     assert bound._launcher(x, name, (1,), {}, "other", None) is None  # no launcher compiled for this plan
-    monkeypatch.setattr(kernels, "launch_hooks_set", lambda: True)
+    monkeypatch.setattr(kernels.runtime, "launch_hooks_set", lambda: True)
     assert bound._launcher(x, name, (1,), {}, "site", None) is None
-    monkeypatch.setattr(kernels, "launch_hooks_set", lambda: False)
-    monkeypatch.setattr(kernels, "_FAST_LAUNCH", False)
+    monkeypatch.setattr(kernels.runtime, "launch_hooks_set", lambda: False)
+    monkeypatch.setattr(kernels.runtime, "FAST_LAUNCH", False)
     assert bound._launcher(x, name, (1,), {}, "site", None) is None
-    monkeypatch.setattr(kernels, "_FAST_LAUNCH", True)
+    monkeypatch.setattr(kernels.runtime, "FAST_LAUNCH", True)
     monkeypatch.undo()
-    monkeypatch.setattr(kernels, "_module", lambda t: mod)
-    monkeypatch.setattr(kernels, "_SITES", {"site": (object(), ())})
+    monkeypatch.setattr(kernels.runtime, "module_for", lambda t: mod)
+    monkeypatch.setattr(kernels.runtime, "SITES", {"site": (object(), ())})
     assert bound._launcher(x, name, (1,), {}, "site", None) is None  # BoundLaunch refuses the layout

@@ -166,7 +166,7 @@ def test_pair_encoder_on_random_fp32_bit_patterns():
     i32 = [torch.empty(n, dtype=torch.int32, device="cuda") for _ in range(6)]
     f32 = [torch.empty(n, dtype=torch.float32, device="cuda") for _ in range(4)]
     codes = torch.zeros(n, dtype=torch.int32, device="cuda")
-    mod = k._module(x)
+    mod = k.runtime.module_for(x)
     mod.encoders_kernel[(-(-n // 1024),)](x, codes, i32[0], i32[1], i32[2], f32[0], f32[1], i32[3], f32[2], i32[4],
                                           i32[5], f32[3], n, 1.0, BLOCK=1024)
     want = bits.e2m1_codes(x).to(torch.int32)

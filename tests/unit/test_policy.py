@@ -166,7 +166,7 @@ def test_first_n_beyond_the_model_is_an_error():
 def test_invariants_are_attributed_before_rules(tmp_path):
     """First match wins AFTER the built-in invariants: a bf16 layer rule does not claim that layer's norms or
     router, and its shadowed / matched-nothing bookkeeping counts only tensors it could decide."""
-    plan = compile_plan(load_policy(ROOT / "recipes" / "qwen3_moe_mxfp8_nvfp4_experts.yaml"), _layout("qwen3_moe"))
+    plan = compile_plan(load_policy(ROOT / "recipes" / "policies/qwen3-moe-mxfp8-nvfp4-experts.yaml"), _layout("qwen3_moe"))
     last = plan.num_layers - 1
     for e in plan.entries.values():
         if e.role in (Role.NORM, Role.ROUTER, Role.EMBEDDING, Role.LM_HEAD):
@@ -256,7 +256,7 @@ def test_warnings_unmatched_and_shadowed():
 
 def test_percent_and_mtp_layers():
     layout = get_layout(json.loads(FIXTURE.read_text()))
-    policy = load_policy(ROOT / "recipes" / "deepseek_v3_mxfp8.yaml")
+    policy = load_policy(ROOT / "recipes" / "policies/deepseek-v3-mxfp8.yaml")
     plan = compile_plan(policy, layout, layout.synthesize(include_mtp=True))
     bf16 = {e.layer for e in plan.entries.values() if e.rule == "rules[0]"}
     assert bf16 == set(range(51, 61))  # ceil(61 * 0.15) = 10 decoder layers; the MTP layer is not counted

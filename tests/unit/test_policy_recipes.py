@@ -80,10 +80,10 @@ def _config(arch: str, layers: int) -> dict:
 
 # recipe file -> (architecture, decoder layers, expected format, backward mode, NVFP4 activation scale)
 RECIPES = {
-    "qwen3_mxfp8.yaml": ("qwen3", 36, qwen3_mxfp8, "dequantized", None),
-    "qwen3_moe_mxfp8_nvfp4_experts.yaml": ("qwen3_moe", 48, qwen3_moe_mxfp8_nvfp4_experts, "dequantized", "token"),
-    "qwen3_moe_nvfp4_experts.yaml": ("qwen3_moe", 48, qwen3_moe_nvfp4_experts, "high_precision", "token"),
-    "deepseek_v3_mxfp8.yaml": ("deepseek_v3_full", 61, deepseek_v3_mxfp8, "dequantized", None),
+    "policies/qwen3-mxfp8.yaml": ("qwen3", 36, qwen3_mxfp8, "dequantized", None),
+    "policies/qwen3-moe-mxfp8-nvfp4-experts.yaml": ("qwen3_moe", 48, qwen3_moe_mxfp8_nvfp4_experts, "dequantized", "token"),
+    "policies/qwen3-moe-nvfp4-experts.yaml": ("qwen3_moe", 48, qwen3_moe_nvfp4_experts, "high_precision", "token"),
+    "policies/deepseek-v3-mxfp8.yaml": ("deepseek_v3_full", 61, deepseek_v3_mxfp8, "dequantized", None),
     "tiny-mxfp8.yaml": ("qwen3", 2, tiny_mxfp8, "dequantized", None),
     "tiny-bf16.yaml": ("qwen3", 2, all_bf16, None, None),
     "tiny-bf16-vllm.yaml": ("qwen3", 2, all_bf16, None, None),  # the same learner; vLLM samples
@@ -105,7 +105,8 @@ RECIPES = {
 
 
 def test_every_recipe_has_an_expectation():
-    missing = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml") if p.name not in RECIPES)
+    names = [p.relative_to(ROOT / "recipes").as_posix() for p in (ROOT / "recipes").rglob("*.yaml")]
+    missing = sorted(n for n in names if n not in RECIPES)
     assert not missing, (f"recipes without a stated plan: {missing}; add each to RECIPES in "
                          "tests/unit/test_policy_recipes.py (architecture, layers, expected format per tensor)")
 

@@ -21,7 +21,7 @@ from miles_lp.sync import digest
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-RECIPE = "qwen3_moe_mxfp8_nvfp4_experts.yaml"
+RECIPE = "policies/qwen3-moe-mxfp8-nvfp4-experts.yaml"
 
 
 def _groups(engine: ReferenceEngine) -> dict[str, list[str]]:
@@ -90,7 +90,7 @@ from miles_lp.rollout.reference import ReferenceEngine
 from miles_lp.rollout.testing import tiny_checkpoint
 from miles_lp.sync import digest, kernels
 assert kernels.enabled(torch.device("cpu"))
-engine = ReferenceEngine(tiny_checkpoint("qwen3_moe", "qwen3_moe_mxfp8_nvfp4_experts.yaml"), device="cpu",
+engine = ReferenceEngine(tiny_checkpoint("qwen3_moe", "policies/qwen3-moe-mxfp8-nvfp4-experts.yaml"), device="cpu",
                          dtype="bf16")
 # a few groups (the interpreter reads every byte slowly): a quantized dense layer's tensors and a few others
 lin = [l for l in engine._linears if l.kernel_format is not None and l.kernel_format.quantized][0]

@@ -13,7 +13,7 @@ from miles_lp.rollout.reference import ReferenceEngine
 from miles_lp.rollout.testing import tiny_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-RECIPE = "qwen3_moe_mxfp8_nvfp4_experts.yaml"
+RECIPE = "policies/qwen3-moe-mxfp8-nvfp4-experts.yaml"
 PROMPTS = [[3, 17, 99, 4, 250, 7, 1, 2], [5, 6], [40, 41, 42, 43]]
 
 

@@ -16,7 +16,7 @@ from miles_lp.rollout.testing import tiny_checkpoint, tiny_hf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-RECIPE = "qwen3_moe_mxfp8_nvfp4_experts.yaml"
+RECIPE = "policies/qwen3-moe-mxfp8-nvfp4-experts.yaml"
 PROMPTS = [[3, 17, 99, 4, 250, 7, 1, 2, 8], [5, 6], [40, 41, 42, 43, 44]]
 
 
@@ -271,7 +271,7 @@ def test_tied_embeddings(tmp_path):
 
 
 @pytest.mark.parametrize("arch, precision", [("llama", "mxfp8"), ("qwen2_moe", RECIPE), ("mixtral", RECIPE),
-                                             ("deepseek_v3", "deepseek_v3_mxfp8.yaml")])
+                                             ("deepseek_v3", "policies/deepseek-v3-mxfp8.yaml")])
 def test_architectures_match_learner(arch, precision):
     """Other layouts (shared experts, Mixtral's w1/w2/w3 and block_sparse_moe names, MLA + sigmoid router): the
     engine serves the checkpoint's canonical names and equals the learner on the shared grid."""

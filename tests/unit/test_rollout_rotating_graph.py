@@ -16,7 +16,7 @@ from miles_lp.rollout.testing import tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-RECIPE = "qwen3_moe_mxfp8_nvfp4_experts.yaml"
+RECIPE = "policies/qwen3-moe-mxfp8-nvfp4-experts.yaml"
 
 
 class _Recorded:
@@ -55,7 +55,7 @@ def _eager_figures(engine, version):
     return name, None if v is None else (v["rel_err"], v["fresh_diff"])
 
 
-@pytest.mark.parametrize("arch, recipe", [("qwen3_moe", RECIPE), ("qwen3", "qwen3_mxfp8.yaml")])
+@pytest.mark.parametrize("arch, recipe", [("qwen3_moe", RECIPE), ("qwen3", "policies/qwen3-mxfp8.yaml")])
 def test_rotating_replay_equals_eager_for_every_layer(arch, recipe, graphs_on_cpu):
     engine = ReferenceEngine(tiny_checkpoint(arch, recipe), device="cpu")
     n = len(engine._c3_rotation())
@@ -117,7 +117,7 @@ def rotating_graph_cfg(layer):
 
 def test_recheck_mismatch_turns_the_configuration_off(graphs_on_cpu, monkeypatch):
     monkeypatch.setattr(rotating_graph, "RECHECK", 2)
-    engine = ReferenceEngine(tiny_checkpoint("qwen3", "qwen3_mxfp8.yaml"), device="cpu")
+    engine = ReferenceEngine(tiny_checkpoint("qwen3", "policies/qwen3-mxfp8.yaml"), device="cpu")
     engine.weight_version = 1
     first = _rotating(engine.self_check(0))[1]
     assert first["graph"] == "eager, graph captured"
@@ -140,7 +140,7 @@ def test_a_graph_that_records_nothing_is_turned_off(graphs_on_cpu, monkeypatch):
             """Records nothing: the capture ran the ops eagerly (the output holds their capture-time values)."""
 
     monkeypatch.setattr(rotating_graph, "capture", lambda fn, pool: (_Empty(), fn()))
-    engine = ReferenceEngine(tiny_checkpoint("qwen3", "qwen3_mxfp8.yaml"), device="cpu")
+    engine = ReferenceEngine(tiny_checkpoint("qwen3", "policies/qwen3-mxfp8.yaml"), device="cpu")
     engine.weight_version = 1
     name, v = _rotating(engine.self_check(0))
     assert v["graph"].startswith("eager (first replay [-1.0, -1.0] != eager"), v["graph"]
@@ -157,7 +157,7 @@ def test_a_graph_that_records_nothing_is_turned_off(graphs_on_cpu, monkeypatch):
 def test_a_large_configuration_is_answered_eager(graphs_on_cpu, monkeypatch):
     """A configuration whose float64 reference would pin more device memory than the bound stays eager."""
     monkeypatch.setattr(rotating_graph, "MAX_REFERENCE_BYTES", 1)
-    engine = ReferenceEngine(tiny_checkpoint("qwen3", "qwen3_mxfp8.yaml"), device="cpu")
+    engine = ReferenceEngine(tiny_checkpoint("qwen3", "policies/qwen3-mxfp8.yaml"), device="cpu")
     engine.weight_version = 1
     _, v = _rotating(engine.self_check(0))
     assert v["graph"].startswith("eager (not kept as a graph: its float64 reference weight is"), v["graph"]
@@ -165,7 +165,7 @@ def test_a_large_configuration_is_answered_eager(graphs_on_cpu, monkeypatch):
 
 
 def test_a_changed_kernel_state_is_answered_eager(graphs_on_cpu):
-    engine = ReferenceEngine(tiny_checkpoint("qwen3", "qwen3_mxfp8.yaml"), device="cpu")
+    engine = ReferenceEngine(tiny_checkpoint("qwen3", "policies/qwen3-mxfp8.yaml"), device="cpu")
     engine.weight_version = 1
     name, _ = _rotating(engine.self_check(0))
     layer = next(m for m in engine._c3_rotation() if f"{m.prefix}weight" == name)
@@ -239,7 +239,7 @@ def test_cuda_rotating_graph_equals_eager_and_sees_stale_state():
 def test_the_rotation_base_shifts_the_rotating_layer():
     """``c3_rotation_base`` (set by the runner to the run's sync count before this engine started) picks the layer a
     straight run's engine would probe at the same step: the one of weight version + base."""
-    engine = ReferenceEngine(tiny_checkpoint("qwen3", "qwen3_mxfp8.yaml"), device="cpu")
+    engine = ReferenceEngine(tiny_checkpoint("qwen3", "policies/qwen3-mxfp8.yaml"), device="cpu")
 
     def probed(version, base):
         engine.weight_version, engine.c3_rotation_base = version, base

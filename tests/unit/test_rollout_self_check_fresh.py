@@ -15,7 +15,7 @@ from miles_lp.rollout.testing import tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-RECIPE = "qwen3_moe_mxfp8_nvfp4_experts.yaml"
+RECIPE = "policies/qwen3-moe-mxfp8-nvfp4-experts.yaml"
 
 
 def _nudged(engine: ReferenceEngine) -> list[tuple[str, torch.Tensor]]:

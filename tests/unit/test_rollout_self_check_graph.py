@@ -13,7 +13,7 @@ from miles_lp.rollout.testing import tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-RECIPE = "qwen3_moe_mxfp8_nvfp4_experts.yaml"
+RECIPE = "policies/qwen3-moe-mxfp8-nvfp4-experts.yaml"
 
 
 def _figures(sc):
@@ -44,7 +44,7 @@ def test_cpu_self_check_is_eager():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch, recipe", [("qwen3_moe", RECIPE), ("qwen3", "qwen3_mxfp8.yaml")])
+@pytest.mark.parametrize("arch, recipe", [("qwen3_moe", RECIPE), ("qwen3", "policies/qwen3-mxfp8.yaml")])
 def test_graph_replay_equals_eager_and_still_sees_stale_state(arch, recipe, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")

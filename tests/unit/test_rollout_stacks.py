@@ -13,7 +13,7 @@ from miles_lp.sync import checks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-RECIPE = "qwen3_moe_mxfp8_nvfp4_experts.yaml"
+RECIPE = "policies/qwen3-moe-mxfp8-nvfp4-experts.yaml"
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

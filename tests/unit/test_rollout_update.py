@@ -15,7 +15,7 @@ from miles_lp.rollout.testing import tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-RECIPE = "qwen3_moe_mxfp8_nvfp4_experts.yaml"
+RECIPE = "policies/qwen3-moe-mxfp8-nvfp4-experts.yaml"
 Q = "model.layers.0.self_attn.q_proj."
 EXPERT = "model.layers.0.mlp.experts.1.gate_proj."
 

@@ -121,7 +121,7 @@ def test_loader_refuses_non_idempotent_backend():
 def test_loader_on_reference_engine_layers():
     """The reference engine's EngineLinear follows the same contract (post-processing in place)."""
     torch.set_num_threads(1)
-    recipe = "qwen3_moe_mxfp8_nvfp4_experts.yaml"
+    recipe = "policies/qwen3-moe-mxfp8-nvfp4-experts.yaml"
     from safetensors.torch import load_file
 
     eng = ReferenceEngine(tiny_checkpoint("qwen3_moe", recipe), device="cpu")

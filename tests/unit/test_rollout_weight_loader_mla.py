@@ -338,8 +338,8 @@ def test_deepseek_names_on_the_reference_engine_layers():
     from miles_lp.rollout.testing import tiny_checkpoint
 
     torch.set_num_threads(1)
-    eng = ReferenceEngine(tiny_checkpoint("deepseek_v3", "deepseek_v3_mxfp8.yaml"), device="cpu")
-    other = tiny_checkpoint("deepseek_v3", "deepseek_v3_mxfp8.yaml", seed=1)
+    eng = ReferenceEngine(tiny_checkpoint("deepseek_v3", "policies/deepseek-v3-mxfp8.yaml"), device="cpu")
+    other = tiny_checkpoint("deepseek_v3", "policies/deepseek-v3-mxfp8.yaml", seed=1)
     new = {}
     for f in sorted(other.glob("*.safetensors")):
         new.update(load_file(f))

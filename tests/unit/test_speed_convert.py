@@ -19,11 +19,11 @@ from safetensors.torch import load_file, save_file
 
 from miles_lp.checkpoint import pipeline
 from miles_lp.checkpoint.convert import convert_checkpoint
-from miles_lp.checkpoint.safetensors_io import INDEX_NAME
 from miles_lp.checkpoint.tiny import make_tiny_model
 from miles_lp.cli.convert import policy_for_format
 from miles_lp.errors import CheckpointError
 from miles_lp.formats import _native
+from miles_lp.io.safetensors_io import INDEX_NAME
 
 
 @pytest.fixture(scope="module")

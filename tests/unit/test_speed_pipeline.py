@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from miles_lp.checkpoint import pipeline
-from miles_lp.checkpoint.safetensors_io import ShardWriter, open_checkpoint
 from miles_lp.errors import CheckpointError
+from miles_lp.io.safetensors_io import ShardWriter, open_checkpoint
 
 
 def _jobs(n: int = 40):

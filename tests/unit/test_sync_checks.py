@@ -197,6 +197,33 @@ def test_sentinel_trips_on_each_condition():
     assert Sentinel().update().status == "skipped"
 
 
+def test_sentinel_for_answers_that_fill_the_cap_still_trips_on_real_faults():
+    """``at_length_cap: expected`` (a task whose answers fill max_response_len): all-at-cap steps pass, the
+    step says so; non-finite log-probs, a large |kl| and a clip-ratio streak still trip."""
+    s = Sentinel(SentinelConfig(at_length_cap="expected"))
+    for _ in range(4):
+        v = s.update(rollout_logprobs=[torch.tensor([-1.0, -0.5])], kl=0.01, finish_reasons=["length", "length"])
+        assert v.ok
+    assert "all at the length cap 4 steps (expected)" in v.reason
+    v = s.update(rollout_logprobs=[torch.tensor([float("nan")])], kl=0.01, finish_reasons=["length"])
+    assert v.failed and "not finite" in v.reason
+    assert s.update(kl=2.0, finish_reasons=["length"]).failed
+    assert s.update(clip_ratio=1.0, finish_reasons=["length"]).ok
+    assert s.update(clip_ratio=1.0, finish_reasons=["length"]).failed
+    tripping = Sentinel(SentinelConfig(at_length_cap="trip"))
+    tripping.update(finish_reasons=["length"])
+    assert tripping.update(finish_reasons=["length"]).failed  # the default rule, unchanged
+
+
+def test_sentinel_at_length_cap_is_a_checked_key():
+    from miles_lp.errors import ConfigError
+    from miles_lp.sync.config import parse_sync_config
+
+    assert parse_sync_config({"sentinel": {"at_length_cap": "expected"}}).sentinel.at_length_cap == "expected"
+    with pytest.raises(ConfigError, match="at_length_cap"):
+        parse_sync_config({"sentinel": {"at_length_cap": "ignore"}})
+
+
 def test_batched_fingerprints_equal_single_ones():
     from miles_lp.sync.digest import fingerprints
 

@@ -1,6 +1,6 @@
-"""The C2 fingerprint kernel (miles_lp.sync.kernels) equals the torch reference (miles_lp.sync.digest) bit for bit:
-on CPU through Triton's interpreter (a subprocess: it must be on before Triton is first imported), on CUDA
-compiled (``pytest -m gpu``, the H200 script). Fresh random inputs every run (the seed is in the failure)."""
+"""The C2 fingerprint kernel (miles_lp.sync.kernels) equals the torch reference (miles_lp.sync.digest) bit for bit
+(miles_lp.sync.kernel_selfcheck): on CPU through Triton's interpreter (a subprocess: it must be on before Triton
+is first imported), on CUDA compiled (``pytest -m gpu``, the H200 script). Fresh random inputs every run (the seed is in the failure)."""
 
 from __future__ import annotations
 
@@ -144,7 +144,7 @@ def test_copy_tables_for_new_source_addresses_reuse_the_layout_and_copy_exactly(
 
 
 def test_kernel_equals_the_reference_on_awkward_tensors_in_the_interpreter():
-    proc = _interpreted("-m", "miles_lp.sync.kernels", "--device", "cpu")
+    proc = _interpreted("-m", "miles_lp.sync.kernel_selfcheck", "--device", "cpu")
     res = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else {}
     assert res.get("cases", 0) >= 20, proc.stderr[-3000:]
     assert res["mismatches"] == [], f"seed {res['seed']}: {res['mismatches'][:5]}"
@@ -184,7 +184,9 @@ def test_group_value_is_the_weighted_sum_of_member_values():
 def test_kernel_equals_the_reference_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    res = kernels.selfcheck("cuda", large=True)
+    from miles_lp.sync.kernel_selfcheck import selfcheck
+
+    res = selfcheck("cuda", large=True)
     assert res["mismatches"] == [], f"seed {res['seed']}: {res['mismatches'][:5]}"
 
 
@@ -192,7 +194,9 @@ def test_kernel_equals_the_reference_on_cuda():
 def test_bucket_fill_through_the_copy_kernel_equals_the_torch_path_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    res = kernels.fill_check("cuda")
+    from miles_lp.sync.kernel_selfcheck import fill_check
+
+    res = fill_check("cuda")
     assert res["kernel_path"] and res["mismatched_bytes"] == 0, res
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-RECIPE = "qwen3_moe_mxfp8_nvfp4_experts.yaml"
+RECIPE = "policies/qwen3-moe-mxfp8-nvfp4-experts.yaml"
 DROPPED = "*.experts.*.down_proj.weight"  # the engine's loader skips these: C2 must name them
 
 

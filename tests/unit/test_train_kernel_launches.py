@@ -5,7 +5,7 @@ so the launch count per mode is pinned here: ``quantized`` mode takes both grids
 grad_output from one read each (``fused.mxfp8_qdq_both``), 5 launches instead of 8. The kernels run in
 Triton's interpreter on CPU tensors (a subprocess: the interpreter must be on before Triton is imported),
 and every output and gradient is compared bit for bit with the reference codecs' path (``kernel="reference"``).
-The cached launcher (``kernels._launch`` after the first launch of a specialization) is CUDA-only; its bytes
+The cached launcher (``kernels.runtime.launch`` after the first launch of a specialization) is CUDA-only; its bytes
 are checked on the device by ``selfcheck --repeat 2`` and ``pytest -m gpu``.
 """
 
@@ -72,11 +72,11 @@ def experts_step(kernel):  # expert 1 of a fused [3, 64, 64] weight: _ExpertView
 refs["experts"] = experts_step("reference")[0]
 kernels.enabled = lambda x: True  # hand the CPU tensors to the (interpreted) kernels
 launched = []
-real = kernels._launch
+real = kernels.runtime.launch
 def counting(mod, name, *a, **kw):
     launched.append(name)
     return real(mod, name, *a, **kw)
-kernels._launch = counting
+kernels.runtime.launch = counting
 for c in cases:
     launched.clear()
     recipe = LinearRecipe(Format(c[0]), BackwardMode(c[1]), "token" if c[0] == "nvfp4" else None)

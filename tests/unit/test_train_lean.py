@@ -57,7 +57,7 @@ def fake_bind(mod, name, grid, consts):
                     a = a.view(torch.uint8)
             elif n.endswith("_ptr"):
                 assert a == 0, (name, n, a)
-                a = kernels._none(torch.device("cpu"))
+                a = kernels.runtime.none_tensor(torch.device("cpu"))
             out.append(a)
         fn[grid](*out, **consts)
     return run
@@ -99,7 +99,7 @@ cases = [("mxfp8", "high_precision", 64), ("mxfp8", "dequantized", 64), ("mxfp8"
 # _triton.py during the run (another checkout's work) cannot shift the lines it reads
 import shutil, tempfile
 _snap = tempfile.mkdtemp()
-kernels._PATH = shutil.copy(kernels._PATH, _snap)
+kernels.runtime.PATH = shutil.copy(kernels.runtime.PATH, _snap)
 # bf16 GEMM operands for bf16 activations, as on CUDA (both paths: the same GEMMs)
 gemm._operand_dtype = lambda x: torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
 for dtype in [getattr(torch, name) for name in sys.argv[1:]]:

@@ -419,8 +419,8 @@ def test_megatron_export_equals_the_embedded_export_and_convert(mp, cpu_forward,
 
     from miles_lp.checkpoint.tiny import make_tiny_model
     from miles_lp.cli.convert import policy_for_format
+    from miles_lp.cli.export import learner_from_hf
     from miles_lp.export import engine_tensors
-    from miles_lp.export.writer import learner_from_hf
     from miles_lp.train.embedded import SourceInfo
     from miles_lp.train.megatron.export import megatron_export_weights
     from miles_lp.train.megatron.layers import attach_plan

@@ -296,8 +296,8 @@ def test_real_megatron_tp2_export_equals_the_embedded_export(tiny, tp2_run):
     ranks' global scales differ and the gather refuses it."""
     from safetensors.torch import load_file
 
+    from miles_lp.cli.export import learner_from_hf
     from miles_lp.export import engine_tensors
-    from miles_lp.export.writer import learner_from_hf
 
     d, tmp_path = tiny("qwen3")[0], tp2_run[0] / "megatron"
     for tag, raw in (("nvfp4", {"default": "nvfp4", "backward": "high_precision"}), ("mxfp8", {"default": "mxfp8"})):
@@ -317,8 +317,8 @@ def test_real_megatron_ep2_export_gathers_the_experts(tiny, tp2_run):
     from safetensors.torch import load_file
 
     from miles_lp.cli.convert import policy_for_format
+    from miles_lp.cli.export import learner_from_hf
     from miles_lp.export import engine_tensors
-    from miles_lp.export.writer import learner_from_hf
 
     d = tiny("qwen3_moe")[0]
     learner = learner_from_hf(d, policy_for_format("mxfp8+nvfp4-experts"))

@@ -33,7 +33,7 @@ from miles_lp.formats import bits
 
 # Hardware conversions on CUDA (sm_89+: cvt.rn.satfinite.e4m3x2.f32, cvt.rn.f16x2.e4m3x2, cvt.rn.bf16.f32,
 # max.f32 / min.f32 that ignore NaN); the integer forms in Triton's interpreter, whose float8 / bf16 casts do
-# not round to nearest even and whose max propagates NaN. Fixed when this module is imported (kernels._load);
+# not round to nearest even and whose max propagates NaN. Fixed when this module is imported (kernels.runtime.load);
 # MILES_LP_KERNELS_HW=0 runs the integer forms on CUDA too (same bytes, more instructions: for A/B checks).
 HW = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes")
                   and os.environ.get("MILES_LP_KERNELS_HW", "1") != "0")

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from miles_lp.formats import kernels as _k
+from miles_lp.formats.kernels import runtime as rt
+from miles_lp.formats.kernels.tuning import CONFIG
 
 __all__ = ["Binding", "BoundLaunch", "PARAMS", "bind_mxfp8_quantize", "bind_mxfp8_dequantize",
            "bind_nvfp4_quantize", "bind_nvfp4_dequantize"]
@@ -101,17 +102,17 @@ class BoundLaunch:
 
 def _launcher(x: torch.Tensor, name: str, grid, consts: dict, site, fake, ent=None):
     """The launch callable for kernel ``name`` as the entry point's call on ``x`` launched it, or None."""
-    mod = _k._module(x)
+    mod = rt.module_for(x)
     fn = getattr(mod, name, None)
     params = PARAMS[name]
     if fn is not None and tuple(fn.arg_names[:len(params)]) != params:
         return None  # the kernel's parameters changed: arguments built to PARAMS would not fit
     if fake is not None:
         return fake(mod, name, grid, consts)
-    if not _k._FAST_LAUNCH or _k.launch_hooks_set() or fn is None:
+    if not rt.FAST_LAUNCH or rt.launch_hooks_set() or fn is None:
         return None
     if ent is None:
-        ent = _k._SITES.get(site)
+        ent = rt.SITES.get(site)
     if ent is None:
         return None
     try:
@@ -124,7 +125,7 @@ def _plan(x: torch.Tensor, *flags):
     """(key, plan) of the entry point's plan for ``x`` and ``flags`` (``_plan_key``'s layout, without its
     clearing of a full cache), or (key, None)."""
     key = (x.shape, x.dtype, x.device, x.data_ptr() & 15, x.is_contiguous(), *flags)
-    return key, _k._PLANS.get(key)
+    return key, rt.PLANS.get(key)
 
 
 def _eligible(x: torch.Tensor, fake) -> bool:
@@ -141,7 +142,7 @@ def bind_mxfp8_quantize(x: torch.Tensor, *, rowwise: bool, colwise: bool, dequan
     ``MXFP8Tensor(qc, sc, -2)``, the decodes as they are. None: module docstring."""
     if not _eligible(x, fake):
         return None
-    cfg = _k.CONFIG["mxfp8_both" if (rowwise and colwise) else "mxfp8" if rowwise else "mxfp8_col"]
+    cfg = CONFIG["mxfp8_both" if (rowwise and colwise) else "mxfp8" if rowwise else "mxfp8_col"]
     # (mxfp8_quantize's plan key)
     key, plan = _plan(x, "mx" if store_q else "mx-dq", rowwise, colwise, dequant_dtype, dequant, False, *cfg.items())
     if plan is None or any(plan["shapes"][6:]):
@@ -164,9 +165,9 @@ def bind_mxfp8_dequantize(q, dtype: torch.dtype, *, fake=None) -> Binding | None
     data, scale = q.data, q.scale
     if not (_eligible(data, fake) and scale.is_contiguous()):
         return None
-    key, _ = _plan(data, "mxdq", q.axis, dtype, *_k.CONFIG["mxfp8_dq"].values())
+    key, _ = _plan(data, "mxdq", q.axis, dtype, *CONFIG["mxfp8_dq"].values())
     key = (*key, scale.shape, scale.data_ptr() & 15, True)  # (mxfp8_dequantize's plan key)
-    plan = _k._PLANS.get(key)
+    plan = rt.PLANS.get(key)
     if plan is None:
         return None
     launch = _launcher(data, "mxfp8_dequantize_kernel", plan["grid"], plan["consts"], key, fake)
@@ -186,8 +187,8 @@ def bind_nvfp4_quantize(x: torch.Tensor, scope: str, *, block_2d: bool = False,
     asked for. Result: ``NVFP4Tensor(q, s, gs, amax, x.shape, scope, block_2d)``. None: module docstring."""
     if not _eligible(x, fake):
         return None
-    cfgs = (_k.CONFIG["nvfp4_pairs"], _k.CONFIG["nvfp4_rows"], _k.CONFIG["nvfp4_rows_reg"], _k.CONFIG["nvfp4_2d"],
-            _k.CONFIG["nvfp4"], _k.CONFIG["amax"], _k.CONFIG["nvfp4_persist"])
+    cfgs = (CONFIG["nvfp4_pairs"], CONFIG["nvfp4_rows"], CONFIG["nvfp4_rows_reg"], CONFIG["nvfp4_2d"],
+            CONFIG["nvfp4"], CONFIG["amax"], CONFIG["nvfp4_persist"])
     # (nvfp4_quantize's plan key, amax not given)
     key, plan = _plan(x, "nv", scope, False, block_2d, dequant_dtype, *(tuple(c.items()) for c in cfgs))
     if plan is None or plan.get("path") != "pairs" or "persist" in plan:
@@ -213,7 +214,7 @@ def bind_nvfp4_dequantize(q, dtype: torch.dtype, *, fake=None) -> Binding | None
     data, gs = q.data, q.global_scale
     if not (_eligible(data, fake) and q.scale.is_contiguous() and gs.dtype == _F32 and gs.is_contiguous()):
         return None
-    if dtype not in _k._OUT_KIND:
+    if dtype not in rt.OUT_KIND:
         return None
     shape = tuple(q.logical_shape)
     m, k = shape[-2], shape[-1]
@@ -221,14 +222,14 @@ def bind_nvfp4_dequantize(q, dtype: torch.dtype, *, fake=None) -> Binding | None
     per_row = gs.numel() == mats * m and q.scale_scope == "row"
     if not per_row and gs.numel() != mats:
         return None
-    cfg = _k.CONFIG["nvfp4_dq"]
-    consts = dict(GS_PER_ROW=per_row, OUT_KIND=_k._OUT_KIND[dtype], BM=cfg["BM"], NB=cfg["NB"])
-    grid = (_k.triton_cdiv(m, cfg["BM"]), _k.triton_cdiv(k, 16 * cfg["NB"]), mats)
+    cfg = CONFIG["nvfp4_dq"]
+    consts = dict(GS_PER_ROW=per_row, OUT_KIND=rt.OUT_KIND[dtype], BM=cfg["BM"], NB=cfg["NB"])
+    grid = (rt.triton_cdiv(m, cfg["BM"]), rt.triton_cdiv(k, 16 * cfg["NB"]), mats)
     ent = None
     if data.is_cuda:  # (no plan cache in this entry point: its launcher by the launch's own key)
-        args = (data, q.scale.view(torch.uint8), gs.reshape(-1), _k._out(shape, dtype, data.device), m, k)
-        ent = _k._LAUNCHERS.get(("nvfp4_dequantize_kernel", data.get_device(), cfg["num_warps"], 0,
-                                 tuple(consts.items()), _k._spec(args)))
+        args = (data, q.scale.view(torch.uint8), gs.reshape(-1), rt.out_tensor(shape, dtype, data.device), m, k)
+        ent = rt.LAUNCHERS.get(("nvfp4_dequantize_kernel", data.get_device(), cfg["num_warps"], 0,
+                                 tuple(consts.items()), rt.spec_key(args)))
         if ent is None:
             return None
     name = "nvfp4_dequantize_kernel"

@@ -42,9 +42,9 @@ def _bin(tool: str) -> str:
 
 def _module():
     """``_triton.py`` compiled (not interpreted): the same loader the entry points use, forced to CUDA mode."""
-    from miles_lp.formats import kernels
+    from miles_lp.formats.kernels import runtime
 
-    return kernels._load(False)
+    return runtime.load(False)
 
 
 def compile_kernel(name: str, signature: dict, constexprs: dict, num_warps: int, maxnreg: int = 0):

@@ -369,7 +369,7 @@ def check_encoders(device: str) -> list[str]:
     xd, cd = x.to(device), codes.to(device)
     e4, e2, bf, e2p, bfp, e2a = (torch.empty(n, dtype=torch.int32, device=device) for _ in range(6))
     v4, v2, r2p, r2a = (torch.empty(n, dtype=torch.float32, device=device) for _ in range(4))
-    mod = k._module(xd)
+    mod = k.runtime.module_for(xd)
     block = 1024
     mod.encoders_kernel[(-(-n // block),)](xd, cd, e4, e2, bf, v4, v2, e2p, r2p, bfp, e2a, r2a, n, 1.0, BLOCK=block)
     e4, e2, bf, v4, v2, e2p, r2p, bfp, e2a, r2a = (t.cpu() for t in (e4, e2, bf, v4, v2, e2p, r2p, bfp, e2a, r2a))

@@ -169,6 +169,7 @@ def _small_shape(x, log, compiled: bool = True) -> list[dict]:
     from triton.testing import do_bench
 
     from miles_lp.formats import kernels
+    from miles_lp.formats.kernels import runtime
     from miles_lp.train import fused
 
     bf16 = torch.bfloat16
@@ -189,11 +190,11 @@ def _small_shape(x, log, compiled: bool = True) -> list[dict]:
             torch.cuda.synchronize()
             row["gpu_ms"] = do_bench(fn, warmup=25, rep=100, return_mode="median")
             row["host_us"] = _host_us(fn)
-            kernels._FAST_LAUNCH = False
+            runtime.FAST_LAUNCH = False
             try:
                 row["host_us_jit"] = _host_us(fn)
             finally:
-                kernels._FAST_LAUNCH = True
+                runtime.FAST_LAUNCH = True
             if not compiled:
                 raise _Skip
             os.environ["MILES_LP_KERNELS"] = "reference"

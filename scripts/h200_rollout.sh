@@ -4,7 +4,7 @@
 #   MXFP8 + NVFP4 experts, vs a device copy of the same bytes); bench rollout (0.5B random Qwen3, reference
 #   engine vs transformers generate); short RL runs on the GPU (learner and engine colocated, ray off, checks
 #   in raise mode). Each step reports its own verdict; the script exits non-zero if any failed.
-# Usage: MILES_LP_COMMIT=<sha> bash scripts/h200_lead.sh [--skip-bench]   (carry megatron-core in .whl/ for
+# Usage: MILES_LP_COMMIT=<sha> bash scripts/h200_rollout.sh [--skip-bench]   (carry megatron-core in .whl/ for
 # the Megatron learner runs)
 set -uo pipefail
 source "$(dirname "$0")/h200_common.sh"

@@ -26,7 +26,7 @@ fi
 t=$(mktemp -d)
 step convert_cuda bash -c "python3 -m miles_lp.cli make-tiny-model --arch qwen3_moe --out $t/tiny && \
   python3 -m miles_lp.cli convert --hf-checkpoint $t/tiny --output $t/lp --device cuda \
-    --recipe recipes/qwen3_moe_mxfp8_nvfp4_experts.yaml --target sglang && \
+    --recipe recipes/policies/qwen3-moe-mxfp8-nvfp4-experts.yaml --target sglang && \
   python3 -m miles_lp.cli verify $t/lp --source $t/tiny"
 step bench_quantize python3 -m miles_lp.cli bench quantize --device cuda --no-torchao
 step megatron python3 scripts/h200_train_check.py
