@@ -185,7 +185,7 @@ def vllm_config(plan: PrecisionPlan) -> dict[str, Any]:
             "ignore": _modelopt_exclude(plan, mods, algo)}
 
 
-def _vllm_fp8_is_layer_skipped(prefix: str, ignored: list[str]) -> bool:
+def vllm_fp8_is_layer_skipped(prefix: str, ignored: list[str]) -> bool:
     """vLLM 0.32 ``Fp8Config`` skip rule (``is_layer_skipped``, match mode ``exact``; quant_utils.py): a fused module
     by its shards (which must agree), an experts module when an ignored name holding ``experts`` contains its
     prefix, anything else by its exact name."""
@@ -198,14 +198,14 @@ def vllm_fp8_block_config(plan: PrecisionPlan) -> dict[str, Any]:
     """vLLM ``fp8`` for an FP8 blockwise plan: ``quant_method: fp8``, ``activation_scheme: dynamic``,
     ``weight_block_size: [128, 128]`` and ``ignored_layers`` (vLLM 0.32 ``Fp8Config.from_config``,
     layers/quantization/fp8.py), the BF16 modules by their exact checkpoint paths, re-read with vLLM's skip rule
-    (`_vllm_fp8_is_layer_skipped`). Tensors: ``weight`` E4M3 and ``weight_scale_inv`` fp32 per 128x128 block (the
+    (`vllm_fp8_is_layer_skipped`). Tensors: ``weight`` E4M3 and ``weight_scale_inv`` fp32 per 128x128 block (the
     names vLLM's block-FP8 linear creates)."""
     _single_format(plan, (Format.FP8_BLOCK,), "vLLM fp8")
     mods = engine_modules(plan, "vLLM fp8")
     ignored = _not_converted(plan, mods, whole_layers=False)
     expected = {m.name: m.format.quantized for m in mods.values()}
     try:
-        got = {m.name: not _vllm_fp8_is_layer_skipped(m.name, ignored) for m in mods.values()}
+        got = {m.name: not vllm_fp8_is_layer_skipped(m.name, ignored) for m in mods.values()}
     except C.FusedShardMismatch as exc:
         raise ConfigError(f"vLLM fp8: {exc}") from None
     _check(expected, got, "vLLM fp8")

@@ -1,8 +1,8 @@
 """The recipe's ``precision:`` section: one declarative policy for every stage.
 
     precision:
-      default: mxfp8            # quantizable linear weights: bf16 | mxfp8 | nvfp4
-                                # (fp8_block: learner and library, not yet in engine checkpoints;
+      default: mxfp8            # quantizable linear weights: bf16 | mxfp8 | nvfp4 | fp8_block
+                                # (fp8_block alone, not mixed with mxfp8 / nvfp4 in one checkpoint;
                                 #  fp8_tensor: sampler_precision comparison arms only)
       backward: dequantized     # high_precision | dequantized | quantized
       rules:                    # first match wins, after the built-in invariants
@@ -58,12 +58,12 @@ ActivationScale = Literal["per_tensor", "per_token"]
 #: parse time, naming the key (they would fail later, in convert or run, with no key named).
 COMPARISON_ONLY = (Format.FP8_TENSOR,)
 COMPARISON_ONLY_NOTE = "fp8_tensor: sampler_precision comparison arms only"
-#: formats the learner trains (``LinearRecipe``, ``QuantLinear``: TE Float8BlockScaling, emulated on CPU, native FP8
-#: GEMMs on sm_90) but that no engine checkpoint or live weight sync holds yet (``miles_lp.export.naming`` has no
-#: parts for them), so a run or a conversion would stop in the converter without naming the key: a recipe's
+#: formats a learner trains but that no engine checkpoint or live weight sync holds yet (``miles_lp.export.naming``
+#: has no parts for them), so a run or a conversion would stop in the converter without naming the key: a recipe's
 #: ``precision:`` section refuses them here, naming it. Plans and learners built through the library
-#: (``parse_policy(..., comparison_formats=True)``, ``compile_plan``) take them.
-ENGINE_PENDING = (Format.FP8_BLOCK,)
+#: (``parse_policy(..., comparison_formats=True)``, ``compile_plan``) take them. Empty: fp8_block is held by every
+#: target (``weight`` E4M3 + ``weight_scale_inv`` fp32 per 128x128 block) and served by the reference engine.
+ENGINE_PENDING: tuple[Format, ...] = ()
 _LAYER_WORDS = ("first", "last", "mtp")
 
 

@@ -282,7 +282,7 @@ def test_fp8_plans_emit(arch, fmt):
     if fmt == "fp8_block":
         v = emit.vllm_config(plan)
         assert v["quant_method"] == "fp8" and v["weight_block_size"] == [128, 128]
-        assert {n for n in mods if not emit._vllm_fp8_is_layer_skipped(n, v["ignored_layers"])} == want
+        assert {n for n in mods if not emit.vllm_fp8_is_layer_skipped(n, v["ignored_layers"])} == want
     else:
         with pytest.raises(ConfigError, match=r"vLLM modelopt holds one format \(mxfp8/nvfp4\)"):
             emit.vllm_config(plan)

@@ -31,7 +31,7 @@ def test_vllm_fp8_block_config_reads_back(arch):
     assert cfg == {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
                    "ignored_layers": cfg["ignored_layers"]}
     mods = emit.engine_modules(plan)
-    assert {n for n in mods if not emit._vllm_fp8_is_layer_skipped(n, cfg["ignored_layers"])} == {
+    assert {n for n in mods if not emit.vllm_fp8_is_layer_skipped(n, cfg["ignored_layers"])} == {
         m.name for m in mods.values() if m.format.quantized}
     assert "model.layers.0.self_attn.q_proj" in cfg["ignored_layers"]  # exact shard paths, not a layer prefix
 
@@ -44,8 +44,8 @@ def test_vllm_fp8_block_refuses_mixed_plans():
 
 def test_the_skip_mirror_can_disagree():
     """A layer-prefix entry (SGLang's style) skips nothing under vLLM's exact rule: the mirror says so."""
-    assert not emit._vllm_fp8_is_layer_skipped("model.layers.0.self_attn.o_proj", ["model.layers.0."])
-    assert emit._vllm_fp8_is_layer_skipped("model.layers.0.self_attn.o_proj", ["model.layers.0.self_attn.o_proj"])
+    assert not emit.vllm_fp8_is_layer_skipped("model.layers.0.self_attn.o_proj", ["model.layers.0."])
+    assert emit.vllm_fp8_is_layer_skipped("model.layers.0.self_attn.o_proj", ["model.layers.0.self_attn.o_proj"])
 
 
 _READER = r"""

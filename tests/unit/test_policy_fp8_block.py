@@ -78,13 +78,16 @@ def test_unknown_key_named():
         _plan({"default": "fp8_block", "pow2_scale": True})
 
 
-def test_recipe_precision_section_refuses_fp8_block_naming_the_key(tmp_path):
+def test_recipe_precision_section_takes_fp8_block(tmp_path):
+    """Engine checkpoints hold fp8_block now: a recipe's precision: section takes it (learner + sampler on one grid),
+    and the comparison arm still parses."""
     from miles_lp.policy import load_policy
+    from miles_lp.policy.policy import ENGINE_PENDING
 
+    assert ENGINE_PENDING == ()
     r = tmp_path / "r.yaml"
-    r.write_text("precision:\n  default: mxfp8\n  rules:\n    - {role: mlp, format: fp8_block}\n")
-    with pytest.raises(ConfigError, match=r"r.yaml:4: 'precision.rules.0.format': fp8_block is not yet a precision: "
-                                          r"format for a run or a conversion: .*no engine checkpoint"):
-        load_policy(r)
+    r.write_text("precision:\n  default: fp8_block\n  pow2_scales: true\n  rules:\n    - {layers: first 1, format: bf16}\n")
+    p = load_policy(r)
+    assert p.default is Format.FP8_BLOCK and p.pow2_scales
     r.write_text("precision:\n  default: mxfp8\nsampler_precision:\n  default: fp8_block\n")
     assert load_policy(r, "sampler_precision").default is Format.FP8_BLOCK  # the comparison arm still parses
