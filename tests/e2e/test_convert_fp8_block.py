@@ -1,8 +1,8 @@
 """An fp8_block conversion for every target, judged by ``verify`` (its own table and reference codec: every check
 passes, byte equality with the oracle included) and a flipped scale byte seen; the reference engine serves the
 converted checkpoint (every planned weight fp8_block as the engine reads the config, the self-check within
-tolerance, the served operand the codec's decode). vLLM's CPU build and transformers' FP8 reader are not run here:
-both refuse block FP8 without an accelerator (docs/gpu.md)."""
+tolerance, the served operand the codec's decode); transformers' own FP8 reader loads it on CPU to the codec's
+values. vLLM's CPU build is not run on it: its block-FP8 kernels need AMX (docs/gpu.md)."""
 
 from __future__ import annotations
 
@@ -94,3 +94,27 @@ def test_reference_engine_serves_the_converted_checkpoint(base, tmp_path):
         assert all(v["fresh_diff"] == 0 and 0 < v["rel_err"] < 0.1 for v in check["layers"].values()), check
     finally:
         eng.close()
+
+
+def test_transformers_reads_the_sglang_checkpoint(base, tmp_path):
+    """transformers' own FP8 reader (FineGrainedFP8, ``quant_method: fp8`` with ``weight_block_size``) loads the
+    checkpoint on CPU by dequantizing each weight with its ``weight_scale_inv``: every tensor equals
+    bf16(fp32(q) * s), the BF16 weights as stored. (It infers the block from the scale grid, so partial edge blocks
+    are read right only when they are whole: the tiny model's dims are single whole blocks; real models' are
+    multiples of 128.)"""
+    pytest.importorskip("accelerate", reason="transformers' FP8 reader needs accelerate (in the test extra)")
+    from transformers import AutoModelForCausalLM
+
+    out = _convert(base, tmp_path / "out", "sglang")
+    src = {}
+    for f in base.glob("*.safetensors"):
+        src.update(load_file(f))
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    got = model.state_dict()
+    n_fp8 = 0
+    for name, t in src.items():
+        if ".layers.1." in name and name.endswith("_proj.weight"):  # planned fp8_block: the codec's meaning
+            n_fp8 += 1
+            t = quantize_fp8_blockwise(t, (128, 128)).dequantize(torch.bfloat16)
+        assert torch.equal(got[name].view(torch.int16), t.view(torch.int16)), name
+    assert n_fp8 == 7  # every linear of layer 1
