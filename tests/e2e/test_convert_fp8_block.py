@@ -1,8 +1,8 @@
 """An fp8_block conversion for every target, judged by ``verify`` (its own table and reference codec: every check
 passes, byte equality with the oracle included) and a flipped scale byte seen; the reference engine serves the
 converted checkpoint (every planned weight fp8_block as the engine reads the config, the self-check within
-tolerance, the served operand the codec's decode); transformers' own FP8 reader loads it on CPU to the codec's
-values. vLLM's CPU build is not run on it: its block-FP8 kernels need AMX (docs/gpu.md)."""
+tolerance, the served operand the codec's decode); transformers' own FP8 reader and the compressed-tensors
+package load it on CPU to the codec's values. vLLM's CPU build is not run on it: its block-FP8 kernels need AMX (docs/gpu.md)."""
 
 from __future__ import annotations
 
@@ -96,21 +96,26 @@ def test_reference_engine_serves_the_converted_checkpoint(base, tmp_path):
         eng.close()
 
 
-def test_transformers_reads_the_sglang_checkpoint(base, tmp_path):
-    """transformers' own FP8 reader (FineGrainedFP8, ``quant_method: fp8`` with ``weight_block_size``) loads the
-    checkpoint on CPU by dequantizing each weight with its ``weight_scale_inv``: every tensor equals
-    bf16(fp32(q) * s), the BF16 weights as stored. (It infers the block from the scale grid, so partial edge blocks
-    are read right only when they are whole: the tiny model's dims are single whole blocks; real models' are
-    multiples of 128.)"""
+@pytest.mark.parametrize("target", ["sglang", "compressed-tensors"])
+def test_transformers_reads_the_checkpoint(base, tmp_path, target):
+    """Independent readers on CPU: transformers' FineGrainedFP8 (``quant_method: fp8`` with ``weight_block_size``,
+    the SGLang/vLLM checkpoint) and the compressed-tensors package through transformers (``float-quantized``, block
+    strategy, ``dequantize``) load the checkpoint by decoding each weight with its block scales: every tensor equals
+    the codec's bf16(fp32(q) * s) of the source, the BF16 weights as stored. (FineGrainedFP8 infers the block from
+    the scale grid, so it reads partial edge blocks right only when whole: the tiny model's dims are single whole
+    blocks; real models' are multiples of 128.)"""
     pytest.importorskip("accelerate", reason="transformers' FP8 reader needs accelerate (in the test extra)")
     from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
 
-    out = _convert(base, tmp_path / "out", "sglang")
+    out = _convert(base, tmp_path / "out", target)
+    kw = {"quantization_config": CompressedTensorsConfig(dequantize=True)} if target == "compressed-tensors" else {}
     src = {}
     for f in base.glob("*.safetensors"):
         src.update(load_file(f))
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16, **kw)
     got = model.state_dict()
+    assert not any("scale" in k for k in got)  # decoded, not kept compressed
     n_fp8 = 0
     for name, t in src.items():
         if ".layers.1." in name and name.endswith("_proj.weight"):  # planned fp8_block: the codec's meaning
