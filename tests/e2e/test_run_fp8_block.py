@@ -1,7 +1,8 @@
 """recipes/tiny-fp8-blockwise-e2e.yaml through `miles-lp run` (CPU, emulated): the learner trains fp8_block, the
-reference engine serves its own grid from an ``quant_method: fp8`` checkpoint, every sync's checks C1-C5 pass
+reference engine serves its own grid from a ``quant_method: fp8`` checkpoint, every sync's checks C1-C5 pass
 in raise mode and the sampler's log-probs equal the learner's; `miles-lp selftest sync` on the same recipe catches
-the faults each check exists for (the fp32 block scales are scales to the sync: an unwritten one is seen)."""
+the faults each check exists for (the fp32 block scales are scales to the sync: an unwritten one is seen; a sampler
+that rounds them to powers of two serves another grid, which C2 sees)."""
 
 from __future__ import annotations
 
@@ -41,14 +42,15 @@ def test_tiny_fp8_blockwise_recipe_runs_with_every_check_passing(tmp_path, capsy
 def test_selftest_sync_on_the_fp8_blockwise_recipe(tmp_path):
     out = tmp_path / "table.json"
     rc = main(["selftest", "sync", "--recipe", str(RECIPE), "--only", "missing scales", "--only", "stale derived",
-               "--only", "engine loader skips", "--only", "first/last", "--json", str(out),
+               "--only", "engine loader skips", "--only", "first/last", "--only", "powers of two", "--json", str(out),
                "--workdir", str(tmp_path / "w")])
     rows = json.loads(out.read_text())["rows"]
     assert rc == 0, rows
     assert rows[0]["fault"] == "healthy sync" and rows[0]["verdict"] == "clean"
     by = {r["fault"]: r for r in rows[1:]}
-    assert len(by) == 4 and all(r["verdict"] == "CAUGHT" for r in by.values()), by
+    assert len(by) == 5 and all(r["verdict"] == "CAUGHT" for r in by.values()), by
     assert "completeness" in by["missing scales (unwritten staging)"]["caught_by"]
     assert "self_check" in by["stale derived layout (finish without rebuild)"]["caught_by"]
     assert "grid" in by["engine loader skips names"]["caught_by"]
     assert "layer_audit" in by["first/last BF16 layers disagree"]["caught_by"]
+    assert by["different grid: FP8 block scales rounded to powers of two"]["caught_by"] == ["grid"]
