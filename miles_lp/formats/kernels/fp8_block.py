@@ -21,7 +21,8 @@ import torch
 
 from miles_lp.errors import FormatError
 from miles_lp.formats.fp8 import FP8BlockTensor
-from miles_lp.formats.kernels import _launch, load_jit_module
+from miles_lp.formats.kernels.runtime import launch as _launch
+from miles_lp.formats.kernels.runtime import load_jit_module
 
 BLOCK = 128
 #: launch shape (warps per 128x128 tile program), the fastest measured on the H200 (8192^2 bf16: act rows 56 / 72 /
