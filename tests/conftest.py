@@ -46,6 +46,7 @@ FAST_TIER: dict[str, set[str]] = {
     "tests/unit/test_checkpoint_io.py": set(),
     "tests/unit/test_checkpoint_schemes.py": set(),
     "tests/unit/test_export_groups.py": set(),
+    "tests/unit/test_export_fp8_block.py": set(),
     "tests/unit/test_launch_recipe.py": set(),
     "tests/unit/test_launch_rundir.py": set(),
     "tests/unit/test_train_config.py": set(),

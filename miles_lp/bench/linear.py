@@ -9,6 +9,11 @@ Kernels (``QuantLinear(kernel=...)``, the same bytes): ``reference`` = the codec
 bf16 GEMM; ``compiled`` = ``miles_lp.train.fused`` (one ``torch.compile``'d quantize->dequantize pass per
 operand; the step's dequantized weight cached with its grid), what ``kernel="auto"`` runs on CUDA. The first
 warm-up call of a compiled row includes the compilation. Target for MXFP8 ``dequantized``: 1.10x bf16 at 8192^3.
+FP8 blockwise (``fp8_block``): ``reference`` = the codecs and an fp32 GEMM on the decoded operands (the
+emulation); ``native`` (what ``compiled`` / ``auto`` run for it on an sm_90 GPU) = the operand kernels of
+``miles_lp.formats.kernels.fp8_block`` and FP8 tensor-core GEMMs (``miles_lp.train.fp8_block_gemm``): the forward
+in every mode, dgrad and wgrad in ``quantized``. Targets (``quantized``): 0.70x bf16 at 8192^3, 0.90x at
+2048x4096x4096, fresh and cached.
 
 ``--json FILE`` saves the rows; ``--plot PNG`` draws them; ``--from-json FILE --plot PNG`` draws a saved run
 on a machine without a GPU. ``parse_table(text)`` reads a printed table back into rows.
@@ -27,7 +32,8 @@ DESCRIPTION = HELP + (
 
 SHAPES = {"large": (8192, 8192, 8192), "small": (2048, 4096, 4096), "tiny": (256, 512, 512)}
 MODES = [("mxfp8", "high_precision"), ("mxfp8", "dequantized"), ("mxfp8", "quantized"),
-         ("nvfp4", "high_precision"), ("nvfp4", "dequantized")]
+         ("nvfp4", "high_precision"), ("nvfp4", "dequantized"),
+         ("fp8_block", "high_precision"), ("fp8_block", "dequantized"), ("fp8_block", "quantized")]
 
 
 def add_arguments(p) -> None:
@@ -184,8 +190,10 @@ def _bench_shape(m: int, n: int, k: int, dev, timer, warmup: int, iters: int, mo
         bf16_mod = torch.nn.Linear(k, n, bias=False, device=dev, dtype=lin.weight.dtype)
         bf16_mod.weight = lin.weight
         g_bf16 = _graphed(bf16_mod, x, dy)
-    for fmt, bw in modes or MODES:
-        recipe = LinearRecipe(Format(fmt), BackwardMode(bw), "token" if fmt == "nvfp4" else None)
+    for fmt_opt, bw in modes or MODES:
+        fmt, _, opt = fmt_opt.partition("+")  # fp8_block+pow2: power-of-two block scales
+        recipe = LinearRecipe(Format(fmt), BackwardMode(bw), "token" if fmt == "nvfp4" else None,
+                              pow2_scales=opt == "pow2")
         for kernel in kernels:
             ql = QuantLinear.from_linear(lin, recipe, canonical="bench", kernel=kernel)
 
@@ -196,13 +204,14 @@ def _bench_shape(m: int, n: int, k: int, dev, timer, warmup: int, iters: int, mo
             # round-robin with the bf16 step: each ratio is to the bf16 time measured beside it
             base_ms, ms_fresh, ms_cached = timer([step_bf16, fresh, lambda ql=ql: step(ql)], warmup, iters)
             base_all.append(base_ms)
-            out_rows.append(dict(shape=shape, mode=f"{fmt}/{bw}", kernel=kernel, ms_fresh=ms_fresh,
+            label = "native" if fmt == "fp8_block" and kernel != "reference" else kernel
+            out_rows.append(dict(shape=shape, mode=f"{fmt_opt}/{bw}", kernel=label, ms_fresh=ms_fresh,
                                  ms_cached=ms_cached, ratio_fresh=ms_fresh / base_ms,
                                  ratio_cached=ms_cached / base_ms, peak_mib=_peak_mib(dev, fresh)))
             if on_row:
                 on_row(out_rows[-1])
             if kernel == "compiled" and graph:
-                out_rows.append(_graph_row(ql, x, dy, lin, g_bf16, timer, warmup, iters, shape, f"{fmt}/{bw}"))
+                out_rows.append(_graph_row(ql, x, dy, lin, g_bf16, timer, warmup, iters, shape, f"{fmt_opt}/{bw}"))
                 if on_row:
                     on_row(out_rows[-1])
             del ql
@@ -479,8 +488,10 @@ def _profile_cases(m: int, n: int, k: int, dev, modes) -> list[tuple[str, object
         F.linear(x, lin.weight).backward(dy)
 
     cases = [("bf16 F.linear", bf16_step)]
-    for fmt, bw in modes or MODES:
-        recipe = LinearRecipe(Format(fmt), BackwardMode(bw), "token" if fmt == "nvfp4" else None)
+    for fmt_opt, bw in modes or MODES:
+        fmt, _, opt = fmt_opt.partition("+")  # fp8_block+pow2: power-of-two block scales
+        recipe = LinearRecipe(Format(fmt), BackwardMode(bw), "token" if fmt == "nvfp4" else None,
+                              pow2_scales=opt == "pow2")
         ql = QuantLinear.from_linear(lin, recipe, canonical="bench", kernel="compiled")
 
         def fresh(ql=ql) -> None:

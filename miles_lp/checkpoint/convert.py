@@ -26,7 +26,7 @@ from miles_lp.export import naming
 from miles_lp.export.configs import emit_configs
 from miles_lp.export.writer import explain_text, side_file_rows, write_metadata
 from miles_lp.formats.api import quantize
-from miles_lp.formats.spec import Format
+from miles_lp.formats.spec import FP8_BLOCK_SIZE, Format
 from miles_lp.io.atomic import atomic_output_dir, check_output_target
 from miles_lp.io.safetensors_io import INDEX_NAME, ShardWriter, TensorHeader, sha256_file
 from miles_lp.io.validate import SourceCheckpoint, validate_source
@@ -86,12 +86,17 @@ def build_plan(policy, source: SourceCheckpoint):
 
 def codec_options(entry, *, amax=None, compile: bool = False, name: str | None = None) -> dict:
     """``formats.quantize`` options for a checkpoint weight of plan ``entry`` (rowwise MXFP8; NVFP4 with a
-    per-tensor global scale, the group's joint ``amax`` and the entry's 2-D blocks)."""
+    per-tensor global scale, the group's joint ``amax`` and the entry's 2-D blocks; FP8 blockwise in the learner's
+    128x128 weight tiles with the entry's ``pow2_scales``: the grid ``miles_lp.train.operands.quantize_weight``
+    computes from the same master)."""
     if entry.format is Format.MXFP8:
         return {"axis": -1, "compile": compile, "name": name}
     if entry.format is Format.NVFP4:
         return {"scale_scope": "tensor", "amax": amax, "block_2d": bool(entry.block_2d), "name": name}
-    raise FormatError(f"'{name}': format {entry.format.value} cannot be written to a checkpoint (mxfp8, nvfp4)")
+    if entry.format is Format.FP8_BLOCK:
+        return {"block": (FP8_BLOCK_SIZE, FP8_BLOCK_SIZE), "pow2_scales": bool(entry.pow2_scales), "name": name}
+    raise FormatError(f"'{name}': format {entry.format.value} cannot be written to a checkpoint (mxfp8, nvfp4, "
+                      "fp8_block)")
 
 
 #: ``--fp8-decode``: what a block-FP8 input (DeepSeek ``weight_scale_inv``) is decoded to before quantizing.

@@ -7,11 +7,12 @@ Written here from the engines' loaders, not taken from ``miles_lp.export.naming`
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping
 
 from miles_lp.errors import CheckpointError
-from miles_lp.formats.spec import MXFP8_BLOCK, NVFP4_BLOCK, Format
+from miles_lp.formats.spec import FP8_BLOCK_SIZE, MXFP8_BLOCK, NVFP4_BLOCK, Format
 
 PLAN_FILE = "miles_lp_plan.json"  # the converter's record (name on disk)
 TARGETS = ("sglang", "vllm", "compressed-tensors")
@@ -27,7 +28,8 @@ class Part:
     ``role``: ``data``; ``scale`` (block scales); ``global`` (NVFP4 global scale, stored as the decode
     scale S_dec when ``stored == "dec"``, as fp32(1 / S_dec) when ``"enc"``); ``input`` (static activation
     scale). ``shape``: ``same`` [N, K], ``half`` [N, K/2], ``k32`` [N, K/32], ``k16`` [N, K/16],
-    ``scalar`` [], ``one`` [1].
+    ``b128`` [ceil(N/128), ceil(K/128)] (FP8 blockwise, one fp32 decode scale per 128x128 block), ``scalar`` [],
+    ``one`` [1].
     """
 
     suffix: str
@@ -51,6 +53,12 @@ _NVFP4_PARTS = {
     "compressed-tensors": (Part("weight_packed", "data", "U8", "half"),
                            Part("weight_scale", "scale", "F8_E4M3", "k16"),
                            Part("weight_global_scale", "global", "F32", "one", "enc")),
+}
+#: FP8 blockwise (DeepSeek-V3 ``weight_scale_inv``; compressed-tensors' block strategy calls it ``weight_scale``)
+_FP8_BLOCK_PARTS = {
+    "sglang": (Part("weight", "data", "F8_E4M3", "same"), Part("weight_scale_inv", "scale", "F32", "b128")),
+    "vllm": (Part("weight", "data", "F8_E4M3", "same"), Part("weight_scale_inv", "scale", "F32", "b128")),
+    "compressed-tensors": (Part("weight", "data", "F8_E4M3", "same"), Part("weight_scale", "scale", "F32", "b128")),
 }
 CT_INPUT_GLOBAL_SCALE = Part("input_global_scale", "input", "F32", "one", "enc")  # W4A4 (see required_parts)
 
@@ -76,13 +84,15 @@ def required_parts(target: str, fmt: Format, quant_config=None) -> tuple[Part, .
         if target == "compressed-tensors" and ct_needs_input_scale(quant_config):
             parts = (*parts, CT_INPUT_GLOBAL_SCALE)
         return parts
-    raise CheckpointError(f"format {fmt.value} is not a checkpoint format verify knows (mxfp8, nvfp4)")
+    if fmt is Format.FP8_BLOCK:
+        return _FP8_BLOCK_PARTS[target]
+    raise CheckpointError(f"format {fmt.value} is not a checkpoint format verify knows (mxfp8, nvfp4, fp8_block)")
 
 
 def _part_shape(rule: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     n, k = shape
     return {"same": (n, k), "half": (n, k // 2), "k32": (n, k // MXFP8_BLOCK), "k16": (n, k // NVFP4_BLOCK),
-            "scalar": (), "one": (1,)}[rule]
+            "b128": (math.ceil(n / FP8_BLOCK_SIZE), math.ceil(k / FP8_BLOCK_SIZE)), "scalar": (), "one": (1,)}[rule]
 
 
 def weight_prefix(weight: str) -> str:

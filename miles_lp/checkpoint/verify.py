@@ -12,7 +12,7 @@ Every check reports a verdict, or why it could not run (C7):
                  set with the plan's formats and scheme fields (``checkpoint.schemes``: group sizes, bits,
                  strategy, block size, ...; a difference FAILs with and without a record) (C1, offline);
 * ``scales``     scales are finite and in range (no E8M0 NaN byte, E4M3 scales finite and >= 0, global
-                 scales finite and > 0, the static activation scale the recipe defines), every fused group
+                 scales and FP8 blockwise fp32 block scales finite and > 0, the static activation scale the recipe defines), every fused group
                  (q/k/v, gate/up, MLA q_a/kv_a: what SGLang and vLLM fuse into one GEMM) stores ONE NVFP4
                  global scale, and the largest block scale of each NVFP4 scope is 448 (its global scale
                  is that scope's amax / 2688);
@@ -48,7 +48,7 @@ from miles_lp.checkpoint.disk_layout import (  # the oracle's tables (re-exporte
     weight_prefix,
 )
 from miles_lp.errors import CheckpointError, MilesLPError
-from miles_lp.formats.spec import MXFP8_BLOCK, NVFP4_BLOCK, Format
+from miles_lp.formats.spec import FP8_BLOCK_SIZE, MXFP8_BLOCK, NVFP4_BLOCK, Format
 from miles_lp.io.safetensors_io import CheckpointFiles, TensorReader, open_checkpoint, sha256_file
 
 PASS, FAIL, SKIP = "pass", "FAIL", "skip"
@@ -219,13 +219,14 @@ def _check_record(ctx: _Ctx, report: VerifyReport) -> None:
 def logical_from_output(target: str, files: CheckpointFiles, quant_config=None) -> tuple[dict, dict]:
     """``({name: shape}, {name: dtype})`` of the model a checkpoint for ``target`` holds, read back from its
     on-disk tensors with the target's layout table (not from a record): a module whose data and scale parts
-    are all present (``<m>.weight`` E4M3 + an U8 scale: MXFP8; packed U8 + an E4M3 scale: NVFP4) is one logical
+    are all present (``<m>.weight`` E4M3 + an U8 scale: MXFP8; packed U8 + an E4M3 scale: NVFP4; E4M3 + an F32
+    block scale: FP8 blockwise) is one logical
     ``<m>.weight`` [N, K] (dtype unknown: BF16 assumed); every other tensor is itself."""
     have = files.tensors
     shapes: dict[str, tuple] = {}
     dtypes: dict[str, str] = {}
     folded: set[str] = set()
-    for fmt in (Format.MXFP8, Format.NVFP4):
+    for fmt in (Format.MXFP8, Format.NVFP4, Format.FP8_BLOCK):
         parts = required_parts(target, fmt, quant_config)
         data = next(p for p in parts if p.role == "data")
         scale = next(p for p in parts if p.role == "scale")
@@ -553,6 +554,9 @@ def _scale_problem(target: str, part: Part, t) -> str | None:
             f"must be {want} (the recipe's static activation scale {STATIC_INPUT_SCALE}, stored as "
             f"{'the encode scale 1 / it' if part.stored == 'enc' else 'the decode scale'}; activations are "
             f"scaled per token at run time), found {f.tolist()}")
+    if part.role == "scale":  # FP8 blockwise: fp32(1 / scale), scale = 448 / amax or 1 (an all-zero block)
+        n = int((~torch.isfinite(f) | (f <= 0)).sum())
+        return f"{n} fp32 block scales are not finite and > 0 (a NaN/inf weight, or corruption)" if n else None
     if not bool(torch.isfinite(f).all()) or not bool((f > 0).all()):
         return f"global scale must be finite and > 0, found {f.tolist()}"
     return None
@@ -632,8 +636,9 @@ def _same_bytes(a, b) -> bool:
 
 
 def expected_quantized(target: str, fmt: Format, weight: str, x, *, amax: float | None = None,
-                       block_2d: bool = False, quant_config=None) -> dict:
-    """The oracle's on-disk tensors for weight ``x`` (``amax``: the fused group's NVFP4 global amax)."""
+                       block_2d: bool = False, quant_config=None, pow2_scales: bool = False) -> dict:
+    """The oracle's on-disk tensors for weight ``x`` (``amax``: the fused group's NVFP4 global amax;
+    ``pow2_scales``: the plan entry's FP8 blockwise scale rule)."""
     import torch
 
     from miles_lp.formats import oracle
@@ -647,6 +652,12 @@ def expected_quantized(target: str, fmt: Format, weight: str, x, *, amax: float 
         parts = [oracle.mxfp8_quantize(x[i:i + step]) for i in range(0, x.shape[0], step)]
         comps = {"data": torch.cat([d for d, _ in parts]).view(torch.float8_e4m3fn),
                  "scale": torch.cat([e for _, e in parts])}
+    elif fmt is Format.FP8_BLOCK:  # bands of 128 rows are independent
+        band = max(FP8_BLOCK_SIZE, step // FP8_BLOCK_SIZE * FP8_BLOCK_SIZE)
+        parts = [oracle.fp8_block_quantize(x[i:i + band], FP8_BLOCK_SIZE, pow2_scales)
+                 for i in range(0, x.shape[0], band)]
+        comps = {"data": torch.cat([d for d, _ in parts]).view(torch.float8_e4m3fn),
+                 "scale": torch.cat([s for _, s in parts])}
     else:
         amax = oracle.nvfp4_amax(x) if amax is None else amax
         parts = [oracle.nvfp4_quantize(x[i:i + step], amax, block_2d=block_2d) for i in range(0, x.shape[0], step)]
@@ -705,7 +716,8 @@ def _check_grid_and_error(ctx: _Ctx, report: VerifyReport, src) -> None:
                     grid_problems.append(f"'{name}' (kept {y.dtype}) differs from the source")
                 continue
             want = expected_quantized(ctx.target, fmt, name, x, amax=group_amax.get(name),
-                                      block_2d=bool(ctx.plan.entry(name).block_2d), quant_config=ctx.quant_config)
+                                      block_2d=bool(ctx.plan.entry(name).block_2d), quant_config=ctx.quant_config,
+                                      pow2_scales=bool(ctx.plan.entry(name).pow2_scales))
             disk = {}
             for n, t in want.items():
                 h = have.get(n)
@@ -780,6 +792,8 @@ def decode(target: str, fmt: Format, weight: str, tensors: dict, shape: tuple):
     c = _components(target, fmt, weight, tensors)
     if fmt is Format.MXFP8:
         return F.MXFP8Tensor(data=c["data"], scale=c["scale"], axis=-1)
+    if fmt is Format.FP8_BLOCK:
+        return F.FP8BlockTensor(data=c["data"], scale_inv=c["scale"], block=(FP8_BLOCK_SIZE, FP8_BLOCK_SIZE))
     g = torch.tensor(c["global"], dtype=torch.float32)
     return F.NVFP4Tensor(data=c["data"], scale=c["scale"], global_scale=g,
                          amax=torch.full_like(g, float("nan")), logical_shape=tuple(shape))
@@ -795,6 +809,9 @@ def error_bound(fmt: Format, x, scale_values, s_dec: float | None = None):
     effective block scale is s = sf * S_dec): max(|x|, s) / 4, at least 6 * 2^-10 * S_dec (the E4M3-underflow
     floor for blocks whose scale rounds to zero): E2M1 spacing is 0.5 below 2, 1 below 4, 2 up to 6;
     saturation after rounding sf down costs at most |x| / 16.
+    FP8 blockwise (``scale_values``: the fp32 decode scale s per 128x128 block): max(|x| / 16, s / 1024) as MXFP8,
+    plus |x| * 2^-22 for the fp32 roundings of x * scale and of s = fp32(1 / scale) (the scale is not a power of
+    two) and the saturation of amax * fp32(448 / amax) just above 448.
     """
     import torch
 
@@ -802,6 +819,11 @@ def error_bound(fmt: Format, x, scale_values, s_dec: float | None = None):
     if fmt is Format.MXFP8:
         s = scale_values.to(torch.float64).repeat_interleave(MXFP8_BLOCK, dim=-1)
         return torch.maximum(xf / 16, s / 1024)
+    if fmt is Format.FP8_BLOCK:
+        n, k = xf.shape[-2], xf.shape[-1]
+        s = scale_values.to(torch.float64).repeat_interleave(FP8_BLOCK_SIZE, -2).repeat_interleave(
+            FP8_BLOCK_SIZE, -1)[..., :n, :k]
+        return torch.maximum(xf / 16, s / 1024) + xf * 2.0**-22
     s = (scale_values.to(torch.float64) * s_dec).repeat_interleave(NVFP4_BLOCK, dim=-1)
     return torch.maximum(torch.maximum(xf, s) / 4, torch.full_like(xf, 6 * 2.0**-10 * s_dec))
 
@@ -822,6 +844,12 @@ def _error_check(ctx: _Ctx, fmt: Format, weight: str, disk: dict, x) -> tuple[st
     if fmt is Format.MXFP8:
         dq = oracle.mxfp8_decode(c["data"], c["scale"])
         bound = error_bound(fmt, x, torch.pow(2.0, c["scale"].to(torch.float64) - 127))
+    elif fmt is Format.FP8_BLOCK:
+        s = c["scale"].to(torch.float64)
+        n, k = c["data"].shape
+        dq = oracle.e4m3_decode(c["data"]) * s.repeat_interleave(FP8_BLOCK_SIZE, 0).repeat_interleave(
+            FP8_BLOCK_SIZE, 1)[:n, :k]
+        bound = error_bound(fmt, x, s)
     else:
         dq = oracle.nvfp4_decode(c["data"], c["scale"], c["global"])
         bound = error_bound(fmt, x, oracle.e4m3_decode(c["scale"]), c["global"])

@@ -11,7 +11,10 @@ sglang                 mxfp8 only          ``sglang_config`` -> config.json (``q
 sglang                 nvfp4 only          ``modelopt_config`` -> config.json, ``hf_quant_config``
                                            -> hf_quant_config.json (ModelOpt NVFP4)
 sglang                 mxfp8 + nvfp4       ``modelopt_mixed_config`` -> config.json (MIXED_PRECISION)
-vllm                   any                 ``vllm_config`` -> config.json (modelopt_mxfp8 / modelopt)
+sglang                 fp8_block only      ``sglang_config`` -> config.json (``quant_method: fp8``,
+                                           ``weight_block_size: [128, 128]``, DeepSeek-V3 style)
+vllm                   any                 ``vllm_config`` -> config.json (modelopt_mxfp8 / modelopt; ``fp8`` with
+                                           128x128 blocks for an fp8_block plan)
 compressed-tensors     any                 ``compressed_tensors_config`` -> config.json (config_groups)
 =====================  ==================  =====================================================
 """
@@ -30,7 +33,7 @@ def plan_formats(plan) -> frozenset[Format]:
     return frozenset(f for f in (Format(plan.format_for(n)) for n in plan.entries) if f.quantized)
 
 
-_MXFP8, _NVFP4 = frozenset({Format.MXFP8}), frozenset({Format.NVFP4})
+_MXFP8, _NVFP4, _FP8_BLOCK = frozenset({Format.MXFP8}), frozenset({Format.NVFP4}), frozenset({Format.FP8_BLOCK})
 _ANY = None  # a registry key matching any formats of the target
 
 #: ``(target, formats or _ANY) -> (config.json emitter name, {extra file: emitter name})``. The names are the
@@ -38,6 +41,7 @@ _ANY = None  # a registry key matching any formats of the target
 CONFIG_EMITTERS: dict[tuple[str, frozenset[Format] | None], tuple[str, dict[str, str]]] = {
     ("sglang", _MXFP8): ("sglang_config", {}),
     ("sglang", _NVFP4): ("modelopt_config", {HF_QUANT_CONFIG: "hf_quant_config"}),
+    ("sglang", _FP8_BLOCK): ("sglang_config", {}),
     ("sglang", _ANY): ("modelopt_mixed_config", {}),
     ("vllm", _ANY): ("vllm_config", {}),
     ("compressed-tensors", _ANY): ("compressed_tensors_config", {}),
@@ -55,10 +59,14 @@ def _emit_functions() -> dict:
 
 def emitter_names(target: str, formats: frozenset[Format]) -> tuple[str, dict[str, str]]:
     """(emitter for config.json's ``quantization_config``, {extra file: emitter}) from ``CONFIG_EMITTERS``."""
-    unsupported = formats - {Format.MXFP8, Format.NVFP4}
+    unsupported = formats - {Format.MXFP8, Format.NVFP4, Format.FP8_BLOCK}
     if unsupported:
         raise ConfigError(f"formats {sorted(f.value for f in unsupported)} cannot be written to a checkpoint "
-                          "for any target; use mxfp8 and/or nvfp4")
+                          "for any target; use mxfp8 and/or nvfp4, or fp8_block alone")
+    if Format.FP8_BLOCK in formats and len(formats) > 1:  # fp8 configs hold one format; no mixed form serves it
+        raise ConfigError(f"fp8_block cannot share a checkpoint with {sorted(f.value for f in formats - _FP8_BLOCK)}"
+                          " (SGLang and vLLM read block FP8 from 'quant_method: fp8', one format per checkpoint); "
+                          "make every quantized layer fp8_block or none")
     hit = CONFIG_EMITTERS.get((target, frozenset(formats))) or CONFIG_EMITTERS.get((target, _ANY))
     if hit is None:
         raise ConfigError(f"unknown target '{target}'")
@@ -75,7 +83,8 @@ def emit_configs(plan, target: str) -> tuple[dict, dict[str, dict]]:
 
 
 _ALGO_FORMAT = {"MXFP8": Format.MXFP8, "NVFP4": Format.NVFP4}
-_CT_FORMAT = {"mxfp8-quantized": Format.MXFP8, "nvfp4-pack-quantized": Format.NVFP4}
+_CT_FORMAT = {"mxfp8-quantized": Format.MXFP8, "nvfp4-pack-quantized": Format.NVFP4,
+              "float-quantized": Format.FP8_TENSOR}  # refined by the weights' strategy (block -> FP8_BLOCK)
 
 
 def engine_formats_for(target: str, quant_config, files: dict[str, dict], plan) -> dict[str, Format]:
@@ -92,7 +101,7 @@ def engine_schemes_for(target: str, quant_config, files: dict[str, dict], plan) 
     (`miles_lp.export.schemes`: group sizes, bits, strategy, block size, ...), so a config that selects the
     right format with the wrong parameters can be told from the plan's."""
     from miles_lp.policy import consumers as C
-    from miles_lp.policy.emit import engine_modules
+    from miles_lp.policy.emit import engine_modules, vllm_fp8_is_layer_skipped
 
     if not isinstance(quant_config, dict):
         raise ConfigError("config.json has no quantization_config: the engine would load everything BF16")
@@ -101,6 +110,16 @@ def engine_schemes_for(target: str, quant_config, files: dict[str, dict], plan) 
     out: dict[str, Scheme] = {}
 
     def scheme_of(m) -> Scheme:
+        if method == "fp8" and target in ("sglang", "vllm"):
+            if not quant_config.get("weight_block_size"):
+                raise ConfigError("quant_method 'fp8' without weight_block_size is per-tensor FP8, which no "
+                                  "checkpoint of ours holds; block FP8 needs weight_block_size: [128, 128]")
+            if target == "sglang":  # SGLang's Fp8Config strips "model." from the list it reads
+                ignored = quant_config.get("ignored_layers") or quant_config.get("modules_to_not_convert") or []
+                skipped = C.sglang_is_layer_skipped(m.name, C.sglang_fp8_ignored_layers(ignored))
+            else:
+                skipped = vllm_fp8_is_layer_skipped(m.name, quant_config.get("ignored_layers") or [])
+            return S.BF16 if skipped else S.Scheme(Format.FP8_BLOCK, S.fp8_block_params(quant_config))
         if target == "sglang" and method == "mxfp8":
             if C.sglang_is_layer_skipped(m.name, quant_config.get("modules_to_not_convert") or []):
                 return S.BF16
@@ -141,9 +160,11 @@ def engine_schemes_for(target: str, quant_config, files: dict[str, dict], plan) 
                 group = groups[hits[0]]
                 # vLLM: the group's format, else the config's (a 'mixed-precision' config needs one per group)
                 f = _CT_FORMAT.get(group.get("format") or (top if top != "mixed-precision" else None))
-                if f is None:
+                if f is Format.FP8_TENSOR and (S.ct_args(group.get("weights")) or {}).get("strategy") == "block":
+                    f = Format.FP8_BLOCK  # float-quantized with block weights: vLLM's W8A8 block FP8 scheme
+                if f is None or f is Format.FP8_TENSOR:
                     raise ConfigError(f"'{m.name}': config group '{hits[0]}' format {group.get('format')!r} is not "
-                                      "mxfp8-quantized / nvfp4-pack-quantized")
+                                      "mxfp8-quantized / nvfp4-pack-quantized / float-quantized with block weights")
                 found[hits[0]] = S.Scheme(f, S.ct_params(hits[0], group, quant_config))
             fmts = {s.format for s in found.values()}
             if len(fmts) > 1:

@@ -24,6 +24,13 @@ target                  MXFP8 (weight ``[N, K]``)                      NVFP4 (we
                                                                        quantized``)
 =====================  =============================================  ======================================
 
+FP8 blockwise (DeepSeek-V3 style, TE Float8BlockScaling weights; every target): ``weight`` e4m3 ``[N, K]`` and
+``weight_scale_inv`` f32 ``[ceil(N/128), ceil(K/128)]``, the *decode* multiplier of each 128x128 block (partial
+edge blocks allowed). SGLang's and vLLM's ``Fp8Config`` with ``weight_block_size`` create exactly these two
+parameters (``Fp8LinearMethod.create_weights``: ``weight_scale_inv`` when ``block_quant``); compressed-tensors'
+``FP8_BLOCK`` scheme names the same tensor ``weight_scale`` (its block-strategy scale is also the decode
+multiplier, ``dequantize = q * scale``).
+
 ``input_scale`` (ModelOpt NVFP4): the static activation *decode* global scale; SGLang's ModelOpt linear
 computes ``input_scale_inv = 1 / input_scale`` as the activation encode scale and
 ``alpha = input_scale * weight_scale_2`` (sglang ``modelopt_quant.py``, ``ModelOptFp4LinearMethod.
@@ -41,7 +48,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from miles_lp.errors import CheckpointError, ConfigError
-from miles_lp.formats.spec import MXFP8_BLOCK, NVFP4_BLOCK, Format
+from miles_lp.formats.spec import FP8_BLOCK_SIZE, MXFP8_BLOCK, NVFP4_BLOCK, Format
 
 TARGETS = ("sglang", "vllm", "compressed-tensors")
 INPUT_SCALE_VALUE = 1.0  # see module docstring
@@ -55,7 +62,9 @@ class Part:
     suffix: str
     component: str | None
     dtype: str
-    shape: str  # "data" [.., N, K], "packed" [.., N, K/2], "mx" [.., N, K/32], "nv" [.., N, K/16], "scalar", "one"
+    # "data" [.., N, K], "packed" [.., N, K/2], "mx" [.., N, K/32], "nv" [.., N, K/16], "blk" [.., ceil(N/128),
+    # ceil(K/128)], "scalar", "one"
+    shape: str
     transform: str = ""  # "reciprocal": stored value = 1 / component
 
 
@@ -85,6 +94,13 @@ _NVFP4 = {
 }
 
 
+_FP8_BLOCK = {
+    "sglang": (Part("weight", "data", "F8_E4M3", "data"), Part("weight_scale_inv", "scale_inv", "F32", "blk")),
+    "vllm": (Part("weight", "data", "F8_E4M3", "data"), Part("weight_scale_inv", "scale_inv", "F32", "blk")),
+    "compressed-tensors": (Part("weight", "data", "F8_E4M3", "data"), Part("weight_scale", "scale_inv", "F32", "blk")),
+}
+
+
 def check_target(target: str) -> str:
     if target not in TARGETS:
         raise ConfigError(f"unknown --target '{target}'; supported: {', '.join(TARGETS)}")
@@ -98,10 +114,12 @@ def parts(target: str, fmt: Format) -> tuple[Part, ...]:
         return _MXFP8[target]
     if fmt is Format.NVFP4:
         return _NVFP4[target]
+    if fmt is Format.FP8_BLOCK:
+        return _FP8_BLOCK[target]
     if fmt is Format.BF16:
         return ()
     raise ConfigError(f"format {fmt.value} cannot be written for target '{target}' (supported in checkpoints: "
-                      "mxfp8, nvfp4)")
+                      "mxfp8, nvfp4, fp8_block)")
 
 
 def module_prefix(weight_name: str) -> str:
@@ -113,6 +131,8 @@ def module_prefix(weight_name: str) -> str:
 
 def _shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     *lead, k = shape
+    if kind == "blk":
+        return (*lead[:-1], -(-lead[-1] // FP8_BLOCK_SIZE), -(-k // FP8_BLOCK_SIZE))
     return {
         "data": tuple(shape),
         "packed": (*lead, k // 2),

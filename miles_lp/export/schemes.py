@@ -12,6 +12,8 @@ decompressor then failed on every module). Read from, per reader:
   ``ue8m0`` selects power-of-two activation scales where SGLang serves MXFP8 as block FP8 (ROCm), absent = None.
   ``fmt`` is not read by that class; a value other than ``e4m3`` contradicts the stored e4m3 weights, so it is
   compared too (absent = e4m3).
+* SGLang / vLLM ``quant_method: fp8`` with ``weight_block_size`` (DeepSeek-V3 block FP8, ``Fp8Config``):
+  ``activation_scheme`` and ``weight_block_size`` (`fp8_block_params`).
 * ModelOpt (vLLM 0.32 ``ModelOptQuantConfigBase.from_config`` / ``ModelOptNvFp4Config``, SGLang
   ``ModelOptFp4Config``): ``quant_algo`` (the format) and ``group_size``, which sizes the NVFP4 block-scale
   parameters (``K // group_size``); vLLM's default 16 for NVFP4, SGLang requires it. SGLang also reads
@@ -75,6 +77,14 @@ def sglang_mxfp8_params(qc: dict) -> tuple[Param, ...]:
             Param("weight_block_size", _norm(qc.get("weight_block_size", [1, 32])), "weight_block_size"),
             Param("scale_fmt", _norm(qc.get("scale_fmt", ABSENT)), "scale_fmt"),
             Param("fmt", _norm(qc.get("fmt", "e4m3")), "fmt"))
+
+
+def fp8_block_params(qc: dict) -> tuple[Param, ...]:
+    """SGLang / vLLM ``quant_method: fp8`` with blocks (``Fp8Config.from_config``): ``weight_block_size`` sizes the
+    ``weight_scale_inv`` parameter (``ceil(N/bn), ceil(K/bk)``) and selects the block kernel; block quantization
+    requires ``activation_scheme: dynamic`` (both readers refuse static with blocks)."""
+    return (Param("activation_scheme", _norm(qc.get("activation_scheme", ABSENT)), "activation_scheme"),
+            Param("weight_block_size", _norm(qc.get("weight_block_size", ABSENT)), "weight_block_size"))
 
 
 def modelopt_params(fmt: Format, qc: dict, hf_quant_config: dict | None, *, sglang: bool) -> tuple[Param, ...]:

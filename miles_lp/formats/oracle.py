@@ -224,3 +224,33 @@ def fp8_block_decode(data: torch.Tensor, scale_inv: torch.Tensor, block: int = 1
     m, k = data.shape[-2], data.shape[-1]
     s = _r32(scale_inv.detach().to(torch.float64)).repeat_interleave(block, -2).repeat_interleave(block, -1)
     return _r32(e4m3_decode(data) * s[..., :m, :k]).to(torch.float32)
+
+
+# ---- FP8 blockwise (TE Float8BlockScaling; the checkpoints' 128x128 weight blocks) ----------------------------
+def fp8_block_quantize(x: torch.Tensor, block: int = 128, pow2: bool = False,
+                       value_for_inf: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """2-D ``x`` [M, K] -> (E4M3 bytes [M, K] uint8, fp32 decode scales [ceil(M/b), ceil(K/b)]), TE's rule::
+
+        amax  = max |x| over the tile (partial edge tiles: the elements they have; NaN ignored)
+        scale = fp32(448 / amax); inf -> value_for_inf (the input dtype's max finite); amax 0 / inf / NaN -> 1
+        pow2: scale -> 2^floor(log2 scale)  (TE clears the fp32 mantissa bits)
+        scale_inv = fp32(1 / scale);  q = e4m3_rne_satfinite(fp32(x * scale))
+    """
+    if value_for_inf is None:
+        value_for_inf = float(torch.finfo(x.dtype).max)
+    x64 = x.detach().to(torch.float64)
+    m, k = x64.shape
+    mb, kb = -(-m // block), -(-k // block)
+    padded = torch.zeros(mb * block, kb * block, dtype=torch.float64, device=x64.device)
+    padded[:m, :k] = _nan_ignoring_abs(x64)
+    amax = padded.reshape(mb, block, kb, block).amax(dim=(1, 3))  # [mb, kb]
+    scale = _r32(E4M3_MAX / amax)
+    scale = torch.where(torch.isinf(scale), torch.full_like(scale, value_for_inf), scale)
+    degenerate = (amax == 0) | torch.isinf(amax) | torch.isnan(amax)
+    scale = torch.where(degenerate, torch.ones_like(scale), scale)
+    if pow2:
+        _, e = torch.frexp(scale)  # scale = f * 2^e, f in [0.5, 1)
+        scale = torch.pow(2.0, (e - 1).to(torch.float64))
+    scale_inv = _r32(1.0 / scale)
+    per_elem = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[:m, :k]
+    return e4m3_encode(_r32(x64 * per_elem)), scale_inv.to(torch.float32)

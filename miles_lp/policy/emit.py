@@ -171,15 +171,46 @@ def hf_quant_config(plan: PrecisionPlan) -> dict[str, Any]:
 
 def vllm_config(plan: PrecisionPlan) -> dict[str, Any]:
     """vLLM ModelOpt config: ``modelopt_mxfp8`` for MXFP8 plans, ``modelopt_fp4`` for NVFP4 plans, and
-    ``quant_algo: MIXED_PRECISION`` (`vllm_mixed_config`) for plans holding both (issue 9, item 5)."""
+    ``quant_algo: MIXED_PRECISION`` (`vllm_mixed_config`) for plans holding both (issue 9, item 5); vLLM ``fp8``
+    with 128x128 blocks for FP8 blockwise plans (`vllm_fp8_block_config`)."""
     fmts = {e.format for e in plan.entries.values() if e.format.quantized}
     if fmts == {Format.MXFP8, Format.NVFP4}:
         return vllm_mixed_config(plan)
+    if fmts == {Format.FP8_BLOCK}:
+        return vllm_fp8_block_config(plan)
     fmt = _single_format(plan, (Format.MXFP8, Format.NVFP4), "vLLM modelopt")
     algo = "MXFP8" if fmt is Format.MXFP8 else "NVFP4"
     mods = engine_modules(plan, "vLLM")
     return {"quant_method": "modelopt", "quant_algo": algo, "group_size": 32 if algo == "MXFP8" else 16,
             "ignore": _modelopt_exclude(plan, mods, algo)}
+
+
+def vllm_fp8_is_layer_skipped(prefix: str, ignored: list[str]) -> bool:
+    """vLLM 0.32 ``Fp8Config`` skip rule (``is_layer_skipped``, match mode ``exact``; quant_utils.py): a fused module
+    by its shards (which must agree), an experts module when an ignored name holding ``experts`` contains its
+    prefix, anything else by its exact name."""
+    if prefix.rsplit(".", 1)[-1] not in C.PACKED_MODULES and "experts" in prefix:
+        return any(prefix in name for name in ignored if "experts" in name)
+    return C._vllm_exact_is_layer_skipped(prefix, ignored, C.PACKED_MODULES)
+
+
+def vllm_fp8_block_config(plan: PrecisionPlan) -> dict[str, Any]:
+    """vLLM ``fp8`` for an FP8 blockwise plan: ``quant_method: fp8``, ``activation_scheme: dynamic``,
+    ``weight_block_size: [128, 128]`` and ``ignored_layers`` (vLLM 0.32 ``Fp8Config.from_config``,
+    layers/quantization/fp8.py), the BF16 modules by their exact checkpoint paths, re-read with vLLM's skip rule
+    (`vllm_fp8_is_layer_skipped`). Tensors: ``weight`` E4M3 and ``weight_scale_inv`` fp32 per 128x128 block (the
+    names vLLM's block-FP8 linear creates)."""
+    _single_format(plan, (Format.FP8_BLOCK,), "vLLM fp8")
+    mods = engine_modules(plan, "vLLM fp8")
+    ignored = _not_converted(plan, mods, whole_layers=False)
+    expected = {m.name: m.format.quantized for m in mods.values()}
+    try:
+        got = {m.name: not vllm_fp8_is_layer_skipped(m.name, ignored) for m in mods.values()}
+    except C.FusedShardMismatch as exc:
+        raise ConfigError(f"vLLM fp8: {exc}") from None
+    _check(expected, got, "vLLM fp8")
+    return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+            "ignored_layers": ignored}
 
 
 def vllm_mixed_config(plan: PrecisionPlan) -> dict[str, Any]:

@@ -38,17 +38,21 @@ class PlanEntry:
     role: Role
     expert: int | None = None
     shape: Shape = ()
+    pow2_scales: bool = False  # fp8_block: block scales rounded down to powers of two
 
     def _row(self) -> list[Any]:
-        return [self.format.value, self.rule, self.activation_scale, self.block_2d,
-                self.backward.value if self.backward else None, self.group, self.layer, self.role.value,
-                self.expert, list(self.shape)]
+        row = [self.format.value, self.rule, self.activation_scale, self.block_2d,
+               self.backward.value if self.backward else None, self.group, self.layer, self.role.value,
+               self.expert, list(self.shape)]
+        if self.pow2_scales:  # (an 11th column only when set: every other plan's JSON and hash are unchanged)
+            row.append(True)
+        return row
 
     @classmethod
     def _from_row(cls, name: str, row: list[Any]) -> PlanEntry:
-        f, rule, act, b2d, bw, group, layer, role, expert, shape = row
+        f, rule, act, b2d, bw, group, layer, role, expert, shape, *rest = row
         return cls(name, Format(f), rule, act, bool(b2d), BackwardMode(bw) if bw else None, group, layer,
-                   Role(role), expert, tuple(shape))
+                   Role(role), expert, tuple(shape), bool(rest and rest[0]))
 
 
 @dataclasses.dataclass
@@ -230,9 +234,12 @@ def compile_plan(policy: PrecisionPolicy, layout: ModelLayout, tensors: Mapping[
             others.append(name)
         if fmt.quantized and len(shape) < 2:
             raise decided.error(f"cannot quantize 1-D tensor '{name}' {list(shape)}")  # type: ignore[union-attr]
-        act, b2d, bw = None, False, None
+        act, b2d, bw, pow2 = None, False, None, False
         if fmt.quantized:
             bw = (decided.backward if decided and decided.backward else None) or policy.backward
+            if fmt is Format.FP8_BLOCK:
+                rule_pow2 = decided.pow2_scales if decided else None
+                pow2 = policy.pow2_scales if rule_pow2 is None else bool(rule_pow2)
             if fmt is Format.NVFP4:
                 scope = (decided.activation_scale if decided else None) or policy.activation_scale
                 act = "token" if scope == "per_token" else "tensor"
@@ -243,7 +250,8 @@ def compile_plan(policy: PrecisionPolicy, layout: ModelLayout, tensors: Mapping[
                 unaligned.append((name, shape, label, fmt))
                 if policy.on_unaligned == "keep_bf16":
                     fmt, label, act, b2d, bw = Format.BF16, f"{label}->bf16:unaligned", None, False, None
-        entries[name] = PlanEntry(name, fmt, label, act, b2d, bw, info.group, layer, role, info.expert, shape)
+        entries[name] = PlanEntry(name, fmt, label, act, b2d, bw, info.group, layer, role, info.expert, shape,
+                                  pow2)
 
     if unaligned:
         lines = [f"  {n} {list(s)} ({f.value} needs K % {f.block_size} == 0; decided by {lbl})"
@@ -267,8 +275,8 @@ def compile_plan(policy: PrecisionPolicy, layout: ModelLayout, tensors: Mapping[
     for group, members in by_group.items():
         first = members[0]
         for e in members[1:]:
-            if (e.format, e.activation_scale, e.block_2d, e.backward) != (
-                    first.format, first.activation_scale, first.block_2d, first.backward):
+            if (e.format, e.activation_scale, e.block_2d, e.backward, e.pow2_scales) != (
+                    first.format, first.activation_scale, first.block_2d, first.backward, first.pow2_scales):
                 what = "gate and up" if group.endswith("gate_up") else "the fused shards"
                 raise ConfigError(
                     f"{what} of '{group}' must share one format and scale (engines run them as one fused GEMM "

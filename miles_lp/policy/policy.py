@@ -1,8 +1,9 @@
 """The recipe's ``precision:`` section: one declarative policy for every stage.
 
     precision:
-      default: mxfp8            # quantizable linear weights: bf16 | mxfp8 | nvfp4
-                                # (fp8_block | fp8_tensor: sampler_precision comparison arms only)
+      default: mxfp8            # quantizable linear weights: bf16 | mxfp8 | nvfp4 | fp8_block
+                                # (fp8_block alone, not mixed with mxfp8 / nvfp4 in one checkpoint;
+                                #  fp8_tensor: sampler_precision comparison arms only)
       backward: dequantized     # high_precision | dequantized | quantized
       rules:                    # first match wins, after the built-in invariants
         - {layers: first 1, format: bf16}
@@ -26,12 +27,15 @@ Selectors (a rule needs at least one; several are ANDed):
   ``mla``, ``mlp``, ``experts``, ``moe_routing``, ``linear``); a string or a list.
 
 Options: ``format`` (required), ``activation_scale`` (``per_token`` | ``per_tensor``; NVFP4 only),
-``weight_scale_2d`` (NVFP4 only), ``backward``, ``allow_unsafe`` + ``reason`` (needed to quantize an invariant
-tensor: embeddings, lm_head, norms, biases, routers and their gates, MTP ``eh_proj``, any 1-D tensor).
+``weight_scale_2d`` (NVFP4 only), ``pow2_scales`` (fp8_block only), ``backward``, ``allow_unsafe`` + ``reason``
+(needed to quantize an invariant tensor: embeddings, lm_head, norms, biases, routers and their gates, MTP
+``eh_proj``, any 1-D tensor).
 
 Policy keys besides ``rules``: ``default`` (required), ``backward`` (default ``dequantized``),
 ``activation_scale`` (default for NVFP4 tensors: ``per_token``), ``weight_scale_2d`` (default false),
-``on_unaligned`` (``error`` | ``keep_bf16``: a tensor whose K is not a multiple of its format's block).
+``pow2_scales`` (fp8_block: round every block scale down to a power of two, TE Float8BlockScaling's
+``force_pow_2_scales``; default false, the FP32 scales DeepSeek-V3 checkpoints carry), ``on_unaligned``
+(``error`` | ``keep_bf16``: a tensor whose K is not a multiple of its format's block).
 """
 
 from __future__ import annotations
@@ -51,9 +55,15 @@ from miles_lp.policy.roles import Role, resolve_role_selector, role_selector_val
 ActivationScale = Literal["per_tensor", "per_token"]
 #: formats only a ``sampler_precision:`` comparison arm may use: no learner trains them and no target's checkpoint
 #: holds them, so a recipe's ``precision:`` section (the learner's and the converted checkpoint's) refuses them at
-#: parse time, naming the key (review L15: they failed later, in convert or run, with no key named)
-COMPARISON_ONLY = (Format.FP8_BLOCK, Format.FP8_TENSOR)
-COMPARISON_ONLY_NOTE = "fp8_block | fp8_tensor: sampler_precision comparison arms only"
+#: parse time, naming the key (they would fail later, in convert or run, with no key named).
+COMPARISON_ONLY = (Format.FP8_TENSOR,)
+COMPARISON_ONLY_NOTE = "fp8_tensor: sampler_precision comparison arms only"
+#: formats a learner trains but that no engine checkpoint or live weight sync holds yet (``miles_lp.export.naming``
+#: has no parts for them), so a run or a conversion would stop in the converter without naming the key: a recipe's
+#: ``precision:`` section refuses them here, naming it. Plans and learners built through the library
+#: (``parse_policy(..., comparison_formats=True)``, ``compile_plan``) take them. Empty: fp8_block is held by every
+#: target (``weight`` E4M3 + ``weight_scale_inv`` fp32 per 128x128 block) and served by the reference engine.
+ENGINE_PENDING: tuple[Format, ...] = ()
 _LAYER_WORDS = ("first", "last", "mtp")
 
 
@@ -163,6 +173,7 @@ class _RuleYaml:
     role: str | list[str] | None = None
     activation_scale: ActivationScale | None = None
     weight_scale_2d: bool | None = None
+    pow2_scales: bool | None = None
     backward: BackwardMode | None = None
     allow_unsafe: bool = False
     reason: str | None = None
@@ -184,6 +195,7 @@ class Rule:
     reason: str | None = None
     text: str = ""
     where: Where | None = dataclasses.field(default=None, compare=False, repr=False)
+    pow2_scales: bool | None = None
 
     @property
     def label(self) -> str:
@@ -202,7 +214,7 @@ class Rule:
             d["layers"] = self.layers.text
         if self.roles is not None:
             d["role"] = sorted(r.value for r in self.roles)
-        for key in ("activation_scale", "weight_scale_2d", "backward", "reason"):
+        for key in ("activation_scale", "weight_scale_2d", "pow2_scales", "backward", "reason"):
             v = getattr(self, key)
             if v is not None:
                 d[key] = v.value if isinstance(v, BackwardMode) else v
@@ -216,10 +228,16 @@ def _rule_text(raw: dict[str, Any]) -> str:
 
 
 def _refuse_comparison_only(fmt: Format, where: Where) -> None:
+    if fmt in ENGINE_PENDING:
+        raise where.error(f"{fmt.value} is not yet a precision: format for a run or a conversion: the learner trains "
+                          "it (QuantLinear: emulated on CPU, native FP8 GEMMs on sm_90; `miles-lp bench linear`) but "
+                          "no engine checkpoint or live weight sync holds it yet (miles_lp.export.naming has no "
+                          f"{fmt.value} parts); use bf16, mxfp8 or nvfp4 here, or {fmt.value} in a sampler_precision: "
+                          "comparison arm (recipes/tiny-fp8-blockwise.yaml)")
     if fmt in COMPARISON_ONLY:
         raise where.error(f"{fmt.value} is not a precision: format ({COMPARISON_ONLY_NOTE}: no learner trains it "
-                          "and no engine checkpoint holds it); use bf16, mxfp8 or nvfp4 here, or compare against an "
-                          "FP8 sampler in a sampler_precision: section (recipes/tiny-fp8-blockwise.yaml)")
+                          "and no engine checkpoint holds it); use bf16, mxfp8, nvfp4 or fp8_block here, or compare "
+                          "against an FP8 sampler in a sampler_precision: section (recipes/tiny-fp8-tensorwise.yaml)")
 
 
 def _compile_rule(index: int, raw: Any, where: Where, comparison_formats: bool = True) -> Rule:
@@ -260,6 +278,9 @@ def _compile_rule(index: int, raw: Any, where: Where, comparison_formats: bool =
             f"{'block-scaled (1x32)' if y.format is Format.MXFP8 else 'scaled by the format'}: remove it")
     if y.weight_scale_2d and y.format is not Format.NVFP4:
         raise where.child("weight_scale_2d").error("weight_scale_2d applies to nvfp4 only")
+    if y.pow2_scales is not None and y.format is not Format.FP8_BLOCK:
+        raise where.child("pow2_scales").error(f"pow2_scales applies to fp8_block only; {y.format.value} scales are "
+                                               "fixed by the format: remove it")
     if y.backward is not None and not y.format.quantized:
         raise where.child("backward").error(f"backward applies to quantized formats only; a {y.format.value} rule "
                                             "has no low-precision backward: remove it")
@@ -268,7 +289,7 @@ def _compile_rule(index: int, raw: Any, where: Where, comparison_formats: bool =
     if y.allow_unsafe and y.format is Format.BF16:
         raise where.child("allow_unsafe").error("allow_unsafe is only needed to quantize; a bf16 rule is always safe")
     return Rule(index, y.format, patterns, layers, roles, y.activation_scale, y.weight_scale_2d, y.backward,
-                y.allow_unsafe, y.reason, _rule_text(raw), where)
+                y.allow_unsafe, y.reason, _rule_text(raw), where, y.pow2_scales)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,6 +300,7 @@ class _PolicyYaml:
     activation_scale: ActivationScale = "per_token"
     weight_scale_2d: bool = False
     on_unaligned: Literal["error", "keep_bf16"] = "error"
+    pow2_scales: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,18 +312,22 @@ class PrecisionPolicy:
     weight_scale_2d: bool = False
     on_unaligned: Literal["error", "keep_bf16"] = "error"
     source: str = dataclasses.field(default="<policy>", compare=False)
+    pow2_scales: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {"default": self.default.value, "backward": self.backward.value,
-                "activation_scale": self.activation_scale, "weight_scale_2d": self.weight_scale_2d,
-                "on_unaligned": self.on_unaligned, "rules": [r.to_dict() for r in self.rules]}
+        d = {"default": self.default.value, "backward": self.backward.value,
+             "activation_scale": self.activation_scale, "weight_scale_2d": self.weight_scale_2d,
+             "on_unaligned": self.on_unaligned, "rules": [r.to_dict() for r in self.rules]}
+        if self.pow2_scales:  # (only when set: the plans, and plan hashes, of every other policy stay as they were)
+            d["pow2_scales"] = True
+        return d
 
 
 def parse_policy(mapping: Any, where: Where, *, comparison_formats: bool | None = None) -> PrecisionPolicy:
     """Parse a ``precision:`` mapping (already loaded) into a `PrecisionPolicy`.
 
-    ``comparison_formats``: accept ``fp8_block`` / ``fp8_tensor`` (``COMPARISON_ONLY``). None (the default):
-    refused in a recipe's ``precision:`` section (``where.path == "precision"``: the learner's and the
+    ``comparison_formats``: accept ``fp8_tensor`` (``COMPARISON_ONLY``) and ``fp8_block`` (``ENGINE_PENDING``).
+    None (the default): refused in a recipe's ``precision:`` section (``where.path == "precision"``: the learner's and the
     checkpoint's policy), accepted elsewhere (``sampler_precision``)."""
     if comparison_formats is None:
         comparison_formats = where.path != "precision"
@@ -317,7 +343,7 @@ def parse_policy(mapping: Any, where: Where, *, comparison_formats: bool | None 
     rules = tuple(_compile_rule(i, r, where.child("rules").child(i), comparison_formats)
                   for i, r in enumerate(raw_rules or []))
     return PrecisionPolicy(y.default, y.backward, rules, y.activation_scale, y.weight_scale_2d, y.on_unaligned,
-                           where.source)
+                           where.source, y.pow2_scales)
 
 
 def load_policy(path: str | Path, section: str = "precision") -> PrecisionPolicy:

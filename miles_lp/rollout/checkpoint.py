@@ -3,7 +3,8 @@
 * A converted checkpoint (``miles-lp convert``): ``config.json``'s ``quantization_config`` (read with the
   target engine's own matching rules, ``miles_lp.checkpoint.configs.engine_formats_for``: that, not the plan,
   decides which modules the engine builds quantized: C1), the ``miles_lp_plan.json`` record (target, the plan
-  hash, and the NVFP4 activation scale scope per weight, which the engine config cannot express: the RL recipe
+  hash, and the NVFP4 activation scale scope / the FP8 blockwise activation scale rule per weight, which the
+  engine config cannot express: the RL recipe
   scales activations per token at run time), and the safetensors headers.
 * A plain HF checkpoint (no ``quantization_config``): every module BF16.
 """
@@ -38,7 +39,8 @@ class EngineCheckpoint:
     quant_config: dict | None
     target: str  # sglang | vllm | compressed-tensors ("sglang" for a BF16 checkpoint: nothing is quantized)
     formats: dict[str, Format]  # "<module>.weight" -> format, as the engine reads the config (absent: BF16)
-    activation_scale: dict[str, str]  # NVFP4 weights: "token" | "tensor" (from the plan; default "token")
+    # NVFP4 weights: "token" | "tensor"; fp8_block weights: "pow2" | "fp32" (from the plan; default "token")
+    activation_scale: dict[str, str]
     plan_hash: str | None
     tensors: dict[str, TensorHeader]
 
@@ -126,6 +128,9 @@ def open_checkpoint(path: str | Path) -> EngineCheckpoint:
             e = plan.entries.get(n)
             act = getattr(e, "activation_scale", None) if e is not None else None
             scopes[n] = {"per_tensor": "tensor", "per_token": "token"}.get(act, act) or "token"
+        elif f is Format.FP8_BLOCK:  # the learner's 1x128 activation tiles: power-of-two scales or fp32 ones
+            e = plan.entries.get(n)
+            scopes[n] = "pow2" if (e is not None and e.pow2_scales) else "fp32"
     return EngineCheckpoint(root, config, qc, target, formats, scopes, record.get("plan_hash"), tensors)
 
 

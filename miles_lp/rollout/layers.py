@@ -8,6 +8,8 @@ their on-disk suffixes, so a fresh load and a live update write the same paramet
     NVFP4 (ModelOpt, sglang/vllm)  weight uint8 [N, K/2], weight_scale e4m3 [N, K/16], weight_scale_2 fp32 [],
                    input_scale fp32 []
     NVFP4 (compressed-tensors)     weight_packed uint8 [N, K/2], weight_scale e4m3, weight_global_scale fp32 [1]
+    FP8 blockwise  weight float8_e4m3fn [N, K], weight_scale_inv fp32 [ceil(N/128), ceil(K/128)] (compressed-
+                   tensors: weight_scale), the decode multiplier of each 128x128 block (DeepSeek-V3)
     BF16           weight in its on-disk dtype [N, K]
 
 ``process_weights_after_loading`` derives the kernel state from the canonical tensors, as the serving kernels
@@ -18,9 +20,12 @@ look (C4). A live update that writes the canonical tensors without re-running th
 stale: that is the failure mode the engine's fault hooks reproduce and ``self_check`` detects (C3).
 
 ``apply`` is the learner's emulated GEMM (``miles_lp.train.quant_linear``): the input quantized as the plan
-says (MXFP8: 1x32 blocks along K; NVFP4: per-token global scale when ``activation_scale`` is ``token``),
-dequantized, and ``F.linear`` on operands of the learner's operand dtype (bf16 for bf16 activations on CUDA,
-fp32 otherwise), bias added in that dtype, then cast back to the activation dtype. Same grid, same operand
+says (MXFP8: 1x32 blocks along K; NVFP4: per-token global scale when ``activation_scale`` is ``token``; FP8
+blockwise: 1x128 tiles along K, TE Float8BlockScaling's rule, power-of-two scales when ``activation_scale`` is
+``pow2``), dequantized, and ``F.linear`` on operands of the learner's operand dtype (bf16 for bf16 activations on
+CUDA, fp32 otherwise; always fp32 for FP8 blockwise with arbitrary fp32 scales, whose decode is not exact in
+bf16), bias added in that dtype, then cast back to the activation dtype. FP8 blockwise keeps its scales as
+stored: its block kernels read ``weight_scale_inv`` [ceil(N/128), ceil(K/128)] as it is (no swizzled copy). Same grid, same operand
 dtype, same order of operations: engine and learner agree to float tolerance (the GEMM shapes differ).
 """
 
@@ -33,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from miles_lp.errors import CheckpointError
-from miles_lp.formats.spec import MXFP8_BLOCK, NVFP4_BLOCK, NVFP4_GLOBAL_DIVISOR, Format
+from miles_lp.formats.spec import FP8_BLOCK_SIZE, MXFP8_BLOCK, NVFP4_BLOCK, NVFP4_GLOBAL_DIVISOR, Format
 
 _ST_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8, "F32": torch.float32, "BF16": torch.bfloat16,
               "F16": torch.float16}
@@ -57,6 +62,8 @@ _NAMING = None
 #: static per-tensor ``input_scale``; both dequantize to and multiply in the activation dtype), to compare the grids
 #: alone against vLLM.
 ACTIVATION_MODES = ("plan", "vllm")
+#: FP8 blockwise activation tile scales: "pow2" (the plan's ``pow2_scales``) or "fp32" (TE's default)
+FP8_BLOCK_SCALES = ("pow2", "fp32")
 
 #: bumped whenever any layer's or stack's *set* of derived buffers changes (a buffer registered, re-registered or
 #: removed; never by an in-place rebuild): the reference engine's C4/C2 accessor table is rebuilt when it moved
@@ -80,7 +87,9 @@ class EngineLinear(torch.nn.Module):
     ``disk_format``: how the checkpoint stores the weight (what ``create_weights`` allocates).
     ``serve_format``: what ``apply`` computes in; equal to ``disk_format`` except under the
     ``quantize_lm_head`` fault (a BF16 weight the sampler quantizes on its own side).
-    ``activation_scale``: NVFP4 activation global-scale scope, ``"token"`` (the RL recipe) or ``"tensor"``.
+    ``activation_scale``: NVFP4 activation global-scale scope, ``"token"`` (the RL recipe) or ``"tensor"``; FP8
+    blockwise: how the 1x128 activation tiles' scales are kept, ``"pow2"`` (rounded down to powers of two, the
+    plan's ``pow2_scales``) or ``"fp32"``.
     """
 
     def __init__(self, prefix: str, in_features: int, out_features: int, *, disk_format: Format, target: str,
@@ -102,6 +111,15 @@ class EngineLinear(torch.nn.Module):
         self.device_ = torch.device(device)
         # vLLM's emulation kernels dequantize to, and multiply in, the activation dtype (bf16)
         self.op_dtype = act_dtype if activation_mode == "vllm" else operand_dtype(self.device_, act_dtype)
+        if self.serve_format is Format.FP8_BLOCK:
+            if activation_mode == "vllm":
+                raise CheckpointError(f"'{prefix}weight': fp8_block has no vLLM emulation mode here; serve it with "
+                                      "activation_mode 'plan' (the learner's grid)")
+            if activation_scale not in FP8_BLOCK_SCALES:
+                raise ValueError(f"fp8_block activation_scale must be one of {FP8_BLOCK_SCALES}, got "
+                                 f"{activation_scale!r}")
+            if activation_scale == "fp32":  # the learner's rule (gemm._recipe_operand_dtype)
+                self.op_dtype = torch.float32
         self.has_bias = bias
         self._derived: set[str] = set()  # buffers the kernel reads besides the canonical tensors
         self.kernel_format: Format | None = None  # set by process_weights_after_loading from what it built
@@ -159,6 +177,9 @@ class EngineLinear(torch.nn.Module):
             if self.weight.dtype != self.op_dtype:
                 new["operand"] = self.weight.detach().to(self.op_dtype)
             self.kernel_format = Format.BF16
+        elif q.format is Format.FP8_BLOCK:
+            new["operand"] = q.dequantize(self.op_dtype)  # fp32(q) * scale_inv of its block, rounded once
+            self.kernel_format = q.format
         else:
             block = MXFP8_BLOCK if q.format is Format.MXFP8 else NVFP4_BLOCK
             new["scale_swizzled"] = swizzle_scales(q.scale)  # cuBLAS 128x4 layout, [ru(N,128), ru(K/block,4)]
@@ -236,6 +257,9 @@ class EngineLinear(torch.nn.Module):
             return formats.quantize_nvfp4(x, scale_scope="tensor", amax=self._static_amax()).dequantize(self.op_dtype)
         if fmt is Format.MXFP8:
             return formats.quantize_mxfp8(x, axis=-1).dequantize(self.op_dtype)
+        if fmt is Format.FP8_BLOCK:  # the learner's operands.quantize_activation: 1x128 tiles along K
+            return formats.quantize_fp8_blockwise(x, (1, FP8_BLOCK_SIZE), self.activation_scale == "pow2").dequantize(
+                self.op_dtype)
         scope = "tensor" if self.activation_scale == "tensor" else "row"
         return formats.quantize_nvfp4(x, scale_scope=scope).dequantize(self.op_dtype)
 
@@ -337,12 +361,14 @@ def decode_weight(target: str, fmt: Format, tensors: Mapping[str, torch.Tensor],
     NVFP4 global scale ``[E, 1, 1]``, as the codecs hold a stacked per-matrix scale)."""
     if fmt is Format.BF16:
         return None
-    from miles_lp.formats import MXFP8Tensor, NVFP4Tensor
+    from miles_lp.formats import FP8BlockTensor, MXFP8Tensor, NVFP4Tensor
 
     comps = _naming().decode_components(target, fmt, "w.weight", {f"w.{s}": t for s, t in tensors.items()},
                                         lead=lead)
     if fmt is Format.MXFP8:
         return MXFP8Tensor(comps["data"], comps["scale"], -1)
+    if fmt is Format.FP8_BLOCK:
+        return FP8BlockTensor(comps["data"], comps["scale_inv"], (FP8_BLOCK_SIZE, FP8_BLOCK_SIZE))
     gs = comps["global_scale"].to(torch.float32)
     gs = gs.reshape(()) if not lead else gs.reshape(*lead, 1, 1)
     return NVFP4Tensor(comps["data"], comps["scale"], gs, gs * NVFP4_GLOBAL_DIVISOR, (*lead, *shape), "tensor",
@@ -477,6 +503,9 @@ class LinearStack:
             if canon["weight"].dtype != first.op_dtype:
                 new["operand"] = canon["weight"].to(first.op_dtype)
             fmt = Format.BF16
+        elif q.format is Format.FP8_BLOCK:  # [L, N, K]: each matrix's blocks, as one layer's pass
+            new["operand"] = q.dequantize(first.op_dtype)
+            fmt = q.format
         else:
             block = MXFP8_BLOCK if q.format is Format.MXFP8 else NVFP4_BLOCK
             new["scale_swizzled"] = swizzle_scales(q.scale)  # [L, ru(N,128), ru(K/block,4)]
@@ -583,4 +612,4 @@ def engine_linears(model: torch.nn.Module) -> Iterator[tuple[str, EngineLinear]]
 
 def describe_layer(m: EngineLinear) -> dict[str, Any]:
     return {"disk": m.disk_format.value, "kernel": getattr(m.kernel_format, "value", None), "target": m.target,
-            "activation_scale": m.activation_scale if m.kernel_format is Format.NVFP4 else None}
+            "activation_scale": m.activation_scale if m.kernel_format in (Format.NVFP4, Format.FP8_BLOCK) else None}

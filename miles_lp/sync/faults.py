@@ -84,11 +84,13 @@ def mxfp8_floor(x: torch.Tensor) -> MXFP8Tensor:
 
 
 class RegridEngine(_Delegate):
-    """Re-quantizes every MXFP8 weight it receives on its own grid (``mode``: ``"block128"`` | ``"floor"``)."""
+    """Re-quantizes every MXFP8 weight it receives on its own grid (``mode``: ``"block128"`` | ``"floor"``), or
+    every FP8 blockwise one with power-of-two block scales (``"pow2"``: a sampler whose quantizer rounds its scales,
+    TE's ``force_pow_2_scales``, fed a learner that keeps fp32 ones)."""
 
     def __init__(self, inner: Any, mode: str = "block128", scale_suffix: str = "weight_scale_inv"):
-        if mode not in ("block128", "floor"):
-            raise ValueError(f"RegridEngine mode must be 'block128' or 'floor', got {mode!r}")
+        if mode not in ("block128", "floor", "pow2"):
+            raise ValueError(f"RegridEngine mode must be 'block128', 'floor' or 'pow2', got {mode!r}")
         super().__init__(inner)
         self.mode, self.scale_suffix = mode, scale_suffix
 
@@ -97,6 +99,10 @@ class RegridEngine(_Delegate):
         return self.inner.weight_version
 
     def _regrid(self, data: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.mode == "pow2":  # scale: FP8 blockwise fp32 decode multipliers per 128x128 block
+            w = dequantize_fp8_blockwise(data, scale, block=(128, 128), dtype=torch.float32)
+            b = quantize_fp8_blockwise(w, block=(128, 128), pow2_scales=True)
+            return b.data, b.scale_inv
         w = MXFP8Tensor(data, scale).dequantize(torch.float32)
         if self.mode == "block128":
             b = quantize_fp8_blockwise(w, block=(128, 128))

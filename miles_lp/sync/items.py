@@ -59,7 +59,7 @@ class Item:
     tensor: torch.Tensor
     source: str  # the canonical learner name it came from
     fmt: Format  # Format.BF16 for a high-precision tensor
-    component: str | None  # "data" | "scale" | "global_scale" | "const" | None (high precision)
+    component: str | None  # "data" | "scale" | "scale_inv" | "global_scale" | "const" | None (high precision)
     group: str
 
     @property
@@ -68,7 +68,7 @@ class Item:
 
     @property
     def is_scale(self) -> bool:
-        return self.component in ("scale", "global_scale")
+        return self.component in ("scale", "scale_inv", "global_scale")  # scale_inv: FP8 blockwise (fp32, decode)
 
 
 def is_quantized(obj: Any) -> bool:

@@ -57,9 +57,10 @@ class Fault:
     sampler_rules: list[dict] | None = None  # rules prepended to the sampler's policy
     sampler_policy: Callable[[dict], dict] | None = None  # rewrite of the sampler's policy mapping
     transport: str | None = None  # "drop_last" | "skip_scales"
-    engine_wrap: str | None = None  # "block128" | "floor"
+    engine_wrap: str | None = None  # "block128" | "floor" | "pow2"
     learner_wrap: str | None = None  # "split_scales"
-    needs: str | None = None  # "nvfp4_groups" | "experts" | "mxfp8": N/A when the model/recipe has none
+    # "nvfp4_groups" | "experts" | "mxfp8" | "fp8_block_fp32_scales": N/A when the model/recipe has none
+    needs: str | None = None
 
 
 def _drop_layer_rules(policy: dict) -> dict:
@@ -92,6 +93,8 @@ FAULTS: list[Fault] = [
     Fault("different grid: 128x128 FP32-scale blocks", "grid", engine_wrap="block128", needs="mxfp8"),
     Fault("different grid: sampler re-quantizes BF16 (floor scales)", "grid", engine_wrap="floor", needs="mxfp8"),
     Fault("NVFP4 gate/up with separate global scales", "grid", learner_wrap="split_scales", needs="nvfp4_groups"),
+    Fault("different grid: FP8 block scales rounded to powers of two", "grid", engine_wrap="pow2",
+          needs="fp8_block_fp32_scales"),
 ]
 
 
@@ -132,6 +135,8 @@ class Stack:
         quantized = self.plan.quantized()
         self.has_experts = any(".experts." in n for n in quantized)  # quantized experts (derived expert state)
         self.has_mxfp8 = any(e.format.value == "mxfp8" for e in quantized.values())
+        self.has_fp8_block_fp32_scales = any(e.format.value == "fp8_block" and not e.pow2_scales
+                                             for e in quantized.values())
         self.has_nvfp4_groups = any(
             all(self.plan.entries[m].format.value == "nvfp4" for m in g) for g in self.plan.groups.values())
 
@@ -293,7 +298,8 @@ class SelfTest:
         st = self.stack
         if (fault.needs == "experts" and not st.has_experts) or (
                 fault.needs == "nvfp4_groups" and not st.has_nvfp4_groups) or (
-                fault.needs == "mxfp8" and not st.has_mxfp8):
+                fault.needs == "mxfp8" and not st.has_mxfp8) or (
+                fault.needs == "fp8_block_fp32_scales" and not st.has_fp8_block_fp32_scales):
             return Row(fault.name, fault.intended, [], None, float("nan"), "N/A",
                        f"the model/recipe has no {fault.needs.replace('_', ' ')}")
         if fault.sampler_rules or fault.sampler_policy:  # a sampler rule that changes nothing injects nothing

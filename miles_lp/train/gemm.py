@@ -19,14 +19,23 @@ Backward modes (``BackwardMode``; TE's ``NVTE_BACKWARD_OVERRIDE``, CONTRACT 7):
 * ``high_precision``: dgrad = dy @ w, wgrad = dy.T @ x on the original operands. Saves x and w.
 * ``dequantized``: dgrad = dy @ deq(wq), wgrad = dy.T @ deq(xq) on the forward's rowwise operands.
   Saves only the compact quantized x and w (bytes + scales); nothing columnwise is kept.
-* ``quantized`` (MXFP8 only; TE's default MXFP8 recipe): every operand is quantized along the reduction
-  dim of its backward GEMM, from full precision. In TE ``module/linear.py`` the dgrad GEMM is
+* ``quantized`` (MXFP8 and FP8 blockwise; TE's default MXFP8 and Float8BlockScaling recipes): every operand is
+  quantized along the reduction dim of its backward GEMM, from full precision. In TE ``module/linear.py`` the dgrad GEMM is
   ``general_gemm(weight, grad_output, layout="NN")`` and wgrad ``general_gemm(inputmat, grad_output,
   layout="NT")``; a non-transposed MXFP8 operand uses its columnwise data (``tensor/mxfp8_tensor.py``,
   rowwise and columnwise usages). Hence: dgrad (reduces over N) = deq(q_row(dy)) @ deq(q_col(w)); wgrad
   (reduces over tokens M) = deq(q_col(dy)).T @ deq(q_col(x)). Columnwise blocks run along tokens, so M is
   zero-padded to a multiple of 32 for the wgrad operands (zero rows change neither a block's amax nor the
   GEMM: this equals padding the batch with zero tokens, as TE's MoE token padding does).
+
+FP8 blockwise (``fp8_block``, TE Float8BlockScaling): the weight in 128x128 tiles (one tile serves the weight and
+its transpose, so the dgrad operand is the forward grid), x and dy in 1x128 tiles along the reduction of each GEMM
+(rowwise for the forward / dgrad, 128x1 for wgrad). Its scales are arbitrary fp32 (unless ``pow2_scales``), so a
+decode is not exact in bf16: the emulated GEMM decodes to fp32 and multiplies in fp32 (one rounding per element,
+as DeepSeek's reference dequantization). On an sm_90 GPU with bf16 activations and N, K multiples of 128 the
+GEMMs run natively on FP8 tensor cores instead (``miles_lp.train.fp8_block_gemm``; operands byte-identical to
+the codec, from ``miles_lp.formats.kernels.fp8_block``), the forward in every mode and dgrad/wgrad in
+``quantized`` mode; ``kernel="reference"`` keeps the emulation.
 """
 
 from __future__ import annotations
@@ -38,9 +47,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from miles_lp.formats.spec import MXFP8_BLOCK, BackwardMode
+from miles_lp.formats.spec import MXFP8_BLOCK, BackwardMode, Format
 from miles_lp.train import fused, lean
-from miles_lp.train.grid import WeightGrid
+from miles_lp.train.grid import WeightGrid, _no_grad
 from miles_lp.train.operands import (
     check_operand,
     fused_activation,
@@ -90,6 +99,22 @@ def _operand_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.bfloat16 if (x.is_cuda and x.dtype == torch.bfloat16) else torch.float32
 
 
+def _recipe_operand_dtype(x: torch.Tensor, recipe: LinearRecipe) -> torch.dtype:
+    """``_operand_dtype``, except fp32 for FP8 blockwise with arbitrary fp32 scales (their decode is not exact in
+    bf16)."""
+    if recipe.format is Format.FP8_BLOCK and not recipe.pow2_scales:
+        return torch.float32
+    return _operand_dtype(x)
+
+
+def _fp8_native(x: torch.Tensor, weight: torch.Tensor, grid: WeightGrid) -> bool:
+    if grid.recipe.format is not Format.FP8_BLOCK or grid.kernel == "reference" or not x.is_cuda:
+        return False
+    from miles_lp.train import fp8_block_gemm
+
+    return fp8_block_gemm.unavailable_reason(x, weight) is None
+
+
 def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
     pad = (-t.shape[-2]) % multiple
     return F.pad(t, (0, 0, 0, pad)) if pad else t
@@ -106,11 +131,14 @@ class QuantLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grid: WeightGrid):
         recipe = grid.recipe
-        op = _operand_dtype(x)
+        op = _recipe_operand_dtype(x, recipe)
         compiled = grid.use_compiled(x)
         if compiled and fused.uses_kernels(x, op):  # the Triton kernels: the lean path (miles_lp.train.lean)
             return lean.forward(ctx, x, weight, bias, grid, op)
         ctx.lean = None
+        ctx.native = None
+        if _fp8_native(x, weight, grid):
+            return _fp8_forward(ctx, x, weight, bias, grid)
         w_deq_cached = wc = xc = None
         # quantized mode on the compiled path: both grids of the weight, and of x when its tokens need no
         # padding, from one read each
@@ -162,6 +190,8 @@ class QuantLinearFn(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         if ctx.lean is not None:
             return lean.backward(ctx, dy)
+        if ctx.native is not None:
+            return _fp8_backward(ctx, dy)
         recipe, op, mode, compiled = ctx.recipe, ctx.op, ctx.recipe.backward, ctx.compiled
         saved = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.has_bias
@@ -214,6 +244,77 @@ class QuantLinearFn(torch.autograd.Function):
             dw = _as_dtype(dw, ctx.w_dtype)
         ctx.w_deq = None
         return dx, dw, db, None
+
+
+def _fp8_forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grid: WeightGrid):
+    """The forward on FP8 tensor cores; saves what the mode's backward reads (see the module docstring)."""
+    from miles_lp.formats.kernels import fp8_block as k8
+    from miles_lp.train import fp8_block_gemm
+
+    recipe, mode = grid.recipe, grid.recipe.backward
+    quantized = mode is BackwardMode.QUANTIZED
+    with _no_grad():
+        xq, _, (xs, xcs) = k8.quantize_act(x, recipe.pow2_scales, rows=True, cols=quantized,
+                                           grids=mode is BackwardMode.DEQUANTIZED)
+        w = grid.fp8_block_native(weight)
+        y = fp8_block_gemm.forward_mm(xs, w)
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
+    ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x.dtype, weight.dtype, bias is not None
+    if mode is BackwardMode.HIGH_PRECISION:
+        ctx.save_for_backward(x, weight)
+        ctx.native = (mode, recipe, None, None)
+    elif mode is BackwardMode.DEQUANTIZED:  # the forward's operands, decoded in the backward (fp32 unless pow2)
+        ctx.save_for_backward(xq.data, xq.scale_inv, w.q.data, w.q.scale_inv)
+        ctx.native = (mode, recipe, None, None)
+    else:  # the step's weight operands are held by the grid; the backward reads them from ctx (not saved tensors)
+        ctx.save_for_backward(xcs.data, xcs.scale_inv)
+        ctx.native = (mode, recipe, xcs.rows, w)
+    del xq, xs
+    return y
+
+
+def _fp8_backward(ctx, dy: torch.Tensor):
+    from miles_lp.formats.fp8 import FP8BlockTensor
+    from miles_lp.formats.kernels import fp8_block as k8
+    from miles_lp.train import fp8_block_gemm
+    from miles_lp.train.operands import FP8_ROW_BLOCK, FP8_WEIGHT_BLOCK
+
+    mode, recipe, rows, w = ctx.native
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    saved = ctx.saved_tensors
+    dx = dw = db = None
+    if mode is BackwardMode.HIGH_PRECISION:
+        x, weight = saved
+        g = _as_dtype(dy, torch.bfloat16)
+        dx = torch.mm(g, weight.to(g.dtype)) if need_x else None
+        dw = torch.mm(g.t(), x.to(g.dtype)) if need_w else None
+    elif mode is BackwardMode.DEQUANTIZED:
+        op = _recipe_operand_dtype(dy, recipe)
+        xd, xs, wd, ws = saved
+        g = _as_dtype(dy, op)
+        if need_x:
+            dx = torch.mm(g, FP8BlockTensor(wd, ws, FP8_WEIGHT_BLOCK).dequantize(op))
+        if need_w:
+            dw = torch.mm(g.t(), FP8BlockTensor(xd, xs, FP8_ROW_BLOCK).dequantize(op))
+    else:
+        xcd, xcs = saved
+        with _no_grad():
+            _, _, (gs, gcs) = k8.quantize_act(dy, recipe.pow2_scales, rows=need_x, cols=need_w, grids=False)
+            if need_x:
+                dx = fp8_block_gemm.dgrad_mm(gs, w)
+            if need_w:
+                dw = fp8_block_gemm.wgrad_mm(gcs, k8.NativeOperand(xcd, xcs, rows))
+        ctx.native = None
+    if ctx.has_bias:
+        db = dy.float().sum(0)
+    if dx is not None:
+        dx = _as_dtype(dx, ctx.x_dtype)
+    if dw is not None:
+        dw = _as_dtype(dw, ctx.w_dtype)
+    return dx, dw, db, None
 
 
 def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

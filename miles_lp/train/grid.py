@@ -80,6 +80,7 @@ class WeightGrid:
         self._deq: torch.Tensor | None = None  # dequantized rowwise grid (compiled path), same key as _row
         self._col: Any = None
         self._col_key: tuple | None = None
+        self._t: Any = None  # FP8 blockwise: fp8_block_gemm.WeightOperands of the forward grid (native GEMMs)
         self.quantize_calls = 0  # observable in tests: once per step
         self._exact_div: bool | None = None
 
@@ -87,6 +88,8 @@ class WeightGrid:
         """``compiled``: always; ``auto``: on CUDA, MXFP8 always and NVFP4 when this torch's Inductor can
         compile exact fp32 division (NVFP4's scale math divides; both byte-equal to the reference on the
         H200, 2026-11-29, ``pytest -m gpu``); ``reference``: never."""
+        if self.recipe.format is Format.FP8_BLOCK:  # its GEMMs are native (miles_lp.train.fp8_block_gemm) or the codecs
+            return False
         if self.kernel == "auto":
             if not t.is_cuda:
                 return False
@@ -119,7 +122,7 @@ class WeightGrid:
     def _fresh(self, key: tuple) -> bool:
         if self._row is not None and key == self._row_key:
             return True
-        self._row, self._deq, self._row_key = None, None, None
+        self._row, self._deq, self._row_key, self._t = None, None, None, None
         return False
 
     def rowwise(self, weight: torch.Tensor):
@@ -180,6 +183,8 @@ class WeightGrid:
         return q, deq, col
 
     def columnwise(self, weight: torch.Tensor):
+        if self.recipe.format is Format.FP8_BLOCK:  # one 128x128 tile serves the weight and its transpose (TE)
+            return self.rowwise(weight)
         key = self._key(weight)
         if self._col is None or key != self._col_key:
             with torch.no_grad():
@@ -188,6 +193,25 @@ class WeightGrid:
             self._col_key = key
         return self._col
 
+    def fp8_block_native(self, weight: torch.Tensor):
+        """``fp8_block_gemm.WeightOperands``: the 128x128 forward grid, its data transposed ``[K, N]`` and the
+        GEMMs' scale views, from one read of the master through ``miles_lp.formats.kernels.fp8_block`` (the
+        codec's bytes); cached per step like ``rowwise`` (one quantization per step serves the forward, dgrad and
+        the weight export)."""
+        key = self._key(weight)
+        if self._t is not None and self._fresh(key):
+            return self._t
+        from miles_lp.formats.kernels import fp8_block
+        from miles_lp.train.fp8_block_gemm import WeightOperands
+
+        with torch.no_grad():
+            q, t = fp8_block.quantize_weight(weight, self.recipe.pow2_scales, transposed=True)
+            ops = WeightOperands(q, t)
+        self._row, self._row_key, self._t = q, key, ops
+        self.quantize_calls += 1
+        return ops
+
     def invalidate(self) -> None:
+        self._t = None
         self._row = self._col = self._deq = None
         self._row_key = self._col_key = None

@@ -12,9 +12,16 @@ from typing import Any
 import torch
 
 from miles_lp.errors import FormatError
-from miles_lp.formats.spec import MXFP8_BLOCK, NVFP4_BLOCK, Format
+from miles_lp.formats.spec import FP8_BLOCK_SIZE, MXFP8_BLOCK, NVFP4_BLOCK, Format
 from miles_lp.train import fused
 from miles_lp.train.recipe import LinearRecipe
+
+#: TE Float8BlockScaling's tiles: weights 128x128 (one tile serves the weight and its transpose), activations and
+#: gradients 1x128 along the GEMM's reduction dim: rows of 128 along K / N (``ROW``) for the forward and dgrad,
+#: columns of 128 tokens (``COL``, i.e. 1x128 tiles of the transposed operand) for wgrad
+FP8_WEIGHT_BLOCK = (FP8_BLOCK_SIZE, FP8_BLOCK_SIZE)
+FP8_ROW_BLOCK = (1, FP8_BLOCK_SIZE)
+FP8_COL_BLOCK = (FP8_BLOCK_SIZE, 1)
 
 
 def quantize_weight(w: torch.Tensor, recipe: LinearRecipe, *, amax: torch.Tensor | None = None):
@@ -24,6 +31,8 @@ def quantize_weight(w: torch.Tensor, recipe: LinearRecipe, *, amax: torch.Tensor
     w = w.detach()
     if recipe.format is Format.MXFP8:
         return formats.quantize_mxfp8(w, axis=-1)
+    if recipe.format is Format.FP8_BLOCK:
+        return formats.quantize_fp8_blockwise(w, FP8_WEIGHT_BLOCK, recipe.pow2_scales)
     return formats.quantize_nvfp4(w, scale_scope="tensor", amax=amax, block_2d=recipe.block_2d)
 
 
@@ -33,13 +42,18 @@ def quantize_activation(x: torch.Tensor, recipe: LinearRecipe):
 
     if recipe.format is Format.MXFP8:
         return formats.quantize_mxfp8(x, axis=-1)
+    if recipe.format is Format.FP8_BLOCK:
+        return formats.quantize_fp8_blockwise(x.detach(), FP8_ROW_BLOCK, recipe.pow2_scales)
     return formats.quantize_nvfp4(x, scale_scope=recipe.nvfp4_row_scope)
 
 
 def quantize_columnwise(t: torch.Tensor, recipe: LinearRecipe):
-    """A backward operand with 32x1 blocks along dim -2 (``quantized`` mode; MXFP8 only)."""
+    """A backward operand blocked along dim -2 (``quantized`` mode): MXFP8 32x1, FP8 blockwise 128x1 (the 1x128
+    tiles of the transposed operand, quantized from the high-precision values as TE does)."""
     from miles_lp import formats
 
+    if recipe.format is Format.FP8_BLOCK:
+        return formats.quantize_fp8_blockwise(t.detach(), FP8_COL_BLOCK, recipe.pow2_scales)
     assert recipe.format is Format.MXFP8  # LinearRecipe refuses NVFP4 + quantized
     return formats.quantize_mxfp8(t, axis=-2)
 
@@ -47,6 +61,8 @@ def quantize_columnwise(t: torch.Tensor, recipe: LinearRecipe):
 def quantize_rowwise(t: torch.Tensor, recipe: LinearRecipe):
     from miles_lp import formats
 
+    if recipe.format is Format.FP8_BLOCK:
+        return formats.quantize_fp8_blockwise(t.detach(), FP8_ROW_BLOCK, recipe.pow2_scales)
     assert recipe.format is Format.MXFP8
     return formats.quantize_mxfp8(t, axis=-1)
 
@@ -81,6 +97,8 @@ def check_operand(t: torch.Tensor, recipe: LinearRecipe, axis: int, what: str) -
     if t.dtype not in (torch.float32, torch.bfloat16, torch.float16) or t.numel() == 0:
         raise FormatError(f"{recipe.name}: {what} of shape {tuple(t.shape)} and dtype {t.dtype} cannot be "
                           "quantized (float32/bfloat16/float16, non-empty)")
+    if recipe.format is Format.FP8_BLOCK:  # partial edge tiles are part of the format: no alignment rule
+        return
     block = MXFP8_BLOCK if recipe.format is Format.MXFP8 else NVFP4_BLOCK
     if t.shape[axis] % block:
         raise FormatError(f"{recipe.name}: {what} of shape {tuple(t.shape)}: dim {axis} has {t.shape[axis]} "
@@ -92,7 +110,7 @@ def quantize_columnwise_checked(t: torch.Tensor, recipe: LinearRecipe, what: str
     from miles_lp import formats
 
     try:
-        if compiled:
+        if compiled and recipe.format is Format.MXFP8:
             return formats.quantize_mxfp8(t.detach(), axis=-2, compile=True)
         return quantize_columnwise(t, recipe)
     except FormatError as exc:

@@ -2,7 +2,12 @@
 
 Backward modes (``BackwardMode``; TE's ``NVTE_BACKWARD_OVERRIDE``, CONTRACT 7): ``high_precision`` (backward
 GEMMs on the original operands), ``dequantized`` (on the forward's rowwise quantized operands), ``quantized``
-(MXFP8 only: every operand quantized along its backward GEMM's reduction dim; see ``miles_lp.train.gemm``).
+(MXFP8 and FP8 blockwise: every operand quantized along its backward GEMM's reduction dim; see
+``miles_lp.train.gemm``).
+
+FP8 blockwise (``fp8_block``) is TE's Float8BlockScaling: weights in 128x128 blocks, activations and gradients in
+1x128 tiles along the GEMM's reduction dim, E4M3 with FP32 scales (``pow2_scales``: rounded down to powers of
+two, TE's ``force_pow_2_scales``).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from typing import Any
 from miles_lp.errors import ConfigError
 from miles_lp.formats.spec import BackwardMode, Format
 
-TRAINABLE_FORMATS = (Format.MXFP8, Format.NVFP4)
+TRAINABLE_FORMATS = (Format.MXFP8, Format.NVFP4, Format.FP8_BLOCK)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +30,7 @@ class LinearRecipe:
     activation_scale: str | None = None  # NVFP4: "token" (per-row global scale) | "tensor"
     block_2d: bool = False  # NVFP4 weights: 16x16 scale tiles
     name: str = "<linear>"  # for error messages
+    pow2_scales: bool = False  # fp8_block: power-of-two block scales
 
     def __post_init__(self):
         fmt = Format(self.format)
@@ -40,6 +46,8 @@ class LinearRecipe:
                 f"{self.name}: NVFP4 with backward 'quantized' (FP4 backward GEMMs, which need stochastic "
                 "rounding and Hadamard transforms) is not part of the RL recipe; use backward "
                 "'high_precision' or 'dequantized' for NVFP4 tensors (seed 002)")
+        if self.pow2_scales and fmt is not Format.FP8_BLOCK:
+            raise ConfigError(f"{self.name}: pow2_scales applies to fp8_block only, not {fmt.value}")
         if fmt is Format.NVFP4 and self.activation_scale not in (None, "token", "tensor"):
             raise ConfigError(f"{self.name}: activation_scale must be 'token' or 'tensor', "
                               f"got {self.activation_scale!r}")
@@ -56,7 +64,8 @@ class LinearRecipe:
         if fmt is Format.NVFP4 and scope is None:
             scope = "token"
         return cls(fmt, BackwardMode(backward), scope if fmt is Format.NVFP4 else None,
-                   bool(getattr(entry, "block_2d", False)), name or getattr(entry, "name", "<linear>"))
+                   bool(getattr(entry, "block_2d", False)), name or getattr(entry, "name", "<linear>"),
+                   bool(getattr(entry, "pow2_scales", False)) and fmt is Format.FP8_BLOCK)
 
     @property
     def nvfp4_row_scope(self) -> str:

@@ -9,7 +9,7 @@ import pytest
 from miles_lp.cli import main
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "configs"
-RECIPES = {"qwen3-8b-mxfp8": "qwen3-8b", "qwen3-30b-a3b-mxfp8": "qwen3-30b-a3b",
+RECIPES = {"qwen3-8b-mxfp8": "qwen3-8b", "qwen3-8b-fp8-blockwise": "qwen3-8b", "qwen3-30b-a3b-mxfp8": "qwen3-30b-a3b",
            "qwen3-30b-a3b-nvfp4-experts": "qwen3-30b-a3b", "qwen3-30b-a3b-nvfp4-experts-hp": "qwen3-30b-a3b",
            "deepseek-v3-mxfp8": "deepseek-v3"}
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +35,7 @@ def test_dry_run_full_scale(name, capsys):
     # the engine's config, emitted and re-read with SGLang's own matching: every planned weight as planned
     eng = out["engine_config"]
     assert eng["target"] == "sglang" and eng["engine_reads_plan"] is True
-    assert eng["quantization_config"]["quant_method"] in ("mxfp8", "modelopt")
+    assert eng["quantization_config"]["quant_method"] in ("mxfp8", "modelopt", "fp8")
     # Megatron/TE from the plan; the sizes were checked against the model; the one-process limit is stated
     meg = out["megatron"]
     assert meg["parallel"]["tp"] >= 1 and meg["kwargs"] and isinstance(meg["env"], dict)

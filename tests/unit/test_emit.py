@@ -278,9 +278,14 @@ def test_fp8_plans_emit(arch, fmt):
     # Megatron-Core: TE blockwise / tensorwise recipe
     kw = emit.megatron_kwargs(plan, strict=False)
     assert kw["fp8_recipe"] == ("blockwise" if fmt == "fp8_block" else "tensorwise")
-    # consumers that cannot hold FP8 say so
-    with pytest.raises(ConfigError, match=r"vLLM modelopt holds one format \(mxfp8/nvfp4\)"):
-        emit.vllm_config(plan)
+    # consumers that cannot hold FP8 say so (vLLM serves block FP8 through its own fp8 config)
+    if fmt == "fp8_block":
+        v = emit.vllm_config(plan)
+        assert v["quant_method"] == "fp8" and v["weight_block_size"] == [128, 128]
+        assert {n for n in mods if not emit.vllm_fp8_is_layer_skipped(n, v["ignored_layers"])} == want
+    else:
+        with pytest.raises(ConfigError, match=r"vLLM modelopt holds one format \(mxfp8/nvfp4\)"):
+            emit.vllm_config(plan)
     with pytest.raises(ConfigError, match=r"ModelOpt NVFP4 holds one format \(nvfp4\)"):
         emit.modelopt_config(plan)
     with pytest.raises(ConfigError, match=f"modelopt_mixed cannot run {fmt}"):

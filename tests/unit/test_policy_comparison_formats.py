@@ -1,5 +1,6 @@
-"""fp8_block / fp8_tensor are sampler_precision comparison-arm formats only (review L15): a recipe's `precision:`
-section refuses them at parse time with the key's file:line; the comparison arms still parse."""
+"""fp8_tensor is a sampler_precision comparison-arm format only: a recipe's `precision:` section refuses it at parse
+time with the key's file:line; the comparison arms still parse. fp8_block is a learner format
+(tests/unit/test_policy_fp8_block.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ steps: 1
 """
 
 
-@pytest.mark.parametrize("fmt", ["fp8_block", "fp8_tensor"])
+@pytest.mark.parametrize("fmt", ["fp8_tensor"])
 def test_precision_default_refused_with_file_and_line(tmp_path, fmt):
     r = tmp_path / "r.yaml"
     r.write_text(f"precision:\n  backward: dequantized\n  default: {fmt}\n")
@@ -45,11 +46,11 @@ def test_convert_recipe_refuses_fp8_naming_the_key(tmp_path, capsys):
 
     src = make_tiny_model("qwen3", tmp_path / "m", seed=0)
     r = tmp_path / "r.yaml"
-    r.write_text("precision:\n  default: fp8_block\n")
+    r.write_text("precision:\n  default: fp8_tensor\n")
     rc = main(["convert", "--hf-checkpoint", str(src), "--output", str(tmp_path / "out"), "--recipe", str(r),
                "--no-progress"])
     err = capsys.readouterr().err
-    assert rc == 2 and "r.yaml:2: 'precision.default': fp8_block is not a precision: format" in err
+    assert rc == 2 and "r.yaml:2: 'precision.default': fp8_tensor is not a precision: format" in err
     assert COMPARISON_ONLY_NOTE in err and not (tmp_path / "out").exists()
 
 
@@ -57,8 +58,8 @@ def test_run_recipe_and_set_override_refuse_fp8(tmp_path):
     from miles_lp.launch.recipe import load_recipe
 
     r = tmp_path / "run.yaml"
-    r.write_text(RECIPE_RUN % "fp8_block")
-    with pytest.raises(ConfigError, match=rf"run.yaml:3: 'precision.default': fp8_block .*{NOTE}"):
+    r.write_text(RECIPE_RUN % "fp8_tensor")
+    with pytest.raises(ConfigError, match=rf"run.yaml:3: 'precision.default': fp8_tensor .*{NOTE}"):
         load_recipe(r)
     r.write_text(RECIPE_RUN % "mxfp8")
     load_recipe(r)

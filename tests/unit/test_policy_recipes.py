@@ -18,7 +18,7 @@ from miles_lp.policy import compile_plan, get_layout, load_policy
 
 ROOT = Path(__file__).resolve().parents[2]
 LINEAR = re.compile(r"^model\.layers\.(\d+)\..*_proj(_with_mqa)?\.weight$")  # every decoder-layer GEMM weight
-BF16, MX, NV = Format.BF16, Format.MXFP8, Format.NVFP4
+BF16, MX, NV, FB = Format.BF16, Format.MXFP8, Format.NVFP4, Format.FP8_BLOCK
 
 
 def _last(n_layers: int, pct: float) -> int:
@@ -68,6 +68,17 @@ def qwen3_moe_mxfp8(name: str, n: int) -> Format:
     return MX if m and int(m[1]) < _last(n, 15) else BF16
 
 
+def tiny_fp8_block(name: str, n: int) -> Format:
+    """FP8 blockwise end to end, learner and sampler (recipes/tiny-fp8-blockwise-e2e.yaml)."""
+    return FB if LINEAR.match(name) else BF16
+
+
+def qwen3_fp8_block(name: str, n: int) -> Format:
+    """Qwen3 dense FP8 blockwise, the first and the last decoder layer BF16 (recipes/qwen3-8b-fp8-blockwise.yaml)."""
+    m = LINEAR.match(name)
+    return FB if m and 1 <= int(m[1]) < n - 1 else BF16
+
+
 def all_bf16(name: str, n: int) -> Format:
     return BF16
 
@@ -93,12 +104,14 @@ RECIPES = {
     "tiny-mxfp8-bf16-sampler-sglang.yaml": ("qwen3", 2, tiny_mxfp8, "dequantized", None),
     "tiny-fp8-blockwise.yaml": ("qwen3", 2, tiny_mxfp8, "dequantized", None),
     "tiny-fp8-tensorwise.yaml": ("qwen3", 2, tiny_mxfp8, "dequantized", None),
+    "tiny-fp8-blockwise-e2e.yaml": ("qwen3", 2, tiny_fp8_block, "quantized", None),
     "tiny-mxfp8-bf16-sampler.yaml": ("qwen3", 2, tiny_mxfp8, "dequantized", None),
     "tiny-mxfp8-moe-replay.yaml": ("qwen3_moe", 2, tiny_mxfp8, "dequantized", None),  # routed experts MXFP8 too
     "tiny-nvfp4-experts.yaml": ("qwen3_moe", 2, tiny_nvfp4_experts, "dequantized", "token"),
     "tiny-nvfp4-experts-hp.yaml": ("qwen3_moe", 2, tiny_nvfp4_experts, "high_precision", "token"),
     # full-scale RL recipes (issue 13)
     "qwen3-8b-mxfp8.yaml": ("qwen3", 36, tiny_mxfp8, "dequantized", None),  # every decoder linear MXFP8
+    "qwen3-8b-fp8-blockwise.yaml": ("qwen3", 36, qwen3_fp8_block, "quantized", None),
     "qwen3-30b-a3b-mxfp8.yaml": ("qwen3_moe", 48, qwen3_moe_mxfp8, "dequantized", None),
     "qwen3-30b-a3b-nvfp4-experts.yaml": ("qwen3_moe", 48, qwen3_moe_mxfp8_nvfp4_experts, "dequantized", "token"),
     "qwen3-30b-a3b-nvfp4-experts-hp.yaml": ("qwen3_moe", 48, qwen3_moe_mxfp8_nvfp4_experts, "high_precision",

@@ -130,8 +130,8 @@ def test_nvfp4_quantized_backward_is_refused():
 
 
 def test_untrainable_format_is_refused():
-    with pytest.raises(ConfigError, match="fp8_block cannot be trained"):
-        LinearRecipe(Format.FP8_BLOCK, DEQ)
+    with pytest.raises(ConfigError, match="fp8_tensor cannot be trained"):
+        LinearRecipe(Format.FP8_TENSOR, DEQ)
 
 
 def test_quantized_mode_pads_tokens_to_block():
