@@ -23,7 +23,7 @@ if [[ " ${failed[*]:-} " == *" bench_sync "* ]]; then  # the bucket-fill / 0xFF-
   step bench_sync_digest_only 240 bash -c "MILES_LP_SYNC_KERNELS=digest python3 -m miles_lp.cli bench sync --device cuda \
     --params 1e9 --iters 3 --json > '$out/bench_sync.txt' 2>&1; rc=\$?; sed -n '/^format/,/^{/p' '$out/bench_sync.txt'; exit \$rc"
 fi
-# the same engine paths with this session's check designs off (two separate engine calls for C2 and C4, C3 eager),
+# the same engine paths with the checks' current designs off (two separate engine calls for C2 and C4, C3 eager),
 # MXFP8 only: the per-check figures of both designs on one machine
 step bench_sync_before 150 bash -c "MILES_LP_SYNC_SHARED=0 MILES_LP_SYNC_GRAPHS=0 python3 -m miles_lp.cli bench sync \
   --device cuda --params 1e9 --iters 3 --format mxfp8 > '$out/bench_sync_before.txt' 2>&1; rc=\$?; \

@@ -52,7 +52,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json")
 
 
 def model_id(model_dir: str | Path) -> dict[str, Any] | None:
-    """A cheap content id of a model folder (review-6 M4): config.json's sha256 and the weight files' names and
+    """A cheap content id of a model folder: config.json's sha256 and the weight files' names and
     sizes (no weight bytes are read). run.json records it at start; a resume compares (``runner.check_resumed_model``),
     so a folder replaced by another model under the same path is refused. None when there is no config.json."""
     d = Path(model_dir)

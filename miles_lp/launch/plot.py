@@ -2,7 +2,7 @@
 
     plot_runs(["runs/tiny-mxfp8", "runs/tiny-bf16"], "reward.png", keys=("reward/mean", "rollout_corr/kl"))
 
-The richer overlay and tables are ``miles-lp report`` (issue 13); this is the small plot the docs embed.
+The richer overlay and tables are ``miles-lp report``; this is the small plot the docs embed.
 """
 
 from __future__ import annotations

@@ -301,7 +301,7 @@ MULTI_NODE_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 def start_local_ray(**kw: Any) -> str:
     """``ray.init(**kw)`` of a cluster on this machine whose servers listen on loopback only (the project's rule:
-    servers bind 127.0.0.1 by default; review-6 L7). Returns the node's IP (127.0.0.1).
+    servers bind 127.0.0.1 by default). Returns the node's IP (127.0.0.1).
 
     Ray binds its servers (GCS, raylet and object manager, every core worker, the runtime-env agent) to the node's
     IP. Left alone it takes the machine's outward address, and the servers listen on every interface (``::``);

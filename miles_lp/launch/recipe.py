@@ -65,7 +65,7 @@ class ModelConfig:
         elif self.overrides:
             raise where.child("overrides").error("overrides apply to tiny:<arch> models only; an HF checkpoint "
                                                  "keeps its config.json")
-        else:  # review-4 L12: an HF checkpoint is used as is; a truncation or seed asked for must not be ignored
+        else:  # an HF checkpoint is used as is; a truncation or seed asked for must not be ignored
             defaults = {f.name: f.default for f in dataclasses.fields(self)}
             for key, what in (("num_layers", "the layers of a model built here"),
                               ("seed", "the random init of a model built here")):
@@ -223,7 +223,7 @@ def _fleet(mapping: Any, where: Where) -> tuple[Any, FleetSection]:
 
 def _rollout(mapping: Any, where: Where):
     try:
-        from miles_lp.rollout.config import parse_rollout_config  # the rollout helper's section (issue 10)
+        from miles_lp.rollout.config import parse_rollout_config  # the rollout helper's section
     except ImportError:
         return parse_dataclass(RolloutSection, mapping, where)
     return parse_rollout_config(mapping, where)
@@ -238,7 +238,7 @@ class SyncSection:
 
 def _sync(mapping: Any, where: Where):
     try:
-        from miles_lp.sync.config import parse_sync_config  # the sync helper's section (issue 11)
+        from miles_lp.sync.config import parse_sync_config  # the sync helper's section
     except ImportError:
         return parse_dataclass(SyncSection, mapping, where)
     return parse_sync_config(mapping, where)
@@ -304,7 +304,7 @@ def _check_routing_replay(model: ModelConfig, train: TrainConfig, rl: RLConfig, 
 
 def _check_url(rollout: Any, where: Where) -> None:
     """``rollout.url`` (backend sglang): ``http(s)://HOST:PORT`` checked here, before the model is built or
-    converted (review-4 L21), not at the start-time probe."""
+    converted, not at the start-time probe."""
     import urllib.parse
 
     url = getattr(rollout, "url", None)
@@ -391,11 +391,11 @@ def _check_combinations(data: dict[str, Any], train: TrainConfig, rollout: Any, 
             "report; use rollout.backend: reference (or sglang, which returns them) or set rl.routing_replay: false")
 
 
-#: the recipe's path-valued keys (section, key): ``~`` expanded at parse time (review-6 L17)
+#: the recipe's path-valued keys (section, key): ``~`` expanded at parse time
 PATH_KEYS = (("model", "path"), ("task", "path"), ("logging", "output_dir"))
 #: of these, the model and the task are also made absolute (against the working directory, as they were always
 #: read): the run's recipe.yaml then names the very folder and file the run started from, so a resume from
-#: another working directory reads the same ones (review-6 M4). ``logging.output_dir`` stays as written: the
+#: another working directory reads the same ones. ``logging.output_dir`` stays as written: the
 #: run folder itself is made absolute (``RunDir``) and a resume never reads it.
 ABSOLUTE_KEYS = (("model", "path"), ("task", "path"))
 
@@ -494,7 +494,7 @@ def apply_override(data: dict[str, Any], text: str) -> None:
         node = nxt
     old = node.get(parts[-1])
     if isinstance(parsed, dict) and isinstance(old, dict):
-        # a mapping merges into the section it names (review-6 L19: `--set 'sync.checks={self_check: raise}'` used to
+        # a mapping merges into the section it names (`--set 'sync.checks={self_check: raise}'` used to
         # reset every other check to its default): the keys it names change, the others keep the recipe's value.
         # To replace a section whole, set it to null first (`--set sync.checks=null --set 'sync.checks={...}'`)
         node[parts[-1]] = _merged(old, parsed)

@@ -56,8 +56,8 @@ class RunDir:
     @classmethod
     def create(cls, root: str | Path, name: str) -> RunDir:
         """The new run folder ``root/name`` (``root``: ``logging.output_dir``). A path that cannot be a folder (a
-        regular file on the way, a parent that refuses new folders) is a ``ConfigError`` naming the blocking path
-        (review-6 L14), not a traceback."""
+        regular file on the way, a parent that refuses new folders) is a ``ConfigError`` naming the blocking path,
+        not a traceback."""
         path = Path(root) / name
         from miles_lp.checkpoint.atomic import blocking_file
 
@@ -90,8 +90,8 @@ class RunDir:
     def write_header(self, recipe_yaml: str, plan_json: str | None, info: Mapping[str, Any]) -> None:
         """recipe.yaml, plan.json, run.json (``info``). With a ``model_dir`` in ``info``, run.json also gets its
         ``model_id`` (``launch.model.model_id``: config.json's sha256, the weight files' names and sizes), and with a
-        ``task.path`` in the recipe its ``task_id`` (``file_id``: sha256 and size), which a resume compares
-        (review-6 M4); here, so the in-process and the Ray start both record them."""
+        ``task.path`` in the recipe its ``task_id`` (``file_id``: sha256 and size), which a resume compares;
+        here, so the in-process and the Ray start both record them."""
         info = dict(info)
         if info.get("model_dir") and "model_id" not in info:
             from miles_lp.launch.model import model_id
@@ -108,7 +108,7 @@ class RunDir:
         _write_atomic(self.path / "run.json", json.dumps(dict(info), indent=2, sort_keys=True))
 
     def record_resume(self, step: int, info: Mapping[str, Any]) -> None:
-        """Append ``{"resumed_at_step": step, "time": ..., **info}`` to run.json's ``resumes`` list (review-4 C5: a
+        """Append ``{"resumed_at_step": step, "time": ..., **info}`` to run.json's ``resumes`` list (a
         resume under another environment changes the effective checks; run.json keeps every session's, not only
         the first's ``sync_check_overrides``)."""
         data = self.info()
@@ -120,7 +120,7 @@ class RunDir:
         return self.path / "recipe.yaml"
 
     def require_run(self, flag: str = "--resume") -> None:
-        """Refuse a folder that ``miles-lp run`` did not make (review-6 L5), before anything reads or starts: a run
+        """Refuse a folder that ``miles-lp run`` did not make, before anything reads or starts: a run
         folder holds recipe.yaml and run.json from its start (``write_header``). A folder whose sub-folders are run
         folders (``runs/``) gets them named."""
         p = self.path

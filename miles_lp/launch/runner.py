@@ -7,7 +7,7 @@
 Start-up order: the recipe was validated whole before this (``load_recipe``); then the model folder (a tiny
 model is built in ``RUN_DIR/model``), the plan, the run folder, the learner (+ a frozen BF16 reference when
 ``rl.kl_coef > 0``), the engine started from a converted checkpoint of the same weights (``miles-lp convert``
-output; byte-identical to the learner's export, issue 8's invariant), and an initial full sync from the
+output; byte-identical to the learner's export, an invariant), and an initial full sync from the
 learner with a full byte compare (on resume it carries the checkpoint's weights into the engine).
 """
 
@@ -77,7 +77,7 @@ def _key_origin(recipe: Recipe, key: str) -> str:
 
 
 def check_task_fits(recipe: Recipe, task: Any, model_config: Mapping[str, Any] | None = None) -> None:
-    """The task against the response cap and the model's context (review-4 L10), refused naming the keys:
+    """The task against the response cap and the model's context, refused naming the keys:
 
     * a response cap shorter than the task's exact answer makes the reward unreachable;
     * the longest prompt + ``rollout.max_response_len`` beyond ``max_position_embeddings`` (``model_config``, the
@@ -217,7 +217,7 @@ def _mode_origin(recipe: Recipe, check: str, env: Mapping[str, str]) -> tuple[st
 
 
 def check_answerable(recipe: Recipe, env: Mapping[str, str]) -> None:
-    """``raise`` for a check the engine can never answer is refused at start (review-4 M13): a stock SGLang server
+    """``raise`` for a check the engine can never answer is refused at start: a stock SGLang server
     (``rollout.server: sglang``) has no introspection endpoints, so C1-C4 would be skipped at every sync and a
     ``raise`` there would guard nothing while the user believes it does. ``env``: the ``MILES_LP_SYNC_CHECK*``
     variables (``sync_env()``), applied as the sync applies them. The error names each key, the file and line (or
@@ -273,7 +273,7 @@ def sync_log(line: str) -> None:
 
 def plan_for(recipe: Recipe, model_dir: Path):
     """The learner's compiled plan (``plan_for_policy`` of ``precision:``). A compile error caused by a rule a
-    ``--set`` gave names that ``--set``, not the recipe file (review-6 L5)."""
+    ``--set`` gave names that ``--set``, not the recipe file."""
     from miles_lp.errors import MilesLPError
 
     try:
@@ -406,7 +406,7 @@ def check_devices(recipe: Recipe) -> None:
 
 
 def check_transport(recipe: Recipe) -> None:
-    """``sync.transport`` against ``ray.enabled`` and this host's devices, in recipe keys (review-6 L12): the same
+    """``sync.transport`` against ``ray.enabled`` and this host's devices, in recipe keys: the same
     refusal at start (``Run``, and ``miles-lp run`` before a Ray cluster starts) and in ``--dry-run``. The sync
     of ``ray`` and ``cuda_ipc`` runs in this (the driver's) process, so its devices are this host's under Ray too;
     ``nccl`` / ``gloo`` are ``actor_sync.check_broadcast``'s."""
@@ -715,8 +715,8 @@ def resume_command(rd: RunDir, steps: int | None = None) -> str:
 
 
 def resume_note(rd: RunDir, steps: int | None = None) -> str:
-    """What a stopped run can do next, one text for Ctrl-C, a failed sync and an engine that died (review-4 L14,
-    review-6 L3): the last checkpoint, the step it resumes at and the exact command (``resume_command``; ``steps``:
+    """What a stopped run can do next, one text for Ctrl-C, a failed sync and an engine that died (
+    the last checkpoint, the step it resumes at and the exact command (``resume_command``; ``steps``:
     the run's effective ``steps``), or, without a checkpoint, that there is nothing to resume and what to do."""
     latest = rd.latest()
     if latest is not None:
@@ -750,7 +750,7 @@ def sync_failed(rd: RunDir, step: int, steps: int, exc: BaseException) -> RunErr
 
 
 def interrupted_note(rd: RunDir, step: int, steps: int | None = None) -> str:
-    """What to do after Ctrl-C at ``step`` (the step in progress; review-4 L14): ``resume_note``. A folder holding
+    """What to do after Ctrl-C at ``step`` (the step in progress): ``resume_note``. A folder holding
     neither a checkpoint nor a metrics row is removed (``discard_unstarted``), as for a run interrupted while
     starting."""
     if rd.latest() is not None:
@@ -777,7 +777,7 @@ def resumed_recipe(rd: RunDir, recipe: Recipe | None) -> Recipe:
     """The run's saved effective recipe; ``recipe`` (if given) must equal it except for ``steps``. Refused here,
     before anything is built (the in-process and the Ray resume, and ``miles-lp run`` before a cluster starts):
     a model folder that is not the run's (``check_resumed_model``), and ``steps`` that leave nothing to run
-    (review-6 L11: the resume then ran no step, exited 0 and recorded a resume)."""
+    (the resume then ran no step, exited 0 and recorded a resume)."""
     rd.require_run()
     saved = load_recipe(rd.recipe_path)
     check_resumed_model(rd, saved)
@@ -806,7 +806,7 @@ def resumed_recipe(rd: RunDir, recipe: Recipe | None) -> Recipe:
 
 
 def check_resumed_model(rd: RunDir, saved: Recipe) -> None:
-    """The model a resume would read is the one the run started from (review-6 M4): run.json's ``model_dir``
+    """The model a resume would read is the one the run started from: run.json's ``model_dir``
     against the saved recipe's ``model.path`` (a relative path in an older run's recipe.yaml is read against
     today's working directory), and run.json's ``model_id`` (config.json's sha256, the weight files' names and
     sizes) against the folder now. A ``tiny:<arch>`` model is the run's own ``RUN_DIR/model`` (rebuilt from its

@@ -171,7 +171,7 @@ def hf_quant_config(plan: PrecisionPlan) -> dict[str, Any]:
 
 def vllm_config(plan: PrecisionPlan) -> dict[str, Any]:
     """vLLM ModelOpt config: ``modelopt_mxfp8`` for MXFP8 plans, ``modelopt_fp4`` for NVFP4 plans, and
-    ``quant_algo: MIXED_PRECISION`` (`vllm_mixed_config`) for plans holding both (issue 9, item 5); vLLM ``fp8``
+    ``quant_algo: MIXED_PRECISION`` (`vllm_mixed_config`) for plans holding both; vLLM ``fp8``
     with 128x128 blocks for FP8 blockwise plans (`vllm_fp8_block_config`)."""
     fmts = {e.format for e in plan.entries.values() if e.format.quantized}
     if fmts == {Format.MXFP8, Format.NVFP4}:
@@ -322,7 +322,7 @@ def _ct_scheme(fmt: Format) -> dict[str, Any]:
     scale, dynamic block scales): compressed-tensors has no per-token NVFP4 activation strategy (``strategy:
     token`` with a ``group_size`` is rejected) and vLLM's ``CompressedTensorsW4A4Fp4`` has no dynamic global input
     scale, so the scheme declares the static one and the checkpoint carries it as ``input_global_scale`` (the
-    recipe's constant, ``miles_lp.export.naming.INPUT_SCALE_VALUE``, stored as its reciprocal; issue 9, item 2).
+    recipe's constant, ``miles_lp.export.naming.INPUT_SCALE_VALUE``, stored as its reciprocal).
     Like ModelOpt's ``input_scale``, the serving config does not carry the plan's ``activation_scale``, which is a
     learner (Transformer Engine) option. FP8 tensor-wise activations are
     dynamic per-tensor (the plan's current scaling), not the ``FP8`` preset's static ones.
@@ -369,7 +369,7 @@ def compressed_tensors_config(plan: PrecisionPlan) -> dict[str, Any]:
     fmt_names = {g["format"] for g in groups.values()}
     # quantization_status "compressed": the weights on disk are already quantized (what llm-compressor writes).
     # Without it transformers' compressed-tensors integration takes the model as not yet compressed and loads the
-    # raw E4M3 / packed codes as weights, silently (issue 9, item 1).
+    # raw E4M3 / packed codes as weights, silently.
     cfg = {"quant_method": "compressed-tensors", "format": fmt_names.pop() if len(fmt_names) == 1 else
            "mixed-precision", "quantization_status": "compressed", "config_groups": groups, "ignore": ignore,
            "kv_cache_scheme": None}

@@ -184,7 +184,7 @@ def grpo_step(p: StepParts, step: int) -> dict[str, float]:
         m.update({k: float(v) for k, v in dict(report.metrics).items() if isinstance(v, int | float)})
         t.seconds["checks"] = min(t.seconds["sync"], m.get("perf/sync_check_seconds", 0.0))
         t.seconds["sync"] -= t.seconds["checks"]  # the stages add up to the step
-    elif sentinel is not None:  # no sync reports this step's C6 verdict: the step does (review-6 M2)
+    elif sentinel is not None:  # no sync reports this step's C6 verdict: the step does
         _report_sentinel_without_sync(p.sync, sentinel.last, step, m)
     # 8. metrics
     capped = [g.finish_reason == "length" for g in gens]

@@ -64,7 +64,7 @@ def _read_json(path: Path) -> dict:
 def _headers(root: Path) -> dict[str, TensorHeader]:
     """Every tensor's header, read as the converter reads them (``safetensors_io.open_checkpoint``): with an index,
     exactly the shards it names, each checked against it (a missing shard or a stale index is a ``CheckpointError``
-    naming the index and the shard; review L13: a glob served a partial model, or a stray extra file's tensors)."""
+    naming the index and the shard: a glob served a partial model, or a stray extra file's tensors)."""
     from safetensors import safe_open
 
     from miles_lp.checkpoint.safetensors_io import INDEX_NAME, open_checkpoint, weight_candidates
@@ -73,7 +73,7 @@ def _headers(root: Path) -> dict[str, TensorHeader]:
         raise CheckpointError(f"{root}: no *.safetensors files (the engine loads safetensors only, never pickle)")
 
     files = open_checkpoint(root)  # which files: safetensors_io.select_weight_files, the converter's rule
-    if files.ignored:  # never silent (L13); a stray file is not served
+    if files.ignored:  # never silent; a stray file is not served
         warnings.warn(f"{root}: not serving {files.ignored_note()}", stacklevel=3)
     for f in files.files:  # the loader reads through safetensors itself: it must see the names our parser saw
         with safe_open(str(f), framework="pt") as sf:

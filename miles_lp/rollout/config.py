@@ -20,7 +20,7 @@ A key the chosen backend does not read (``kv_cache`` / ``dtype`` / ``device`` / 
 whose server decides them; a CUDA ``device`` for vllm; ``max_model_len`` for reference) is refused, not ignored.
 
 ``kv_cache`` lives here because the precision policy (``precision:``) has no key for it yet (noted for the
-lead: issue 10 asks for ``precision.kv_cache``); ``sampling_params()`` builds the ``SamplingParams`` of a rollout.
+a ``precision.kv_cache`` key is not built); ``sampling_params()`` builds the ``SamplingParams`` of a rollout.
 """
 
 from __future__ import annotations

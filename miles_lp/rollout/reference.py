@@ -23,7 +23,7 @@ bumps ``weight_version`` and serves again. Parked generations then continue as t
 (``retract``: recompute the KV of prompt + tokens so far with the new weights, SGLang's ``retract``).
 
 Faults (``EngineFaults``) reproduce the known silent failures of CONTRACT 5 on purpose, so the sync checks
-can be shown to catch them (issue 11's fault-injection selftest); with the default ``EngineFaults()`` none is on.
+can be shown to catch them (the fault-injection selftest, `miles-lp selftest sync`); with the default ``EngineFaults()`` none is on.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ _DATA_PTR = torch.Tensor.data_ptr
 def _c3_guarded(fn):
     """One self-check at a time (the server's handler threads share the probes, the stand-ins and the graphs), run
     on the engine's own CUDA device: a handler thread's current device is 0 whatever the engine's, and a capture on
-    another device's stream records nothing while the ops run eagerly (review-5 M1)."""
+    another device's stream records nothing while the ops run eagerly."""
     @functools.wraps(fn)
     def run(self, *args, **kwargs):
         dev = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
@@ -563,7 +563,7 @@ class ReferenceEngine:
         return names, derived
 
     def check_state(self, groups: Mapping[str, Sequence[str]] | None = None) -> dict[str, Any]:
-        """C4 and C2's engine side from ONE read of the live tensors (issue 11): ``{"names": tuple, "pointers":
+        """C4 and C2's engine side from ONE read of the live tensors: ``{"names": tuple, "pointers":
         tuple, "group_heads": list | None, "group_values": list | None, "pointer_seconds": float}``.
         ``names``/``pointers`` are ``storage_pointers()`` as two aligned tuples (``names`` the same object while
         the set of served tensors stands: one tuple comparison per sync); ``group_heads``/``group_values`` are
@@ -889,7 +889,7 @@ class ReferenceEngine:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 static = self._c3_figures(work)
             # figures are >= 0 (or NaN): a graph that recorded nothing cannot pass the first-replay check with
-            # values left from the capture (review-5 M1)
+            # values left from the capture
             static.fill_(-1.0)
             graph.replay()
             got = static.tolist()

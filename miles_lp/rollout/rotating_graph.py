@@ -1,4 +1,4 @@
-"""C3's rotating layer as a replayed CUDA graph (issue 11: the checks' share of a sync).
+"""C3's rotating layer as a replayed CUDA graph (the checks' share of a sync).
 
 The rotating probe (``ReferenceEngine._c3_rotating``) reaches a different layer every sync, so a graph captured on
 the layer itself would be captured anew every sync. Instead, one graph is kept per layer *configuration* (the
@@ -209,7 +209,7 @@ class RotatingGraphs:
             graph, out = capture(lambda: figures(serve, fresh, x, x64, grid), self.pool)
             torch._foreach_copy_(dsts, srcs)
             # figures are >= 0 (or NaN): a graph that recorded nothing cannot pass the check below with values
-            # left from the capture (review-5 M1)
+            # left from the capture
             out.fill_(-1.0)
             graph.replay()
             got = out.tolist()

@@ -115,7 +115,7 @@ def sampling_from_json(sp: Any, return_routed: bool) -> SamplingParams:
 def check_context(batch: list[list[int]], max_new_tokens: int | None, context_len: int | None) -> None:
     """A request whose prompt + ``max_new_tokens`` (when it names one) exceeds the model's context is refused with
     SGLang's message (its tokenizer manager's ``_validate_one_request``; the server answers 400) before the engine
-    sees it (review-4 L10: a response cut at the context would read as ``length``). The ReferenceEngine refuses the
+    sees it (a response cut at the context would read as ``length``). The ReferenceEngine refuses the
     same condition itself (00ced2b) with its own message; here a client written against SGLang gets SGLang's words.
     prompt + max_new_tokens == context fits. A prompt that alone fills the context is the engine's own refusal (also
     a 400); without max_new_tokens the engine's default (64) is what it checks."""
@@ -157,7 +157,7 @@ class EngineServer(ThreadingHTTPServer):
         self.api_key = api_key
         self.verbose = verbose
         self.update_lock = threading.Lock()  # one open tensor update at a time
-        if ":" in host:  # an IPv6 address (``::1``): the socket's family follows it (review-6 L5)
+        if ":" in host:  # an IPv6 address (``::1``): the socket's family follows it
             self.address_family = socket.AF_INET6
         super().__init__((host, port), _Handler)
 
@@ -333,7 +333,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def pause(self, q):
         d = self._json()
-        # SGLang's PauseGenerationReqInput.mode defaults to abort (review-4 L19): a client written against SGLang
+        # SGLang's PauseGenerationReqInput.mode defaults to abort: a client written against SGLang
         # that posts {} expects its in-flight requests ended with finish abort, not parked. miles-lp's own client
         # (SGLangHTTPEngine, pause_mode retract as Miles) always sends its mode
         self.server.engine.pause(d.get("mode", "abort"))

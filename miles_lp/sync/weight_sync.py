@@ -164,7 +164,7 @@ class _Layout:
 
     def learner_values(self, items: list[Item]) -> tuple[list[str], list[int]]:
         """The learner side of the per-sync group digest, ``(heads, int64 sums)`` as ``group_fingerprints`` of the
-        export computes them, read from the export's own tensors (not from the transfer's copy, review-6 M5) with
+        export computes them, read from the export's own tensors (not from the transfer's copy) with
         this layout's group order, slots and member weights: no per-tensor work but the list of tensors."""
         if self._learner_plan is None:
             index = {it.name: i for i, it in enumerate(items)}
@@ -459,7 +459,7 @@ class WeightSync:
                 raising = [verdicts["sentinel"]]
 
         # a raise-mode check that ran and came back skipped guards nothing: said once per check, on the console
-        # (review-6 L20; the sentinel is skipped until the RL loop's first step, by design)
+        # (the sentinel is skipped until the RL loop's first step, by design)
         skip_notes = [v for n, v in verdicts.items() if v.status == "skipped" and n != "sentinel"
                       and self.mode(n) == "raise" and n not in self._skips_said]
         self._skips_said.update(v.name for v in skip_notes)
@@ -611,7 +611,7 @@ class WeightSync:
         versions = {g.weight_version for g in gens}
         # the probe judged on its own (a fresh Sentinel: one generation is not a step of the run's streaks), then
         # combined with the RL step's verdict when a step fed the shared sentinel since the last sync: the probe
-        # must not hide the step's own failure (review-6 M2: NaN rollout log-probs reported as ok)
+        # must not hide the step's own failure (NaN rollout log-probs reported as ok)
         probe = Sentinel(self.sentinel.config).update(rollout_logprobs=[g.logprobs for g in gens], kl=kl)
         if versions != {self.expected_version}:
             probe = failed("sentinel", kl, f"probe generations report weight version(s) {sorted(versions)}, "

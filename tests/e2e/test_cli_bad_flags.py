@@ -35,7 +35,7 @@ def test_report_out_is_a_file(tmp_path, capsys):
 
 
 def test_an_output_under_a_regular_file_is_one_line_naming_it(tmp_path, capsys):
-    """review-6 L14: convert / make-tiny-model output under a regular file was a FileExistsError traceback."""
+    """Convert / make-tiny-model output under a regular file was a FileExistsError traceback."""
     (tmp_path / "afile").write_text("x")
     assert main(["make-tiny-model", "--arch", "qwen3", "--out", str(tmp_path / "afile" / "m")]) == 2
     err = capsys.readouterr().err
@@ -58,7 +58,7 @@ def test_make_tiny_model_one_byte_shards(tmp_path):
 
 
 def test_convert_layer_flags_beyond_the_model_name_the_flag(tmp_path, capsys):
-    """review-6 L5: the plan's error described a 'first 10' rule the user never wrote."""
+    """The plan's error described a 'first 10' rule the user never wrote."""
     src = tmp_path / "tiny"
     assert main(["make-tiny-model", "--arch", "qwen3", "--num-layers", "2", "--out", str(src)]) == 0
     capsys.readouterr()

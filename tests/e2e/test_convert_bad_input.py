@@ -279,7 +279,7 @@ def test_recipe_with_flag_exceptions_refused(capsys, src, tmp_path):
 
 
 def test_mixed_plan_for_vllm_is_modelopt_mixed_precision(capsys, tmp_path):
-    """Issue 9 item 5: vLLM used to be refused mixed MXFP8 + NVFP4 plans; it reads them as ModelOpt
+    """vLLM used to be refused mixed MXFP8 + NVFP4 plans; it reads them as ModelOpt
     MIXED_PRECISION (tests/unit/test_emit.py re-reads it, tests/readers with vLLM's own class)."""
     src = make_tiny_model("qwen3_moe", tmp_path / "moe", seed=0)
     rc, err = run(capsys, src, tmp_path / "out", "--format", "mxfp8+nvfp4-experts", "--target", "vllm")

@@ -1,5 +1,5 @@
-"""Written weight files get a plain file's mode (review-6 L6), and the output-folder errors name the calling
-command's own flag (review-6 L5: make-tiny-model's is ``--out``, convert's ``--output``).
+"""Written weight files get a plain file's mode, and the output-folder errors name the calling
+command's own flag (make-tiny-model's is ``--out``, convert's ``--output``).
 
 safetensors' writer creates its files 0600 while config.json beside them is 0644 (umask 022): a server under
 another uid could read the config but not the weights. convert, export and make-tiny-model (CLI and API) must

@@ -1,4 +1,4 @@
-"""`convert --fp8-decode` (review L17): a block-FP8 input decoded to bf16 (the default) converts to exactly what the
+"""`convert --fp8-decode`: a block-FP8 input decoded to bf16 (the default) converts to exactly what the
 BF16 checkpoint DeepSeek's fp8_cast_bf16 writes converts to (the checkpoint the recipes train from: the learner's
 initial grid); decoded to fp32 it is another grid. `verify` follows the mode the record names."""
 

@@ -1,4 +1,4 @@
-"""`convert` and `export` carry every top-level side file of the input and say what they leave out (review L18).
+"""`convert` and `export` carry every top-level side file of the input and say what they leave out.
 
 DeepSeek-V3's HF repo ships ``configuration_deepseek.py`` / ``modeling_deepseek.py`` named by config.json's
 ``auto_map``; Kimi-K2 ships ``tiktoken.model`` + ``tokenization_kimi.py``; VL models ``preprocessor_config.json``.

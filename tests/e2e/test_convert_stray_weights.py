@@ -1,4 +1,4 @@
-"""`convert` and `verify` on a folder with a stray ``consolidated.safetensors`` (review L13, second half).
+"""`convert` and `verify` on a folder with a stray ``consolidated.safetensors`` (second half).
 
 Mistral's repos ship ``consolidated.safetensors`` (Mistral's own tensor names) next to the HF shards. The
 conversion must read the model's files only (``safetensors_io.select_weight_files``): the output equals the

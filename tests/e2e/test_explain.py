@@ -107,7 +107,7 @@ def test_explain_bad_model_config_exit_2(capsys, tmp_path):
 
 
 def test_explain_refuses_an_already_quantized_checkpoint_and_says_where_its_plan_is(capsys, tmp_path):
-    """review-6 L16: a converted checkpoint's packed shapes and scales gave a confident, wrong plan table."""
+    """A converted checkpoint's packed shapes and scales gave a confident, wrong plan table."""
     from miles_lp.checkpoint.tiny import make_tiny_model
 
     src = make_tiny_model("qwen3", tmp_path / "m", num_layers=1)

@@ -1,4 +1,4 @@
-"""The invariant that ties conversion to live sync (issue 8, must show): for the same weights, ``miles-lp
+"""The invariant that ties conversion to live sync (must show): for the same weights, ``miles-lp
 convert`` and the embedded learner's export give identical tensors (bytes), names and configs, per target;
 and an export after optimizer steps is the codec of the new master weights, byte for byte."""
 

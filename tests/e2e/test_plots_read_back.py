@@ -1,4 +1,4 @@
-"""The plots draw their data (issue 17: the plot tests checked only the PNG magic bytes). Each figure is
+"""The plots draw their data (the plot tests checked only the PNG magic bytes). Each figure is
 captured at ``savefig`` and read back: bar heights, reference lines, tick labels, and for ``explain --plot``
 the colour of every (role, layer) cell against the recipe's stated plan (written here by hand)."""
 
@@ -56,7 +56,7 @@ def test_convert_plot_draws_the_summary(tmp_path, figures):
     # one round: the ratio of the conversion's GB/s to the copy's; several: their median
     assert _bars(a1) == pytest.approx([1.2 / 2.1, 0.9 / 2.1])
     assert [t.get_text() for t in a1.get_xticklabels()] == ["mxfp8", "mxfp8+nvfp4-experts"]
-    # issue 16's targets over each conversion's bar, as fractions of the copy: MXFP8 0.7 (stretch 0.9),
+    # the targets over each conversion's bar, as fractions of the copy: MXFP8 0.7 (stretch 0.9),
     # MXFP8 + NVFP4 experts 0.6
     assert _hlines(a1) == pytest.approx([0.6, 0.7, 0.9])
     assert _bars(a2) == pytest.approx([0.5, 1.1, 1.3])  # GB: largest shard, then each conversion's peak RSS

@@ -117,7 +117,7 @@ def test_export_run_dir_from_another_folder(tmp_path, monkeypatch):
 
 
 def test_resume_from_another_folder_reads_the_runs_own_model(tmp_path, monkeypatch, capsys):
-    """review-6 M4 on the real stack: a run started with a relative model.path, resumed from a folder holding
+    """On the real stack: a run started with a relative model.path, resumed from a folder holding
     another model of that name. The run's recipe.yaml names the model absolute, so the resume reads the run's
     (its learner, frozen KL reference and config); the user's recipe file read there names the other one and
     is refused, naming both."""
@@ -187,7 +187,7 @@ def test_an_environment_override_of_the_checks_is_printed_and_recorded(recipe_fi
     info = json.loads((r.dir.path / "run.json").read_text())
     assert info["sync_check_overrides"]["storage"] == ["raise", "off"] and "grid" not in info["sync_check_overrides"]
     assert m["sync/check/storage"] == -1.0 and m["sync/check/grid"] == 1.0  # what ran is what was printed
-    # a resume under another environment records its own overrides (review-4 C5), the first session's stay
+    # a resume under another environment records its own overrides, the first start's stay
     monkeypatch.delenv("MILES_LP_SYNC_CHECKS")
     monkeypatch.delenv("MILES_LP_SYNC_CHECK_GRID")
     monkeypatch.setenv("MILES_LP_SYNC_CHECK_COMPLETENESS", "warn")
@@ -324,7 +324,7 @@ def test_a_failed_warn_mode_check_is_printed_and_summarised(recipe_file, capsys)
 
 
 def test_aborted_generations_are_regenerated_or_dropped_on_the_real_stack(recipe_file):
-    """review-4 L20 on the real learner, engine and sync: the second prompt's group comes back aborted (as after
+    """On the real learner, engine and sync: the second prompt's group comes back aborted (as after
     another client's /pause_generation with mode abort). With a retry only that group is sampled again and the step
     trains on every sample; without one the group is dropped whole and the step trains on the rest, checks passing."""
     import dataclasses

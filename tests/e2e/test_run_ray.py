@@ -52,7 +52,7 @@ def test_ctrl_c_stops_cleanly(tmp_path):
 
     from miles_lp.launch.runner import RunInterrupted, interrupted_note
 
-    with pytest.raises(RunInterrupted) as ei:  # a KeyboardInterrupt naming the folder and the step (review-4 L14)
+    with pytest.raises(RunInterrupted) as ei:  # a KeyboardInterrupt naming the folder and the step
         run_with_ray(recipe, run_name="ctrlc", progress=False, on_step=on_step)
     assert not ray.is_initialized()
     rd = RunDir(tmp_path / "runs" / "ctrlc")
@@ -196,7 +196,7 @@ def test_c3_rotation_continues_across_engine_restart_and_resume(tmp_path, monkey
 
 
 def test_a_failed_check_under_ray_names_the_resume_command(tmp_path):
-    """review-6 L3 under Ray (which printed no advice at all): the C6 sentinel in raise mode fails at step 1's
+    """Under Ray (which printed no advice at all): the C6 sentinel in raise mode fails at step 1's
     sync (every response hits the length cap); the error is the in-process run's: the checkpoint at step 1, the
     exact resume command, and that the check is expected to fail again there."""
     import shlex

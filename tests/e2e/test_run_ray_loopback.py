@@ -1,4 +1,4 @@
-"""The local Ray cluster that ``miles-lp run`` starts listens on loopback only (review-6 L7; the project's rule:
+"""The local Ray cluster that ``miles-lp run`` starts listens on loopback only (the project's rule:
 servers bind 127.0.0.1 by default). Measured, not assumed: every listening TCP socket and every bound UDP socket of
 the cluster's processes (the driver, its descendants: GCS, raylet, workers, agents; and any process naming the
 session folder), with an actor started so that a core worker listens too. The same measurement on a plain

@@ -1,4 +1,4 @@
-"""A run stopped by a failed sync check says what can be done next (review-6 L3), on the real stack: the reviewer's
+"""A run stopped by a failed sync check says what can be done next, on the real stack: a user's
 run (recipes/tiny-mxfp8.yaml, 4 steps, the C6 sentinel in raise mode with its length-cap rule: every response hits the cap, so it
 fails at step 2's sync). Without a checkpoint the error says there is nothing to resume (the --resume it used to
 advise is refused); with one it prints the exact command, and that command does resume."""

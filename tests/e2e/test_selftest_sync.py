@@ -187,19 +187,19 @@ def test_storage_through_the_shared_engine_call_sees_a_data_swap_and_a_reregiste
 
 
 def test_only_that_matches_no_fault_is_refused_not_a_pass(capsys):
-    """review-6 L1: a typo in --only used to test nothing and print PASS with exit code 0."""
+    """A typo in --only used to test nothing and print PASS with exit code 0."""
     assert main(["selftest", "sync", "--arch", "qwen3", "--only", "typo"]) == 2
     err = capsys.readouterr().err
     assert "--only 'typo' matches no fault" in err and "re-bound parameter" in err
 
 
 def test_a_reused_workdir_runs_again(tmp_path, capsys):
-    """review-6 L10: the second run in the same --workdir used to fail on its own ckpt0 ('pass --overwrite')."""
+    """The second run in the same --workdir used to fail on its own ckpt0 ('pass --overwrite')."""
     argv = ["selftest", "sync", "--arch", "qwen3", "--only", "lm_head", "--workdir", str(tmp_path / "w")]
     assert main(argv) == 0
     assert main(argv) == 0
     assert capsys.readouterr().out.count("selftest sync: PASS") == 2
-    # a workdir whose hf/ someone else made is never written into (review-6 L18)
+    # a workdir whose hf/ someone else made is never written into
     other = tmp_path / "mine"
     (other / "hf").mkdir(parents=True)
     (other / "hf" / "config.json").write_text("{}")

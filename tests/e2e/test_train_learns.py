@@ -1,4 +1,4 @@
-"""The embedded trainer LEARNS under a low-precision plan (issue 17: "trains" meant only a finite loss).
+"""The embedded trainer LEARNS under a low-precision plan ("trains" meant only a finite loss).
 
 A learnable toy batch: four fixed random sequences of 64 tokens, trained on repeatedly (memorisation). Start
 loss is ln(256) ~ 5.55 per token. Measured on this CPU (15 AdamW steps, lr 3e-3): the whole model falls to

@@ -1,6 +1,6 @@
 """`miles-lp verify` passes on good output and fails, naming the problem, on each tampered variant.
 
-Issue 17: the first and the last tensor of every kind (BF16, each quantized format's data, each scale tensor,
+The first and the last tensor of every kind (BF16, each quantized format's data, each scale tensor,
 global and activation scales), the first and last entries of the config lists and of the index are tampered
 and must be named; fused groups with separate global scales fail without and with --source; each error bound
 fails just above itself and passes just below.
@@ -268,7 +268,7 @@ def test_allow_nonfinite_output_verifies_and_says_what_it_skipped(capsys, tmp_pa
 
 
 # ---------------------------------------------------------------------------------------------------------
-# issue 17: first and last tensor of every kind, config and index entries, fused groups, bounds
+# first and last tensor of every kind, config and index entries, fused groups, bounds
 # ---------------------------------------------------------------------------------------------------------
 OUTPUTS = [("mxfp8", "sglang"), ("nvfp4-experts", "sglang"), ("mxfp8+nvfp4-experts", "compressed-tensors")]
 _GLOBAL = ("weight_scale_2", "weight_global_scale")
@@ -418,7 +418,7 @@ def _gate_up(out) -> tuple[str, str]:
 
 @pytest.mark.parametrize("key", OUTPUTS[1:], ids=["sglang", "compressed-tensors"])
 def test_gate_and_up_with_separate_global_scales_fail_without_and_with_source(copy, key):
-    """The converter giving gate and up their own amax (issue 17's mutation): bytes self-consistent, so only
+    """The converter giving gate and up their own amax (a mutation): bytes self-consistent, so only
     the fused-group rule can see it: `scales` without --source, `grid` with it."""
     src, out = copy(*key)
     gate, up = _gate_up(out)
@@ -449,7 +449,7 @@ def test_ct_w4a4_needs_input_global_scale(copy):
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert disk_layout.ct_needs_input_scale(qc)
     present = [n for n in open_checkpoint(out).tensors if n.endswith(".input_global_scale")]
-    if present:  # the converter writes it (after issue 9): remove the first one
+    if present:  # the converter writes it : remove the first one
         _tamper_remove(out, present[:1])
     detail = _details(V.verify_checkpoint(out))["tensors"]
     assert re.search(r"missing tensor '[a-z0-9_.]+\.input_global_scale' \(F32 \[1\]\): the declared scheme", detail)

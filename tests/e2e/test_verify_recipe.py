@@ -1,4 +1,4 @@
-"""`verify OUT --recipe R.yaml --target T [--source IN]` (review L22): a checkpoint without our record
+"""`verify OUT --recipe R.yaml --target T [--source IN]`: a checkpoint without our record
 (miles_lp_plan.json) is checked against a plan compiled from the recipe: tensors, config (as the engine reads it),
 scales, and with --source the grid and error bounds; source (no recorded sha256) and record are skipped."""
 

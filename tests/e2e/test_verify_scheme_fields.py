@@ -1,5 +1,5 @@
-"""`verify`'s config check compares the scheme fields each engine's reader uses, not only the format per weight
-(review-6 M1): a compressed-tensors group with ``group_size: 64`` / ``num_bits: 8`` or ModelOpt NVFP4 experts with
+"""`verify`'s config check compares the scheme fields each engine's reader uses, not only the format per weight:
+a compressed-tensors group with ``group_size: 64`` / ``num_bits: 8`` or ModelOpt NVFP4 experts with
 ``group_size: 32`` select the plan's formats, but the reader then lays the scales out differently (the
 compressed-tensors package fails to decompress them). Each edit FAILs ``config``, with our record and without it
 (``--recipe``); fields the readers do not use, or leave at their defaults, stay a note without a record."""
@@ -70,13 +70,13 @@ def _groups(qc, fmt):
     return [g for g in qc["config_groups"].values() if g["format"] == fmt]
 
 
-def _ct_reviewer_edit(qc):  # review-6 M1, /tmp/rv6/f4
+def _ct_reviewer_edit(qc):
     for g in qc["config_groups"].values():
         g["weights"]["group_size"] = 64
     _groups(qc, "nvfp4-pack-quantized")[0]["weights"]["num_bits"] = 8
 
 
-def _mixed_nvfp4_group(size):  # review-6 M1, /tmp/rv6/f3
+def _mixed_nvfp4_group(size):
     def edit(qc):
         for entry in qc["quantized_layers"].values():
             if entry["quant_algo"] == "NVFP4":
@@ -103,7 +103,7 @@ def _mxfp8_entry_group(qc):
 
 
 FAILING = [
-    # compressed-tensors: the reviewer's edit, then one field each of what vLLM's scheme selection and the
+    # compressed-tensors: a user's edit, then one field each of what vLLM's scheme selection and the
     # package's compressors read
     ("ct", _ct_reviewer_edit, "config.json",
      [r"C1: config_groups\.group_\d\.weights\.num_bits is 8, the plan's nvfp4 scheme has 4: the engine would read "

@@ -1,4 +1,4 @@
-"""Issue 9, item 4: a full disk while converting -> exit 2, one line naming the output folder and the free
+"""A full disk while converting -> exit 2, one line naming the output folder and the free
 space, no traceback; an existing OUT (with --overwrite) keeps every byte.
 
 safetensors reports a failed write as its own ``SafetensorError`` (not ``OSError``), with the errno only in

@@ -1,5 +1,5 @@
 """transformers (5.24 here, with its compressed-tensors integration) loads our ``--target compressed-tensors``
-checkpoints and computes what the dequantized weights compute (issue 9, item 1 and the reader tests).
+checkpoints and computes what the dequantized weights compute (item 1 and the reader tests).
 
 Reference (tests/readers/reference.py): a transformers forward of a BF16 checkpoint holding our codecs'
 dequantization of every quantized weight ("W"), and the same with each quantized linear's input
@@ -96,7 +96,7 @@ def test_run_compressed_false_is_our_dequantization(refs, arch, fmt):
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
 def test_without_quantization_status_the_codes_load_as_weights(refs, store, tmp_path, fmt):
     """Fault injection for item 1: the same checkpoint without ``quantization_status`` loads silently wrong on
-    the default path (issue 9 saw logits off by ~0.85 for MXFP8, NaN for NVFP4), so the test above can fail."""
+    the default path (before, logits off by ~0.85 for MXFP8, NaN for NVFP4), so the test above can fail."""
     ck, _, _, ref_wa = refs("qwen3", fmt)
     bad = tmp_path / "no-status"
     shutil.copytree(ck, bad)

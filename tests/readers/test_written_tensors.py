@@ -1,4 +1,4 @@
-"""What the converter writes for each declared scheme (issue 9, items 2 and 3), read back from disk.
+"""What the converter writes for each declared scheme, read back from disk.
 
 - compressed-tensors W4A4 NVFP4 (a config group declaring ``input_activations``): every NVFP4 module carries
   ``input_global_scale`` F32 [1]. vLLM's ``CompressedTensorsW4A4Fp4`` creates it with ``torch.empty`` and loads

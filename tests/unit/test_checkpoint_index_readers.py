@@ -1,4 +1,4 @@
-"""`explain`'s and the engine's header readers follow the index (review L13): a shard the index names but the folder
+"""`explain`'s and the engine's header readers follow the index: a shard the index names but the folder
 lacks is an error naming both, and a stray extra ``*.safetensors`` next to an indexed checkpoint is not read."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Which ``*.safetensors`` files of a folder are the model: one rule for every reader (review L13, second half).
+"""Which ``*.safetensors`` files of a folder are the model: one rule for every reader (second half).
 
 ``safetensors_io.select_weight_files``, as transformers and vLLM pick them: an index -> exactly its shards; no
 index -> ``model.safetensors`` alone; neither -> the one ``*.safetensors``; several with neither -> an error

@@ -1,4 +1,4 @@
-"""``--device`` is validated at parse time by every command that takes it (review-6 L2): a usage error naming the
+"""``--device`` is validated at parse time by every command that takes it: a usage error naming the
 flag, exit code 2, before any work, not a torch traceback seconds later."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""Ctrl-C on `miles-lp run` (review-4 L14): the note names the last checkpoint and the exact resume command, or says
+"""Ctrl-C on `miles-lp run`: the note names the last checkpoint and the exact resume command, or says
 there is nothing to resume (and removes a folder that recorded nothing). The run itself is a stand-in that raises
 KeyboardInterrupt where the loop would; the folder, its checkpoints and metrics are real."""
 

@@ -1,6 +1,6 @@
 """Every recipe, script and docs file that the README, the docs and the CLI help name exists (a new user runs
 them literally: `miles-lp --help`'s workflow once named a recipe that did not), and every relative markdown link
-of the README and docs/*.md resolves (review C4: a `.txt` under docs/results/ and `](...)` targets were not seen)."""
+of the README and docs/*.md resolves (a `.txt` under docs/results/ and `](...)` targets were not seen)."""
 
 from __future__ import annotations
 

@@ -118,7 +118,7 @@ def test_split_mla_fused_qkv_a_is_rejected():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fused_shards_are_one_joint_scale_group(arch):
     """Every engine module built from several shards of one layer (qkv_proj, gate_up_proj, fused_qkv_a) is one
-    plan group per fused parameter, so the converter and the learner give them one NVFP4 global scale (issue 9,
+    plan group per fused parameter, so the converter and the learner give them one NVFP4 global scale (
     item 3). FusedMoE experts are per-expert groups (gate+up of one expert), as the engines keep them."""
     plan = _plan(arch, {"default": "nvfp4"})
     for m in emit.engine_modules(plan).values():
@@ -329,7 +329,7 @@ def test_compressed_tensors_config_validates(scope):
 
 @pytest.mark.parametrize("default", ["mxfp8", "nvfp4"])
 def test_compressed_tensors_config_says_compressed(default):
-    """Issue 9, item 1: without ``quantization_status: compressed`` transformers' compressed-tensors integration
+    """Without ``quantization_status: compressed`` transformers' compressed-tensors integration
     takes the checkpoint as not yet compressed and loads the raw codes as weights (logits off by ~0.85 for MXFP8,
     NaN for NVFP4, exit 0). The package must parse the status as COMPRESSED, the one llm-compressor writes."""
     q = pytest.importorskip("compressed_tensors.quantization")
@@ -340,7 +340,7 @@ def test_compressed_tensors_config_says_compressed(default):
 
 @pytest.mark.parametrize("arch", MOE)
 def test_vllm_mixed_plan_emits_modelopt_mixed_precision(arch):
-    """Issue 9, item 5: `--target vllm` with MXFP8 dense layers and NVFP4 experts used to be refused; vLLM 0.32
+    """`--target vllm` with MXFP8 dense layers and NVFP4 experts used to be refused; vLLM 0.32
     reads it as ModelOpt MIXED_PRECISION. Re-read with vLLM's rules: each engine module gets the plan's algo."""
     plan = _plan(arch, {"default": "mxfp8", "rules": [{"role": "routed_experts", "format": "nvfp4"}]})
     cfg = emit.vllm_config(plan)

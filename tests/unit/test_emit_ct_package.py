@@ -1,4 +1,4 @@
-"""The compressed-tensors config we emit, read by the compressed-tensors package's OWN matcher (issue 17: the
+"""The compressed-tensors config we emit, read by the compressed-tensors package's OWN matcher (the
 emitter round trips were checked against our copy of the readers' matching, ``policy/consumers.py``).
 
 For every linear of the model (HF names, as transformers and the package see them), the config group that

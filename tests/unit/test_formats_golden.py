@@ -1,4 +1,4 @@
-"""NVFP4 / MXFP8 golden vectors at the points where TE's fp32 operation order changes a byte (issue 17),
+"""NVFP4 / MXFP8 golden vectors at the points where TE's fp32 operation order changes a byte,
 derived by exact rational arithmetic (``fractions.Fraction``) written here from CONTRACT 1-2, not by the code
 under test; and the second reference codec (``miles_lp.formats.oracle``) against the same derivation.
 

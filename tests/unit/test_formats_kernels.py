@@ -275,7 +275,7 @@ def test_per_matrix_amax_starts_from_fresh_zeros_from_the_pool():
 
 
 def test_zero_pool_slices_are_disjoint_across_threads(monkeypatch):
-    """Two threads taking amax accumulators on one stream get disjoint slices (review-4 C6: the offset bump is
+    """Two threads taking amax accumulators on one stream get disjoint slices (the offset bump is
     under a lock; a shared slice would give two tensors the larger amax). The switch interval is made tiny so
     that the threads interleave inside the bump if they can."""
     import threading

@@ -1,6 +1,6 @@
 """The cuBLAS 128x4 scale swizzle (CONTRACT 3) against an external implementation: torchao's ``to_blocked``
 (``torchao.prototype.mx_formats.utils``), on random shapes including padding in both dims, and the offset
-formula against the same bytes (issue 17: a formula changed consistently in offset, swizzle and unswizzle
+formula against the same bytes (a formula changed consistently in offset, swizzle and unswizzle
 must fail here)."""
 
 from __future__ import annotations

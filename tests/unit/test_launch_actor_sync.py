@@ -47,7 +47,7 @@ def _listening(port: int) -> list[str]:
 
 
 def test_the_group_store_listens_on_the_nodes_address_only():
-    """review-6 L7: the broadcast group's rendezvous store (rank 0, in the learner actor) listens on the node's
+    """The broadcast group's rendezvous store (rank 0, in the learner actor) listens on the node's
     address (127.0.0.1 in the local cluster), not on every interface as torch's own TCPStore server does."""
     import datetime
     import socket
@@ -79,7 +79,7 @@ def test_the_group_store_listens_on_the_nodes_address_only():
 
 
 def test_actor_sync_answers_mode_and_log_so_a_step_without_a_sync_still_raises(monkeypatch):
-    """review-6 M2's gap under Ray with sync.transport gloo | nccl: the RL step reports a step without an optimizer
+    """The gap under Ray with sync.transport gloo | nccl: the RL step reports a step without an optimizer
     step through ``sync.mode`` / ``sync.log``; ActorSync had neither, so a raise-mode sentinel failure never raised."""
     import pytest
 

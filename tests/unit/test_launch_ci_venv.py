@@ -1,4 +1,4 @@
-""".ci/run's vLLM venv step removes only a venv it made itself (review-6 L4): a user's venv named by MILES_LP_VLLM_VENV
+""".ci/run's vLLM venv step removes only a venv it made itself: a user's venv named by MILES_LP_VLLM_VENV
 that does not import vllm is refused, named, and left as it was. The script's function runs for real (bash, the
 script sourced), with a fake ``python3`` on PATH whose ``-m venv`` makes a fake venv (its python "imports vllm"
 when the folder holds ``vllm_ok``; its pip logs each call, and fails when FAKE_PIP_FAIL is set): nothing is

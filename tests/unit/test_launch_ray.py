@@ -158,7 +158,7 @@ def test_restarted_actor_engine_gets_the_runs_sync_count(monkeypatch):
 
 
 def test_local_cluster_start_switches_ray_to_loopback_for_the_init_only(monkeypatch):
-    """start_local_ray (review-6 L7): during ray.init Ray's multi-node switch is off, in this process and in the
+    """start_local_ray: during ray.init Ray's multi-node switch is off, in this process and in the
     environment its processes inherit, so the node IP (which its servers bind) is loopback; restored after, also
     when ray.init fails. The sockets themselves are measured in tests/e2e/test_run_ray_loopback.py (slow)."""
     import os

@@ -161,7 +161,7 @@ def test_the_learner_follows_the_sampling_temperature():
     ("http://localhost:30000/?a=1", r"base address only"),
 ])
 def test_rollout_url_is_checked_at_parse_time_with_file_line(tmp_path, url, match):
-    """review-4 L21: a bad rollout.url is refused while parsing (file:line, or the --set), not at the start-time
+    """A bad rollout.url is refused while parsing (file:line, or the --set), not at the start-time
     probe after the model was built and converted."""
     text = GOOD.replace("rollout: {max_response_len: 4}", f"rollout: {{max_response_len: 4, backend: sglang, url: '{url}'}}")
     with pytest.raises(ConfigError, match=r"r.yaml:5: 'rollout.url': .*" + match):
@@ -173,7 +173,7 @@ def test_rollout_url_is_checked_at_parse_time_with_file_line(tmp_path, url, matc
 
 
 def test_tiny_only_model_keys_are_refused_for_an_hf_checkpoint(tmp_path):
-    """review-4 L12: num_layers / seed other than their defaults with an HF checkpoint path are refused (as
+    """Num_layers / seed other than their defaults with an HF checkpoint path are refused (as
     overrides is), not silently ignored; tiny models take them."""
     hf = tmp_path / "hf"
     hf.mkdir()
@@ -192,7 +192,7 @@ def test_tiny_only_model_keys_are_refused_for_an_hf_checkpoint(tmp_path):
 
 
 def test_a_mapping_override_merges_into_its_section():
-    """review-6 L19: `--set 'sync.checks={self_check: raise}'` reset every other check to warn; it merges now, and
+    """`--set 'sync.checks={self_check: raise}'` reset every other check to warn; it merges now, and
     `=null` first still replaces the section whole."""
     from miles_lp.launch.recipe import load_recipe
 
@@ -207,7 +207,7 @@ def test_a_mapping_override_merges_into_its_section():
 
 
 def test_a_plan_error_from_a_set_rule_names_that_set(tmp_path):
-    """review-6 L5: a compile-level error caused by a rule a --set gave named the recipe file, which has no such rule."""
+    """A compile-level error caused by a rule a --set gave named the recipe file, which has no such rule."""
     import pytest
 
     from miles_lp.checkpoint.tiny import make_tiny_model

@@ -1,4 +1,4 @@
-"""``--resume`` of a folder that is no run folder says so (review-6 L5), before the recipe is read or anything starts;
+"""``--resume`` of a folder that is no run folder says so, before the recipe is read or anything starts;
 the resume command a stopped run prints carries ``--set steps=N`` when a resume raised the run's steps."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def _cli(capsys, folder, *extra) -> str:
 
 
 def test_a_folder_that_is_no_run_folder_is_named_as_such(tmp_path, capsys):
-    model = tmp_path / "tiny"  # what the reviewer passed: a model folder
+    model = tmp_path / "tiny"  # what a user passes: a model folder
     model.mkdir()
     (model / "config.json").write_text("{}")
     err = _cli(capsys, model)

@@ -1,4 +1,4 @@
-"""review-6 fixes in the run's start and resume, each on a hand-made run folder (nothing is built):
+"""Fixes in the run's start and resume, each on a hand-made run folder (nothing is built):
 
 * M4: a resume reads the model the run started from, or refuses naming both (run.json's model_dir and model_id),
   and the same prompts file (task_id);
@@ -70,7 +70,7 @@ def test_model_and_task_paths_are_recorded_absolute(tmp_path, monkeypatch):
 
 
 def test_resume_from_another_folder_refuses_a_relative_model_path_of_another_model(tmp_path, monkeypatch, capsys):
-    """The reviewer's case: an older run's recipe.yaml says ``path: dq``; resumed from a folder holding another
+    """The case: an older run's recipe.yaml says ``path: dq``; resumed from a folder holding another
     ``dq``, it silently trained against that model's config and KL reference."""
     a, b = tmp_path / "a", tmp_path / "b"
     rd = _run_folder(tmp_path, "dq", _model(a / "dq"))

@@ -96,7 +96,7 @@ def test_response_cap_shorter_than_the_answer_is_refused_at_start(tmp_path):
 
 
 def test_response_cap_beyond_the_model_context_is_refused_naming_both_keys(tmp_path):
-    """review-4 L10: prompt + max_response_len over max_position_embeddings (256 for tiny models) is refused in
+    """Prompt + max_response_len over max_position_embeddings (256 for tiny models) is refused in
     the dry run and at start, before the learner or the engine is built; the fitting cap still starts."""
     from miles_lp.launch.dry_run import dry_run
     from miles_lp.launch.runner import Run, check_task_fits

@@ -1,4 +1,4 @@
-"""Review-4 M13: against a stock SGLang server (``rollout.server: sglang``) C1-C4 can never be answered, so ``raise``
+"""Against a stock SGLang server (``rollout.server: sglang``) C1-C4 can never be answered, so ``raise``
 for any of them is refused at start (and listed by ``--dry-run``), naming the key, the recipe line or the ``--set`` /
 environment variable that set it, and the ways out; ``warn`` runs and says once at start that they are skipped."""
 

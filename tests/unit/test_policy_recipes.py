@@ -1,4 +1,4 @@
-"""Every shipped recipe compiles to the plan its comment promises (issue 17: `test_recipes_parse` asserted
+"""Every shipped recipe compiles to the plan its comment promises (`test_recipes_parse` asserted
 nothing). The expectations are written here by hand from each recipe's own description, tensor by tensor,
 from the names alone (not from the policy's rule engine), on a model of realistic depth.
 """
@@ -109,7 +109,7 @@ RECIPES = {
     "tiny-mxfp8-moe-replay.yaml": ("qwen3_moe", 2, tiny_mxfp8, "dequantized", None),  # routed experts MXFP8 too
     "tiny-nvfp4-experts.yaml": ("qwen3_moe", 2, tiny_nvfp4_experts, "dequantized", "token"),
     "tiny-nvfp4-experts-hp.yaml": ("qwen3_moe", 2, tiny_nvfp4_experts, "high_precision", "token"),
-    # full-scale RL recipes (issue 13)
+    # full-scale RL recipes
     "qwen3-8b-mxfp8.yaml": ("qwen3", 36, tiny_mxfp8, "dequantized", None),  # every decoder linear MXFP8
     "qwen3-8b-fp8-blockwise.yaml": ("qwen3", 36, qwen3_fp8_block, "quantized", None),
     "qwen3-30b-a3b-mxfp8.yaml": ("qwen3_moe", 48, qwen3_moe_mxfp8, "dequantized", None),

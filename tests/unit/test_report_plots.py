@@ -93,7 +93,7 @@ def test_cli_writes_pngs_and_table(tmp_path, capsys):
 
 
 def test_cli_out_under_a_file_is_a_clear_error_and_writes_nothing(tmp_path, capsys):
-    """review-6 L14: ``--out`` under a regular file was a NotADirectoryError traceback."""
+    """``--out`` under a regular file was a NotADirectoryError traceback."""
     from miles_lp.cli import main
 
     a = write_run(tmp_path / "bf16", rows_for(0, 5))

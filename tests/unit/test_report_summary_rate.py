@@ -1,4 +1,4 @@
-"""``miles-lp report``'s tokens per second is tokens over time across the window (review-6 L9)."""
+"""``miles-lp report``'s tokens per second is tokens over time across the window."""
 
 import math
 

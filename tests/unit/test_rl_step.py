@@ -321,7 +321,7 @@ class _SentinelSync(Sync):
 
 @pytest.mark.parametrize("mode", ["warn", "raise"])
 def test_a_step_without_a_sync_still_reports_its_sentinel_verdict(mode):
-    """review-6 M2: every group dropped -> no optimizer step, no sync; the step's C6 verdict (every response at the
+    """Every group dropped -> no optimizer step, no sync; the step's C6 verdict (every response at the
     length cap) is still in its metrics and log line, and fails the step in raise mode."""
     import dataclasses
 

@@ -1,5 +1,5 @@
 """``ReferenceEngine.check_state``: C4's pointers and C2's engine-side group digests from one read of the live
-tensors (issue 11). It must answer exactly what ``storage_pointers()`` and ``weight_group_fingerprints()``
+tensors. It must answer exactly what ``storage_pointers()`` and ``weight_group_fingerprints()``
 answer, and its cached fast path (the digest's launch tables reused while every canonical tensor is the same
 object at the same address) must never hide a re-bound parameter, a ``.data`` swap, a re-registered derived
 buffer or a changed byte. The fast path needs the digest kernel: it runs under Triton's interpreter in a

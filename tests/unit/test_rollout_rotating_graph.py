@@ -133,8 +133,8 @@ def test_recheck_mismatch_turns_the_configuration_off(graphs_on_cpu, monkeypatch
 
 def test_a_graph_that_records_nothing_is_turned_off(graphs_on_cpu, monkeypatch):
     """A capture whose replay does nothing (the ops ran eagerly during the capture, on another device's stream,
-    say) leaves the capture-time figures in its output; the first-replay check must not take them for a replay's
-    (review-5 M1): the output is overwritten before that replay, so the configuration goes off, eager from then."""
+    say) leaves the capture-time figures in its output; the first-replay check must not take them for a replay's:
+    the output is overwritten before that replay, so the configuration goes off, eager from then."""
     class _Empty:
         def replay(self):
             """Records nothing: the capture ran the ops eagerly (the output holds their capture-time values)."""

@@ -1,5 +1,5 @@
 """`miles-lp serve`'s request checks against a fake engine (no model): a request that does not fit the context is
-a 400 with SGLang's message (review-4 L10), and /pause_generation without a mode aborts, as SGLang's (L19)."""
+a 400 with SGLang's message, and /pause_generation without a mode aborts, as SGLang's."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def test_pause_without_a_mode_aborts_as_sglang(served):
 
 
 def test_serve_on_ipv6_loopback():
-    """review-6 L5: `serve --host ::1` (a loopback host the CLI accepts) could not bind: the server was IPv4 only."""
+    """`serve --host ::1` (a loopback host the CLI accepts) could not bind: the server was IPv4 only."""
     import socket
 
     if not socket.has_ipv6:

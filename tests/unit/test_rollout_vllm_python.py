@@ -1,4 +1,4 @@
-"""Where the vLLM CPU engine's interpreter is looked for (review-4 L11): ``MILES_LP_VLLM_PYTHON``, the checkout's
+"""Where the vLLM CPU engine's interpreter is looked for: ``MILES_LP_VLLM_PYTHON``, the checkout's
 ``build/venv-vllm``, then the venv `.ci/run` builds (``MILES_LP_VLLM_VENV``, else ``$XDG_CACHE_HOME`` or
 ``~/.cache``), and a refusal that names the venv it would use and a bad ``MILES_LP_VLLM_PYTHON``."""
 

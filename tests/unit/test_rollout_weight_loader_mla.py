@@ -1,4 +1,4 @@
-"""Review-4 M14: the custom weight loader on a module tree shaped like SGLang's DeepSeek-V3 (MLA with q_lora_rank:
+"""The custom weight loader on a module tree shaped like SGLang's DeepSeek-V3 (MLA with q_lora_rank:
 ``fused_qkv_a_proj_with_mqa``; FusedMoE experts with the shared expert fused in as the last expert, or a separate
 ``shared_experts`` MLP). SGLang itself does not run on these machines: ``FakeDeepseek.load_weights`` reproduces the
 behaviour of SGLang's DeepSeek ``load_weights`` as read from its models/deepseek_v2.py (written here, not copied):

@@ -1,6 +1,6 @@
 """The fast converter writes the bytes of the plain one: every output file identical, file for file.
 
-"Plain" is the converter as it was before issue 16: one thread (``MILES_LP_PIPELINE=0``) and the eager
+"Plain" is the converter as it was before its pipeline: one thread (``MILES_LP_PIPELINE=0``) and the eager
 torch codecs (``formats._native.disabled()``). "Fast" is the default: the read/quantize/write pipeline and
 the fused CPU kernels. Compared: every output file's bytes (shards, index, configs, the plan record), on
 tiny multi-shard checkpoints, per format and target, with gate/up split across shards (the pre-pass), a

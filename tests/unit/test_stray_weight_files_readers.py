@@ -1,4 +1,4 @@
-"""Readers outside miles_lp.checkpoint take the model's weight files from ``select_weight_files`` (review L13):
+"""Readers outside miles_lp.checkpoint take the model's weight files from ``select_weight_files``:
 a stray ``consolidated.safetensors`` beside the model is neither reloaded into vLLM nor part of its identity."""
 
 import torch

@@ -105,7 +105,7 @@ def test_self_check_tolerance_nan_and_skip():
     assert v.failed and "fresh derivation" in v.examples[0]
     v = checks.self_check({"layers": {}, "skipped": ["no quantized expert layer"]}, 0.25)
     assert v.status == "skipped" and "no quantized expert" in v.reason
-    # a layer entry nothing measured is no evidence (review-6 M3): neither figure, or a figure that is not a number
+    # a layer entry nothing measured is no evidence: neither figure, or a figure that is not a number
     v = checks.self_check({"layers": {"m.layers.0.mlp.down_proj.weight": {"kind": "rotating", "format": "mxfp8"}}},
                           0.25)
     assert v.failed and "no figure reported" in v.examples[0]
@@ -180,7 +180,7 @@ def test_sentinel_trips_on_each_condition():
     v = s.update(rollout_logprobs=[torch.tensor([-1.0, float("nan")])], kl=0.01)
     assert v.failed and v.figure == 1 and "not finite" in v.reason
     assert s.update(kl=1.5).failed
-    v = s.update(kl=-5.0)  # a sampler's log-probs far below the learner's: k1 negative, k3 ~ e^5 - 6 (review-6 L15)
+    v = s.update(kl=-5.0)  # a sampler's log-probs far below the learner's: k1 negative, k3 ~ e^5 - 6
     assert v.failed and "|rollout_corr/kl| = 5 > 1" in v.reason
     assert s.update(kl=-0.5).ok
     assert s.update(kl=float("inf")).failed

@@ -57,7 +57,7 @@ def test_env_refuses_bad_values_and_unknown_checks():
 
 
 def test_unquoted_full_compare_off_is_off():
-    """review-6 L5: YAML 1.1 reads ``full_compare: off`` as false; it was refused as "got False"."""
+    """YAML 1.1 reads ``full_compare: off`` as false; it was refused as "got False"."""
     import yaml
 
     from miles_lp.sync.config import parse_sync_config

@@ -55,7 +55,7 @@ def test_sync_uses_group_digests_and_names_the_tensors_of_a_differing_group():
 
 
 def test_a_transfer_that_reads_the_wrong_source_fails_the_per_sync_digest():
-    """review-6 M5: the learner side of the per-sync C2 digest comes from the export's own tensors by default
+    """The learner side of the per-sync C2 digest comes from the export's own tensors by default
     (``sync.c2_learner_side: export``), so a transfer that copies gate's bytes into up's slot and the reverse (an
     addressing bug in the fill) fails C2 naming both; with the fused side (taken from the fill's own reads, opt-in)
     both sides would hold the same wrong bytes."""

@@ -63,7 +63,7 @@ except SyncCheckError as e:
 from tests.unit.test_sync_weight_sync import GATE, UP
 seen_fused = list(seen)  # the fused syncs' (the runs below take the export side)
 blind = {}
-for side in ("export", "fused"):  # a fill that copies gate's bytes into up's slot and the reverse (review-6 M5)
+for side in ("export", "fused"):  # a fill that copies gate's bytes into up's slot and the reverse
     _, ws3, _ = _sync(GroupEngine(), c2_learner_side=side)
     ws3.initial_sync(Learner())
     send = ws3.transport.send

@@ -284,7 +284,7 @@ def test_env_override_turns_warn_into_raise():
 
 
 def test_a_check_the_environment_turned_off_names_the_variable():
-    """Review-4 C5: the skip reason names the variable and what the recipe said, not a recipe key saying off."""
+    """The skip reason names the variable and what the recipe said, not a recipe key saying off."""
     cfg = SyncConfig(bucket_mb=0.004).with_modes(all="raise")
     for env, var in (({"MILES_LP_SYNC_CHECK_GRID": "off"}, "MILES_LP_SYNC_CHECK_GRID=off"),
                      ({"MILES_LP_SYNC_CHECKS": "off"}, "MILES_LP_SYNC_CHECKS=off")):
@@ -396,7 +396,7 @@ def test_a_backend_that_cannot_answer_digests_or_self_checks_gets_skip_verdicts_
     assert r.ok and r.verdict("grid").status == "skipped" and "no canonical tensors" in r.verdict("grid").reason
     assert r.verdict("self_check").status == "skipped" and "no serving kernel" in r.verdict("self_check").reason
     assert r.verdict("completeness").ok and r.verdict("storage").ok
-    # raise mode guards nothing there: said once per check in the sync's line (review-6 L20), not again
+    # raise mode guards nothing there: said once per check in the sync's line, not again
     assert "SKIPPED IN RAISE MODE" in lines[-1] and "no serving kernel" in lines[-1] and "no canonical" in lines[-1]
     ws.sync(Learner(), full_compare=False)
     assert "SKIPPED IN RAISE MODE" not in lines[-1]
@@ -497,7 +497,7 @@ def _probe_sync():
 
 
 def test_sentinel_probe_does_not_hide_the_rl_steps_own_failure():
-    """review-6 M2: with ``probe_tokens > 0`` the RL step's verdict (here NaN rollout log-probs) still fails the sync
+    """With ``probe_tokens > 0`` the RL step's verdict (here NaN rollout log-probs) still fails the sync
     in raise mode; the probe is judged on its own and is not a step of the run's streaks."""
     eng, ws = _probe_sync()
     ws.sentinel.update(rollout_logprobs=[torch.tensor([float("nan"), -1.0])], kl=0.0, finish_reasons=["stop"])

@@ -411,7 +411,7 @@ def test_expert_with_no_tokens_runs_empty(moe):
 @pytest.mark.parametrize("arch,fmt", [("qwen3_moe", "mixed"), ("qwen2_moe", "mixed"), ("deepseek_v3", "mixed"),
                                       ("qwen3", "dense-nvfp4"), ("deepseek_v3", "dense-nvfp4")])
 def test_megatron_export_equals_the_embedded_export_and_convert(mp, cpu_forward, tmp_path, arch, fmt):
-    """The Megatron learner's export under HF names (issue 8 item 2): for the same weights, every tensor of
+    """The Megatron learner's export under HF names: for the same weights, every tensor of
     every target's engine checkpoint equals the embedded learner's export (which equals `miles-lp convert`,
     tests/e2e/test_export.py), byte for byte: MXFP8 grids, NVFP4 with q/k/v, gate/up and DeepSeek's q_a/kv_a
     sharing one global scale (one Megatron GEMM or amax partners), BF16 tensors in the checkpoint's dtype."""

@@ -1,4 +1,4 @@
-"""The Megatron backend's backward equals the embedded trainer's (issue 17: Megatron backward was checked only
+"""The Megatron backend's backward equals the embedded trainer's (Megatron backward was checked only
 for finiteness).
 
 1. Layer level, every (format, backward mode): a Megatron QuantColumnParallelLinear / QuantRowParallelLinear
@@ -207,7 +207,7 @@ def plan_quantizes(raw) -> bool:
     "(MLP.forward(per_token_scale=probs): intermediate * probs, then linear_fc2), so its fc2 quantizes p * act; "
     "the embedded trainer (and SGLang/vLLM fused MoE) quantize act and multiply p after the down projection. "
     "With quantized experts the router gradients then differ by ~8-11% (measured) and the MXFP8 fc2 activation "
-    "grid differs from the engine's; reported to the lead (issue 17 report)"))
+    "grid differs from the engine's"))
 def test_router_grads_equal_under_quantized_experts(models):
     cfg, hf, meg = _run_both(models, QUANT, 0.05)
     worst = _worst({k: v for k, v in _grad_pairs(cfg, hf, meg, routers=True).items() if "router" in k})

@@ -1,4 +1,4 @@
-"""The Megatron learner at tensor parallel 2 and expert parallel 2 on 2 gloo CPU ranks (``MegatronGroup``; issue 15
+"""The Megatron learner at tensor parallel 2 and expert parallel 2 on 2 gloo CPU ranks (``MegatronGroup``
 items 1-2) against the TP-1 ``MegatronLearner`` on the same checkpoint, plan, batch and loss.
 
 Per case: logprobs before the step, one optimizer step (loss, grad norm), the gathered masters after it, and the

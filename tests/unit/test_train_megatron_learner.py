@@ -1,4 +1,4 @@
-"""MegatronLearner (issue 8: the Megatron-Core backend implements ``Learner``) against the embedded trainer, CPU,
+"""MegatronLearner (the Megatron-Core backend implements ``Learner``) against the embedded trainer, CPU,
 tp = pp = ep = 1, fp32 masters, tiny qwen3 / qwen3_moe checkpoints.
 
 Measured here (2026-12-01, torch 2.13 CPU, megatron-core 0.16.1), the figures the tolerances below rest on:

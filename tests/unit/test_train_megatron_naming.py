@@ -1,4 +1,4 @@
-"""Megatron -> HF naming (issue 8, item 2): HF -> Megatron -> HF is the identity byte for byte on every tiny
+"""Megatron -> HF naming: HF -> Megatron -> HF is the identity byte for byte on every tiny
 architecture the Megatron backend builds, at tp = 1 and with tp = 2 shards gathered; quantized grids of TP
 shards gather into the converter's grid (2 gloo CPU ranks: NVFP4 global amax all-reduced over the group)."""
 

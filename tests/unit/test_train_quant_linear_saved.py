@@ -1,4 +1,4 @@
-"""What QuantLinear saves for backward, per backward mode (issue 17: the byte-count test restated its own
+"""What QuantLinear saves for backward, per backward mode (the byte-count test restated its own
 formula). Read with torch's own ``saved_tensors_hooks`` (not miles_lp.train.memory): the exact tensors, their
 dtypes and shapes, and their bytes compared with the codecs (CONTRACT 7: high_precision keeps the original
 operands; dequantized keeps only the rowwise quantized forward operands; quantized keeps columnwise copies

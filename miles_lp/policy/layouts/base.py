@@ -146,7 +146,7 @@ class ModelLayout:
         # Joint-scale groups = the shards an engine fuses into one parameter: SGLang and vLLM build one
         # qkv_proj (and gate_up_proj, and DeepSeek's fused_qkv_a_proj_with_mqa) and keep ONE NVFP4 global scale
         # for it (vLLM: the max of the shards' for modelopt, the smallest decode scale for compressed-tensors),
-        # so the shards must share one from the start (issue 9, item 3), exactly like gate and up.
+        # so the shards must share one from the start, exactly like gate and up.
         for p in ("q_proj", "k_proj", "v_proj"):
             role = Role.MLA_Q_B if (s.mla and p == "q_proj") else Role.ATTENTION_QKV
             module = "self_attn.q_proj" if s.mla else "self_attn.qkv_proj"

@@ -1,5 +1,5 @@
 """Megatron-Core -> HF names: the inverse of ``model.hf_to_megatron``, so the Megatron learner exports under the
-canonical HF checkpoint names (issue 8, item 2). Pure tensor code; needs no megatron-core.
+canonical HF checkpoint names. Pure tensor code; needs no megatron-core.
 
 Per Megatron tensor (tp = 1, or after ``gather_shards``):
 
