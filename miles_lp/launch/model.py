@@ -27,7 +27,7 @@ def prepare_model(cfg: ModelConfig, out: Path) -> Path:
     import torch
     import transformers
 
-    from miles_lp.checkpoint.atomic import atomic_output_dir
+    from miles_lp.io.atomic import atomic_output_dir
     from miles_lp.checkpoint.tiny import tiny_config
 
     config = tiny_config(cfg.arch, num_layers=cfg.num_layers)

@@ -59,7 +59,7 @@ class RunDir:
         regular file on the way, a parent that refuses new folders) is a ``ConfigError`` naming the blocking path,
         not a traceback."""
         path = Path(root) / name
-        from miles_lp.checkpoint.atomic import blocking_file
+        from miles_lp.io.atomic import blocking_file
 
         blocker = blocking_file(path)
         if blocker is not None:
@@ -194,7 +194,7 @@ class RunDir:
 
     def save_checkpoint(self, step: int, learner_state: Mapping[str, Any], loop: Mapping[str, Any]) -> Path:
         """Write checkpoint ``step`` (the next step to run) atomically, then point ``latest.json`` at it."""
-        from miles_lp.checkpoint.atomic import atomic_output_dir
+        from miles_lp.io.atomic import atomic_output_dir
         from miles_lp.train.state_io import save_learner_state
 
         name = f"step_{step:06d}"
@@ -215,7 +215,7 @@ class RunDir:
         return out
 
     def _prune(self, keep: str) -> None:
-        from miles_lp.checkpoint.atomic import remove_stale_temps
+        from miles_lp.io.atomic import remove_stale_temps
 
         done = sorted(p for p in self.checkpoints.glob("step_*") if p.is_dir())
         for old in done[:-KEEP]:

@@ -1,7 +1,7 @@
 """What `miles-lp explain` shows: the plan grouped by layer range and role, totals per format, warnings.
 
 Pure functions of a compiled plan. Reading a model folder (config.json, safetensors headers) is file I/O and
-lives in ``miles_lp.checkpoint.validate.load_model_layout``, so ``policy`` imports nothing from ``checkpoint``
+lives in ``miles_lp.io.validate.load_model_layout``, so ``policy`` imports nothing from ``checkpoint``
 (``checkpoint`` builds on ``policy``, not the other way round).
 """
 

@@ -1,7 +1,7 @@
 """What the engine reads from a checkpoint folder, as an engine reads it.
 
 * A converted checkpoint (``miles-lp convert``): ``config.json``'s ``quantization_config`` (read with the
-  target engine's own matching rules, ``miles_lp.checkpoint.configs.engine_formats_for``: that, not the plan,
+  target engine's own matching rules, ``miles_lp.export.configs.engine_formats_for``: that, not the plan,
   decides which modules the engine builds quantized: C1), the ``miles_lp_plan.json`` record (target, the plan
   hash, and the NVFP4 activation scale scope / the FP8 blockwise activation scale rule per weight, which the
   engine config cannot express: the RL recipe
@@ -67,7 +67,7 @@ def _headers(root: Path) -> dict[str, TensorHeader]:
     naming the index and the shard: a glob served a partial model, or a stray extra file's tensors)."""
     from safetensors import safe_open
 
-    from miles_lp.checkpoint.safetensors_io import INDEX_NAME, open_checkpoint, weight_candidates
+    from miles_lp.io.safetensors_io import INDEX_NAME, open_checkpoint, weight_candidates
 
     if not (root / INDEX_NAME).exists() and not weight_candidates(root):
         raise CheckpointError(f"{root}: no *.safetensors files (the engine loads safetensors only, never pickle)")
@@ -111,7 +111,7 @@ def open_checkpoint(path: str | Path) -> EngineCheckpoint:
         raise CheckpointError(f"{root}: config.json has a quantization_config but there is no {PLAN_FILE}; the "
                               "reference engine serves checkpoints written by `miles-lp convert` (or plain BF16 ones)")
     record = _read_json(record_path)
-    from miles_lp.checkpoint.configs import engine_formats_for
+    from miles_lp.export.configs import engine_formats_for
     from miles_lp.policy import PrecisionPlan, get_layout
 
     missing = [k for k in ("plan", "target") if k not in record]

@@ -33,7 +33,7 @@ def _checkpoint_tensors(folder: str) -> dict:
     ``model.safetensors``; never a stray ``consolidated.safetensors`` with foreign names)."""
     from safetensors.torch import load_file
 
-    from miles_lp.checkpoint.safetensors_io import select_weight_files
+    from miles_lp.io.safetensors_io import select_weight_files
 
     out: dict = {}
     for f in select_weight_files(folder)[0]:

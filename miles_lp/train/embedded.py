@@ -590,8 +590,8 @@ class SourceInfo:
         """Names and dtypes from the safetensors headers. A DeepSeek-style block-FP8 checkpoint is refused: the
         trainer loads BF16 / FP16 / FP32 weights (``miles-lp convert`` decodes block-FP8, by default to the BF16
         values DeepSeek's ``fp8_cast_bf16`` writes)."""
-        from miles_lp.checkpoint.safetensors_io import torch_dtype
-        from miles_lp.checkpoint.validate import validate_source
+        from miles_lp.io.safetensors_io import torch_dtype
+        from miles_lp.io.validate import validate_source
         from miles_lp.errors import CheckpointError
 
         src = validate_source(path)
@@ -619,7 +619,7 @@ def plan_for_model(policy, model: torch.nn.Module | str | Path):
     from miles_lp.policy import compile_plan, get_layout
 
     if isinstance(model, str | Path):
-        from miles_lp.checkpoint.validate import validate_source
+        from miles_lp.io.validate import validate_source
 
         src = validate_source(model)
         return compile_plan(policy, get_layout(src.config), src.logical)

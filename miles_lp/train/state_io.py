@@ -73,7 +73,7 @@ def save_learner_state(state: Mapping[str, Any], path: str | Path, *, overwrite:
     """Write ``state`` (a learner's ``state_dict()``) into the folder ``path``; returns ``path``."""
     from safetensors.torch import save_file
 
-    from miles_lp.checkpoint.atomic import atomic_output_dir, check_output_target
+    from miles_lp.io.atomic import atomic_output_dir, check_output_target
 
     tensors: dict[str, torch.Tensor] = {}
     tree = _encode(state, tensors, "")

@@ -28,7 +28,7 @@ def saved_shapes(tmp_path_factory):
         model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch), dtype=torch.bfloat16)
         d = tmp_path_factory.mktemp(arch)
         model.save_pretrained(d)
-        from miles_lp.checkpoint.validate import read_safetensors_shapes
+        from miles_lp.io.validate import read_safetensors_shapes
         out[arch] = (json.loads((d / "config.json").read_text()), read_safetensors_shapes(d),
                      {k: tuple(v.shape) for k, v in model.state_dict().items()})
     return out

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from miles_lp import formats
-from miles_lp.checkpoint.safetensors_io import open_checkpoint, read_tensor
+from miles_lp.io.safetensors_io import open_checkpoint, read_tensor
 from miles_lp.checkpoint.tiny import ARCHS, make_tiny_model, tiny_config
 from miles_lp.config import Where
 from miles_lp.errors import CheckpointError, ConfigError

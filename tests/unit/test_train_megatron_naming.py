@@ -10,7 +10,7 @@ import socket
 import pytest
 import torch
 
-from miles_lp.checkpoint.safetensors_io import open_checkpoint, read_tensor
+from miles_lp.io.safetensors_io import open_checkpoint, read_tensor
 from miles_lp.checkpoint.tiny import make_tiny_model
 from miles_lp.config import Where
 from miles_lp.errors import LayoutError
