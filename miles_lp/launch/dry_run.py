@@ -85,8 +85,8 @@ def _engine_target(recipe: Recipe) -> str:
 
 def engine_config(plan, target: str) -> dict[str, Any]:
     """The quantization config the engine gets (what convert writes), re-read with the engine's matching."""
-    from miles_lp.export.configs import emit_configs, engine_formats_for
     from miles_lp.errors import ConfigError
+    from miles_lp.export.configs import emit_configs, engine_formats_for
     from miles_lp.formats.spec import Format
 
     quant_config, files = emit_configs(plan, target)
@@ -173,8 +173,8 @@ def _check_source(recipe: Recipe) -> None:
     """The model folder as the learner reads it at start (``checkpoint.validate.validate_source``: config.json,
     every shard header, the index; an already-quantized checkpoint is refused there), its
     ``CheckpointError`` reported as the start would."""
-    from miles_lp.io.validate import validate_source
     from miles_lp.errors import CheckpointError, ConfigError
+    from miles_lp.io.validate import validate_source
 
     try:
         validate_source(recipe.model.path)

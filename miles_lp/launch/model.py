@@ -27,8 +27,8 @@ def prepare_model(cfg: ModelConfig, out: Path) -> Path:
     import torch
     import transformers
 
-    from miles_lp.io.atomic import atomic_output_dir
     from miles_lp.checkpoint.tiny import tiny_config
+    from miles_lp.io.atomic import atomic_output_dir
 
     config = tiny_config(cfg.arch, num_layers=cfg.num_layers)
     for key, value in cfg.overrides.items():

@@ -590,9 +590,9 @@ class SourceInfo:
         """Names and dtypes from the safetensors headers. A DeepSeek-style block-FP8 checkpoint is refused: the
         trainer loads BF16 / FP16 / FP32 weights (``miles-lp convert`` decodes block-FP8, by default to the BF16
         values DeepSeek's ``fp8_cast_bf16`` writes)."""
+        from miles_lp.errors import CheckpointError
         from miles_lp.io.safetensors_io import torch_dtype
         from miles_lp.io.validate import validate_source
-        from miles_lp.errors import CheckpointError
 
         src = validate_source(path)
         if src.is_fp8_block:

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from miles_lp import formats
-from miles_lp.io.safetensors_io import open_checkpoint, read_tensor
 from miles_lp.checkpoint.tiny import ARCHS, make_tiny_model, tiny_config
 from miles_lp.config import Where
 from miles_lp.errors import CheckpointError, ConfigError
+from miles_lp.io.safetensors_io import open_checkpoint, read_tensor
 from miles_lp.policy import parse_policy
 from miles_lp.train.config import TrainConfig
 from miles_lp.train.embedded import EmbeddedTrainer, plan_for_model

@@ -159,9 +159,9 @@ def _check_export(d, plan, policy, res, tmp_path):
     from safetensors.torch import save_file
 
     from miles_lp.checkpoint.convert import convert_checkpoint
-    from miles_lp.io.safetensors_io import open_checkpoint, read_tensor
     from miles_lp.export import engine_tensors
     from miles_lp.export.tensors import is_quantized
+    from miles_lp.io.safetensors_io import open_checkpoint, read_tensor
     from miles_lp.train.embedded import SourceInfo
 
     exported, masters = dict(res["export"]), res["masters"]

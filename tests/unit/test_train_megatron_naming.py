@@ -10,10 +10,10 @@ import socket
 import pytest
 import torch
 
-from miles_lp.io.safetensors_io import open_checkpoint, read_tensor
 from miles_lp.checkpoint.tiny import make_tiny_model
 from miles_lp.config import Where
 from miles_lp.errors import LayoutError
+from miles_lp.io.safetensors_io import open_checkpoint, read_tensor
 from miles_lp.policy import parse_policy
 from miles_lp.train.megatron.model import SUPPORTED, hf_to_megatron
 from miles_lp.train.megatron.naming import gather_shards, megatron_to_hf, shard_kind
