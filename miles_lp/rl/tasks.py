@@ -84,6 +84,7 @@ class TaskConfig:
     system_prompt: str | None = None  # jsonl / arithmetic: a system message before each prompt (chat template)
     max_value: int = 20  # arithmetic: operands in 1..max_value (products: 2..min(max_value, 12))
     operations: str = "+-"  # arithmetic: any of + - *
+    style: str = "word"  # arithmetic: word (problems) | direct ("What is 7 + 5?") | mixed
 
     def _validate(self, where: Where) -> None:
         if self.name not in TASKS:
@@ -103,7 +104,7 @@ class TaskConfig:
         if self.name != "jsonl" and self.path is not None:
             raise where.child("path").error(f"path is for task jsonl; task {self.name} generates its prompts")
         text_keys = {"reward": None, "chat_template": None, "system_prompt": None}
-        arith_keys = {"max_value": 20, "operations": "+-"}
+        arith_keys = {"max_value": 20, "operations": "+-", "style": "word"}
         for keys, names in ((text_keys, TEXT_TASKS), (arith_keys, ("arithmetic",))):
             for key, default in keys.items():
                 if self.name not in names and getattr(self, key) != default:
@@ -120,6 +121,10 @@ class TaskConfig:
         if not self.operations or set(self.operations) - set("+-*") or len(set(self.operations)) != len(
                 self.operations):
             raise where.child("operations").error(f"a string of distinct + - * (e.g. '+-'), got {self.operations!r}")
+        from miles_lp.rl.arithmetic import STYLES
+
+        if self.style not in STYLES:
+            raise where.child("style").error(f"must be one of {', '.join(STYLES)}, got {self.style!r}")
         if self.name == "majority" and self.length < 3:
             raise where.child("length").error("majority needs length >= 3 (a strict majority among >= 3 symbols)")
 
@@ -382,7 +387,7 @@ class ArithmeticTask(_TextTask):
         self._arith = arithmetic
         if self._reward_fn is None:
             self._reward_fn, self.reward_name = math_reward, "math"
-        longest = [self._prompt(p) for p in arithmetic.longest_problems(cfg.max_value, cfg.operations)]
+        longest = [self._prompt(p) for p in arithmetic.longest_problems(cfg.max_value, cfg.operations, cfg.style)]
         self.max_prompt_len = max(len(p.ids) for p in longest)
         self.max_response_len = max(len(p.answer) for p in longest)
 
@@ -396,12 +401,13 @@ class ArithmeticTask(_TextTask):
 
     def prompts(self, step: int, n: int) -> list[Prompt]:
         c = self.cfg
-        return [self._prompt(p) for p in self._arith.training_problems(c.seed, step, n, c.max_value, c.operations)]
+        return [self._prompt(p) for p in self._arith.training_problems(c.seed, step, n, c.max_value, c.operations,
+                                                                            c.style)]
 
     def heldout(self, n: int) -> list[Prompt]:
         """``n`` problems that ``prompts`` never draws, for any seed and step."""
         c = self.cfg
-        return [self._prompt(p) for p in self._arith.heldout_problems(c.seed, n, c.max_value, c.operations)]
+        return [self._prompt(p) for p in self._arith.heldout_problems(c.seed, n, c.max_value, c.operations, c.style)]
 
     def reward(self, prompt: Prompt, response: Sequence[int]) -> float:
         return self.scored(prompt, response)

@@ -230,3 +230,19 @@ def test_arithmetic_on_a_tiny_model_uses_bytes():
     p = t.prompts(0, 1)[0]
     assert bytes(p.ids).decode().endswith(arithmetic.INSTRUCTION)
     assert t.reward(p, list(f"= {p.text}".encode())) == 1.0
+
+
+def test_arithmetic_styles():
+    direct = arithmetic.training_problems(0, 0, 32, 10, "+-", "direct")
+    assert all(p.template >= arithmetic.WORD_TEMPLATES for p in direct)
+    assert direct[0].text().startswith("What is ") and direct[0].text().endswith(arithmetic.INSTRUCTION)
+    word = arithmetic.training_problems(0, 0, 32, 10, "+-", "word")
+    assert all(p.template < arithmetic.WORD_TEMPLATES for p in word)
+    mixed = {p.template < arithmetic.WORD_TEMPLATES for p in arithmetic.training_problems(0, 0, 64, 10, "+-", "mixed")}
+    assert mixed == {True, False}
+    held = arithmetic.heldout_problems(0, 16, 10, "+-", "direct")
+    assert len(held) == 16 and all(p.held_out and p.template >= arithmetic.WORD_TEMPLATES for p in held)
+    with pytest.raises(ConfigError, match="'task.style': must be one of word, direct, mixed"):
+        cfg(name="arithmetic", style="story")
+    with pytest.raises(ConfigError, match="'task.style': style is for task arithmetic, not copy"):
+        cfg(name="copy", style="direct")
