@@ -139,15 +139,16 @@ def main(argv: list[str] | None = None) -> int:
         gens = engine.generate([list(q.ids) for q in prompts], run.parts.sampling)
         samples = [make_sample(list(q.ids), g.output_ids, g.logprobs, i) for i, (q, g) in
                    enumerate(zip(prompts, gens, strict=True))]
+        seq = samples[0]["tokens"].tolist()
         steps = [measure(learner, engine, samples)]
+        per_layer_0 = per_layer(learner, engine, seq)
         for _ in range(args.steps):
             learner.train_step(samples, nll_loss)
             run.sync.sync(learner)
             steps.append(measure(learner, engine, samples))
-        seq = samples[0]["tokens"].tolist()
         result = {"recipe": args.recipe, "overrides": args.overrides, "train_dtype": str(recipe.train.compute_dtype),
                   "engine_dtype": str(engine.act_dtype), "kv_cache": engine.kv_cache, "steps": steps,
-                  "per_layer_rel_l2": per_layer(learner, engine, seq)}
+                  "per_layer_rel_l2_step0": per_layer_0, "per_layer_rel_l2": per_layer(learner, engine, seq)}
         learner_dtype = next(learner.model.parameters()).dtype
         if learner_dtype != torch.bfloat16:
             with rounded_rest(learner, torch.bfloat16):
@@ -167,3 +168,29 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
+
+
+def plot(results: dict[str, dict], png: str) -> None:
+    """Per-layer relative L2 difference (learner vs engine) of each named result, and its ablation if present."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for name, res in results.items():
+        ys = res["per_layer_rel_l2"]
+        ax.semilogy(range(len(ys)), [max(y, 1e-12) for y in ys], marker=".", label=name)
+        if "ablation_rest_rounded_bf16_per_layer" in res:
+            ys = res["ablation_rest_rounded_bf16_per_layer"]
+            ax.semilogy(range(len(ys)), [max(y, 1e-12) for y in ys], ls="--", label=f"{name}, rest rounded to bf16")
+        steps = res["steps"]
+        bx.semilogy(range(len(steps)), [max(abs(s["k1"]), 1e-12) for s in steps], marker="o", label=f"{name} |k1|")
+        bx.semilogy(range(len(steps)), [max(s["max_abs"], 1e-12) for s in steps], ls=":", marker="x",
+                    label=f"{name} max |dlogp|")
+    ax.set(xlabel="decoder layer", ylabel="rel. L2 diff of the layer output", title="learner vs engine, same tokens")
+    bx.set(xlabel="optimizer steps + syncs", ylabel="response log-prob gap", title="engine - learner")
+    ax.legend(fontsize=7)
+    bx.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
