@@ -32,6 +32,7 @@ COMMANDS: list[tuple[str, str]] = [
     ("selftest", "miles_lp.cli.selftest"),
     ("serve", "miles_lp.cli.serve"),
     ("make-tiny-model", "miles_lp.cli.make_tiny_model"),
+    ("pretrained", "miles_lp.cli.pretrained"),
     ("version", "miles_lp.cli.version"),
 ]
 

@@ -7,7 +7,12 @@ Work in token ids (the tiny models have no tokenizer). Token layout of the built
 - ``reverse``:  ``[BOS, s1..sk, SEP]`` -> ``sk..s1 EOS``
 - ``majority``: ``[BOS, s1..sn, SEP]`` (one symbol strictly most frequent) -> ``m EOS``
 - ``jsonl``:    prompt/answer pairs from a file (token-id lists, or strings read as UTF-8 bytes, one token per
-  byte: a 256-token byte tokenizer that fits the tiny models' vocabulary); reward = exact match.
+  byte: a 256-token byte tokenizer that fits the tiny models' vocabulary); reward = exact match, or
+  ``task.reward`` (a built-in ``exact`` / ``math``, or ``package.module:function``: ``rl/rewards.py``). A line gives
+  ``prompt`` (a string or token ids) or ``messages`` (chat messages); strings go through the model's chat
+  template (``rl/chat.py``).
+- ``arithmetic``: generated word problems (``rl/arithmetic.py``), chat-templated, scored by the math reward
+  (last number / ``\\boxed{}`` / ``#### n``: ``rl/math_answer.py``); ``heldout(n)`` lists problems never trained on.
 
 Toy rewards are shaped so that an untrained policy gets a low but non-zero mean: per answer position 1 for
 the right token, ``wrong_symbol_credit`` (default 0.1) for a wrong symbol where a symbol is due, 0 for
@@ -30,6 +35,7 @@ import torch
 
 from miles_lp.config import Where
 from miles_lp.errors import ConfigError
+from miles_lp.rl.chat import RenderChat
 
 PAD, BOS, EOS, SEP, FIRST_SYMBOL = 0, 1, 2, 3, 4
 
@@ -38,6 +44,7 @@ PAD, BOS, EOS, SEP, FIRST_SYMBOL = 0, 1, 2, 3, 4
 class Prompt:
     ids: tuple[int, ...]
     answer: tuple[int, ...]  # the expected response, stop token included
+    text: str | None = None  # a text task's expected answer string (what its reward function compares)
 
 
 @runtime_checkable
@@ -69,6 +76,15 @@ class TaskConfig:
     #: jsonl: the stop token appended to every answer; None: the model's own EOS (generation_config.json /
     #: config.json eos_token_id), the toy vocabulary's for a tiny model
     eos_id: int | None = None
+    #: jsonl / arithmetic: a built-in reward (exact | math) or 'package.module:function' (rl/rewards.py);
+    #: None: exact match of the answer + stop token (jsonl), math (arithmetic)
+    reward: str | None = None
+    #: jsonl / arithmetic: null = the model's chat template when it has one; true = always; false = never
+    chat_template: bool | None = None
+    system_prompt: str | None = None  # jsonl / arithmetic: a system message before each prompt (chat template)
+    max_value: int = 20  # arithmetic: operands in 1..max_value (products: 2..min(max_value, 12))
+    operations: str = "+-"  # arithmetic: any of + - *
+    style: str = "word"  # arithmetic: word (problems) | direct ("What is 7 + 5?") | mixed
 
     def _validate(self, where: Where) -> None:
         if self.name not in TASKS:
@@ -87,6 +103,28 @@ class TaskConfig:
                                             "\"answer\": ...})")
         if self.name != "jsonl" and self.path is not None:
             raise where.child("path").error(f"path is for task jsonl; task {self.name} generates its prompts")
+        text_keys = {"reward": None, "chat_template": None, "system_prompt": None}
+        arith_keys = {"max_value": 20, "operations": "+-", "style": "word"}
+        for keys, names in ((text_keys, TEXT_TASKS), (arith_keys, ("arithmetic",))):
+            for key, default in keys.items():
+                if self.name not in names and getattr(self, key) != default:
+                    raise where.child(key).error(f"{key} is for task {' / '.join(names)}, not {self.name}")
+        if self.reward is not None:
+            from miles_lp.rl.rewards import resolve_reward
+
+            try:
+                resolve_reward(self.reward)
+            except ConfigError as exc:
+                raise where.child("reward").error(str(exc).removeprefix("task.reward: ")) from None
+        if self.max_value < 2:
+            raise where.child("max_value").error(f"must be >= 2, got {self.max_value}")
+        if not self.operations or set(self.operations) - set("+-*") or len(set(self.operations)) != len(
+                self.operations):
+            raise where.child("operations").error(f"a string of distinct + - * (e.g. '+-'), got {self.operations!r}")
+        from miles_lp.rl.arithmetic import STYLES
+
+        if self.style not in STYLES:
+            raise where.child("style").error(f"must be one of {', '.join(STYLES)}, got {self.style!r}")
         if self.name == "majority" and self.length < 3:
             raise where.child("length").error("majority needs length >= 3 (a strict majority among >= 3 symbols)")
 
@@ -178,6 +216,11 @@ class TextCodec:
     decode: Callable[[Sequence[int]], str] | None = None  # None: answers are compared as token ids
     eos_ids: tuple[int, ...] = (EOS,)
     description: str = "UTF-8 bytes (tiny model)"
+    render_chat: RenderChat | None = None  # the model's chat template (rl/chat.py); None: it has none
+
+
+def utf8_text(ids: Sequence[int]) -> str:
+    return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
 def model_text_encoding(model_dir: Path) -> TextCodec:
@@ -209,24 +252,62 @@ def model_text_encoding(model_dir: Path) -> TextCodec:
 
     def detokenize(ids: Sequence[int]) -> str:
         return tok.decode(list(ids), skip_special_tokens=False)
-    return TextCodec(tokenize, detokenize, eos, f"the tokenizer of {model_dir}")
+    from miles_lp.rl.chat import template_renderer
+
+    return TextCodec(tokenize, detokenize, eos, f"the tokenizer of {model_dir}", template_renderer(tok))
 
 
-class JsonlTask:
-    """Prompt/answer pairs from a JSONL file; reward 1 for an exact match of the answer + stop token."""
+class _TextTask:
+    """What the text tasks share: the stop tokens (the model's EOS), prompt strings through the chat template, and
+    the reward of a decoded response (``task.reward``)."""
 
-    def __init__(self, cfg: TaskConfig, codec: TextCodec | None = None):
+    def __init__(self, cfg: TaskConfig, codec: TextCodec | None):
         codec = codec or TextCodec()
-        self.cfg = cfg
-        self.name = "jsonl"
+        self.cfg, self.codec = cfg, codec
         eos = (cfg.eos_id,) if cfg.eos_id is not None else codec.eos_ids
         if not eos:
             raise ConfigError("task.eos_id: the model folder states no eos_token_id (generation_config.json / "
                               "config.json); set task.eos_id to the token every answer ends with")
-        self.eos_id, self.encoding, self._decode = int(eos[0]), codec.description, codec.decode
+        self.eos_id, self.encoding = int(eos[0]), codec.description
         self.stop_token_ids = tuple(int(e) for e in eos)  # every EOS the model may end with stops generation
-        self._texts: dict[Prompt, str] = {}  # answers given as strings: compared as decoded text (tokenizer)
-        text_encoder = codec.encode
+        self._decode = codec.decode if codec.decode is not None else (utf8_text if codec.encode is utf8_bytes
+                                                                      else None)
+        self.reward_name = cfg.reward
+        self._reward_fn = None
+        if cfg.reward is not None:
+            from miles_lp.rl.rewards import resolve_reward
+
+            self._reward_fn = resolve_reward(cfg.reward)
+
+    def encode_prompt(self, item: str | list, where: str) -> tuple[int, ...]:
+        from miles_lp.rl.chat import prompt_text
+
+        text = prompt_text(item, self.codec.render_chat, chat_template=self.cfg.chat_template,
+                           system_prompt=self.cfg.system_prompt, where=where)
+        return self.codec.encode(text, where)
+
+    def response_text(self, response: Sequence[int]) -> str:
+        """The decoded response, a trailing stop token removed (the text a reward function sees)."""
+        ids = list(response)
+        if ids and ids[-1] in self.stop_token_ids:
+            ids = ids[:-1]
+        return self._decode(ids)
+
+    def scored(self, prompt: Prompt, response: Sequence[int]) -> float:
+        from miles_lp.rl.rewards import call_reward
+
+        return call_reward(self._reward_fn, self.response_text(response), prompt.text, self.reward_name)
+
+
+class JsonlTask(_TextTask):
+    """Prompt/answer pairs from a JSONL file; reward 1 for an exact match of the answer + stop token, or
+    ``task.reward`` on the decoded response."""
+
+    def __init__(self, cfg: TaskConfig, codec: TextCodec | None = None):
+        super().__init__(cfg, codec)
+        self.name = "jsonl"
+        if self._reward_fn is not None and self._decode is None:
+            raise ConfigError("task.reward scores decoded text, and the model has no tokenizer to decode with")
         path = Path(cfg.path)
         try:
             lines = path.read_text().splitlines()
@@ -240,15 +321,26 @@ class JsonlTask:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"{path}:{i}: invalid JSON: {exc.msg}") from None
-            if not isinstance(obj, dict) or set(obj) - {"prompt", "answer"} or {"prompt", "answer"} - set(obj):
-                raise ConfigError(f"{path}:{i}: expected {{\"prompt\": ..., \"answer\": ...}} and nothing else")
-            p = encode(obj["prompt"], f"{path}:{i} prompt", text_encoder)
-            a = encode(obj["answer"], f"{path}:{i} answer", text_encoder)
+            if not isinstance(obj, dict) or set(obj) not in ({"prompt", "answer"}, {"messages", "answer"}):
+                raise ConfigError(f"{path}:{i}: expected {{\"prompt\": ..., \"answer\": ...}} or "
+                                  f"{{\"messages\": [...], \"answer\": ...}} and nothing else")
+            if "messages" in obj:
+                from miles_lp.rl.chat import check_messages
+
+                p = self.encode_prompt(check_messages(obj["messages"], f"{path}:{i} messages"), f"{path}:{i}")
+            elif isinstance(obj["prompt"], str):
+                p = self.encode_prompt(obj["prompt"], f"{path}:{i} prompt")
+            else:
+                p = encode(obj["prompt"], f"{path}:{i} prompt", self.codec.encode)
+            a = encode(obj["answer"], f"{path}:{i} answer", self.codec.encode)
             if not p:
                 raise ConfigError(f"{path}:{i}: empty prompt")
-            self.items.append(Prompt(p, a + (self.eos_id,)))
-            if isinstance(obj["answer"], str) and self._decode is not None:
-                self._texts[self.items[-1]] = obj["answer"]
+            if self._reward_fn is not None and not isinstance(obj["answer"], str):
+                raise ConfigError(f"{path}:{i}: task.reward {cfg.reward} compares text: the answer must be a string")
+            # a string answer on a tokenizer-encoded model is compared as text (see reward)
+            text = obj["answer"] if isinstance(obj["answer"], str) and (
+                self._reward_fn is not None or self.codec.decode is not None) else None
+            self.items.append(Prompt(p, a + (self.eos_id,), text))
         if not self.items:
             raise ConfigError(f"{path}: no prompt/answer lines")
         self.max_response_len = max(len(p.answer) for p in self.items)
@@ -268,28 +360,72 @@ class JsonlTask:
         return out
 
     def reward(self, prompt: Prompt, response: Sequence[int]) -> float:
-        """1 for the answer followed by any of the stop tokens. A string answer on a tokenizer-encoded model is
-        compared as decoded text (stripped): in context the model writes the same text as other ids (a merged
-        leading space, another split), as verl / slime rewards compare text."""
+        """``task.reward`` on the decoded response when set. Else 1 for the answer followed by any of the stop
+        tokens; a string answer on a tokenizer-encoded model is compared as decoded text (stripped): in context the
+        model writes the same text as other ids (a merged leading space, another split), as verl / slime rewards
+        compare text."""
+        if self._reward_fn is not None:
+            return self.scored(prompt, response)
         response = tuple(response)
         if not response or response[-1] not in self.stop_token_ids:
             return 0.0
-        text = self._texts.get(prompt)
-        if text is not None:
-            return 1.0 if self._decode(response[:-1]).strip() == text.strip() else 0.0
+        if prompt.text is not None:
+            return 1.0 if self._decode(response[:-1]).strip() == prompt.text.strip() else 0.0
         return 1.0 if response[:-1] == prompt.answer[:-1] else 0.0
+
+
+class ArithmeticTask(_TextTask):
+    """Generated word problems (``rl/arithmetic.py``) with the math reward (or ``task.reward``); the response is
+    scored whether or not it reached the stop token (verl's math rewards score the decoded text as it is)."""
+
+    def __init__(self, cfg: TaskConfig, codec: TextCodec | None = None):
+        super().__init__(cfg, codec)
+        from miles_lp.rl import arithmetic
+        from miles_lp.rl.math_answer import math_reward
+
+        self.name = "arithmetic"
+        self._arith = arithmetic
+        if self._reward_fn is None:
+            self._reward_fn, self.reward_name = math_reward, "math"
+        longest = [self._prompt(p) for p in arithmetic.longest_problems(cfg.max_value, cfg.operations, cfg.style)]
+        self.max_prompt_len = max(len(p.ids) for p in longest)
+        self.max_response_len = max(len(p.answer) for p in longest)
+
+    def _prompt(self, problem) -> Prompt:
+        ids = self.encode_prompt(problem.text(), "task arithmetic")
+        answer = str(problem.answer)
+        return Prompt(ids, self.codec.encode(answer, "task arithmetic answer") + (self.eos_id,), answer)
+
+    def min_vocab(self) -> int:
+        return 1 + max(max(p.ids + p.answer) for p in self.prompts(0, 8))
+
+    def prompts(self, step: int, n: int) -> list[Prompt]:
+        c = self.cfg
+        return [self._prompt(p) for p in self._arith.training_problems(c.seed, step, n, c.max_value, c.operations,
+                                                                            c.style)]
+
+    def heldout(self, n: int) -> list[Prompt]:
+        """``n`` problems that ``prompts`` never draws, for any seed and step."""
+        c = self.cfg
+        return [self._prompt(p) for p in self._arith.heldout_problems(c.seed, n, c.max_value, c.operations, c.style)]
+
+    def reward(self, prompt: Prompt, response: Sequence[int]) -> float:
+        return self.scored(prompt, response)
 
 
 #: The registry: task name -> factory. Add a task by adding an entry (SGLang-style explicit registry).
 TASKS: dict[str, Callable[[TaskConfig], Task]] = {
-    "copy": CopyTask, "reverse": ReverseTask, "majority": MajorityTask, "jsonl": JsonlTask}
+    "copy": CopyTask, "reverse": ReverseTask, "majority": MajorityTask, "jsonl": JsonlTask,
+    "arithmetic": ArithmeticTask}
+#: the tasks whose prompts and answers are text (the model's tokenizer and chat template, task.reward)
+TEXT_TASKS = ("jsonl", "arithmetic")
 
 
 def make_task(cfg: TaskConfig, vocab_size: int | None = None, model_dir: Path | None = None) -> Task:
-    """The recipe's task. ``model_dir``: the model folder; a real (non-tiny) model's jsonl strings go through its
-    tokenizer and its EOS ends every answer (a tiny model: UTF-8 bytes and the toy EOS)."""
-    if cfg.name == "jsonl" and model_dir is not None and not (Path(model_dir) / "miles_lp_tiny.json").is_file():
-        task = JsonlTask(cfg, model_text_encoding(Path(model_dir)))
+    """The recipe's task. ``model_dir``: the model folder; a real (non-tiny) model's text-task strings go through its
+    tokenizer and chat template, and its EOS ends every answer (a tiny model: UTF-8 bytes and the toy EOS)."""
+    if cfg.name in TEXT_TASKS and model_dir is not None and not (Path(model_dir) / "miles_lp_tiny.json").is_file():
+        task = TASKS[cfg.name](cfg, model_text_encoding(Path(model_dir)))
     else:
         task = TASKS[cfg.name](cfg)
     if vocab_size is not None and task.min_vocab() > vocab_size:
