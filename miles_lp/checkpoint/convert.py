@@ -1,7 +1,7 @@
 """HF checkpoint -> quantized checkpoint that an engine loads: one public function, a small pipeline.
 
     validate (headers only) -> plan (policy.compile_plan on the real names/shapes, once; or a compiled plan:
-    ``convert_with_plan``) -> configs (checkpoint.configs: the policy's emitters)
+    ``convert_with_plan``) -> configs (export.configs: the policy's emitters)
     -> group amax pre-pass (NVFP4 gate/up share one global scale; only for groups split across shards,
        the others are computed from the tensors in memory) -> process shard by shard -> save
 

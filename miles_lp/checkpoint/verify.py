@@ -9,7 +9,7 @@ Every check reports a verdict, or why it could not run (C7):
                  W4A4's ``input_global_scale``, is required: an engine leaves a missing one ``torch.empty``);
 * ``config``     config.json (and hf_quant_config.json) equal what the policy's emitters write for the plan,
                  and, read back with the engine's own skip-matching rules, quantize exactly the plan's layer
-                 set with the plan's formats and scheme fields (``checkpoint.schemes``: group sizes, bits,
+                 set with the plan's formats and scheme fields (``export.schemes``: group sizes, bits,
                  strategy, block size, ...; a difference FAILs with and without a record) (C1, offline);
 * ``scales``     scales are finite and in range (no E8M0 NaN byte, E4M3 scales finite and >= 0, global
                  scales and FP8 blockwise fp32 block scales finite and > 0, the static activation scale the recipe defines), every fused group
@@ -399,7 +399,7 @@ def _dict_diff(want, have, path: str = "") -> str:
 
 def _consumer_problems(ctx: _Ctx, qc, disk_files: dict, want_qc, want_files: dict) -> list[str]:
     """Read the on-disk config the way the engine does; list weights whose format differs from the plan, and
-    the scheme fields (group size, bits, strategy, block size, ...: `checkpoint.schemes`) the engine would read
+    the scheme fields (group size, bits, strategy, block size, ...: `export.schemes`) the engine would read
     with another value than the plan's own config gives it. A FAIL with and without a record."""
     from miles_lp.export.configs import engine_schemes_for
     from miles_lp.export.schemes import BF16, compare

@@ -5,7 +5,7 @@
 
 ``export_learner`` takes ANY ``Learner`` (miles_lp/train/learner.py): it streams ``learner.export_weights()``
 through ``miles_lp.export.tensors.encode_weight`` (the target's names; the plan checked against what the
-learner exports) into shards, and writes the configs (``checkpoint.configs.emit_configs``: the same emitters as
+learner exports) into shards, and writes the configs (``export.configs.emit_configs``: the same emitters as
 convert) and ``miles_lp_plan.json`` with ``write_metadata``, the function convert writes its metadata with.
 ``base`` is the HF checkpoint the learner's model came from: its ``config.json`` (minus any
 ``quantization_config``), tokenizer files and sha256 digests go into the output, as convert copies them from its

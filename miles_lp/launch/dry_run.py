@@ -170,7 +170,7 @@ def _would_refuse(recipe: Recipe, plan=None, hf_config: dict | None = None) -> l
 
 
 def _check_source(recipe: Recipe) -> None:
-    """The model folder as the learner reads it at start (``checkpoint.validate.validate_source``: config.json,
+    """The model folder as the learner reads it at start (``io.validate.validate_source``: config.json,
     every shard header, the index; an already-quantized checkpoint is refused there), its
     ``CheckpointError`` reported as the start would."""
     from miles_lp.errors import CheckpointError, ConfigError

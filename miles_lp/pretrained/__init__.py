@@ -140,7 +140,7 @@ def materialize(name: str = "smollm2-135m-instruct", out: str | Path | None = No
         if folder.exists() and not overwrite and not (folder / MANIFEST).is_file() and any(folder.iterdir()):
             raise CheckpointError(f"{folder} exists and was not made by this command (no {MANIFEST}); choose "
                                   "another --out or pass --overwrite")
-        from miles_lp.checkpoint.atomic import atomic_output_dir
+        from miles_lp.io.atomic import atomic_output_dir
         from miles_lp.pretrained.gguf import build_hf_folder
 
         t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""`checkpoint.schemes`: the reader fields verify compares. ``ct_args`` mirrors how the
+"""`export.schemes`: the reader fields verify compares. ``ct_args`` mirrors how the
 compressed-tensors package parses a ``QuantizationArgs`` (defaults, strategy inference); pinned against the package
 itself where it is installed, on our emitted schemes and on edits a producer may make."""
 

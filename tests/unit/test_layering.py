@@ -35,7 +35,8 @@ LAYERS: list[set[str]] = [
     {"rollout"},       # engines: reference, SGLang, vLLM
     {"sync"},          # live weight sync and the C1-C7 checks
     {"launch"},        # recipes, run folders, the training loop, Ray placement
-    {"report", "bench"},  # run reports and plots; `miles-lp bench` (side-by-side ratios)
+    {"report", "bench", "pretrained"},  # run reports and plots; `miles-lp bench` (side-by-side ratios); real models
+    #                                    from packages and the tools that measure them
     {"cli"},           # the miles-lp command
 ]
 
