@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from miles_lp.errors import BackendUnavailable, MilesLPError
+from miles_lp.pretrained.output import print_json
 
 NVFP4_BF16_RULE = [{"layers": "last 15%", "format": "bf16"}]
 
@@ -112,11 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     except MilesLPError as exc:
         print(f"engines: error: {exc}", file=sys.stderr)
         return 2
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    print_json(result, args.out)
     return 0
 
 

@@ -12,13 +12,13 @@ prompts (``heldout(n)``: the arithmetic task).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 
 import torch
 
 from miles_lp.errors import ConfigError, MilesLPError
+from miles_lp.pretrained.output import print_json
 
 
 def greedy_answers(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: Sequence[int],
@@ -93,11 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"evaluate: error: {exc}", file=sys.stderr)
         return 2
     res["source"] = args.run_dir or args.recipe
-    text = json.dumps(res, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    print_json(res, args.out)
     return 0
 
 

@@ -18,7 +18,6 @@ after each sync it compares, on the very same token sequences:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -26,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from miles_lp.errors import MilesLPError
+from miles_lp.pretrained.output import print_json
 
 
 def _decoder_layers(model) -> Sequence[torch.nn.Module]:
@@ -158,11 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     except MilesLPError as exc:
         print(f"mismatch: error: {exc}", file=sys.stderr)
         return 2
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    print_json(result, args.out)
     return 0
 
 
