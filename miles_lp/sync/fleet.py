@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from miles_lp.sync.config import CHECKS
-from miles_lp.sync.verdict import STATUS_VALUE, SyncCheckError, SyncError, Verdict, skipped
+from miles_lp.sync.verdict import STATUS_VALUE, SyncCheckError, SyncError, Verdict, VerdictsReport, skipped
 
 
 class ExportOnce:
@@ -61,7 +61,7 @@ def combine(name: str, verdicts: Sequence[Verdict]) -> Verdict:
 
 
 @dataclasses.dataclass
-class FleetReport:
+class FleetReport(VerdictsReport):
     """What ``WeightSync``'s report offers the run (``weight_version``, ``metrics``, ``verdicts``, ``ok``), for the
     fleet; ``engines`` holds each engine's own report."""
 
@@ -72,20 +72,6 @@ class FleetReport:
     seconds: float
     full_compare: bool
     stage: str = "done"
-
-    @property
-    def ok(self) -> bool:
-        return not any(v.failed for v in self.verdicts)
-
-    @property
-    def failed(self) -> tuple[Verdict, ...]:
-        return tuple(v for v in self.verdicts if v.failed)
-
-    def verdict(self, name: str) -> Verdict:
-        for v in self.verdicts:
-            if v.name == name:
-                return v
-        raise KeyError(name)
 
 
 class FleetSync:

@@ -106,3 +106,24 @@ class SyncAbortedError(SyncError):
         super().__init__(message, report)
         self.stage = stage
         self.bucket = bucket
+
+
+class VerdictsReport:
+    """The verdict accessors a sync's report offers the run (``WeightSync``'s and the fleet's): a mixin over a
+    ``verdicts`` tuple."""
+
+    verdicts: tuple[Verdict, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not any(v.failed for v in self.verdicts)
+
+    @property
+    def failed(self) -> tuple[Verdict, ...]:
+        return tuple(v for v in self.verdicts if v.failed)
+
+    def verdict(self, name: str) -> Verdict:
+        for v in self.verdicts:
+            if v.name == name:
+                return v
+        raise KeyError(name)

@@ -66,6 +66,7 @@ from miles_lp.sync.verdict import (
     SyncAbortedError,
     SyncCheckError,
     Verdict,
+    VerdictsReport,
     failed,
     ok,
     skipped,
@@ -83,7 +84,7 @@ def _barrier() -> None:
 
 
 @dataclasses.dataclass
-class SyncReport:
+class SyncReport(VerdictsReport):
     weight_version: int
     verdicts: tuple[Verdict, ...]
     metrics: dict[str, float]
@@ -94,20 +95,6 @@ class SyncReport:
     full_compare: bool
     log_line: str = ""
     stage: str = "done"  # how far the sync got: "pre-checks" | "transfer" | "apply" | "finish" | "done"
-
-    @property
-    def ok(self) -> bool:
-        return not any(v.failed for v in self.verdicts)
-
-    @property
-    def failed(self) -> tuple[Verdict, ...]:
-        return tuple(v for v in self.verdicts if v.failed)
-
-    def verdict(self, name: str) -> Verdict:
-        for v in self.verdicts:
-            if v.name == name:
-                return v
-        raise KeyError(name)
 
 
 def _combine(name: str, parts: list[Verdict]) -> Verdict:
