@@ -391,6 +391,18 @@ def _check_combinations(data: dict[str, Any], train: TrainConfig, rollout: Any, 
             "report; use rollout.backend: reference (or sglang, which returns them) or set rl.routing_replay: false")
 
 
+def _check_engine_formats(precision: Any, rollout: Any, where: Where) -> None:
+    """A format the chosen engine cannot serve here is refused before anything is built (not at its start)."""
+    from miles_lp.formats.spec import Format
+
+    formats = {precision.default, *(r.format for r in precision.rules if getattr(r, "format", None) is not None)}
+    if Format.FP8_BLOCK in formats and getattr(rollout, "backend", "reference") == "vllm":
+        raise where.error(
+            "fp8_block with rollout.backend vllm is not verified: vLLM 0.32's CPU build serves block-FP8 only "
+            "through its AMX kernels (on the CPU it was tried on it found no kernel; its Fp8Config does read our "
+            "checkpoint); use rollout.backend reference")
+
+
 #: the recipe's path-valued keys (section, key): ``~`` expanded at parse time
 PATH_KEYS = (("model", "path"), ("task", "path"), ("logging", "output_dir"))
 #: of these, the model and the task are also made absolute (against the working directory, as they were always
@@ -450,9 +462,11 @@ def parse_recipe(doc: YamlDoc) -> Recipe:
     sampling = getattr(rollout, "sampling", None)
     if sampling is not None and sampling.temperature != train.logits_temperature:
         train = dataclasses.replace(train, logits_temperature=float(sampling.temperature))  # verl's actor temperature
+    precision = parse_policy(data["precision"], w.child("precision"))
+    _check_engine_formats(precision, rollout, w.child("precision"))
     return Recipe(
         model=model,
-        precision=parse_policy(data["precision"], w.child("precision")),
+        precision=precision,
         sampler_precision=_sampler_policy(data.get("sampler_precision"), w.child("sampler_precision")),
         train=train,
         rollout=rollout,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -222,3 +223,11 @@ def test_a_plan_error_from_a_set_rule_names_that_set(tmp_path):
         plan_for(r, model)
     assert "tiny-mxfp8.yaml" not in str(err.value)
     assert plan_for(load_recipe("recipes/tiny-mxfp8.yaml"), model) is not None
+
+
+def test_fp8_block_with_the_vllm_backend_is_refused_naming_the_precision_section():
+    """vLLM's CPU build has no block-FP8 kernel without AMX: refused when the recipe is read, not at engine start."""
+    path = Path(__file__).resolve().parents[2] / "recipes" / "tiny-fp8-blockwise-e2e.yaml"
+    assert load_recipe(str(path)).precision.default.value == "fp8_block"  # the reference engine serves it
+    with pytest.raises(ConfigError, match=r"fp8_block with rollout.backend vllm is not verified"):
+        load_recipe(str(path), ["rollout.backend=vllm"])

@@ -79,6 +79,12 @@ def qwen3_fp8_block(name: str, n: int) -> Format:
     return FB if m and 1 <= int(m[1]) < n - 1 else BF16
 
 
+def nvfp4_last_15_bf16(name: str, n: int) -> Format:
+    """NVFP4 linears, the last 15% of decoder layers BF16 (recipes/smollm2-nvfp4.yaml)."""
+    m = LINEAR.match(name)
+    return NV if m and int(m[1]) < _last(n, 15) else BF16
+
+
 def all_bf16(name: str, n: int) -> Format:
     return BF16
 
@@ -101,6 +107,11 @@ RECIPES = {
     "tiny-mxfp8-vllm.yaml": ("qwen3", 2, tiny_mxfp8, "dequantized", None),
     "tiny-bf16-sglang.yaml": ("qwen3", 2, all_bf16, None, None),  # the same learner; real SGLang (CPU) samples
     "tiny-mxfp8-sglang.yaml": ("qwen3", 2, tiny_mxfp8, "dequantized", None),
+    # SmolLM2-135M-Instruct (Llama, 30 decoder layers)
+    "smollm2-bf16.yaml": ("llama", 30, all_bf16, None, None),
+    "smollm2-mxfp8.yaml": ("llama", 30, tiny_mxfp8, "dequantized", None),
+    "smollm2-mxfp8-bf16-sampler.yaml": ("llama", 30, tiny_mxfp8, "dequantized", None),
+    "smollm2-nvfp4.yaml": ("llama", 30, nvfp4_last_15_bf16, "dequantized", "token"),
     "tiny-mxfp8-bf16-sampler-sglang.yaml": ("qwen3", 2, tiny_mxfp8, "dequantized", None),
     "tiny-fp8-blockwise.yaml": ("qwen3", 2, tiny_mxfp8, "dequantized", None),
     "tiny-fp8-tensorwise.yaml": ("qwen3", 2, tiny_mxfp8, "dequantized", None),
