@@ -140,6 +140,11 @@ def _would_refuse(recipe: Recipe, plan=None, hf_config: dict | None = None) -> l
             out.append("rollout.backend vllm: quantized routed experts are Triton-only in vLLM (not runnable on the "
                        f"CPU build; {len(experts)} expert weights, e.g. {experts[0]}): keep experts bf16 or use "
                        "the reference engine")
+    if recipe.rollout.backend == "sglang" and getattr(recipe.rollout, "server", None) == "launch":
+        from miles_lp.rollout.sglang_cpu.launch import sglang_missing, sglang_python
+
+        if sglang_python() is None:
+            out.append("rollout.server launch: " + sglang_missing())
     from miles_lp.errors import ConfigError
     from miles_lp.launch.actor_sync import check_broadcast
     from miles_lp.launch.engines import check_fleet

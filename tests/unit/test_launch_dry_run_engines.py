@@ -48,3 +48,14 @@ def test_vllm_run_refuses_quantized_experts_before_starting_vllm(tmp_path):
                          ["rollout.backend=vllm", f"logging.output_dir={tmp_path}", "logging.progress=false"])
     with pytest.raises(ConfigError, match=r"quantized routed-expert weights \(e.g. model\.layers\.\d+\.mlp\.experts"):
         Run.start(recipe)
+
+
+def test_sglang_launch_dry_run_names_a_missing_interpreter(capsys, monkeypatch, tmp_path):
+    """rollout.server launch starts SGLang from its own venv: without one the dry run says so, as for vLLM."""
+    fake = tmp_path / "python"
+    fake.write_text("")
+    monkeypatch.setenv("MILES_LP_SGLANG_PYTHON", str(fake))
+    assert _dry(capsys, "tiny-mxfp8-sglang.yaml")["would_refuse_at_start"] == []
+    monkeypatch.setenv("MILES_LP_SGLANG_PYTHON", str(tmp_path / "absent" / "python"))
+    refuse = " | ".join(_dry(capsys, "tiny-mxfp8-sglang.yaml")["would_refuse_at_start"])
+    assert "rollout.server launch: no SGLang interpreter (set MILES_LP_SGLANG_PYTHON" in refuse
