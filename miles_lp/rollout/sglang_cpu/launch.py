@@ -23,6 +23,7 @@ from pathlib import Path
 from miles_lp.errors import BackendUnavailable
 from miles_lp.ports import free_port
 from miles_lp.rollout.engine import EngineError
+from miles_lp.rollout.engine_venv import cached_venv, missing_python, venv_python
 
 REPO = Path(__file__).resolve().parents[3]
 SHIM = Path(__file__).resolve().parent / "shim"
@@ -38,30 +39,18 @@ CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampli
 
 
 def default_sglang_venv() -> Path:
-    env = os.environ.get("MILES_LP_SGLANG_VENV")
-    if env:
-        return Path(env)
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path(os.environ.get("HOME") or "/tmp") / ".cache")
-    return Path(cache) / "miles-lp" / SGLANG_VENV_NAME
+    return cached_venv("MILES_LP_SGLANG_VENV", SGLANG_VENV_NAME)
 
 
 def sglang_python() -> str | None:
     """SGLang's interpreter: ``MILES_LP_SGLANG_PYTHON`` (None when it names a missing file), else
     ``build/venv-sglang/bin/python``, else the venv ``.ci/sglang_venv.sh`` builds, else None."""
-    env = os.environ.get("MILES_LP_SGLANG_PYTHON")
-    if env:
-        return env if Path(env).exists() else None
-    for p in (REPO / "build" / "venv-sglang" / "bin" / "python", default_sglang_venv() / "bin" / "python"):
-        if p.exists():
-            return str(p)
-    return None
+    return venv_python("MILES_LP_SGLANG_PYTHON", REPO, "venv-sglang", default_sglang_venv())
 
 
 def sglang_missing() -> str:
-    env = os.environ.get("MILES_LP_SGLANG_PYTHON")
-    bad = f": MILES_LP_SGLANG_PYTHON={env} does not exist" if env else ""
-    return (f"no SGLang interpreter (set MILES_LP_SGLANG_PYTHON to a python with sglang 0.5.23, or build "
-            f"{default_sglang_venv()} with `source .ci/sglang_venv.sh; sglang_venv DIR`){bad}")
+    return missing_python("MILES_LP_SGLANG_PYTHON", "SGLang", f"sglang 0.5.23, or build {default_sglang_venv()} "
+                          "with `source .ci/sglang_venv.sh; sglang_venv DIR`")
 
 
 def server_args(model_path: str | Path, port: int, *, host: str = "127.0.0.1", max_total_tokens: int = 4096,
