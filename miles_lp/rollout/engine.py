@@ -178,12 +178,12 @@ class OptionalEngine(Engine, Protocol):
         ...
 
     def weight_group_fingerprints(self, groups: Mapping[str, Sequence[str]]) -> Mapping[str, str]:
-        """``GROUP_FINGERPRINTS``: one fingerprint per atomic group (``miles_lp.sync.digest.group_fingerprints``
+        """``GROUP_FINGERPRINTS``: one fingerprint per atomic group (``miles_lp.multitensor.digest.group_fingerprints``
         of the group's tensors in the given order): C2 in one value per group."""
         ...
 
     def weight_fingerprints(self, names: Sequence[str]) -> Mapping[str, str]:
-        """``FINGERPRINTS``: ``miles_lp.sync.digest.fingerprints`` of each named tensor (C2, names the differing
+        """``FINGERPRINTS``: ``miles_lp.multitensor.digest.fingerprints`` of each named tensor (C2, names the differing
         tensors of a group; faster than ``weight_digests``)."""
         ...
 

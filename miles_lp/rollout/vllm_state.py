@@ -25,7 +25,8 @@ What each check compares (``docs/rollout.md``):
   Every sync: the first and last quantized linear, plus one more (``kind: "rotating"``) that rotates by weight
   version through ``rotation_order`` (every quantized linear, interleaved across projection families), so a
   stale layer anywhere fails within ``len(rotation)`` syncs; on the full-compare syncs ``every_layer`` probes
-  all of them at once (the reference engine's ``_c3_rotating`` / ``self_check_every_layer``).
+  all of them at once (the reference engine's ``_c3_rotating`` / ``self_check_every_layer``). The probe inputs,
+  the figures, the float64 decodes and the rotation rule are the shared ones (``miles_lp.rollout.self_check``).
 * C4 ``pointers``: ``data_ptr()`` of every parameter of every module with a quant method.
 """
 
@@ -33,14 +34,17 @@ from __future__ import annotations
 
 import fnmatch
 import math
-import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
+from miles_lp.multitensor import digest
+from miles_lp.rollout import self_check as c3
+from miles_lp.rollout.engine import tensor_digest
+from miles_lp.rollout.self_check import family
+
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 def fmt_of(classes: Iterable[str]) -> str | None:
@@ -73,42 +77,10 @@ def split_fused(module: str, param: str, t: torch.Tensor, sizes: list[int] | Non
     return {f"{prefix}.{s}.{param}": t.reshape(()) if t.numel() == 1 else t for s in shards}
 
 
-def dequant_mxfp8_f64(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """E4M3 ``[N, K]`` with E8M0 ``[N, K/32]`` -> float64 (CONTRACT 1's decode; independent of vLLM's code)."""
-    s = torch.pow(2.0, scale.to(torch.float64) - 127.0)
-    return w.to(torch.float32).to(torch.float64) * s.repeat_interleave(32, dim=1)[:, : w.shape[1]]
-
-
-def dequant_nvfp4_f64(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
-    """Packed E2M1 ``[N, K/2]`` (even element in the low nibble), E4M3 ``[N, K/16]``, FP32 decode scale -> float64."""
-    p = packed.to(torch.int64)
-    codes = torch.stack([p & 0xF, p >> 4], dim=-1).reshape(p.shape[0], -1)
-    table = torch.tensor(E2M1, dtype=torch.float64)
-    v = table[codes & 7] * torch.where(codes & 8 > 0, -1.0, 1.0).to(torch.float64)
-    s = scale.to(torch.float32).to(torch.float64).repeat_interleave(16, dim=1)[:, : v.shape[1]]
-    return v * s * float(scale_2.reshape(-1)[0])
-
-
-def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    d = (y.to(torch.float64) - ref).norm()
-    return float(d / ref.norm().clamp_min(1e-300))
-
-
-def family(module: str) -> str:
-    """A module's projection family: its name with the layer / expert indices wildcarded
-    (``model.layers.3.self_attn.qkv_proj`` -> ``model.layers.*.self_attn.qkv_proj``)."""
-    return re.sub(r"\.\d+(?=\.|$)", ".*", module)
-
-
 def rotation_order(mods: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """Every quantized module once, interleaved across projection families (the first of each family, then the
-    second of each, ...), so that consecutive syncs probe different projections: each family within
-    #families syncs, each module within ``len()`` syncs (the reference engine's ``_c3_rotation``)."""
-    groups: dict[str, list[tuple[str, str]]] = {}
-    for m in mods:
-        groups.setdefault(family(m[0]), []).append(m)
-    gs = list(groups.values())
-    return [g[i] for i in range(max(map(len, gs), default=0)) for g in gs if i < len(g)]
+    """Every quantized ``(module, format)`` once, interleaved across projection families
+    (``self_check.rotation_order``: the reference engine's ``_c3_rotation`` rule on vLLM's module names)."""
+    return c3.rotation_order(mods, lambda m: family(m[0]))
 
 
 class Canonical:
@@ -164,8 +136,6 @@ class Canonical:
             return None
 
     def digests(self, names: Iterable[str]) -> dict[str, str | None]:
-        from miles_lp.rollout.engine import tensor_digest
-
         out = {}
         for n in names:
             t = self.tensor(n)
@@ -173,20 +143,17 @@ class Canonical:
         return out
 
     def fingerprints(self, names: Iterable[str]) -> dict[str, str | None]:
-        """``miles_lp.sync.digest.fingerprints`` of the same tensors (the per-sync C2 checksum both sides share)."""
-        from miles_lp.sync.digest import fingerprints
-
+        """``miles_lp.multitensor.digest.fingerprints`` of the same tensors (the per-sync C2 checksum both sides
+        share)."""
         got = {n: self.tensor(n) for n in names}
-        out: dict[str, str | None] = dict(fingerprints({n: t for n, t in got.items() if t is not None}))
+        out: dict[str, str | None] = dict(digest.fingerprints({n: t for n, t in got.items() if t is not None}))
         out.update({n: None for n, t in got.items() if t is None})
         return out
 
     def group_fingerprints(self, groups: Mapping[str, list[str]]) -> dict[str, str | None]:
-        """``miles_lp.sync.digest.group_fingerprints`` per atomic group, members in the given order."""
-        from miles_lp.sync.digest import group_fingerprints
-
+        """``miles_lp.multitensor.digest.group_fingerprints`` per atomic group, members in the given order."""
         got = {g: [self.tensor(n) for n in ns] for g, ns in groups.items()}
-        out: dict[str, str | None] = dict(group_fingerprints({g: ts for g, ts in got.items()
+        out: dict[str, str | None] = dict(digest.group_fingerprints({g: ts for g, ts in got.items()
                                                                if all(t is not None for t in ts)}))
         out.update({g: None for g, ts in got.items() if any(t is None for t in ts)})
         return out
@@ -231,9 +198,9 @@ class Canonical:
         for s in self._shards(name):
             t = self.tensors
             if fmt == "mxfp8":
-                parts.append(dequant_mxfp8_f64(t[f"{s}.weight"], t[f"{s}.weight_scale"]))
+                parts.append(c3.decode_mxfp8_f64(t[f"{s}.weight"], t[f"{s}.weight_scale"]))
             else:
-                parts.append(dequant_nvfp4_f64(t[f"{s}.weight"], t[f"{s}.weight_scale"], t[f"{s}.weight_scale_2"]))
+                parts.append(c3.decode_nvfp4_f64(t[f"{s}.weight"], t[f"{s}.weight_scale"], t[f"{s}.weight_scale_2"]))
         return torch.cat(parts, dim=0)
 
     def probe(self, name: str, fmt: str, x: torch.Tensor, kind: str) -> dict[str, Any]:
@@ -251,8 +218,8 @@ class Canonical:
         with torch.no_grad():
             x = x.to(w64.device)  # drawn on the CPU (the same probe on any device), served where the module lives
             y = mod.quant_method.apply(mod, x, None)
-            ref = x.to(torch.float64) @ w64.T
-            entry: dict[str, Any] = {"rel_err": rel_err(y, ref), "kind": kind, "format": fmt}
+            ref = c3.reference_gemm(x, w64)
+            entry: dict[str, Any] = {"rel_err": float(c3.rel_err(y, ref)), "kind": kind, "format": fmt}
             served = mod.weight.detach()
             if fmt == "mxfp8" and served.dtype == torch.bfloat16 and tuple(served.shape) == tuple(w64.shape):
                 fresh = w64.to(torch.float32).to(torch.bfloat16)  # exact: E4M3 x 2^k is a bf16 value
@@ -286,8 +253,8 @@ class Canonical:
         got = {k: getattr(mod, k, None) for k in ("weight", "weight_scale", "weight_global_scale")}
         if any(v is None for v in got.values()) or got["weight"].shape != w.shape or got["weight_scale"].shape != sc.shape:
             return None
-        served = dequant_nvfp4_f64(got["weight"].detach(), got["weight_scale"].detach(), got["weight_global_scale"])
-        diffs = [float((served - dequant_nvfp4_f64(w, sc, wgs)).abs().max())]
+        served = c3.decode_nvfp4_f64(got["weight"].detach(), got["weight_scale"].detach(), got["weight_global_scale"])
+        diffs = [float((served - c3.decode_nvfp4_f64(w, sc, wgs)).abs().max())]
         fresh = {"input_global_scale": igs, "input_global_scale_inv": (1.0 / igs).to(torch.float32),
                  "alpha": igs * wgs}
         for k, v in fresh.items():
@@ -310,8 +277,7 @@ class Canonical:
         if width is None:
             return {"rel_err": float("inf"), "kind": kind, "format": fmt,
                     "reason": f"no captured canonical tensor for {name}"}
-        g = torch.Generator().manual_seed(seed + 1)
-        x = torch.randn(tokens, width, generator=g).to(torch.bfloat16)
+        x = c3.rotating_input(seed, width, tokens).to(torch.bfloat16)
         return self.probe(name, fmt, x, kind)
 
     def self_check(self, seed: int = 0, tokens: int = 8, version: int | None = None) -> dict[str, Any]:
@@ -323,16 +289,16 @@ class Canonical:
         if not mods:
             return {"layers": {}, "reason": "the live model has no quantized linear module"}
         pick = [mods[0]] + ([mods[-1]] if len(mods) > 1 else [])
-        g = torch.Generator().manual_seed(seed)
+        widths = {m: self._in_features(*m) for m in pick}
+        # one generator for the pair, drawn in this order (their figures as before)
+        xs = iter(c3.probe_inputs(seed, [w for w in widths.values() if w is not None], tokens))
         layers = {}
-        for name, fmt in pick:  # one generator for the pair, drawn in this order (their figures as before)
-            width = self._in_features(name, fmt)
-            if width is None:
+        for name, fmt in pick:
+            if widths[(name, fmt)] is None:
                 layers[f"{name}.weight"] = {"rel_err": float("inf"), "kind": "dense", "format": fmt,
                                             "reason": f"no captured canonical tensor for {name}"}
                 continue
-            x = torch.randn(tokens, width, generator=g).to(torch.bfloat16)
-            layers[f"{name}.weight"] = self.probe(name, fmt, x, "dense")
+            layers[f"{name}.weight"] = self.probe(name, fmt, next(xs).to(torch.bfloat16), "dense")
         out: dict[str, Any] = {"layers": layers, "what": "serving quant_method.apply on random bf16 input vs a "
                                "float64 GEMM of the canonical weights captured before process_weights_after_loading"}
         if version is not None:

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from miles_lp.sync import kernels as _kernels
+from miles_lp.multitensor import kernels as _kernels
 from miles_lp.sync.items import Item
 
 ALIGN = 64

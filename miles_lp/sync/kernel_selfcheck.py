@@ -1,4 +1,4 @@
-"""The sync kernels (``miles_lp.sync.kernels``) against their torch paths on fresh random tensors, bit for bit:
+"""The sync kernels (``miles_lp.multitensor.kernels``) against their torch paths on fresh random tensors, bit for bit:
 ``selfcheck`` (the C2 fingerprint and 0xFF counts), ``fill_check`` (bucket staging through ``copy_into``).
 ``python -m miles_lp.sync.kernel_selfcheck [--device cuda] [--large]`` prints one JSON line and exits 1 on a
 mismatch. It sits above the modules it checks, so none of them imports it."""
@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from miles_lp.sync.kernels import ROW_BYTES, ROWS, enabled, ff_counts, segment_values
+from miles_lp.multitensor.kernels import ROW_BYTES, ROWS, enabled, ff_counts, segment_values
 
 
 def selfcheck(device: str = "cpu", seed: int | None = None, large: bool = False) -> dict:
@@ -20,7 +20,7 @@ def selfcheck(device: str = "cpu", seed: int | None = None, large: bool = False)
     (an empty list: bit for bit equal). ``large``: one more tensor of ~300 MB (on CUDA)."""
     import random
 
-    from miles_lp.sync import digest
+    from miles_lp.multitensor import digest
 
     seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
     rng = random.Random(seed)

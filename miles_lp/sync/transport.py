@@ -29,9 +29,9 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from miles_lp.errors import BackendUnavailable, ConfigError
-from miles_lp.sync import kernels as _kernels
+from miles_lp.multitensor import kernels as _kernels
+from miles_lp.multitensor.strided import batched_copy
 from miles_lp.sync.buckets import NAN_FILL, Bucket, Slot, iter_received
-from miles_lp.sync.strided import batched_copy
 
 Received = list[tuple[str, torch.Tensor]]
 
@@ -107,7 +107,7 @@ def fill_slots(buf: torch.Tensor, bucket: Bucket, views: dict | None = None) -> 
     dev = buf.device
     payload = bucket.payload
     if buf.is_contiguous() and _kernels.enabled(dev, "copy") and all(t.device == dev for t in payload.values()):
-        # one or two Triton launches reading every payload tensor in place (miles_lp.sync.kernels.copy_into):
+        # one or two Triton launches reading every payload tensor in place (miles_lp.multitensor.kernels.copy_into):
         # per slot only its address and size on the host; the gaps and any slot without a payload from the
         # 0xFF buffer, as below
         srcs, offs, sizes = [], [], []
@@ -154,7 +154,7 @@ def fill_slots(buf: torch.Tensor, bucket: Bucket, views: dict | None = None) -> 
             srcs = [ff if t is None else t for t in srcs]
         digest = None
         if where is not None:
-            from miles_lp.sync.digest import _wcol
+            from miles_lp.multitensor.digest import _wcol
 
             digest = (dslots, dmults, bucket.digest[1], _wcol(dev))
         with torch.no_grad():

@@ -39,6 +39,15 @@ from typing import Any
 import torch
 
 from miles_lp.errors import BackendUnavailable, ConfigError
+from miles_lp.multitensor.digest import (
+    _head,
+    _values,
+    fingerprints,
+    group_fingerprints,
+    group_plan,
+    group_strings,
+    member_weight,
+)
 from miles_lp.rollout.engine import (
     Capability,
     EngineError,
@@ -49,15 +58,6 @@ from miles_lp.rollout.engine import (
 from miles_lp.sync import checks
 from miles_lp.sync.buckets import Bucket, Ledger, make_buckets
 from miles_lp.sync.config import CHECKS, ENV_ALL, SyncConfig, env_name
-from miles_lp.sync.digest import (
-    _head,
-    _values,
-    fingerprints,
-    group_fingerprints,
-    group_plan,
-    group_strings,
-    member_weight,
-)
 from miles_lp.sync.items import Item, engine_items, group_items
 from miles_lp.sync.remote import Receipt
 from miles_lp.sync.sentinel import Sentinel, rollout_kl

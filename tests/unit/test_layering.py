@@ -26,6 +26,7 @@ PKG = ROOT / "miles_lp"
 LAYERS: list[set[str]] = [
     {"<root>"},        # miles_lp/__init__.py (version), errors.py, config.py (YAML, typed sections), devices.py
     {"formats"},       # bit-exact codecs and kernels
+    {"multitensor"},   # byte-level work over many tensors in place: the C2 fingerprint, packed and strided copies
     {"policy"},        # precision policy -> per-tensor plan, model layouts
     {"io"},            # safetensors shards, atomic output folders, HF folder validation
     {"export"},        # engine tensor names, encodings, configs, plan metadata; learner -> engine checkpoint
@@ -41,13 +42,7 @@ LAYERS: list[set[str]] = [
 ]
 
 #: (importing module, imported module) pairs that break LAYERS, each with the package edge it makes. Exact.
-KNOWN_UPWARD: set[tuple[str, str]] = {
-    # engines read the sync's C2 digest and strided copy; these belong below rollout (docs/ARCHITECTURE.md)
-    ("miles_lp.rollout.reference", "miles_lp.sync.digest"),
-    ("miles_lp.rollout.reference", "miles_lp.sync.strided"),
-    ("miles_lp.rollout.reference", "miles_lp.sync.kernels"),
-    ("miles_lp.rollout.vllm_state", "miles_lp.sync.digest"),
-}
+KNOWN_UPWARD: set[tuple[str, str]] = set()
 
 #: module-level cycles (strongly connected sets of modules) that remain, each as a sorted tuple. Exact.
 KNOWN_MODULE_CYCLES: set[tuple[str, ...]] = {
@@ -55,7 +50,6 @@ KNOWN_MODULE_CYCLES: set[tuple[str, ...]] = {
     # tensors (kernels -> mxfp8 / nvfp4): the choice belongs in one dispatch module above both
     ("miles_lp.formats.kernels", "miles_lp.formats.kernels.mxfp8", "miles_lp.formats.kernels.nvfp4",
      "miles_lp.formats.mxfp8", "miles_lp.formats.nvfp4"),
-    ("miles_lp.rollout.reference", "miles_lp.rollout.rotating_graph"),
     ("miles_lp.train.gemm", "miles_lp.train.lean"),
     ("miles_lp.train.megatron.model", "miles_lp.train.megatron.parallel"),
 }

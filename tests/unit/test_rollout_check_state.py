@@ -15,9 +15,9 @@ import sys
 import pytest
 import torch
 
+from miles_lp.multitensor import digest
 from miles_lp.rollout.reference import ReferenceEngine
 from miles_lp.rollout.testing import tiny_checkpoint
-from miles_lp.sync import digest
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -88,7 +88,7 @@ _FAST = r"""
 import json, os, time, torch
 from miles_lp.rollout.reference import ReferenceEngine
 from miles_lp.rollout.testing import tiny_checkpoint
-from miles_lp.sync import digest, kernels
+from miles_lp.multitensor import digest, kernels
 assert kernels.enabled(torch.device("cpu"))
 engine = ReferenceEngine(tiny_checkpoint("qwen3_moe", "policies/qwen3-moe-mxfp8-nvfp4-experts.yaml"), device="cpu",
                          dtype="bf16")

@@ -1,4 +1,4 @@
-"""C3's rotating layer as a replayed graph per layer configuration (``miles_lp.rollout.rotating_graph``).
+"""C3's rotating layer as a replayed graph per layer configuration (``miles_lp.rollout.reference.rotating_graph``).
 
 On CPU the capture is replaced by a recorder that re-runs the captured function on replay (the same ops into
 the same output tensor): this checks everything around the graph (the copy into the stand-in, the signature
@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles_lp.rollout import rotating_graph
-from miles_lp.rollout.reference import ReferenceEngine
+from miles_lp.rollout.reference import ReferenceEngine, rotating_graph
 from miles_lp.rollout.testing import tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -110,9 +109,9 @@ def test_stale_rotating_layer_is_caught_through_the_replay(graphs_on_cpu):
 
 
 def rotating_graph_cfg(layer):
-    from miles_lp.rollout.reference import _fresh_config
+    from miles_lp.rollout.reference.c3_layer import fresh_config
 
-    return _fresh_config(layer)[1:]
+    return fresh_config(layer)[1:]
 
 
 def test_recheck_mismatch_turns_the_configuration_off(graphs_on_cpu, monkeypatch):
@@ -186,9 +185,9 @@ def test_every_layer_pass_captures_every_configuration(graphs_on_cpu):
     engine = ReferenceEngine(tiny_checkpoint("qwen3_moe", RECIPE), device="cpu")
     engine.self_check(7)
     engine.self_check_every_layer()
-    from miles_lp.rollout.reference import _fresh_config
+    from miles_lp.rollout.reference.c3_layer import fresh_config
 
-    cfgs = {_fresh_config(m)[1:] for m in engine._c3_rotation()}
+    cfgs = {fresh_config(m)[1:] for m in engine._c3_rotation()}
     state = engine._rot_graph_state
     assert set(state.entries) == cfgs and not state.off
     hows = set()

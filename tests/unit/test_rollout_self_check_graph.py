@@ -25,7 +25,7 @@ def _figures(sc):
 def test_dequantize_exact_is_the_codec():
     """The self-check's NVFP4 decode (a kept E2M1 table, capturable) gives the codec's bytes; MXFP8 is the codec."""
     from miles_lp import formats
-    from miles_lp.rollout.reference import dequantize_exact
+    from miles_lp.rollout.self_check import dequantize_exact
 
     g = torch.Generator().manual_seed(3)
     for shape in ((64, 128), (3, 32, 64)):

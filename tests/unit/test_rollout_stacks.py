@@ -92,7 +92,7 @@ def test_updates_keep_the_storage_and_a_rebound_expert_is_seen_and_served_stale(
 
 
 def test_an_update_of_whole_stacks_is_a_few_copies(monkeypatch):
-    import miles_lp.sync.strided as strided
+    import miles_lp.multitensor.strided as strided
 
     calls = []
     real = strided.copy_plan

@@ -1,5 +1,6 @@
 """The pure parts of ``rollout.vllm_state`` (what the vLLM engine process uses for C2/C3), without vLLM:
-fused-parameter splitting into checkpoint names, and its own float64 decodes against the project's codecs."""
+fused-parameter splitting into checkpoint names, and the shared C3 probe's float64 decodes
+(``rollout.self_check``) against the project's codecs."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import torch
 
 from miles_lp.formats.mxfp8 import quantize_mxfp8
 from miles_lp.formats.nvfp4 import quantize_nvfp4
-from miles_lp.rollout.vllm_state import dequant_mxfp8_f64, dequant_nvfp4_f64, rel_err, split_fused
+from miles_lp.rollout.self_check import decode_mxfp8_f64, decode_nvfp4_f64, rel_err
+from miles_lp.rollout.vllm_state import split_fused
 
 
 def test_split_fused_rows_per_shard_scalars_and_plain_modules():
@@ -28,9 +30,9 @@ def test_own_decodes_equal_the_codecs():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(16, 64, generator=g) * 3
     mx = quantize_mxfp8(x.to(torch.bfloat16))
-    assert torch.equal(dequant_mxfp8_f64(mx.data, mx.scale).to(torch.float32), mx.dequantize(torch.float32))
+    assert torch.equal(decode_mxfp8_f64(mx.data, mx.scale).to(torch.float32), mx.dequantize(torch.float32))
     nv = quantize_nvfp4(x.to(torch.bfloat16))
-    ours = dequant_nvfp4_f64(nv.data, nv.scale, nv.global_scale)
+    ours = decode_nvfp4_f64(nv.data, nv.scale, nv.global_scale)
     assert torch.allclose(ours, nv.dequantize(torch.float32).to(torch.float64), rtol=1e-6, atol=0)
     assert rel_err(ours.to(torch.float32), ours) < 1e-7
     assert rel_err(torch.zeros(2, 2), torch.ones(2, 2, dtype=torch.float64)) == 1.0
@@ -43,7 +45,7 @@ def test_own_decodes_equal_the_codecs():
 
 class FakeMxfp8LinearMethod:  # the class name is what fmt_of reads ("mxfp8")
     def process_weights_after_loading(self, layer):
-        w = dequant_mxfp8_f64(layer.weight.data, layer.weight_scale.data).to(torch.float32).to(torch.bfloat16)
+        w = decode_mxfp8_f64(layer.weight.data, layer.weight_scale.data).to(torch.float32).to(torch.bfloat16)
         layer.weight = torch.nn.Parameter(w, requires_grad=False)
 
     def apply(self, layer, x, bias=None):
@@ -210,7 +212,7 @@ class FakeModelOptLinearMethod:
         del layer.weight_scale_2, layer.input_scale
 
     def apply(self, layer, x, bias=None):
-        w = dequant_nvfp4_f64(layer.weight, layer.weight_scale, layer.weight_global_scale).to(torch.float32)
+        w = decode_nvfp4_f64(layer.weight, layer.weight_scale, layer.weight_global_scale).to(torch.float32)
         return (x.to(torch.float32) @ w.T).to(torch.bfloat16)
 
 

@@ -7,11 +7,11 @@ import torch
 
 from miles_lp.formats import quantize_mxfp8, quantize_nvfp4, quantize_nvfp4_pair
 from miles_lp.formats.spec import Format
+from miles_lp.multitensor.digest import fingerprint
 from miles_lp.rollout.engine import tensor_digest
 from miles_lp.sync import checks
 from miles_lp.sync.buckets import Ledger
 from miles_lp.sync.config import SentinelConfig
-from miles_lp.sync.digest import fingerprint
 from miles_lp.sync.items import engine_items
 from miles_lp.sync.sentinel import Sentinel, rollout_kl
 
@@ -225,7 +225,7 @@ def test_sentinel_at_length_cap_is_a_checked_key():
 
 
 def test_batched_fingerprints_equal_single_ones():
-    from miles_lp.sync.digest import fingerprints
+    from miles_lp.multitensor.digest import fingerprints
 
     ts = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.uint8), "c": torch.tensor(2.0)}
     assert fingerprints(ts) == {n: fingerprint(t) for n, t in ts.items()}

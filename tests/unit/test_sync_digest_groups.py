@@ -4,8 +4,8 @@ per-tensor fingerprints, so the verdict still names them."""
 import pytest
 import torch
 
+from miles_lp.multitensor.digest import fingerprint, group_fingerprints
 from miles_lp.sync import SyncCheckError
-from miles_lp.sync.digest import fingerprint, group_fingerprints
 from miles_lp.sync.faults import RegridEngine
 from tests.unit.test_sync_weight_sync import DOWN, FingerprintEngine, Learner, _sync
 

@@ -1,6 +1,7 @@
-"""The C2 fingerprint kernel (miles_lp.sync.kernels) equals the torch reference (miles_lp.sync.digest) bit for bit
-(miles_lp.sync.kernel_selfcheck): on CPU through Triton's interpreter (a subprocess: it must be on before Triton
-is first imported), on CUDA compiled (``pytest -m gpu``, the H200 script). Fresh random inputs every run (the seed is in the failure)."""
+"""The C2 fingerprint kernel (miles_lp.multitensor.kernels) equals the torch reference
+(miles_lp.multitensor.digest) bit for bit (miles_lp.sync.kernel_selfcheck): on CPU through Triton's interpreter (a
+subprocess: it must be on before Triton is first imported), on CUDA compiled (``pytest -m gpu``, the H200 script).
+Fresh random inputs every run (the seed is in the failure)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from miles_lp.sync import digest, kernels  # noqa: E402
+from miles_lp.multitensor import digest, kernels  # noqa: E402
 
 _BOTH_PATHS = r"""
 import json, os, torch
-from miles_lp.sync import digest, kernels
+from miles_lp.multitensor import digest, kernels
 g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
 pool = torch.randint(0, 256, (300000,), dtype=torch.uint8, generator=g)
 named = {"a": pool[5:5 + 70001], "b": torch.randn(40, 300, generator=g), "c": pool[64:64 + 4096 * 9],
@@ -35,7 +36,8 @@ print(json.dumps({"kernel": k, "reference": r}))
 
 _FUSED = r"""
 import json, torch
-from miles_lp.sync import SyncCheckError, digest
+from miles_lp.multitensor import digest
+from miles_lp.sync import SyncCheckError
 from miles_lp.sync.faults import RegridEngine
 from miles_lp.sync.weight_sync import WeightSync
 from tests.unit.test_sync_digest_groups import GroupEngine
@@ -108,7 +110,7 @@ def _interpreted(*args: str) -> subprocess.CompletedProcess:
 
 _COPY_TWICE = r"""
 import json, torch
-from miles_lp.sync import kernels
+from miles_lp.multitensor import kernels
 g = torch.Generator().manual_seed(7)
 sizes = [1, 3, 16, 17, 4095, 4096, 4097, 8 * 4096 + 5, 40000, 64]
 offs, o = [], 0

@@ -4,9 +4,9 @@ transport's one-``cat`` bucket fill (every byte either payload or the 0xFF fill)
 import pytest
 import torch
 
+from miles_lp.multitensor.strided import batched_copy
 from miles_lp.sync.buckets import NAN_FILL, make_buckets
 from miles_lp.sync.items import Item
-from miles_lp.sync.strided import batched_copy
 from miles_lp.sync.transport import InProcessTransport, fill_slots, flatten
 
 

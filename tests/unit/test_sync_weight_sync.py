@@ -310,7 +310,7 @@ class FingerprintEngine(StubEngine):
     """An engine that offers the device-side C2 digest (``weight_fingerprints``)."""
 
     def weight_fingerprints(self, names=None):
-        from miles_lp.sync.digest import fingerprint
+        from miles_lp.multitensor.digest import fingerprint
 
         self.fingerprinted = True
         return {n: fingerprint(self.t[n]) for n in (names or self.t)}

@@ -21,11 +21,12 @@ from typing import Any
 
 import torch
 
+from miles_lp.rollout import self_check as c3
 from miles_lp.rollout.engine import EngineError, tensor_digest
 
 #: SGLang's fused parameters: fused module name -> (its checkpoint shards in row order, how their sizes are read)
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-SELF_CHECK_TOLERANCE = 0.25
+PROBE_ROWS = 4
 
 
 def _shard_rows(module: torch.nn.Module, fused: str) -> list[int]:
@@ -38,15 +39,15 @@ def _shard_rows(module: torch.nn.Module, fused: str) -> list[int]:
 
 
 def _rel_err(mod: torch.nn.Module, seed: int) -> float:
-    """Relative Frobenius error of ``mod``'s serving GEMM on 4 random bf16 rows vs the float64 reference."""
+    """Relative Frobenius error (``self_check.rel_err``) of ``mod``'s serving GEMM on the shared probe
+    (``PROBE_ROWS`` bf16 rows) vs the float64 reference."""
     from miles_lp.rollout.sglang_cpu.linear import reference_output
 
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(4, mod.input_size, generator=g, dtype=torch.float32).to(torch.bfloat16)
+    x = c3.probe_inputs(seed, [mod.input_size], PROBE_ROWS)[0].to(torch.bfloat16)
     with torch.no_grad():
-        got = mod.quant_method.apply(mod, x, None).double()
+        got = mod.quant_method.apply(mod, x, None)
         want = reference_output(mod, x)
-    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+    return float(c3.rel_err(got, want))
 
 
 class SGLangIntrospection:
@@ -124,11 +125,12 @@ class SGLangIntrospection:
 
     def self_check(self, seed: int = 0) -> dict[str, Any]:
         """C3: the first quantized dense linear and one rotating through the others (the next one at each call: each
-        within as many syncs as there are linears) through SGLang's serving ``quant_method.apply`` on random input vs
-        a float64 GEMM on its weights decoded afresh (``linear.reference_output``)."""
+        within as many syncs as there are linears) through SGLang's serving ``quant_method.apply`` on the shared
+        probe (``miles_lp.rollout.self_check``) vs a float64 GEMM on its weights decoded afresh
+        (``linear.reference_output``)."""
         from miles_lp.rollout.sglang_cpu.linear import live_format
 
-        out: dict[str, Any] = {"tolerance": SELF_CHECK_TOLERANCE, "layers": {}, "skipped": []}
+        out: dict[str, Any] = {"tolerance": c3.TOLERANCE, "layers": {}, "skipped": []}
         linears = [(n, m, f) for n, m in self.model.named_modules()
                    if (f := live_format(m)) is not None and ".experts" not in n]
         calls = self.__dict__.get("_c3_calls", 0)
@@ -140,7 +142,7 @@ class SGLangIntrospection:
             out["layers"][f"{name}.weight"] = {"kind": kind, "format": fmt, "rel_err": _rel_err(mod, seed)}
         if not out["layers"]:
             out["reason"] = "SGLang's model holds no quantized linear (every linear serves BF16)"
-        out["ok"] = bool(out["layers"]) and all(v["rel_err"] <= SELF_CHECK_TOLERANCE for v in out["layers"].values())
+        out["ok"] = c3.passes(out["layers"].values())
         return out
 
     def health(self) -> dict[str, Any]:

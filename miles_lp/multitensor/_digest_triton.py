@@ -1,4 +1,4 @@
-"""The C2 fingerprint as one Triton kernel over many tensors read in place (loaded by ``miles_lp.sync.kernels``,
+"""The C2 fingerprint as one Triton kernel over many tensors read in place (loaded by ``miles_lp.multitensor.kernels``,
 with ``@triton.jit`` compiled or interpreted: Triton decides at decoration time).
 
 Each program takes ``ROWS`` rows of 1024 little-endian int32 words of ONE tensor (the block table says which
@@ -6,7 +6,7 @@ tensor and which first row), reads them where they live (``base + offset``: a po
 multi_tensor_apply, no concatenation), and adds ``mult * sum_r wrow(r) * sum_c word[r, c] * wcol[c]`` into its
 tensor's output slot (int64 atomic add: integer sums wrap mod 2^64, so the result does not depend on the order
 the programs finish in). Words past a tensor's last byte read as 0: the zero padding of the reference
-(``miles_lp.sync.digest._segment_sums``), so a tensor's value is the reference's, bit for bit.
+(``miles_lp.multitensor.digest._segment_sums``), so a tensor's value is the reference's, bit for bit.
 """
 
 import triton

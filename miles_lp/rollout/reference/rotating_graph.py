@@ -1,6 +1,6 @@
 """C3's rotating layer as a replayed CUDA graph (the checks' share of a sync).
 
-The rotating probe (``ReferenceEngine._c3_rotating``) reaches a different layer every sync, so a graph captured on
+The rotating probe (``ReferenceSelfCheck._c3_rotating``) reaches a different layer every sync, so a graph captured on
 the layer itself would be captured anew every sync. Instead, one graph is kept per layer *configuration* (the
 experts of a projection share one) and reads a private stand-in: before each replay the live layer's canonical
 tensors and the derived tensors its kernel reads are copied into the stand-in (one ``_foreach_copy_``: a few
@@ -20,6 +20,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from miles_lp.rollout.reference.c3_layer import input_key
+from miles_lp.rollout.self_check import dequantize_exact, fresh_diff, rel_err
 
 RECHECK = 64
 # a configuration whose float64 reference weight is larger is answered eager: its graph's pool would keep that
@@ -54,13 +57,11 @@ def _probe_grid(serve, fresh, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     it depends on ``x`` and the grid key alone (``activation_mode`` ``plan``; the quantizers' host-side constants
     could not be captured); None for a static-scale mode (``vllm``: it reads the layer's copied input scale, so
     the graph quantizes it at each replay)."""
-    from miles_lp.rollout.reference import _input_key
-
     if serve.activation_mode != "plan" or fresh.activation_mode != "plan":
         return None
     with torch.no_grad():
         xq = serve._quantize_input(x)
-        return xq, (xq if _input_key(fresh) == _input_key(serve) else fresh._quantize_input(x))
+        return xq, (xq if input_key(fresh) == input_key(serve) else fresh._quantize_input(x))
 
 
 def serving_and_fresh(serve, fresh, x: torch.Tensor,
@@ -68,8 +69,6 @@ def serving_and_fresh(serve, fresh, x: torch.Tensor,
     """``serve``'s kernel on ``x``, and the same kernel on ``fresh`` after its canonical tensors are set to
     ``serve``'s and its derived state is rebuilt from them (equal when ``serve``'s derived state is current). No
     host synchronisation: capturable. ``grid``: the probe already on both activation grids (``_probe_grid``)."""
-    from miles_lp.rollout.reference import _input_key
-
     with torch.no_grad():
         for suffix, t in fresh.canonical().items():
             t.copy_(getattr(serve, suffix))
@@ -78,7 +77,7 @@ def serving_and_fresh(serve, fresh, x: torch.Tensor,
             xq, fq = grid
         else:
             xq = serve._quantize_input(x)
-            fq = xq if _input_key(fresh) == _input_key(serve) else fresh._quantize_input(x)
+            fq = xq if input_key(fresh) == input_key(serve) else fresh._quantize_input(x)
         return serve.gemm(xq, x.dtype), fresh.gemm(fq, x.dtype)
 
 
@@ -87,13 +86,11 @@ def figures(serve, fresh, x: torch.Tensor, x64: torch.Tensor,
     """C3's rotating figures, float64 ``[rel_err, fresh_diff]``: ``serve``'s kernel vs a float64 GEMM on its
     dequantized canonical weights, and vs the fresh derivation (``serving_and_fresh``). The eager path runs it on
     the live layer, the graph on the stand-in (no host synchronisation: capturable)."""
-    from miles_lp.rollout.reference import dequantize_exact
-
     y, y_fresh = serving_and_fresh(serve, fresh, x, grid)
     with torch.no_grad():
         y, y_fresh = y.double(), y_fresh.double()
         ref = x64 @ dequantize_exact(serve.decoded(), torch.float64).T
-        return torch.stack([(y - ref).norm() / ref.norm().clamp_min(1e-30), (y - y_fresh).abs().max()])
+        return torch.stack([rel_err(y, ref), fresh_diff(y, y_fresh)])
 
 
 def new_pool():

@@ -1,6 +1,6 @@
 """Triton kernels of the sync: the C2 fingerprint over many tensors in one launch, read in place.
 
-``segment_values(tensors, slots, mults, nslots)`` is ``miles_lp.sync.digest``'s fingerprint arithmetic on a
+``segment_values(tensors, slots, mults, nslots)`` is ``miles_lp.multitensor.digest``'s fingerprint arithmetic on a
 device: per tensor the position-sensitive sum of ``digest._segment_sums`` over its bytes (1024-word rows, int32
 column-weighted row sums, int64 row weights; zero padding to whole rows), times ``mults[i]``, added into output
 slot ``slots[i]`` (int64, wrapping). ``digest`` calls it for CUDA tensors when Triton imports (``enabled``); the
@@ -76,7 +76,7 @@ def _module(interpret: bool):
                     pass
                 from miles_lp.formats.kernels import load_jit_module
 
-                mod = load_jit_module(_PATH, "miles_lp.sync._digest_triton", interpret)
+                mod = load_jit_module(_PATH, "miles_lp.multitensor._digest_triton", interpret)
                 _MODULES[interpret] = mod
     return mod
 

@@ -15,7 +15,7 @@ number of groups, not tensors; per-tensor fingerprints are computed only to name
 differs.
 
 On CUDA both are ONE Triton launch over all the tensors of a device, each read once in place
-(``miles_lp.sync.kernels``); the torch code here (the tensors concatenated into a padded buffer, chunks of at
+(``miles_lp.multitensor.kernels``); the torch code here (the tensors concatenated into a padded buffer, chunks of at
 most ``CHUNK_BYTES``) is the CPU path and the oracle the kernel is tested against bit for bit.
 
 Changing any word changes the sum (odd weights); moving a word to another row or column changes its weight.
@@ -28,7 +28,7 @@ import zlib
 
 import torch
 
-from miles_lp.sync import kernels as _kernels
+from miles_lp.multitensor import kernels as _kernels
 
 ROW = 1024  # int32 words per row
 ROW_BYTES = 4 * ROW
@@ -124,7 +124,7 @@ def member_weight(k: int) -> int:
 def _values(ts: list[torch.Tensor], slots: list[int], mults: list[int], nslots: int) -> torch.Tensor:
     """``out[slots[i]] += mults[i] * value(ts[i])`` (int64, wrapping) on the tensors' device (all on one).
     CUDA (and CPU under ``TRITON_INTERPRET=1``): one Triton launch reading every tensor in place
-    (``miles_lp.sync.kernels``); otherwise the torch reference in chunks of at most ``CHUNK_BYTES``."""
+    (``miles_lp.multitensor.kernels``); otherwise the torch reference in chunks of at most ``CHUNK_BYTES``."""
     dev = ts[0].device if ts else torch.device("cpu")
     if ts and _kernels.enabled(dev):
         return _kernels.segment_values(ts, slots, mults, nslots, _wcol(dev))
