@@ -29,10 +29,13 @@ from typing import Any, Literal
 
 import yaml
 
-from miles_lp.config import Where, YamlDoc, check_keys, load_yaml, load_yaml_text, parse_dataclass
+from miles_lp.config import Where, YamlDoc, check_keys, load_yaml, load_yaml_text, parse_dataclass, suggest
 from miles_lp.errors import ConfigError
+from miles_lp.policy.policy import PrecisionPolicy, parse_policy
 from miles_lp.rl.config import RLConfig
 from miles_lp.rl.tasks import TaskConfig
+from miles_lp.rollout.config import RolloutConfig, parse_rollout_config
+from miles_lp.sync.config import SyncConfig, parse_sync_config
 from miles_lp.train.config import TrainConfig
 
 
@@ -52,8 +55,6 @@ class ModelConfig:
             from miles_lp.checkpoint.tiny import ARCHS
 
             if self.arch not in ARCHS:
-                from miles_lp.config import suggest
-
                 raise where.child("path").error(f"unknown tiny architecture '{self.arch}'"
                                                 f"{suggest(self.arch, ARCHS)}; tiny:<arch> with arch in "
                                                 f"{', '.join(ARCHS)}")
@@ -82,19 +83,6 @@ class ModelConfig:
     @property
     def arch(self) -> str:
         return self.path.removeprefix("tiny:")
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutSection:
-    """The rollout section, used only while ``miles_lp.rollout.config`` does not exist (see ``_rollout``)."""
-
-    backend: Literal["reference"] = "reference"
-    target: Literal["sglang", "vllm", "compressed-tensors"] = "sglang"
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int | None = None  # None: the task's answer length + 1
-    device: str = "cpu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,11 +144,11 @@ SECTIONS = ("model", "precision", "sampler_precision", "train", "rollout", "sync
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     model: ModelConfig
-    precision: Any  # PrecisionPolicy
-    sampler_precision: Any  # PrecisionPolicy of a sampler on its own grid (comparison arms); None: shared grid
+    precision: PrecisionPolicy
+    sampler_precision: PrecisionPolicy | None  # a sampler on its own grid (comparison arms); None: the shared grid
     train: TrainConfig
-    rollout: Any
-    sync: Any
+    rollout: RolloutConfig
+    sync: SyncConfig
     rl: RLConfig
     task: TaskConfig
     ray: RayConfig
@@ -221,34 +209,10 @@ def _fleet(mapping: Any, where: Where) -> tuple[Any, FleetSection]:
     return rest, FleetSection(engines=len(urls), urls=tuple(urls))
 
 
-def _rollout(mapping: Any, where: Where):
-    try:
-        from miles_lp.rollout.config import parse_rollout_config  # the rollout helper's section
-    except ImportError:
-        return parse_dataclass(RolloutSection, mapping, where)
-    return parse_rollout_config(mapping, where)
-
-
-@dataclasses.dataclass(frozen=True)
-class SyncSection:
-    """The sync section, used only while ``miles_lp.sync.config`` does not exist (see ``_sync``)."""
-
-    bucket_mb: float = 512.0
-
-
-def _sync(mapping: Any, where: Where):
-    try:
-        from miles_lp.sync.config import parse_sync_config  # the sync helper's section
-    except ImportError:
-        return parse_dataclass(SyncSection, mapping, where)
-    return parse_sync_config(mapping, where)
-
-
-def _sampler_policy(mapping: Any, where: Where):
+def _sampler_policy(mapping: Any, where: Where) -> PrecisionPolicy | None:
     if mapping is None:
         return None
     from miles_lp.launch.sampler import check_sampler_policy
-    from miles_lp.policy import parse_policy
 
     pol = parse_policy(mapping, where)
     try:
@@ -302,12 +266,12 @@ def _check_routing_replay(model: ModelConfig, train: TrainConfig, rl: RLConfig, 
                           "rl.routing_replay: false")
 
 
-def _check_url(rollout: Any, where: Where) -> None:
+def _check_url(rollout: RolloutConfig, where: Where) -> None:
     """``rollout.url`` (backend sglang): ``http(s)://HOST:PORT`` checked here, before the model is built or
     converted, not at the start-time probe."""
     import urllib.parse
 
-    url = getattr(rollout, "url", None)
+    url = rollout.url
     if not url:
         return
     example = "e.g. http://localhost:30000 (miles-lp serve's and SGLang's default port)"
@@ -329,21 +293,20 @@ def _check_url(rollout: Any, where: Where) -> None:
                           f"comes from MILES_LP_API_KEY / SGLANG_API_KEY) ({example})")
 
 
-def _check_param_dtype(train: TrainConfig, rollout: Any, where: Where) -> None:
+def _check_param_dtype(train: TrainConfig, rollout: RolloutConfig, where: Where) -> None:
     """``train.param_dtype: bf16`` (BF16 compute copies of FP32 masters) needs an engine computing in BF16 too
     (``rollout.dtype: auto`` = ``train.compute_dtype`` in the runner); an fp32 engine is refused as a likely
     mistake."""
     if not train.mixed_precision:
         return
-    dtype = getattr(rollout, "dtype", None)
-    if dtype == "fp32":  # auto follows train.compute_dtype in the runner (make_engine)
+    if rollout.dtype == "fp32":  # auto follows train.compute_dtype in the runner (make_engine)
         raise where.error(f"the learner computes in {train.compute_dtype} (BF16 copies of the {train.master_dtype} "
                           f"master) but rollout.dtype is fp32; set rollout.dtype: auto or {train.compute_dtype} so the "
                           "engine computes the same policy")
 
 
-def _check_combinations(data: dict[str, Any], train: TrainConfig, rollout: Any, rl: RLConfig, ray: RayConfig,
-                        w: Where) -> None:
+def _check_combinations(data: dict[str, Any], train: TrainConfig, rollout: RolloutConfig, rl: RLConfig,
+                        ray: RayConfig, w: Where) -> None:
     """Sections that parse alone but cannot run together: refused here, before anything is built."""
     if data.get("sampler_precision") is not None:
         where = w.child("sampler_precision")
@@ -353,50 +316,49 @@ def _check_combinations(data: dict[str, Any], train: TrainConfig, rollout: Any, 
         if train.backend != "embedded":
             raise where.error(f"a comparison arm re-quantizes the embedded trainer's weights by their HF names; the "
                               f"{train.backend} learner's are not (yet): use train.backend: embedded")
-    sampling = getattr(rollout, "sampling", None)
-    if sampling is not None:
-        # the learner's log-probs (old policy, ratio, TIS/IcePop, rollout_corr/*) are those of the T = 1,
-        # untruncated policy; samples drawn at another temperature or truncated by top-k/top-p would be scored
-        # as if drawn from it (verl/slime divide the learner's logits by T; not implemented here)
-        where = w.child("rollout").child("sampling")
-        for key, value, default in (("top_p", sampling.top_p, 1.0), ("top_k", sampling.top_k, -1)):
-            if value != default:
-                raise where.child(key).error(
-                    f"{key} {value}: RL samples at {key} {default} only: the learner computes the log-probs of the "
-                    f"untruncated policy (the GRPO ratio, TIS/IcePop weights and rollout_corr/* use them), so "
-                    f"tokens drawn from a truncated distribution would be scored as if drawn from the whole one. "
-                    f"Set rollout.sampling.{key}: {default}")
-        t = sampling.temperature
-        if t == 0:
-            raise where.child("temperature").error(
-                "temperature 0 (greedy): every response of a group would be the same and GRPO's advantages zero; "
-                "use a temperature > 0 (1.0: the policy itself)")
-        if t != 1.0 and getattr(rollout, "backend", "reference") == "vllm":
-            raise where.child("temperature").error(
-                f"temperature {t:g}: this vLLM backend reports the raw (T = 1) log-probs only, and the learner "
-                "scores tokens at the sampling temperature; use rollout.backend reference or sglang, or temperature 1")
-        if t != 1.0 and getattr(rollout, "backend", None) == "sglang" and getattr(rollout, "server", None) == "sglang":
-            raise where.child("temperature").error(
-                f"temperature {t:g} with rollout.server sglang: which log-prob a stock SGLang server reports at a "
-                "temperature != 1 (after temperature, or the original with SGLANG_RETURN_ORIGINAL_LOGPROB) depends on "
-                "its version and environment, and was not verified here; use temperature 1 or rollout.server miles-lp")
-        if t != train.logits_temperature and "logits_temperature" in (data.get("train") or {}):
-            raise w.child("train").child("logits_temperature").error(
-                f"{train.logits_temperature:g} differs from rollout.sampling.temperature {t:g}: the learner must "
-                "score tokens at the temperature they were sampled at (drop train.logits_temperature: it follows "
-                "the rollout's)")
-    if rl.routing_replay and getattr(rollout, "backend", "reference") == "vllm":
+    sampling = rollout.sampling
+    # the learner's log-probs (old policy, ratio, TIS/IcePop, rollout_corr/*) are those of the T = 1,
+    # untruncated policy; samples drawn at another temperature or truncated by top-k/top-p would be scored
+    # as if drawn from it (verl/slime divide the learner's logits by T; not implemented here)
+    where = w.child("rollout").child("sampling")
+    for key, value, default in (("top_p", sampling.top_p, 1.0), ("top_k", sampling.top_k, -1)):
+        if value != default:
+            raise where.child(key).error(
+                f"{key} {value}: RL samples at {key} {default} only: the learner computes the log-probs of the "
+                f"untruncated policy (the GRPO ratio, TIS/IcePop weights and rollout_corr/* use them), so "
+                f"tokens drawn from a truncated distribution would be scored as if drawn from the whole one. "
+                f"Set rollout.sampling.{key}: {default}")
+    t = sampling.temperature
+    if t == 0:
+        raise where.child("temperature").error(
+            "temperature 0 (greedy): every response of a group would be the same and GRPO's advantages zero; "
+            "use a temperature > 0 (1.0: the policy itself)")
+    if t != 1.0 and rollout.backend == "vllm":
+        raise where.child("temperature").error(
+            f"temperature {t:g}: this vLLM backend reports the raw (T = 1) log-probs only, and the learner "
+            "scores tokens at the sampling temperature; use rollout.backend reference or sglang, or temperature 1")
+    if t != 1.0 and rollout.backend == "sglang" and rollout.server == "sglang":
+        raise where.child("temperature").error(
+            f"temperature {t:g} with rollout.server sglang: which log-prob a stock SGLang server reports at a "
+            "temperature != 1 (after temperature, or the original with SGLANG_RETURN_ORIGINAL_LOGPROB) depends on "
+            "its version and environment, and was not verified here; use temperature 1 or rollout.server miles-lp")
+    if t != train.logits_temperature and "logits_temperature" in (data.get("train") or {}):
+        raise w.child("train").child("logits_temperature").error(
+            f"{train.logits_temperature:g} differs from rollout.sampling.temperature {t:g}: the learner must "
+            "score tokens at the temperature they were sampled at (drop train.logits_temperature: it follows "
+            "the rollout's)")
+    if rl.routing_replay and rollout.backend == "vllm":
         raise w.child("rl").child("routing_replay").error(
             "routing replay needs the routed experts of every generated token, which vLLM's offline engine does not "
             "report; use rollout.backend: reference (or sglang, which returns them) or set rl.routing_replay: false")
 
 
-def _check_engine_formats(precision: Any, rollout: Any, where: Where) -> None:
+def _check_engine_formats(precision: PrecisionPolicy, rollout: RolloutConfig, where: Where) -> None:
     """A format the chosen engine cannot serve here is refused before anything is built (not at its start)."""
     from miles_lp.formats.spec import Format
 
     formats = {precision.default, *(r.format for r in precision.rules if getattr(r, "format", None) is not None)}
-    if Format.FP8_BLOCK in formats and getattr(rollout, "backend", "reference") == "vllm":
+    if Format.FP8_BLOCK in formats and rollout.backend == "vllm":
         raise where.error(
             "fp8_block with rollout.backend vllm is not verified: vLLM 0.32's CPU build serves block-FP8 only "
             "through its AMX kernels (on the CPU it was tried on it found no kernel; its Fp8Config does read our "
@@ -435,8 +397,6 @@ def normalize_paths(data: dict[str, Any], w: Where) -> dict[str, Any]:
 
 def parse_recipe(doc: YamlDoc) -> Recipe:
     """Build a ``Recipe`` from a loaded YAML document; every section is validated here (paths: ``normalize_paths``)."""
-    from miles_lp.policy import parse_policy
-
     data = doc.data
     w = doc.where()
     if not isinstance(data, dict):
@@ -452,15 +412,15 @@ def parse_recipe(doc: YamlDoc) -> Recipe:
     rl = parse_dataclass(RLConfig, data.get("rl"), w.child("rl"))
     _check_routing_replay(model, train, rl, w.child("rl").child("routing_replay"))
     rollout_map, fleet = _fleet(data.get("rollout"), w.child("rollout"))
-    rollout = _rollout(rollout_map, w.child("rollout"))
+    rollout = parse_rollout_config(rollout_map, w.child("rollout"))
     _check_url(rollout, w.child("rollout").child("url"))
     for i, url in enumerate(fleet.urls[1:], 1):
         _check_url(dataclasses.replace(rollout, url=url), w.child("rollout").child("urls").child(str(i)))
     _check_param_dtype(train, rollout, w.child("train").child("param_dtype"))
     ray = parse_dataclass(RayConfig, data.get("ray"), w.child("ray"))
     _check_combinations(data, train, rollout, rl, ray, w)
-    sampling = getattr(rollout, "sampling", None)
-    if sampling is not None and sampling.temperature != train.logits_temperature:
+    sampling = rollout.sampling
+    if sampling.temperature != train.logits_temperature:
         train = dataclasses.replace(train, logits_temperature=float(sampling.temperature))  # verl's actor temperature
     precision = parse_policy(data["precision"], w.child("precision"))
     _check_engine_formats(precision, rollout, w.child("precision"))
@@ -470,7 +430,7 @@ def parse_recipe(doc: YamlDoc) -> Recipe:
         sampler_precision=_sampler_policy(data.get("sampler_precision"), w.child("sampler_precision")),
         train=train,
         rollout=rollout,
-        sync=_sync(data.get("sync"), w.child("sync")),
+        sync=parse_sync_config(data.get("sync"), w.child("sync")),
         rl=rl,
         task=parse_dataclass(TaskConfig, data.get("task"), w.child("task")),
         ray=ray,

@@ -56,11 +56,33 @@ def test_good_recipe_parses_every_section(tmp_path):
     (GOOD.replace("steps: 3", "steps: 0"), r"r.yaml:12: 'steps': must be >= 1"),
     (GOOD.replace("max_response_len: 4", "max_respons_len: 4"), r"'rollout.max_respons_len': unknown key"),
     (GOOD + "sync: {bucket_mbb: 1}\n", r"'sync.bucket_mbb': unknown key"),
+    (GOOD + "sync: {checks: {gird: raise}}\n", r"r.yaml:15: 'sync.checks.gird': unknown key 'gird' \(did you mean"),
+    (GOOD.replace("rollout: {max_response_len: 4}", "rollout: {sampling: {temprature: 1.0}}"),
+     r"r.yaml:5: 'rollout.sampling.temprature': unknown key 'temprature' \(did you mean 'temperature'"),
+    (GOOD.replace("default: mxfp8", "default: mxfp8\n  defualt_backward: quantized"), r"r.yaml:4: 'precision.defualt"),
     (GOOD.replace("steps: 3\n", ""), r"missing section 'steps'"),
 ])
 def test_bad_recipes_name_file_line_and_key(tmp_path, bad, match):
     with pytest.raises(ConfigError, match=match):
         load_recipe(write(tmp_path, bad))
+
+
+def test_the_sections_are_typed(tmp_path):
+    """precision / rollout / sync are the sections' own classes (no untyped fallback section)."""
+    import typing
+
+    from miles_lp.launch.recipe import Recipe
+    from miles_lp.policy.policy import PrecisionPolicy
+    from miles_lp.rollout.config import RolloutConfig
+    from miles_lp.sync.config import SyncConfig
+
+    hints = typing.get_type_hints(Recipe)
+    assert hints["precision"] is PrecisionPolicy and hints["sampler_precision"] == PrecisionPolicy | None
+    assert hints["rollout"] is RolloutConfig and hints["sync"] is SyncConfig
+    assert typing.Any not in {hints[k] for k in ("precision", "rollout", "sync", "train", "rl", "task", "ray")}
+    r = load_recipe(write(tmp_path, GOOD))
+    assert isinstance(r.rollout, RolloutConfig) and isinstance(r.sync, SyncConfig)
+    assert isinstance(r.precision, PrecisionPolicy) and r.sampler_precision is None
 
 
 def test_set_overrides_are_validated(tmp_path):
