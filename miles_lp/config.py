@@ -12,9 +12,11 @@ YAML is read with ``yaml.SafeLoader`` only.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import enum
+import os
 import re
 import types
 import typing
@@ -215,3 +217,157 @@ def parse_dataclass(cls: type, mapping: Any, where: Where):
     if validate is not None:
         validate(where)
     return obj
+
+
+# ---- run-time switches ----------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    """The recipe's ``runtime:`` section: HOW the code runs, never WHAT it computes. Each switch chooses between
+    implementations that write the same bytes (each pair is tested equal) or trades speed for memory; turning
+    one off is for A/B measurements and for isolating a suspected kernel. A run applies its recipe's section once
+    at start (``use_runtime``); library code reads one key with ``switch(name)``.
+
+    Each key has an environment variable (``RUNTIME_ENV``) that overrides it for one process, for debugging only
+    (a bisection without editing the recipe; the tests): the variable wins over the recipe while it is set."""
+
+    kernels: typing.Literal["auto", "reference"] = "auto"  # formats: Triton kernels on CUDA tensors | torch codecs
+    kernels_fast_launch: bool = True  # formats: call a compiled kernel's launcher directly (else Triton's JIT path)
+    kernels_hw: bool = True  # formats: the hardware conversion instructions in the kernels (else integer forms)
+    native: bool = True  # formats: the fused C codecs on CPU (else the torch code)
+    linear_bind: bool = True  # train: QuantLinear's bound kernel launches (else the entry points every call)
+    fp8_gemm: typing.Literal["auto", "emulated"] = "auto"  # train: block-FP8 GEMM kernel | its emulation
+    pipeline_workers: int | None = None  # convert: worker threads (0: sequential; None: the default, <= CPUs)
+    sync_kernels: str = "auto"  # sync: "auto" | "reference" | a comma list of the kernels to use (digest,copy,ff)
+    sync_graphs: bool = True  # reference engine: C3 as replayed CUDA graphs (else eager every sync)
+    sync_shared: bool = True  # sync: C2 and C4 from one read of the engine's tensors (check_state) | two calls
+
+    def _validate(self, where: Where) -> None:
+        for f in dataclasses.fields(self):
+            if f.name in ENV_ONLY and getattr(self, f.name) != f.default:
+                raise where.child(f.name).error(
+                    f"not read from the config yet: the code it switches reads only the variable "
+                    f"{RUNTIME_ENV[f.name]} (set it for one process to change this switch); remove {f.name} here")
+        if self.pipeline_workers is not None and self.pipeline_workers < 0:
+            raise where.child("pipeline_workers").error(f"must be >= 0, got {self.pipeline_workers}")
+        kinds = {"digest", "copy", "ff"}
+        if self.sync_kernels not in ("auto", "reference") and not set(self.sync_kernels.split(",")) <= kinds:
+            raise where.child("sync_kernels").error(f"must be auto, reference or a comma list of {sorted(kinds)}, got "
+                                                    f"{self.sync_kernels!r}")
+
+
+#: the debugging override of each ``RuntimeConfig`` key
+RUNTIME_ENV: dict[str, str] = {
+    "kernels": "MILES_LP_KERNELS",
+    "kernels_fast_launch": "MILES_LP_KERNELS_FAST_LAUNCH",
+    "kernels_hw": "MILES_LP_KERNELS_HW",
+    "native": "MILES_LP_NATIVE",
+    "linear_bind": "MILES_LP_LINEAR_BIND",
+    "fp8_gemm": "MILES_LP_FP8_GEMM",
+    "pipeline_workers": "MILES_LP_PIPELINE",
+    "sync_kernels": "MILES_LP_SYNC_KERNELS",
+    "sync_graphs": "MILES_LP_SYNC_GRAPHS",
+    "sync_shared": "MILES_LP_SYNC_SHARED",
+}
+
+#: keys whose code still reads only its variable (``os.environ``, in formats/ and train/): a config value other than
+#: the default is refused, never silently ignored. ``tests/unit/test_config_environment.py`` keeps it exact: a key
+#: leaves this set when its code reads ``switch(key)``.
+ENV_ONLY: frozenset[str] = frozenset({"kernels", "kernels_fast_launch", "kernels_hw", "native", "linear_bind",
+                                      "fp8_gemm"})
+
+_RUNTIME = RuntimeConfig()
+_FORCED: dict[str, Any] = {}  # runtime_override's values: they win over the debugging variables
+
+
+def use_runtime(cfg: RuntimeConfig) -> None:
+    """Make ``cfg`` this process's run-time switches (a run calls it once, from its recipe)."""
+    global _RUNTIME
+    if not isinstance(cfg, RuntimeConfig):
+        raise TypeError(f"use_runtime takes a RuntimeConfig, got {type(cfg).__name__}")
+    _RUNTIME = cfg
+
+
+def runtime() -> RuntimeConfig:
+    """This process's run-time switches with every debugging override that is set applied."""
+    return dataclasses.replace(_RUNTIME, **{k: switch(k) for k in RUNTIME_ENV})
+
+
+@contextlib.contextmanager
+def runtime_override(**changes: Any):
+    """Switches forced for the duration of a ``with`` block, over the recipe's and the debugging variables' (a
+    self-check or a benchmark that compares two paths), instead of writing the environment. Process-wide: not for
+    code that runs while other threads read the same switch."""
+    unknown = sorted(set(changes) - set(RUNTIME_ENV))
+    if unknown:
+        raise TypeError(f"runtime_override: no run-time switch {unknown}; known: {sorted(RUNTIME_ENV)}")
+    dataclasses.replace(_RUNTIME, **changes)._validate(Where("runtime_override", "runtime"))
+    old = dict(_FORCED)
+    _FORCED.update(changes)
+    try:
+        yield
+    finally:
+        _FORCED.clear()
+        _FORCED.update(old)
+
+
+def switch(name: str) -> Any:
+    """One run-time switch: a ``runtime_override`` in force, else its debugging variable when set
+    (``RUNTIME_ENV``), else the configured value. Read at each call (one environment lookup), so a test or a shell
+    that sets the variable is obeyed at once."""
+    if _FORCED and name in _FORCED:
+        return _FORCED[name]
+    var = RUNTIME_ENV[name]
+    raw = os.environ.get(var)
+    if raw is None:
+        return getattr(_RUNTIME, name)
+    return _env_value(name, var, raw)
+
+
+def _env_value(name: str, var: str, raw: str) -> Any:
+    """A debugging variable's value, read as the code read it before the key existed: a bool is off only for
+    ``0``; ``kernels`` / ``fp8_gemm`` switch only for their one other value; ``pipeline_workers`` is a count of
+    digits (anything else: the default)."""
+    if name == "kernels":
+        return "reference" if raw == "reference" else "auto"
+    if name == "fp8_gemm":
+        return "emulated" if raw == "emulated" else "auto"
+    if name == "pipeline_workers":
+        return int(raw) if raw.strip().isdigit() else None
+    if name == "sync_kernels":
+        return raw
+    return raw != "0"
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvVar:
+    """One ``MILES_LP_*`` environment variable: what kind it is and why it is a variable, not a config key."""
+
+    kind: typing.Literal["location", "credential", "process", "debug", "ci"]
+    what: str
+
+
+#: every ``MILES_LP_*`` variable the code reads (``tests/unit/test_config_environment.py`` keeps this list exact;
+#: docs/configuration.md tabulates it). ``location``: where something is on this machine; ``credential``: a
+#: secret that must not be written into a recipe; ``process``: set by miles-lp for a child process it starts;
+#: ``debug``: a debugging override of a config key (``RUNTIME_ENV``, the sync's checks) or a test-only switch;
+#: ``ci``: read by .ci/run and the tests only.
+ENVIRONMENT: dict[str, EnvVar] = {
+    "MILES_LP_API_KEY": EnvVar("credential", "the API key of `miles-lp serve` and of the SGLang servers it talks to"),
+    "MILES_LP_CACHE_DIR": EnvVar("location", "the cache folder (compiled native codecs, pretrained models)"),
+    "MILES_LP_VLLM_PYTHON": EnvVar("location", "the interpreter of the vLLM venv"),
+    "MILES_LP_VLLM_VENV": EnvVar("location", "the vLLM venv folder (its bin/python)"),
+    "MILES_LP_SGLANG_PYTHON": EnvVar("location", "the interpreter of the SGLang venv"),
+    "MILES_LP_SGLANG_VENV": EnvVar("location", "the SGLang venv folder (its bin/python)"),
+    "MILES_LP_VLLM_WORKER": EnvVar("process", "the vLLM engine process's settings (JSON), from its parent"),
+    "MILES_LP_VLLM_AUTHKEY": EnvVar("process", "the vLLM engine process's socket key, from its parent"),
+    "MILES_LP_SGLANG_INTROSPECT_PORT": EnvVar("process", "the SGLang process's introspection port, from its parent"),
+    "MILES_LP_SGLANG_INTROSPECT_KEY": EnvVar("process", "the SGLang process's introspection key, from its parent"),
+    "MILES_LP_SGLANG_FAULTS": EnvVar("debug", "allows the fault-injection endpoint of a launched SGLang server "
+                                              "(tests, `miles-lp selftest`); off unless 1"),
+    "MILES_LP_SYNC_CHECKS": EnvVar("debug", "overrides every sync.checks.<check> mode for one process"),
+    "MILES_LP_SYNC_CHECK_": EnvVar("debug", "MILES_LP_SYNC_CHECK_<CHECK>: overrides sync.checks.<check>"),
+    "MILES_LP_SYNC_CHECK": EnvVar("debug", "the prefix of MILES_LP_SYNC_CHECK_<CHECK> (named in messages)"),
+    "MILES_LP_COMMIT": EnvVar("debug", "`miles-lp bench quantize_cuda`: the commit recorded with its figures"),
+    "MILES_LP_SWEEP": EnvVar("debug", "`miles-lp bench quantize_cuda`: sweep only these CONFIG keys' launch shapes"),
+    **{var: EnvVar("debug", f"overrides runtime.{key}") for key, var in RUNTIME_ENV.items()},
+}

@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from miles_lp.config import switch
+
 STAGES = ("read", "hash", "quantize", "write")
 DEFAULT_WORKERS = 2  # this machine has 2 cores; the reader, hasher and writer mostly wait on the kernel
 
@@ -74,10 +76,11 @@ def last_clock() -> Clock | None:
 
 
 def default_workers() -> int:
-    """``MILES_LP_PIPELINE`` (0 = sequential, N = N workers), else ``DEFAULT_WORKERS``, at most the CPUs."""
-    env = os.environ.get("MILES_LP_PIPELINE")
-    if env is not None and env.strip().isdigit():
-        return int(env)
+    """``runtime.pipeline_workers`` (0 = sequential, N = N workers; debugging override ``MILES_LP_PIPELINE``), else
+    ``DEFAULT_WORKERS``, at most the CPUs."""
+    workers = switch("pipeline_workers")
+    if workers is not None:
+        return workers
     return max(1, min(DEFAULT_WORKERS, os.cpu_count() or 1))
 
 

@@ -10,6 +10,7 @@
     task: {name: copy, ...}                          # miles_lp.rl.tasks.TaskConfig
     ray: {enabled: false, ...}                       # RayConfig below
     logging: {output_dir: runs, tensorboard: false}
+    runtime: {kernels: auto, ...}                    # miles_lp.config.RuntimeConfig: how the code runs, not what
     steps: 60
     seed: 0
     checkpoint_every: 20
@@ -29,7 +30,16 @@ from typing import Any, Literal
 
 import yaml
 
-from miles_lp.config import Where, YamlDoc, check_keys, load_yaml, load_yaml_text, parse_dataclass, suggest
+from miles_lp.config import (
+    RuntimeConfig,
+    Where,
+    YamlDoc,
+    check_keys,
+    load_yaml,
+    load_yaml_text,
+    parse_dataclass,
+    suggest,
+)
 from miles_lp.errors import ConfigError
 from miles_lp.policy.policy import PrecisionPolicy, parse_policy
 from miles_lp.rl.config import RLConfig
@@ -137,8 +147,8 @@ class FleetSection:
         return len(self.urls) or self.engines
 
 
-SECTIONS = ("model", "precision", "sampler_precision", "train", "rollout", "sync", "rl", "task", "ray", "logging", "steps", "seed",
-            "checkpoint_every")
+SECTIONS = ("model", "precision", "sampler_precision", "train", "rollout", "sync", "rl", "task", "ray", "logging",
+            "runtime", "steps", "seed", "checkpoint_every")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +173,8 @@ class Recipe:
     lines: Mapping[str, int] = dataclasses.field(default_factory=dict, compare=False, repr=False)
     overrides: tuple[str, ...] = dataclasses.field(default=(), compare=False)
     fleet: FleetSection = dataclasses.field(default_factory=FleetSection)  # rollout.engines / rollout.urls
+    # the run-time switches (``miles_lp.config.use_runtime`` makes them the process's, at run start)
+    runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
 
     def origin(self, key: str) -> tuple[str, int | None]:
         """Where ``key`` (a dotted path) got its value: ``("--set k=v", None)`` for the last override that set
@@ -442,6 +454,7 @@ def parse_recipe(doc: YamlDoc) -> Recipe:
         raw=copy.deepcopy(data),
         lines=dict(doc.lines),
         fleet=fleet,
+        runtime=parse_dataclass(RuntimeConfig, data.get("runtime"), w.child("runtime")),
     )
 
 

@@ -13,7 +13,8 @@ instead of being concatenated into a padded buffer first (the torch path moves ~
 tables (byte offsets from a base pointer, sizes, slots, multipliers, and the program -> (tensor, first row)
 map) are built on the host with numpy and cached by the tensors' addresses and sizes (the layout repeats every
 sync), so a repeated call costs a tuple of ``data_ptr()`` per tensor, one ``torch.zeros`` and one launch.
-``MILES_LP_SYNC_KERNELS=reference`` turns the kernel off (the torch path then runs on CUDA too).
+``runtime.sync_kernels: reference`` (debugging: ``MILES_LP_SYNC_KERNELS=reference``) turns the kernel off (the
+torch path then runs on CUDA too).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
+
+from miles_lp.config import switch
 
 ROW_BYTES = 4096
 ROWS = 8  # rows of 1024 words per program: 32 KiB read per program
@@ -54,10 +57,10 @@ def _interpreting() -> bool:
 def enabled(device: torch.device, kind: str = "digest") -> bool:
     """Whether the sync should use kernel ``kind`` (``digest``: C2 fingerprints, ``copy``: the bucket fill,
     ``ff``: C5's 0xFF counts) for tensors on ``device``: CUDA (or CPU under ``TRITON_INTERPRET=1``), Triton
-    importable, and ``MILES_LP_SYNC_KERNELS`` ``auto`` (default: all), or a comma list of the kinds to use
-    (``digest,ff``), or ``reference`` (none: the torch paths)."""
-    env = os.environ.get("MILES_LP_SYNC_KERNELS", "auto")
-    if env != "auto" and kind not in env.split(","):
+    importable, and the switch ``runtime.sync_kernels`` (debugging override ``MILES_LP_SYNC_KERNELS``) ``auto``
+    (default: all), or a comma list of the kinds to use (``digest,ff``), or ``reference`` (none: the torch paths)."""
+    chosen = switch("sync_kernels")
+    if chosen != "auto" and kind not in chosen.split(","):
         return False
     if device.type != "cuda" and not (device.type == "cpu" and _interpreting()):
         return False

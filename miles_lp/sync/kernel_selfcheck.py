@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from miles_lp.config import runtime_override
 from miles_lp.multitensor.kernels import ROW_BYTES, ROWS, enabled, ff_counts, segment_values
 
 
@@ -100,17 +101,10 @@ def fill_check(device: str = "cpu", seed: int | None = None) -> dict:
     del bucket.payload["t5"]  # a slot nothing writes: stays the 0xFF fill
     bufs = []
     for mode in ("auto", "reference"):
-        old = os.environ.get("MILES_LP_SYNC_KERNELS")
-        os.environ["MILES_LP_SYNC_KERNELS"] = mode
-        try:
+        with runtime_override(sync_kernels=mode):
             buf = torch.zeros(bucket.nbytes, dtype=torch.uint8, device=dev)
             fill_slots(buf, bucket)
             bufs.append(buf.cpu())
-        finally:
-            if old is None:
-                del os.environ["MILES_LP_SYNC_KERNELS"]
-            else:
-                os.environ["MILES_LP_SYNC_KERNELS"] = old
     bad = int((bufs[0] != bufs[1]).sum())
     return {"seed": seed, "slots": len(bucket.slots), "mismatched_bytes": bad,
             "kernel_path": enabled(dev, "copy"), "ff_bytes": int((bufs[0] == 0xFF).sum())}

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from miles_lp.config import switch
 from miles_lp.errors import BackendUnavailable, ConfigError
 from miles_lp.multitensor.digest import (
     _head,
@@ -226,10 +227,9 @@ class WeightSync:
         self._layout_cache: _Layout | None = None
         # an engine with ``check_state`` (the reference engine) answers C4 and C2's engine side in one read of
         # its live tensors; the pointers then come as two aligned tuples, compared as one tuple per sync
-        # (``MILES_LP_SYNC_SHARED=0``: the two separate calls, storage_pointers and weight_group_fingerprints, for
-        # an A/B of the same engine)
-        self._shared = (Capability.CHECK_STATE in self.caps
-                        and os.environ.get("MILES_LP_SYNC_SHARED", "1") != "0")
+        # (``runtime.sync_shared: false``: the two separate calls, storage_pointers and weight_group_fingerprints,
+        # for an A/B of the same engine)
+        self._shared = Capability.CHECK_STATE in self.caps and switch("sync_shared")
         self._ptr_names: tuple[str, ...] | None = None
         self._ptr_base: tuple[int, ...] | None = None
         try:

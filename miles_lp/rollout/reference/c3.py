@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from miles_lp.config import switch
 from miles_lp.formats.spec import Format
 from miles_lp.rollout.layers import EngineLinear, LinearStack
 from miles_lp.rollout.reference import rotating_graph
@@ -219,9 +220,7 @@ class ReferenceSelfCheck:
         return None if layer in fixed else layer
 
     def _graphs_on(self) -> bool:
-        import os
-
-        return self.device.type == "cuda" and os.environ.get("MILES_LP_SYNC_GRAPHS", "1") != "0"
+        return self.device.type == "cuda" and switch("sync_graphs")
 
     def _rot_graphs(self):
         g = self.__dict__.get("_rot_graph_state")
@@ -280,16 +279,14 @@ class ReferenceSelfCheck:
         return tuple(key)
 
     def _c3_values(self, work: list[tuple], pending: tuple | None = None) -> tuple[list[float], str]:
-        """The self-check's figures and how they were computed. On CUDA (unless ``MILES_LP_SYNC_GRAPHS=0``) the
+        """The self-check's figures and how they were computed. On CUDA (unless ``runtime.sync_graphs`` is off) the
         whole computation (~100 kernels: two GEMM pairs, the float64 reference, the fresh derivation) is captured
         once in a CUDA graph and replayed while everything it reads is where it was captured (``_c3_key``: the
         same tensors at the same addresses, the same formats and derived sets), so a sync pays one replay instead
         of ~100 launches of host work; the replay reads the live bytes, so stale derived state shows exactly as
         in the eager path. A graph is kept only if its first replay equals the eager figures bit for bit;
         anything else (a capture error, a mismatch) runs eager from then on, the reason in ``graph``."""
-        import os
-
-        if self.device.type != "cuda" or os.environ.get("MILES_LP_SYNC_GRAPHS", "1") == "0":
+        if self.device.type != "cuda" or not switch("sync_graphs"):
             return self._c3_figures(work).tolist(), "eager"
         off = self.__dict__.get("_c3_graph_off")
         if off is not None:
