@@ -60,7 +60,10 @@ def run(args) -> int:
 
         print(json.dumps(dry_run(recipe), indent=2))
         return 0
+    from miles_lp.config import use_runtime
     from miles_lp.launch.runner import RunInterrupted, check_transport, interrupted_note, resumed_recipe
+
+    use_runtime(recipe.runtime)  # this process's run-time switches (a recipe with ray.enabled keeps the defaults)
 
     # refusals that need no model, before a Ray cluster starts or anything is built (Run and the Ray launcher make
     # them again): the transport, a resume's model folder and steps

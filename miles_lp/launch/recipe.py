@@ -31,6 +31,7 @@ from typing import Any, Literal
 import yaml
 
 from miles_lp.config import (
+    RUNTIME_ENV,
     RuntimeConfig,
     Where,
     YamlDoc,
@@ -219,6 +220,20 @@ def _fleet(mapping: Any, where: Where) -> tuple[Any, FleetSection]:
         raise where.child("urls").error(f"a server is named twice: {urls}")
     rest["url"] = urls[0]  # the rollout section's own checks (scheme, host, port) read the first; each is checked
     return rest, FleetSection(engines=len(urls), urls=tuple(urls))
+
+
+def _runtime(mapping: Any, ray: RayConfig, where: Where) -> RuntimeConfig:
+    """The ``runtime:`` section. ``miles-lp run`` applies it in its own process; a Ray run's actors are other
+    processes that do not receive it yet, so there a key set away from its default is refused, not ignored."""
+    cfg = parse_dataclass(RuntimeConfig, mapping, where)
+    if ray.enabled:
+        for f in dataclasses.fields(cfg):
+            if getattr(cfg, f.name) != f.default:
+                raise where.child(f.name).error(
+                    "with ray.enabled the run-time switches reach the driver only, not the Ray actors that run the "
+                    f"engines and the learner; remove {f.name} here (its variable {RUNTIME_ENV[f.name]} is read by "
+                    "every process that inherits it)")
+    return cfg
 
 
 def _sampler_policy(mapping: Any, where: Where) -> PrecisionPolicy | None:
@@ -454,7 +469,7 @@ def parse_recipe(doc: YamlDoc) -> Recipe:
         raw=copy.deepcopy(data),
         lines=dict(doc.lines),
         fleet=fleet,
-        runtime=parse_dataclass(RuntimeConfig, data.get("runtime"), w.child("runtime")),
+        runtime=_runtime(data.get("runtime"), ray, w.child("runtime")),
     )
 
 
