@@ -254,3 +254,27 @@ def test_the_checker_sees_function_local_and_string_imports(tmp_path, monkeypatc
     assert set(upward_edges()) == {("miles_lp.formats.codec", "miles_lp.cli"),
                                    ("miles_lp.formats.lazy", "miles_lp.cli.run")}
     assert module_cycles() == {("miles_lp.cli.run", "miles_lp.formats.lazy")}
+
+
+def test_the_architecture_page_shows_this_package_graph():
+    """docs/ARCHITECTURE.md's "After" graph is the one the imports make (each package's imported packages, in
+    layer order), and its Layers table names every package."""
+    import re
+
+    doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    after = doc.split("After (this tree", 1)[1].split("```", 2)[1]
+    shown = {}
+    for line in after.strip().splitlines():
+        pkg, _, deps = line.partition("->")
+        shown[pkg.strip()] = [d.strip() for d in deps.split(",")]
+    rank = _rank()
+    graph: dict[str, set[str]] = defaultdict(set)
+    for a, b in import_edges():
+        if _package(a) != _package(b):
+            graph[_package(a)].add(_package(b))
+    want = {p: ["root" if d == "<root>" else d for d in sorted(ds, key=lambda q: (rank[q], q))]
+            for p, ds in graph.items()}
+    assert shown == want, {p: (shown.get(p), want.get(p)) for p in set(shown) | set(want) if shown.get(p) != want.get(p)}
+    table = set(re.findall(r"^\| \d+ \| (.+?) \|", doc, re.M))
+    named = {n for cell in table for n in re.findall(r"`(\w+)`", cell)}
+    assert {p for p in rank if p != "<root>"} <= named
