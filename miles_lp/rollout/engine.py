@@ -142,7 +142,8 @@ class Engine(Protocol):
 
     def self_check(self, seed: int = 0) -> Mapping[str, Any]:
         """C3: one quantized dense layer and one expert through the serving kernel on random input vs a
-        high-precision GEMM on the dequantized canonical weights; ``{"layers": {name: rel_err}, ...}``."""
+        high-precision GEMM on the dequantized canonical weights; ``{"layers": {name: rel_err}, ...}``. The probe,
+        its figures and the pass rule are ``miles_lp.rollout.self_check``'s, the same for every engine."""
         ...
 
     def health(self) -> Mapping[str, Any]:

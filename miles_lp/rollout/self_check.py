@@ -18,6 +18,7 @@ reference engine captures them in a CUDA graph.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -63,10 +64,15 @@ def reference_gemm(x: torch.Tensor, w64: torch.Tensor) -> torch.Tensor:
 
 
 def passes(layers: Iterable[Mapping[str, Any]], tolerance: float = TOLERANCE) -> bool:
-    """C3's rule on one engine's answer: at least one layer probed, every ``rel_err`` within ``tolerance`` and every
-    ``fresh_diff`` (where the engine measured one) exactly 0."""
+    """C3's rule on one engine's answer: at least one layer probed, every layer's ``rel_err`` present, finite and
+    within ``tolerance``, and every ``fresh_diff`` (where the engine measured one) exactly 0."""
     layers = list(layers)
-    return bool(layers) and all(v.get("rel_err", 0.0) <= tolerance and v.get("fresh_diff", 0) == 0 for v in layers)
+    return bool(layers) and all(_layer_passes(v, tolerance) for v in layers)
+
+
+def _layer_passes(entry: Mapping[str, Any], tolerance: float) -> bool:
+    e = float(entry.get("rel_err", math.inf))
+    return math.isfinite(e) and e <= tolerance and float(entry.get("fresh_diff", 0.0)) == 0.0
 
 
 # ---- which layer each sync probes ------------------------------------------------------------------------------

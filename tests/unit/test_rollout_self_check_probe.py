@@ -39,6 +39,7 @@ def test_the_pass_rule_needs_a_layer_every_rel_err_within_and_every_fresh_diff_z
     assert not c3.passes([{"rel_err": 0.3}])
     assert not c3.passes([{"rel_err": 0.01, "fresh_diff": 1e-3}])
     assert not c3.passes([{"rel_err": math.nan}]) and not c3.passes([{"rel_err": 0.0, "fresh_diff": math.nan}])
+    assert not c3.passes([{"fresh_diff": 0.0}]) and not c3.passes([{"rel_err": math.inf, "reason": "no tensor"}])
     assert c3.passes([{"rel_err": 0.3}], tolerance=0.5)
 
 
