@@ -203,3 +203,30 @@ def test_the_recipe_runtime_section_is_typed_and_strict(tmp_path):
     p.write_text(base + "runtime: {kernels: triton}\n")
     with pytest.raises(ConfigError, match=r"'runtime.kernels': must be one of 'auto', 'reference'"):
         load_recipe(p)
+
+
+def test_miles_lp_run_makes_the_recipe_runtime_the_process_switches(tmp_path, clean):
+    """``miles-lp run`` applies the recipe's ``runtime:`` section before anything is built (stopped right after)."""
+    import argparse
+
+    import miles_lp.launch.runner as runner
+    from miles_lp.cli import run as cli_run
+
+    class Stop(Exception):
+        pass
+
+    seen = {}
+
+    def stop(recipe):
+        seen.update(graphs=switch("sync_graphs"), workers=switch("pipeline_workers"))
+        raise Stop
+
+    clean.setattr(runner, "check_transport", stop)
+    p = tmp_path / "r.yaml"
+    p.write_text("model: {path: 'tiny:qwen3'}\nprecision: {default: mxfp8}\nsteps: 1\n"
+                 "runtime: {sync_graphs: false, pipeline_workers: 1}\n")
+    parser = argparse.ArgumentParser()
+    cli_run.add_arguments(parser)
+    with pytest.raises(Stop):
+        cli_run.run(parser.parse_args([str(p)]))
+    assert seen == {"graphs": False, "workers": 1}
