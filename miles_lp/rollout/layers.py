@@ -439,7 +439,7 @@ class LinearStack:
     layer; the q_proj of every layer; ...) whose canonical and derived tensors are slices ``[i]`` of stacked
     ``[L, ...]`` storage, as SGLang's and vLLM's fused MoE layers hold ``w13`` / ``w2``. Each layer keeps its
     checkpoint-named parameters (views), so names, loads and updates are unchanged; an update of many of them
-    lands in a few strided copies (``miles_lp.sync.strided.batched_copy``), and ``process_weights_after_loading``
+    lands in a few strided copies (``miles_lp.multitensor.strided.batched_copy``), and ``process_weights_after_loading``
     derives all of them in a few batched passes (the same elementwise ops on a leading dim: the same bytes as
     one pass per layer; ``tests/unit/test_rollout_stacks.py``).
 

@@ -30,7 +30,6 @@ activations, NVFP4 emulation quantizes them per tensor with the static ``input_s
 from __future__ import annotations
 
 import json
-import math
 import os
 import secrets
 import subprocess
@@ -44,6 +43,7 @@ from typing import Any
 import torch
 
 from miles_lp.errors import BackendUnavailable
+from miles_lp.rollout import self_check as c3
 from miles_lp.rollout.engine import (
     Capability,
     EngineBusy,
@@ -281,11 +281,11 @@ class VLLMEngine:
         return out["digests"]
 
     def weight_fingerprints(self, names: Iterable[str]) -> dict[str, str | None]:
-        """``miles_lp.sync.digest.fingerprints`` of the tensors ``weight_digests`` hashes (the per-sync C2 path)."""
+        """``miles_lp.multitensor.digest.fingerprints`` of the tensors ``weight_digests`` hashes (the per-sync C2 path)."""
         return self._call("fingerprints", names=list(names))["fingerprints"]
 
     def weight_group_fingerprints(self, groups: dict[str, list[str]]) -> dict[str, str | None]:
-        """``miles_lp.sync.digest.group_fingerprints`` per atomic group (members in the given order)."""
+        """``miles_lp.multitensor.digest.group_fingerprints`` per atomic group (members in the given order)."""
         return self._call("group_fingerprints", groups={g: list(ns) for g, ns in groups.items()})["fingerprints"]
 
     def read_weights(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
@@ -306,9 +306,8 @@ class VLLMEngine:
         bytes: 0 when rebuilt; MXFP8, and NVFP4 on vLLM's emulation kernel). Keys ``<vLLM module>.weight``;
         ``ok``: every rel_err within the tolerance and every fresh_diff 0."""
         res = self._call("self_check", seed=seed, version=self.weight_version + self.c3_rotation_base)["result"]
-        res.setdefault("tolerance", SELF_CHECK_TOLERANCE)
-        layers = res.get("layers") or {}
-        res["ok"] = bool(layers) and all(_c3_ok(e, res["tolerance"]) for e in layers.values())
+        res.setdefault("tolerance", c3.TOLERANCE)
+        res["ok"] = c3.passes((res.get("layers") or {}).values(), res["tolerance"])
         return res
 
     def self_check_every_layer(self) -> dict[str, dict[str, Any]]:
@@ -342,15 +341,6 @@ class VLLMEngine:
             self._tmp.cleanup()
             if self._log is not None:
                 self._log.close()
-
-
-#: C3's default tolerance on rel_err (CONTRACT 5; ``SyncConfig.self_check_tolerance`` decides in the sync)
-SELF_CHECK_TOLERANCE = 0.25
-
-
-def _c3_ok(entry: dict[str, Any], tolerance: float) -> bool:
-    e = float(entry.get("rel_err", math.inf))
-    return math.isfinite(e) and e <= tolerance and float(entry.get("fresh_diff", 0.0)) == 0.0
 
 
 def _tail(path: str | Path | None, lines: int = 15) -> str:

@@ -53,7 +53,7 @@ from miles_lp.formats.kernels.runtime import (
     unavailable_reason,
 )
 from miles_lp.formats.kernels.runtime import (
-    load_jit_module as load_jit_module,  # the Triton loader miles_lp.sync.kernels shares
+    load_jit_module as load_jit_module,  # the Triton loader miles_lp.multitensor.kernels shares
 )
 from miles_lp.formats.kernels.runtime import (
     triton_cdiv as triton_cdiv,

@@ -93,7 +93,7 @@ def load_jit_module(path, name: str, interpret: bool):
     """Import the Triton source file ``path`` as module ``name`` (``_interpreted`` appended under the
     interpreter), its @triton.jit kernels compiled (``interpret=False``) or interpreted, whatever
     ``TRITON_INTERPRET`` says now: Triton reads that variable when a kernel is decorated, so each mode is its own
-    module. Shared with ``miles_lp.sync.kernels``."""
+    module. Shared with ``miles_lp.multitensor.kernels``."""
     name = name + ("_interpreted" if interpret else "")
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
