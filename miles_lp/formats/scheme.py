@@ -66,7 +66,9 @@ class FormatScheme(Protocol):
     for both); ``native_gemm`` (the learner has native GEMMs for it on some hardware, instead of the emulation);
     ``engine_activation_scales`` (the engine layer's accepted ``activation_scale`` values, ``()``: not
     validated); ``scaled_activations`` (the engine layer's ``activation_scale`` applies);
-    ``vllm_emulation`` (the engine can mimic vLLM's CPU emulation kernels for it).
+    ``vllm_emulation`` (the engine can mimic vLLM's CPU emulation kernels for it); ``modelopt_algo`` (ModelOpt's
+    ``quant_algo``, None: not a ModelOpt format); ``megatron_recipe`` (Megatron-Core's TransformerConfig recipe
+    keywords, None: none).
     """
 
     format: Format
@@ -83,6 +85,18 @@ class FormatScheme(Protocol):
     engine_activation_scales: tuple[str, ...]
     scaled_activations: bool
     vllm_emulation: bool
+    modelopt_algo: str | None
+    megatron_recipe: dict[str, str] | None
+
+    @property
+    def in_checkpoints(self) -> bool:
+        """Engine checkpoints can hold the format (it has on-disk parts for the targets)."""
+        ...
+
+    def ct_scheme(self) -> dict[str, Any]:
+        """The compressed-tensors config group scheme (``weights``, ``input_activations``, ``format``), equal as
+        ``QuantizationArgs`` to the package's own preset."""
+        ...
 
     def stored_bytes(self, n: int, shape: tuple[int, ...]) -> float:
         """Bytes stored for a tensor of ``n`` elements and ``shape``: elements plus scales."""
@@ -111,6 +125,11 @@ class FormatScheme(Protocol):
     def dequantize(self, q: Any, dtype: Any) -> Any:
         """``q.dequantize(dtype)``, through the CUDA kernels where they run (same bytes): the one place that
         chooses kernel or torch for a decode."""
+        ...
+
+    def dequantize_graph_safe(self, q: Any, dtype: Any) -> Any:
+        """The codec's torch decode (``q.dequantize(dtype)``, the same ops: the same bytes, never the kernels),
+        with nothing a CUDA graph capture refuses (no host->device copy per call)."""
         ...
 
     def use_compiled(self, kernel: str, x: Any) -> bool:

@@ -30,6 +30,19 @@ class BaseScheme:
     vllm_emulation: bool = False
     #: target -> the on-disk tensors of one weight
     _parts: dict[str, tuple[Part, ...]] = {}
+    #: engine configs: ModelOpt's ``quant_algo`` (None: not a ModelOpt format), Megatron-Core's TransformerConfig
+    #: recipe keywords (None: not a TE recipe)
+    modelopt_algo: str | None = None
+    megatron_recipe: dict[str, str] | None = None
+
+    @property
+    def in_checkpoints(self) -> bool:
+        """Engine checkpoints can hold the format (it has on-disk parts for the targets)."""
+        return bool(self._parts)
+
+    def ct_scheme(self) -> dict[str, Any]:
+        """The compressed-tensors config group scheme (``weights``, ``input_activations``, ``format``)."""
+        raise FormatError(f"format {self.format.value} has no compressed-tensors scheme")
 
     def __repr__(self) -> str:
         return f"<scheme {self.format.value}>"
@@ -56,6 +69,9 @@ class BaseScheme:
                           f"({self.quantized_backward_refusal or 'not a trainable format'})")
 
     def dequantize(self, q: Any, dtype: Any) -> Any:
+        return q.dequantize(dtype)
+
+    def dequantize_graph_safe(self, q: Any, dtype: Any) -> Any:
         return q.dequantize(dtype)
 
     def use_compiled(self, kernel: str, x: Any) -> bool:

@@ -28,6 +28,7 @@ class FP8BlockScheme(BaseScheme):
     pow2_scales = True
     transposable_weight = True
     native_gemm = True
+    megatron_recipe = {"fp8": "e4m3", "fp8_recipe": "blockwise"}
     engine_activation_scales = ("pow2", "fp32")  # the engine's 1x128 activation tile scales
     scaled_activations = True
     _parts = {  # SGLang's / vLLM's Fp8Config with weight_block_size; compressed-tensors' FP8_BLOCK: weight_scale
@@ -39,6 +40,14 @@ class FP8BlockScheme(BaseScheme):
     def stored_bytes(self, n: int, shape: tuple[int, ...]) -> float:
         rows = shape[-2] if len(shape) > 1 else 1  # 1 B + a 4 B scale per 128x128 tile of each matrix
         return n + 4 * -(-rows // 128) * -(-shape[-1] // 128) * (n // max(rows * shape[-1], 1))
+
+    def ct_scheme(self) -> dict[str, Any]:
+        """compressed-tensors' ``FP8_BLOCK`` preset (v0.20): 128x128 weight blocks, 1x128 dynamic activations."""
+        w = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128], "symmetric": True,
+             "dynamic": False}
+        return {"weights": w, "input_activations": {"num_bits": 8, "type": "float", "strategy": "group",
+                                                    "group_size": 128, "symmetric": True, "dynamic": True},
+                "format": "float-quantized"}
 
     def weight_options(self, *, amax: Any = None, block_2d: bool = False, pow2_scales: bool = False,
                        compile: bool = False, name: str | None = None) -> dict[str, Any]:

@@ -3,12 +3,21 @@ the policy (``miles-lp explain`` sizes it): not trained by QuantLinear and not w
 
 from __future__ import annotations
 
+from typing import Any
+
 from miles_lp.formats.schemes.base import BaseScheme
 from miles_lp.formats.spec import Format
 
 
 class FP8TensorScheme(BaseScheme):
     format = Format.FP8_TENSOR
+    megatron_recipe = {"fp8": "e4m3", "fp8_recipe": "tensorwise"}
+
+    def ct_scheme(self) -> dict[str, Any]:
+        """The weights of compressed-tensors' ``FP8`` preset; activations dynamic per tensor (the plan's current
+        scaling), not the preset's static ones."""
+        w = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
+        return {"weights": w, "input_activations": dict(w, dynamic=True), "format": "float-quantized"}
 
     def stored_bytes(self, n: int, shape: tuple[int, ...]) -> float:
         return n + 4  # 1 B + one 4 B scale

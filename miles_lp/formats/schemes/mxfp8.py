@@ -18,6 +18,8 @@ class MXFP8Scheme(BaseScheme):
     aligned = True
     trainable = True
     vllm_emulation = True
+    modelopt_algo = "MXFP8"
+    megatron_recipe = {"fp8": "e4m3", "fp8_recipe": "mxfp8"}
     _parts = {
         "sglang": (_DATA, Part("weight_scale_inv", "scale", "U8", "kblock")),
         "vllm": (_DATA, Part("weight_scale", "scale", "U8", "kblock")),  # modelopt_mxfp8 names it weight_scale
@@ -26,6 +28,12 @@ class MXFP8Scheme(BaseScheme):
 
     def stored_bytes(self, n: int, shape: tuple[int, ...]) -> float:
         return n + n / 32  # 1 B + 1 B E8M0 per 32
+
+    def ct_scheme(self) -> dict[str, Any]:
+        """compressed-tensors' ``MXFP8`` preset (v0.20)."""
+        w = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True,
+             "dynamic": False, "scale_dtype": "torch.uint8", "zp_dtype": "torch.uint8"}
+        return {"weights": w, "input_activations": dict(w, dynamic=True), "format": "mxfp8-quantized"}
 
     def weight_options(self, *, amax: Any = None, block_2d: bool = False, pow2_scales: bool = False,
                        compile: bool = False, name: str | None = None) -> dict[str, Any]:

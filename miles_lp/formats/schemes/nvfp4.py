@@ -39,10 +39,20 @@ class NVFP4Scheme(BaseScheme):
     joint_global_scale = True
     scaled_activations = True  # the engine's activation_scale: "token" (the RL recipe) or "tensor"
     vllm_emulation = True
+    modelopt_algo = "NVFP4"
+    megatron_recipe = {"fp4": "e2m1", "fp4_recipe": "nvfp4"}
     _parts = {"sglang": _MODELOPT, "vllm": _MODELOPT, "compressed-tensors": _COMPRESSED_TENSORS}
 
     def stored_bytes(self, n: int, shape: tuple[int, ...]) -> float:
         return n / 2 + n / 16 + 4  # 0.5 B + 1 B E4M3 per 16 + a 4 B global scale
+
+    def ct_scheme(self) -> dict[str, Any]:
+        """compressed-tensors' ``NVFP4`` preset (v0.20): activations ``tensor_group`` with ``dynamic: "local"`` (a
+        static per-tensor global input scale, dynamic block scales)."""
+        w = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True,
+             "dynamic": False, "scale_dtype": "torch.float8_e4m3fn", "zp_dtype": "torch.float8_e4m3fn"}
+        return {"weights": w, "input_activations": dict(w, dynamic="local", observer="static_minmax"),
+                "format": "nvfp4-pack-quantized"}
 
     def weight_options(self, *, amax: Any = None, block_2d: bool = False, pow2_scales: bool = False,
                        compile: bool = False, name: str | None = None) -> dict[str, Any]:
@@ -66,6 +76,22 @@ class NVFP4Scheme(BaseScheme):
         if dtype in (torch.bfloat16, torch.float32) and kernels.enabled(q.data):
             return kernels.nvfp4_dequantize(q, dtype)
         return q.dequantize(dtype)
+
+    def dequantize_graph_safe(self, q: Any, dtype: Any) -> Any:
+        """``NVFP4Tensor.dequantize``'s torch ops in the same order (the same bytes), with the E2M1 decode table
+        made once per device and kept instead of built from a Python list at each call (a host->device copy,
+        which a CUDA graph capture refuses)."""
+        import torch
+
+        from miles_lp.formats import bits
+
+        dev = q.data.device
+        table = _E2M1.get(str(dev))
+        if table is None:
+            table = _E2M1[str(dev)] = bits.e2m1_table(dev)
+        vals = table[bits.unpack_fp4(q.data).to(torch.int64)]  # [..., K]
+        sf = q.scale.to(torch.float32).repeat_interleave(NVFP4_BLOCK, dim=-1)  # [..., K]
+        return ((vals * sf) * q.global_scale).to(dtype)
 
     def use_compiled(self, kernel: str, x: Any) -> bool:
         """``auto``: on CUDA where this torch's Inductor compiles exact fp32 division (NVFP4's scale math
@@ -95,6 +121,7 @@ class NVFP4Scheme(BaseScheme):
 
 
 _EXACT_DIV: list[bool] = []
+_E2M1: dict[str, Any] = {}  # device -> the E2M1 decode table (dequantize_graph_safe)
 
 
 def _exact_division() -> bool:
