@@ -56,9 +56,18 @@ def reference_dequantize(q: Any, dtype: torch.dtype) -> torch.Tensor:
     return q.dequantize(dtype)
 
 
-#: the compiled twins of ``miles_lp.train.fused`` (same bytes), for the formats whose scheme uses them
-#: (``FormatScheme.use_compiled``)
+#: the compiled twins of ``miles_lp.train.fused`` (same bytes) for the formats whose scheme uses them
+#: (``FormatScheme.use_compiled``): decode, activation grid + decode, weight grid + decode
 _FUSED_DEQUANTIZE = {Format.MXFP8: fused.mxfp8_dequantize, Format.NVFP4: fused.nvfp4_dequantize}
+_FUSED_ACTIVATION = {
+    Format.MXFP8: lambda x, recipe, dtype: fused.mxfp8_qdq(x, -1, dtype),
+    Format.NVFP4: lambda x, recipe, dtype: fused.nvfp4_qdq(x, recipe.nvfp4_row_scope, dtype),
+}
+_FUSED_WEIGHT = {
+    Format.MXFP8: lambda w, recipe, dtype, amax: fused.mxfp8_qdq(w, -1, dtype),
+    Format.NVFP4: lambda w, recipe, dtype, amax: fused.nvfp4_qdq(w, "tensor", dtype, amax=amax,
+                                                                 block_2d=recipe.block_2d),
+}
 
 
 def fused_dequantize(q: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -68,16 +77,12 @@ def fused_dequantize(q: Any, dtype: torch.dtype) -> torch.Tensor:
 
 def fused_activation(x: torch.Tensor, recipe: LinearRecipe, dtype: torch.dtype):
     """``(quantize_activation(x, recipe), its dequantization)`` in one compiled pass."""
-    if recipe.format is Format.MXFP8:
-        return fused.mxfp8_qdq(x, -1, dtype)
-    return fused.nvfp4_qdq(x, recipe.nvfp4_row_scope, dtype)
+    return _FUSED_ACTIVATION[recipe.format](x, recipe, dtype)
 
 
 def fused_weight(w: torch.Tensor, recipe: LinearRecipe, dtype: torch.dtype, amax: torch.Tensor | None):
     """``(quantize_weight(w, recipe, amax=amax), its dequantization)`` in one compiled pass."""
-    if recipe.format is Format.MXFP8:
-        return fused.mxfp8_qdq(w, -1, dtype)
-    return fused.nvfp4_qdq(w, "tensor", dtype, amax=amax, block_2d=recipe.block_2d)
+    return _FUSED_WEIGHT[recipe.format](w, recipe, dtype, amax)
 
 
 def check_operand(t: torch.Tensor, recipe: LinearRecipe, axis: int, what: str) -> None:
