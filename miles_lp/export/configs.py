@@ -140,7 +140,7 @@ def engine_schemes_for(target: str, quant_config, files: dict[str, dict], plan) 
                 if f2 != f:
                     raise ConfigError(f"{HF_QUANT_CONFIG} and config.json disagree on '{m.name}' "
                                       f"({f2.value} vs {f.value})")
-            return S.BF16 if f is Format.BF16 else S.Scheme(f, S.modelopt_params(f, quant_config, hf, sglang=True))
+            return S.BF16 if not f.quantized else S.Scheme(f, S.modelopt_params(f, quant_config, hf, sglang=True))
         if method == "modelopt" and target == "vllm":
             excl = quant_config.get("ignore") or []
             if C.vllm_modelopt_is_layer_excluded(m.name, excl):

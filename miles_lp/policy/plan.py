@@ -296,7 +296,7 @@ def compile_plan(policy: PrecisionPolicy, layout: ModelLayout, tensors: Mapping[
         elif st.selected == 0 and st.invariant:
             warnings.append(f"{where}{rule.label} ({rule.text}) has no effect: it selects only invariant tensors "
                             f"({st.invariant}), which are bf16 anyway")
-        elif st.selected == 0 and rule.patterns and rule.format is Format.BF16 and rule.where is not None \
+        elif st.selected == 0 and rule.patterns and not rule.format.quantized and rule.where is not None \
                 and rule.where.source == "<flags>":
             # a BF16 exception given on the command line that selects nothing: the sampler would quantize what
             # the user asked to keep high precision (Miles' --extra-high-precision-layers-hf matches substrings)

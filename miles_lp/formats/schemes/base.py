@@ -56,10 +56,12 @@ class BaseScheme:
         raise FormatError(f"'{name}': format {self.format.value} cannot be written to a checkpoint (mxfp8, nvfp4, "
                           "fp8_block)")
 
-    def quantize_weight(self, w: Any, **options: Any) -> Any:
-        from miles_lp.formats.api import quantize
+    def quantize(self, x: Any, **opts: Any) -> Any:
+        """The codec: ``x`` quantized with the codec's own options (``formats.quantize`` dispatches here)."""
+        raise FormatError(f"quantize: {self.format.value} has no codec")
 
-        return quantize(w.detach(), self.format, **self.weight_options(**options))
+    def quantize_weight(self, w: Any, **options: Any) -> Any:
+        return self.quantize(w.detach(), **self.weight_options(**options))
 
     def quantize_activation(self, x: Any, *, scope: str = "row", pow2_scales: bool = False) -> Any:
         raise FormatError(f"format {self.format.value} has no activation grid")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from miles_lp.errors import FormatError
 from miles_lp.formats.scheme import Part, check_target
 from miles_lp.formats.schemes.base import BaseScheme
 from miles_lp.formats.spec import Format
@@ -15,6 +16,9 @@ class BF16Scheme(BaseScheme):
 
     def stored_bytes(self, n: int, shape: tuple[int, ...]) -> float:
         return 2 * n
+
+    def quantize(self, x: Any, **opts: Any) -> Any:
+        raise FormatError("quantize: BF16 is the unquantized format; keep the tensor as it is")
 
     def parts(self, target: str) -> tuple[Part, ...]:
         check_target(target)

@@ -49,24 +49,20 @@ class FP8BlockScheme(BaseScheme):
                                                     "group_size": 128, "symmetric": True, "dynamic": True},
                 "format": "float-quantized"}
 
+    def quantize(self, x: Any, **opts: Any) -> Any:
+        from miles_lp.formats.fp8 import quantize_fp8_blockwise
+
+        return quantize_fp8_blockwise(x, **opts)
+
     def weight_options(self, *, amax: Any = None, block_2d: bool = False, pow2_scales: bool = False,
                        compile: bool = False, name: str | None = None) -> dict[str, Any]:
         return {"block": WEIGHT_BLOCK, "pow2_scales": bool(pow2_scales), "name": name}
 
-    def quantize_weight(self, w: Any, **options: Any) -> Any:
-        from miles_lp.formats.fp8 import quantize_fp8_blockwise
-
-        return quantize_fp8_blockwise(w.detach(), **self.weight_options(**options))
-
     def quantize_activation(self, x: Any, *, scope: str = "row", pow2_scales: bool = False) -> Any:
-        from miles_lp.formats.fp8 import quantize_fp8_blockwise
-
-        return quantize_fp8_blockwise(x.detach(), ROW_BLOCK, pow2_scales)
+        return self.quantize(x.detach(), block=ROW_BLOCK, pow2_scales=pow2_scales)
 
     def quantize_grad(self, t: Any, axis: int, *, pow2_scales: bool = False, compile: bool = False) -> Any:
-        from miles_lp.formats.fp8 import quantize_fp8_blockwise
-
-        return quantize_fp8_blockwise(t.detach(), ROW_BLOCK if axis == -1 else COL_BLOCK, pow2_scales)
+        return self.quantize(t.detach(), block=ROW_BLOCK if axis == -1 else COL_BLOCK, pow2_scales=pow2_scales)
 
     def bf16_exact(self, pow2_scales: bool = False) -> bool:
         """Arbitrary fp32 scales: a decode is not exact in bf16 (the emulation decodes to and multiplies in fp32,

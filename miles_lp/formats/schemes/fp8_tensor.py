@@ -19,6 +19,11 @@ class FP8TensorScheme(BaseScheme):
         w = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
         return {"weights": w, "input_activations": dict(w, dynamic=True), "format": "float-quantized"}
 
+    def quantize(self, x: Any, **opts: Any) -> Any:
+        from miles_lp.formats.fp8 import quantize_fp8_tensorwise
+
+        return quantize_fp8_tensorwise(x, **opts)
+
     def stored_bytes(self, n: int, shape: tuple[int, ...]) -> float:
         return n + 4  # 1 B + one 4 B scale
 

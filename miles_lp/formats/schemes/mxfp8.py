@@ -35,24 +35,20 @@ class MXFP8Scheme(BaseScheme):
              "dynamic": False, "scale_dtype": "torch.uint8", "zp_dtype": "torch.uint8"}
         return {"weights": w, "input_activations": dict(w, dynamic=True), "format": "mxfp8-quantized"}
 
+    def quantize(self, x: Any, **opts: Any) -> Any:
+        from miles_lp.formats.mxfp8 import quantize_mxfp8
+
+        return quantize_mxfp8(x, **opts)
+
     def weight_options(self, *, amax: Any = None, block_2d: bool = False, pow2_scales: bool = False,
                        compile: bool = False, name: str | None = None) -> dict[str, Any]:
         return {"axis": -1, "compile": compile, "name": name}
 
-    def quantize_weight(self, w: Any, **options: Any) -> Any:
-        from miles_lp.formats.mxfp8 import quantize_mxfp8
-
-        return quantize_mxfp8(w.detach(), **self.weight_options(**options))
-
     def quantize_activation(self, x: Any, *, scope: str = "row", pow2_scales: bool = False) -> Any:
-        from miles_lp.formats.mxfp8 import quantize_mxfp8
-
-        return quantize_mxfp8(x, axis=-1)
+        return self.quantize(x, axis=-1)
 
     def quantize_grad(self, t: Any, axis: int, *, pow2_scales: bool = False, compile: bool = False) -> Any:
-        from miles_lp.formats.mxfp8 import quantize_mxfp8
-
-        return quantize_mxfp8(t.detach(), axis=axis, compile=compile)
+        return self.quantize(t.detach(), axis=axis, compile=compile)
 
     def dequantize(self, q: Any, dtype: Any) -> Any:
         import torch

@@ -54,19 +54,17 @@ class NVFP4Scheme(BaseScheme):
         return {"weights": w, "input_activations": dict(w, dynamic="local", observer="static_minmax"),
                 "format": "nvfp4-pack-quantized"}
 
+    def quantize(self, x: Any, **opts: Any) -> Any:
+        from miles_lp.formats.nvfp4 import quantize_nvfp4
+
+        return quantize_nvfp4(x, **opts)
+
     def weight_options(self, *, amax: Any = None, block_2d: bool = False, pow2_scales: bool = False,
                        compile: bool = False, name: str | None = None) -> dict[str, Any]:
         return {"scale_scope": "tensor", "amax": amax, "block_2d": bool(block_2d), "name": name}
 
-    def quantize_weight(self, w: Any, **options: Any) -> Any:
-        from miles_lp.formats.nvfp4 import quantize_nvfp4
-
-        return quantize_nvfp4(w.detach(), **self.weight_options(**options))
-
     def quantize_activation(self, x: Any, *, scope: str = "row", pow2_scales: bool = False) -> Any:
-        from miles_lp.formats.nvfp4 import quantize_nvfp4
-
-        return quantize_nvfp4(x, scale_scope=scope)
+        return self.quantize(x, scale_scope=scope)
 
     def dequantize(self, q: Any, dtype: Any) -> Any:
         import torch
@@ -115,9 +113,7 @@ class NVFP4Scheme(BaseScheme):
 
     def vllm_input(self, x: Any, dtype: Any, static_amax: Callable[[], Any]) -> Any:
         """vLLM's ``EmulationNvFp4LinearKernel``: NVFP4 with the static per-tensor ``input_scale``."""
-        from miles_lp.formats.nvfp4 import quantize_nvfp4
-
-        return quantize_nvfp4(x, scale_scope="tensor", amax=static_amax()).dequantize(dtype)
+        return self.quantize(x, scale_scope="tensor", amax=static_amax()).dequantize(dtype)
 
 
 _EXACT_DIV: list[bool] = []
