@@ -149,7 +149,8 @@ def test_engine_layer_options_come_from_the_scheme():
 # format's value, an isinstance on a codec tensor class). A module here asks scheme_for(fmt) instead.
 # --------------------------------------------------------------------------------------------------------
 MIGRATED = ("train/operands.py", "train/grid.py", "train/recipe.py", "export/naming.py", "checkpoint/convert.py",
-            "policy/explain.py", "sync/checks.py", "sync/items.py")
+            "policy/explain.py", "policy/plan.py", "policy/policy.py", "sync/checks.py", "sync/items.py",
+            "formats/api.py")
 _MEMBERS = {m.name for m in Format}
 _VALUES = {m.value for m in Format}
 _CLASSES = {"MXFP8Tensor", "NVFP4Tensor", "FP8BlockTensor", "FP8TensorwiseTensor"}
