@@ -103,6 +103,10 @@ class FormatScheme(Protocol):
         ...
 
     # ---- the codec -----------------------------------------------------------------------------------
+    def quantize(self, x: Any, **opts: Any) -> Any:
+        """The codec: ``x`` quantized with the codec's own options (``formats.quantize`` dispatches here)."""
+        ...
+
     def weight_options(self, *, amax: Any = None, block_2d: bool = False, pow2_scales: bool = False,
                        compile: bool = False, name: str | None = None) -> dict[str, Any]:
         """``formats.quantize`` options for the forward (rowwise) grid of a weight ``[..., N, K]``: the grid the
