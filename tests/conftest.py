@@ -33,6 +33,7 @@ FAST_TIER: dict[str, set[str]] = {
     "tests/unit/test_formats_fp8.py": set(),
     "tests/unit/test_formats_swizzle.py": set(),
     "tests/unit/test_formats_cores.py": set(),
+    "tests/unit/test_format_schemes.py": set(),
     "tests/unit/test_policy.py": {"test_issue_recipe_on_deepseek", "test_percent_and_mtp_layers"},
     "tests/unit/test_layouts.py": set(),
     "tests/unit/test_emit.py": set(),

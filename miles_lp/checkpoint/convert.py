@@ -26,7 +26,7 @@ from miles_lp.export import naming
 from miles_lp.export.configs import emit_configs
 from miles_lp.export.writer import explain_text, side_file_rows, write_metadata
 from miles_lp.formats.api import quantize
-from miles_lp.formats.spec import FP8_BLOCK_SIZE, Format
+from miles_lp.formats.schemes import has_scheme, scheme_for
 from miles_lp.io.atomic import atomic_output_dir, check_output_target
 from miles_lp.io.safetensors_io import INDEX_NAME, ShardWriter, TensorHeader, sha256_file
 from miles_lp.io.validate import SourceCheckpoint, validate_source
@@ -89,14 +89,11 @@ def codec_options(entry, *, amax=None, compile: bool = False, name: str | None =
     per-tensor global scale, the group's joint ``amax`` and the entry's 2-D blocks; FP8 blockwise in the learner's
     128x128 weight tiles with the entry's ``pow2_scales``: the grid ``miles_lp.train.operands.quantize_weight``
     computes from the same master)."""
-    if entry.format is Format.MXFP8:
-        return {"axis": -1, "compile": compile, "name": name}
-    if entry.format is Format.NVFP4:
-        return {"scale_scope": "tensor", "amax": amax, "block_2d": bool(entry.block_2d), "name": name}
-    if entry.format is Format.FP8_BLOCK:
-        return {"block": (FP8_BLOCK_SIZE, FP8_BLOCK_SIZE), "pow2_scales": bool(entry.pow2_scales), "name": name}
-    raise FormatError(f"'{name}': format {entry.format.value} cannot be written to a checkpoint (mxfp8, nvfp4, "
-                      "fp8_block)")
+    if not has_scheme(entry.format):
+        raise FormatError(f"'{name}': format {entry.format.value} cannot be written to a checkpoint (mxfp8, nvfp4, "
+                          "fp8_block)")
+    return scheme_for(entry.format).weight_options(amax=amax, block_2d=bool(entry.block_2d),
+                                                   pow2_scales=bool(entry.pow2_scales), compile=compile, name=name)
 
 
 #: ``--fp8-decode``: what a block-FP8 input (DeepSeek ``weight_scale_inv``) is decoded to before quantizing.
@@ -149,13 +146,18 @@ def _load(src: SourceCheckpoint, h: TensorHeader, read, device: str, fp8_decode:
 
 def nvfp4_groups(plan) -> list[tuple[str, ...]]:
     """The plan's joint-scale groups (gate+up) holding an NVFP4 member; refuses a group that mixes formats."""
-    groups = [g for g in plan.groups.values() if any(plan.format_for(n) is Format.NVFP4 for n in g)]
+    groups = [g for g in plan.groups.values() if any(_joint(plan.format_for(n)) for n in g)]
     for g in groups:
         kinds = {plan.format_for(n) for n in g}
-        if kinds != {Format.NVFP4}:
+        if len(kinds) != 1:
             raise ConfigError(f"joint-scale group {list(g)} mixes formats {sorted(str(k) for k in kinds)}; the "
                               "policy must give gate and up the same format")
     return groups
+
+
+def _joint(fmt) -> bool:
+    """The format's fused siblings share one global scale (NVFP4's gate and up)."""
+    return has_scheme(fmt) and scheme_for(fmt).joint_global_scale
 
 
 def inline_groups(src: SourceCheckpoint, groups: list[tuple[str, ...]]) -> dict[str, tuple[str, ...]]:

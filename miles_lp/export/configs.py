@@ -24,6 +24,7 @@ from __future__ import annotations
 from miles_lp.errors import ConfigError
 from miles_lp.export import schemes as S
 from miles_lp.export.schemes import Scheme
+from miles_lp.formats.schemes import scheme_for
 from miles_lp.formats.spec import Format
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
@@ -59,7 +60,7 @@ def _emit_functions() -> dict:
 
 def emitter_names(target: str, formats: frozenset[Format]) -> tuple[str, dict[str, str]]:
     """(emitter for config.json's ``quantization_config``, {extra file: emitter}) from ``CONFIG_EMITTERS``."""
-    unsupported = formats - {Format.MXFP8, Format.NVFP4, Format.FP8_BLOCK}
+    unsupported = {f for f in formats if not scheme_for(f).in_checkpoints}
     if unsupported:
         raise ConfigError(f"formats {sorted(f.value for f in unsupported)} cannot be written to a checkpoint "
                           "for any target; use mxfp8 and/or nvfp4, or fp8_block alone")
@@ -82,7 +83,7 @@ def emit_configs(plan, target: str) -> tuple[dict, dict[str, dict]]:
     return quant_config, files
 
 
-_ALGO_FORMAT = {"MXFP8": Format.MXFP8, "NVFP4": Format.NVFP4}
+_ALGO_FORMAT = {scheme_for(f).modelopt_algo: f for f in Format if scheme_for(f).modelopt_algo}  # ModelOpt quant_algo
 _CT_FORMAT = {"mxfp8-quantized": Format.MXFP8, "nvfp4-pack-quantized": Format.NVFP4,
               "float-quantized": Format.FP8_TENSOR}  # refined by the weights' strategy (block -> FP8_BLOCK)
 
@@ -139,7 +140,7 @@ def engine_schemes_for(target: str, quant_config, files: dict[str, dict], plan) 
                 if f2 != f:
                     raise ConfigError(f"{HF_QUANT_CONFIG} and config.json disagree on '{m.name}' "
                                       f"({f2.value} vs {f.value})")
-            return S.BF16 if f is Format.BF16 else S.Scheme(f, S.modelopt_params(f, quant_config, hf, sglang=True))
+            return S.BF16 if not f.quantized else S.Scheme(f, S.modelopt_params(f, quant_config, hf, sglang=True))
         if method == "modelopt" and target == "vllm":
             excl = quant_config.get("ignore") or []
             if C.vllm_modelopt_is_layer_excluded(m.name, excl):

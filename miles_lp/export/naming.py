@@ -1,6 +1,7 @@
 """Which tensors a quantized module writes, per target engine (CONTRACT 4), and the inverse for ``verify``.
 
-The one owner of engine naming and encoding: ``miles-lp convert``, ``miles-lp export`` and the live weight
+The one owner of engine encoding (each format's parts per target are its scheme's, ``FormatScheme.parts`` in
+``miles_lp.formats.schemes``): ``miles-lp convert``, ``miles-lp export`` and the live weight
 sync all write through ``encode``, so an engine started from a converted checkpoint and one updated in place
 hold the same tensors under the same names.
 
@@ -44,82 +45,31 @@ per-token activation scale, and without the tensor it serves ``torch.empty`` mem
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 
 from miles_lp.errors import CheckpointError, ConfigError
-from miles_lp.formats.spec import FP8_BLOCK_SIZE, MXFP8_BLOCK, NVFP4_BLOCK, Format
+from miles_lp.formats.scheme import TARGETS as SCHEME_TARGETS
+from miles_lp.formats.scheme import Part, part_shape
+from miles_lp.formats.scheme import check_target as _check_target
+from miles_lp.formats.schemes import has_scheme, scheme_for
+from miles_lp.formats.spec import Format
 
-TARGETS = ("sglang", "vllm", "compressed-tensors")
+TARGETS = SCHEME_TARGETS
 INPUT_SCALE_VALUE = 1.0  # see module docstring
 
 
-@dataclasses.dataclass(frozen=True)
-class Part:
-    """One on-disk tensor of a quantized module: its suffix (after ``<module>.``), the codec component it
-    holds (``None`` = a constant), its safetensors dtype and how its shape derives from the weight's."""
-
-    suffix: str
-    component: str | None
-    dtype: str
-    # "data" [.., N, K], "packed" [.., N, K/2], "mx" [.., N, K/32], "nv" [.., N, K/16], "blk" [.., ceil(N/128),
-    # ceil(K/128)], "scalar", "one"
-    shape: str
-    transform: str = ""  # "reciprocal": stored value = 1 / component
-
-
-_MXFP8 = {
-    "sglang": (Part("weight", "data", "F8_E4M3", "data"), Part("weight_scale_inv", "scale", "U8", "mx")),
-    "vllm": (Part("weight", "data", "F8_E4M3", "data"), Part("weight_scale", "scale", "U8", "mx")),
-    "compressed-tensors": (Part("weight", "data", "F8_E4M3", "data"), Part("weight_scale", "scale", "U8", "mx")),
-}
-_MODELOPT_NVFP4 = (
-    Part("weight", "data", "U8", "packed"),
-    Part("weight_scale", "scale", "F8_E4M3", "nv"),
-    Part("weight_scale_2", "global_scale", "F32", "scalar"),
-    Part("input_scale", None, "F32", "scalar"),
-)
-_NVFP4 = {
-    "sglang": _MODELOPT_NVFP4,
-    "vllm": _MODELOPT_NVFP4,
-    "compressed-tensors": (
-        Part("weight_packed", "data", "U8", "packed"),
-        Part("weight_scale", "scale", "F8_E4M3", "nv"),
-        Part("weight_global_scale", "global_scale", "F32", "one", transform="reciprocal"),
-        # W4A4 (the config group declares input_activations): vLLM's CompressedTensorsW4A4Fp4 creates this with
-        # torch.empty and reads it from the checkpoint; stored as the ENCODE scale, like
-        # weight_global_scale: 1 / INPUT_SCALE_VALUE.
-        Part("input_global_scale", None, "F32", "one", transform="reciprocal"),
-    ),
-}
-
-
-_FP8_BLOCK = {
-    "sglang": (Part("weight", "data", "F8_E4M3", "data"), Part("weight_scale_inv", "scale_inv", "F32", "blk")),
-    "vllm": (Part("weight", "data", "F8_E4M3", "data"), Part("weight_scale_inv", "scale_inv", "F32", "blk")),
-    "compressed-tensors": (Part("weight", "data", "F8_E4M3", "data"), Part("weight_scale", "scale_inv", "F32", "blk")),
-}
-
-
 def check_target(target: str) -> str:
-    if target not in TARGETS:
-        raise ConfigError(f"unknown --target '{target}'; supported: {', '.join(TARGETS)}")
-    return target
+    return _check_target(target)
 
 
 def parts(target: str, fmt: Format) -> tuple[Part, ...]:
-    """The on-disk tensors of a module quantized in ``fmt`` for ``target`` (empty for BF16)."""
+    """The on-disk tensors of a module quantized in ``fmt`` for ``target`` (empty for BF16): the format's scheme
+    owns them (``FormatScheme.parts``)."""
     check_target(target)
-    if fmt is Format.MXFP8:
-        return _MXFP8[target]
-    if fmt is Format.NVFP4:
-        return _NVFP4[target]
-    if fmt is Format.FP8_BLOCK:
-        return _FP8_BLOCK[target]
-    if fmt is Format.BF16:
-        return ()
-    raise ConfigError(f"format {fmt.value} cannot be written for target '{target}' (supported in checkpoints: "
-                      "mxfp8, nvfp4, fp8_block)")
+    if not has_scheme(fmt):
+        raise ConfigError(f"format {fmt.value} cannot be written for target '{target}' (supported in checkpoints: "
+                          "mxfp8, nvfp4, fp8_block)")
+    return scheme_for(fmt).parts(target)
 
 
 def module_prefix(weight_name: str) -> str:
@@ -127,20 +77,6 @@ def module_prefix(weight_name: str) -> str:
     if not weight_name.endswith(".weight"):
         raise CheckpointError(f"only '<module>.weight' tensors can be quantized, got '{weight_name}'")
     return weight_name[: -len("weight")]
-
-
-def _shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    *lead, k = shape
-    if kind == "blk":
-        return (*lead[:-1], -(-lead[-1] // FP8_BLOCK_SIZE), -(-k // FP8_BLOCK_SIZE))
-    return {
-        "data": tuple(shape),
-        "packed": (*lead, k // 2),
-        "mx": (*lead, k // MXFP8_BLOCK),
-        "nv": (*lead, k // NVFP4_BLOCK),
-        "scalar": (),
-        "one": (1,),
-    }[kind]
 
 
 def expected(target: str, fmt: Format, weight_name: str, shape: tuple[int, ...]) -> dict[str, tuple[str, tuple]]:
@@ -152,7 +88,9 @@ def expected(target: str, fmt: Format, weight_name: str, shape: tuple[int, ...])
     if len(shape) != 2:
         raise CheckpointError(f"'{weight_name}': quantized checkpoint weights must be 2-D, got {list(shape)}")
     prefix = module_prefix(weight_name)
-    return {prefix + p.suffix: (p.dtype, _shape(p.shape, shape)) for p in parts(target, fmt)}
+    table = parts(target, fmt)
+    block = scheme_for(fmt).scale_block
+    return {prefix + p.suffix: (p.dtype, part_shape(p.shape, tuple(shape), block)) for p in table}
 
 
 def encode(target: str, fmt: Format, weight_name: str, q, constants: dict | None = None) -> dict:
@@ -225,3 +163,14 @@ def decode_components(target: str, fmt: Format, weight_name: str, tensors: Mappi
 def _constant(p: Part) -> float:
     """The stored value of a constant part: the static activation decode scale, or its reciprocal."""
     return 1.0 / INPUT_SCALE_VALUE if p.transform == "reciprocal" else INPUT_SCALE_VALUE
+
+
+def decode(target: str, fmt: Format, weight_name: str, tensors: Mapping, shape: tuple[int, ...],
+           lead: tuple[int, ...] = ()):
+    """Inverse of ``encode`` to the codec tensor (``None`` for BF16): ``decode_components`` then the scheme's
+    ``from_components`` (a stack's ``lead`` dims: one codec tensor ``[*lead, N, K]``)."""
+    scheme = scheme_for(fmt)
+    if not scheme.format.quantized:
+        return None
+    comps = decode_components(target, fmt, weight_name, tensors, lead=lead)
+    return scheme.from_components(comps, tuple(shape), tuple(lead))

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from miles_lp.formats.schemes import scheme_for
 from miles_lp.formats.spec import Format
 
 ABSENT = "(absent)"  # how a missing field without a reader default is shown and compared
@@ -60,7 +61,8 @@ class Scheme:
 
 
 BF16 = Scheme(Format.BF16)
-_MODELOPT_GROUP = {Format.NVFP4: 16, Format.MXFP8: 32}  # the block each format stores (reader default if absent)
+#: the block each ModelOpt format stores (the reader's default if absent): NVFP4 16, MXFP8 32
+_MODELOPT_GROUP = {f: scheme_for(f).scale_block for f in Format if scheme_for(f).modelopt_algo}
 
 
 def _norm(v: Any) -> Any:

@@ -1,7 +1,9 @@
 """Bit-exact codecs: MXFP8, NVFP4, FP8 blockwise / tensorwise, and the cuBLAS scale swizzle.
 
 Pure PyTorch, CPU and CUDA, any leading dims (experts ``[E, N, K]``); bytes equal Transformer Engine's
-quantizers (CONTRACT 1-3). See docs/ARCHITECTURE.md for the interface.
+quantizers (CONTRACT 1-3). See docs/ARCHITECTURE.md for the interface. ``scheme_for(fmt)``
+(``miles_lp.formats.schemes``) is each format's one object for the rest of miles-lp: its operand grids, decode and
+kernel choice, GEMM operand dtype and engine tensors.
 
 The codecs are exported lazily (PEP 562) so that ``from miles_lp.formats.spec import Format`` (the
 policy, the CLI) does not import torch.
@@ -23,6 +25,7 @@ _LAZY = {
     "FP8BlockTensor": "fp8", "FP8TensorwiseTensor": "fp8", "quantize_fp8_blockwise": "fp8",
     "dequantize_fp8_blockwise": "fp8", "quantize_fp8_tensorwise": "fp8",
     "swizzle_scales": "swizzle", "unswizzle_scales": "swizzle", "swizzled_offset": "swizzle",
+    "scheme_for": "schemes",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -36,6 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from miles_lp.formats.mxfp8 import MXFP8Tensor, quantize_mxfp8, quantize_mxfp8_compiled
     from miles_lp.formats.nvfp4 import NVFP4Tensor, nvfp4_global_amax, quantize_nvfp4, quantize_nvfp4_pair
+    from miles_lp.formats.schemes import scheme_for
     from miles_lp.formats.swizzle import swizzle_scales, swizzled_offset, unswizzle_scales
 
 
@@ -60,5 +64,6 @@ __all__ = [  # grouped by module, as _LAZY
     "FP8BlockTensor", "FP8TensorwiseTensor", "quantize_fp8_blockwise", "dequantize_fp8_blockwise",
     "quantize_fp8_tensorwise",
     "swizzle_scales", "unswizzle_scales", "swizzled_offset",
+    "scheme_for",
 ]
 assert set(__all__) == {"BackwardMode", "Format", "FormatError", *_LAZY}

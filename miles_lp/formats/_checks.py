@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from miles_lp.errors import FormatError
+from miles_lp.formats.spec import NVFP4_BLOCK
 
 FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 KEEP_BF16 = "keep this tensor BF16 with a policy rule"
@@ -43,3 +44,23 @@ def check_multiple(x: torch.Tensor, fmt: str, dim: int, block: int, *, name: str
             f"{fmt}: {what(name, x)} cannot be block-scaled along {label}: dim {dim} has {n} elements, "
             f"not a multiple of the block of {block}; {KEEP_BF16} (the codecs refuse rather than pad)"
         )
+
+
+NVFP4_SCOPES = ("tensor", "row")
+
+
+def check_nvfp4(x: object, scope: str, block_2d: bool, name: str | None) -> None:
+    """NVFP4's refusals (the codec and the kernels): the input, the scope, K a multiple of 16 and, for 2-D
+    tiles, the rows a multiple of 16 with scope 'tensor'."""
+    check_input(x, "NVFP4", min_dim=2, name=name)
+    if scope not in NVFP4_SCOPES:
+        raise FormatError(f"NVFP4: scale_scope={scope!r} is not one of {NVFP4_SCOPES} ({what(name, x)})")
+    check_multiple(x, "NVFP4", -1, NVFP4_BLOCK, name=name, axis_label="K (axis=-1, 16-blocks)")
+    if block_2d:
+        if scope == "row":
+            raise FormatError(
+                f"NVFP4: {what(name, x)}: block_2d=True cannot be combined with scale_scope='row' "
+                "(TE refuses row-scaled 2D quantization); 2D tiles are for weights, use scope 'tensor'"
+            )
+        check_multiple(x, "NVFP4 block_2d", -2, NVFP4_BLOCK, name=name,
+                       axis_label="rows (axis=-2, 16x16 tiles)")

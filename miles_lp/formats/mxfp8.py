@@ -28,9 +28,6 @@ TE's specialised bf16 rowwise cast-only kernel (``cast/mxfp8/specialized/quantiz
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
 import torch
 
 from miles_lp.errors import FormatError
@@ -38,39 +35,10 @@ from miles_lp.formats import _native, bits
 from miles_lp.formats._checks import check_input, check_multiple
 from miles_lp.formats._chunks import CHUNK_ELEMS, row_slices
 from miles_lp.formats._compile import compile_exact
-from miles_lp.formats.spec import MXFP8_BLOCK, Format
+from miles_lp.formats.spec import MXFP8_BLOCK
+from miles_lp.formats.tensors import MXFP8Tensor
 
 _ROWS_PER_CHUNK_ELEMS = CHUNK_ELEMS  # eager CPU path: elements per slice (tests lower it to force slices)
-
-
-@dataclass(frozen=True, eq=False)
-class MXFP8Tensor:
-    """MXFP8 payload in the compact layout (CONTRACT 3).
-
-    ``data``: float8_e4m3fn, the logical shape. ``scale``: uint8 E8M0, ``[..., K/32]`` for ``axis=-1``
-    (rowwise, 1x32 blocks) or ``[..., M/32, K]`` for ``axis=-2`` (columnwise, 32x1 blocks).
-    """
-
-    data: torch.Tensor
-    scale: torch.Tensor
-    axis: int = -1
-    format: ClassVar[Format] = Format.MXFP8
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.data.shape
-
-    def components(self) -> dict[str, torch.Tensor]:
-        return {"data": self.data, "scale": self.scale}
-
-    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """e4m3_value(q) * 2^(e-127), computed exactly in fp32 then rounded once to ``dtype``."""
-        s = bits.e8m0_value(self.scale)
-        if self.axis == -1:
-            s = s.repeat_interleave(MXFP8_BLOCK, dim=-1)  # [..., K]
-        else:
-            s = s.repeat_interleave(MXFP8_BLOCK, dim=-2)  # [..., M, K]
-        return (self.data.to(torch.float32) * s).to(dtype)
 
 
 def _mxfp8_blocks(xb: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,55 +23,18 @@ beside it, so both conventions can be reproduced.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar, Literal
-
 import torch
 
 from miles_lp.errors import FormatError
 from miles_lp.formats import _native, bits
-from miles_lp.formats._checks import check_input, check_multiple, what
+from miles_lp.formats._checks import NVFP4_SCOPES, check_input, check_nvfp4, what
 from miles_lp.formats._chunks import row_slices
-from miles_lp.formats.spec import NVFP4_BLOCK, NVFP4_GLOBAL_DIVISOR, Format
+from miles_lp.formats.spec import NVFP4_BLOCK, NVFP4_GLOBAL_DIVISOR
+from miles_lp.formats.tensors import NVFP4Tensor, Scope
 
-Scope = Literal["tensor", "row"]
-_SCOPES = ("tensor", "row")
+_SCOPES = NVFP4_SCOPES
 FP32_2688_BITS = bits.f32_bits(NVFP4_GLOBAL_DIVISOR)  # 2688.0 is exact in fp32
 _CHUNK_ELEMS = 1 << 18  # eager CPU slice (elements); measured best for NVFP4 (tests lower it to force slices)
-
-
-@dataclass(frozen=True, eq=False)
-class NVFP4Tensor:
-    """NVFP4 payload, compact layout (CONTRACT 3).
-
-    ``data``: uint8 ``[..., K/2]`` (two E2M1 codes per byte, even element in the low nibble).
-    ``scale``: float8_e4m3fn ``[..., K/16]``. ``global_scale``: fp32 decode scale ``S_dec = 1/S_enc``
-    (0-d for a 2-D tensor with scope "tensor", ``[..., 1, 1]`` with leading dims, ``[..., rows, 1]``
-    for scope "row"). ``amax``: the global amax the scales were derived from (same shape).
-    """
-
-    data: torch.Tensor
-    scale: torch.Tensor
-    global_scale: torch.Tensor
-    amax: torch.Tensor
-    logical_shape: tuple[int, ...]
-    scale_scope: Scope = "tensor"
-    block_2d: bool = False
-    format: ClassVar[Format] = Format.NVFP4
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size(self.logical_shape)
-
-    def components(self) -> dict[str, torch.Tensor]:
-        return {"data": self.data, "scale": self.scale, "global_scale": self.global_scale}
-
-    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """fp32(e2m1(q) * float(sf)) (exact) * S_dec, rounded once to ``dtype``."""
-        codes = bits.unpack_fp4(self.data).to(torch.int64)  # [..., K]
-        vals = bits.e2m1_table(self.data.device)[codes]
-        sf = self.scale.to(torch.float32).repeat_interleave(NVFP4_BLOCK, dim=-1)  # [..., K]
-        return ((vals * sf) * self.global_scale).to(dtype)  # global_scale broadcasts: 0-d / [..,1,1] / [..,R,1]
 
 
 def _global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -153,19 +116,7 @@ def nvfp4_core(x: torch.Tensor, amax_g: torch.Tensor | None = None, scope: Scope
     return data, sf, s_dec, amax_g
 
 
-def _check_nvfp4(x: torch.Tensor, scope: str, block_2d: bool, name: str | None) -> None:
-    check_input(x, "NVFP4", min_dim=2, name=name)
-    if scope not in _SCOPES:
-        raise FormatError(f"NVFP4: scale_scope={scope!r} is not one of {_SCOPES} ({what(name, x)})")
-    check_multiple(x, "NVFP4", -1, NVFP4_BLOCK, name=name, axis_label="K (axis=-1, 16-blocks)")
-    if block_2d:
-        if scope == "row":
-            raise FormatError(
-                f"NVFP4: {what(name, x)}: block_2d=True cannot be combined with scale_scope='row' "
-                "(TE refuses row-scaled 2D quantization); 2D tiles are for weights, use scope 'tensor'"
-            )
-        check_multiple(x, "NVFP4 block_2d", -2, NVFP4_BLOCK, name=name,
-                       axis_label="rows (axis=-2, 16x16 tiles)")
+_check_nvfp4 = check_nvfp4  # (the name the codec calls it by)
 
 
 def broadcast_nvfp4_amax(amax, x: torch.Tensor, scope: str, name: str | None = None) -> torch.Tensor:

@@ -15,6 +15,7 @@ from collections import Counter
 from typing import Any
 
 from miles_lp.errors import ConfigError
+from miles_lp.formats.schemes import scheme_for
 from miles_lp.formats.spec import BackwardMode, Format
 from miles_lp.policy import consumers as C
 from miles_lp.policy.plan import PlanEntry, PrecisionPlan
@@ -178,10 +179,10 @@ def vllm_config(plan: PrecisionPlan) -> dict[str, Any]:
         return vllm_mixed_config(plan)
     if fmts == {Format.FP8_BLOCK}:
         return vllm_fp8_block_config(plan)
-    fmt = _single_format(plan, (Format.MXFP8, Format.NVFP4), "vLLM modelopt")
-    algo = "MXFP8" if fmt is Format.MXFP8 else "NVFP4"
+    fmt = _single_format(plan, tuple(_MIXED_ALGO), "vLLM modelopt")
+    algo, group_size = _MIXED_ALGO[fmt]
     mods = engine_modules(plan, "vLLM")
-    return {"quant_method": "modelopt", "quant_algo": algo, "group_size": 32 if algo == "MXFP8" else 16,
+    return {"quant_method": "modelopt", "quant_algo": algo, "group_size": group_size,
             "ignore": _modelopt_exclude(plan, mods, algo)}
 
 
@@ -256,7 +257,8 @@ def vllm_mixed_config(plan: PrecisionPlan) -> dict[str, Any]:
 #: `consumers.SGLANG_MIXED_DISPATCH`). ModelOpt ``FP8`` is static per-tensor FP8 (a calibrated ``input_scale``),
 #: not our fp8_tensor (dynamic activation scale); block FP8 is not dispatched at all. MXFP8 is (CONTRACT 4); an
 #: SGLang older than its MXFP8 support loads those modules BF16 (`consumers.SGLANG_MIXED_DISPATCH_WITHOUT_MXFP8`).
-_MIXED_ALGO = {Format.NVFP4: ("NVFP4", 16), Format.MXFP8: ("MXFP8", 32)}
+_MIXED_ALGO = {f: (scheme_for(f).modelopt_algo, scheme_for(f).scale_block) for f in Format
+               if scheme_for(f).modelopt_algo}  # (quant_algo, group_size): the formats' schemes
 _MIXED_REFUSED = {
     Format.FP8_BLOCK: "SGLang ModelOptMixedPrecisionConfig.get_quant_method dispatches FP8, NVFP4 and MXFP8; "
                       "'FP8_BLOCK_SCALES' falls through to UnquantizedLinearMethod",
@@ -327,23 +329,7 @@ def _ct_scheme(fmt: Format) -> dict[str, Any]:
     learner (Transformer Engine) option. FP8 tensor-wise activations are
     dynamic per-tensor (the plan's current scaling), not the ``FP8`` preset's static ones.
     """
-    if fmt is Format.MXFP8:
-        w = {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True,
-             "dynamic": False, "scale_dtype": "torch.uint8", "zp_dtype": "torch.uint8"}
-        return {"weights": w, "input_activations": dict(w, dynamic=True), "format": "mxfp8-quantized"}
-    if fmt is Format.NVFP4:
-        w = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True,
-             "dynamic": False, "scale_dtype": "torch.float8_e4m3fn", "zp_dtype": "torch.float8_e4m3fn"}
-        return {"weights": w, "input_activations": dict(w, dynamic="local", observer="static_minmax"),
-                "format": "nvfp4-pack-quantized"}
-    if fmt is Format.FP8_BLOCK:
-        w = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128], "symmetric": True,
-             "dynamic": False}
-        return {"weights": w, "input_activations": {"num_bits": 8, "type": "float", "strategy": "group",
-                                                    "group_size": 128, "symmetric": True, "dynamic": True},
-                "format": "float-quantized"}
-    w = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
-    return {"weights": w, "input_activations": dict(w, dynamic=True), "format": "float-quantized"}
+    return scheme_for(fmt).ct_scheme()
 
 
 def compressed_tensors_config(plan: PrecisionPlan) -> dict[str, Any]:
@@ -390,10 +376,6 @@ def compressed_tensors_config(plan: PrecisionPlan) -> dict[str, Any]:
 
 
 # ---- Megatron-Core / TE ---------------------------------------------------------------------------------------
-_MEGATRON_RECIPE = {Format.MXFP8: {"fp8": "e4m3", "fp8_recipe": "mxfp8"},
-                    Format.FP8_BLOCK: {"fp8": "e4m3", "fp8_recipe": "blockwise"},
-                    Format.FP8_TENSOR: {"fp8": "e4m3", "fp8_recipe": "tensorwise"},
-                    Format.NVFP4: {"fp4": "e2m1", "fp4_recipe": "nvfp4"}}
 
 
 def megatron_overrides(plan: PrecisionPlan) -> dict[str, Format]:
@@ -444,7 +426,7 @@ def _megatron(plan: PrecisionPlan) -> tuple[dict[str, Any], dict[str, Format]]:
         raise ConfigError(f"Megatron's first/last flags cannot say this plan: decoder layers {middle} are all bf16 "
                           f"but lie between low-precision layers (num_layers_at_start_in_bf16={start}, "
                           f"num_layers_at_end_in_bf16={end} cover only the ends)")
-    kwargs: dict[str, Any] = dict(_MEGATRON_RECIPE[base])
+    kwargs: dict[str, Any] = dict(scheme_for(base).megatron_recipe)
     kwargs.update(first_last_layers_bf16=bool(start or end), num_layers_at_start_in_bf16=start,
                   num_layers_at_end_in_bf16=end)
     overrides: dict[str, Format] = {}
@@ -468,7 +450,7 @@ def te_env(plan: PrecisionPlan) -> dict[str, str]:
     mode = modes.pop() if modes else None
     if mode in (BackwardMode.HIGH_PRECISION, BackwardMode.DEQUANTIZED):
         env["NVTE_BACKWARD_OVERRIDE"] = mode.value
-    scopes = {e.activation_scale for e in q if e.format is Format.NVFP4}
+    scopes = {e.activation_scale for e in q if scheme_for(e.format).activation_scopes}  # NVFP4's
     if len(scopes) > 1:
         raise ConfigError("TE's NVTE_NVFP4_ROW_SCALED_ACTIVATION is global; the plan mixes per-token and "
                           "per-tensor NVFP4 activation scales")

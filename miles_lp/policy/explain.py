@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from miles_lp.formats.schemes import scheme_for
 from miles_lp.formats.spec import Format
 from miles_lp.policy.layouts.base import Shape
 from miles_lp.policy.plan import PrecisionPlan
@@ -19,16 +20,7 @@ def bytes_per_tensor(fmt: Format, shape: Shape) -> float:
     n = 1
     for d in shape:
         n *= d
-    if fmt is Format.MXFP8:
-        return n + n / 32
-    if fmt is Format.NVFP4:
-        return n / 2 + n / 16 + 4
-    if fmt is Format.FP8_BLOCK:
-        rows = shape[-2] if len(shape) > 1 else 1
-        return n + 4 * -(-rows // 128) * -(-shape[-1] // 128) * (n // max(rows * shape[-1], 1))
-    if fmt is Format.FP8_TENSOR:
-        return n + 4
-    return 2 * n
+    return scheme_for(fmt).stored_bytes(n, tuple(shape))  # the format's scheme (miles_lp.formats.schemes)
 
 
 def _ranges(layers: list[int]) -> list[tuple[int, int]]:

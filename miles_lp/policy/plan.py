@@ -17,6 +17,7 @@ from functools import cached_property
 from typing import Any
 
 from miles_lp.errors import ConfigError
+from miles_lp.formats.schemes import scheme_for
 from miles_lp.formats.spec import BackwardMode, Format
 from miles_lp.policy.layouts.base import ModelLayout, Shape
 from miles_lp.policy.policy import PrecisionPolicy, Rule
@@ -237,16 +238,18 @@ def compile_plan(policy: PrecisionPolicy, layout: ModelLayout, tensors: Mapping[
         act, b2d, bw, pow2 = None, False, None, False
         if fmt.quantized:
             bw = (decided.backward if decided and decided.backward else None) or policy.backward
-            if fmt is Format.FP8_BLOCK:
+            scheme = scheme_for(fmt)  # which of the plan's options the format has
+            if scheme.pow2_scales:
                 rule_pow2 = decided.pow2_scales if decided else None
                 pow2 = policy.pow2_scales if rule_pow2 is None else bool(rule_pow2)
-            if fmt is Format.NVFP4:
+            if scheme.activation_scopes:
                 scope = (decided.activation_scale if decided else None) or policy.activation_scale
                 act = "token" if scope == "per_token" else "tensor"
+            if scheme.weight_scale_2d:
                 w2d = decided.weight_scale_2d if decided else None
                 b2d = policy.weight_scale_2d if w2d is None else bool(w2d)
             block = fmt.block_size
-            if block and fmt is not Format.FP8_BLOCK and shape[-1] % block:
+            if block and scheme.aligned and shape[-1] % block:
                 unaligned.append((name, shape, label, fmt))
                 if policy.on_unaligned == "keep_bf16":
                     fmt, label, act, b2d, bw = Format.BF16, f"{label}->bf16:unaligned", None, False, None
@@ -293,7 +296,7 @@ def compile_plan(policy: PrecisionPolicy, layout: ModelLayout, tensors: Mapping[
         elif st.selected == 0 and st.invariant:
             warnings.append(f"{where}{rule.label} ({rule.text}) has no effect: it selects only invariant tensors "
                             f"({st.invariant}), which are bf16 anyway")
-        elif st.selected == 0 and rule.patterns and rule.format is Format.BF16 and rule.where is not None \
+        elif st.selected == 0 and rule.patterns and not rule.format.quantized and rule.where is not None \
                 and rule.where.source == "<flags>":
             # a BF16 exception given on the command line that selects nothing: the sampler would quantize what
             # the user asked to keep high precision (Miles' --extra-high-precision-layers-hf matches substrings)

@@ -49,6 +49,7 @@ from typing import Any, Literal
 
 from miles_lp.config import Where, check_keys, load_yaml, parse_dataclass, suggest
 from miles_lp.errors import ConfigError
+from miles_lp.formats.schemes import scheme_for
 from miles_lp.formats.spec import BackwardMode, Format
 from miles_lp.policy.roles import Role, resolve_role_selector, role_selector_values
 
@@ -272,13 +273,14 @@ def _compile_rule(index: int, raw: Any, where: Where, comparison_formats: bool =
                                                 f"roles: {', '.join(role_selector_values())}")
             acc |= got
         roles = frozenset(acc)
-    if y.activation_scale is not None and y.format is not Format.NVFP4:
+    scheme = scheme_for(y.format)  # which options the format has (miles_lp.formats.schemes)
+    if y.activation_scale is not None and not scheme.activation_scopes:
         raise where.child("activation_scale").error(
             f"activation_scale applies to nvfp4 only; {y.format.value} activations are "
-            f"{'block-scaled (1x32)' if y.format is Format.MXFP8 else 'scaled by the format'}: remove it")
-    if y.weight_scale_2d and y.format is not Format.NVFP4:
+            f"{f'block-scaled (1x{scheme.scale_block})' if scheme.aligned else 'scaled by the format'}: remove it")
+    if y.weight_scale_2d and not scheme.weight_scale_2d:
         raise where.child("weight_scale_2d").error("weight_scale_2d applies to nvfp4 only")
-    if y.pow2_scales is not None and y.format is not Format.FP8_BLOCK:
+    if y.pow2_scales is not None and not scheme.pow2_scales:
         raise where.child("pow2_scales").error(f"pow2_scales applies to fp8_block only; {y.format.value} scales are "
                                                "fixed by the format: remove it")
     if y.backward is not None and not y.format.quantized:
@@ -286,7 +288,7 @@ def _compile_rule(index: int, raw: Any, where: Where, comparison_formats: bool =
                                             "has no low-precision backward: remove it")
     if y.allow_unsafe and not (y.reason and y.reason.strip()):
         raise where.child("allow_unsafe").error("allow_unsafe: true needs a 'reason' saying why it is safe here")
-    if y.allow_unsafe and y.format is Format.BF16:
+    if y.allow_unsafe and not y.format.quantized:
         raise where.child("allow_unsafe").error("allow_unsafe is only needed to quantize; a bf16 rule is always safe")
     return Rule(index, y.format, patterns, layers, roles, y.activation_scale, y.weight_scale_2d, y.backward,
                 y.allow_unsafe, y.reason, _rule_text(raw), where, y.pow2_scales)

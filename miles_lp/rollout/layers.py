@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from miles_lp.errors import CheckpointError
-from miles_lp.formats.spec import FP8_BLOCK_SIZE, MXFP8_BLOCK, NVFP4_BLOCK, NVFP4_GLOBAL_DIVISOR, Format
+from miles_lp.formats.schemes import scheme_for
+from miles_lp.formats.spec import NVFP4_GLOBAL_DIVISOR, Format
 
 _ST_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8, "F32": torch.float32, "BF16": torch.bfloat16,
               "F16": torch.float16}
@@ -109,17 +110,17 @@ class EngineLinear(torch.nn.Module):
         self.act_dtype = act_dtype
         self.weight_dtype = weight_dtype
         self.device_ = torch.device(device)
-        # vLLM's emulation kernels dequantize to, and multiply in, the activation dtype (bf16)
-        self.op_dtype = act_dtype if activation_mode == "vllm" else operand_dtype(self.device_, act_dtype)
-        if self.serve_format is Format.FP8_BLOCK:
-            if activation_mode == "vllm":
-                raise CheckpointError(f"'{prefix}weight': fp8_block has no vLLM emulation mode here; serve it with "
-                                      "activation_mode 'plan' (the learner's grid)")
-            if activation_scale not in FP8_BLOCK_SCALES:
-                raise ValueError(f"fp8_block activation_scale must be one of {FP8_BLOCK_SCALES}, got "
-                                 f"{activation_scale!r}")
-            if activation_scale == "fp32":  # the learner's rule (gemm._recipe_operand_dtype)
-                self.op_dtype = torch.float32
+        serve = scheme_for(self.serve_format)
+        if activation_mode == "vllm" and not serve.vllm_emulation:
+            raise CheckpointError(f"'{prefix}weight': {self.serve_format.value} has no vLLM emulation mode here; "
+                                  "serve it with activation_mode 'plan' (the learner's grid)")
+        if serve.engine_activation_scales and activation_scale not in serve.engine_activation_scales:
+            raise ValueError(f"{self.serve_format.value} activation_scale must be one of "
+                             f"{serve.engine_activation_scales}, got {activation_scale!r}")
+        # vLLM's emulation kernels dequantize to, and multiply in, the activation dtype (bf16); otherwise the
+        # learner's rule (gemm._recipe_operand_dtype: fp32 for FP8 blockwise with fp32 tile scales)
+        self.op_dtype = act_dtype if activation_mode == "vllm" else serve.operand_dtype(
+            self.device_, act_dtype, pow2_scales=activation_scale != "fp32")
         self.has_bias = bias
         self._derived: set[str] = set()  # buffers the kernel reads besides the canonical tensors
         self.kernel_format: Format | None = None  # set by process_weights_after_loading from what it built
@@ -138,7 +139,7 @@ class EngineLinear(torch.nn.Module):
     def _canonical_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         n, k = self.out_features, self.in_features
         specs: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-        if self.disk_format is Format.BF16:
+        if not self.disk_format.quantized:
             specs["weight"] = (self.weight_dtype, (n, k))
         else:
             for name, (st, shape) in _naming().expected(self.target, self.disk_format, "w.weight", (n, k)).items():
@@ -165,27 +166,18 @@ class EngineLinear(torch.nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """Derive the kernel state (swizzled scales, the GEMM operand) from the canonical tensors, in place."""
-        from miles_lp.formats import swizzle_scales, unswizzle_scales
-
         n, k = self.out_features, self.in_features
         new: dict[str, torch.Tensor] = {}
         q = self.decoded()
-        if self.disk_format is Format.BF16 and self.serve_format is not Format.BF16:
-            q = _quantize_weight(self.weight.detach(), self.serve_format)  # fault: the sampler quantizes on its own
+        if not self.disk_format.quantized and self.serve_format.quantized:
+            # fault: the sampler quantizes on its own
+            q = scheme_for(self.serve_format).quantize_weight(self.weight.detach())
             new["weight_q_data"] = q.data
-        if q is None:
-            if self.weight.dtype != self.op_dtype:
-                new["operand"] = self.weight.detach().to(self.op_dtype)
-            self.kernel_format = Format.BF16
-        elif q.format is Format.FP8_BLOCK:
-            new["operand"] = q.dequantize(self.op_dtype)  # fp32(q) * scale_inv of its block, rounded once
-            self.kernel_format = q.format
-        else:
-            block = MXFP8_BLOCK if q.format is Format.MXFP8 else NVFP4_BLOCK
-            new["scale_swizzled"] = swizzle_scales(q.scale)  # cuBLAS 128x4 layout, [ru(N,128), ru(K/block,4)]
-            kernel_scale = unswizzle_scales(new["scale_swizzled"], n, k // block)  # what the kernel reads back
-            new["operand"] = _dequantize(_with_scale(q, kernel_scale), self.op_dtype)
-            self.kernel_format = q.format
+        # the format's kernel state (FormatScheme.kernel_state): the GEMM operand, and for MXFP8 / NVFP4 the block
+        # scales in the cuBLAS 128x4 layout with the operand decoded from the scales read back from it
+        fmt = Format.BF16 if q is None else q.format
+        new.update(scheme_for(fmt).kernel_state(self.weight if q is None else q, n, k, self.op_dtype))
+        self.kernel_format = fmt
         if self.has_bias and self.bias.dtype != self.op_dtype:
             new["bias_operand"] = self.bias.detach().to(self.op_dtype)
         for name, t in new.items():
@@ -247,21 +239,15 @@ class EngineLinear(torch.nn.Module):
         fmt = self.kernel_format
         if fmt is None:
             raise CheckpointError(f"'{self.prefix}weight': process_weights_after_loading has not run")
-        if fmt is Format.BF16:
+        if not fmt.quantized:
             return x
-        from miles_lp import formats
-
+        scheme = scheme_for(fmt)
         if self.activation_mode == "vllm":
-            if fmt is Format.MXFP8:
-                return x.to(self.op_dtype)
-            return formats.quantize_nvfp4(x, scale_scope="tensor", amax=self._static_amax()).dequantize(self.op_dtype)
-        if fmt is Format.MXFP8:
-            return formats.quantize_mxfp8(x, axis=-1).dequantize(self.op_dtype)
-        if fmt is Format.FP8_BLOCK:  # the learner's operands.quantize_activation: 1x128 tiles along K
-            return formats.quantize_fp8_blockwise(x, (1, FP8_BLOCK_SIZE), self.activation_scale == "pow2").dequantize(
-                self.op_dtype)
+            return scheme.vllm_input(x, self.op_dtype, self._static_amax)
+        # the learner's operands.quantize_activation (FP8 blockwise: 1x128 tiles along K)
         scope = "tensor" if self.activation_scale == "tensor" else "row"
-        return formats.quantize_nvfp4(x, scale_scope=scope).dequantize(self.op_dtype)
+        return scheme.quantize_activation(x, scope=scope, pow2_scales=self.activation_scale == "pow2").dequantize(
+            self.op_dtype)
 
     def _static_amax(self) -> torch.Tensor:
         """The calibrated activation amax a static NVFP4 kernel uses: 2688 * input_scale (ModelOpt's decode
@@ -275,7 +261,7 @@ class EngineLinear(torch.nn.Module):
 
     def gemm(self, x_deq: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """``F.linear`` on operands already on the grid; bias added in the operand dtype, then cast."""
-        if self.kernel_format is Format.BF16:
+        if not self.kernel_format.quantized:
             w = self._weight_operand()
             b = self._bias_operand()
             return F.linear(x_deq.to(w.dtype), w, None if b is None else b.to(w.dtype)).to(out_dtype)
@@ -327,52 +313,19 @@ def share_input_caches(model: torch.nn.Module) -> int:
     return n
 
 
-def _with_scale(q, scale: torch.Tensor):
-    """``q`` with its block scales replaced (the kernel's copy read back from the swizzled layout)."""
-    import dataclasses
-
-    return dataclasses.replace(q, scale=scale)
-
-
 def _dequantize(q, dtype: torch.dtype) -> torch.Tensor:
-    """``q.dequantize(dtype)``; on CUDA one Triton launch of ``miles_lp.formats.kernels`` (byte-identical to
-    the codec's torch code, which builds fp32 temporaries of the whole stack: ~3x the operand's bytes more)."""
-    from miles_lp.formats import MXFP8Tensor, kernels
-
-    if dtype in (torch.bfloat16, torch.float32) and kernels.enabled(q.data):
-        if isinstance(q, MXFP8Tensor):
-            return kernels.mxfp8_dequantize(q, dtype)
-        return kernels.nvfp4_dequantize(q, dtype)
-    return q.dequantize(dtype)
-
-
-def _quantize_weight(w: torch.Tensor, fmt: Format):
-    from miles_lp import formats
-
-    if fmt is Format.MXFP8:
-        return formats.quantize_mxfp8(w, axis=-1)
-    return formats.quantize_nvfp4(w, scale_scope="tensor")
+    """``q.dequantize(dtype)`` through the format's scheme: on CUDA one Triton launch of
+    ``miles_lp.formats.kernels`` (byte-identical to the codec's torch code, which builds fp32 temporaries of the
+    whole stack: ~3x the operand's bytes more)."""
+    return scheme_for(q.format).dequantize(q, dtype)
 
 
 def decode_weight(target: str, fmt: Format, tensors: Mapping[str, torch.Tensor], shape: tuple[int, int],
                   lead: tuple[int, ...] = ()):
     """Codec tensor of one weight from its on-disk tensors keyed by suffix (``weight``, ``weight_scale_inv``...).
     ``lead``: leading dims of stacked tensors (``(E,)`` for a ``LinearStack``: one codec tensor ``[E, N, K]``,
-    NVFP4 global scale ``[E, 1, 1]``, as the codecs hold a stacked per-matrix scale)."""
-    if fmt is Format.BF16:
-        return None
-    from miles_lp.formats import FP8BlockTensor, MXFP8Tensor, NVFP4Tensor
-
-    comps = _naming().decode_components(target, fmt, "w.weight", {f"w.{s}": t for s, t in tensors.items()},
-                                        lead=lead)
-    if fmt is Format.MXFP8:
-        return MXFP8Tensor(comps["data"], comps["scale"], -1)
-    if fmt is Format.FP8_BLOCK:
-        return FP8BlockTensor(comps["data"], comps["scale_inv"], (FP8_BLOCK_SIZE, FP8_BLOCK_SIZE))
-    gs = comps["global_scale"].to(torch.float32)
-    gs = gs.reshape(()) if not lead else gs.reshape(*lead, 1, 1)
-    return NVFP4Tensor(comps["data"], comps["scale"], gs, gs * NVFP4_GLOBAL_DIVISOR, (*lead, *shape), "tensor",
-                       False)
+    NVFP4 global scale ``[E, 1, 1]``, as the codecs hold a stacked per-matrix scale). ``None`` for BF16."""
+    return _naming().decode(target, fmt, "w.weight", {f"w.{s}": t for s, t in tensors.items()}, shape, lead=lead)
 
 
 class EngineExpert(torch.nn.Module):
@@ -492,26 +445,13 @@ class LinearStack:
 
     def _derive(self, lo: int, hi: int) -> tuple[dict[str, torch.Tensor], Format]:
         """Derived state of layers ``lo:hi`` (``EngineLinear.process_weights_after_loading`` with a leading dim)."""
-        from miles_lp.formats import swizzle_scales, unswizzle_scales
-
         first = self.layers[0]
         n, k = first.out_features, first.in_features
         canon = {s: t[lo:hi] for s, t in self.canonical.items()}
-        new: dict[str, torch.Tensor] = {}
         q = decode_weight(first.target, first.disk_format, canon, (n, k), lead=(hi - lo,))
-        if q is None:
-            if canon["weight"].dtype != first.op_dtype:
-                new["operand"] = canon["weight"].to(first.op_dtype)
-            fmt = Format.BF16
-        elif q.format is Format.FP8_BLOCK:  # [L, N, K]: each matrix's blocks, as one layer's pass
-            new["operand"] = q.dequantize(first.op_dtype)
-            fmt = q.format
-        else:
-            block = MXFP8_BLOCK if q.format is Format.MXFP8 else NVFP4_BLOCK
-            new["scale_swizzled"] = swizzle_scales(q.scale)  # [L, ru(N,128), ru(K/block,4)]
-            kernel_scale = unswizzle_scales(new["scale_swizzled"], n, k // block)
-            new["operand"] = _dequantize(_with_scale(q, kernel_scale), first.op_dtype)
-            fmt = q.format
+        # [L, N, K]: the scheme's kernel state on a leading dim (each matrix's blocks, as one layer's pass)
+        fmt = Format.BF16 if q is None else q.format
+        new = scheme_for(fmt).kernel_state(canon["weight"] if q is None else q, n, k, first.op_dtype)
         if first.has_bias and canon["bias"].dtype != first.op_dtype:
             new["bias_operand"] = canon["bias"].to(first.op_dtype)
         return new, fmt
@@ -612,4 +552,5 @@ def engine_linears(model: torch.nn.Module) -> Iterator[tuple[str, EngineLinear]]
 
 def describe_layer(m: EngineLinear) -> dict[str, Any]:
     return {"disk": m.disk_format.value, "kernel": getattr(m.kernel_format, "value", None), "target": m.target,
-            "activation_scale": m.activation_scale if m.kernel_format in (Format.NVFP4, Format.FP8_BLOCK) else None}
+            "activation_scale": m.activation_scale if m.kernel_format is not None
+            and scheme_for(m.kernel_format).scaled_activations else None}

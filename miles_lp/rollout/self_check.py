@@ -115,24 +115,10 @@ def decode_nvfp4_f64(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.T
     return v * s * float(scale_2.reshape(-1)[0])
 
 
-_E2M1_TABLES: dict[str, torch.Tensor] = {}
-
-
 def dequantize_exact(q: Any, dtype: torch.dtype) -> torch.Tensor:
-    """``q.dequantize(dtype)`` of a codec tensor (the codecs' torch code, same ops in the same order: the same
-    bytes), except that NVFP4's E2M1 decode table is made once per device and kept, not built from a Python list at
-    each call (a host->device copy, which a CUDA graph capture refuses).
-    ``tests/unit/test_rollout_self_check_graph.py`` compares both on random codes."""
-    from miles_lp.formats import NVFP4Tensor, bits
-    from miles_lp.formats.spec import NVFP4_BLOCK
+    """``q.dequantize(dtype)`` of a codec tensor in its scheme's graph-safe form: the same ops in the same order
+    (the same bytes), with no host->device copy a CUDA graph capture would refuse (NVFP4's E2M1 table is kept per
+    device). ``tests/unit/test_rollout_self_check_graph.py`` compares both on random codes."""
+    from miles_lp.formats.schemes import scheme_for
 
-    if not isinstance(q, NVFP4Tensor):
-        return q.dequantize(dtype)
-    dev = q.data.device
-    table = _E2M1_TABLES.get(str(dev))
-    if table is None:
-        table = _E2M1_TABLES[str(dev)] = bits.e2m1_table(dev)
-    codes = bits.unpack_fp4(q.data).to(torch.int64)  # [..., K]
-    vals = table[codes]
-    sf = q.scale.to(torch.float32).repeat_interleave(NVFP4_BLOCK, dim=-1)  # [..., K]
-    return ((vals * sf) * q.global_scale).to(dtype)
+    return scheme_for(q.format).dequantize_graph_safe(q, dtype)

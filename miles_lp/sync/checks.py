@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from miles_lp.export import naming
-from miles_lp.formats.spec import Format
+from miles_lp.formats.schemes import find_scheme
 from miles_lp.sync.buckets import Ledger
 from miles_lp.sync.items import Item
 from miles_lp.sync.verdict import Verdict, failed, ok, skipped
@@ -24,6 +24,12 @@ from miles_lp.sync.verdict import Verdict, failed, ok, skipped
 
 def _fmt(v: Any) -> str:
     return str(getattr(v, "value", v)).lower()
+
+
+def _high_precision(fmt: str) -> bool:
+    """The format is not quantized (its scheme is BF16's)."""
+    scheme = find_scheme(fmt)
+    return scheme is not None and not scheme.format.quantized
 
 
 def _norm(m: Mapping[str, Any]) -> dict[str, str]:
@@ -98,13 +104,23 @@ def grid_full(expected: Mapping[str, torch.Tensor], engine: Mapping[str, torch.T
 
 def global_scale_names(target: str, plan_groups: Mapping[str, Sequence[str]],
                        plan_formats: Mapping[str, Any]) -> list[tuple[str, list[str]]]:
-    """For each NVFP4 joint-scale group of the plan (gate + up): the engine names of its members' global
-    scales (``weight_scale_2`` for SGLang/vLLM, ``weight_global_scale`` for compressed-tensors)."""
-    suffix = next(p.suffix for p in naming.parts(target, Format.NVFP4) if p.component == "global_scale")
+    """For each joint-scale group of the plan (NVFP4 gate + up: a format whose scheme has
+    ``joint_global_scale``): the engine names of its members' global scales (``weight_scale_2`` for SGLang/vLLM,
+    ``weight_global_scale`` for compressed-tensors)."""
+    naming.check_target(target)
     out = []
+    suffixes: dict[str, str] = {}
     for group, members in plan_groups.items():
-        if len(members) > 1 and all(_fmt(plan_formats.get(m)) == "nvfp4" for m in members):
-            out.append((group, [naming.module_prefix(m) + suffix for m in members]))
+        fmts = {_fmt(plan_formats.get(m)) for m in members}
+        if len(members) < 2 or len(fmts) != 1:
+            continue
+        (fmt,) = fmts
+        if fmt not in suffixes:
+            scheme = find_scheme(fmt)
+            suffixes[fmt] = "" if scheme is None or not scheme.joint_global_scale else next(
+                p.suffix for p in naming.parts(target, scheme.format) if p.component == "global_scale")
+        if suffixes[fmt]:
+            out.append((group, [naming.module_prefix(m) + suffixes[fmt] for m in members]))
     return out
 
 
@@ -291,7 +307,7 @@ def validate_update(items: Iterable[Item], spec: Mapping[str, tuple[str, tuple[i
         if it.component in (None, "data"):  # the weight itself: precision must match the engine's parameter
             held = eng_q.get(it.source, "bf16")
             sent_fmt = _fmt(it.fmt)
-            if (held == "bf16") != (sent_fmt == "bf16"):
+            if _high_precision(held) != _high_precision(sent_fmt):
                 bad.append(f"{it.source} ({sent_fmt} weight sent to a {held} parameter)")
     if bad:
         return failed("completeness", float(len(bad)), f"update refused before any byte was written: {len(bad)} "

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from miles_lp.formats.spec import MXFP8_BLOCK, BackwardMode, Format
+from miles_lp.formats.spec import MXFP8_BLOCK, BackwardMode
 from miles_lp.train import fused, lean
 from miles_lp.train.grid import WeightGrid, _no_grad
 from miles_lp.train.operands import (
@@ -102,13 +102,13 @@ def _operand_dtype(x: torch.Tensor) -> torch.dtype:
 def _recipe_operand_dtype(x: torch.Tensor, recipe: LinearRecipe) -> torch.dtype:
     """``_operand_dtype``, except fp32 for FP8 blockwise with arbitrary fp32 scales (their decode is not exact in
     bf16)."""
-    if recipe.format is Format.FP8_BLOCK and not recipe.pow2_scales:
+    if not recipe.scheme.bf16_exact(recipe.pow2_scales):
         return torch.float32
     return _operand_dtype(x)
 
 
 def _fp8_native(x: torch.Tensor, weight: torch.Tensor, grid: WeightGrid) -> bool:
-    if grid.recipe.format is not Format.FP8_BLOCK or grid.kernel == "reference" or not x.is_cuda:
+    if not grid.scheme.native_gemm or grid.kernel == "reference" or not x.is_cuda:
         return False
     from miles_lp.train import fp8_block_gemm
 

@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from miles_lp.errors import ConfigError
-from miles_lp.formats.spec import Format
 from miles_lp.train import fused
 from miles_lp.train.operands import (
     check_operand,
     fused_dequantize,
+    fused_weight,
     quantize_columnwise_checked,
     quantize_weight,
     weight_amax,
@@ -82,25 +82,15 @@ class WeightGrid:
         self._col_key: tuple | None = None
         self._t: Any = None  # FP8 blockwise: fp8_block_gemm.WeightOperands of the forward grid (native GEMMs)
         self.quantize_calls = 0  # observable in tests: once per step
-        self._exact_div: bool | None = None
+        self.scheme = recipe.scheme
 
     def use_compiled(self, t: torch.Tensor) -> bool:
         """``compiled``: always; ``auto``: on CUDA, MXFP8 always and NVFP4 when this torch's Inductor can
         compile exact fp32 division (NVFP4's scale math divides; both byte-equal to the reference on the
-        H200, 2026-11-29, ``pytest -m gpu``); ``reference``: never."""
-        if self.recipe.format is Format.FP8_BLOCK:  # its GEMMs are native (miles_lp.train.fp8_block_gemm) or the codecs
-            return False
-        if self.kernel == "auto":
-            if not t.is_cuda:
-                return False
-            if self.recipe.format is Format.NVFP4:
-                if self._exact_div is None:  # (asked once per grid: it is a property of this torch build)
-                    from miles_lp.formats._compile import exact_division_available
-
-                    self._exact_div = exact_division_available()
-                return self._exact_div
-            return self.recipe.format is Format.MXFP8
-        return self.kernel == "compiled"
+        H200, 2026-11-29, ``pytest -m gpu``); ``reference``: never. FP8 blockwise: never (its GEMMs are native,
+        ``miles_lp.train.fp8_block_gemm``, or the codecs). The format's scheme decides
+        (``FormatScheme.use_compiled``)."""
+        return self.scheme.use_compiled(self.kernel, t)
 
     def _key(self, weight: torch.Tensor) -> tuple:
         if not self.amax_partners:  # (the common case, without building a list and a generator per call)
@@ -108,7 +98,7 @@ class WeightGrid:
         return version_key([weight, *self.amax_partners])
 
     def _amax(self, weight: torch.Tensor) -> torch.Tensor | None:
-        if self.recipe.format is not Format.NVFP4:
+        if not self.scheme.joint_global_scale:
             return None
         if not self.amax_partners and self.amax_reduce is None:
             return None
@@ -129,12 +119,8 @@ class WeightGrid:
         key = self._key(weight)
         if not self._fresh(key):
             with torch.no_grad():
-                if self.use_compiled(weight) and self.recipe.format is Format.MXFP8:
-                    from miles_lp import formats
-
-                    self._row = formats.quantize_mxfp8(weight.detach(), axis=-1, compile=True)
-                else:
-                    self._row = quantize_weight(weight, self.recipe, amax=self._amax(weight))
+                self._row = quantize_weight(weight, self.recipe, amax=self._amax(weight),
+                                            compile=self.use_compiled(weight))
             self._row_key = key
             self.quantize_calls += 1
         return self._row
@@ -150,12 +136,8 @@ class WeightGrid:
         else:
             check_operand(weight, self.recipe, -1, "weight")
             with _no_grad():
-                w = weight  # (fused detaches for its compiled graphs; the kernels read the data pointer)
-                if self.recipe.format is Format.MXFP8:
-                    q, deq = fused.mxfp8_qdq(w, -1, dtype)
-                else:
-                    q, deq = fused.nvfp4_qdq(w, "tensor", dtype, amax=self._amax(weight),
-                                             block_2d=self.recipe.block_2d)
+                # (fused detaches for its compiled graphs; the kernels read the data pointer)
+                q, deq = fused_weight(weight, self.recipe, dtype, self._amax(weight))
             self._row, self._row_key = q, key
             self.quantize_calls += 1
         self._deq = deq if self.cache_dequantized else None
@@ -183,7 +165,7 @@ class WeightGrid:
         return q, deq, col
 
     def columnwise(self, weight: torch.Tensor):
-        if self.recipe.format is Format.FP8_BLOCK:  # one 128x128 tile serves the weight and its transpose (TE)
+        if self.scheme.transposable_weight:  # FP8 blockwise: one 128x128 tile serves the weight and its transpose
             return self.rowwise(weight)
         key = self._key(weight)
         if self._col is None or key != self._col_key:

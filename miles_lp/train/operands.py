@@ -12,59 +12,37 @@ from typing import Any
 import torch
 
 from miles_lp.errors import FormatError
-from miles_lp.formats.spec import FP8_BLOCK_SIZE, MXFP8_BLOCK, NVFP4_BLOCK, Format
+from miles_lp.formats.schemes.fp8_block import COL_BLOCK as FP8_COL_BLOCK
+from miles_lp.formats.schemes.fp8_block import ROW_BLOCK as FP8_ROW_BLOCK
+from miles_lp.formats.schemes.fp8_block import WEIGHT_BLOCK as FP8_WEIGHT_BLOCK
+from miles_lp.formats.spec import Format
 from miles_lp.train import fused
 from miles_lp.train.recipe import LinearRecipe
 
-#: TE Float8BlockScaling's tiles: weights 128x128 (one tile serves the weight and its transpose), activations and
-#: gradients 1x128 along the GEMM's reduction dim: rows of 128 along K / N (``ROW``) for the forward and dgrad,
-#: columns of 128 tokens (``COL``, i.e. 1x128 tiles of the transposed operand) for wgrad
-FP8_WEIGHT_BLOCK = (FP8_BLOCK_SIZE, FP8_BLOCK_SIZE)
-FP8_ROW_BLOCK = (1, FP8_BLOCK_SIZE)
-FP8_COL_BLOCK = (FP8_BLOCK_SIZE, 1)
+__all__ = ["FP8_COL_BLOCK", "FP8_ROW_BLOCK", "FP8_WEIGHT_BLOCK"]  # TE Float8BlockScaling's tiles (the fp8_block scheme)
 
 
-def quantize_weight(w: torch.Tensor, recipe: LinearRecipe, *, amax: torch.Tensor | None = None):
-    """The forward (rowwise) grid of a weight ``[..., N, K]`` from its master values."""
-    from miles_lp import formats
-
-    w = w.detach()
-    if recipe.format is Format.MXFP8:
-        return formats.quantize_mxfp8(w, axis=-1)
-    if recipe.format is Format.FP8_BLOCK:
-        return formats.quantize_fp8_blockwise(w, FP8_WEIGHT_BLOCK, recipe.pow2_scales)
-    return formats.quantize_nvfp4(w, scale_scope="tensor", amax=amax, block_2d=recipe.block_2d)
+def quantize_weight(w: torch.Tensor, recipe: LinearRecipe, *, amax: torch.Tensor | None = None,
+                    compile: bool = False):
+    """The forward (rowwise) grid of a weight ``[..., N, K]`` from its master values (the scheme's weight grid:
+    the converter writes the same)."""
+    return recipe.scheme.quantize_weight(w, amax=amax, block_2d=recipe.block_2d, pow2_scales=recipe.pow2_scales,
+                                         compile=compile)
 
 
 def quantize_activation(x: torch.Tensor, recipe: LinearRecipe):
     """The forward grid of the input ``[M, K]`` (per token under NVFP4 with ``activation_scale: token``)."""
-    from miles_lp import formats
-
-    if recipe.format is Format.MXFP8:
-        return formats.quantize_mxfp8(x, axis=-1)
-    if recipe.format is Format.FP8_BLOCK:
-        return formats.quantize_fp8_blockwise(x.detach(), FP8_ROW_BLOCK, recipe.pow2_scales)
-    return formats.quantize_nvfp4(x, scale_scope=recipe.nvfp4_row_scope)
+    return recipe.scheme.quantize_activation(x, scope=recipe.nvfp4_row_scope, pow2_scales=recipe.pow2_scales)
 
 
-def quantize_columnwise(t: torch.Tensor, recipe: LinearRecipe):
+def quantize_columnwise(t: torch.Tensor, recipe: LinearRecipe, *, compiled: bool = False):
     """A backward operand blocked along dim -2 (``quantized`` mode): MXFP8 32x1, FP8 blockwise 128x1 (the 1x128
     tiles of the transposed operand, quantized from the high-precision values as TE does)."""
-    from miles_lp import formats
-
-    if recipe.format is Format.FP8_BLOCK:
-        return formats.quantize_fp8_blockwise(t.detach(), FP8_COL_BLOCK, recipe.pow2_scales)
-    assert recipe.format is Format.MXFP8  # LinearRecipe refuses NVFP4 + quantized
-    return formats.quantize_mxfp8(t, axis=-2)
+    return recipe.scheme.quantize_grad(t, -2, pow2_scales=recipe.pow2_scales, compile=compiled)
 
 
 def quantize_rowwise(t: torch.Tensor, recipe: LinearRecipe):
-    from miles_lp import formats
-
-    if recipe.format is Format.FP8_BLOCK:
-        return formats.quantize_fp8_blockwise(t.detach(), FP8_ROW_BLOCK, recipe.pow2_scales)
-    assert recipe.format is Format.MXFP8
-    return formats.quantize_mxfp8(t, axis=-1)
+    return recipe.scheme.quantize_grad(t, -1, pow2_scales=recipe.pow2_scales)
 
 
 def weight_amax(w: torch.Tensor) -> torch.Tensor:
@@ -78,18 +56,33 @@ def reference_dequantize(q: Any, dtype: torch.dtype) -> torch.Tensor:
     return q.dequantize(dtype)
 
 
+#: the compiled twins of ``miles_lp.train.fused`` (same bytes) for the formats whose scheme uses them
+#: (``FormatScheme.use_compiled``): decode, activation grid + decode, weight grid + decode
+_FUSED_DEQUANTIZE = {Format.MXFP8: fused.mxfp8_dequantize, Format.NVFP4: fused.nvfp4_dequantize}
+_FUSED_ACTIVATION = {
+    Format.MXFP8: lambda x, recipe, dtype: fused.mxfp8_qdq(x, -1, dtype),
+    Format.NVFP4: lambda x, recipe, dtype: fused.nvfp4_qdq(x, recipe.nvfp4_row_scope, dtype),
+}
+_FUSED_WEIGHT = {
+    Format.MXFP8: lambda w, recipe, dtype, amax: fused.mxfp8_qdq(w, -1, dtype),
+    Format.NVFP4: lambda w, recipe, dtype, amax: fused.nvfp4_qdq(w, "tensor", dtype, amax=amax,
+                                                                 block_2d=recipe.block_2d),
+}
+
+
 def fused_dequantize(q: Any, dtype: torch.dtype) -> torch.Tensor:
     """``q.dequantize(dtype)`` through the compiled decode (same bytes)."""
-    if q.format is Format.MXFP8:
-        return fused.mxfp8_dequantize(q, dtype)
-    return fused.nvfp4_dequantize(q, dtype)
+    return _FUSED_DEQUANTIZE[q.format](q, dtype)
 
 
 def fused_activation(x: torch.Tensor, recipe: LinearRecipe, dtype: torch.dtype):
     """``(quantize_activation(x, recipe), its dequantization)`` in one compiled pass."""
-    if recipe.format is Format.MXFP8:
-        return fused.mxfp8_qdq(x, -1, dtype)
-    return fused.nvfp4_qdq(x, recipe.nvfp4_row_scope, dtype)
+    return _FUSED_ACTIVATION[recipe.format](x, recipe, dtype)
+
+
+def fused_weight(w: torch.Tensor, recipe: LinearRecipe, dtype: torch.dtype, amax: torch.Tensor | None):
+    """``(quantize_weight(w, recipe, amax=amax), its dequantization)`` in one compiled pass."""
+    return _FUSED_WEIGHT[recipe.format](w, recipe, dtype, amax)
 
 
 def check_operand(t: torch.Tensor, recipe: LinearRecipe, axis: int, what: str) -> None:
@@ -97,9 +90,10 @@ def check_operand(t: torch.Tensor, recipe: LinearRecipe, axis: int, what: str) -
     if t.dtype not in (torch.float32, torch.bfloat16, torch.float16) or t.numel() == 0:
         raise FormatError(f"{recipe.name}: {what} of shape {tuple(t.shape)} and dtype {t.dtype} cannot be "
                           "quantized (float32/bfloat16/float16, non-empty)")
-    if recipe.format is Format.FP8_BLOCK:  # partial edge tiles are part of the format: no alignment rule
+    scheme = recipe.scheme
+    if not scheme.aligned:  # partial edge tiles are part of the format: no alignment rule
         return
-    block = MXFP8_BLOCK if recipe.format is Format.MXFP8 else NVFP4_BLOCK
+    block = scheme.scale_block
     if t.shape[axis] % block:
         raise FormatError(f"{recipe.name}: {what} of shape {tuple(t.shape)}: dim {axis} has {t.shape[axis]} "
                           f"elements, not a multiple of the {recipe.format.value} block of {block}; keep this "
@@ -107,12 +101,8 @@ def check_operand(t: torch.Tensor, recipe: LinearRecipe, axis: int, what: str) -
 
 
 def quantize_columnwise_checked(t: torch.Tensor, recipe: LinearRecipe, what: str, *, compiled: bool = False):
-    from miles_lp import formats
-
     try:
-        if compiled and recipe.format is Format.MXFP8:
-            return formats.quantize_mxfp8(t.detach(), axis=-2, compile=True)
-        return quantize_columnwise(t, recipe)
+        return quantize_columnwise(t, recipe, compiled=compiled)
     except FormatError as exc:
         raise FormatError(f"{recipe.name}: columnwise {what} of shape {tuple(t.shape)}: {exc}") from exc
 

@@ -16,9 +16,11 @@ import dataclasses
 from typing import Any
 
 from miles_lp.errors import ConfigError
+from miles_lp.formats.scheme import FormatScheme
+from miles_lp.formats.schemes import has_scheme, scheme_for, trainable_formats
 from miles_lp.formats.spec import BackwardMode, Format
 
-TRAINABLE_FORMATS = (Format.MXFP8, Format.NVFP4, Format.FP8_BLOCK)
+TRAINABLE_FORMATS = trainable_formats()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,21 +38,27 @@ class LinearRecipe:
         fmt = Format(self.format)
         object.__setattr__(self, "format", fmt)
         object.__setattr__(self, "backward", BackwardMode(self.backward))
-        if fmt not in TRAINABLE_FORMATS:
+        if not (has_scheme(fmt) and scheme_for(fmt).trainable):
             raise ConfigError(
                 f"{self.name}: format {fmt.value} cannot be trained by miles-lp's QuantLinear "
                 f"(trainable: {', '.join(f.value for f in TRAINABLE_FORMATS)}); keep the tensor bf16 in the "
                 "policy or convert it to one of those")
-        if fmt is Format.NVFP4 and self.backward is BackwardMode.QUANTIZED:
+        scheme = scheme_for(fmt)
+        if scheme.quantized_backward_refusal and self.backward is BackwardMode.QUANTIZED:
             raise ConfigError(
-                f"{self.name}: NVFP4 with backward 'quantized' (FP4 backward GEMMs, which need stochastic "
-                "rounding and Hadamard transforms) is not part of the RL recipe; use backward "
-                "'high_precision' or 'dequantized' for NVFP4 tensors (seed 002)")
-        if self.pow2_scales and fmt is not Format.FP8_BLOCK:
+                f"{self.name}: {scheme.quantized_backward_refusal}; use backward "
+                f"'high_precision' or 'dequantized' for {fmt.value.upper()} tensors (seed 002)")
+        if self.pow2_scales and not scheme.pow2_scales:
             raise ConfigError(f"{self.name}: pow2_scales applies to fp8_block only, not {fmt.value}")
-        if fmt is Format.NVFP4 and self.activation_scale not in (None, "token", "tensor"):
-            raise ConfigError(f"{self.name}: activation_scale must be 'token' or 'tensor', "
+        if scheme.activation_scopes and self.activation_scale not in (None, *scheme.activation_scopes):
+            raise ConfigError(f"{self.name}: activation_scale must be "
+                              f"{' or '.join(repr(s) for s in scheme.activation_scopes)}, "
                               f"got {self.activation_scale!r}")
+
+    @property
+    def scheme(self) -> FormatScheme:
+        """The format's scheme (``miles_lp.formats.scheme``): its quantizers, decode and kernel choice."""
+        return scheme_for(self.format)
 
     @classmethod
     def from_entry(cls, entry: Any, name: str | None = None) -> LinearRecipe | None:
@@ -61,11 +69,13 @@ class LinearRecipe:
         backward = getattr(entry, "backward", None) or BackwardMode.DEQUANTIZED
         scope = getattr(entry, "activation_scale", None)
         scope = {"per_token": "token", "per_tensor": "tensor"}.get(scope, scope)
-        if fmt is Format.NVFP4 and scope is None:
-            scope = "token"
-        return cls(fmt, BackwardMode(backward), scope if fmt is Format.NVFP4 else None,
+        scopes = scheme_for(fmt).activation_scopes if has_scheme(fmt) else ()
+        if scopes and scope is None:
+            scope = scopes[0]
+        pow2 = has_scheme(fmt) and scheme_for(fmt).pow2_scales
+        return cls(fmt, BackwardMode(backward), scope if scopes else None,
                    bool(getattr(entry, "block_2d", False)), name or getattr(entry, "name", "<linear>"),
-                   bool(getattr(entry, "pow2_scales", False)) and fmt is Format.FP8_BLOCK)
+                   bool(getattr(entry, "pow2_scales", False)) and pow2)
 
     @property
     def nvfp4_row_scope(self) -> str:

@@ -46,10 +46,6 @@ KNOWN_UPWARD: set[tuple[str, str]] = set()
 
 #: module-level cycles (strongly connected sets of modules) that remain, each as a sorted tuple. Exact.
 KNOWN_MODULE_CYCLES: set[tuple[str, ...]] = {
-    # the codecs pick their kernel (formats.mxfp8 / nvfp4 -> kernels) and the kernels return the codecs'
-    # tensors (kernels -> mxfp8 / nvfp4): the choice belongs in one dispatch module above both
-    ("miles_lp.formats.kernels", "miles_lp.formats.kernels.mxfp8", "miles_lp.formats.kernels.nvfp4",
-     "miles_lp.formats.mxfp8", "miles_lp.formats.nvfp4"),
     ("miles_lp.train.gemm", "miles_lp.train.lean"),
     ("miles_lp.train.megatron.model", "miles_lp.train.megatron.parallel"),
 }

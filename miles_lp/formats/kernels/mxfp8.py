@@ -12,8 +12,8 @@ from miles_lp.errors import BackendUnavailable
 from miles_lp.formats._checks import check_input, check_multiple
 from miles_lp.formats.kernels import runtime as rt
 from miles_lp.formats.kernels.tuning import CONFIG
-from miles_lp.formats.mxfp8 import MXFP8Tensor
 from miles_lp.formats.spec import MXFP8_BLOCK
+from miles_lp.formats.tensors import MXFP8Tensor
 
 
 @dataclass(frozen=True, eq=False)

@@ -8,11 +8,11 @@ import threading
 
 import torch
 
-from miles_lp.formats._checks import check_input
+from miles_lp.formats._checks import check_input, check_nvfp4
 from miles_lp.formats.kernels import runtime as rt
 from miles_lp.formats.kernels.tuning import CONFIG
-from miles_lp.formats.nvfp4 import NVFP4Tensor
 from miles_lp.formats.spec import NVFP4_BLOCK
+from miles_lp.formats.tensors import NVFP4Tensor
 
 
 def _amax_launch(mod, xi, in_kind: int, mats: int, m: int, k: int, per_row: bool, site: tuple | None = None
@@ -79,17 +79,15 @@ def nvfp4_quantize(x: torch.Tensor, scope: str = "tensor", *, amax: torch.Tensor
     does not read its values, so it stays free of host syncs). Checks and launch parameters are worked out
     once per input shape / dtype / flags (``rt.PLANS``), as in ``mxfp8_quantize``.
     """
-    from miles_lp.formats.nvfp4 import _check_nvfp4
-
     if not isinstance(x, torch.Tensor):
-        _check_nvfp4(x, scope, block_2d, name)
+        check_nvfp4(x, scope, block_2d, name)
     given = amax is not None
     cfgs = (CONFIG["nvfp4_pairs"], CONFIG["nvfp4_rows"], CONFIG["nvfp4_rows_reg"], CONFIG["nvfp4_2d"],
             CONFIG["nvfp4"], CONFIG["amax"], CONFIG["nvfp4_persist"])
     key = rt.plan_key(x, "nv", scope, given, block_2d, dequant_dtype, *(tuple(c.items()) for c in cfgs))
     plan = rt.PLANS.get(key)
     if plan is None:
-        _check_nvfp4(x, scope, block_2d, name)
+        check_nvfp4(x, scope, block_2d, name)
         plan = rt.PLANS[key] = _nvfp4_plan(x, scope, given, block_2d, dequant_dtype)
     mod = rt.module_for(x)
     xi, in_kind = rt.input_view(x)
