@@ -91,6 +91,9 @@ class FleetReport(VerdictsReport):
     seconds: float
     full_compare: bool
     stage: str = "done"
+    #: over one update group (``fanout``): the buckets this sync sent as (broadcasts reaching every engine of the
+    #: group, sends to one engine); None without a fanout
+    sends: tuple[int, int] | None = None
 
 
 class FleetSync:
@@ -236,11 +239,9 @@ class FleetSync:
         m["perf/sync_check_seconds"] = sum(r.check_seconds for r in reports)
         m["sync/weight_version"] = float(self.expected_version)
         m["sync/engines"] = float(len(reports))
-        if self.fanout is not None and getattr(self, "_sent", None) is not None:
-            # bucket sends of this sync over the one update group: a broadcast reaches every engine
-            m["sync/bucket_broadcasts"], m["sync/bucket_p2p"] = map(float, self._sent)
-            self._sent = None
+        sends, self._sent = getattr(self, "_sent", None), None
         stage = next((r.stage for r in reports if r.stage != "done"), "done")
         self.log(f"fleet sync v{self.expected_version}: {len(reports)} engines; "
                  + " ".join(v.short() for v in verdicts))
-        return FleetReport(self.expected_version, verdicts, m, tuple(reports), m["perf/sync_seconds"], full, stage)
+        return FleetReport(self.expected_version, verdicts, m, tuple(reports), m["perf/sync_seconds"], full, stage,
+                           sends)

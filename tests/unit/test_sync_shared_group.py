@@ -155,12 +155,11 @@ def test_one_broadcast_per_bucket_reaches_every_engine_and_each_is_checked():
         learner = Learner(seed=2)
         first = fleet.initial_sync(learner)
         buckets = first.engines[0].buckets
-        assert buckets > 1 and first.metrics["sync/bucket_broadcasts"] == buckets
-        assert first.metrics["sync/bucket_p2p"] == 0
+        assert buckets > 1 and first.sends == (buckets, 0)
         _step(learner, 0)
         second = fleet.sync(learner)
         m = second.metrics
-        assert m["sync/bucket_broadcasts"] == buckets and shared.broadcasts == 2 * buckets  # once, not per engine
+        assert second.sends == (buckets, 0) and shared.broadcasts == 2 * buckets  # once per bucket, not per engine
         for c in ("layer_audit", "completeness", "grid", "self_check", "version"):
             assert m[f"sync/check/{c}/engine0"] == 1.0 and m[f"sync/check/{c}/engine1"] == 1.0, c
         assert m["sync/check/storage/engine0"] == 1.0 and m["sync/check/storage/engine1"] == 0.0
@@ -210,10 +209,10 @@ def test_an_engine_dying_inside_a_sync_rebuilds_the_group_and_resyncs():
         # the retry: engine 0 lacks this update (its sync was cut off); engine 1 holds it from its resync
         report = fleet.sync(learner, only=[], done={1: resynced})
         assert report.ok and fleet.expected_version == 2
-        assert report.metrics["sync/bucket_broadcasts"] == 0 and report.metrics["sync/bucket_p2p"] == buckets
+        assert report.sends == (0, buckets)
         _step(learner, 1)
         report = fleet.sync(learner)
-        assert report.ok and fleet.expected_version == 3 and report.metrics["sync/bucket_broadcasts"] == buckets
+        assert report.ok and fleet.expected_version == 3 and report.sends == (buckets, 0)
         want = _learner_digests(learner)
         survivor, new = ranks[0].state(), fresh.state()
         for digests, *_ in (survivor, new):

@@ -54,12 +54,15 @@ def sglang_missing() -> str:
 
 
 def server_args(model_path: str | Path, port: int, *, host: str = "127.0.0.1", max_total_tokens: int = 4096,
-                context_length: int | None = None, dtype: str = "bfloat16",
+                context_length: int | None = None, dtype: str = "bfloat16", tp_size: int = 1,
                 extra: Sequence[str] = ()) -> list[str]:
-    """SGLang's command-line flags for ``model_path`` on CPU (``CPU_FLAGS`` + the size of the KV pool)."""
+    """SGLang's command-line flags for ``model_path`` on CPU (``CPU_FLAGS`` + the size of the KV pool); ``tp_size``:
+    SGLang's ``--tp-size``, the engine's own tensor-parallel ranks (``rollout.engine_tp``)."""
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size must be an integer >= 1, got {tp_size!r}")
     args = ["--model-path", str(model_path), "--host", host, "--port", str(port), "--dtype", dtype, *CPU_FLAGS,
             "--mem-fraction-static", "0.05", "--max-total-tokens", str(max_total_tokens), "--log-level", "warning",
-            "--weight-version", "0"]
+            "--weight-version", "0", "--tp-size", str(tp_size)]
     if context_length is not None:
         args += ["--context-length", str(context_length)]
     return [*args, *extra]
@@ -74,7 +77,7 @@ class SGLangCPUServer:
                  host: str = "127.0.0.1", api_key: str | None = None, log_path: str | Path | None = None,
                  threads: int | None = None, max_total_tokens: int = 4096, context_length: int | None = None,
                  extra_args: Sequence[str] = (), start_timeout_s: float = 600.0,
-                 extra_env: Mapping[str, str] | None = None):
+                 extra_env: Mapping[str, str] | None = None, tp_size: int = 1):
         from miles_lp.rollout.server import api_key_from_env
 
         self.python = python or sglang_python()
@@ -89,7 +92,7 @@ class SGLangCPUServer:
         self.extra_env = dict(extra_env or {})
         self.start_timeout_s = start_timeout_s
         self.args = server_args(self.model_path, self.port, host=host, max_total_tokens=max_total_tokens,
-                                context_length=context_length, extra=extra_args)
+                                context_length=context_length, tp_size=tp_size, extra=extra_args)
         if self.api_key:
             self.args += ["--api-key", self.api_key]
         self._proc: subprocess.Popen | None = None

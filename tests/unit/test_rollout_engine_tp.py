@@ -1,0 +1,43 @@
+"""``rollout.engine_tp``: the tensor-parallel ranks inside one engine. Typed (an integer >= 1), refused where the
+backend has no tensor parallelism of its own or does not start the engine (naming the key), and SGLang's
+``--tp-size`` on the command line of the server miles-lp launches."""
+
+from __future__ import annotations
+
+import pytest
+
+from miles_lp.errors import ConfigError
+from miles_lp.rollout.config import load_rollout_config, parse_rollout_config
+from miles_lp.rollout.sglang_cpu.launch import server_args
+
+
+def test_default_is_one_and_the_key_is_typed(tmp_path):
+    assert parse_rollout_config(None).engine_tp == 1
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ConfigError, match=r"rollout.engine_tp.*(must be an integer >= 1|expected an integer)"):
+            parse_rollout_config({"engine_tp": bad})  # the typed parser or the range check
+    p = tmp_path / "r.yaml"
+    p.write_text("rollout:\n  backend: sglang\n  server: launch\n  engine_tp: 2\n")
+    assert load_rollout_config(p).engine_tp == 2
+    assert parse_rollout_config({"backend": "vllm", "engine_tp": 2}).engine_tp == 2
+
+
+def test_backends_without_their_own_tensor_parallelism_refuse_it_naming_the_key(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("rollout:\n  backend: reference\n  engine_tp: 2\n")
+    with pytest.raises(ConfigError, match=r"r.yaml:3.*engine_tp.*reference has no tensor parallelism.*"
+                                          r"rollout.engines"):
+        load_rollout_config(p)
+    with pytest.raises(ConfigError, match=r"engine_tp.*miles-lp serve.*server: launch"):
+        parse_rollout_config({"backend": "sglang", "url": "http://127.0.0.1:30000", "engine_tp": 2})
+    with pytest.raises(ConfigError, match=r"engine_tp.*started by hand.*--tp-size"):
+        parse_rollout_config({"backend": "sglang", "server": "sglang", "url": "http://127.0.0.1:30000",
+                              "engine_tp": 2})
+
+
+def test_sglang_launch_passes_the_tp_size():
+    args = server_args("/m", 1234, tp_size=2)
+    assert args[args.index("--tp-size") + 1] == "2"
+    assert server_args("/m", 1234)[server_args("/m", 1234).index("--tp-size") + 1] == "1"
+    with pytest.raises(ValueError, match="tp_size"):
+        server_args("/m", 1234, tp_size=0)
