@@ -12,7 +12,12 @@ its own and never registered as torch's default group:
 
 ``BroadcastTransport`` / ``BroadcastReceiver`` (``sync/transport.py``) and ``GroupRemoteEngine`` take it as their
 ``group``: the same messages, buckets and receipts as over a ``torch.distributed`` group. gloo on CPU (the tests),
-NCCL between GPUs (each rank's ``torch.cuda.set_device`` first; not run here: no two-GPU machine was lent).
+NCCL between GPUs (each rank's ``torch.cuda.set_device`` first; not run here: no two-GPU machine was used).
+
+For a fleet of N engines, ONE group of 1 + N ranks (slime's single update group; SGLang's
+``init_weights_update_group`` with world 1 + N): ``SharedUpdateGroup`` (the learner's rank 0), ``SharedReceiver``
+(engine i's rank i + 1), ``FanoutRemoteEngine`` / ``FanoutTransport`` (engine i's handle and transport for its
+``WeightSync``); each bucket is broadcast once and reaches every engine, each engine replies with its own receipt.
 
 Objects travel as a length then the bytes of their pickle, as ``torch.distributed.broadcast_object_list`` sends
 them: between the ranks of one job only; never open such a group to a process you do not run.

@@ -41,3 +41,15 @@ def test_sglang_launch_passes_the_tp_size():
     assert server_args("/m", 1234)[server_args("/m", 1234).index("--tp-size") + 1] == "1"
     with pytest.raises(ValueError, match="tp_size"):
         server_args("/m", 1234, tp_size=0)
+
+
+def test_each_sglang_cpu_rank_gets_cores_of_its_own():
+    from miles_lp.errors import BackendUnavailable
+    from miles_lp.rollout.sglang_cpu.launch import cpu_bind
+
+    assert cpu_bind(2, cores=[0, 1]) == "0|1"
+    assert cpu_bind(2, cores=range(8)) == "0-3|4-7"
+    assert cpu_bind(2, 1, cores=[0, 2, 5, 6]) == "0|2"
+    assert cpu_bind(2, 2, cores=[0, 2, 5, 6]) == "0,2|5-6"
+    with pytest.raises(BackendUnavailable, match=r"--tp-size 3 \(rollout.engine_tp\).*2 core\(s\)"):
+        cpu_bind(3, cores=[0, 1])
