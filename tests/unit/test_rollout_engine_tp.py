@@ -19,7 +19,8 @@ def test_default_is_one_and_the_key_is_typed(tmp_path):
     p = tmp_path / "r.yaml"
     p.write_text("rollout:\n  backend: sglang\n  server: launch\n  engine_tp: 2\n")
     assert load_rollout_config(p).engine_tp == 2
-    assert parse_rollout_config({"backend": "vllm", "engine_tp": 2}).engine_tp == 2
+    with pytest.raises(ConfigError, match=r"engine_tp.*vllm at tensor_parallel_size 2 is not built.*checks"):
+        parse_rollout_config({"backend": "vllm", "engine_tp": 2})
 
 
 def test_backends_without_their_own_tensor_parallelism_refuse_it_naming_the_key(tmp_path):
