@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import queue
 import socket
 import threading
 
@@ -18,7 +17,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-pytestmark = pytest.mark.slow  # spawned engine processes (~10-20 s each on 2 cores)
+SLOW = pytest.mark.slow  # spawned engine processes (~15 s each on 2 cores)
 
 TIMEOUT = datetime.timedelta(seconds=60)
 
@@ -143,6 +142,7 @@ def _step(learner, k):
         t.add_(0.01 * (k + 1))
 
 
+@SLOW
 def test_one_broadcast_per_bucket_reaches_every_engine_and_each_is_checked():
     from miles_lp.sync.fleet import FleetSync
     from tests.unit.test_sync_weight_sync import Learner
@@ -174,6 +174,7 @@ def test_one_broadcast_per_bucket_reaches_every_engine_and_each_is_checked():
             r.stop()
 
 
+@SLOW
 def test_an_engine_dying_inside_a_sync_rebuilds_the_group_and_resyncs():
     from miles_lp.sync import SyncAbortedError
     from miles_lp.sync.fleet import FleetSync
@@ -226,3 +227,85 @@ def test_an_engine_dying_inside_a_sync_rebuilds_the_group_and_resyncs():
     finally:
         for r in ranks:
             r.stop()
+
+
+class _FakeGroup:
+    """A SyncGroup stand-in recording what rank 0 sends; the engine ranks' replies come from ``reply``."""
+
+    def __init__(self, size):
+        self.size, self.rank, self.pg, self.backend, self.device = size, 0, object(), "gloo", torch.device("cpu")
+        self.sent = []
+
+    def broadcast_object_list(self, objs, src):
+        self.sent.append(("object", objs[0][0]))
+
+    def broadcast(self, tensor, src):
+        self.sent.append(("bytes", "all", tensor.numel()))
+
+    def send(self, tensor, dst, tag=0):
+        self.sent.append(("bytes", dst, tensor.numel()))
+
+    def close(self):
+        self.pg = None
+
+
+@pytest.mark.parametrize("engines", [1, 3])
+def test_the_fanout_sends_each_bucket_once_for_every_engine_of_the_sync(monkeypatch, engines):
+    """Without processes (CI): engines' threads hand in the same bucket; it goes out once (a broadcast), each thread
+    gets its own receipt; an engine that leaves is not waited for; one engine alone gets point-to-point bytes;
+    different buckets are refused."""
+    from miles_lp.sync import group as sg
+    from miles_lp.sync.buckets import make_buckets
+    from miles_lp.sync.group import SharedUpdateGroup
+    from miles_lp.sync.items import engine_items, group_items
+    from miles_lp.sync.remote import Receipt
+    from tests.unit.test_sync_weight_sync import Learner
+
+    monkeypatch.setattr(sg, "_recv_object", lambda group, src, tag: Receipt(src, (), {}, None))
+    buckets = make_buckets(group_items(engine_items(Learner().export_weights(), "sglang")), 4096)
+    shared = SharedUpdateGroup(_FakeGroup(engines + 1), engines)
+    got = {}
+
+    def run(i, leave_after=None):
+        for k, b in enumerate(buckets):
+            if leave_after is not None and k == leave_after:
+                break
+            got.setdefault(i, []).append(shared.send(i, b))
+        shared.leave(i)
+
+    shared.begin(range(engines))
+    threads = [threading.Thread(target=run, args=(i, 1 if i == 2 else None)) for i in range(engines)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert all(not t.is_alive() for t in threads)
+    sends = [s for s in shared.group.sent if s[0] == "bytes"]
+    assert len(sends) == len(buckets) > 1 and all(s[1] == "all" for s in sends)  # one broadcast per bucket
+    assert shared.broadcasts == len(buckets) and shared.p2p == 0
+    for i in range(engines):  # each engine its own receipts (engine 2 left after its first bucket)
+        assert [r.index for r in got[i]] == [i + 1] * (1 if i == 2 else len(buckets))
+
+    shared.group.sent.clear()
+    shared.begin([0])  # one engine alone (a restarted engine's resync): its bytes to its rank only
+    assert shared.send(0, buckets[0]).index == 1
+    shared.leave(0)
+    assert [s for s in shared.group.sent if s[0] == "bytes"] == [("bytes", "all" if engines == 1 else 1,
+                                                                   buckets[0].nbytes)]
+    if engines > 1:  # two engines handing in different buckets: refused, for both
+        shared.begin([0, 1])
+        errors = []
+
+        def bad(i, b):
+            try:
+                shared.send(i, b)
+            except ValueError as exc:
+                errors.append(str(exc))
+            finally:
+                shared.leave(i)
+        ts = [threading.Thread(target=bad, args=(0, buckets[0])), threading.Thread(target=bad, args=(1, buckets[1]))]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(timeout=30)
+        assert len(errors) == 2 and "different buckets" in errors[0]
