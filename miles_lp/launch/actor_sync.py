@@ -167,17 +167,18 @@ class LearnerSyncSide:
     # ---- a fleet: one update group holding every engine's rank (SharedUpdateGroup) ---------------------------
     _shared: Any = None
 
-    def leave_shared(self) -> None:
-        """End the fleet's update group (before a new one is built): its engine ranks stop serving it."""
+    def leave_shared(self, graceful: bool = True) -> None:
+        """End the fleet's update group: its engine ranks stop serving it (``graceful``: told so; otherwise, before
+        a rebuild after an engine died, the group is dropped, which ends their waits)."""
         if self._shared is not None:
-            self._shared.close()
+            self._shared.close(graceful)
             self._shared = None
 
     def join_shared(self, host: str, port: int, engines: int) -> None:
         """Rank 0 of a new update group with ``engines`` engine ranks (engine i: rank i + 1)."""
         from miles_lp.sync.group import SharedUpdateGroup
 
-        self.leave_shared()
+        self.leave_shared(graceful=False)
         group = join_group(self.recipe.sync.transport, host, port, LEARNER_RANK, str(self.learner.device),
                            size=engines + 1)
         self._shared = SharedUpdateGroup(group, engines, device=self.learner.device)
@@ -399,7 +400,7 @@ class ActorFleetSync:
         import ray
 
         n = len(self.engine_actors)
-        ray.get(self.learner_actor.leave_shared.remote())
+        ray.get(self.learner_actor.leave_shared.remote(False))  # a rebuild: an engine of the old group may be dead
         host, port = ray.get(self.learner_actor.group_address.remote())
         ray.get([self.learner_actor.join_shared.remote(host, port, n),
                  *[a.join_group.remote(host, port, i + 1, n + 1) for i, a in enumerate(self.engine_actors)]])

@@ -301,10 +301,12 @@ class SharedUpdateGroup:
                 self.p2p += 1
             return [_recv_object(self.group, r, TAG_RECEIPT) for r in targets]
 
-    def close(self) -> None:
-        """End every engine rank's serving loop (when the group still works), then drop the process group: a
-        rank still waiting on it (the group broke) fails at once and leaves."""
-        if self.group.pg is not None and self.broken is None:
+    def close(self, graceful: bool = True) -> None:
+        """End every engine rank's serving loop (``graceful`` and the group still works: an end message), then drop
+        the process group: a rank still waiting on it fails at once and leaves (gloo; under NCCL a rank waiting in
+        a collective waits for the group's timeout). Not graceful when the group is rebuilt after a rank died: a
+        collective with a dead rank is not tried."""
+        if graceful and self.group.pg is not None and self.broken is None:
             try:
                 with self.lock:
                     self.group.broadcast_object_list([_GROUP_END], src=0)
