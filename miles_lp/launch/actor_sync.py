@@ -56,6 +56,61 @@ TIMEOUT_S = 300
 LEARNER_RANK, ENGINE_RANK = 0, 1
 
 
+class ActorSyncError(RuntimeError):
+    """A ``SyncError`` raised in the learner actor, as it crosses to the driver: the sync's exceptions take more
+    than a message to build, which Ray's exception pickling cannot do (the driver would get an
+    ``UnserializableException``). ``rebuild()`` gives the driver the sync's own exception back."""
+
+    def __init__(self, message: str, kind: str = "SyncError", stage: str | None = None, bucket: int | None = None,
+                 verdicts: tuple = (), report: Any = None, engine_index: int | None = None):
+        super().__init__(message)
+        self.kind, self.stage, self.bucket, self.verdicts = kind, stage, bucket, tuple(verdicts)
+        self.report, self.engine_index = report, engine_index
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.kind, self.stage, self.bucket, self.verdicts, self.report,
+                             self.engine_index))
+
+    @classmethod
+    def of(cls, exc: BaseException) -> ActorSyncError:
+        return cls(str(exc), type(exc).__name__, getattr(exc, "stage", None), getattr(exc, "bucket", None),
+                   getattr(exc, "verdicts", ()), getattr(exc, "report", None), getattr(exc, "engine_index", None))
+
+    def rebuild(self) -> Exception:
+        from miles_lp.sync.verdict import SyncAbortedError, SyncCheckError, SyncError
+
+        if self.kind == "SyncCheckError":
+            err: Exception = SyncCheckError(str(self), self.verdicts, self.report)
+        elif self.kind == "SyncAbortedError":
+            err = SyncAbortedError(str(self), self.stage or "transfer", self.bucket, self.report)
+        else:
+            err = SyncError(str(self), self.report)
+        if self.engine_index is not None:
+            err.engine_index = self.engine_index
+        return err
+
+
+def _portable(fn):
+    """A learner-actor method whose ``SyncError`` reaches the driver whole (``ActorSyncError``)."""
+    import functools
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        from miles_lp.sync.verdict import SyncError
+
+        try:
+            return fn(*args, **kwargs)
+        except SyncError as exc:
+            raise ActorSyncError.of(exc) from None
+    return call
+
+
+def _sync_error(exc: BaseException) -> BaseException | None:
+    """The sync's own exception inside a Ray task error from the learner actor, else None."""
+    cause = getattr(exc, "cause", None)
+    return cause.rebuild() if isinstance(cause, ActorSyncError) else None
+
+
 def check_broadcast(recipe: Any) -> None:
     """Refuse a broadcast transport the placement or devices cannot run, naming the recipe keys."""
     name = recipe.sync.transport
@@ -212,6 +267,7 @@ class LearnerSyncSide:
         s = self._shared
         return (0, 0) if s is None else (s.broadcasts, s.p2p)
 
+    @_portable
     def run_sync(self, sentinel: Any, initial: bool) -> tuple[Any, Any, int]:
         """One sync (``initial``: after recording the engine anew, full compare); returns the report, the
         sentinel as the sync left it, and the version the engine should now report."""
@@ -230,6 +286,7 @@ class LearnerSyncSide:
             ws.sentinel = sentinel
         return self._fleet
 
+    @_portable
     def run_fleet_sync(self, sentinel: Any, initial: bool, only: list[int] | None = None,
                        resynced: tuple[int, ...] = ()) -> tuple[Any, Any, int, list[int]]:
         """One sync of every engine (``FleetSync``; ``only``: these engines, ``resynced``: engines that already
@@ -243,6 +300,7 @@ class LearnerSyncSide:
             report = fleet.sync(self.learner, only=only, done=done)
         return report, fleet.sentinel, int(fleet.expected_version), list(fleet._offset)
 
+    @_portable
     def run_fleet_resync(self, sentinel: Any, index: int) -> tuple[Any, Any, int, list[int]]:
         """Engine ``index`` (attached anew after its restart) recorded and synced in full to the fleet's version."""
         fleet = self._fleet_sync(sentinel)
@@ -353,6 +411,9 @@ class ActorSync:
         except ray.exceptions.RayTaskError as exc:
             if not actor_alive(self.engine_actor):  # the engine died under the sync: the run decides (checkpoint, stop)
                 raise EngineDied(f"the rollout actor died during the weight sync ({exc.cause})", "sync") from exc
+            own = _sync_error(exc)
+            if own is not None:
+                raise own from exc
             raise
         return report
 
@@ -424,6 +485,9 @@ class ActorFleetSync:
         except ray.exceptions.RayTaskError as exc:
             dead = [i for i, a in enumerate(self.engine_actors) if not actor_alive(a)]
             if not dead:
+                own = _sync_error(exc)
+                if own is not None:  # a check failed in raise mode, or an engine refused: the sync's own error
+                    raise own from exc
                 raise
             err = SyncAbortedError(f"engine {dead[0]}'s actor died during the weight sync ({exc.cause})", "transfer")
             err.engine_index = dead[0]
