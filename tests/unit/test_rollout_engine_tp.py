@@ -1,6 +1,7 @@
-"""``rollout.engine_tp``: the tensor-parallel ranks inside one engine. Typed (an integer >= 1), refused where the
-backend has no tensor parallelism of its own or does not start the engine (naming the key), and SGLang's
-``--tp-size`` on the command line of the server miles-lp launches."""
+"""``rollout.engine_tp``: the tensor-parallel ranks inside one engine. Typed (an integer >= 1); above 1 refused on
+every backend, naming the key and why (no tensor parallelism of its own; the server's own flag; not built for the
+launched SGLang CPU server and the vLLM worker, whose checks read one process's weights); SGLang's ``--tp-size``
+and each rank's cores on the command line of a server launched with ``tp_size``."""
 
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ def test_default_is_one_and_the_key_is_typed(tmp_path):
         with pytest.raises(ConfigError, match=r"rollout.engine_tp.*(must be an integer >= 1|expected an integer)"):
             parse_rollout_config({"engine_tp": bad})  # the typed parser or the range check
     p = tmp_path / "r.yaml"
+    p.write_text("rollout:\n  backend: sglang\n  server: launch\n  engine_tp: 1\n")
+    assert load_rollout_config(p).engine_tp == 1
     p.write_text("rollout:\n  backend: sglang\n  server: launch\n  engine_tp: 2\n")
-    assert load_rollout_config(p).engine_tp == 2
+    with pytest.raises(ConfigError, match=r"r.yaml:4.*engine_tp.*--tp-size 2 is not built.*PyNccl.*every TP rank"):
+        load_rollout_config(p)
     with pytest.raises(ConfigError, match=r"engine_tp.*vllm at tensor_parallel_size 2 is not built.*checks"):
         parse_rollout_config({"backend": "vllm", "engine_tp": 2})
 
@@ -29,7 +33,7 @@ def test_backends_without_their_own_tensor_parallelism_refuse_it_naming_the_key(
     with pytest.raises(ConfigError, match=r"r.yaml:3.*engine_tp.*reference has no tensor parallelism.*"
                                           r"rollout.engines"):
         load_rollout_config(p)
-    with pytest.raises(ConfigError, match=r"engine_tp.*miles-lp serve.*server: launch"):
+    with pytest.raises(ConfigError, match=r"engine_tp.*miles-lp serve.*rollout.engines: N"):
         parse_rollout_config({"backend": "sglang", "url": "http://127.0.0.1:30000", "engine_tp": 2})
     with pytest.raises(ConfigError, match=r"engine_tp.*started by hand.*--tp-size"):
         parse_rollout_config({"backend": "sglang", "server": "sglang", "url": "http://127.0.0.1:30000",
