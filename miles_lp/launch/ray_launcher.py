@@ -466,7 +466,7 @@ class RayPlacement:
         from miles_lp.sync.sentinel import Sentinel
 
         recipe = run.recipe
-        if recipe.sync.transport in BROADCAST:  # one group per engine with the learner actor, the sync runs there
+        if recipe.sync.transport in BROADCAST:  # one update group: the learner actor and every engine actor
             return ActorFleetSync(self.learner_actor, [e.actor for e in engines], target_of(recipe),
                                   Sentinel(recipe.sync.sentinel), run.sync_env, config=recipe.sync, log=sync_log)
         return FleetSync([self.sync_for(run, e) for e in engines], log=sync_log)

@@ -15,6 +15,8 @@ Parsed with ``miles_lp.config.parse_dataclass`` (unknown keys refused with a sug
       max_response_len: 1024    # max_new_tokens of every rollout
       sampling: {temperature: 1.0, top_p: 1.0, top_k: -1, seed: 0}
       stop_token_ids: []        # stop tokens (the tokenizer's EOS, usually)
+      engine_tp: 1              # tensor-parallel ranks inside each engine (SGLang's --tp-size, vLLM's
+                                #   tensor_parallel_size): above 1 refused, naming why, on every backend here
 
 A key the chosen backend does not read (``kv_cache`` / ``dtype`` / ``device`` / ``max_model_len`` for sglang,
 whose server decides them; a CUDA ``device`` for vllm; ``max_model_len`` for reference) is refused, not ignored.
@@ -61,8 +63,10 @@ class RolloutConfig:
     max_response_len: int = 1024
     sampling: SamplingSection = dataclasses.field(default_factory=SamplingSection)
     stop_token_ids: tuple[int, ...] = ()
+    engine_tp: int = 1
 
     def _validate(self, where: Where) -> None:
+        self._validate_tp(where.child("engine_tp"))
         if self.max_response_len < 1:
             raise where.child("max_response_len").error(f"must be >= 1, got {self.max_response_len}")
         if self.backend == "sglang" and self.server == "launch" and self.url:
@@ -84,6 +88,35 @@ class RolloutConfig:
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise where.child("device").error(f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         self._refuse_unread(where)
+
+    def _validate_tp(self, where: Where) -> None:
+        """``engine_tp``: an integer >= 1; above 1 only where this backend starts the engine with that many
+        tensor-parallel ranks."""
+        tp = self.engine_tp
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise where.error(f"must be an integer >= 1, got {tp!r}")
+        if tp == 1:
+            return
+        if self.backend == "reference":
+            raise where.error(f"backend reference has no tensor parallelism of its own (one engine is one device), "
+                              f"got {tp}: remove rollout.engine_tp, or use rollout.engines: N for more engines")
+        if self.backend == "sglang" and self.server == "miles-lp":
+            raise where.error(f"server miles-lp (`miles-lp serve`) runs the reference engine, which has no tensor "
+                              f"parallelism, got {tp}: remove rollout.engine_tp, or use rollout.engines: N")
+        if self.backend == "vllm":
+            raise where.error(f"backend vllm at tensor_parallel_size {tp} is not built: miles-lp's vLLM worker runs "
+                              "vLLM's single-process executor and answers the sync's checks (C2-C4) from the weights "
+                              "in that one process, where tp ranks would each hold a shard (vLLM 0.32 CPU itself "
+                              "serves at tp 2 with VLLM_CPU_OMP_THREADS_BIND); remove rollout.engine_tp, or use "
+                              "rollout.engines: N")
+        if self.backend == "sglang" and self.server == "launch":
+            raise where.error(f"server launch at --tp-size {tp} is not built: SGLang 0.5.23's CPU platform builds a "
+                              "PyNccl communicator for its TP group (it fails on a CPU device), and the introspection "
+                              "hook that answers the sync's checks from the served model runs in every TP rank on one "
+                              "port; remove rollout.engine_tp, or use rollout.engines: N")
+        if self.backend == "sglang" and self.server == "sglang":
+            raise where.error(f"a server started by hand has the tensor-parallel size it was started with (its "
+                              f"--tp-size), got {tp}: remove rollout.engine_tp")
 
     def _refuse_unread(self, where: Where) -> None:
         """A key its backend does not read is refused, not ignored (a recipe asking for an fp8 KV cache must not

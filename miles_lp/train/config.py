@@ -42,8 +42,18 @@ class MegatronSection:
     # local: Megatron's own linears with miles-lp QuantLinear GEMMs (any GPU, every format);
     # transformer_engine: TE layers configured from the plan (Blackwell + TE only).
     impl: Literal["local", "transformer_engine"] = "local"
+    # Megatron-Core's DistributedOptimizer (AdamW state sharded over DP); false: every rank keeps the AdamW state of
+    # its shards (torch.optim.AdamW)
+    distributed_optimizer: bool = False
 
     def _validate(self, where: Where) -> None:
+        if self.distributed_optimizer:
+            raise where.child("distributed_optimizer").error(
+                "Megatron-Core's DistributedOptimizer is not built: the learner steps torch.optim.AdamW on each "
+                "rank's shards; megatron-core 0.16's DistributedOptimizer needs Megatron's DDP parameter and gradient "
+                "buffers, which it allocates on torch.cuda.current_device() and accepts as torch.cuda tensors only, "
+                "so the CPU ranks the learner's data-parallel equality is tested on cannot run it; set "
+                "distributed_optimizer: false (each rank keeps the AdamW state of its own shards)")
         for key in ("tp", "pp", "ep"):
             if getattr(self, key) < 1:
                 raise where.child(key).error(f"must be >= 1, got {getattr(self, key)}")

@@ -54,15 +54,39 @@ def sglang_missing() -> str:
 
 
 def server_args(model_path: str | Path, port: int, *, host: str = "127.0.0.1", max_total_tokens: int = 4096,
-                context_length: int | None = None, dtype: str = "bfloat16",
+                context_length: int | None = None, dtype: str = "bfloat16", tp_size: int = 1,
                 extra: Sequence[str] = ()) -> list[str]:
-    """SGLang's command-line flags for ``model_path`` on CPU (``CPU_FLAGS`` + the size of the KV pool)."""
+    """SGLang's command-line flags for ``model_path`` on CPU (``CPU_FLAGS`` + the size of the KV pool); ``tp_size``:
+    SGLang's ``--tp-size``, the engine's own tensor-parallel ranks (``rollout.engine_tp``)."""
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size must be an integer >= 1, got {tp_size!r}")
     args = ["--model-path", str(model_path), "--host", host, "--port", str(port), "--dtype", dtype, *CPU_FLAGS,
             "--mem-fraction-static", "0.05", "--max-total-tokens", str(max_total_tokens), "--log-level", "warning",
-            "--weight-version", "0"]
+            "--weight-version", "0", "--tp-size", str(tp_size)]
     if context_length is not None:
         args += ["--context-length", str(context_length)]
     return [*args, *extra]
+
+
+def cpu_bind_ranks(tp_size: int, threads: int | None = None, cores: Sequence[int] | None = None) -> list[list[int]]:
+    """The cores of each of ``tp_size`` ranks: consecutive slices of this process's cores (``threads`` each, else
+    an equal share). SGLang's CPU platform refuses more ranks than NUMA nodes unless each rank's cores are named
+    (``SGLANG_CPU_OMP_THREADS_BIND``)."""
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else sorted(cores)
+    per = threads or len(cores) // tp_size
+    if per < 1 or per * tp_size > len(cores):
+        raise BackendUnavailable(f"SGLang on CPU at --tp-size {tp_size} (rollout.engine_tp) binds each rank to cores "
+                                 f"of its own ({threads or 'at least 1'} each); this process may use {len(cores)} "
+                                 f"core(s): lower rollout.engine_tp")
+    return [cores[r * per:(r + 1) * per] for r in range(tp_size)]
+
+
+def cpu_bind(tp_size: int, threads: int | None = None, cores: Sequence[int] | None = None) -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` for ``tp_size`` ranks: ``0-3|4-7`` (each rank's cores, ``|`` between)."""
+    def span(c: list[int]) -> str:
+        return str(c[0]) if len(c) == 1 else (f"{c[0]}-{c[-1]}" if c == list(range(c[0], c[-1] + 1))
+                                              else ",".join(map(str, c)))
+    return "|".join(span(c) for c in cpu_bind_ranks(tp_size, threads, cores))
 
 
 class SGLangCPUServer:
@@ -74,7 +98,7 @@ class SGLangCPUServer:
                  host: str = "127.0.0.1", api_key: str | None = None, log_path: str | Path | None = None,
                  threads: int | None = None, max_total_tokens: int = 4096, context_length: int | None = None,
                  extra_args: Sequence[str] = (), start_timeout_s: float = 600.0,
-                 extra_env: Mapping[str, str] | None = None):
+                 extra_env: Mapping[str, str] | None = None, tp_size: int = 1):
         from miles_lp.rollout.server import api_key_from_env
 
         self.python = python or sglang_python()
@@ -88,8 +112,11 @@ class SGLangCPUServer:
         self.threads = threads
         self.extra_env = dict(extra_env or {})
         self.start_timeout_s = start_timeout_s
+        self.tp_size = tp_size
+        if tp_size > 1:
+            cpu_bind(tp_size, threads)  # refused here, before a process starts, when the cores do not split
         self.args = server_args(self.model_path, self.port, host=host, max_total_tokens=max_total_tokens,
-                                context_length=context_length, extra=extra_args)
+                                context_length=context_length, tp_size=tp_size, extra=extra_args)
         if self.api_key:
             self.args += ["--api-key", self.api_key]
         self._proc: subprocess.Popen | None = None
@@ -107,7 +134,10 @@ class SGLangCPUServer:
             env[ENV_KEY] = self.api_key
         # the shim first (SGLang's `import sgl_kernel`), then this checkout (the serve module, miles_lp)
         env["PYTHONPATH"] = os.pathsep.join([str(SHIM), str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        if self.threads:
+        if self.tp_size > 1:  # SGLang's CPU platform binds each TP rank to cores of its own (numa_utils)
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_bind(self.tp_size, self.threads)
+            env["OMP_NUM_THREADS"] = str(len(cpu_bind_ranks(self.tp_size, self.threads)[0]))
+        elif self.threads:
             env["OMP_NUM_THREADS"] = str(self.threads)
             env["SGLANG_CPU_OMP_THREADS_BIND"] = "all"
         return env
