@@ -52,8 +52,11 @@ def test_graph_equals_static_and_scores(monkeypatch, checkpoints, prec):
     assert cuda_decode.stats(eng)["captures"] == 1
     seqs = [p + x.output_ids for p, x in zip(PROMPTS, g, strict=True)]
     monkeypatch.setenv("MILES_LP_DECODE", "eager")
+    # bf16 activations and other kernels; fp8_block: the native GEMM against the eager path's fp32 emulated one
+    worst, mean = (0.2, 0.06) if prec.startswith("fp8_block") else (0.1, 0.05)
     for x, sc, p in zip(g, eng.score(seqs), PROMPTS, strict=True):
-        assert float((x.logprobs - sc[len(p) - 1:]).abs().max()) < 0.1  # bf16 activations, other kernels
+        d = (x.logprobs - sc[len(p) - 1:]).abs()
+        assert float(d.max()) < worst and float(d.mean()) < mean
 
 
 def test_update_served_by_captured_graph(monkeypatch, checkpoints, tmp_path):
