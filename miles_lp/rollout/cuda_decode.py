@@ -163,60 +163,168 @@ def _op_kind(layer, x: torch.Tensor | None) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------------
+# the fused elementwise kernels (rollout._decode_triton)
+# ------------------------------------------------------------------------------------------------------------
+_KMOD: dict[bool, Any] = {}
+
+
+def _kernels(x: torch.Tensor):
+    from miles_lp.formats.kernels.runtime import load_jit_module
+
+    interp = not x.is_cuda
+    mod = _KMOD.get(interp)
+    if mod is None:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_decode_triton.py")
+        mod = _KMOD[interp] = load_jit_module(path, "miles_lp.rollout._decode_triton", interp)
+    return mod
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def add_rms(x: torch.Tensor, d: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """``(x + d, rmsnorm(x + d) * weight)`` of rows ``x [R, N]`` (``d`` None: no add; the first is ``x``)."""
+    n = x.shape[-1]
+    y = torch.empty_like(x)
+    xo = torch.empty_like(x) if d is not None else x
+    dd = d if d is not None else x
+    _kernels(x).add_rms_kernel[(x.shape[0],)](x, dd, weight, xo, y, n, x.stride(0), dd.stride(0), xo.stride(0),
+                                              y.stride(0), float(eps), HAS_RES=d is not None, BLOCK=_pow2(n),
+                                              num_warps=4)
+    return xo, y
+
+
+def heads(src: torch.Tensor, t: int, d: int, dst: torch.Tensor, col: torch.Tensor | None, weight=None,
+          eps: float = 0.0, cos=None, sin=None) -> None:
+    """Each head of ``src [B*T, H*D]`` (row stride as given): optional RMSNorm (``weight``), optional rotary
+    (``cos``/``sin`` ``[B*T, D]`` contiguous), stored into ``dst [B, H, S, D]`` at column ``col[0] + t``
+    (``col`` None: column ``t``)."""
+    h = src.shape[1] // d
+    _kernels(src).head_kernel[(src.shape[0], h)](
+        src, weight if weight is not None else src, cos if cos is not None else src,
+        sin if sin is not None else src, dst, col if col is not None else src, t, src.stride(0), dst.stride(0),
+        dst.stride(1), dst.stride(2), float(eps), D=d, HAS_NORM=weight is not None, HAS_ROPE=cos is not None,
+        USE_COL=col is not None, num_warps=1)
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``silu(g) * u`` of rows ``[R, N]`` (row strides as given)."""
+    r, n = g.shape
+    out = torch.empty((r, n), dtype=g.dtype, device=g.device)
+    block = min(1024, _pow2(n))
+    _kernels(g).silu_mul_kernel[(r, -(-n // block))](g, u, out, n, g.stride(0), u.stride(0), out.stride(0),
+                                                    BLOCK=block, num_warps=4)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------
 # linear groups: siblings that read one input
 # ------------------------------------------------------------------------------------------------------------
 class _Group:
-    """Sibling layers reading one input: the input quantized once, then one GEMM per layer."""
+    """Sibling layers reading one input: the input quantized once, then one GEMM per layer, or (``concat``) one
+    GEMM over their weights concatenated along N (copies refreshed in place at every weight version), the
+    outputs column slices of it."""
 
-    def __init__(self, layers):
+    def __init__(self, layers, concat: bool = False):
         self.layers = list(layers)
         kinds = {_op_kind(m, None) for m in self.layers}
-        keys = {(m.kernel_format, m.activation_scale, m.op_dtype) for m in self.layers}
+        keys = {(m.kernel_format, m.activation_scale, m.op_dtype, m.has_bias) for m in self.layers}
         self.kind = kinds.pop() if len(kinds) == 1 and len(keys) == 1 else "generic"
+        self.concat = concat and len(self.layers) > 1 and self.kind != "generic"
+        self.widths = [m.out_features for m in self.layers]
         self.native: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (data, scale_inv, scale_b buf)
+        self.cat: dict[str, torch.Tensor] = {}
+        self.refresh()
+
+    def _parts(self) -> dict[str, list[torch.Tensor]]:
+        """What the GEMM reads, per layer: the weight operand (and bias), or the E4M3 data and block scales."""
         if self.kind == "fp8_native":
-            self.refresh()
+            qs = [m.decoded() for m in self.layers]
+            out = {"data": [q.data.view(torch.uint8) for q in qs], "scale": [q.scale_inv for q in qs]}
+        else:
+            out = {"w": [m._weight_operand() for m in self.layers]}
+        if self.layers[0].has_bias:
+            out["bias"] = [m._bias_operand() for m in self.layers]
+        return out
 
     def refresh(self) -> None:
-        """Re-read the served block scales into the GEMM's padded scale_b buffers (in place: graphs read them)."""
+        """Re-read the served tensors into this group's copies (in place: graphs read them)."""
+        if self.kind == "generic" or (self.kind != "fp8_native" and not self.concat):
+            return
+        parts = self._parts()
+        if self.concat:
+            for name, ts in parts.items():
+                buf = self.cat.get(name)
+                if buf is None:
+                    self.cat[name] = torch.cat([t.detach() for t in ts], dim=0)
+                else:
+                    torch.cat([t.detach() for t in ts], dim=0, out=buf)
         if self.kind != "fp8_native":
             return
+        scales = [self.cat["scale"]] if self.concat else parts["scale"]
+        datas = [self.cat["data"]] if self.concat else parts["data"]
         new = not self.native
-        for i, m in enumerate(self.layers):
-            q = m.decoded()
-            nb, kb = q.scale_inv.shape
-            l4 = -(-kb // 4) * 4
+        for i, (data, s) in enumerate(zip(datas, scales, strict=True)):
+            nb, kb = s.shape
             if new:
-                buf = torch.ones((nb, l4), dtype=torch.float32, device=q.scale_inv.device)
-                self.native.append((q.data, q.scale_inv, buf))
-            data, s, buf = self.native[i]
-            if data.data_ptr() != q.data.data_ptr() or s.data_ptr() != q.scale_inv.data_ptr():
-                raise EngineError(f"'{m.prefix}weight': served storage moved; rebuild the decode state")
-            buf[:, :kb].copy_(q.scale_inv)
+                buf = torch.ones((nb, -(-kb // 4) * 4), dtype=torch.float32, device=s.device)
+                self.native.append((data, s, buf))
+            d0, s0, buf = self.native[i]
+            if d0.data_ptr() != data.data_ptr() or s0.data_ptr() != s.data_ptr():
+                raise EngineError(f"'{self.layers[i].prefix}weight': served storage moved; rebuild the decode state")
+            buf[:, :kb].copy_(s)
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        if self.kind == "bf16" or self.kind == "generic":
+        if self.kind == "generic" or (self.kind == "bf16" and not self.concat):
             return [m.apply(x) for m in self.layers]
         shape = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        if self.kind == "mxfp8":
-            from miles_lp.formats import kernels
+        first = self.layers[0]
+        if self.kind in ("bf16", "mxfp8"):
+            if self.kind == "mxfp8":
+                from miles_lp.formats import kernels
 
-            first = self.layers[0]
-            xq = kernels.mxfp8_quantize(x2, dequant_dtype=first.op_dtype, dequant=("row",), store_q=False).row_deq
-            return [m.gemm(xq, x.dtype).reshape(*shape, m.out_features) for m in self.layers]
+                x2 = kernels.mxfp8_quantize(x2, dequant_dtype=first.op_dtype, dequant=("row",),
+                                            store_q=False).row_deq
+            if not self.concat:
+                return [m.gemm(x2, x.dtype).reshape(*shape, m.out_features) for m in self.layers]
+            w = self.cat["w"]
+            if self.kind == "bf16":
+                b = self.cat.get("bias")
+                y = F.linear(x2.to(w.dtype), w, None if b is None else b.to(w.dtype)).to(x.dtype)
+            else:
+                y = F.linear(x2, w)
+                if "bias" in self.cat:
+                    y = y + self.cat["bias"].to(y.dtype)
+                y = y.to(x.dtype)
+            return self._split(y, shape)
         from miles_lp.formats.kernels import fp8_block as fk
         from miles_lp.train import fp8_block_gemm as g
 
-        _, _, (xs, _) = fk.quantize_act(x2, self.layers[0].activation_scale == "pow2", rows=True, grids=False)
+        _, _, (xs, _) = fk.quantize_act(x2, first.activation_scale == "pow2", rows=True, grids=False)
+        ys = []
+        for data, _, buf in self.native:
+            y = g._mm(xs.data, xs.scale_inv, data.view(torch.float8_e4m3fn).t(), buf.t(), "BlockWise128x128")
+            ys.append(y[:xs.rows] if y.shape[0] != xs.rows else y)
+        if self.concat:
+            y = ys[0]
+            if "bias" in self.cat:
+                y = y + self.cat["bias"].to(y.dtype)
+            return self._split(y.to(x.dtype), shape)
         out = []
-        for m, (data, _, buf) in zip(self.layers, self.native, strict=True):
-            y = g._mm(xs.data, xs.scale_inv, data.t(), buf.t(), "BlockWise128x128")
-            y = y[:xs.rows] if y.shape[0] != xs.rows else y
+        for m, y in zip(self.layers, ys, strict=True):
             b = m._bias_operand()
             if b is not None:
                 y = y + b.to(y.dtype)
             out.append(y.to(x.dtype).reshape(*shape, m.out_features))
+        return out
+
+    def _split(self, y: torch.Tensor, shape) -> list[torch.Tensor]:
+        out, o = [], 0
+        for n in self.widths:
+            out.append(y[:, o:o + n].reshape(*shape, n) if len(shape) == 1 else y[:, o:o + n].unflatten(0, shape))
+            o += n
         return out
 
 
@@ -224,18 +332,43 @@ class _Group:
 # the forward on the static cache
 # ------------------------------------------------------------------------------------------------------------
 class _Layer:
-    def __init__(self, block):
+    def __init__(self, block, fused: bool):
         attn, mlp = block.self_attn, block.mlp
         self.block, self.attn, self.mlp = block, attn, mlp
-        self.qkv = _Group([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.qkv = _Group([attn.q_proj, attn.k_proj, attn.v_proj], concat=fused)
         self.o = _Group([attn.o_proj])
-        self.gate_up = _Group([mlp.gate_proj, mlp.up_proj])
+        self.gate_up = _Group([mlp.gate_proj, mlp.up_proj], concat=fused)
         self.down = _Group([mlp.down_proj])
         self.q_norm = getattr(attn, "q_norm", None)
         self.k_norm = getattr(attn, "k_norm", None)
 
     def groups(self):
         return (self.qkv, self.o, self.gate_up, self.down)
+
+
+def fused_reason(engine) -> str | None:
+    """Why the fused elementwise kernels cannot run the forward (None: they can): CUDA (or the Triton
+    interpreter, ``MILES_LP_DECODE_FUSED=interpret``), RMSNorm modules, SiLU, a power-of-two head dim, no FP8
+    KV rounding. ``MILES_LP_DECODE_FUSED=0`` switches them off."""
+    want = os.environ.get("MILES_LP_DECODE_FUSED", "1")
+    if want == "0":
+        return "MILES_LP_DECODE_FUSED=0"
+    if engine.device.type != "cuda" and want != "interpret":
+        return f"device {engine.device}"
+    cfg = engine.hf_config
+    if getattr(cfg, "hidden_act", None) != "silu":
+        return f"hidden_act {getattr(cfg, 'hidden_act', None)!r}"
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if hd & (hd - 1) or cfg.hidden_size > 16384:
+        return f"head_dim {hd} / hidden {cfg.hidden_size}"
+    if engine.kv_cache != "bf16":
+        return f"kv_cache {engine.kv_cache}"
+    inner = _decoder_model(engine.model)
+    for blk in inner.layers:
+        for mod in (blk.input_layernorm, blk.post_attention_layernorm, getattr(blk.self_attn, "q_norm", None)):
+            if mod is not None and not hasattr(mod, "variance_epsilon"):
+                return f"norm module {type(mod).__name__}"
+    return None
 
 
 class StaticForward:
@@ -251,7 +384,8 @@ class StaticForward:
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.layers = [_Layer(b) for b in self.inner.layers]
+        self.fused = fused_reason(engine) is None
+        self.layers = [_Layer(b, self.fused) for b in self.inner.layers]
         self.rope = modeling_llama.apply_rotary_pos_emb  # the same formula in qwen2 / qwen3
         self.kv_round = None
         if engine.kv_cache == "fp8_e4m3":
@@ -304,6 +438,39 @@ class StaticForward:
         x = self.inner.norm(x[:, -1:])
         return self.model.lm_head(x)[:, -1]
 
+    def forward_fused(self, ids, pos, caches, col, mask, kv_len: int | None) -> torch.Tensor:
+        """``forward`` through the fused kernels: K/V stored straight into the cache at ``col[0] + t`` (``col``
+        None: column t); attention over the first ``kv_len`` columns (None: all)."""
+        b, t = ids.shape
+        hd = self.head_dim
+        x = self.inner.embed_tokens(ids).reshape(b * t, -1)
+        cos, sin = self.inner.rotary_emb(x, pos)
+        cos, sin = cos.reshape(b * t, hd).contiguous(), sin.reshape(b * t, hd).contiguous()
+        delta = None
+        for layer, (kc, vc) in zip(self.layers, caches, strict=True):
+            blk, attn = layer.block, layer.attn
+            ln = blk.input_layernorm
+            x, h = add_rms(x, delta, ln.weight, ln.variance_epsilon)
+            q, k, v = layer.qkv(h)
+            qd = torch.empty((b, self.n_heads, t, hd), dtype=x.dtype, device=x.device)
+            qn, kn = layer.q_norm, layer.k_norm
+            heads(q, t, hd, qd, None, None if qn is None else qn.weight, 0.0 if qn is None else qn.variance_epsilon,
+                  cos, sin)
+            heads(k, t, hd, kc, col, None if kn is None else kn.weight, 0.0 if kn is None else kn.variance_epsilon,
+                  cos, sin)
+            heads(v, t, hd, vc, col)
+            keys, values = (kc, vc) if kv_len is None else (kc[:, :, :kv_len], vc[:, :, :kv_len])
+            o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=mask, scale=attn.scaling,
+                                               enable_gqa=self.n_heads != self.n_kv)
+            a = layer.o(o.transpose(1, 2).reshape(b * t, -1))[0]
+            ln = blk.post_attention_layernorm
+            x, h = add_rms(x, a, ln.weight, ln.variance_epsilon)
+            gate, up = layer.gate_up(h)
+            delta = layer.down(silu_mul(gate, up))[0]
+        last = x.view(b, t, -1)[:, -1]
+        _, h = add_rms(last, delta.view(b, t, -1)[:, -1], self.inner.norm.weight, self.inner.norm.variance_epsilon)
+        return self.model.lm_head(h)
+
     def prefill(self, ids: torch.Tensor, valid: torch.Tensor, caches) -> torch.Tensor:
         """``ids``, ``valid`` ``[B, W]`` (left-padded): fills cache columns ``[0, W)``; the last position's logits."""
         w = ids.shape[1]
@@ -312,6 +479,8 @@ class StaticForward:
         causal = idx[None, :] <= idx[:, None]  # [Tq, Tk]
         mask = causal[None] & (valid[:, None, :] | torch.eye(w, dtype=torch.bool, device=ids.device)[None])
         mask = mask[:, None]  # [B, 1, W, W]
+        if self.fused:
+            return self.forward_fused(ids, pos, caches, None, mask, w)
 
         def write(kc, vc, k, v):
             kc[:, :, :w].copy_(k)
@@ -324,6 +493,8 @@ class StaticForward:
         """One token per row: ``tok [B]`` at ``pos [B, 1]``, cache column ``col [1]`` (device tensors)."""
         valid.index_fill_(1, col, True)
         mask = valid[:, None, None, :]
+        if self.fused:
+            return self.forward_fused(tok[:, None], pos, caches, col, mask, None)
 
         def write(kc, vc, k, v):
             kc.index_copy_(2, col, k)
@@ -562,4 +733,5 @@ def stats(engine) -> dict[str, Any]:
     dec = _DECODERS.get(engine)
     if dec is None:
         return {"active": False}
-    return {"active": True, "graphs": dec.graphs, "captures": dec.captures, "slots": len(dec.slots)}
+    return {"active": True, "graphs": dec.graphs, "captures": dec.captures, "slots": len(dec.slots),
+            "fused": bool(dec.fwd is not None and dec.fwd.fused)}

@@ -20,12 +20,15 @@ PROMPTS = [[3, 17, 99, 4, 250, 7, 1, 2], [5, 6], [40, 41, 42, 43], [9]]
 
 
 def _both(monkeypatch, ck, sp, prompts=PROMPTS, **kw):
+    import os
+
     eng = ReferenceEngine(ck, device="cpu", **kw)
     monkeypatch.setenv("MILES_LP_DECODE", "eager")
     a = eng.generate(prompts, sp)
     monkeypatch.setenv("MILES_LP_DECODE", "static")
     b = eng.generate(prompts, sp)
-    assert cuda_decode.stats(eng)["active"]
+    st = cuda_decode.stats(eng)
+    assert st["active"] and st["fused"] == (os.environ.get("MILES_LP_DECODE_FUSED") == "interpret")
     return a, b
 
 
@@ -133,3 +136,46 @@ def test_update_between_generations_is_served(monkeypatch):
     monkeypatch.setenv("MILES_LP_DECODE", "eager")
     want = ReferenceEngine(b, device="cpu").generate(PROMPTS, sp)
     assert [g.output_ids for g in got] == [g.output_ids for g in want]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_fused_kernels_greedy_equals_eager(monkeypatch, arch):
+    # the fused elementwise kernels (rollout._decode_triton) in Triton's interpreter on fp32: the same tokens
+    monkeypatch.setenv("MILES_LP_DECODE_FUSED", "interpret")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # read by the interpreter at launch too
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0)
+    a, b = _both(monkeypatch, tiny_checkpoint(arch), sp)
+    assert [g.output_ids for g in a] == [g.output_ids for g in b]
+    for g, h in zip(a, b, strict=True):
+        assert float((g.logprobs - h.logprobs).abs().max()) < 1e-4
+
+
+def test_fused_kernels_match_torch_ops(monkeypatch):
+    # each kernel against the eager ops it replaces, in the interpreter (fp32)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(0)
+    x, d, w = torch.randn(5, 96, generator=g), torch.randn(5, 96, generator=g), torch.randn(96, generator=g)
+    xo, y = cuda_decode.add_rms(x, d, w, 1e-6)
+    s = x + d
+    ref = w * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert torch.allclose(xo, s) and torch.allclose(y, ref, atol=1e-5)
+    _, y0 = cuda_decode.add_rms(x, None, w, 1e-6)
+    assert torch.allclose(y0, w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)), atol=1e-5)
+    gate, up = torch.randn(3, 40, generator=g), torch.randn(3, 40, generator=g)
+    assert torch.allclose(cuda_decode.silu_mul(gate, up), torch.nn.functional.silu(gate) * up, atol=1e-6)
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    b, t, h, hd = 2, 3, 4, 16
+    src = torch.randn(b * t, h * hd, generator=g)
+    nw = torch.randn(hd, generator=g)
+    ang = torch.randn(b * t, hd // 2, generator=g)
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    dst = torch.full((b, h, 8, hd), float("nan"))
+    col = torch.tensor([2])
+    cuda_decode.heads(src, t, hd, dst, col, nw, 1e-6, cos, sin)
+    xs = src.view(b, t, h, hd)
+    xs = nw * (xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + 1e-6))
+    q, _ = apply_rotary_pos_emb(xs.transpose(1, 2), xs.transpose(1, 2), cos.view(b, t, hd), sin.view(b, t, hd))
+    assert torch.allclose(dst[:, :, 2:2 + t], q, atol=1e-5)
+    assert dst[:, :, :2].isnan().all() and dst[:, :, 2 + t:].isnan().all()  # only columns col .. col + t - 1
