@@ -29,6 +29,82 @@ def kind(name: str) -> str:
     return "other"
 
 
+def gemm_probe() -> list[str]:
+    """The decode step's GEMM shapes alone (M = 32 tokens): bf16 F.linear against the FP8 blockwise path
+    (quantize + scaled_mm, tokens padded to 128 as the operand kernel does; and unpadded M = 32 where cuBLAS takes
+    it), each replayed 200 times in a CUDA graph, median of 5 replays of the graph."""
+    from miles_lp.formats.kernels import fp8_block as fk
+    from miles_lp.train import fp8_block_gemm as g
+
+    lines = []
+    for n, k in ((1152, 896), (896, 896), (9728, 896), (896, 4864)):
+        x = torch.randn(32, k, device="cuda", dtype=torch.bfloat16)
+        # 24 weights in rotation (a layer stack: more bytes than the 50 MB L2 for the large shapes)
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in range(24)]
+        wqs = [fk.quantize_weight(w, False, transposed=False)[0] for w in ws]
+        kb = -(-k // 128)
+        bufs = []
+        for wq in wqs:
+            buf = torch.ones((n // 128, -(-kb // 4) * 4), device="cuda")
+            buf[:, :kb] = wq.scale_inv
+            bufs.append(buf)
+        it = [0]
+
+        def nxt():
+            it[0] = (it[0] + 1) % len(ws)
+            return it[0]
+
+        def bf16():
+            return torch.nn.functional.linear(x, ws[nxt()])
+
+        def fp8():
+            i = nxt()
+            _, _, (xs, _) = fk.quantize_act(x, False, rows=True, grids=False)
+            return g._mm(xs.data, xs.scale_inv, wqs[i].data.t(), bufs[i].t(), "BlockWise128x128")
+
+        xs32 = None
+        try:
+            q32 = torch.zeros(32, k, device="cuda").to(torch.float8_e4m3fn)
+            s32 = torch.ones(kb, 32, device="cuda").t()
+            g._mm(q32, s32, wqs[0].data.t(), bufs[0].t(), "BlockWise128x128")
+            xs32 = (q32, s32)
+        except Exception as e:  # noqa: BLE001
+            lines.append(f"  M=32 unpadded refused for {n}x{k}: {str(e)[:120]}")
+
+        def fp8_m32():
+            i = nxt()
+            return g._mm(xs32[0], xs32[1], wqs[i].data.t(), bufs[i].t(), "BlockWise128x128")
+
+        _, _, (xs_pad, _) = fk.quantize_act(x, False, rows=True, grids=False)
+
+        def fp8_mm():
+            i = nxt()
+            return g._mm(xs_pad.data, xs_pad.scale_inv, wqs[i].data.t(), bufs[i].t(), "BlockWise128x128")
+
+        row = [f"N={n} K={k}"]
+        for name, fn in (("bf16", bf16), ("fp8 q+mm", fp8), ("fp8 mm (M padded to 128)", fp8_mm),
+                         ("fp8 mm M=32", fp8_m32 if xs32 else None)):
+            if fn is None:
+                continue
+            for _ in range(3):
+                fn()
+            gr = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(gr):
+                for _ in range(192):
+                    fn()
+            ts = []
+            for _ in range(5):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                gr.replay()
+                b.record()
+                torch.cuda.synchronize()
+                ts.append(a.elapsed_time(b) * 1e3 / 192)
+            row.append(f"{name} {sorted(ts)[2]:.2f} us")
+        lines.append("  " + ", ".join(row))
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--precisions", default="bf16,fp8_block,mxfp8")
@@ -87,6 +163,10 @@ def main() -> None:
             for t, c, nm in row["top"]:
                 print(f"   {t / 1e3:>8.2f} ms {c:>5}x  {nm}")
             eng.close()
+    print("== GEMMs of a decode step alone (M = 32), per call in a CUDA graph:")
+    probe = gemm_probe()
+    print("\n".join(probe))
+    out["gemm_probe"] = probe
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1, default=str)
