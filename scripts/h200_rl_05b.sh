@@ -5,11 +5,14 @@
 # untied: ~0.63B parameters), built locally; the task: JSONL prompts of bimodal length (2-12 or 40-120 tokens) so
 # tokens per step vary for the cost fit. Writes each arm's metrics.jsonl and recipe, a stage-time summary
 # (stages.txt) and `miles-lp experiment cost` (cost/) under $OUT.
-# Usage: MILES_LP_COMMIT=<sha> bash scripts/h200_rl_05b.sh [STEPS]
+# Usage: MILES_LP_COMMIT=<sha> bash scripts/h200_rl_05b.sh [STEPS] [--set KEY=VALUE ...]   (extra --set for every
+# arm, e.g. --set train.param_dtype=bf16: BF16 compute copies of the FP32 masters, so the engine serves in bf16)
 set -uo pipefail
 source "$(dirname "$0")/h200_common.sh"
 h200_setup rl.log
 steps=${1:-8}
+shift || true
+extra=("$@")
 r=$(mktemp -d)
 model=(--set model.num_layers=24 --set model.overrides.hidden_size=896 --set model.overrides.intermediate_size=4864
        --set model.overrides.num_attention_heads=14 --set model.overrides.num_key_value_heads=2
@@ -23,7 +26,7 @@ names=()
 for arm in bf16:tiny-bf16 mxfp8:tiny-mxfp8 fp8_block:tiny-fp8-blockwise-e2e; do
   name=${arm%%:*}; recipe=${arm#*:}
   step "rl_$name" 175 python3 -m miles_lp.cli run "recipes/$recipe.yaml" "${model[@]}" "${common[@]}" \
-    --set logging.run_name="h200-$name"
+    "${extra[@]}" --set logging.run_name="h200-$name"
   mkdir -p "$out/$name"
   cp "$r/h200-$name"/metrics.jsonl "$r/h200-$name"/recipe.yaml "$out/$name/" 2>/dev/null
   names+=("$r/h200-$name")
