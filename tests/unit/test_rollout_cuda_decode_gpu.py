@@ -52,8 +52,10 @@ def test_graph_equals_static_and_scores(monkeypatch, checkpoints, prec):
     assert cuda_decode.stats(eng)["captures"] == 1
     seqs = [p + x.output_ids for p, x in zip(PROMPTS, g, strict=True)]
     monkeypatch.setenv("MILES_LP_DECODE", "eager")
-    # bf16 activations and other kernels; fp8_block: the native GEMM against the eager path's fp32 emulated one
-    worst, mean = (0.2, 0.06) if prec.startswith("fp8_block") else (0.1, 0.05)
+    # bf16 activations and other kernels (fused elementwise ops, one GEMM over concatenated weights); a quantized
+    # input moves a whole E4M3 step where the two paths' bf16 inputs round apart, so quantized formats get more
+    # room (MXFP8 measured 0.127 max on the H200); fp8_block: also the native GEMM against the fp32 emulated one
+    worst, mean = (0.1, 0.05) if prec == "bf16" else (0.2, 0.06)
     for x, sc, p in zip(g, eng.score(seqs), PROMPTS, strict=True):
         d = (x.logprobs - sc[len(p) - 1:]).abs()
         assert float(d.max()) < worst and float(d.mean()) < mean
