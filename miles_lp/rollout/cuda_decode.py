@@ -633,7 +633,7 @@ class CudaDecoder:
         eng = self.engine
         eng._park()  # marks the step as running (the eager path's step boundary)
         try:
-            fwd = self._ready()
+            self._ready()
             bb = batch_bucket(n)
             rows = prompts + [prompts[0]] * (bb - n)
             w = max(len(p) for p in rows)
