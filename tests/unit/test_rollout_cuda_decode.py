@@ -211,3 +211,31 @@ def check_fused_kernels() -> None:
     q, _ = apply_rotary_pos_emb(xs.transpose(1, 2), xs.transpose(1, 2), cos.view(b, t, hd), sin.view(b, t, hd))
     assert torch.allclose(dst[:, :, 2:2 + t], q, atol=1e-5)
     assert dst[:, :, :2].isnan().all() and dst[:, :, 2 + t:].isnan().all()  # only columns col .. col + t - 1
+
+
+def test_park_modes_mid_generation(monkeypatch):
+    # the step boundary: a park that returns "retract" recomputes prompt + tokens so far (same weights: same greedy
+    # tokens), "in_place" keeps the cache, "abort" ends every row with the tokens it has
+    eng = ReferenceEngine(tiny_checkpoint("qwen3"), device="cpu")
+    sp = SamplingParams(max_new_tokens=8, temperature=0.0)
+    monkeypatch.setenv("MILES_LP_DECODE", "static")
+    want = eng.generate(PROMPTS, sp)
+    real = eng._park
+
+    def parks(script):
+        calls = iter(script)
+
+        def park():
+            real()
+            return next(calls, None)
+        return park
+
+    for script in ([None, None, None, "retract"], [None, "in_place", None, "retract", None, "retract"]):
+        monkeypatch.setattr(eng, "_park", parks(script))
+        got = eng.generate(PROMPTS, sp)
+        assert [g.output_ids for g in got] == [g.output_ids for g in want]
+        for g, h in zip(got, want, strict=True):
+            assert float((g.logprobs - h.logprobs).abs().max()) < 1e-4
+    monkeypatch.setattr(eng, "_park", parks([None, None, None, "abort"]))
+    got = eng.generate(PROMPTS, sp)
+    assert all(g.finish_reason == "abort" and g.output_ids == h.output_ids[:3] for g, h in zip(got, want, strict=True))
