@@ -36,7 +36,6 @@ early, the same draws (the eager path drops finished rows from the batch, which 
 from __future__ import annotations
 
 import os
-import weakref
 from typing import Any
 
 import torch
@@ -708,7 +707,12 @@ def _cut(row: list[int], stop: set) -> int:
     return len(row)
 
 
-_DECODERS: weakref.WeakKeyDictionary[Any, CudaDecoder] = weakref.WeakKeyDictionary()
+_ATTR = "_cuda_decoder"  # the engine holds its decoder (a cycle the collector frees with the engine)
+
+
+def decoder(engine) -> CudaDecoder | None:
+    """``engine``'s decoder state, if this path has served it."""
+    return engine.__dict__.get(_ATTR)
 
 
 def maybe_run(engine, prompts: list[list[int]], sp) -> list[Generation] | None:
@@ -722,15 +726,16 @@ def maybe_run(engine, prompts: list[list[int]], sp) -> list[Generation] | None:
         if m == "auto":
             return None
         raise EngineError(f"MILES_LP_DECODE={m}: this engine cannot use the static decode path: {reason}")
-    dec = _DECODERS.get(engine)
+    dec = decoder(engine)
     if dec is None or dec.graphs != graphs:
-        dec = _DECODERS[engine] = CudaDecoder(engine, graphs)
+        dec = CudaDecoder(engine, graphs)
+        engine.__dict__[_ATTR] = dec
     return dec.run(prompts, sp)
 
 
 def stats(engine) -> dict[str, Any]:
     """Graph captures and slots of ``engine``'s decoder (for benchmarks and tests)."""
-    dec = _DECODERS.get(engine)
+    dec = decoder(engine)
     if dec is None:
         return {"active": False}
     return {"active": True, "graphs": dec.graphs, "captures": dec.captures, "slots": len(dec.slots),

@@ -239,3 +239,16 @@ def test_park_modes_mid_generation(monkeypatch):
     monkeypatch.setattr(eng, "_park", parks([None, None, None, "abort"]))
     got = eng.generate(PROMPTS, sp)
     assert all(g.finish_reason == "abort" and g.output_ids == h.output_ids[:3] for g, h in zip(got, want, strict=True))
+
+
+def test_engine_and_decoder_are_freed_together(monkeypatch):
+    import gc
+    import weakref
+
+    monkeypatch.setenv("MILES_LP_DECODE", "static")
+    eng = ReferenceEngine(tiny_checkpoint("qwen3"), device="cpu")
+    eng.generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    ref = weakref.ref(cuda_decode.decoder(eng))
+    del eng
+    gc.collect()
+    assert ref() is None

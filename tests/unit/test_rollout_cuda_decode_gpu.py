@@ -41,7 +41,7 @@ def test_graph_equals_static_and_scores(monkeypatch, checkpoints, prec):
     st = cuda_decode.stats(eng)
     assert st["graphs"] and st["captures"] == 1
     if prec.startswith("fp8_block"):
-        dec = cuda_decode._DECODERS[eng]
+        dec = cuda_decode.decoder(eng)
         kinds = {grp.kind for layer in dec.fwd.layers for grp in layer.groups()}
         assert kinds == {"fp8_native"}, kinds
     s = _gen(monkeypatch, eng, "static", sp)
