@@ -50,7 +50,7 @@ ARCHS = ("llama", "qwen2", "qwen3")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 SEQ_BUCKET = 128  # cache length rounded up to this: one graph serves every prompt width of a bucket
 STOP_CHECK_EVERY = 16
-MAX_GRAPHS = 8  # captured graphs kept per engine (least recently used dropped)
+MAX_GRAPHS = 4  # slots (cache + graph) kept per engine, least recently used dropped: each holds a KV cache
 
 
 def mode() -> str:
