@@ -240,6 +240,11 @@ class RuntimeConfig:
     sync_kernels: str = "auto"  # sync: "auto" | "reference" | a comma list of the kernels to use (digest,copy,ff)
     sync_graphs: bool = True  # reference engine: C3 as replayed CUDA graphs (else eager every sync)
     sync_shared: bool = True  # sync: C2 and C4 from one read of the engine's tensors (check_state) | two calls
+    # reference engine's decode: auto (static KV cache + CUDA graphs on CUDA where it applies, else eager) | eager |
+    # static (no graphs) | graph (refused where it cannot apply)
+    decode: typing.Literal["auto", "eager", "static", "graph"] = "auto"
+    # the static decode's fused elementwise Triton kernels: on | off | interpret (Triton's interpreter, for CPU tests)
+    decode_fused: typing.Literal["on", "off", "interpret"] = "on"
 
     def _validate(self, where: Where) -> None:
         for f in dataclasses.fields(self):
@@ -267,6 +272,8 @@ RUNTIME_ENV: dict[str, str] = {
     "sync_kernels": "MILES_LP_SYNC_KERNELS",
     "sync_graphs": "MILES_LP_SYNC_GRAPHS",
     "sync_shared": "MILES_LP_SYNC_SHARED",
+    "decode": "MILES_LP_DECODE",
+    "decode_fused": "MILES_LP_DECODE_FUSED",
 }
 
 #: keys whose code still reads only its variable (``os.environ``, in formats/ and train/): a config value other than
@@ -333,8 +340,10 @@ def _env_value(name: str, var: str, raw: str) -> Any:
         return "emulated" if raw == "emulated" else "auto"
     if name == "pipeline_workers":
         return int(raw) if raw.strip().isdigit() else None
-    if name == "sync_kernels":
+    if name in ("sync_kernels", "decode"):
         return raw
+    if name == "decode_fused":
+        return {"0": "off", "interpret": "interpret"}.get(raw, "on")
     return raw != "0"
 
 

@@ -9,6 +9,12 @@ no stop tokens, sampling at temperature 1):
   (``--precisions``, e.g. ``bf16,mxfp8``: MXFP8 adds the emulated activation quantization);
 * ``vllm bf16`` (CPU, where the vLLM venv exists): vLLM's offline engine on the same BF16 checkpoint.
 
+``--decode auto,eager`` adds each reference row once per decode path (``MILES_LP_DECODE``; ``auto``: the static
+KV cache with CUDA-graph replay of ``rollout.cuda_decode`` where it applies, ``eager``: transformers' forward per
+step). Each row reports the graphs it captured and its ratio to the reference engine's first BF16 row.
+Targets on the H200 (0.5B, batch 32, 128 new tokens): BF16 >= 5x ``generate``, fp8_block >= 1.2x and MXFP8
+>= 0.8x our BF16.
+
 Models: ``--model tiny`` (the 4-layer tiny Qwen3 of the tests) or ``--model 0.5b`` (a random Qwen3 of
 Qwen2.5-0.5B's shape: 24 layers, hidden 896, intermediate 4864, 14 heads / 2 KV heads, vocab 151936, tied
 embeddings; ~0.5B parameters; meant for ``--device cuda``). Target: the reference engine at least matches
@@ -21,6 +27,7 @@ import json
 import time
 
 from miles_lp import devices as cli_args
+from miles_lp.config import runtime_override
 
 HELP = "generated tokens/s at batch 32: reference engine vs transformers generate (and vLLM CPU where installed)"
 DESCRIPTION = HELP + """
@@ -38,7 +45,10 @@ def add_arguments(p) -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--precisions", default="bf16,mxfp8", help="reference engine rows (bf16, mxfp8, nvfp4)")
+    p.add_argument("--precisions", default="bf16,mxfp8",
+                   help="reference engine rows (bf16, mxfp8, nvfp4, fp8_block, fp8_block+pow2)")
+    p.add_argument("--decode", default="auto", help="decode paths per reference row, comma-separated: auto, eager, "
+                   "static (MILES_LP_DECODE)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU; default: torch's)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per row (the best is reported)")
     p.add_argument("--vllm", default="auto", choices=("auto", "off"), help="add the vLLM CPU row when available")
@@ -74,14 +84,25 @@ def _model(kind: str, device: str, root, num_layers: int | None = None):
     return out
 
 
+def _policy(precision: str):
+    """``fp8_block+pow2``: fp8_block with power-of-two scales; any other name: the format's policy default."""
+    from miles_lp.config import Where
+    from miles_lp.policy import parse_policy
+    from miles_lp.rollout.testing import policy_for
+
+    if precision == "fp8_block+pow2":
+        return parse_policy({"default": "fp8_block", "backward": "dequantized", "pow2_scales": True},
+                            Where("<bench>", "precision"))
+    return policy_for(precision)
+
+
 def _convert(src, precision: str, device: str, root):
     from pathlib import Path
 
     from miles_lp.checkpoint.convert import convert_checkpoint
-    from miles_lp.rollout.testing import policy_for
 
-    out = Path(root) / f"{Path(src).name}-{precision}"
-    convert_checkpoint(src, out, policy_for(precision), target="sglang", device=device, progress=False,
+    out = Path(root) / f"{Path(src).name}-{precision.replace('+', '_')}"
+    convert_checkpoint(src, out, _policy(precision), target="sglang", device=device, progress=False,
                        log=lambda s: None)
     return out
 
@@ -140,19 +161,30 @@ def run(args) -> int:
         rows.append({"backend": "transformers generate", "precision": "bf16", "seconds": t, "tokens_per_s": n_tokens / t})
         del hf, hf_generate  # the default argument holds the model too
 
+
+        from miles_lp.rollout import cuda_decode
+
+        decodes = [d.strip() for d in args.decode.split(",") if d.strip()]
+        bad = [d for d in decodes if d not in cuda_decode.MODES]
+        if bad:
+            raise SystemExit(f"bench rollout: --decode {bad[0]!r}: choose from {', '.join(cuda_decode.MODES)}")
         for prec in [p.strip() for p in args.precisions.split(",") if p.strip()]:
             ck = src if prec == "bf16" else _convert(src, prec, device, root)
             eng = ReferenceEngine(ck, device=device)
             batch = prompts.tolist()
-            eng.generate(batch[:2], SamplingParams(max_new_tokens=2, seed=0))
+            for dec in decodes:
+                with runtime_override(decode=dec):
+                    eng.generate(batch, SamplingParams(max_new_tokens=2, seed=0))  # captures this batch's graph
 
-            def ref_generate(eng=eng, batch=batch):
-                eng.generate(batch, sp)
-                _sync(device)
+                    def ref_generate(eng=eng, batch=batch):
+                        eng.generate(batch, sp)
+                        _sync(device)
 
-            t = _best(ref_generate, args.repeats)
-            rows.append({"backend": "reference engine", "precision": prec, "seconds": t, "tokens_per_s": n_tokens / t,
-                         "quantized_layers": eng.health()["quantized_layers"]})
+                    t = _best(ref_generate, args.repeats)
+                st = cuda_decode.stats(eng)
+                rows.append({"backend": "reference engine", "decode": dec, "precision": prec, "seconds": t,
+                             "tokens_per_s": n_tokens / t, "quantized_layers": eng.health()["quantized_layers"],
+                             "graphs_captured": st.get("captures", 0) if st.get("graphs") else 0})
             eng.close()
             del eng
 
@@ -174,16 +206,24 @@ def run(args) -> int:
                     v.close()
 
     anchor = rows[0]["tokens_per_s"]
+    ours = next((r["tokens_per_s"] for r in rows if r["backend"] == "reference engine" and r["precision"] == "bf16"
+                 and "skipped" not in r), None)
     layers = f" ({args.num_layers} layers)" if args.num_layers else ""
     print(f"bench rollout: model {args.model}{layers}, device {device}, batch {args.batch}, prompt {args.prompt_len}, "
           f"new tokens {args.new_tokens}, torch threads {torch.get_num_threads()}")
-    print(f"  {'backend':<26} {'precision':<9} {'tokens/s':>10} {'vs generate':>12}")
+    print(f"  {'backend':<26} {'precision':<15} {'tokens/s':>10} {'vs generate':>12} {'vs our bf16':>12} {'graphs':>7}")
     for r in rows:
         if "skipped" in r:
-            print(f"  {r['backend']:<26} {r['precision']:<9} {'skipped: ' + r['skipped']}")
+            print(f"  {r['backend']:<26} {r['precision']:<15} {'skipped: ' + r['skipped']}")
             continue
         r["ratio_vs_generate"] = r["tokens_per_s"] / anchor
-        print(f"  {r['backend']:<26} {r['precision']:<9} {r['tokens_per_s']:>10.1f} {r['ratio_vs_generate']:>11.2f}x")
+        mine = r["backend"] == "reference engine" and ours
+        name = f"{r['backend']} ({r['decode']})" if "decode" in r else r["backend"]
+        if mine:
+            r["ratio_vs_reference_bf16"] = r["tokens_per_s"] / ours
+        vs = f"{r['ratio_vs_reference_bf16']:>11.2f}x" if mine else f"{'':>12}"
+        print(f"  {name:<26} {r['precision']:<15} {r['tokens_per_s']:>10.1f} {r['ratio_vs_generate']:>11.2f}x "
+              f"{vs} {r.get('graphs_captured', ''):>7}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items() if not k.startswith("_")}, "rows": rows}, f,

@@ -183,6 +183,11 @@ class ReferenceGeneration:
             return mode
 
     def _run(self, prompts: list[list[int]], sp: SamplingParams) -> list[Generation]:
+        from miles_lp.rollout import cuda_decode  # static KV cache + CUDA graphs where they apply
+
+        fast = cuda_decode.maybe_run(self, prompts, sp)
+        if fast is not None:
+            return fast
         n = len(prompts)
         gen = torch.Generator(device="cpu")
         gen.manual_seed(sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, ()).item()))
