@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from miles_lp.errors import FormatError
-from miles_lp.formats import _native, bits
+from miles_lp.formats import bits, native
 from miles_lp.formats._checks import check_input, check_multiple
 from miles_lp.formats._chunks import CHUNK_ELEMS, row_slices
 from miles_lp.formats._compile import compile_exact
@@ -155,8 +155,8 @@ def quantize_mxfp8(x: torch.Tensor, *, axis: int = -1, compile: bool = False,
             return kernels.quantize_mxfp8(x, axis, name)
     if compile:
         data, scale = _compiled_core(axis)(x)
-    elif axis == -1 and _native.usable(x):  # CPU: the fused kernel, same bytes (formats._native)
-        data, scale = _native.mxfp8_rowwise(x.detach())
+    elif axis == -1 and native.usable(x):  # CPU: the fused kernel, same bytes (formats.native)
+        data, scale = native.mxfp8_rowwise(x.detach())
     else:
         data, scale = _chunked(x, axis)
     return MXFP8Tensor(data=data, scale=scale, axis=axis)

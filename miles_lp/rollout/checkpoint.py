@@ -61,7 +61,7 @@ def _read_json(path: Path) -> dict:
         raise CheckpointError(f"{path} is unreadable: {exc}") from None
 
 
-def _headers(root: Path) -> dict[str, TensorHeader]:
+def tensor_headers(root: Path) -> dict[str, TensorHeader]:
     """Every tensor's header, read as the converter reads them (``safetensors_io.open_checkpoint``): with an index,
     exactly the shards it names, each checked against it (a missing shard or a stale index is a ``CheckpointError``
     naming the index and the shard: a glob served a partial model, or a stray extra file's tensors)."""
@@ -103,7 +103,7 @@ def open_checkpoint(path: str | Path) -> EngineCheckpoint:
         raise CheckpointError(f"checkpoint '{root}' is not a folder")
     config = _read_json(root / "config.json")
     qc = config.pop("quantization_config", None)
-    tensors = _headers(root)
+    tensors = tensor_headers(root)
     if qc is None:
         return EngineCheckpoint(root, config, None, "sglang", {}, {}, None, tensors)
     record_path = root / PLAN_FILE

@@ -188,7 +188,7 @@ def test_an_override_wins_for_its_block_and_is_checked(clean):
 def test_the_formats_and_train_switches_follow_the_config(clean):
     """The codecs' and QuantLinear's switches are read from the process's config at each call, not from their
     variables at import: a recipe's ``runtime:`` value and a ``runtime_override`` are obeyed at once."""
-    from miles_lp.formats import _native
+    from miles_lp.formats import native
     from miles_lp.train import launch
 
     calls = []
@@ -197,11 +197,11 @@ def test_the_formats_and_train_switches_follow_the_config(clean):
         calls.append(1)
 
     use_runtime(RuntimeConfig(native=False, linear_bind=False))
-    assert _native.library() is None
+    assert native.library() is None
     assert launch._bind(bind, ()) is None and calls == []
     use_runtime(RuntimeConfig())
     with runtime_override(native=False):
-        assert _native.library() is None
+        assert native.library() is None
     with runtime_override(linear_bind=True):
         launch._bind(bind, ())
     assert calls == [1]

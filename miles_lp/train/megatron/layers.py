@@ -299,7 +299,7 @@ def _global_expert_name(name: str, module: Any) -> str:
     return f"{head}.local_experts.{ep_rank * per_rank + int(local)}.{rest}"
 
 
-def _qkv_rows(config: Any, members: tuple[str, ...]) -> list[tuple[str, torch.Tensor]]:
+def qkv_rows(config: Any, members: tuple[str, ...]) -> list[tuple[str, torch.Tensor]]:
     """Row indices of q, k, v inside Megatron's interleaved ``linear_qkv`` (per query group: q heads, k, v)."""
     ng, nh, hn = config.num_query_groups, config.num_attention_heads, config.kv_channels
     rows = qkv_row_indices((nh + 2 * ng) * hn, ng, nh // ng * hn)
@@ -337,7 +337,7 @@ def attach_plan(model: torch.nn.Module, plan, layout, *, layer_offset: int = 0) 
         if recipe is None:
             continue
         if len(members) == 3 and pname.endswith("linear_qkv.weight"):
-            module.export_rows = _qkv_rows(module.config, tuple(members))
+            module.export_rows = qkv_rows(module.config, tuple(members))
         elif len(members) == 2:  # fc1 = [gate; up]
             half = module.weight.shape[0] // 2
             module.export_rows = [(members[0], torch.arange(0, half)), (members[1], torch.arange(half, 2 * half))]
