@@ -34,7 +34,6 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from miles_lp.errors import ConfigError
-from miles_lp.formats.spec import Format
 from miles_lp.train.gemm import quantized_linear
 from miles_lp.train.grid import WeightGrid
 from miles_lp.train.megatron.naming import qkv_row_indices, tp_amax_reduce
@@ -56,7 +55,8 @@ class _QuantParallelMixin:
         self.recipe = recipe
         self.members = members
         self.grid = WeightGrid(recipe) if recipe is not None else None
-        if recipe is not None and recipe.format is Format.NVFP4 and self._tp_world() > 1:
+        # a per-tensor global scale (the format's joint_global_scale): under TP, from the unsharded weight's amax
+        if recipe is not None and recipe.scheme.joint_global_scale and self._tp_world() > 1:
             self.grid.amax_reduce = tp_amax_reduce(self.tp_group)
 
     def _tp_world(self) -> int:
@@ -349,7 +349,7 @@ def attach_plan(model: torch.nn.Module, plan, layout, *, layer_offset: int = 0) 
     # in the others' amax (then, under TP, the MAX over the group), as the embedded trainer's apply_plan does.
     for group in plan.groups.values():
         mods = list({id(holder[m]): holder[m] for m in group if m in holder}.values())
-        if len(mods) > 1 and all(m.recipe.format is Format.NVFP4 for m in mods):
+        if len(mods) > 1 and all(m.recipe.scheme.joint_global_scale for m in mods):
             for m in mods:
                 m.grid.amax_partners = [o.weight for o in mods if o is not m]
     return report
