@@ -149,7 +149,7 @@ def quantize_mxfp8(x: torch.Tensor, *, axis: int = -1, compile: bool = False,
     check_multiple(x, "MXFP8", axis, MXFP8_BLOCK, name=name,
                    axis_label=f"axis={axis} ({'rowwise' if axis == -1 else 'columnwise'} 32-blocks)")
     x = x.contiguous()
-    if x.is_cuda:  # CUDA + Triton: the kernel, same bytes (formats.kernels; MILES_LP_KERNELS=reference: off)
+    if x.is_cuda:  # CUDA + Triton: the kernel, same bytes (formats.kernels; runtime.kernels: reference: off)
         from miles_lp.formats import kernels
         if kernels.enabled(x):
             return kernels.quantize_mxfp8(x, axis, name)

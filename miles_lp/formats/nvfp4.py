@@ -153,7 +153,7 @@ def quantize_nvfp4(x: torch.Tensor, *, scale_scope: Scope = "tensor", amax=None,
     x = x.detach().contiguous()
     if amax is not None:
         amax = broadcast_nvfp4_amax(amax, x, scale_scope, name)  # [..., 1, 1] or [..., rows, 1] fp32
-    if x.is_cuda:  # CUDA + Triton: the kernels, same bytes (formats.kernels; MILES_LP_KERNELS=reference: off)
+    if x.is_cuda:  # CUDA + Triton: the kernels, same bytes (formats.kernels; runtime.kernels: reference: off)
         from miles_lp.formats import kernels
         if kernels.enabled(x):
             return kernels.quantize_nvfp4(x, scale_scope, amax, block_2d, name)

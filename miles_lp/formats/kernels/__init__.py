@@ -25,8 +25,8 @@ Bound launches (``kernels.bound``, for hot paths that repeat one call per input 
 ``launch(*args)`` calls the compiled kernel's C launcher directly (same kernel, same bytes), or None where that
 is not possible (CPU, a launch hook, ``runtime.kernels_fast_launch: false``, a changed kernel signature, ...).
 
-``MILES_LP_KERNELS=reference`` turns the automatic selection off (the codecs then run their torch code on
-CUDA too), e.g. to time or compare the reference there.
+``runtime.kernels: reference`` (or ``MILES_LP_KERNELS=reference``) turns the automatic selection off (the codecs
+then run their torch code on CUDA too), e.g. to time or compare the reference there.
 """
 
 from __future__ import annotations
