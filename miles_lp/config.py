@@ -232,7 +232,8 @@ class RuntimeConfig:
 
     kernels: typing.Literal["auto", "reference"] = "auto"  # formats: Triton kernels on CUDA tensors | torch codecs
     kernels_fast_launch: bool = True  # formats: call a compiled kernel's launcher directly (else Triton's JIT path)
-    kernels_hw: bool = True  # formats: the hardware conversion instructions in the kernels (else integer forms)
+    kernels_hw: bool = True  # formats: the kernels' hardware conversion instructions (else integer forms); read
+    # when the kernels are first loaded in a process (a compile-time constant of them): set it before that
     native: bool = True  # formats: the fused C codecs on CPU (else the torch code)
     linear_bind: bool = True  # train: QuantLinear's bound kernel launches (else the entry points every call)
     fp8_gemm: typing.Literal["auto", "emulated"] = "auto"  # train: block-FP8 GEMM kernel | its emulation
@@ -276,11 +277,10 @@ RUNTIME_ENV: dict[str, str] = {
     "decode_fused": "MILES_LP_DECODE_FUSED",
 }
 
-#: keys whose code still reads only its variable (``os.environ``, in formats/ and train/): a config value other than
-#: the default is refused, never silently ignored. ``tests/unit/test_config_environment.py`` keeps it exact: a key
-#: leaves this set when its code reads ``switch(key)``.
-ENV_ONLY: frozenset[str] = frozenset({"kernels", "kernels_fast_launch", "kernels_hw", "native", "linear_bind",
-                                      "fp8_gemm"})
+#: keys whose code still reads only its variable (``os.environ``: train/fp8_block_gemm.py): a config value other
+#: than the default is refused, never silently ignored. ``tests/unit/test_config_environment.py`` keeps it exact: a
+#: key leaves this set when its code reads ``switch(key)``.
+ENV_ONLY: frozenset[str] = frozenset({"fp8_gemm"})
 
 _RUNTIME = RuntimeConfig()
 _FORCED: dict[str, Any] = {}  # runtime_override's values: they win over the debugging variables

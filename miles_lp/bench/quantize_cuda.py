@@ -15,6 +15,8 @@ import json
 import os
 import warnings
 
+from miles_lp.config import runtime_override
+
 
 def _sweep(kernels, x, amax_t, log) -> None:
     """Try a few launch shapes per kernel on ``x``; keep the fastest in ``kernels.CONFIG``
@@ -159,7 +161,7 @@ def _host_us(fn, calls: int = 200) -> float:
 def _small_shape(x, log, compiled: bool = True) -> list[dict]:
     """Per call of the QuantLinear operand entry points at a small shape: the GPU time (do_bench median of
     back-to-back calls), the host time of one call (``_host_us``) with the cached launcher and with Triton's
-    JIT dispatch on every call (``MILES_LP_KERNELS_FAST_LAUNCH=0``), and the torch.compile path they replace.
+    JIT dispatch on every call (``runtime.kernels_fast_launch: false``), and the torch.compile path they replace.
     Then a cProfile of the rowwise qdq entry point (where the host time goes)."""
     import cProfile
     import io
@@ -169,7 +171,6 @@ def _small_shape(x, log, compiled: bool = True) -> list[dict]:
     from triton.testing import do_bench
 
     from miles_lp.formats import kernels
-    from miles_lp.formats.kernels import runtime
     from miles_lp.train import fused
 
     bf16 = torch.bfloat16
@@ -190,21 +191,15 @@ def _small_shape(x, log, compiled: bool = True) -> list[dict]:
             torch.cuda.synchronize()
             row["gpu_ms"] = do_bench(fn, warmup=25, rep=100, return_mode="median")
             row["host_us"] = _host_us(fn)
-            runtime.FAST_LAUNCH = False
-            try:
+            with runtime_override(kernels_fast_launch=False):
                 row["host_us_jit"] = _host_us(fn)
-            finally:
-                runtime.FAST_LAUNCH = True
             if not compiled:
                 raise _Skip
-            os.environ["MILES_LP_KERNELS"] = "reference"
-            try:
+            with runtime_override(kernels="reference"):
                 fn()
                 torch.cuda.synchronize()
                 row["compiled_gpu_ms"] = do_bench(fn, warmup=25, rep=100, return_mode="median")
                 row["compiled_host_us"] = _host_us(fn, 50)
-            finally:
-                os.environ.pop("MILES_LP_KERNELS", None)
         except _Skip:
             pass
         except Exception as exc:
@@ -359,14 +354,11 @@ def run_cuda(args) -> int:
     bench("nvfp4 dequantize -> bf16", lambda: k.nvfp4_dequantize(q_nv, bf16), n // 2 + n // 16 + 2 * n)
     bench("amax (per matrix)", lambda: k.matrix_amax(x), n * eb)
     if not args.no_compile:  # the path these kernels replace: the codec core under torch.compile
-        os.environ["MILES_LP_KERNELS"] = "reference"
-        try:
+        with runtime_override(kernels="reference"):
             bench("before: mxfp8 rowwise torch.compile core", lambda: quantize_mxfp8(x, compile=True), mx_bytes,
                   anchor=a_mx)
             bench("before: mxfp8 columnwise torch.compile core", lambda: quantize_mxfp8(x, axis=-2, compile=True),
                   mx_bytes)
-        finally:
-            del os.environ["MILES_LP_KERNELS"]
 
     by_name = {r["name"]: r for r in table}
     log(f"{'kernel':46s} {'ms':>8s} {'GB counted':>10s} {'GB/s':>8s} {'of copy':>7s} {'vs torchao':>10s}  note")

@@ -89,7 +89,7 @@ def _quantizers() -> list[tuple[str, Callable[[torch.Tensor], dict[str, torch.Te
     ]
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().contiguous().cpu()
     if t.is_floating_point() and t.element_size() > 1:
         # Decoded values: NaN payloads are not part of the contract (CPU and CUDA canonicalise NaN
@@ -111,7 +111,7 @@ def compare_devices(device_a: str = "cpu", device_b: str = "cuda", seed: int = 0
             b = fn(x.to(device_b))
             compared = mismatched = 0
             for key in a:
-                ba, bb = _as_bytes(a[key]), _as_bytes(b[key])
+                ba, bb = as_bytes(a[key]), as_bytes(b[key])
                 if ba.shape != bb.shape:
                     compared, mismatched = compared + ba.numel(), mismatched + ba.numel()
                     continue

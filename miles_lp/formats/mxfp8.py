@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from miles_lp.errors import FormatError
-from miles_lp.formats import _native, bits
+from miles_lp.formats import bits, native
 from miles_lp.formats._checks import check_input, check_multiple
 from miles_lp.formats._chunks import CHUNK_ELEMS, row_slices
 from miles_lp.formats._compile import compile_exact
@@ -149,14 +149,14 @@ def quantize_mxfp8(x: torch.Tensor, *, axis: int = -1, compile: bool = False,
     check_multiple(x, "MXFP8", axis, MXFP8_BLOCK, name=name,
                    axis_label=f"axis={axis} ({'rowwise' if axis == -1 else 'columnwise'} 32-blocks)")
     x = x.contiguous()
-    if x.is_cuda:  # CUDA + Triton: the kernel, same bytes (formats.kernels; MILES_LP_KERNELS=reference: off)
+    if x.is_cuda:  # CUDA + Triton: the kernel, same bytes (formats.kernels; runtime.kernels: reference: off)
         from miles_lp.formats import kernels
         if kernels.enabled(x):
             return kernels.quantize_mxfp8(x, axis, name)
     if compile:
         data, scale = _compiled_core(axis)(x)
-    elif axis == -1 and _native.usable(x):  # CPU: the fused kernel, same bytes (formats._native)
-        data, scale = _native.mxfp8_rowwise(x.detach())
+    elif axis == -1 and native.usable(x):  # CPU: the fused kernel, same bytes (formats.native)
+        data, scale = native.mxfp8_rowwise(x.detach())
     else:
         data, scale = _chunked(x, axis)
     return MXFP8Tensor(data=data, scale=scale, axis=axis)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from miles_lp.errors import FormatError
-from miles_lp.formats import _native, bits
+from miles_lp.formats import bits, native
 from miles_lp.formats._checks import NVFP4_SCOPES, check_input, check_nvfp4, what
 from miles_lp.formats._chunks import row_slices
 from miles_lp.formats.spec import NVFP4_BLOCK, NVFP4_GLOBAL_DIVISOR
@@ -47,8 +47,8 @@ def _global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
 def _matrix_amax(x: torch.Tensor) -> torch.Tensor:
     """NaN-ignoring amax over the last two dims: [..., 1, 1] fp32 (row maxima slice by slice, then their max)."""
     x2 = x.detach().reshape(-1, x.shape[-1])  # [R, K]
-    if _native.usable(x2):  # CPU: one pass, NaN ignored (formats._native)
-        return _native.row_amax(x2.contiguous()).view(x.shape[:-1]).amax(dim=-1, keepdim=True).unsqueeze(-1)
+    if native.usable(x2):  # CPU: one pass, NaN ignored (formats.native)
+        return native.row_amax(x2.contiguous()).view(x.shape[:-1]).amax(dim=-1, keepdim=True).unsqueeze(-1)
     row_max = torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
     for s in row_slices(x2.shape[0], x2.shape[1], x.device, chunk_elems=_CHUNK_ELEMS):
         m = x2[s].abs().amax(dim=-1)  # NaN-propagating; exact in the input dtype
@@ -153,13 +153,13 @@ def quantize_nvfp4(x: torch.Tensor, *, scale_scope: Scope = "tensor", amax=None,
     x = x.detach().contiguous()
     if amax is not None:
         amax = broadcast_nvfp4_amax(amax, x, scale_scope, name)  # [..., 1, 1] or [..., rows, 1] fp32
-    if x.is_cuda:  # CUDA + Triton: the kernels, same bytes (formats.kernels; MILES_LP_KERNELS=reference: off)
+    if x.is_cuda:  # CUDA + Triton: the kernels, same bytes (formats.kernels; runtime.kernels: reference: off)
         from miles_lp.formats import kernels
         if kernels.enabled(x):
             return kernels.quantize_nvfp4(x, scale_scope, amax, block_2d, name)
     lead, rows, k = tuple(x.shape[:-2]), x.shape[-2], x.shape[-1]
     x2 = x.reshape(-1, k)  # [R, K], R = rows of every matrix
-    if _native.usable(x2):  # CPU: the fused kernel, same bytes (formats._native)
+    if native.usable(x2):  # CPU: the fused kernel, same bytes (formats.native)
         return _quantize_native(x, x2, amax, scale_scope, block_2d)
     slices = row_slices(x2.shape[0], k, x.device, multiple=NVFP4_BLOCK if block_2d else 1,
                         chunk_elems=_CHUNK_ELEMS)
@@ -196,23 +196,23 @@ def quantize_nvfp4(x: torch.Tensor, *, scale_scope: Scope = "tensor", amax=None,
 
 def _quantize_native(x: torch.Tensor, x2: torch.Tensor, amax: torch.Tensor | None, scope: Scope,
                      block_2d: bool) -> NVFP4Tensor:
-    """``quantize_nvfp4`` on CPU with ``formats._native``: the global amax from the block (or row) amax,
+    """``quantize_nvfp4`` on CPU with ``formats.native``: the global amax from the block (or row) amax,
     ``_scales`` at the global-scale shape as the eager path, then one fused pass for scales and codes.
     The block amax array is only built when it is needed (2D tiles, or the amax of a tensor scope)."""
     lead, rows, k = tuple(x.shape[:-2]), x.shape[-2], x.shape[-1]
     amax_b = None
     if block_2d:  # the 16x16 tile amax repeated over its rows, as nvfp4_block_amax
-        tiles = _native.block_amax16(x2).view(*lead, rows // NVFP4_BLOCK, NVFP4_BLOCK, k // NVFP4_BLOCK)
+        tiles = native.block_amax16(x2).view(*lead, rows // NVFP4_BLOCK, NVFP4_BLOCK, k // NVFP4_BLOCK)
         amax_b = tiles.amax(dim=-2, keepdim=True).expand_as(tiles).reshape(-1, k // NVFP4_BLOCK)
     if amax is not None:
         amax_g = amax
     elif scope == "row":  # a row's global amax is the max of its blocks, i.e. of the row
-        amax_g = _native.row_amax(x2).view(*lead, rows, 1)
+        amax_g = native.row_amax(x2).view(*lead, rows, 1)
     else:  # NaN-ignoring max per matrix (the max of its block amaxes)
-        amax_g = _native.row_amax(x2).view(*lead, rows).amax(dim=-1, keepdim=True).unsqueeze(-1)
+        amax_g = native.row_amax(x2).view(*lead, rows).amax(dim=-1, keepdim=True).unsqueeze(-1)
     s_dec, sf_scale = _scales(amax_g)
     shape = (*lead, rows, 1)
-    data, sf = _native.nvfp4_encode(x2, s_dec.expand(shape).reshape(-1), sf_scale.expand(shape).reshape(-1),
+    data, sf = native.nvfp4_encode(x2, s_dec.expand(shape).reshape(-1), sf_scale.expand(shape).reshape(-1),
                                     amax_b)
     if scope == "tensor" and x.dim() == 2:
         s_dec, amax_g = s_dec.reshape(()), amax_g.reshape(())

@@ -20,16 +20,25 @@ from collections.abc import Iterator
 from typing import Any
 
 from miles_lp.errors import ConfigError
+from miles_lp.formats.schemes import scheme_for
 from miles_lp.formats.spec import Format
 
 ENGINE_FORMATS = {Format.BF16, Format.MXFP8}  # what the engine is loaded with; fp8 arms are served as BF16
 
 
+def served_format(f: Format) -> Format:
+    """The format the engine is loaded with for a sampler rule of format ``f``: ``f`` where the engine has it,
+    else BF16 (the weights rounded to ``f``'s grid)."""
+    return f if f in ENGINE_FORMATS else Format.BF16
+
+
 def check_sampler_policy(policy, where: str = "sampler_precision") -> None:
     formats = {policy.default} | {r.format for r in policy.rules}
-    if Format.NVFP4 in formats:
-        raise ConfigError(f"{where}: an NVFP4 sampler grid of its own is not supported (its joint gate/up global "
-                          "scale must come from the learner); use the shared grid (drop sampler_precision)")
+    for f in sorted(formats, key=lambda f: f.value):
+        if scheme_for(f).joint_global_scale:
+            raise ConfigError(f"{where}: an {f.value.upper()} sampler grid of its own is not supported (its joint "
+                              "gate/up global scale must come from the learner); use the shared grid (drop "
+                              "sampler_precision)")
 
 
 def engine_policy(policy):
@@ -37,18 +46,16 @@ def engine_policy(policy):
     from miles_lp.config import Where
     from miles_lp.policy import parse_policy
 
-    def fmt(f: Format) -> str:
-        return "bf16" if f in (Format.FP8_TENSOR, Format.FP8_BLOCK) else f.value
     d = policy.to_dict()
-    d["default"] = fmt(policy.default)
+    d["default"] = served_format(policy.default).value
     rules = []
     for r, raw in zip(policy.rules, d["rules"], strict=True):
-        raw = dict(raw, format=fmt(r.format))
-        if raw["format"] == "bf16":
+        raw = dict(raw, format=served_format(r.format).value)
+        if not served_format(r.format).quantized:
             raw.pop("backward", None)
         rules.append(raw)
     d["rules"] = rules
-    if all(x["format"] == "bf16" for x in rules) and d["default"] == "bf16":
+    if not any(served_format(f).quantized for f in (policy.default, *(r.format for r in policy.rules))):
         return None
     return parse_policy(d, Where("<sampler_precision>", "sampler_precision"))
 
@@ -75,12 +82,12 @@ class SamplerView:
         for name, t in hf_named_tensors(lr.model, lr.layout, {}, dtypes=src.dtypes, default_dtype=src.default_dtype,
                                         names=src.names):
             fmt = self.plan.format_for(name) if self.plan is not None and name in self.plan.entries else Format.BF16
-            if fmt is Format.MXFP8:
-                yield name, quantize(t, fmt)
-            elif fmt in (Format.FP8_TENSOR, Format.FP8_BLOCK):
-                yield name, quantize(t, fmt).dequantize(t.dtype)  # rounded to that grid, served as BF16
-            else:
+            if not fmt.quantized:
                 yield name, t
+            elif served_format(fmt) is fmt:
+                yield name, quantize(t, fmt)
+            else:
+                yield name, quantize(t, fmt).dequantize(t.dtype)  # rounded to that grid, served as BF16
 
 
 class SyncVia:

@@ -34,10 +34,11 @@ ROW = 1024  # int32 words per row
 ROW_BYTES = 4 * ROW
 CHUNK_BYTES = 256 << 20
 _WCOL: dict[str, torch.Tensor] = {}
-_MASK = (1 << 64) - 1
+MASK64 = (1 << 64) - 1
 
 
-def _wcol(device: torch.device) -> torch.Tensor:
+def row_weights(device: torch.device) -> torch.Tensor:
+    """The ``ROW`` odd int32 weights of a row's words (fixed seed: the same in every process), on ``device``."""
     key = str(device)
     w = _WCOL.get(key)
     if w is None:
@@ -97,7 +98,7 @@ def _segment_sums(segments: list[list[torch.Tensor]]) -> torch.Tensor:
     words = flat.view(torch.uint8).view(torch.int32).reshape(-1, ROW)  # [R, 1024]
     # int32 products and row sums, both wrapping mod 2^32 (vectorized; an int64 accumulation is ~10x slower on
     # CPU); the per-segment combination below is int64
-    rows = (words * _wcol(words.device)).sum(dim=1, dtype=torch.int32).to(torch.int64)  # [R]
+    rows = (words * row_weights(words.device)).sum(dim=1, dtype=torch.int32).to(torch.int64)  # [R]
     dev = words.device
     counts = torch.tensor(rows_of, dtype=torch.int64).to(dev)
     seg = torch.repeat_interleave(torch.arange(len(segments), device=dev), counts, output_size=rows.numel())
@@ -109,7 +110,7 @@ def _segment_sums(segments: list[list[torch.Tensor]]) -> torch.Tensor:
     return out.index_add_(0, seg, rows * wrow)
 
 
-def _chunk_sums(ts: list[torch.Tensor]) -> torch.Tensor:
+def tensor_sums(ts: list[torch.Tensor]) -> torch.Tensor:
     """One int64 fingerprint value per tensor of ``ts`` (all on one device)."""
     return _segment_sums([[t] for t in ts])
 
@@ -117,20 +118,20 @@ def _chunk_sums(ts: list[torch.Tensor]) -> torch.Tensor:
 def member_weight(k: int) -> int:
     """The odd int64 weight of the ``k``-th member of a group (1 for the first: a one-tensor group's value is
     its tensor's), so the same tensors in another order give another group value."""
-    v = ((k * 0x9E3779B97F4A7C15) | 1) & _MASK
+    v = ((k * 0x9E3779B97F4A7C15) | 1) & MASK64
     return v - (1 << 64) if v >> 63 else v
 
 
-def _values(ts: list[torch.Tensor], slots: list[int], mults: list[int], nslots: int) -> torch.Tensor:
+def slot_values(ts: list[torch.Tensor], slots: list[int], mults: list[int], nslots: int) -> torch.Tensor:
     """``out[slots[i]] += mults[i] * value(ts[i])`` (int64, wrapping) on the tensors' device (all on one).
     CUDA (and CPU under ``TRITON_INTERPRET=1``): one Triton launch reading every tensor in place
     (``miles_lp.multitensor.kernels``); otherwise the torch reference in chunks of at most ``CHUNK_BYTES``."""
     dev = ts[0].device if ts else torch.device("cpu")
     if ts and _kernels.enabled(dev):
-        return _kernels.segment_values(ts, slots, mults, nslots, _wcol(dev))
+        return _kernels.segment_values(ts, slots, mults, nslots, row_weights(dev))
     out = torch.zeros(nslots, dtype=torch.int64, device=dev)
     for c in _chunks([t.numel() * t.element_size() for t in ts]):
-        vals = _chunk_sums([ts[i] for i in c])
+        vals = tensor_sums([ts[i] for i in c])
         idx = torch.tensor([slots[i] for i in c], dtype=torch.int64).to(dev)
         w = torch.tensor([mults[i] for i in c], dtype=torch.int64).to(dev)
         out.index_add_(0, idx, vals * w)
@@ -151,7 +152,7 @@ def _chunks(sizes: list[int]) -> list[list[int]]:
 
 
 def _format(t: torch.Tensor, v: int) -> str:
-    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}:{v & _MASK:016x}"
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}:{v & MASK64:016x}"
 
 
 @torch.no_grad()
@@ -164,7 +165,7 @@ def fingerprints(named: dict[str, torch.Tensor]) -> dict[str, str]:
         by_dev.setdefault(t.device, []).append(n)
     for names in by_dev.values():
         ts = [named[n] for n in names]
-        sums = _values(ts, list(range(len(ts))), [1] * len(ts), len(ts)).cpu().tolist()
+        sums = slot_values(ts, list(range(len(ts))), [1] * len(ts), len(ts)).cpu().tolist()
         out.update({n: _format(t, v) for n, t, v in zip(names, ts, sums, strict=True)})
     return out
 
@@ -210,9 +211,9 @@ def _group_values(gids: list[str], counts: list[int], ts: list[torch.Tensor],
         for k in counts:
             members.append(ts[i:i + k])
             i += k
-    heads = [_head(ms) for ms in members]  # from the live members' dtypes and shapes, every call
+    heads = [group_head(ms) for ms in members]  # from the live members' dtypes and shapes, every call
     slots, mults = group_plan(counts)
-    sums = _values(ts, slots, mults, len(gids)).cpu().tolist()
+    sums = slot_values(ts, slots, mults, len(gids)).cpu().tolist()
     return group_strings(gids, heads, sums)
 
 
@@ -221,7 +222,7 @@ def group_values(counts: list[int], ts: list[torch.Tensor]) -> list[int]:
     """The int64 sums of ``group_fingerprints`` (without heads) for groups of ``counts`` consecutive members of
     ``ts``, all on one device: one device->host transfer."""
     slots, mults = group_plan(counts)
-    return _values(ts, slots, mults, len(counts)).cpu().tolist()
+    return slot_values(ts, slots, mults, len(counts)).cpu().tolist()
 
 
 def group_plan(counts: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -244,7 +245,7 @@ def group_plan(counts: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 def group_strings(gids: list[str], heads: list[str], sums: list[int]) -> dict[str, str]:
     """``group_fingerprints``' strings from the groups' heads and int64 sums."""
-    return dict(zip(gids, [f"{h}:{v & _MASK:016x}" for h, v in zip(heads, sums, strict=True)], strict=True))
+    return dict(zip(gids, [f"{h}:{v & MASK64:016x}" for h, v in zip(heads, sums, strict=True)], strict=True))
 
 
 _CPU = torch.device("cpu")
@@ -254,7 +255,7 @@ _GROUP_PLANS: dict[tuple, tuple] = {}  # group sizes -> (slots, member weights) 
 _HEADS: dict[tuple, str] = {}
 
 
-def _head(members: list[torch.Tensor]) -> str:
+def group_head(members: list[torch.Tensor]) -> str:
     """``<count>x<bytes>/<signature>`` of a group's members (their dtypes and shapes: the same text in any
     process), cached by the (dtype, shape) list: a group's layout repeats every sync."""
     key = tuple([(t.dtype, t.shape) for t in members])

@@ -60,7 +60,7 @@ def sglang_is_layer_skipped(prefix: str, ignored: Sequence[str],
 
 
 # ---- ModelOpt exclude lists ---------------------------------------------------------------------------
-def _vllm_exact_is_layer_skipped(prefix: str, ignored: Sequence[str],
+def vllm_exact_is_layer_skipped(prefix: str, ignored: Sequence[str],
                                  fused_mapping: Mapping[str, Sequence[str]]) -> bool:
     """vLLM ``is_layer_skipped`` (model_executor/layers/quantization/utils/quant_utils.py): exact names,
     fused modules expanded to shards, shards must agree."""
@@ -82,7 +82,7 @@ def vllm_modelopt_is_layer_excluded(prefix: str, exclude: Sequence[str],
     """
     if not exclude:
         return False
-    if _vllm_exact_is_layer_skipped(prefix, exclude, fused_mapping):
+    if vllm_exact_is_layer_skipped(prefix, exclude, fused_mapping):
         return True
     if any(e != prefix and e in prefix for e in exclude):
         return True

@@ -192,7 +192,7 @@ def vllm_fp8_is_layer_skipped(prefix: str, ignored: list[str]) -> bool:
     prefix, anything else by its exact name."""
     if prefix.rsplit(".", 1)[-1] not in C.PACKED_MODULES and "experts" in prefix:
         return any(prefix in name for name in ignored if "experts" in name)
-    return C._vllm_exact_is_layer_skipped(prefix, ignored, C.PACKED_MODULES)
+    return C.vllm_exact_is_layer_skipped(prefix, ignored, C.PACKED_MODULES)
 
 
 def vllm_fp8_block_config(plan: PrecisionPlan) -> dict[str, Any]:

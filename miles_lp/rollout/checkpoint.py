@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from miles_lp.errors import CheckpointError
+from miles_lp.formats.schemes import scheme_for
 from miles_lp.formats.spec import Format
 
 PLAN_FILE = "miles_lp_plan.json"
@@ -61,7 +62,7 @@ def _read_json(path: Path) -> dict:
         raise CheckpointError(f"{path} is unreadable: {exc}") from None
 
 
-def _headers(root: Path) -> dict[str, TensorHeader]:
+def tensor_headers(root: Path) -> dict[str, TensorHeader]:
     """Every tensor's header, read as the converter reads them (``safetensors_io.open_checkpoint``): with an index,
     exactly the shards it names, each checked against it (a missing shard or a stale index is a ``CheckpointError``
     naming the index and the shard: a glob served a partial model, or a stray extra file's tensors)."""
@@ -103,7 +104,7 @@ def open_checkpoint(path: str | Path) -> EngineCheckpoint:
         raise CheckpointError(f"checkpoint '{root}' is not a folder")
     config = _read_json(root / "config.json")
     qc = config.pop("quantization_config", None)
-    tensors = _headers(root)
+    tensors = tensor_headers(root)
     if qc is None:
         return EngineCheckpoint(root, config, None, "sglang", {}, {}, None, tensors)
     record_path = root / PLAN_FILE
@@ -124,12 +125,14 @@ def open_checkpoint(path: str | Path) -> EngineCheckpoint:
     formats = {n: f for n, f in engine_formats_for(target, qc, files, plan).items() if f.quantized}
     scopes = {}
     for n, f in formats.items():
-        if f is Format.NVFP4:
-            e = plan.entries.get(n)
+        scheme = scheme_for(f)
+        if not scheme.scaled_activations:
+            continue
+        e = plan.entries.get(n)
+        if scheme.activation_scopes:  # the activation global scale's scope (NVFP4)
             act = getattr(e, "activation_scale", None) if e is not None else None
             scopes[n] = {"per_tensor": "tensor", "per_token": "token"}.get(act, act) or "token"
-        elif f is Format.FP8_BLOCK:  # the learner's 1x128 activation tiles: power-of-two scales or fp32 ones
-            e = plan.entries.get(n)
+        else:  # the learner's 1x128 activation tiles (fp8_block): power-of-two scales or fp32 ones
             scopes[n] = "pow2" if (e is not None and e.pow2_scales) else "fp32"
     return EngineCheckpoint(root, config, qc, target, formats, scopes, record.get("plan_hash"), tensors)
 

@@ -159,7 +159,7 @@ class EngineServer(ThreadingHTTPServer):
         self.update_lock = threading.Lock()  # one open tensor update at a time
         if ":" in host:  # an IPv6 address (``::1``): the socket's family follows it
             self.address_family = socket.AF_INET6
-        super().__init__((host, port), _Handler)
+        super().__init__((host, port), RequestHandler)
 
     @property
     def url(self) -> str:
@@ -167,7 +167,7 @@ class EngineServer(ThreadingHTTPServer):
         return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-class _Handler(BaseHTTPRequestHandler):
+class RequestHandler(BaseHTTPRequestHandler):
     timeout = 300  # seconds a client may stall mid-request before its handler thread is freed (socket timeout)
     server: EngineServer
     protocol_version = "HTTP/1.1"
@@ -387,14 +387,14 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(200, st_save(self.server.engine.read_weights(names)), "application/octet-stream")
 
 
-GET = {"/health": _Handler.health, "/get_weight_version": _Handler.weight_version, "/flush_cache": _Handler.flush,
-       "/miles_lp/health": _Handler.m_health, "/miles_lp/quantized_params": _Handler.m_quantized,
-       "/miles_lp/param_specs": _Handler.m_specs, "/miles_lp/storage_pointers": _Handler.m_pointers}
-POST = {"/generate": _Handler.generate, "/update_weights_from_disk": _Handler.update_from_disk,
-        "/update_weights_from_tensor": _Handler.update_from_tensor, "/pause_generation": _Handler.pause,
-        "/continue_generation": _Handler.resume, "/flush_cache": _Handler.flush,
-        "/miles_lp/self_check": _Handler.m_self_check, "/miles_lp/weight_digests": _Handler.m_digests,
-        "/miles_lp/read_weights": _Handler.m_read, "/miles_lp/abort_update": _Handler.m_abort_update}
+GET = {"/health": RequestHandler.health, "/get_weight_version": RequestHandler.weight_version, "/flush_cache": RequestHandler.flush,
+       "/miles_lp/health": RequestHandler.m_health, "/miles_lp/quantized_params": RequestHandler.m_quantized,
+       "/miles_lp/param_specs": RequestHandler.m_specs, "/miles_lp/storage_pointers": RequestHandler.m_pointers}
+POST = {"/generate": RequestHandler.generate, "/update_weights_from_disk": RequestHandler.update_from_disk,
+        "/update_weights_from_tensor": RequestHandler.update_from_tensor, "/pause_generation": RequestHandler.pause,
+        "/continue_generation": RequestHandler.resume, "/flush_cache": RequestHandler.flush,
+        "/miles_lp/self_check": RequestHandler.m_self_check, "/miles_lp/weight_digests": RequestHandler.m_digests,
+        "/miles_lp/read_weights": RequestHandler.m_read, "/miles_lp/abort_update": RequestHandler.m_abort_update}
 
 
 def serve_in_thread(engine, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None) -> EngineServer:

@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from miles_lp.formats.schemes import scheme_for
+from miles_lp.formats.spec import Format
 from miles_lp.multitensor import digest
 from miles_lp.rollout import self_check as c3
 from miles_lp.rollout.engine import tensor_digest
@@ -264,11 +266,13 @@ class Canonical:
         return max(diffs)
 
     def _in_features(self, name: str, fmt: str) -> int | None:
-        """The module's input width from its captured canonical weight (packed NVFP4: two values a byte)."""
+        """The module's input width from its captured canonical weight (its scheme's on-disk rule: a ``packed``
+        weight, NVFP4's, holds two values a byte)."""
         w = self.tensors.get(f"{self._shards(name)[0]}.weight")
         if w is None:
             return None
-        return int(w.shape[1]) * (2 if fmt == "nvfp4" else 1)
+        part = next(p for p in scheme_for(Format(fmt)).parts("vllm") if p.suffix == "weight")
+        return int(w.shape[1]) * (2 if part.shape == "packed" else 1)
 
     def _rot_probe(self, name: str, fmt: str, seed: int, tokens: int, kind: str) -> dict[str, Any]:
         """``probe`` on the rotating / every-layer input: seeded by ``seed + 1`` (independent of the fixed pair's

@@ -27,9 +27,9 @@ from miles_lp.formats import (
     dequantize_fp8_blockwise,
     quantize_fp8_blockwise,
     quantize_mxfp8,
-    quantize_nvfp4,
 )
-from miles_lp.formats.spec import MXFP8_BLOCK, Format
+from miles_lp.formats.schemes import scheme_for
+from miles_lp.formats.spec import MXFP8_BLOCK
 from miles_lp.rollout.engine import EngineError
 from miles_lp.sync.buckets import Bucket
 from miles_lp.sync.transport import Received, Transport
@@ -128,13 +128,15 @@ class SplitScalesLearner(_Delegate):
     def __init__(self, inner: Any):
         super().__init__(inner)
         plan = inner.plan
-        self.members = {m for g in plan.groups.values() for m in g if plan.entries[m].format is Format.NVFP4}
+        schemes = {m: scheme_for(plan.entries[m].format) for g in plan.groups.values() for m in g}
+        self.members = {m: sc for m, sc in schemes.items() if sc.joint_global_scale}
 
     def export_weights(self) -> Iterator[tuple[str, Any]]:
         for name, obj in self.inner.export_weights():
-            if name in self.members:
-                obj = quantize_nvfp4(obj.dequantize(torch.float32), scale_scope=obj.scale_scope,
-                                     block_2d=obj.block_2d)
+            scheme = self.members.get(name)
+            if scheme is not None:  # the same codec options, the global scale from this member alone
+                obj = scheme.quantize(obj.dequantize(torch.float32), scale_scope=obj.scale_scope,
+                                      block_2d=obj.block_2d)
             yield name, obj
 
 

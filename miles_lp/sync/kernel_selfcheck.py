@@ -14,7 +14,7 @@ from miles_lp.multitensor.kernels import ROW_BYTES, ROWS, enabled, ff_counts, se
 
 
 def selfcheck(device: str = "cpu", seed: int | None = None, large: bool = False) -> dict:
-    """The kernel against the torch reference (``digest._chunk_sums``, combined in Python ints) on fresh random
+    """The kernel against the torch reference (``digest.tensor_sums``, combined in Python ints) on fresh random
     tensors of awkward sizes (0 bytes, partial words, partial rows, exactly ``ROWS`` rows, one byte more),
     addresses (views at every offset mod 16), dtypes, a non-contiguous one, and views of one stacked storage,
     per tensor and grouped with random slots and multipliers. Returns ``{"seed", "cases", "mismatches": [...]}``
@@ -42,9 +42,9 @@ def selfcheck(device: str = "cpu", seed: int | None = None, large: bool = False)
     if large:
         ts.append(torch.randint(0, 256, (300_000_017,), dtype=torch.uint8, device=dev))
     rng.shuffle(ts)
-    ref = [int(v) for v in digest._chunk_sums([t.cpu() for t in ts]).tolist()]
+    ref = [int(v) for v in digest.tensor_sums([t.cpu() for t in ts]).tolist()]
     mismatches = []
-    got = segment_values(ts, list(range(len(ts))), [1] * len(ts), len(ts), digest._wcol(dev)).cpu().tolist()
+    got = segment_values(ts, list(range(len(ts))), [1] * len(ts), len(ts), digest.row_weights(dev)).cpu().tolist()
     for i, (a, b) in enumerate(zip(ref, got, strict=True)):
         if a != b:
             t = ts[i]
@@ -59,17 +59,17 @@ def selfcheck(device: str = "cpu", seed: int | None = None, large: bool = False)
     got_ff = ff_counts(ts).cpu().tolist()
     if ref_ff != got_ff:
         mismatches.append(f"0xFF counts: kernel {got_ff}, reference {ref_ff}")
-    ref = [int(v) for v in digest._chunk_sums([t.cpu() for t in ts]).tolist()]  # the planted bytes changed them
+    ref = [int(v) for v in digest.tensor_sums([t.cpu() for t in ts]).tolist()]  # the planted bytes changed them
     nslots = 5
     slots = [rng.randrange(nslots) for _ in ts]
     mults = [digest.member_weight(rng.randrange(1000)) for _ in ts]
     exp = [0] * nslots
     for s, m, v in zip(slots, mults, ref, strict=True):
-        exp[s] = (exp[s] + m * v) & digest._MASK
-    grouped = segment_values(ts, slots, mults, nslots, digest._wcol(dev)).cpu().tolist()
+        exp[s] = (exp[s] + m * v) & digest.MASK64
+    grouped = segment_values(ts, slots, mults, nslots, digest.row_weights(dev)).cpu().tolist()
     for s in range(nslots):
-        if grouped[s] & digest._MASK != exp[s]:
-            mismatches.append(f"group slot {s}: kernel {grouped[s] & digest._MASK:#x}, reference {exp[s]:#x}")
+        if grouped[s] & digest.MASK64 != exp[s]:
+            mismatches.append(f"group slot {s}: kernel {grouped[s] & digest.MASK64:#x}, reference {exp[s]:#x}")
     return {"seed": seed, "device": str(dev), "cases": len(ts), "mismatches": mismatches}
 
 

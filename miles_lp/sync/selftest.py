@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from miles_lp.errors import ConfigError
+from miles_lp.formats.schemes import scheme_for
 from miles_lp.sync.config import SyncConfig
 from miles_lp.sync.sentinel import rollout_kl
 from miles_lp.sync.verdict import SyncCheckError, SyncError
@@ -135,10 +136,12 @@ class Stack:
         quantized = self.plan.quantized()
         self.has_experts = any(".experts." in n for n in quantized)  # quantized experts (derived expert state)
         self.has_mxfp8 = any(e.format.value == "mxfp8" for e in quantized.values())
-        self.has_fp8_block_fp32_scales = any(e.format.value == "fp8_block" and not e.pow2_scales
+        # fp8_block entries with fp32 scales: of a format whose scales may be powers of two, not rounded so
+        self.has_fp8_block_fp32_scales = any(scheme_for(e.format).pow2_scales and not e.pow2_scales
                                              for e in quantized.values())
-        self.has_nvfp4_groups = any(
-            all(self.plan.entries[m].format.value == "nvfp4" for m in g) for g in self.plan.groups.values())
+        # NVFP4 groups: every member of a format with one global scale shared by fused siblings
+        self.has_nvfp4_groups = any(all(scheme_for(self.plan.entries[m].format).joint_global_scale for m in g)
+                                    for g in self.plan.groups.values())
 
     def _policy(self, mapping: dict):
         from miles_lp.config import Where

@@ -154,9 +154,9 @@ def fill_slots(buf: torch.Tensor, bucket: Bucket, views: dict | None = None) -> 
             srcs = [ff if t is None else t for t in srcs]
         digest = None
         if where is not None:
-            from miles_lp.multitensor.digest import _wcol
+            from miles_lp.multitensor.digest import row_weights
 
-            digest = (dslots, dmults, bucket.digest[1], _wcol(dev))
+            digest = (dslots, dmults, bucket.digest[1], row_weights(dev))
         with torch.no_grad():
             _kernels.copy_into(buf, srcs, offs, sizes, digest=digest)
         bucket.digested = digest is not None

@@ -41,13 +41,13 @@ import torch
 from miles_lp.config import switch
 from miles_lp.errors import BackendUnavailable, ConfigError
 from miles_lp.multitensor.digest import (
-    _head,
-    _values,
     fingerprints,
     group_fingerprints,
+    group_head,
     group_plan,
     group_strings,
     member_weight,
+    slot_values,
 )
 from miles_lp.rollout.engine import (
     Capability,
@@ -131,7 +131,7 @@ class _Layout:
         member = {n: k for ns in self.groups.values() for k, n in enumerate(ns)}
         self.digest_where = {it.name: (slot_of[it.group], member_weight(member[it.name])) for it in items}
         by_name = {it.name: it.tensor for it in items}
-        self.heads = [_head([by_name[n] for n in ns]) for ns in self.groups.values()]
+        self.heads = [group_head([by_name[n] for n in ns]) for ns in self.groups.values()]
         self.index = {it.name: i for i, it in enumerate(items)}  # name -> position in this layout's export
         self.validation: Verdict | None = None  # validate_update's ok verdict for this layout (seconds 0)
         self._buckets: list[tuple[Bucket, list[int]]] | None = None
@@ -160,7 +160,7 @@ class _Layout:
             self._learner_plan = (order, group_plan([len(ns) for ns in self.groups.values()]))
         order, (slots, mults) = self._learner_plan
         ts = [items[i].tensor for i in order]
-        return self.heads, _values(ts, slots, mults, len(self.groups)).cpu().tolist()
+        return self.heads, slot_values(ts, slots, mults, len(self.groups)).cpu().tolist()
 
 
 class WeightSync:

@@ -17,8 +17,9 @@ keeps using the entry point: slower, never wrong). A pointer is a pointer to the
 passed where the kernel was specialised on its int16 view has the same address and alignment. Placeholders for
 outputs a launch does not write are passed as the address 0 (the entry point's 0-element tensor has that
 address). Not bound (the entry point every call): where the kernels refuse to bind (CPU tensors / the
-interpreter, a Triton launch hook: profilers must see every launch, ``MILES_LP_KERNELS_FAST_LAUNCH=0``, paths
-with no bound form) and under ``MILES_LP_LINEAR_BIND=0`` (this module's switch).
+interpreter, a Triton launch hook: profilers must see every launch, ``runtime.kernels_fast_launch: false``, paths
+with no bound form) and under ``runtime.linear_bind: false`` (this module's switch, read at each call: a plan made
+while it was on is not used while it is off).
 
 Launch shapes come from ``kernels.CONFIG`` when a plan is made; ``clear()`` drops the plans (the kernels give
 the same bytes under every launch shape, ``selfcheck --config``, so a stale plan is slower at worst).
@@ -26,16 +27,14 @@ the same bytes under every launch shape, ``selfcheck --config``, so a stale plan
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from miles_lp.config import switch
 from miles_lp.formats.mxfp8 import MXFP8Tensor
 from miles_lp.formats.nvfp4 import NVFP4Tensor
 
 _E4M3 = torch.float8_e4m3fn
 _U8 = torch.uint8
-_BIND = os.environ.get("MILES_LP_LINEAR_BIND", "1") != "0"
 _MAX = 1024  # plans per call site (token counts vary per micro-batch): cleared when full
 
 _K: list = []
@@ -68,10 +67,10 @@ FAKE_BIND = None
 
 
 def _bind(bind, params: tuple[str, ...], *args, **kw):
-    """``bind(*args, **kw, fake=FAKE_BIND)`` (one of the kernels' ``bind_*``), or None: ``MILES_LP_LINEAR_BIND=0``
+    """``bind(*args, **kw, fake=FAKE_BIND)`` (one of the kernels' ``bind_*``), or None: ``runtime.linear_bind`` off
     (unless a fake launcher is set), no binding, or a kernel whose parameters are not the ``params`` the
     arguments here are built for."""
-    if not _BIND and FAKE_BIND is None:
+    if FAKE_BIND is None and not switch("linear_bind"):
         return None
     b = bind(*args, **kw, fake=FAKE_BIND)
     return b if b is not None and b.params == params else None
@@ -122,7 +121,7 @@ def mxfp8(x: torch.Tensor, rowwise: bool, colwise: bool, dtype: torch.dtype | No
     interpreter), checks as the entry's."""
     key = _key(x, rowwise, colwise, dtype, dequant, store_q)
     p = _MX.get(key)
-    if p and not _kernels().launch_hooks_set():
+    if p and (FAKE_BIND is not None or switch("linear_bind")) and not _kernels().launch_hooks_set():
         dev, shape = p.dev, p.shape
         qr = torch.empty(shape, dtype=_E4M3, device=dev) if p.row else 0
         sr = torch.empty(p.sr, dtype=_U8, device=dev) if p.row else 0
@@ -171,7 +170,7 @@ def mxfp8_decode(data: torch.Tensor, scale: torch.Tensor, axis: int, dtype: torc
     entry point runs)."""
     key = (*_key(data, axis, dtype), scale.shape, scale.data_ptr() & 15, scale.is_contiguous())
     p = _MXDQ.get(key)
-    if p and not _kernels().launch_hooks_set():
+    if p and (FAKE_BIND is not None or switch("linear_bind")) and not _kernels().launch_hooks_set():
         out = torch.empty(p.shape, dtype=p.out, device=p.dev)
         p.bound(data, scale, out, p.r, p.k)
         return out
@@ -209,7 +208,7 @@ def nvfp4(x: torch.Tensor, scope: str, dtype: torch.dtype | None, amax: torch.Te
     if amax is None and scope == "row":
         key = _key(x, dtype, block_2d)
         p = _NV.get(key)
-        if p and not _kernels().launch_hooks_set():
+        if p and (FAKE_BIND is not None or switch("linear_bind")) and not _kernels().launch_hooks_set():
             dev = p.dev
             q = torch.empty(p.q, dtype=_U8, device=dev)
             s = torch.empty(p.s, dtype=_E4M3, device=dev)
@@ -242,7 +241,7 @@ def nvfp4_dequantize(q: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
     key = (*_key(q.data, dtype, q.scale_scope), tuple(q.logical_shape), q.scale.data_ptr() & 15,
            q.scale.is_contiguous(), gs.shape, gs.dtype, gs.is_contiguous())
     p = _NVDQ.get(key)
-    if p and not _kernels().launch_hooks_set():
+    if p and (FAKE_BIND is not None or switch("linear_bind")) and not _kernels().launch_hooks_set():
         out = torch.empty(p.shape, dtype=p.out, device=p.dev)
         p.bound(q.data, q.scale, gs, out, p.r, p.k)
         return out

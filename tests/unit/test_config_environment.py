@@ -45,7 +45,6 @@ KNOWN_ENV_WRITES: set[tuple[str, str]] = {
     ("train/megatron/te.py", "<dynamic>"),  # TE / Megatron settings they read only from the environment
     ("train/megatron/te.py", "k"),
     ("launch/ray_launcher.py", "var"),  # a Ray variable around starting a local cluster
-    ("bench/quantize_cuda.py", "MILES_LP_KERNELS"),  # -> runtime_override(kernels="reference")
 }
 
 
@@ -184,6 +183,28 @@ def test_an_override_wins_for_its_block_and_is_checked(clean):
     with pytest.raises(ConfigError, match="sync_kernels"):
         with runtime_override(sync_kernels="digest,nope"):
             pass
+
+
+def test_the_formats_and_train_switches_follow_the_config(clean):
+    """The codecs' and QuantLinear's switches are read from the process's config at each call, not from their
+    variables at import: a recipe's ``runtime:`` value and a ``runtime_override`` are obeyed at once."""
+    from miles_lp.formats import native
+    from miles_lp.train import launch
+
+    calls = []
+
+    def bind(*a, **k):
+        calls.append(1)
+
+    use_runtime(RuntimeConfig(native=False, linear_bind=False))
+    assert native.library() is None
+    assert launch._bind(bind, ()) is None and calls == []
+    use_runtime(RuntimeConfig())
+    with runtime_override(native=False):
+        assert native.library() is None
+    with runtime_override(linear_bind=True):
+        launch._bind(bind, ())
+    assert calls == [1]
 
 
 def test_the_recipe_runtime_section_is_typed_and_strict(tmp_path):

@@ -186,7 +186,7 @@ def _expected(row: list[float], **rules) -> tuple[list[int], list[int], Fraction
 
 def _check_codecs(row: list[float], scales: list[int], data: list[int], s_dec: Fraction) -> None:
     x = torch.tensor([row], dtype=torch.float32)
-    q = quantize_nvfp4(x)  # on CPU: the fused native kernel where it builds (formats._native)
+    q = quantize_nvfp4(x)  # on CPU: the fused native kernel where it builds (formats.native)
     assert q.scale.view(torch.uint8).tolist() == [scales], "codec scale bytes"
     assert q.data.tolist() == [data], "codec data bytes"
     assert Fraction(q.global_scale.item()) == s_dec, "codec S_dec"

@@ -150,9 +150,9 @@ def test_the_launcher_refusals(monkeypatch):
     monkeypatch.setattr(kernels.runtime, "launch_hooks_set", lambda: True)
     assert bound._launcher(x, name, (1,), {}, "site", None) is None
     monkeypatch.setattr(kernels.runtime, "launch_hooks_set", lambda: False)
-    monkeypatch.setattr(kernels.runtime, "FAST_LAUNCH", False)
+    monkeypatch.setenv("MILES_LP_KERNELS_FAST_LAUNCH", "0")
     assert bound._launcher(x, name, (1,), {}, "site", None) is None
-    monkeypatch.setattr(kernels.runtime, "FAST_LAUNCH", True)
+    monkeypatch.setenv("MILES_LP_KERNELS_FAST_LAUNCH", "1")
     monkeypatch.undo()
     monkeypatch.setattr(kernels.runtime, "module_for", lambda t: mod)
     monkeypatch.setattr(kernels.runtime, "SITES", {"site": (object(), ())})

@@ -17,9 +17,9 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:
-    from miles_lp.formats.crosscheck import _as_bytes
+    from miles_lp.formats.crosscheck import as_bytes
 
-    return _as_bytes(t)
+    return as_bytes(t)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -276,7 +276,7 @@ def test_disk_update_that_fails_midway_bumps_no_version_and_refuses_generation(c
 
     def failing_open(path, *a, **k):  # the headers read fine; the tensor read fails on the first file
         calls.append(path)
-        if len(calls) > 1:  # the first call is the header pass (rollout.checkpoint._headers)
+        if len(calls) > 1:  # the first call is the header pass (rollout.checkpoint.tensor_headers)
             raise OSError(5, "Input/output error", path)
         return real(path, *a, **k)
 

@@ -1,7 +1,7 @@
 """The fast converter writes the bytes of the plain one: every output file identical, file for file.
 
 "Plain" is the converter as it was before its pipeline: one thread (``MILES_LP_PIPELINE=0``) and the eager
-torch codecs (``formats._native.disabled()``). "Fast" is the default: the read/quantize/write pipeline and
+torch codecs (``formats.native.disabled()``). "Fast" is the default: the read/quantize/write pipeline and
 the fused CPU kernels. Compared: every output file's bytes (shards, index, configs, the plan record), on
 tiny multi-shard checkpoints, per format and target, with gate/up split across shards (the pre-pass), a
 block-FP8 input, NaN/inf allowed, and a failure in the middle (nothing written, the first error raised).
@@ -22,7 +22,7 @@ from miles_lp.checkpoint.convert import convert_checkpoint
 from miles_lp.checkpoint.tiny import make_tiny_model
 from miles_lp.cli.convert import policy_for_format
 from miles_lp.errors import CheckpointError
-from miles_lp.formats import _native
+from miles_lp.formats import native
 from miles_lp.io.safetensors_io import INDEX_NAME
 
 
@@ -37,7 +37,7 @@ def _convert(src, out, fmt, target, *, fast: bool, monkeypatch, **kw):
     if fast:
         return convert_checkpoint(src, out, policy_for_format(fmt), target=target, progress=False,
                                   log=lambda m: None, **kw)
-    with _native.disabled():
+    with native.disabled():
         return convert_checkpoint(src, out, policy_for_format(fmt), target=target, progress=False,
                                   log=lambda m: None, **kw)
 

@@ -1,6 +1,6 @@
-"""The fused CPU kernels (``formats._native``) give the reference codecs' bytes, and the tests can tell.
+"""The fused CPU kernels (``formats.native``) give the reference codecs' bytes, and the tests can tell.
 
-The oracle is the eager torch path of ``quantize_mxfp8`` / ``quantize_nvfp4`` (``_native.disabled()``),
+The oracle is the eager torch path of ``quantize_mxfp8`` / ``quantize_nvfp4`` (``native.disabled()``),
 whose bytes the other format tests pin to TE's rule. Covered: every (bf16 element, E8M0 scale) pair that
 can occur in an MXFP8 block, random bit patterns (NaN, inf, subnormals of both signs), zero, tiny and
 huge tensors, fp32 input, stacks, NVFP4 tensor/row scopes, 2D tiles, a given (also zero / NaN) amax, the
@@ -15,9 +15,9 @@ import math
 import pytest
 import torch
 
-from miles_lp.formats import _native, bits, mxfp8, nvfp4
+from miles_lp.formats import bits, mxfp8, native, nvfp4
 
-pytestmark = pytest.mark.skipif(_native.library() is None, reason="no C compiler: the kernels are off")
+pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler: the kernels are off")
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:
@@ -70,7 +70,7 @@ _REF: dict[tuple, object] = {}
 def _reference_mxfp8(x: torch.Tensor):
     key = (x.data_ptr(), tuple(x.shape), tuple(x.stride()), x.dtype, x._version)
     if key not in _REF:  # the mutants and builds reuse one oracle result per input
-        with _native.disabled():
+        with native.disabled():
             _REF[key] = (x, mxfp8.quantize_mxfp8(x))
     return _REF[key][1]
 
@@ -80,7 +80,7 @@ def _mxfp8_pair(x: torch.Tensor, lib=None):
     if lib is None:
         got = mxfp8.quantize_mxfp8(x)
         return ref, (got.data, got.scale)
-    return ref, _native.mxfp8_rowwise(x.contiguous(), lib=lib)
+    return ref, native.mxfp8_rowwise(x.contiguous(), lib=lib)
 
 
 def _assert_mxfp8(x: torch.Tensor, lib=None) -> None:
@@ -103,8 +103,8 @@ def _specials() -> torch.Tensor:
 
 def test_e4m3_and_e2m1_casts_equal_bits_module():
     y = torch.cat([_random_bits((1 << 21,), torch.float32, 1), _specials(), _bf16_patterns().to(torch.float32)])
-    assert torch.equal(_native.e4m3_cast(y), bits.e4m3_satfinite(y).view(torch.uint8))
-    assert torch.equal(_native.e2m1_cast(y), bits.e2m1_codes(y))
+    assert torch.equal(native.e4m3_cast(y), bits.e4m3_satfinite(y).view(torch.uint8))
+    assert torch.equal(native.e2m1_cast(y), bits.e2m1_codes(y))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -139,8 +139,8 @@ def test_mxfp8_fp32_subnormal_and_special_blocks():
 
 def test_mxfp8_dispatch_is_native_and_fp16_is_not(monkeypatch):
     calls = []
-    real = _native.mxfp8_rowwise
-    monkeypatch.setattr(_native, "mxfp8_rowwise", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = native.mxfp8_rowwise
+    monkeypatch.setattr(native, "mxfp8_rowwise", lambda *a, **k: calls.append(1) or real(*a, **k))
     mxfp8.quantize_mxfp8(torch.randn(64, 64).to(torch.bfloat16))
     mxfp8.quantize_mxfp8(torch.randn(64, 64).to(torch.float16))  # fp16: the eager path
     mxfp8.quantize_mxfp8(torch.randn(64, 64), axis=-2)  # columnwise: the eager path
@@ -151,7 +151,7 @@ def test_mxfp8_dispatch_is_native_and_fp16_is_not(monkeypatch):
 # NVFP4
 # ---------------------------------------------------------------------------------------------------------
 def _nvfp4_pair(x: torch.Tensor, **kw):
-    with _native.disabled():
+    with native.disabled():
         ref = nvfp4.quantize_nvfp4(x, **kw)
     return ref, nvfp4.quantize_nvfp4(x, **kw)
 
@@ -182,7 +182,7 @@ def test_nvfp4_given_amax_zero_nan_and_pair():
         _assert_nvfp4(x, amax=amax)
         _assert_nvfp4(x, amax=amax, block_2d=True)
     gate, up = x[0].clone(), x[1].clone() * 3
-    with _native.disabled():
+    with native.disabled():
         ref = nvfp4.quantize_nvfp4_pair(gate, up)
     got = nvfp4.quantize_nvfp4_pair(gate, up)
     for r, q in zip(ref, got, strict=True):
@@ -192,25 +192,25 @@ def test_nvfp4_given_amax_zero_nan_and_pair():
 
 def test_global_amax_kernel_ignores_nan():
     x = _random_bits((33, 80), torch.bfloat16, seed=9)
-    with _native.disabled():
+    with native.disabled():
         ref = nvfp4.nvfp4_global_amax(x)
     assert _same_bytes(nvfp4.nvfp4_global_amax(x), ref)
-    assert _same_bytes(_native.row_amax(x), bits.nan_ignoring_abs(x.to(torch.float32)).amax(dim=-1))
+    assert _same_bytes(native.row_amax(x), bits.nan_ignoring_abs(x.to(torch.float32)).amax(dim=-1))
 
 
 # ---------------------------------------------------------------------------------------------------------
 # the portable build, mutants, fallback
 # ---------------------------------------------------------------------------------------------------------
 def test_portable_build_gives_the_same_bytes():
-    lib = _native.load(extra_flags=("-mno-avx512f",))
+    lib = native.load(extra_flags=("-mno-avx512f",))
     x = _every_scale_blocks()[::7].contiguous()
     _assert_mxfp8(x, lib=lib)
     y = _random_bits((64, 128), torch.float32, seed=4)
     R = y.shape[0]
-    s_dec, ss = nvfp4._scales(_native.row_amax(y).amax())
-    with _native.disabled():
+    s_dec, ss = nvfp4._scales(native.row_amax(y).amax())
+    with native.disabled():
         ref = nvfp4.quantize_nvfp4(y)
-    data, sf = _native.nvfp4_encode(y, s_dec.expand(R), ss.expand(R), lib=lib)
+    data, sf = native.nvfp4_encode(y, s_dec.expand(R), ss.expand(R), lib=lib)
     assert _same_bytes(data, ref.data) and _same_bytes(sf, ref.scale)
 
 
@@ -223,8 +223,8 @@ def test_portable_build_gives_the_same_bytes():
      (), "AVX-512 amax: NaN not ignored"),
 ])
 def test_a_mutated_kernel_is_caught(old, new, flags, what):
-    assert old in _native.SOURCE, f"anchor for mutant '{what}' is gone: update the mutant"
-    lib = _native.load(_native.SOURCE.replace(old, new), extra_flags=flags)
+    assert old in native.SOURCE, f"anchor for mutant '{what}' is gone: update the mutant"
+    lib = native.load(native.SOURCE.replace(old, new), extra_flags=flags)
     x = _every_scale_blocks()[::5].contiguous()
     ref, (data, scale) = _mxfp8_pair(x, lib)
     assert not (_same_bytes(ref.data, data) and _same_bytes(ref.scale, scale)), f"mutant '{what}' not caught"
@@ -232,14 +232,14 @@ def test_a_mutated_kernel_is_caught(old, new, flags, what):
 
 @pytest.mark.parametrize("env,warned", [({"MILES_LP_NATIVE": "0"}, False), ({"CC": "no-such-cc"}, True)])
 def test_switch_and_missing_compiler_fall_back_to_eager(env, warned, tmp_path, monkeypatch):
-    monkeypatch.setattr(_native, "_lib", None)  # a fresh start (monkeypatch restores the loaded library)
-    monkeypatch.setattr(_native, "_failed", None)
+    monkeypatch.setattr(native, "_lib", None)  # a fresh start (monkeypatch restores the loaded library)
+    monkeypatch.setattr(native, "_failed", None)
     monkeypatch.setenv("MILES_LP_CACHE_DIR", str(tmp_path))
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     with pytest.warns(RuntimeWarning, match="fused CPU codecs unavailable.*no C compiler") if warned else _no_warning():
         q = mxfp8.quantize_mxfp8(torch.ones(4, 32))
-    assert _native.library() is None and not _native.usable(torch.ones(2))
+    assert native.library() is None and not native.usable(torch.ones(2))
     assert int(q.scale[0, 0]) == bits.e8m0_closed_form(1.0)  # the eager path answered
 
 
@@ -257,8 +257,8 @@ class _no_warning:
 
 def test_build_is_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("MILES_LP_CACHE_DIR", str(tmp_path))
-    cc = _native._compiler()
-    first = _native._build(cc)
+    cc = native._compiler()
+    first = native._build(cc)
     mtime = first.stat().st_mtime_ns
-    assert _native._build(cc) == first and first.stat().st_mtime_ns == mtime
+    assert native._build(cc) == first and first.stat().st_mtime_ns == mtime
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left behind

@@ -78,20 +78,21 @@ def _bound_names():
 
 
 def test_linear_bind_off_keeps_the_entry_point(monkeypatch):
-    """``MILES_LP_LINEAR_BIND=0``: the binding is not even asked for; every call goes to the entry point."""
+    """``runtime.linear_bind`` off (here through its variable ``MILES_LP_LINEAR_BIND=0``): the binding is not even
+    asked for; every call goes to the entry point."""
     asked = []
-    monkeypatch.setattr(launch, "_BIND", False)
+    monkeypatch.setenv("MILES_LP_LINEAR_BIND", "0")
     with linear_host._stubbed():
         real = kernels.bind_mxfp8_quantize
         monkeypatch.setattr(kernels, "bind_mxfp8_quantize", lambda *a, **k: (asked.append(1), real(*a, **k))[1])
         seen, fake = _bound_names()
-        monkeypatch.setattr(launch, "_BIND", True)
+        monkeypatch.setenv("MILES_LP_LINEAR_BIND", "1")
         launch.FAKE_BIND = fake  # (a fake launcher overrides the switch, as before: the host bench binds)
         launch.mxfp8(torch.randn(32, 64).bfloat16(), True, False, torch.bfloat16)
         launch.mxfp8(torch.randn(32, 64).bfloat16(), True, False, torch.bfloat16)
         assert asked == [1] and seen == ["mxfp8_quantize_kernel"]
         launch.FAKE_BIND = None
-        monkeypatch.setattr(launch, "_BIND", False)
+        monkeypatch.setenv("MILES_LP_LINEAR_BIND", "0")
         launch.clear()
         x = torch.randn(64, 64).bfloat16()
         for _ in range(3):

@@ -23,10 +23,10 @@ Bound launches (``kernels.bound``, for hot paths that repeat one call per input 
 ``miles_lp.train.launch``): after an entry-point call, ``bind_mxfp8_quantize`` / ``bind_mxfp8_dequantize`` /
 ``bind_nvfp4_quantize`` / ``bind_nvfp4_dequantize`` with the same arguments return a ``Binding`` whose
 ``launch(*args)`` calls the compiled kernel's C launcher directly (same kernel, same bytes), or None where that
-is not possible (CPU, a launch hook, ``MILES_LP_KERNELS_FAST_LAUNCH=0``, a changed kernel signature, ...).
+is not possible (CPU, a launch hook, ``runtime.kernels_fast_launch: false``, a changed kernel signature, ...).
 
-``MILES_LP_KERNELS=reference`` turns the automatic selection off (the codecs then run their torch code on
-CUDA too), e.g. to time or compare the reference there.
+``runtime.kernels: reference`` (or ``MILES_LP_KERNELS=reference``) turns the automatic selection off (the codecs
+then run their torch code on CUDA too), e.g. to time or compare the reference there.
 """
 
 from __future__ import annotations

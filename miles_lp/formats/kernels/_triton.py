@@ -29,14 +29,16 @@ import os
 import triton
 import triton.language as tl
 
+from miles_lp.config import switch
 from miles_lp.formats import bits
 
 # Hardware conversions on CUDA (sm_89+: cvt.rn.satfinite.e4m3x2.f32, cvt.rn.f16x2.e4m3x2, cvt.rn.bf16.f32,
 # max.f32 / min.f32 that ignore NaN); the integer forms in Triton's interpreter, whose float8 / bf16 casts do
-# not round to nearest even and whose max propagates NaN. Fixed when this module is imported (kernels.runtime.load);
-# MILES_LP_KERNELS_HW=0 runs the integer forms on CUDA too (same bytes, more instructions: for A/B checks).
+# not round to nearest even and whose max propagates NaN. Fixed when this module is imported (kernels.runtime.load,
+# at the process's first kernel use: after a run has applied its recipe's runtime section);
+# runtime.kernels_hw: false runs the integer forms on CUDA too (same bytes, more instructions: for A/B checks).
 HW = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes")
-                  and os.environ.get("MILES_LP_KERNELS_HW", "1") != "0")
+                  and switch("kernels_hw"))
 INV448 = tl.constexpr(bits.FP32_INV_448)  # 0x3B124925, exactly an fp32 value
 INV6 = tl.constexpr(bits.FP32_INV_6)  # 0x3E2AAAAB
 FLT_MAX = tl.constexpr(bits.FP32_MAX)

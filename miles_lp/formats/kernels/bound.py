@@ -16,7 +16,7 @@ and on the H200 against the reference codecs).
 A ``bind_*`` returns None, and the caller keeps the entry point, where binding is not possible: a CPU tensor
 (the interpreter), a non-contiguous input (the entry point copies it), no entry-point call of these arguments
 seen yet (or its plan dropped: the caches are bounded), a path with no bound form (swizzled scales; NVFP4
-other than the per-token bf16 int32-pairs kernel), ``MILES_LP_KERNELS_FAST_LAUNCH=0``, a Triton launch hook
+other than the per-token bf16 int32-pairs kernel), ``runtime.kernels_fast_launch: false``, a Triton launch hook
 installed (``launch_hooks_set()``: profilers must see every launch; a caller holding a ``Binding`` checks it
 before each bound call), no compiled launcher of the layout this code calls, or a kernel whose parameters are
 no longer ``params`` (a changed signature: slower, never wrong). The launch shapes are ``CONFIG``'s at bind time;
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from miles_lp.config import switch
 from miles_lp.formats.kernels import runtime as rt
 from miles_lp.formats.kernels.tuning import CONFIG
 
@@ -109,7 +110,7 @@ def _launcher(x: torch.Tensor, name: str, grid, consts: dict, site, fake, ent=No
         return None  # the kernel's parameters changed: arguments built to PARAMS would not fit
     if fake is not None:
         return fake(mod, name, grid, consts)
-    if not rt.FAST_LAUNCH or rt.launch_hooks_set() or fn is None:
+    if not switch("kernels_fast_launch") or rt.launch_hooks_set() or fn is None:
         return None
     if ent is None:
         ent = rt.SITES.get(site)

@@ -15,15 +15,15 @@ import threading
 
 import torch
 
+from miles_lp.config import switch
 from miles_lp.errors import BackendUnavailable
 
 OUT_KIND = {None: 0, torch.float32: 1, torch.bfloat16: 2}
 # Launch path: after a kernel's first launch for a specialization (dtypes, 16-byte alignment of pointers,
 # ints equal to 1 / multiples of 16: what Triton specializes on, plus every constexpr and num_warps), later
 # launches call the compiled kernel's launcher directly and skip Triton's per-call binding, cache-key and
-# option formatting (host time per launch: bench quantize "small shape"). MILES_LP_KERNELS_FAST_LAUNCH=0
+# option formatting (host time per launch: bench quantize "small shape"). runtime.kernels_fast_launch: false
 # keeps Triton's JIT dispatch on every call (for A/B timing); so does a Triton launch hook (profilers).
-FAST_LAUNCH = os.environ.get("MILES_LP_KERNELS_FAST_LAUNCH", "1") != "0"
 LAUNCHERS: dict[tuple, object] = {}
 _MODULES: dict[bool, object] = {}
 _LOCK = threading.Lock()
@@ -63,8 +63,8 @@ def unavailable_reason(x: torch.Tensor) -> str | None:
 
 def enabled(x: torch.Tensor) -> bool:
     """Whether the codecs should hand ``x`` to these kernels: a CUDA tensor, Triton importable, and
-    ``MILES_LP_KERNELS`` not set to ``reference``."""
-    if not x.is_cuda or os.environ.get("MILES_LP_KERNELS", "auto") == "reference":
+    ``runtime.kernels`` not ``reference``."""
+    if not x.is_cuda or switch("kernels") == "reference":
         return False
     return _triton_missing() is None
 
@@ -131,7 +131,8 @@ def launch(mod, name: str, grid: tuple, args: tuple, num_warps: int, site: tuple
     freshly allocated); then the launcher is looked up by it directly, without ``spec_key(args)``.
     ``maxnreg`` > 0: ptxas' register cap per thread (more programs resident per SM; CUDA only).
     """
-    if site is not None and FAST_LAUNCH:
+    fast = switch("kernels_fast_launch")  # (one read per launch: about an environment lookup)
+    if site is not None and fast:
         ent = SITES.get(site)
         if ent is not None and not launch_hooks_set():
             ck, const_vals = ent
@@ -143,7 +144,7 @@ def launch(mod, name: str, grid: tuple, args: tuple, num_warps: int, site: tuple
     opts = {"num_warps": num_warps}
     if maxnreg and args and isinstance(args[0], torch.Tensor) and args[0].is_cuda:
         opts["maxnreg"] = maxnreg
-    if not FAST_LAUNCH or not args or not isinstance(args[0], torch.Tensor) or not args[0].is_cuda:
+    if not fast or not args or not isinstance(args[0], torch.Tensor) or not args[0].is_cuda:
         fn[grid](*args, **consts, **opts)
         return
     if launch_hooks_set():

@@ -335,7 +335,7 @@ def compare(device: str, cases: dict[str, torch.Tensor] | None = None,
             for _ in range(repeat):
                 got = fn(xd)
                 for key, a in want.items():
-                    ba, bb = crosscheck._as_bytes(a), crosscheck._as_bytes(got[key])
+                    ba, bb = crosscheck.as_bytes(a), crosscheck.as_bytes(got[key])
                     if ba.shape != bb.shape:
                         compared, mismatched = compared + ba.numel(), mismatched + ba.numel()
                         continue

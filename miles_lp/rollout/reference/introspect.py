@@ -159,13 +159,13 @@ class ReferenceIntrospection:
             return heads, [v - (1 << 64) if v >> 63 else v for v in vals]
         heads, i = [], 0
         for k in counts:
-            heads.append(_digest._head(conv[i:i + k]))  # from the live members' dtypes and shapes
+            heads.append(_digest.group_head(conv[i:i + k]))  # from the live members' dtypes and shapes
             i += k
         sums = _digest.group_values(counts, conv)
         dev = conv[0].device
         if _kernels.enabled(dev) and all(map(operator.is_, conv, live)) and all(t.is_contiguous() for t in conv):
             slots, mults = _digest.group_plan(counts)
-            prepared = _kernels.PreparedValues(conv, slots, mults, len(gids), _digest._wcol(dev))
+            prepared = _kernels.PreparedValues(conv, slots, mults, len(gids), _digest.row_weights(dev))
             plan[5] = (canon_ptrs if canon_ptrs is not None else tuple(map(DATA_PTR, canon)), tuple(canon), heads,
                        prepared)
         return heads, sums

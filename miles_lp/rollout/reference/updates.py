@@ -159,12 +159,12 @@ class ReferenceUpdates:
     def update_from_disk(self, path: str | Path, weight_version: int | None = None) -> dict[str, Any]:
         """SGLang's ``update_weights_from_disk``: every tensor of checkpoint ``path`` (the served checkpoint's
         names, dtypes and shapes) checked from the headers first, then written in place, file by file."""
-        from miles_lp.rollout.checkpoint import _headers
+        from miles_lp.rollout.checkpoint import tensor_headers
 
         root = Path(path)
         if not root.is_dir():
             raise WeightUpdateError(f"update_weights_from_disk: '{root}' is not a checkpoint folder")
-        headers = _headers(root)
+        headers = tensor_headers(root)
         for name, h in headers.items():
             self._check(name, getattr(torch, h.dtype), h.shape, where=str(root))
         self.begin_weight_update()

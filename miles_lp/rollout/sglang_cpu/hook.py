@@ -54,10 +54,10 @@ def _serve(runner) -> None:
     """The introspection server of ``runner.model`` on loopback (once: a reload keeps the model object)."""
     if _started:
         return
-    from miles_lp.rollout.server import _Handler, serve_in_thread
+    from miles_lp.rollout.server import RequestHandler, serve_in_thread
     from miles_lp.rollout.sglang_cpu.introspect import SGLangIntrospection
 
-    class _WithFaults(_Handler):
+    class _WithFaults(RequestHandler):
         def do_POST(self):
             from miles_lp.rollout.server import POST
 

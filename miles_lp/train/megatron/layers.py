@@ -34,7 +34,6 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from miles_lp.errors import ConfigError
-from miles_lp.formats.spec import Format
 from miles_lp.train.gemm import quantized_linear
 from miles_lp.train.grid import WeightGrid
 from miles_lp.train.megatron.naming import qkv_row_indices, tp_amax_reduce
@@ -56,7 +55,8 @@ class _QuantParallelMixin:
         self.recipe = recipe
         self.members = members
         self.grid = WeightGrid(recipe) if recipe is not None else None
-        if recipe is not None and recipe.format is Format.NVFP4 and self._tp_world() > 1:
+        # a per-tensor global scale (the format's joint_global_scale): under TP, from the unsharded weight's amax
+        if recipe is not None and recipe.scheme.joint_global_scale and self._tp_world() > 1:
             self.grid.amax_reduce = tp_amax_reduce(self.tp_group)
 
     def _tp_world(self) -> int:
@@ -299,7 +299,7 @@ def _global_expert_name(name: str, module: Any) -> str:
     return f"{head}.local_experts.{ep_rank * per_rank + int(local)}.{rest}"
 
 
-def _qkv_rows(config: Any, members: tuple[str, ...]) -> list[tuple[str, torch.Tensor]]:
+def qkv_rows(config: Any, members: tuple[str, ...]) -> list[tuple[str, torch.Tensor]]:
     """Row indices of q, k, v inside Megatron's interleaved ``linear_qkv`` (per query group: q heads, k, v)."""
     ng, nh, hn = config.num_query_groups, config.num_attention_heads, config.kv_channels
     rows = qkv_row_indices((nh + 2 * ng) * hn, ng, nh // ng * hn)
@@ -337,7 +337,7 @@ def attach_plan(model: torch.nn.Module, plan, layout, *, layer_offset: int = 0) 
         if recipe is None:
             continue
         if len(members) == 3 and pname.endswith("linear_qkv.weight"):
-            module.export_rows = _qkv_rows(module.config, tuple(members))
+            module.export_rows = qkv_rows(module.config, tuple(members))
         elif len(members) == 2:  # fc1 = [gate; up]
             half = module.weight.shape[0] // 2
             module.export_rows = [(members[0], torch.arange(0, half)), (members[1], torch.arange(half, 2 * half))]
@@ -349,7 +349,7 @@ def attach_plan(model: torch.nn.Module, plan, layout, *, layer_offset: int = 0) 
     # in the others' amax (then, under TP, the MAX over the group), as the embedded trainer's apply_plan does.
     for group in plan.groups.values():
         mods = list({id(holder[m]): holder[m] for m in group if m in holder}.values())
-        if len(mods) > 1 and all(m.recipe.format is Format.NVFP4 for m in mods):
+        if len(mods) > 1 and all(m.recipe.scheme.joint_global_scale for m in mods):
             for m in mods:
                 m.grid.amax_partners = [o.weight for o in mods if o is not m]
     return report

@@ -106,7 +106,7 @@ def te_learner_weights(model, layout) -> Iterator[tuple[str, Any]]:
 
     Fused weights are split into their members as in the local path (q/k/v de-interleaved, fc1 = gate; up).
     """
-    from miles_lp.train.megatron.layers import _qkv_rows
+    from miles_lp.train.megatron.layers import qkv_rows
     from miles_lp.train.operands import select_rows
 
     for name, p in model.named_parameters():
@@ -115,7 +115,7 @@ def te_learner_weights(model, layout) -> Iterator[tuple[str, Any]]:
         members = layout.describe(name).members
         q = te_quantize_mxfp8(p)
         if len(members) == 3:
-            for m, rows in _qkv_rows(model.config, members):
+            for m, rows in qkv_rows(model.config, members):
                 yield m, select_rows(q, rows)
         elif len(members) == 2:
             half = p.shape[0] // 2

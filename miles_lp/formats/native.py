@@ -23,7 +23,7 @@ Numerics (why the bytes equal the reference codecs in ``mxfp8.py`` / ``nvfp4.py`
   +-448 and NaN -> 0x7F; equal to it for every bf16 input times every E8M0 inverse scale and for random
   fp32 bit patterns (``tests/unit/test_speed_native.py``).
 
-``MILES_LP_NATIVE=0`` turns the kernels off (the codecs then run their eager torch path); so does a
+``runtime.native: false`` (or ``MILES_LP_NATIVE=0``) turns the kernels off (the codecs then run their eager torch path); so does a
 missing or failing compiler (one warning, then the eager path).
 """
 
@@ -43,6 +43,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from miles_lp.config import switch
 
 SOURCE = r"""
 #include <stdint.h>
@@ -420,7 +422,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None (turned off, no compiler, or the build failed: warned once)."""
     global _lib, _failed
-    if _disabled or os.environ.get("MILES_LP_NATIVE", "1") == "0" or sys.byteorder != "little":
+    if _disabled or not switch("native") or sys.byteorder != "little":
         return None
     if _lib is not None or _failed is not None:
         return _lib
