@@ -280,7 +280,7 @@ RUNTIME_ENV: dict[str, str] = {
 #: keys whose code still reads only its variable (``os.environ``: train/fp8_block_gemm.py): a config value other
 #: than the default is refused, never silently ignored. ``tests/unit/test_config_environment.py`` keeps it exact: a
 #: key leaves this set when its code reads ``switch(key)``.
-ENV_ONLY: frozenset[str] = frozenset({"fp8_gemm"})
+ENV_ONLY: frozenset[str] = frozenset()
 
 _RUNTIME = RuntimeConfig()
 _FORCED: dict[str, Any] = {}  # runtime_override's values: they win over the debugging variables

@@ -25,11 +25,11 @@ differs from it by the order of accumulation and where the scales are applied (p
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 
 import torch
 
+from miles_lp.config import switch
 from miles_lp.formats.kernels import fp8_block as kernels
 
 BLOCK = kernels.BLOCK
@@ -60,8 +60,8 @@ def _recipe_ids(recipe_b: str) -> tuple[list[int], list[int]] | None:
 
 def unavailable_reason(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     """Why the native path cannot run this GEMM (None: it can)."""
-    if os.environ.get("MILES_LP_FP8_GEMM", "auto") == "emulated":
-        return "MILES_LP_FP8_GEMM=emulated"
+    if switch("fp8_gemm") == "emulated":
+        return "runtime.fp8_gemm: emulated"
     if not x.is_cuda:
         return f"input on {x.device}"
     if not _device_ok(x.device.index if x.device.index is not None else torch.cuda.current_device()):
