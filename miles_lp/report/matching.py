@@ -285,6 +285,9 @@ def figure(table: dict[str, dict[str, Any]]):
         ax.set_title(title)
         if metric == "k3_kl" and all(x > 0 for x in v):
             ax.set_yscale("log")
+            # bars start at 0, which a log axis would place decades below the data
+            low = min(x for a in arms for x in (table[a][metric], table[a][f"{metric}_ci"][0]) if x > 0)
+            ax.set_ylim(bottom=low / 3)
     axes[0].set_ylabel("token mean, 95% paired-bootstrap CI")
     fig.suptitle("sampler matching at fixed weights, same prompts")
     fig.tight_layout()

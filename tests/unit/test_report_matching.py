@@ -84,6 +84,10 @@ def test_figure_bars_are_the_table():
     ax = fig.axes[0]
     assert [t.get_text() for t in ax.get_xticklabels()] == list(ARMS)
     assert [b.get_height() for b in ax.patches] == pytest.approx([tab[a]["kl"] for a in ARMS])
+    k3 = fig.axes[1]
+    if k3.get_yscale() == "log":  # the log axis starts near the data, not decades below at the bars' base
+        low = min(x for a in ARMS for x in (tab[a]["k3_kl"], tab[a]["k3_kl_ci"][0]) if x > 0)
+        assert k3.get_ylim()[0] == pytest.approx(low / 3)
 
 
 def test_arm_overrides_give_the_named_sampler_grids():
