@@ -127,7 +127,12 @@ def test_selftest_every_fault_caught_in_raise_mode(tmp_path, capsys):
     assert main(["selftest", "sync", "--json", str(out), "--workdir", str(tmp_path / "w")]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert rows[0]["verdict"] == "clean" and len(rows) >= 12
-    assert all(r["verdict"] == "CAUGHT" for r in rows[1:]), [r for r in rows if r["verdict"] != "CAUGHT"]
+    # the default recipe (MXFP8 + NVFP4 experts) has no fp8_block tensor: its one fault is answered N/A here and
+    # caught on an fp8_block recipe in tests/e2e/test_run_fp8_block.py
+    fp8_only = "different grid: FP8 block scales rounded to powers of two"
+    assert {r["fault"]: r["verdict"] for r in rows}.get(fp8_only) == "N/A"
+    assert all(r["verdict"] == "CAUGHT" for r in rows[1:] if r["fault"] != fp8_only), \
+        [r for r in rows if r["verdict"] != "CAUGHT"]
     assert "selftest sync: PASS" in capsys.readouterr().out
 
 
