@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -520,6 +520,8 @@ class EmbeddedTrainer(PackedLearnerSteps):
         self.swap = apply_plan(self.model, plan, self.layout) if plan is not None else SwapReport()
         if plan is not None:
             self.swap.check_complete(plan)
+        check_rounded_export(rounded_exports(self.model, self.layout, self.swap.quantized_names, self.source),
+                             cfg.rounded_export)
         self.pad_multiple = pad_multiple_for(plan)
         params = [p for p in self.model.parameters() if p.requires_grad]
         if self.masters is not None:
@@ -652,6 +654,44 @@ class EmbeddedTrainer(PackedLearnerSteps):
         self.step = int(state["step"])
         restore_rng(state["rng"], self.device)
         invalidate_grids(self.model)  # the loaded master weights get a fresh grid
+
+
+def rounded_exports(model: torch.nn.Module, layout, quantized: Collection[str], source: SourceInfo
+                    ) -> list[tuple[str, torch.dtype, torch.dtype]]:
+    """``(canonical name, dtype the forward computes with, dtype the export sends)`` of every trainable tensor that
+    is exported as a plain tensor (not a quantized grid) in a dtype with fewer mantissa bits than the forward's: the
+    engine then serves a rounding of what the learner computes with, and an update smaller than half an ulp of the
+    sent dtype never reaches it (the checks compare sent with held: they pass)."""
+    out = []
+    for name, p in model.named_parameters():  # tied weights once
+        if not p.requires_grad or not p.is_floating_point():
+            continue
+        for member in layout.describe(name).members:
+            if member in quantized:
+                continue
+            sent = source.dtypes.get(member, source.default_dtype)
+            if sent.is_floating_point and torch.finfo(sent).eps > torch.finfo(p.dtype).eps:
+                out.append((member, p.dtype, sent))
+    return out
+
+
+def check_rounded_export(gap: Sequence[tuple[str, torch.dtype, torch.dtype]], mode: str) -> None:
+    """``train.rounded_export``: ``warn`` / ``raise`` (``ConfigError``) when ``gap`` (``rounded_exports``) is not
+    empty; ``allow``: nothing."""
+    if not gap or mode == "allow":
+        return
+    name, compute, sent = gap[0]
+    short = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    msg = (f"train.param_dtype: the learner computes with {short.get(compute, compute)} weights but exports {len(gap)} "
+           f"tensor(s) as {short.get(sent, sent)} (the checkpoint's dtype, e.g. '{name}'): an optimizer step smaller "
+           f"than half a {short.get(sent, sent)} ulp never reaches the engine while the learner moves on, and the sync "
+           f"checks (sent == held) still pass. Set train.param_dtype: {short.get(sent, sent)} (compute with what is "
+           "sent; FP32 masters stay in the optimizer), or train.rounded_export: allow to keep this")
+    if mode == "raise":
+        raise ConfigError(msg)
+    import warnings
+
+    warnings.warn(msg, UserWarning, stacklevel=3)
 
 
 @dataclasses.dataclass(frozen=True)
