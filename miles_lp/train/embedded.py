@@ -239,11 +239,11 @@ def token_logprobs_and_entropy(logits: torch.Tensor, pack: Pack, temperature: fl
                                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per sequence: log p(x_t | x_<t) for t = 1..L-1 and the entropy of that distribution (fp32), p =
     softmax(logits / temperature)."""
-    x = logits[0].float()
-    logp = F.log_softmax(x if temperature == 1.0 else x / temperature, dim=-1)  # [T, V]
     lps, ents = [], []
     for o, n in zip(pack.offsets, pack.lengths, strict=True):
-        rows = logp[o:o + n - 1]  # predictions for tokens o+1 .. o+n-1
+        # one sequence at a time: the fp32 copy and its log-softmax never span the whole row (nor the filler)
+        x = logits[0, o:o + n - 1].float()
+        rows = F.log_softmax(x if temperature == 1.0 else x / temperature, dim=-1)  # predictions for o+1 .. o+n-1
         targets = pack.input_ids[0, o + 1:o + n].to(rows.device)
         lps.append(rows.gather(-1, targets[:, None])[:, 0])
         p = rows.exp()

@@ -124,3 +124,18 @@ def test_a_loss_reading_outside_the_span_turns_non_finite():
 
     st = tr.train_step(_rl_samples(), reads_prompt_rows)
     assert not st["finite"] and st["skipped"]
+
+
+def test_per_sequence_log_softmax_equals_the_whole_row():
+    from miles_lp.train.embedded import pack_sequences, token_logprobs_and_entropy
+
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, 50, (n,), generator=g) for n in (5, 9, 3)]
+    pack = pack_sequences(seqs, [0, 1, 2], 32)
+    logits = torch.randn(1, pack.tokens, 50, generator=g).bfloat16()
+    lps, ents = token_logprobs_and_entropy(logits, pack, temperature=0.7)
+    whole = torch.log_softmax(logits[0].float() / 0.7, -1)
+    for o, n, lp, ent in zip(pack.offsets, pack.lengths, lps, ents, strict=True):
+        rows = whole[o:o + n - 1]
+        assert torch.equal(lp, rows.gather(-1, pack.input_ids[0, o + 1:o + n, None])[:, 0])
+        assert torch.equal(ent, -(rows.exp() * rows).sum(-1))
