@@ -235,22 +235,6 @@ def split_by_token_budget(lengths: Sequence[int], budget: int, multiple: int) ->
 # ---------------------------------------------------------------------------------------------------------
 
 
-def token_logprobs_and_entropy(logits: torch.Tensor, pack: Pack, temperature: float = 1.0
-                               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per sequence: log p(x_t | x_<t) for t = 1..L-1 and the entropy of that distribution (fp32), p =
-    softmax(logits / temperature)."""
-    lps, ents = [], []
-    for o, n in zip(pack.offsets, pack.lengths, strict=True):
-        # one sequence at a time: the fp32 copy and its log-softmax never span the whole row (nor the filler)
-        x = logits[0, o:o + n - 1].float()
-        rows = F.log_softmax(x if temperature == 1.0 else x / temperature, dim=-1)  # predictions for o+1 .. o+n-1
-        targets = pack.input_ids[0, o + 1:o + n].to(rows.device)
-        lps.append(rows.gather(-1, targets[:, None])[:, 0])
-        p = rows.exp()
-        ents.append(-torch.where(p > 0, p * rows, 0.0).sum(-1))  # 0 * log 0 = 0 (masked, -inf logits)
-    return lps, ents
-
-
 def prediction_span(item: Any, length: int) -> tuple[int, int]:
     """The prediction rows ``[lo, hi)`` (of ``0 .. length-2``: row ``t`` scores token ``t + 1``) a caller reads for one
     sequence. A mapping with ``start`` and ``n`` (an RL sample: its response) reads ``[start, start + n)``, widened
@@ -268,22 +252,42 @@ def prediction_span(item: Any, length: int) -> tuple[int, int]:
     return (lo, hi) if lo < hi else full
 
 
+def _rows_logprobs_and_entropy(logits_rows: torch.Tensor, targets: torch.Tensor, temperature: float
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[K, V]`` logits rows and ``[K]`` targets -> (log p(target), entropy), fp32 ``[K]`` each, every row at once.
+
+    One autograd node per op over all rows: slicing a ``[K, V]`` tensor per sequence would make each slice's backward
+    allocate (and zero) a gradient of the whole ``[K, V]``, once per sequence."""
+    x = logits_rows.float()
+    logp = F.log_softmax(x if temperature == 1.0 else x / temperature, dim=-1)
+    lp = logp.gather(-1, targets[:, None].to(logp.device))[:, 0]
+    p = logp.exp()
+    ent = -torch.where(p > 0, p * logp, 0.0).sum(-1)  # 0 * log 0 = 0 (masked, -inf logits)
+    return lp, ent
+
+
+def token_logprobs_and_entropy(logits: torch.Tensor, pack: Pack, temperature: float = 1.0
+                               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per sequence: log p(x_t | x_<t) for t = 1..L-1 and the entropy of that distribution (fp32), p =
+    softmax(logits / temperature)."""
+    rows = torch.cat([torch.arange(o, o + n - 1) for o, n in zip(pack.offsets, pack.lengths, strict=True)])
+    targets = pack.input_ids[0, rows + 1]
+    lp, ent = _rows_logprobs_and_entropy(logits[0, rows.to(logits.device)], targets, temperature)  # (no filler rows)
+    sizes = [n - 1 for n in pack.lengths]
+    return list(lp.split(sizes)), list(ent.split(sizes))
+
+
 def span_logprobs_and_entropy(logits: torch.Tensor, pack: Pack, spans: Sequence[tuple[int, int]],
                               temperature: float = 1.0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """``token_logprobs_and_entropy`` from the logits of the span rows only: ``logits`` ``[1, K, V]`` holds, in
     pack order, the rows ``offset + lo .. offset + hi - 1`` of each sequence (``span_positions``). Each
     sequence's tensors are still ``[L-1]``: rows outside its span are NaN (never computed), so a loss that reads
     one turns non-finite instead of silently using a placeholder. Per computed row, the same fp32 log-softmax."""
-    x = logits[0].float()
-    logp = F.log_softmax(x if temperature == 1.0 else x / temperature, dim=-1)  # [K, V]
-    lps, ents, k = [], [], 0
-    for o, n, (lo, hi) in zip(pack.offsets, pack.lengths, spans, strict=True):
-        rows = logp[k:k + hi - lo]
-        k += hi - lo
-        targets = pack.input_ids[0, o + lo + 1:o + hi + 1].to(rows.device)
-        lp = rows.gather(-1, targets[:, None])[:, 0]
-        p = rows.exp()
-        ent = -torch.where(p > 0, p * rows, 0.0).sum(-1)
+    targets = span_positions(pack, spans) + 1
+    lp_all, ent_all = _rows_logprobs_and_entropy(logits[0], pack.input_ids[0, targets], temperature)
+    sizes = [hi - lo for lo, hi in spans]
+    lps, ents = [], []
+    for n, (lo, hi), lp, ent in zip(pack.lengths, spans, lp_all.split(sizes), ent_all.split(sizes), strict=True):
         if (lo, hi) != (0, n - 1):
             lp, ent = (torch.cat([t.new_full((lo,), math.nan), t, t.new_full((n - 1 - hi,), math.nan)])
                        for t in (lp, ent))
