@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
-HELP = "run a benchmark (plan, convert, linear, quantize, rollout, sync) and report ratios against its anchor"
+HELP = ("run a benchmark (plan, convert, linear, quantize, rollout, sync, rl-step) and report ratios against its "
+        "anchor")
 DESCRIPTION = HELP + """
 
 Each benchmark prints its measurement next to an anchor (a plain copy, bf16 F.linear, torchao, a dict lookup)
@@ -18,18 +19,19 @@ and the ratio; `miles-lp bench NAME --help` says what it measures and its option
   miles-lp bench plan                     # < 1 s compile, < 1 us lookup on the DeepSeek-V3 name set
   miles-lp bench quantize --rows 4096 --cols 4096 --no-compile
   miles-lp bench convert
+  miles-lp bench rl-step                  # one RL step per precision arm (smollm2 recipes), ratios to BF16
 """
 
-BENCHES = ["plan", "convert", "linear", "quantize", "rollout", "sync"]
+BENCHES = ["plan", "convert", "linear", "quantize", "rollout", "sync", "rl-step"]
 
 
 def add_arguments(p) -> None:
     sub = p.add_subparsers(dest="bench", metavar="NAME", required=True)
     for name in BENCHES:
         try:
-            module = importlib.import_module(f"miles_lp.bench.{name}")
+            module = importlib.import_module(f"miles_lp.bench.{name.replace('-', '_')}")
         except ModuleNotFoundError as exc:
-            if exc.name == f"miles_lp.bench.{name}":
+            if exc.name == f"miles_lp.bench.{name.replace('-', '_')}":
                 continue
             raise
         bp = sub.add_parser(name, help=module.HELP, description=getattr(module, "DESCRIPTION", module.HELP),

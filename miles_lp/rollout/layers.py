@@ -22,8 +22,8 @@ stale: that is the failure mode the engine's fault hooks reproduce and ``self_ch
 ``apply`` is the learner's emulated GEMM (``miles_lp.train.quant_linear``): the input quantized as the plan
 says (MXFP8: 1x32 blocks along K; NVFP4: per-token global scale when ``activation_scale`` is ``token``; FP8
 blockwise: 1x128 tiles along K, TE Float8BlockScaling's rule, power-of-two scales when ``activation_scale`` is
-``pow2``), dequantized, and ``F.linear`` on operands of the learner's operand dtype (bf16 for bf16 activations on
-CUDA, fp32 otherwise; always fp32 for FP8 blockwise with arbitrary fp32 scales, whose decode is not exact in
+``pow2``), dequantized, and ``F.linear`` on operands of the learner's operand dtype (bf16 for bf16 activations,
+fp32 otherwise; always fp32 for FP8 blockwise with arbitrary fp32 scales, whose decode is not exact in
 bf16), bias added in that dtype, then cast back to the activation dtype. FP8 blockwise keeps its scales as
 stored: its block kernels read ``weight_scale_inv`` [ceil(N/128), ceil(K/128)] as it is (no swizzled copy). Same grid, same operand
 dtype, same order of operations: engine and learner agree to float tolerance (the GEMM shapes differ).
@@ -77,9 +77,9 @@ def derived_epoch() -> int:
 
 
 def operand_dtype(device: torch.device, act_dtype: torch.dtype) -> torch.dtype:
-    """The learner's GEMM operand dtype (``quant_linear._operand_dtype``): bf16 for bf16 activations on CUDA,
-    fp32 otherwise."""
-    return torch.bfloat16 if (device.type == "cuda" and act_dtype == torch.bfloat16) else torch.float32
+    """The learner's GEMM operand dtype (``train.gemm._operand_dtype``): bf16 for bf16 activations (CUDA and CPU;
+    fp32 accumulation either way), fp32 otherwise."""
+    return torch.bfloat16 if act_dtype == torch.bfloat16 else torch.float32
 
 
 class EngineLinear(torch.nn.Module):

@@ -15,6 +15,7 @@ plan implies, e.g. 32 tokens under MXFP8, is derived by the trainer, not stored 
       master_dtype: fp32         # fp32 | bf16: dtype of the parameters the optimizer updates
       param_dtype: null          # null (= master_dtype) | bf16: the model computes with BF16 copies of the
                                  # FP32 masters (Megatron-style mixed precision; embedded backend)
+      rounded_export: warn       # warn | raise | allow: the learner computes in a wider dtype than it exports
       megatron: {tp: 2, pp: 1, ep: 1}
 """
 
@@ -85,6 +86,10 @@ class TrainConfig:
     #: recipe sets it from rollout.sampling.temperature, so the ratio and the corrections score a token under the
     #: distribution it was drawn from
     logits_temperature: float = 1.0
+    #: the learner computes with a weight in a wider dtype than the export sends it (FP32 masters computing, the
+    #: checkpoint BF16): an update below half an ulp of the sent dtype never reaches the engine, and the sync checks
+    #: (sent == held) still pass. ``warn`` (default) / ``raise`` at start, naming ``train.param_dtype``; ``allow``
+    rounded_export: Literal["warn", "raise", "allow"] = "warn"
     megatron: MegatronSection = dataclasses.field(default_factory=MegatronSection)
 
     def _validate(self, where: Where) -> None:

@@ -2,9 +2,10 @@
 
 Emulated GEMM (CONTRACT 1, "exactness note"): ``y = deq(q(x)) @ deq(q(w)).T``. Each dequantized operand
 is exactly representable in bf16, so a bf16 GEMM with fp32 accumulation computes what a native MXFP8 /
-NVFP4 GEMM computes, up to accumulation order. On CUDA with bf16 activations the operands are bf16 and
-cuBLAS accumulates in fp32; elsewhere (CPU, fp32 activations) the GEMM runs in fp32 on the same
-bf16-exact values, which is the same result up to accumulation order.
+NVFP4 GEMM computes, up to accumulation order. With bf16 activations (``train.param_dtype: bf16`` or a bf16 master)
+the operands are bf16 and the GEMM accumulates in fp32 (cuBLAS on CUDA; oneDNN / ATen's CPU BLAS on CPU); with
+fp32 activations the GEMM runs in fp32 on the same bf16-exact values, which is the same result up to accumulation
+order.
 
 Forward quantization (from the BF16/FP32 master, never from an earlier quantized copy):
 
@@ -95,8 +96,9 @@ class _Packed:
 
 
 def _operand_dtype(x: torch.Tensor) -> torch.dtype:
-    """bf16 operands (fp32 accumulation in cuBLAS) on CUDA for bf16 activations, fp32 otherwise."""
-    return torch.bfloat16 if (x.is_cuda and x.dtype == torch.bfloat16) else torch.float32
+    """bf16 operands for bf16 activations (fp32 accumulation: cuBLAS on CUDA, oneDNN / ATen's CPU BLAS on CPU, where
+    AVX512-BF16 or AMX run them ~4x faster than fp32), fp32 otherwise."""
+    return torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
 
 
 def _recipe_operand_dtype(x: torch.Tensor, recipe: LinearRecipe) -> torch.dtype:
@@ -113,6 +115,21 @@ def _fp8_native(x: torch.Tensor, weight: torch.Tensor, grid: WeightGrid) -> bool
     from miles_lp.train import fp8_block_gemm
 
     return fp8_block_gemm.unavailable_reason(x, weight) is None
+
+
+def _step_dequantized(grid: WeightGrid, wq: Any, op: torch.dtype) -> torch.Tensor:
+    """The reference path's dequantized forward weight, decoded once per step: kept on the grid beside the rowwise
+    grid it decodes (``WeightGrid.rowwise`` drops both when the weight changes) when ``cache_dequantized``. A grid
+    that serves a slice of another (an expert's view of a fused grid) manages no cache of its own: decoded per call."""
+    if type(grid) is not WeightGrid:
+        return wq.dequantize(op)
+    deq = grid._deq
+    if deq is not None and deq.dtype == op:
+        return deq
+    deq = wq.dequantize(op)
+    if grid.cache_dequantized:
+        grid._deq = deq
+    return deq
 
 
 def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -156,8 +173,10 @@ class QuantLinearFn(torch.autograd.Function):
                 xq, x_deq = fused_activation(x, recipe, op)
         else:
             wq = grid.rowwise(weight)
+            w_deq = _step_dequantized(grid, wq, op)
+            w_deq_cached = w_deq if grid.cache_dequantized else None
             xq = quantize_activation(x, recipe)
-            x_deq, w_deq = xq.dequantize(op), wq.dequantize(op)
+            x_deq = xq.dequantize(op)
         y = F.linear(x_deq, w_deq)
         del x_deq, w_deq
         if bias is not None:
