@@ -178,7 +178,7 @@ def _rehearse(tmp_path, monkeypatch, recipe_name: str, *, master_atol: float = 1
     return got, ref
 
 
-def _assert_tracks(got: list[dict], ref: list[dict], rtol: float) -> None:
+def _assert_tracks(got: list[dict], ref: list[dict], rtol: float, atol: float = 1e-8) -> None:
     """The same prompts, seeds and (within the tolerance) weights: every step's rollout figures equal (the engines
     sample the same tokens), every other figure within ``rtol`` (the loss function's figures summed over the ranks
     that compute it, as one rank has them)."""
@@ -190,7 +190,7 @@ def _assert_tracks(got: list[dict], ref: list[dict], rtol: float) -> None:
             if k.startswith(("reward/", "response_length/", "tokens/", "rollout/")):
                 assert g[k] == r[k], (g["step"], k)
             else:
-                assert g[k] == pytest.approx(r[k], rel=rtol, abs=1e-8), (g["step"], k)
+                assert g[k] == pytest.approx(r[k], rel=rtol, abs=atol), (g["step"], k)
 
 
 def test_rehearsal_moe_ep2_expert_dp2_four_rank_actors_two_engines(tmp_path, monkeypatch):
@@ -201,10 +201,11 @@ def test_rehearsal_moe_ep2_expert_dp2_four_rank_actors_two_engines(tmp_path, mon
 
 def test_rehearsal_dense_tp2_dp2_four_rank_actors_two_engines(tmp_path, monkeypatch):
     """The Qwen3-8B shape: tp 2 x dp 2, 4 rank actors. Tensor parallelism sums each row-parallel GEMM's K in two
-    halves: the masters move within 1e-4 of one rank's (test_train_megatron_pp's TP bound)."""
-    got, ref = _rehearse(tmp_path, monkeypatch, "rehearsal-dense-tp2-dp2.yaml", master_atol=1e-4, norm_rtol=1e-4,
-                         loss_rtol=1e-4)
-    _assert_tracks(got, ref, 1e-4)
+    halves: the masters move within 1e-4 of one rank's (test_train_megatron_pp's TP bound), and after the first
+    update the learner's log-probs differ from the engine's (one pass) by up to ~5e-7 (measured), where one rank's
+    equal them: the log-prob gap figures within 1e-6 absolute, the others within 1e-5 relative."""
+    got, ref = _rehearse(tmp_path, monkeypatch, "rehearsal-dense-tp2-dp2.yaml", master_atol=1e-4)
+    _assert_tracks(got, ref, 1e-5, atol=1e-6)
 
 
 def test_rehearsal_deepseek_shaped_pp2_two_stage_actors_two_engines(tmp_path, monkeypatch):
