@@ -172,14 +172,14 @@ def _would_refuse(recipe: Recipe, plan=None, hf_config: dict | None = None) -> l
             resolve_parallel(recipe.train.megatron, hf_config)
         except ConfigError as e:
             out.append(str(e))
-            return out
     if recipe.ray.enabled and hf_config is not None:  # ray.learner against the learner's ranks (one actor each)
         from miles_lp.launch.ray_layout import learner_layout
 
         try:
             learner_layout(recipe, hf_config)
         except ConfigError as e:
-            out.append(str(e))
+            if str(e) not in out:  # a size the learner refuses is listed once
+                out.append(str(e))
     return out
 
 

@@ -51,7 +51,10 @@ def learner_world(recipe: Any, hf_config: Any) -> int:
         return 1
     from miles_lp.train.megatron.parallel import resolve_parallel
 
-    return resolve_parallel(recipe.train.megatron, hf_config).world
+    section = recipe.train.megatron
+    if getattr(section, "impl", "local") != "local":  # the ranks do not depend on the path (refused on its own)
+        section = dataclasses.replace(section, impl="local")
+    return resolve_parallel(section, hf_config).world
 
 
 def learner_layout(recipe: Any, hf_config: Any) -> LearnerLayout | None:

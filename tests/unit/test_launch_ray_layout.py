@@ -107,3 +107,21 @@ def test_dry_run_lists_the_rank_actors_and_a_layout_that_does_not_fit(tmp_path):
                           "ray.learner.nodes=3"))
     assert bad["ray"]["learner_ranks"] is None
     assert any("ray.learner.nodes=3 does not divide" in line for line in bad["would_refuse_at_start"])
+
+
+@pytest.mark.parametrize("recipe, fixture, ranks, nodes, gpus", [
+    ("qwen3-8b-mxfp8.yaml", "qwen3-8b", 4, 1, 4),
+    ("qwen3-30b-a3b-mxfp8.yaml", "qwen3-30b-a3b", 8, 1, 8),
+    ("deepseek-v3-mxfp8.yaml", "deepseek-v3", 128, 16, 8),  # the Transformer Engine refusal does not hide it
+])
+def test_full_scale_recipes_place_one_gpu_per_rank(recipe, fixture, ranks, nodes, gpus):
+    from pathlib import Path
+
+    from miles_lp.launch.dry_run import dry_run
+
+    root = Path(__file__).resolve().parents[2]
+    r = load_recipe(root / "recipes" / recipe, [f"model.path={root / 'tests/fixtures/configs' / fixture}"])
+    out = dry_run(r)
+    assert out["ray"]["learner_ranks"] == {"ranks": ranks, "nodes": nodes, "gpus_per_node": gpus,
+                                           "cpus_per_rank": 8.0, "actor_per_rank": True}
+    assert not any(line.startswith("ray.learner") for line in out["would_refuse_at_start"])
