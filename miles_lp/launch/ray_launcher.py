@@ -7,7 +7,10 @@ sync's buckets from the learner's export to the engine: a CPU path; a GPU deploy
 ``cuda_ipc`` / ``nccl`` transports instead).
 
 Placement (``ray.placement``), as Miles does: ``colocate`` = one bundle holding both roles' resources (learner
-and sampler share the node / GPU); ``split`` = one bundle per role, spread over the cluster where it can be.
+and sampler share the node / GPU); ``split`` = one bundle per role, spread over the cluster where it can be. A
+Megatron learner of several ranks runs one actor per rank: the learner actor is rank 0, ranks 1..world-1 take
+bundles 1..world-1 of the same group, one GPU each on GPU machines (``ray.learner: {nodes, gpus_per_node}``,
+``launch/ray_layout.py``), and the group is packed (``PACK``) so a node fills before the next.
 ``ray.address`` unset starts a local cluster listening on loopback only (``start_local_ray``; shut down at the
 end); set, it connects (``ray.init(address=)``) and an unreachable address is an error naming it. Actor output is streamed to the driver (``log_to_driver``).
 Ctrl-C kills the actors, removes the placement group, and shuts Ray down if this process started it.
@@ -405,7 +408,8 @@ def rank_bundles(layout: Any) -> list[int]:
 
 class RayPlacement:
     """The learner (with the frozen reference) in one actor, each engine in an actor of its own, all in one
-    placement group (``_bundles``). The driver keeps the loop, the sentinel and, for the ``inprocess`` / ``ray``
+    placement group (``_bundles``). A Megatron learner of several ranks: that actor is rank 0 and ranks
+    1..world-1 are Ray actors of their own in the same group (``ray_layout``, ``train.megatron.ray_ranks``). The driver keeps the loop, the sentinel and, for the ``inprocess`` / ``ray``
     transports, the sync (buckets relayed through the object store); ``nccl`` / ``gloo`` run the sync in the learner
     actor (``actor_sync``)."""
 
