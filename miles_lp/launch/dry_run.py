@@ -65,7 +65,8 @@ def dry_run(recipe: Recipe) -> dict[str, Any]:
         "samples_per_step": recipe.rl.prompts_per_step * recipe.rl.group_size, "steps": recipe.steps,
         "train_backend": recipe.train.backend, "rollout_backend": recipe.rollout.backend,
         "ray": {"enabled": recipe.ray.enabled, "address": recipe.ray.address or "local",
-                "placement": recipe.ray.placement},
+                "placement": recipe.ray.placement,
+                **({"learner_ranks": _learner_placement(recipe, config)} if recipe.ray.enabled else {})},
         "rollout_engines": {"count": recipe.fleet.count, **({"urls": list(recipe.fleet.urls)} if recipe.fleet.urls
                                                            else {})},
         "sync_transport": recipe.sync.transport,
@@ -171,7 +172,27 @@ def _would_refuse(recipe: Recipe, plan=None, hf_config: dict | None = None) -> l
             resolve_parallel(recipe.train.megatron, hf_config)
         except ConfigError as e:
             out.append(str(e))
+    if recipe.ray.enabled and hf_config is not None:  # ray.learner against the learner's ranks (one actor each)
+        from miles_lp.launch.ray_layout import learner_layout
+
+        try:
+            learner_layout(recipe, hf_config)
+        except ConfigError as e:
+            if str(e) not in out:  # a size the learner refuses is listed once
+                out.append(str(e))
     return out
+
+
+def _learner_placement(recipe: Recipe, hf_config: dict) -> dict[str, Any] | None:
+    """What ``ray.learner`` places: the rank actors' layout, or None (one learner actor, or a layout refused)."""
+    from miles_lp.errors import ConfigError
+    from miles_lp.launch.ray_layout import learner_layout
+
+    try:
+        layout = learner_layout(recipe, hf_config)
+    except ConfigError:
+        return None  # listed in would_refuse_at_start
+    return None if layout is None else layout.describe()
 
 
 def _check_source(recipe: Recipe) -> None:

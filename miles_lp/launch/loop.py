@@ -29,7 +29,8 @@ def drive(run: Any, *, progress: bool | None = None, tensorboard: bool | None = 
 
     recipe = run.recipe
     progress = recipe.logging.progress if progress is None else progress
-    tb = _tensorboard(run.dir.path) if (recipe.logging.tensorboard if tensorboard is None else tensorboard) else None
+    on = recipe.logging.tensorboard if tensorboard is None else tensorboard
+    tb = tensorboard_writer(run.dir.path) if on else None
     bar = None
     if progress:
         from tqdm import tqdm
@@ -64,7 +65,8 @@ def drive(run: Any, *, progress: bool | None = None, tensorboard: bool | None = 
 
 
 
-def _tensorboard(path: Path):
+def tensorboard_writer(path: Path):
+    """A TensorBoard writer under ``path/tensorboard``, or None (one line on stderr) without the package."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # tensorboard is optional; JSONL is always written

@@ -7,7 +7,10 @@ sync's buckets from the learner's export to the engine: a CPU path; a GPU deploy
 ``cuda_ipc`` / ``nccl`` transports instead).
 
 Placement (``ray.placement``), as Miles does: ``colocate`` = one bundle holding both roles' resources (learner
-and sampler share the node / GPU); ``split`` = one bundle per role, spread over the cluster where it can be.
+and sampler share the node / GPU); ``split`` = one bundle per role, spread over the cluster where it can be. A
+Megatron learner of several ranks runs one actor per rank: the learner actor is rank 0, ranks 1..world-1 take
+bundles 1..world-1 of the same group, one GPU each on GPU machines (``ray.learner: {nodes, gpus_per_node}``,
+``launch/ray_layout.py``), and the group is packed (``PACK``) so a node fills before the next.
 ``ray.address`` unset starts a local cluster listening on loopback only (``start_local_ray``; shut down at the
 end); set, it connects (``ray.init(address=)``) and an unreachable address is an error naming it. Actor output is streamed to the driver (``log_to_driver``).
 Ctrl-C kills the actors, removes the placement group, and shuts Ray down if this process started it.
@@ -47,8 +50,12 @@ from miles_lp.rl.step import RunError
 # actors: thin wrappers around the in-process objects
 # ---------------------------------------------------------------------------------------------------------
 class LearnerWorker(LearnerSyncSide):
+    """The learner actor (rank 0 of a Megatron learner of several ranks). ``ranks``: where ranks 1..world-1 go,
+    ``{"layout": LearnerLayout, "placement_group": pg, "bundles": [...]}`` (``RayPlacement._rank_actors``), or None
+    for a learner of one rank."""
+
     def __init__(self, recipe_yaml: str, source: str, model_dir: str, plan_json: str | None, threads: int,
-                 learner_state_dir: str | None, with_reference: bool = False):
+                 learner_state_dir: str | None, with_reference: bool = False, ranks: dict | None = None):
         import torch
 
         from miles_lp.config import load_yaml_text
@@ -63,7 +70,15 @@ class LearnerWorker(LearnerSyncSide):
 
             plan = plan_for(recipe, Path(model_dir))
         self.recipe, self.plan = recipe, plan
-        self.learner = make_learner(recipe, Path(model_dir), plan)
+        placement = None
+        if ranks is not None:
+            from miles_lp.train.megatron.ray_ranks import RayPlacement as RankActors
+
+            layout = ranks["layout"]
+            placement = RankActors(nodes=layout.nodes, gpus_per_node=layout.gpus_per_node,
+                                   cpus_per_rank=layout.cpus_per_rank, placement_group=ranks["placement_group"],
+                                   bundles=list(ranks["bundles"]))
+        self.learner = make_learner(recipe, Path(model_dir), plan, placement=placement)
         if learner_state_dir is not None:
             from miles_lp.train.state_io import load_learner_state
 
@@ -364,9 +379,12 @@ def _check_reachable(address: str, timeout_s: float = 3.0) -> None:
                           "local one") from None
 
 
-def _bundles(recipe: Recipe) -> list[dict[str, float]]:
+def _bundles(recipe: Recipe, layout: Any = None) -> list[dict[str, float]]:
     """The placement group: ``colocate`` one bundle holding the learner and every engine (they share the node /
-    GPU); ``split`` one bundle for the learner and one per engine (``rollout.engines``), spread where they can."""
+    GPU); ``split`` one bundle for the learner and one per engine (``rollout.engines``), spread where they can.
+    A learner of several ranks (``layout``, ``ray_layout.LearnerLayout``): rank 0's bundle (the learner actor's,
+    holding the engines under ``colocate``) is bundle 0, ranks 1..world-1 follow in rank order
+    (``rank_bundles``), then the engines' under ``split``."""
     from miles_lp.launch.engines import engines_of
 
     lr, ro = recipe.ray.learner, recipe.ray.rollout
@@ -374,14 +392,24 @@ def _bundles(recipe: Recipe) -> list[dict[str, float]]:
 
     def b(cpu, gpu):
         return {"CPU": cpu, **({"GPU": gpu} if gpu else {})}
+    if layout is None:
+        first, ranks = b(lr.num_cpus, lr.num_gpus), []
+    else:
+        first, ranks = layout.rank_bundle(), [layout.rank_bundle() for _ in range(layout.world - 1)]
     if recipe.ray.placement == "colocate":
-        return [b(lr.num_cpus + n * ro.num_cpus, max(lr.num_gpus, n * ro.num_gpus))]
-    return [b(lr.num_cpus, lr.num_gpus)] + [b(ro.num_cpus, ro.num_gpus) for _ in range(n)]
+        return [b(first["CPU"] + n * ro.num_cpus, max(first.get("GPU", 0.0), n * ro.num_gpus)), *ranks]
+    return [first, *ranks] + [b(ro.num_cpus, ro.num_gpus) for _ in range(n)]
+
+
+def rank_bundles(layout: Any) -> list[int]:
+    """The bundle of each rank 1..world-1 in ``_bundles``' group (rank r in bundle r)."""
+    return [] if layout is None else list(range(1, layout.world))
 
 
 class RayPlacement:
     """The learner (with the frozen reference) in one actor, each engine in an actor of its own, all in one
-    placement group (``_bundles``). The driver keeps the loop, the sentinel and, for the ``inprocess`` / ``ray``
+    placement group (``_bundles``). A Megatron learner of several ranks: that actor is rank 0 and ranks
+    1..world-1 are Ray actors of their own in the same group (``ray_layout``, ``train.megatron.ray_ranks``). The driver keeps the loop, the sentinel and, for the ``inprocess`` / ``ray``
     transports, the sync (buckets relayed through the object store); ``nccl`` / ``gloo`` run the sync in the learner
     actor (``actor_sync``)."""
 
@@ -390,6 +418,7 @@ class RayPlacement:
     def __init__(self, learner_state_dir: str | None = None):
         self.learner_state_dir = learner_state_dir
         self.pg = None
+        self.layout = None
         self.learner_actor = None
         self.engine_actors: dict[int, Any] = {}
 
@@ -397,16 +426,27 @@ class RayPlacement:
         import ray
         from ray.util.placement_group import placement_group
 
+        from miles_lp.launch.ray_layout import learner_layout
+        from miles_lp.launch.runner import read_model_config
+
         recipe = run.recipe
-        bundles = _bundles(recipe)
-        self.pg = placement_group(bundles, strategy="PACK" if len(bundles) == 1 else "SPREAD")
+        self.layout = learner_layout(recipe, read_model_config(run.model_dir))
+        bundles = _bundles(recipe, self.layout)
+        # PACK with rank actors: a tensor / expert group's ranks fill a node before the next one is used
+        spread = len(bundles) > 1 and self.layout is None
+        self.pg = placement_group(bundles, strategy="SPREAD" if spread else "PACK")
         try:
             ray.get(self.pg.ready(), timeout=120)
         except ray.exceptions.GetTimeoutError:
             raise ConfigError(f"ray: the placement group {bundles} ({recipe.ray.placement}) was not granted in 120 s; "
                               f"the cluster has {ray.available_resources()} free: lower ray.learner / ray.rollout "
                               "num_cpus / num_gpus, rollout.engines, or add nodes") from None
-        self._colocated = len(bundles) == 1
+        self._colocated = recipe.ray.placement == "colocate"
+        self._first_engine_bundle = 1 + len(rank_bundles(self.layout))
+        if self.layout is not None and recipe.train.device == "auto":  # the ranks' device is the layout's
+            import dataclasses
+
+            recipe = dataclasses.replace(recipe, train=dataclasses.replace(recipe.train, device=self.layout.device))
         self._yaml, self._source = recipe.to_yaml(), recipe.source
 
     def _opts(self, res: Any, bundle: int) -> dict[str, Any]:
@@ -418,12 +458,19 @@ class RayPlacement:
     def learner(self, run: Any, learner_state: Any) -> tuple[Any, Any]:
         import ray
 
+        from miles_lp.launch.recipe import RoleResources
+
         self._place(run)
         recipe = run.recipe
-        threads = int(max(1, recipe.ray.learner.num_cpus))
-        self.learner_actor = ray.remote(LearnerWorker).options(**self._opts(recipe.ray.learner, 0)).remote(
+        res, ranks = recipe.ray.learner, None
+        if self.layout is not None:  # rank 0 of the rank actors: one rank's share
+            b = self.layout.rank_bundle()
+            res = RoleResources(num_cpus=b["CPU"], num_gpus=b.get("GPU", 0.0))
+            ranks = {"layout": self.layout, "placement_group": self.pg, "bundles": rank_bundles(self.layout)}
+        threads = int(max(1, res.num_cpus))
+        self.learner_actor = ray.remote(LearnerWorker).options(**self._opts(res, 0)).remote(
             self._yaml, self._source, str(run.model_dir), None if run.plan is None else run.plan.to_json(),
-            threads, self.learner_state_dir, recipe.rl.kl_coef > 0)
+            threads, self.learner_state_dir, recipe.rl.kl_coef > 0, ranks)
         run.learner_actor = self.learner_actor
         reference = ReferenceProxy(self.learner_actor) if recipe.rl.kl_coef > 0 else None
         return LearnerProxy(self.learner_actor, run.plan), reference
@@ -433,7 +480,7 @@ class RayPlacement:
 
         recipe = run.recipe
         threads = int(max(1, recipe.ray.rollout.num_cpus))
-        bundle = 0 if self._colocated else 1 + index
+        bundle = 0 if self._colocated else self._first_engine_bundle + index
         actor = ray.remote(EngineWorker).options(**self._opts(recipe.ray.rollout, bundle)).remote(
             str(run.prep.engine_ckpt), self._yaml, self._source, threads, index)
         ray.get(actor.pid.remote())  # started (or raises)

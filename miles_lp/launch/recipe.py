@@ -107,13 +107,30 @@ class RoleResources:
 
 
 @dataclasses.dataclass(frozen=True)
+class LearnerResources(RoleResources):
+    """The learner's share. A Megatron learner of several ranks runs one Ray actor per rank
+    (``launch/ray_layout.py``): ``nodes`` x ``gpus_per_node`` GPUs, one rank each; ``num_cpus`` are per node.
+    ``gpus_per_node: null`` = ``num_gpus``; ``nodes: null`` = the ranks / ``gpus_per_node`` (1 on CPU)."""
+
+    nodes: int | None = None
+    gpus_per_node: int | None = None
+
+    def _validate(self, where: Where) -> None:
+        super()._validate(where)
+        if self.nodes is not None and self.nodes < 1:
+            raise where.child("nodes").error(f"must be >= 1, got {self.nodes}")
+        if self.gpus_per_node is not None and self.gpus_per_node < 0:
+            raise where.child("gpus_per_node").error(f"must be >= 0, got {self.gpus_per_node}")
+
+
+@dataclasses.dataclass(frozen=True)
 class RayConfig:
     """``enabled: false`` runs the same step in this process (what most tests use)."""
 
     enabled: bool = False
     address: str | None = None  # None: start a local cluster; "auto" or "host:port": connect
     placement: Literal["colocate", "split"] = "colocate"
-    learner: RoleResources = dataclasses.field(default_factory=RoleResources)
+    learner: LearnerResources = dataclasses.field(default_factory=LearnerResources)
     rollout: RoleResources = dataclasses.field(default_factory=RoleResources)
     num_cpus: int | None = None  # local cluster only: CPUs Ray may use (None: Ray's default)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_lp.errors import ConfigError
-from miles_lp.launch.loop import HEADLINE, _tensorboard, drive  # noqa: F401 - _tensorboard: read here by callers
+from miles_lp.launch.loop import HEADLINE, drive, tensorboard_writer
 from miles_lp.launch.recipe import Recipe, load_recipe
 from miles_lp.launch.run_dir import RunDir
 from miles_lp.rl.step import RunError, StepParts, grpo_step
@@ -59,6 +59,7 @@ def rotation_base(engine: Any, version_offset: int) -> None:
 
 
 _rotation_base = rotation_base  # the name older callers import
+_tensorboard = tensorboard_writer  # the name older callers import
 
 
 def read_model_config(model_dir: Path) -> dict[str, Any] | None:
@@ -422,12 +423,17 @@ def check_transport(recipe: Recipe) -> None:
                               "CUDA device; set sync.transport: inprocess (or ray, with ray.enabled: true)")
 
 
-def make_learner(recipe: Recipe, model_dir: Path, plan):
+def make_learner(recipe: Recipe, model_dir: Path, plan, placement: Any = None):
+    """The learner of ``recipe``. A Megatron learner of several ranks is a ``MegatronGroup`` whose ranks 1..world-1
+    run where ``placement`` puts them: spawned processes (None, ``ranks.ProcessPlacement``) or Ray actors
+    (``ray_ranks.RayPlacement``, the Ray launcher's); one build either way."""
     check_devices(recipe)
-    if recipe.train.backend == "megatron":  # tp = ep = 1: one process; tp * ep > 1: MegatronGroup (spawned ranks)
+    if recipe.train.backend == "megatron":
         from miles_lp.train.megatron.group import make_megatron_learner
 
-        return make_megatron_learner(model_dir, plan, recipe.train)
+        kw = {} if placement is None else {"placement": placement,
+                                           "worker_threads": max(1, int(getattr(placement, "cpus_per_rank", 1)))}
+        return make_megatron_learner(model_dir, plan, recipe.train, **kw)
     from miles_lp.train.embedded import EmbeddedTrainer
 
     return EmbeddedTrainer(model_dir, plan, recipe.train)

@@ -285,9 +285,10 @@ def test_two_engine_actors_one_killed(tmp_path, transport):
     ("qwen3_moe", ["train.megatron.ep=2"], 1e-4),
 ])
 def test_rehearsal_multi_rank_learner_two_engines_own_group(tmp_path, arch, parallel, kl0):
-    """A tiny rehearsal of the full-scale shape on CPU: a two-rank Megatron learner (its ranks spawned by the
-    learner actor, its export gathered on rank 0), two engine actors, the sync over its own gloo group per engine,
-    every check in raise mode on each engine, the engine serving the learner's own grid at the start."""
+    """A tiny rehearsal of the full-scale shape on CPU: a two-rank Megatron learner (rank 0 the learner actor, rank 1
+    a rank actor in the run's placement group; its export gathered on rank 0), two engine actors, the sync over its
+    own gloo group per engine, every check in raise mode on each engine, the engine serving the learner's own grid at
+    the start. The four-rank shapes: tests/e2e/test_run_ray_rehearsals.py."""
     pytest.importorskip("megatron.core")
     sets = ["train.backend=megatron", *parallel, "rollout.engines=2", "ray.num_cpus=3", "sync.transport=gloo",
             "steps=2", "checkpoint_every=0", f"model.path=tiny:{arch}"]

@@ -120,6 +120,10 @@ RECIPES = {
     "tiny-mxfp8-moe-replay.yaml": ("qwen3_moe", 2, tiny_mxfp8, "dequantized", None),  # routed experts MXFP8 too
     "tiny-nvfp4-experts.yaml": ("qwen3_moe", 2, tiny_nvfp4_experts, "dequantized", "token"),
     "tiny-nvfp4-experts-hp.yaml": ("qwen3_moe", 2, tiny_nvfp4_experts, "high_precision", "token"),
+    # the full-scale recipes' parallel shapes at tiny size (recipes/rehearsal-*.yaml)
+    "rehearsal-moe-ep2-dp2.yaml": ("qwen3_moe", 2, tiny_mxfp8, "dequantized", None),
+    "rehearsal-dense-tp2-dp2.yaml": ("qwen3", 2, tiny_mxfp8, "dequantized", None),
+    "rehearsal-deepseek-pp2.yaml": ("deepseek_v3", 4, tiny_mxfp8, "dequantized", None),
     # full-scale RL recipes
     "qwen3-8b-mxfp8.yaml": ("qwen3", 36, tiny_mxfp8, "dequantized", None),  # every decoder linear MXFP8
     "qwen3-8b-fp8-blockwise.yaml": ("qwen3", 36, qwen3_fp8_block, "quantized", None),

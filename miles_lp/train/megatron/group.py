@@ -232,7 +232,26 @@ class MegatronGroup:
         return self._call("logprobs", batch)[0]
 
     def train_step(self, samples, loss_fn=None) -> dict[str, Any]:
-        return self._call("train_step", samples, loss_fn)[0]
+        """Rank 0's step figures. A loss function that keeps figures (``stats``, ``recorded``: ``rl.batch.GRPOLoss``)
+        ran on every rank over that rank's micro-batches: each data-parallel replica's share, on the last pipeline
+        stage, duplicated over tensor-parallel ranks. Its figures here are the sum of what it added on the ranks
+        that compute the loss (tp rank 0 of the last stage of each replica) and every sample they recorded, as one
+        rank computing every micro-batch would have them."""
+        if not hasattr(loss_fn, "stats"):
+            return self._call("train_step", samples, loss_fn)[0]
+        before = dict(loss_fn.stats)
+        results = self.run_on_ranks(_train_and_report, samples, loss_fn)
+        added: dict[str, float] = {}
+        for r, (_, computes, stats, recorded) in enumerate(results):
+            if not computes:
+                continue
+            for k, v in stats.items():
+                added[k] = added.get(k, 0.0) + (float(v) - float(before.get(k, 0.0)))
+            if r > 0 and recorded:
+                loss_fn.recorded.update(recorded)
+        for k, v in added.items():
+            loss_fn.stats[k] = float(before.get(k, 0.0)) + v
+        return results[0][0]
 
     def export_weights(self) -> Iterator[tuple[str, Any]]:
         yield from self._call("export_weights")[0]
@@ -279,6 +298,17 @@ class MegatronGroup:
         for h in self._ranks:
             h.stop(30.0)
         self.placement.release()
+
+
+def _train_and_report(learner, samples, loss_fn):
+    """On each rank: the step, whether this rank computes the loss (tp rank 0 of the last pipeline stage), and the
+    loss function's figures after it (``MegatronGroup.train_step`` sums what each such rank added)."""
+    from megatron.core import parallel_state as ps
+
+    stats = learner.train_step(samples, loss_fn)
+    computes = ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_last_stage(ignore_virtual=True)
+    recorded = dict(getattr(loss_fn, "recorded", None) or {})
+    return stats, computes, dict(loss_fn.stats), recorded
 
 
 def make_megatron_learner(hf_folder: str | Path, plan, config: TrainConfig, **kwargs):
