@@ -7,7 +7,6 @@ from __future__ import annotations
 import warnings
 
 import pytest
-import torch
 
 from miles_lp.config import Where, parse_dataclass
 from miles_lp.errors import ConfigError
