@@ -30,7 +30,11 @@ def test_dry_run_full_scale(name, capsys):
     assert main(["run", str(ROOT / "recipes" / f"{name}.yaml"), "--dry-run", *sets(RECIPES[name])]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["train_backend"] == "megatron" and out["rollout_backend"] == "sglang"
-    assert out["ray"] == {"enabled": True, "address": "auto", "placement": "split"}
+    ray = out["ray"]
+    assert {k: ray[k] for k in ("enabled", "address", "placement")} == {"enabled": True, "address": "auto",
+                                                                       "placement": "split"}
+    lr = ray["learner_ranks"]  # every learner rank a Ray actor, one GPU each, the layout holding the world
+    assert lr["actor_per_rank"] and lr["ranks"] == lr["nodes"] * lr["gpus_per_node"] >= 2
     assert out["plan_hash"] and out["quantized_tensors"] > 0 and out["plan_warnings"] == []
     # the engine's config, emitted and re-read with SGLang's own matching: every planned weight as planned
     eng = out["engine_config"]
