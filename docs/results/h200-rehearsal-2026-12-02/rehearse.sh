@@ -10,6 +10,7 @@
 # Carry: .whl/ with the megatron-core 0.16.1 wheel (and any other wheel the image lacks, e.g. cloudpickle, which the
 # spawned ranks import); they are installed with --no-deps into /tmp/site.
 # Usage, from the repository root:  OUT=$OUT bash docs/results/h200-rehearsal-2026-12-02/rehearse.sh
+# EXTRA: more --set flags for every run (word-split), e.g. EXTRA="--set runtime.decode=eager" (no CUDA graphs).
 # Time: BUDGET_S (default 260 s) from the start, the wheel install included; each run gets what is left divided by
 # the runs still to go (a run cut off reports rc=124). What comes back (8 files, none below $OUT): summary.txt,
 # device.txt, and per recipe RECIPE.log (its stdout / stderr) and RECIPE.metrics.jsonl (one line per step).
@@ -47,7 +48,7 @@ for r in "${runs[@]}"; do
   t0=$SECONDS
   timeout -k 10 "$limit" python3 -m miles_lp.cli run "recipes/$r.yaml" --set ray.enabled=false \
     --set sync.transport=inprocess --set rollout.device=cuda --set logging.output_dir=/tmp/rehearsal-runs \
-    --set logging.progress=false --run-name "$r" > "$OUT/$r.log" 2>&1
+    --set logging.progress=false ${EXTRA:-} --run-name "$r" > "$OUT/$r.log" 2>&1
   rc=$?
   cp "/tmp/rehearsal-runs/$r/metrics.jsonl" "$OUT/$r.metrics.jsonl" 2> /dev/null
   steps=$( (wc -l < "$OUT/$r.metrics.jsonl") 2> /dev/null || echo 0)
