@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import difflib
 import enum
+import json
 import os
 import re
 import types
@@ -294,6 +295,40 @@ def use_runtime(cfg: RuntimeConfig) -> None:
     _RUNTIME = cfg
 
 
+def configured_runtime() -> RuntimeConfig:
+    """This process's configured switches (``use_runtime``'s, no debugging variable applied): what a process this
+    one starts receives (a Ray actor, a Megatron rank, an engine process), so that every process of a run runs
+    under the recipe's ``runtime:`` section."""
+    return _RUNTIME
+
+
+#: the variable that hands the configured switches to an engine process a run starts with its own interpreter
+#: (the vLLM worker, the SGLang server): JSON of the keys set away from their defaults (``child_runtime_env``)
+RUNTIME_CHILD_ENV = "MILES_LP_RUNTIME"
+
+
+def child_runtime_env() -> dict[str, str]:
+    """The environment entry that gives a child process this process's configured switches (read there by
+    ``use_runtime_from_env`` at its start). Only the keys away from their defaults are written."""
+    changed = {f.name: getattr(_RUNTIME, f.name) for f in dataclasses.fields(_RUNTIME)
+               if getattr(_RUNTIME, f.name) != f.default}
+    return {RUNTIME_CHILD_ENV: json.dumps(changed, sort_keys=True)}
+
+
+def use_runtime_from_env() -> RuntimeConfig:
+    """At the start of a process a run started (``child_runtime_env``): make the switches it was handed this
+    process's; none handed: the defaults stay. Validated as the recipe's section is (an unknown key is refused)."""
+    raw = os.environ.get(RUNTIME_CHILD_ENV)
+    if raw:
+        try:
+            mapping = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{RUNTIME_CHILD_ENV}: not JSON ({exc}); it is set by miles-lp for the processes a "
+                              "run starts: unset it") from None
+        use_runtime(parse_dataclass(RuntimeConfig, mapping, Where(RUNTIME_CHILD_ENV, "runtime")))
+    return _RUNTIME
+
+
 def runtime() -> RuntimeConfig:
     """This process's run-time switches with every debugging override that is set applied."""
     return dataclasses.replace(_RUNTIME, **{k: switch(k) for k in RUNTIME_ENV})
@@ -371,6 +406,8 @@ ENVIRONMENT: dict[str, EnvVar] = {
     "MILES_LP_VLLM_AUTHKEY": EnvVar("process", "the vLLM engine process's socket key, from its parent"),
     "MILES_LP_SGLANG_INTROSPECT_PORT": EnvVar("process", "the SGLang process's introspection port, from its parent"),
     "MILES_LP_SGLANG_INTROSPECT_KEY": EnvVar("process", "the SGLang process's introspection key, from its parent"),
+    "MILES_LP_RUNTIME": EnvVar("process", "the recipe's runtime: section (JSON), for the vLLM / SGLang engine process "
+                                          "a run starts"),
     "MILES_LP_SGLANG_FAULTS": EnvVar("debug", "allows the fault-injection endpoint of a launched SGLang server "
                                               "(tests, `miles-lp selftest`); off unless 1"),
     "MILES_LP_SYNC_CHECKS": EnvVar("debug", "overrides every sync.checks.<check> mode for one process"),

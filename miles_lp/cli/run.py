@@ -63,7 +63,7 @@ def run(args) -> int:
     from miles_lp.config import use_runtime
     from miles_lp.launch.runner import RunInterrupted, check_transport, interrupted_note, resumed_recipe
 
-    use_runtime(recipe.runtime)  # this process's run-time switches (a recipe with ray.enabled keeps the defaults)
+    use_runtime(recipe.runtime)  # this process's run-time switches (Ray actors and engine processes apply them too)
 
     # refusals that need no model, before a Ray cluster starts or anything is built (Run and the Ray launcher make
     # them again): the transport, a resume's model folder and steps

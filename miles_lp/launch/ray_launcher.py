@@ -49,6 +49,14 @@ from miles_lp.rl.step import RunError
 # ---------------------------------------------------------------------------------------------------------
 # actors: thin wrappers around the in-process objects
 # ---------------------------------------------------------------------------------------------------------
+def _switches() -> dict:
+    import dataclasses
+
+    from miles_lp.config import runtime
+
+    return dataclasses.asdict(runtime())
+
+
 class LearnerWorker(LearnerSyncSide):
     """The learner actor (rank 0 of a Megatron learner of several ranks). ``ranks``: where ranks 1..world-1 go,
     ``{"layout": LearnerLayout, "placement_group": pg, "bundles": [...]}`` (``RayPlacement._rank_actors``), or None
@@ -58,12 +66,13 @@ class LearnerWorker(LearnerSyncSide):
                  learner_state_dir: str | None, with_reference: bool = False, ranks: dict | None = None):
         import torch
 
-        from miles_lp.config import load_yaml_text
+        from miles_lp.config import load_yaml_text, use_runtime
         from miles_lp.launch.recipe import parse_recipe
         from miles_lp.launch.runner import make_learner
 
         torch.set_num_threads(max(1, threads))
         recipe = parse_recipe(load_yaml_text(recipe_yaml, source))
+        use_runtime(recipe.runtime)  # this actor's switches are the recipe's, as the driver's (before anything loads)
         plan = None
         if plan_json is not None:
             from miles_lp.launch.runner import plan_for
@@ -88,6 +97,11 @@ class LearnerWorker(LearnerSyncSide):
             from miles_lp.train.embedded import EmbeddedTrainer
 
             self.reference = EmbeddedTrainer(Path(model_dir), None, recipe.train)
+
+    def switches(self) -> dict:
+        """The run-time switches this actor runs under (``miles_lp.config.runtime()``: the recipe's section with
+        any debugging variable this process has applied)."""
+        return _switches()
 
     def reference_logprobs(self, batch):
         return pack(self.reference.logprobs(unpack(batch)))
@@ -118,12 +132,13 @@ class EngineWorker(EngineSyncSide):
     def __init__(self, checkpoint: str, recipe_yaml: str, source: str, threads: int, index: int = 0):
         import torch
 
-        from miles_lp.config import load_yaml_text
+        from miles_lp.config import load_yaml_text, use_runtime
         from miles_lp.launch.recipe import parse_recipe
         from miles_lp.launch.runner import make_engine
 
         torch.set_num_threads(max(1, threads))
         self.recipe = parse_recipe(load_yaml_text(recipe_yaml, source))
+        use_runtime(self.recipe.runtime)  # the recipe's switches, in this actor and the engine process it starts
         self.engine = make_engine(self.recipe, Path(checkpoint), index=index)
 
     def call(self, name: str, *args, **kwargs):
@@ -146,6 +161,10 @@ class EngineWorker(EngineSyncSide):
         import os
 
         return os.getpid()
+
+    def switches(self) -> dict:
+        """The run-time switches this actor runs under (as ``LearnerWorker.switches``)."""
+        return _switches()
 
     def surface(self) -> tuple[list[str], list[str]]:
         """The engine's public methods and plain attributes (what ``getattr`` on the proxy may reach)."""

@@ -86,7 +86,7 @@ def learner_layout(recipe: Any, hf_config: Any) -> LearnerLayout | None:
                           f"(gpus_per_node / num_gpus 0); set {key}.gpus_per_node")
     sizes = _sizes(recipe, world)
     if gpn:
-        nodes = lr.nodes if lr.nodes is not None else world // gpn
+        nodes = lr.nodes if lr.nodes is not None else max(1, world // gpn)  # fewer ranks than one node's GPUs: 1
         if nodes * gpn != world:
             raise ConfigError(f"{key}: nodes={nodes} x gpus_per_node={gpn} = {nodes * gpn} GPUs, but the learner has "
                               f"{sizes} = {world} ranks (one GPU each): make them equal")

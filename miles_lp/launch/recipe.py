@@ -31,7 +31,6 @@ from typing import Any, Literal
 import yaml
 
 from miles_lp.config import (
-    RUNTIME_ENV,
     RuntimeConfig,
     Where,
     YamlDoc,
@@ -239,18 +238,11 @@ def _fleet(mapping: Any, where: Where) -> tuple[Any, FleetSection]:
     return rest, FleetSection(engines=len(urls), urls=tuple(urls))
 
 
-def _runtime(mapping: Any, ray: RayConfig, where: Where) -> RuntimeConfig:
-    """The ``runtime:`` section. ``miles-lp run`` applies it in its own process; a Ray run's actors are other
-    processes that do not receive it yet, so there a key set away from its default is refused, not ignored."""
-    cfg = parse_dataclass(RuntimeConfig, mapping, where)
-    if ray.enabled:
-        for f in dataclasses.fields(cfg):
-            if getattr(cfg, f.name) != f.default:
-                raise where.child(f.name).error(
-                    "with ray.enabled the run-time switches reach the driver only, not the Ray actors that run the "
-                    f"engines and the learner; remove {f.name} here (its variable {RUNTIME_ENV[f.name]} is read by "
-                    "every process that inherits it)")
-    return cfg
+def _runtime(mapping: Any, where: Where) -> RuntimeConfig:
+    """The ``runtime:`` section. Every process of a run applies it at its start: ``miles-lp run``'s own, the Ray
+    actors (``ray_launcher``), the Megatron ranks (``RankSpec.runtime``) and the vLLM / SGLang engine processes
+    (``config.child_runtime_env``)."""
+    return parse_dataclass(RuntimeConfig, mapping, where)
 
 
 def _sampler_policy(mapping: Any, where: Where) -> PrecisionPolicy | None:
@@ -486,7 +478,7 @@ def parse_recipe(doc: YamlDoc) -> Recipe:
         raw=copy.deepcopy(data),
         lines=dict(doc.lines),
         fleet=fleet,
-        runtime=_runtime(data.get("runtime"), ray, w.child("runtime")),
+        runtime=_runtime(data.get("runtime"), w.child("runtime")),
     )
 
 

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from miles_lp.config import child_runtime_env
 from miles_lp.errors import BackendUnavailable
 from miles_lp.rollout import self_check as c3
 from miles_lp.rollout.engine import (
@@ -112,13 +113,21 @@ class VLLMEngine:
         self._listener = Listener(address, family="AF_UNIX", authkey=key)
         env = dict(os.environ, MILES_LP_VLLM_AUTHKEY=key.hex(), MILES_LP_VLLM_WORKER=json.dumps({
             "address": address, "model": str(self.checkpoint), "dtype": dtype, "max_model_len": max_model_len,
-            "max_num_seqs": max_num_seqs, "kv_cache_dtype": KV_CACHE_DTYPE[kv_cache], "faults": faults or {}}))
+            "max_num_seqs": max_num_seqs, "kv_cache_dtype": KV_CACHE_DTYPE[kv_cache], "faults": faults or {}}),
+                   **child_runtime_env())  # the run's switches (the worker's codecs and digests read them)
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         # vLLM logs to stdout: keep it off ours (a benchmark's table, a test's output); ``log_path`` keeps both streams
         self._log = open(log_path, "ab") if log_path else None
         out = self._log or subprocess.DEVNULL
-        self._proc = subprocess.Popen([python, "-m", "miles_lp.rollout.vllm_worker"], env=env, cwd=self._tmp.name,
-                                      stdout=out, stderr=self._log or None)
+        try:
+            self._proc = subprocess.Popen([python, "-m", "miles_lp.rollout.vllm_worker"], env=env,
+                                          cwd=self._tmp.name, stdout=out, stderr=self._log or None)
+        except BaseException:  # not started (a missing interpreter): no socket folder or open log left behind
+            self._listener.close()
+            self._tmp.cleanup()
+            if self._log is not None:
+                self._log.close()
+            raise
         try:  # a failed start leaves no process, socket folder or open log behind
             self._conn = self._accept(start_timeout_s, log_path)
             ready = self._recv()

@@ -84,6 +84,9 @@ def main() -> None:
     conn = Client(cfg["address"], family="AF_UNIX", authkey=bytes.fromhex(os.environ["MILES_LP_VLLM_AUTHKEY"]))
     t0 = time.perf_counter()
     try:
+        from miles_lp.config import use_runtime_from_env
+
+        use_runtime_from_env()  # the run's runtime: section (MILES_LP_RUNTIME from rollout.vllm), before any codec loads
         from safetensors.torch import load as st_load
         from vllm import LLM, SamplingParams
 

@@ -20,6 +20,7 @@ ALLOWED = ("no safetensors weights", "task jsonl: cannot read",
 
 RECIPES = {
     "qwen3-8b-mxfp8.yaml": "qwen3-8b",
+    "qwen3-8b-fp8-blockwise.yaml": "qwen3-8b",
     "qwen3-30b-a3b-mxfp8.yaml": "qwen3-30b-a3b",
     "qwen3-30b-a3b-nvfp4-experts.yaml": "qwen3-30b-a3b",
     "qwen3-30b-a3b-nvfp4-experts-hp.yaml": "qwen3-30b-a3b",
@@ -43,7 +44,8 @@ def test_full_scale_recipe_is_refused_for_nothing_but_weights_task_and_te(capsys
     assert _unexpected(out) == [], out["would_refuse_at_start"]
     refused = " | ".join(out["would_refuse_at_start"])
     assert "no safetensors weights" in refused and "task jsonl: cannot read" in refused
-    assert out["train_backend"] == "megatron" and out["sync_transport"] == "nccl"
+    assert out["train_backend"] == "megatron" and out["sync_transport"] in ("nccl", "ray")
+    assert out["ray"]["learner_ranks"]["ranks"] >= 2  # every learner rank a Ray actor, the layout holding the world
 
 
 def test_deepseek_v3_recipe_is_refused_for_nothing_but_weights_task_and_te(capsys):

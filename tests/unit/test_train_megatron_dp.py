@@ -149,6 +149,30 @@ def test_dp2_equals_one_rank(ckpts):
     assert_equal_to_one_rank(got, one_rank(d, plan))
 
 
+def test_dp2_with_fewer_micro_batches_than_replicas_equals_one_rank(ckpts):
+    """One packed row at dp 2: replica 1 has no micro-batch of its own and runs a filler round (loss zero), so its
+    gradients exist and both replicas reduce the same tensors (before, rank 0 waited in an all-reduce that rank 1
+    skipped, until the group's timeout). The step equals one rank's."""
+    from miles_lp.train.megatron.group import MegatronGroup
+    from miles_lp.train.megatron.learner import MegatronLearner
+
+    d = ckpts["qwen3"]
+    plan = plan_for(d)
+    batch = [{"tokens": seqs()[1]}]  # 30 tokens: one micro-batch
+    out = {}
+    for name, make in (("one", lambda: MegatronLearner(d, plan, CFG)),
+                       ("dp2", lambda: MegatronGroup(d, plan, cfg(dp=2), timeout_s=120))):
+        learner = make()
+        try:
+            out[name] = learner.train_step(batch, nll_loss)
+        finally:
+            learner.close()
+    assert out["dp2"]["micro_batches"] == out["one"]["micro_batches"] == 1
+    assert out["dp2"]["loss"] == pytest.approx(out["one"]["loss"], rel=LOSS_RTOL)
+    assert out["dp2"]["grad_norm"] == pytest.approx(out["one"]["grad_norm"], rel=NORM_RTOL)
+    assert out["dp2"]["step"] == out["one"]["step"] == 1
+
+
 @pytest.mark.slow  # 4 ranks and a one-rank learner: ~70 s on 2 cores
 def test_moe_ep2_expert_dp2_equals_one_rank(ckpts):
     """The 30B-A3B shape: tp 1, ep 2 over dp 4 (expert-dp 2), MXFP8 everywhere: the replicas run equal rounds

@@ -129,7 +129,10 @@ class SGLangCPUServer:
 
     def env(self) -> dict[str, str]:
 
-        env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", **self.extra_env)
+        from miles_lp.config import child_runtime_env
+
+        # the run's switches for the hook's code in SGLang's processes (serve.py applies them at import)
+        env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **child_runtime_env(), **self.extra_env}
         if self.api_key:  # the introspection endpoints take the key SGLang's own routes take
             env[ENV_KEY] = self.api_key
         # the shim first (SGLang's `import sgl_kernel`), then this checkout (the serve module, miles_lp)

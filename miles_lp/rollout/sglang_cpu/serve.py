@@ -3,7 +3,7 @@ additions (``hook``), in SGLang's venv. Run by ``launch.SGLangCPUServer``; also 
 hand that ``rollout.url`` then names (same flags as ``python -m sglang.launch_server``; needs
 ``SGLANG_USE_CPU_ENGINE=1`` and ``miles_lp/rollout/sglang_cpu/shim`` on PYTHONPATH on a CPU host).
 
-``hook.install()`` runs at import, on purpose: SGLang's scheduler is a spawned child that imports this module
+``use_runtime_from_env()`` and ``hook.install()`` run at import, on purpose: SGLang's scheduler is a spawned child that imports this module
 again (as ``__mp_main__``) before it loads the model.
 """
 
@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import sys
 
+from miles_lp.config import use_runtime_from_env
 from miles_lp.rollout.sglang_cpu import hook
 
+use_runtime_from_env()  # the run's runtime: section (MILES_LP_RUNTIME from SGLangCPUServer), in every SGLang process
 hook.install()
 
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from miles_lp.config import configured_runtime
 from miles_lp.errors import ConfigError, MilesLPError
 from miles_lp.train.config import TrainConfig
 from miles_lp.train.megatron.ranks import (
@@ -105,7 +106,7 @@ class MegatronGroup:
         spec = RankSpec(world=self.world, host=host, port=free_port(host), source=str(hf_folder),
                         plan_bytes=dumps(plan), config=config,
                         engine={"engine_tp": engine_tp, "engine_etp": engine_etp}, timeout_s=timeout_s,
-                        threads=worker_threads)
+                        threads=worker_threads, runtime=configured_runtime())
         try:
             self._ranks = placement.launch(spec)
             self._post_all(("hello", None))

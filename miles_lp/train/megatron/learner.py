@@ -354,13 +354,15 @@ class MegatronLearner(PackedLearnerSteps):
 
     def _rounds(self, packs: list[Pack]) -> list[Pack]:
         """This data-parallel replica's micro-batches (``data.replica_rounds``; equal rounds under EP, whose
-        dispatcher's collectives span replicas)."""
+        dispatcher's collectives span replicas, and when there are fewer micro-batches than replicas: a replica
+        without one runs a filler round (loss zero) so that its gradients exist, and ``finalize_grads`` reduces
+        the same tensors on every replica; without it rank 0 waited in an all-reduce the empty replica skipped)."""
         from miles_lp.train.megatron.data import replica_rounds
 
         p = self.parallel
         if p.dp == 1:
             return list(packs)
-        return replica_rounds(packs, p.dp, self._ps().get_data_parallel_rank(), equal=p.ep > 1)
+        return replica_rounds(packs, p.dp, self._ps().get_data_parallel_rank(), equal=p.ep > 1 or len(packs) < p.dp)
 
     def _batch_routes(self, batch):
         routes = super()._batch_routes(batch)

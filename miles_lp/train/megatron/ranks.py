@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
+from miles_lp.config import RuntimeConfig, use_runtime
 from miles_lp.ports import free_port  # noqa: F401  (the group's store port; group.py imports it from here)
 from miles_lp.train.config import TrainConfig
 
@@ -69,12 +70,15 @@ class RankSpec:
     engine: dict
     timeout_s: float
     threads: int
+    # rank 0's configured run-time switches (``miles_lp.config.configured_runtime``), made this rank's at its start
+    runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
 
 
 class RankServer:
     """Rank ``rank`` of the group: builds the learner on ``start`` and runs the calls rank 0 sends."""
 
     def __init__(self, rank: int, spec: RankSpec, device: str | None = None):
+        use_runtime(spec.runtime)  # this rank's switches are rank 0's (the run's recipe), before anything loads
         self.rank, self.spec, self.device = rank, spec, device
         self.learner = None
         self.plan = None
