@@ -97,6 +97,21 @@ def test_buckets():
     assert cuda_decode.seq_bucket(1) == cuda_decode.seq_bucket(128) == 128 and cuda_decode.seq_bucket(129) == 256
 
 
+def test_fp8_gemm_choice(monkeypatch):
+    from miles_lp.config import runtime_override
+    from miles_lp.formats.kernels.fp8_block_decode import MAX_M
+
+    monkeypatch.delenv("MILES_LP_FP8_DECODE_GEMM", raising=False)
+    assert [cuda_decode.fp8_gemm(m) for m in (1, MAX_M, MAX_M + 1)] == ["triton", "triton", "scaled_mm"]
+    with runtime_override(fp8_decode_gemm="triton"):
+        assert cuda_decode.fp8_gemm(4096) == "triton"
+    with runtime_override(fp8_decode_gemm="scaled_mm"):
+        assert cuda_decode.fp8_gemm(1) == "scaled_mm"
+    monkeypatch.setenv("MILES_LP_FP8_DECODE_GEMM", "cublas")
+    with pytest.raises(EngineError, match=r"MILES_LP_FP8_DECODE_GEMM\) must be one of auto, triton, scaled_mm, got 'cublas'"):
+        cuda_decode.fp8_gemm(1)
+
+
 def test_refusals(monkeypatch):
     monkeypatch.setenv("MILES_LP_DECODE", "static")
     moe = ReferenceEngine(tiny_checkpoint("qwen3_moe"), device="cpu")
