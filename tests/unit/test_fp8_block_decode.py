@@ -16,53 +16,46 @@ import torch
 pytest.importorskip("triton")
 
 _SCRIPT = r"""
-import itertools, json, sys, torch
+import itertools, json, torch
 from miles_lp.formats.fp8 import quantize_fp8_blockwise
 from miles_lp.formats.kernels import fp8_block_decode as d
-out = {}
-if sys.argv[1] == "grid":
-    out["bad"] = d.selfcheck("cpu", shapes=list(itertools.product((1, 5, 32), (128, 256), (128, 384))))
-else:
-    out["bad"] = d.selfcheck("cpu", shapes=[(5, 256, 384), (1, 128, 128)])
-    # what the checks must catch: one weight-scale block off by 2x, the other scale rule's prologue bytes
-    g = torch.Generator().manual_seed(1)
-    x = (torch.randn(5, 384, generator=g) * 3).to(torch.bfloat16)
-    w = quantize_fp8_blockwise(torch.randn(256, 384, generator=g) * 0.05, (128, 128), False)
-    ref = d.emulated_mm(x, w.data, w.scale_inv, False)
-    s = w.scale_inv.clone()
-    s[1, 2] *= 2
-    out["scale_err"] = d.rel_err(d.decode_mm(x, w.data, s, False), ref)
-    y, (aq, asc) = d.decode_mm(x, w.data, w.scale_inv, True, store_act=True)
-    codec = quantize_fp8_blockwise(x, (1, 128), False)
-    out["pow2_bytes_equal"] = bool(torch.equal(aq, codec.data.view(torch.uint8)))
-    out["pow2_scales_equal"] = bool(torch.equal(asc, codec.scale_inv))
-    out["split_equal"] = bool(torch.equal(d.decode_mm(x, w.data, w.scale_inv, False, split=3),
-                                          d.decode_mm(x, w.data, w.scale_inv, False, split=3)))
+out = {"bad": d.selfcheck("cpu", shapes=list(itertools.product((1, 5, 32), (128, 256), (128, 384))))}
+# what the checks must catch: one weight-scale block off by 2x, the other scale rule's prologue bytes
+g = torch.Generator().manual_seed(1)
+x = (torch.randn(5, 384, generator=g) * 3).to(torch.bfloat16)
+w = quantize_fp8_blockwise(torch.randn(256, 384, generator=g) * 0.05, (128, 128), False)
+ref = d.emulated_mm(x, w.data, w.scale_inv, False)
+s = w.scale_inv.clone()
+s[1, 2] *= 2
+out["scale_err"] = d.rel_err(d.decode_mm(x, w.data, s, False), ref)
+y, (aq, asc) = d.decode_mm(x, w.data, w.scale_inv, True, store_act=True)
+codec = quantize_fp8_blockwise(x, (1, 128), False)
+out["pow2_bytes_equal"] = bool(torch.equal(aq, codec.data.view(torch.uint8)))
+out["pow2_scales_equal"] = bool(torch.equal(asc, codec.scale_inv))
+out["split_equal"] = bool(torch.equal(d.decode_mm(x, w.data, w.scale_inv, False, split=3),
+                                      d.decode_mm(x, w.data, w.scale_inv, False, split=3)))
 print("JSON" + json.dumps(out))
 """
 
 
-def _interpreted(mode: str) -> dict:
+def _interpreted() -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    p = subprocess.run([sys.executable, "-c", _SCRIPT, mode], env=env, capture_output=True, text=True, timeout=900)
+    p = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("JSON"))[4:])
 
 
 def test_decode_gemm_matches_the_emulation_interpreted():
+    """M in {1, 5, 32}, N in {128, 256}, K in {128, 384}, both scale rules, split 1 and one split per K block: the
+    prologue's bytes equal the codec's, the fp32 result is within FP32_REL_TOL of the emulation, the bf16 result is
+    it rounded once (within REL_TOL); and what those checks must catch is caught (15-25 s on 2 shared CPU cores)."""
     from miles_lp.formats.kernels import fp8_block_decode as d
 
-    out = _interpreted("quick")
+    out = _interpreted()
     assert out["bad"] == []
     assert out["scale_err"] > 10 * d.REL_TOL  # a wrong block scale is far outside the tolerance
     assert out["pow2_bytes_equal"] is False and out["pow2_scales_equal"] is False  # the check sees the scale rule
     assert out["split_equal"] is True  # split-K partials are added in a fixed order
-
-
-@pytest.mark.slow
-def test_decode_gemm_matches_the_emulation_on_the_grid_interpreted():
-    """M in {1, 5, 32}, N in {128, 256}, K in {128, 384}, both scale rules, split 1 and one split per K block."""
-    assert _interpreted("grid")["bad"] == []
 
 
 def test_plan():

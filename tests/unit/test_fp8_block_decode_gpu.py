@@ -41,9 +41,9 @@ def test_selfcheck_on_the_device():
 
 @pytest.mark.parametrize("m", [1, 8, 32, 64])
 @pytest.mark.parametrize("n, k", SHAPES_05B)
-@pytest.mark.parametrize("pow2", [False, True])
-def test_decode_shapes_match_the_emulation_and_scaled_mm(m, n, k, pow2):
+def test_decode_shapes_match_the_emulation_and_scaled_mm(m, n, k):
     _need_hopper()
+    pow2 = m == 8  # (each variant compiles: both scale rules, not every shape twice)
     from miles_lp.formats.kernels import fp8_block as fk
     from miles_lp.formats.kernels import fp8_block_decode as d
     from miles_lp.train import fp8_block_gemm as G
@@ -58,7 +58,7 @@ def test_decode_shapes_match_the_emulation_and_scaled_mm(m, n, k, pow2):
     if G.unavailable_reason(x, w.data) is None:
         _, _, (xs, _) = fk.quantize_act(x, pow2, rows=True, grids=False)
         native = G.forward_mm(xs, G.WeightOperands(w, w.data.t()))
-        assert d.rel_err(native, ref) <= G.REL_TOL
+        assert d.rel_err(native, ref) <= d.REL_TOL  # (cuBLAS's bf16 output: the same rounding bound)
         assert d.rel_err(y, native) <= 2 * d.REL_TOL
 
 

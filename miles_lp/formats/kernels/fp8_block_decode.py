@@ -9,10 +9,13 @@ every SM busy when N is small; the partials are added in a fixed order (no atomi
 No host synchronisation and shapes fixed per call: CUDA-graph capturable.
 
 Numerics: each 128-long K block is one FP8 dot from zero (fp32 accumulation), scaled by ``sa * sw`` in fp32 and
-added; the emulation dequantizes in fp32 and runs one fp32 GEMM. They differ by the order of the fp32 sums and the
-final bf16 rounding (relative 2^-9 per element at most): ``REL_TOL`` (relative Frobenius error against the
-emulation, the native GEMMs' bound in ``train.fp8_block_gemm``); with ``out_dtype=torch.float32`` the difference
-is the summation order alone (``FP32_REL_TOL``).
+added; the emulation dequantizes in fp32 and runs one fp32 GEMM. With ``out_dtype=torch.float32`` they differ by the
+order of the sums and, on sm_90, the FP8 tensor cores' reduced-precision accumulation inside a block (DeepSeek-V3
+measured ~14 retained bits; the per-block promotion to fp32 bounds it): ``FP32_REL_TOL`` (relative Frobenius error).
+The bf16 result is that fp32 result rounded once (RNE; ``selfcheck`` checks bit equality with ``.to(bfloat16)``),
+so it is within ``REL_TOL`` = bf16's unit roundoff 2^-8 (a bound per element, hence on the Frobenius norm) plus
+``FP32_REL_TOL`` (normal range). For comparison, cuBLAS's block-scaled GEMM (bf16 output) measured 1.7e-3 against
+the emulation on the H200 (``train.fp8_block_gemm.REL_TOL`` 2e-3: a measured figure, not a bound).
 """
 
 from __future__ import annotations
@@ -30,11 +33,11 @@ BLOCK = 128
 #: ``runtime.fp8_decode_gemm: auto`` takes this kernel for at most this many tokens (cuBLAS's block-scaled GEMM
 #: above: its 128-row tiles are full there)
 MAX_M = 64
-#: the kernel's bf16 result against the fp32 emulation on the same operands (relative Frobenius error): the bf16
-#: rounding (<= 2^-9 = 1.95e-3 relative per element) plus the fp32 summation order
-REL_TOL = 2e-3
-#: the same with fp32 output: the summation order only
-FP32_REL_TOL = 1e-5
+#: the kernel's fp32 result against the fp32 emulation on the same operands (relative Frobenius error): the
+#: summation order and the tensor cores' accumulation inside each 128-long block
+FP32_REL_TOL = 2.5e-4
+#: the bf16 result (the fp32 one rounded once): bf16's unit roundoff 2^-8 per element, plus FP32_REL_TOL
+REL_TOL = 2.0 ** -8 + FP32_REL_TOL
 _PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fp8_block_gemm_triton.py")
 _MODULES: dict[bool, object] = {}
 _LOCK = threading.Lock()
@@ -164,8 +167,9 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def selfcheck(device: str = "cuda", seed: int = 0, shapes=None) -> list[str]:
-    """The kernel against the emulation (``REL_TOL`` in bf16, ``FP32_REL_TOL`` in fp32, with and without split-K)
-    and its prologue against the codec (bytes and scales), both scale rules; returns the failures (empty: pass)."""
+    """The kernel against the emulation (``FP32_REL_TOL`` in fp32; in bf16 the fp32 result rounded once, bit for bit,
+    and ``REL_TOL``), with and without split-K, and its prologue against the codec (bytes and scales), both scale
+    rules; returns the failures (empty: pass)."""
     from miles_lp.formats.fp8 import quantize_fp8_blockwise
 
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -188,11 +192,14 @@ def selfcheck(device: str = "cuda", seed: int = 0, shapes=None) -> list[str]:
                 if not (torch.equal(aq.cpu(), codec.data.view(torch.uint8))
                         and torch.equal(asc.cpu().view(torch.int32), codec.scale_inv.view(torch.int32))):
                     bad.append(f"prologue bytes {tag}")
-                e = rel_err(y.cpu(), ref)
-                if y.dtype != torch.bfloat16 or not e <= REL_TOL:
-                    bad.append(f"bf16 result {tag}: rel err {e:.2e} > {REL_TOL}")
                 y32 = decode_mm(xd, wd, sd, pow2, split=split, out_dtype=torch.float32)
                 e = rel_err(y32.cpu(), ref)
                 if not e <= FP32_REL_TOL:
                     bad.append(f"fp32 result {tag}: rel err {e:.2e} > {FP32_REL_TOL}")
+                if y.dtype != torch.bfloat16 or not torch.equal(y.view(torch.int16), y32.to(torch.bfloat16).view(
+                        torch.int16)):
+                    bad.append(f"bf16 result {tag}: not the fp32 result rounded once")
+                e = rel_err(y.cpu(), ref)
+                if not e <= REL_TOL:
+                    bad.append(f"bf16 result {tag}: rel err {e:.2e} > {REL_TOL}")
     return bad
