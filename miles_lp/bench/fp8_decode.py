@@ -5,7 +5,8 @@ At the decode GEMMs of a 0.5B Qwen (N x K: q/k/v 1152 x 896, o 896 x 896, gate/u
 times (device time per call from CUDA events; no host in the loop):
 
 * ``bf16``: ``F.linear`` on the BF16 weight (the anchor);
-* ``triton``: ``formats.kernels.fp8_block_decode.decode_mm`` from the bf16 input (its quantization included);
+* ``triton``: ``formats.kernels.fp8_block_decode.decode_mm`` from the bf16 input (its quantization included), its
+  dot on FP8 tensor cores (``--dots``: also on the E4M3 values widened to bf16);
 * ``scaled_mm``: the static decode's other path, the 1x128 operand kernel (tokens padded to 128) then
   ``torch._scaled_mm_v2`` with BlockWise1x128 x BlockWise128x128 scales; ``scaled_mm gemm`` the GEMM alone.
 
@@ -27,6 +28,8 @@ def add_arguments(p) -> None:
     p.add_argument("--m", default="1,8,32,64", help="token counts, comma-separated")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"GEMMs, comma-separated: {', '.join(SHAPES)}")
     p.add_argument("--pow2", action="store_true", help="power-of-two activation scales")
+    p.add_argument("--dots", default="fp8,bf16", help="the Triton kernel's dot operands, comma-separated: fp8 "
+                   "(FP8 tensor cores), bf16 (the E4M3 values widened, exact); the first is the 'triton' column")
     p.add_argument("--calls", type=int, default=50, help="calls captured in one CUDA graph")
     p.add_argument("--replays", type=int, default=10, help="timed replays of the graph")
     p.add_argument("--sweep", action="store_true", help="also time the Triton kernel's N tiles and split-K")
@@ -73,6 +76,9 @@ def run(args) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("bench fp8-decode: needs a CUDA device (sm_90 for the FP8 paths)")
     ms = [int(v) for v in args.m.split(",") if v.strip()]
+    dots = [v.strip() for v in args.dots.split(",") if v.strip()]
+    if not dots or set(dots) - {"fp8", "bf16"}:
+        raise SystemExit(f"bench fp8-decode: --dots {args.dots!r}: a comma list of fp8, bf16")
     names = [v.strip() for v in args.shapes.split(",") if v.strip()]
     bad = [n for n in names if n not in SHAPES]
     if bad:
@@ -94,8 +100,11 @@ def run(args) -> int:
             x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16).cuda()
             row = {"gemm": name, "m": m, "n": n, "k": k, "plan": list(fd.plan(m, n, k, sms))}
             row["bf16_us"] = _graph_time(lambda x=x, w=w: F.linear(x, w), args.calls, args.replays)
-            row["triton_us"] = _graph_time(lambda x=x, wd=wd, ws=ws: fd.decode_mm(x, wd, ws, args.pow2), args.calls,
-                                           args.replays)
+            for dot in dots:
+                row[f"triton_{dot}_dot_us"] = _graph_time(
+                    lambda x=x, wd=wd, ws=ws, dot=dot: fd.decode_mm(x, wd, ws, args.pow2, dot=dot), args.calls,
+                    args.replays)
+            row["triton_us"] = row[f"triton_{dots[0]}_dot_us"]
             ref = fd.emulated_mm(x, wd, ws, args.pow2)
             row["rel_err"] = fd.rel_err(fd.decode_mm(x, wd, ws, args.pow2), ref)
             row["rel_err_fp32_out"] = fd.rel_err(fd.decode_mm(x, wd, ws, args.pow2, out_dtype=torch.float32), ref)
@@ -122,7 +131,7 @@ def run(args) -> int:
                 for bn in (32, 64, 128):
                     for sp in sorted({s for s in (1, 2, 3, 4, 6, 8, 12, 16) if s <= kb}):
                         t = _graph_time(lambda x=x, wd=wd, ws=ws, bn=bn, sp=sp: fd.decode_mm(
-                            x, wd, ws, args.pow2, block_n=bn, split=sp), args.calls, 3)
+                            x, wd, ws, args.pow2, block_n=bn, split=sp, dot=dots[0]), args.calls, 3)
                         row.setdefault("sweep", []).append([bn, sp, t])
                         if best is None or t < best[2]:
                             best = [bn, sp, t]
@@ -131,8 +140,10 @@ def run(args) -> int:
             sm = (f"{row['scaled_mm_us']:>12.2f} {row['scaled_mm_x_bf16']:>6.2f}x {row['scaled_mm_gemm_us']:>10.2f}"
                   if "scaled_mm_us" in row else f"{'n/a':>12} {'':>7} {'':>10}")
             plan = "x".join(map(str, row["plan"]))
+            other = "".join(f"  triton {d}-dot {row[f'triton_{d}_dot_us']:.2f} us" for d in dots[1:])
             print(f"  {name:<8} {m:>3} {n:>5} {k:>5} {row['bf16_us']:>8.2f} {row['triton_us']:>9.2f} "
                   f"{row['triton_x_bf16']:>6.2f}x {row['weight_gb_s']:>6.0f} {sm} {plan:>12} {row['rel_err']:>8.1e}"
+                  + other
                   + (f"  sweep best: N tile {row['sweep_best'][0]}, split {row['sweep_best'][1]}, "
                      f"{row['sweep_best'][2]:.2f} us" if args.sweep else ""))
     for m in ms:  # a decode step's four GEMMs at this M

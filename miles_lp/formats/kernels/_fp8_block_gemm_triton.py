@@ -63,10 +63,11 @@ def _bf16_out(v):
 def decode_gemm_kernel(x_ptr, w_ptr, sw_ptr, y_ptr, aq_ptr, as_ptr, M, N, K, KB,
                        VALUE_FOR_INF: tl.constexpr, POW2: tl.constexpr, BF16_BITS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ITERS: tl.constexpr,
-                       OUT_BF16: tl.constexpr, STORE_ACT: tl.constexpr):
+                       OUT_BF16: tl.constexpr, STORE_ACT: tl.constexpr, DOT_BF16: tl.constexpr):
     """x [M, K] row-major (bf16 / fp32; bf16 as int16 bits when BF16_BITS), w [N, K] uint8, sw [ceil(N/128), KB]
     fp32 -> y: SPLIT == 1: [M, N] (bf16 as int16 bits when OUT_BF16, else fp32); else fp32 partials [SPLIT, M, N].
-    STORE_ACT: aq [M, K] uint8 and as [M, KB] fp32, the fused quantization's bytes (programs of the first N tile)."""
+    STORE_ACT: aq [M, K] uint8 and as [M, KB] fp32, the fused quantization's bytes (programs of the first N tile).
+    DOT_BF16 (CUDA): the dot on the E4M3 values widened to bf16 (bf16 tensor cores), else on float8e4nv."""
     pn = tl.program_id(0)
     pk = tl.program_id(1)
     pm = tl.program_id(2)
@@ -95,8 +96,12 @@ def decode_gemm_kernel(x_ptr, w_ptr, sw_ptr, y_ptr, aq_ptr, as_ptr, M, N, K, KB,
         wb = tl.load(w_ptr + cols[:, None].to(tl.int64) * K + kk[None, :], mask=col_in[:, None] & k_in[None, :],
                      other=0)  # [BN, 128] uint8
         if HW:
-            d = tl.dot(q.to(tl.float8e4nv, bitcast=True), tl.trans(wb.to(tl.float8e4nv, bitcast=True)),
-                       out_dtype=tl.float32)
+            a8 = q.to(tl.float8e4nv, bitcast=True)
+            w8 = tl.trans(wb.to(tl.float8e4nv, bitcast=True))
+            if DOT_BF16:  # E4M3 values are exact in bf16: the same products, fp32 accumulation throughout
+                d = tl.dot(a8.to(tl.bfloat16), w8.to(tl.bfloat16), out_dtype=tl.float32)
+            else:
+                d = tl.dot(a8, w8, out_dtype=tl.float32)
         else:
             d = tl.dot(_e4m3_value(q.to(tl.int32)), tl.trans(_e4m3_value(wb.to(tl.int32))),
                        input_precision="ieee", out_dtype=tl.float32)

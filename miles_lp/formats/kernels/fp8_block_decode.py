@@ -38,6 +38,9 @@ MAX_M = 64
 FP32_REL_TOL = 2.5e-4
 #: the bf16 result (the fp32 one rounded once): bf16's unit roundoff 2^-8 per element, plus FP32_REL_TOL
 REL_TOL = 2.0 ** -8 + FP32_REL_TOL
+#: the dot's operands on CUDA: ``fp8`` (``tl.dot`` on float8e4nv: FP8 tensor cores) or ``bf16`` (the E4M3 values
+#: widened to bf16, exact: bf16 tensor cores, fp32 accumulation throughout); the bytes read are the same
+CONFIG = {"dot": "fp8"}
 _PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fp8_block_gemm_triton.py")
 _MODULES: dict[bool, object] = {}
 _LOCK = threading.Lock()
@@ -111,13 +114,17 @@ def _check(x: torch.Tensor, w_data: torch.Tensor, w_scale_inv: torch.Tensor) -> 
 
 def decode_mm(x: torch.Tensor, w_data: torch.Tensor, w_scale_inv: torch.Tensor, pow2: bool, *,
               out_dtype: torch.dtype = torch.bfloat16, block_n: int | None = None, split: int | None = None,
-              store_act: bool = False):
+              store_act: bool = False, dot: str | None = None):
     """y ``[M, N]`` (``out_dtype`` bf16 or fp32) = the 1x128 grid of ``x [M, K]`` (``pow2``: power-of-two scales)
     times the 128x128-grid weight ``w_data [N, K]`` / ``w_scale_inv``, transposed.
 
     ``store_act``: return ``(y, (q [M, K] uint8, scale_inv [M, ceil(K/128)]))``, the prologue's quantization (the
-    codec's ``quantize_fp8_blockwise(x, (1, 128), pow2)`` bytes; for the tests)."""
+    codec's ``quantize_fp8_blockwise(x, (1, 128), pow2)`` bytes; for the tests). ``dot``: ``CONFIG["dot"]`` unless
+    given; ``block_n`` / ``split``: ``plan``'s unless given."""
     _check(x, w_data, w_scale_inv)
+    dot = dot or CONFIG["dot"]
+    if dot not in ("fp8", "bf16"):
+        raise FormatError(f"fp8_block decode GEMM: dot must be fp8 or bf16, got {dot!r}")
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise FormatError(f"fp8_block decode GEMM: out_dtype must be bfloat16 or float32, got {out_dtype}")
     x = x.detach()
@@ -142,7 +149,8 @@ def decode_mm(x: torch.Tensor, w_data: torch.Tensor, w_scale_inv: torch.Tensor, 
     rt.launch(mod, "decode_gemm_kernel", (-(-n // bn), sp, -(-m // bm)),
               (src, w_data.view(torch.uint8), w_scale_inv, part, aq, asc, m, n, k, kb), 4,
               VALUE_FOR_INF=float(torch.finfo(x.dtype).max), POW2=bool(pow2), BF16_BITS=bits, BLOCK_M=bm,
-              BLOCK_N=bn, SPLIT=sp, ITERS=-(-kb // sp), OUT_BF16=bf16_out, STORE_ACT=bool(store_act))
+              BLOCK_N=bn, SPLIT=sp, ITERS=-(-kb // sp), OUT_BF16=bf16_out, STORE_ACT=bool(store_act),
+              DOT_BF16=dot == "bf16")
     if sp > 1:
         rt.launch(mod, "split_sum_kernel", (-(-(m * n) // 1024),), (part, y, m * n), 4, SPLIT=sp,
                   OUT_BF16=bf16_out, BLOCK=1024)
@@ -166,7 +174,7 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def selfcheck(device: str = "cuda", seed: int = 0, shapes=None) -> list[str]:
+def selfcheck(device: str = "cuda", seed: int = 0, shapes=None, dot: str | None = None) -> list[str]:
     """The kernel against the emulation (``FP32_REL_TOL`` in fp32; in bf16 the fp32 result rounded once, bit for bit,
     and ``REL_TOL``), with and without split-K, and its prologue against the codec (bytes and scales), both scale
     rules; returns the failures (empty: pass)."""
@@ -188,11 +196,11 @@ def selfcheck(device: str = "cuda", seed: int = 0, shapes=None) -> list[str]:
             kb = -(-k // BLOCK)
             for split in sorted({1, kb}):
                 tag = f"{m}x{n}x{k} pow2={pow2} split={split}"
-                y, (aq, asc) = decode_mm(xd, wd, sd, pow2, split=split, store_act=True)
+                y, (aq, asc) = decode_mm(xd, wd, sd, pow2, split=split, store_act=True, dot=dot)
                 if not (torch.equal(aq.cpu(), codec.data.view(torch.uint8))
                         and torch.equal(asc.cpu().view(torch.int32), codec.scale_inv.view(torch.int32))):
                     bad.append(f"prologue bytes {tag}")
-                y32 = decode_mm(xd, wd, sd, pow2, split=split, out_dtype=torch.float32)
+                y32 = decode_mm(xd, wd, sd, pow2, split=split, out_dtype=torch.float32, dot=dot)
                 e = rel_err(y32.cpu(), ref)
                 if not e <= FP32_REL_TOL:
                     bad.append(f"fp32 result {tag}: rel err {e:.2e} > {FP32_REL_TOL}")
