@@ -253,8 +253,10 @@ class _Group:
         kinds = {_op_kind(m, None) for m in self.layers}
         keys = {(m.kernel_format, m.activation_scale, m.op_dtype, m.has_bias) for m in self.layers}
         self.kind = kinds.pop() if len(kinds) == 1 and len(keys) == 1 else "generic"
-        self.concat = concat and len(self.layers) > 1 and self.kind != "generic"
         self.widths = [m.out_features for m in self.layers]
+        # (FP8 block scales concatenate along N only when every width is whole 128-row blocks)
+        self.concat = (concat and len(self.layers) > 1 and self.kind != "generic"
+                       and (self.kind != "fp8_native" or all(w % 128 == 0 for w in self.widths)))
         self.native: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (data, scale_inv, scale_b buf)
         self.cat: dict[str, torch.Tensor] = {}
         self.refresh()
@@ -325,7 +327,8 @@ class _Group:
         if fp8_gemm(x2.shape[0]) == "triton":
             from miles_lp.formats.kernels import fp8_block_decode as fd
 
-            ys = [fd.decode_mm(x2, data, s, pow2) for data, s, _ in self.native]
+            out = torch.float32 if x2.dtype == torch.float32 else torch.bfloat16  # (bf16 on CUDA: _op_kind)
+            ys = [fd.decode_mm(x2, data, s, pow2, out_dtype=out) for data, s, _ in self.native]
         else:
             from miles_lp.formats.kernels import fp8_block as fk
             from miles_lp.train import fp8_block_gemm as g

@@ -177,6 +177,13 @@ def test_fused_kernels_greedy_equals_eager(arch):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("fused", ["0", "interpret"])
+def test_fp8_decode_gemm_greedy_equals_eager(fused):
+    # the fp8_block group path through the Triton decode GEMM (interpreter), fused kernels off / on
+    _in_interpreter(f"check_fp8_decode_gemm_greedy({fused!r})")
+
+
+@pytest.mark.slow
 def test_fused_kernels_match_torch_ops():
     _in_interpreter("check_fused_kernels()")
 
@@ -194,6 +201,30 @@ def check_fused_greedy(arch: str) -> None:
     monkeypatch = _Env()
     sp = SamplingParams(max_new_tokens=6, temperature=0.0)
     a, b = _both(monkeypatch, tiny_checkpoint(arch), sp)
+    assert [g.output_ids for g in a] == [g.output_ids for g in b]
+    for g, h in zip(a, b, strict=True):
+        assert float((g.logprobs - h.logprobs).abs().max()) < 1e-4
+
+
+def check_fp8_decode_gemm_greedy(fused: str) -> None:
+    # the fp8_native group path with the Triton decode GEMM, in the interpreter on the tiny fp8_block Qwen3 (fp32
+    # activations, partial 128-blocks): _op_kind is widened to CPU (it takes fp8_native on sm_90 only); the eager
+    # path quantizes the same activations with the codec and runs the emulated GEMM: the same greedy tokens
+    from miles_lp.config import runtime_override
+    from miles_lp.formats.kernels import fp8_block_decode as fd
+    from miles_lp.formats.spec import Format
+
+    real_kind = cuda_decode._op_kind
+    cuda_decode._op_kind = lambda layer, x: ("fp8_native" if layer.kernel_format is Format.FP8_BLOCK
+                                             else real_kind(layer, x))
+    calls = []
+    real_mm = fd.decode_mm
+    fd.decode_mm = lambda *a, **k: calls.append(a[0].shape[0]) or real_mm(*a, **k)
+    _Env().setenv("MILES_LP_DECODE_FUSED", fused)
+    sp = SamplingParams(max_new_tokens=4, temperature=0.0)
+    with runtime_override(fp8_decode_gemm="triton"):
+        a, b = _both(_Env(), tiny_checkpoint("qwen3", "fp8_block"), sp, prompts=PROMPTS[:2])
+    assert calls and max(calls) == 2 * 8 and min(calls) == 2, calls  # prefill [B*W] and one token per row
     assert [g.output_ids for g in a] == [g.output_ids for g in b]
     for g, h in zip(a, b, strict=True):
         assert float((g.logprobs - h.logprobs).abs().max()) < 1e-4
