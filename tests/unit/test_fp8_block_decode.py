@@ -85,3 +85,30 @@ def test_refusals(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(FormatError, match="runs on CUDA tensors"):
         d.decode_mm(x, w, torch.ones(1, 2), False)
+
+
+@pytest.mark.parametrize("bm, bn, split, dot, store", [(16, 64, 1, "fp8", False), (32, 64, 13, "fp8", True),
+                                                       (64, 64, 3, "fp8", False), (32, 64, 2, "bf16", False)])
+def test_compiles_for_sm90_pipelined(bm, bn, split, dot, store):
+    """The CUDA form compiles for sm_90 here (Triton's compiler and ptxas run without a GPU), with the launch's
+    specialization (16-byte aligned pointers, N and K multiples of 16): the loads are software-pipelined
+    (cp.async), the dot runs on tensor cores (wgmma on E4M3 at 64-row tiles; Triton 3.6 widens E4M3 to fp16 for
+    mma.sync at 16 / 32, exactly)."""
+    compiler = pytest.importorskip("triton.compiler")
+    from triton.backends.compiler import GPUTarget
+
+    from miles_lp.formats.kernels import fp8_block_decode as d
+
+    mod = d.load_module(False)
+    sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "sw_ptr": "*fp32", "y_ptr": "*i16" if split == 1 else "*fp32",
+           "aq_ptr": "*u8", "as_ptr": "*fp32" if store else "*u8", "M": "i32", "N": "i32", "K": "i32", "KB": "i32"}
+    consts = dict(VALUE_FOR_INF=float(torch.finfo(torch.bfloat16).max), POW2=False, BF16_BITS=False, BLOCK_M=bm,
+                  BLOCK_N=bn, SPLIT=split, ITERS=-(-38 // split), OUT_BF16=True, STORE_ACT=store, DOT_BF16=dot == "bf16")
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 7, 8)}
+    k = compiler.compile(compiler.ASTSource(fn=mod.decode_gemm_kernel, signature=sig, constexprs=consts, attrs=attrs),
+                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert k.asm["ttgir"].count("async_copy_global_to_local") >= 2  # x and w tiles, prefetched
+    ptx = k.asm["ptx"]
+    want = "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3" if bm == 64 else "mma.sync.aligned.m16n8k16"
+    assert want in ptx
