@@ -16,8 +16,9 @@ its fp32 partial ``[SPLIT, M, N]``; ``split_sum_kernel`` adds the partials in sp
 Compiled for sm_90 with the launch's specialization (16-byte aligned pointers, N and K multiples of 16; checked on
 CPU by ``tests/unit/test_fp8_block_decode.py``, Triton 3.6): the x and w tile loads are software-pipelined
 (cp.async, the default 3 stages), no register spills at 16..64 x 32..128 tiles (68-255 registers), and the dot is
-``wgmma ... e4m3.e4m3`` at 64-row tiles while at 16 / 32 rows Triton widens E4M3 to fp16 (exact) for
-``mma.sync.m16n8k16``: the same products, the same bytes read.
+``wgmma ... e4m3.e4m3`` at 64-row tiles (its partial sums added into fp32 registers every 32 products:
+``max_num_imprecise_acc=32``) while at 16 / 32 rows Triton widens E4M3 to fp16 (exact) for ``mma.sync.m16n8k16``
+(fp32 accumulation): the same products, the same bytes read.
 """
 
 from __future__ import annotations
@@ -106,8 +107,8 @@ def decode_gemm_kernel(x_ptr, w_ptr, sw_ptr, y_ptr, aq_ptr, as_ptr, M, N, K, KB,
             w8 = tl.trans(wb.to(tl.float8e4nv, bitcast=True))
             if DOT_BF16:  # E4M3 values are exact in bf16: the same products, fp32 accumulation throughout
                 d = tl.dot(a8.to(tl.bfloat16), w8.to(tl.bfloat16), out_dtype=tl.float32)
-            else:
-                d = tl.dot(a8, w8, out_dtype=tl.float32)
+            else:  # wgmma's FP8 accumulator keeps ~14 bits: promoted to the fp32 registers every 32 products
+                d = tl.dot(a8, w8, out_dtype=tl.float32, max_num_imprecise_acc=32)
         else:
             d = tl.dot(_e4m3_value(q.to(tl.int32)), tl.trans(_e4m3_value(wb.to(tl.int32))),
                        input_precision="ieee", out_dtype=tl.float32)

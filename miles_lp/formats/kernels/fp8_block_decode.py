@@ -10,8 +10,9 @@ No host synchronisation and shapes fixed per call: CUDA-graph capturable.
 
 Numerics: each 128-long K block is one FP8 dot from zero (fp32 accumulation), scaled by ``sa * sw`` in fp32 and
 added; the emulation dequantizes in fp32 and runs one fp32 GEMM. With ``out_dtype=torch.float32`` they differ by the
-order of the sums and, on sm_90, the FP8 tensor cores' reduced-precision accumulation inside a block (DeepSeek-V3
-measured ~14 retained bits; the per-block promotion to fp32 bounds it): ``FP32_REL_TOL`` (relative Frobenius error).
+order of the sums (on sm_90 at 64-row tiles the FP8 tensor cores accumulate 32 products at a time in reduced
+precision, DeepSeek-V3 measured ~14 retained bits, before each partial sum is added in fp32): ``FP32_REL_TOL``
+(relative Frobenius error).
 The bf16 result is that fp32 result rounded once (RNE; ``selfcheck`` checks bit equality with ``.to(bfloat16)``),
 so it is within ``REL_TOL`` = bf16's unit roundoff 2^-8 (a bound per element, hence on the Frobenius norm) plus
 ``FP32_REL_TOL`` (normal range). For comparison, cuBLAS's block-scaled GEMM (bf16 output) measured 1.7e-3 against
