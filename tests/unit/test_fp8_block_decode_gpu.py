@@ -53,9 +53,9 @@ def test_decode_shapes_match_the_emulation_and_scaled_mm(m, n, k):
     y = d.decode_mm(x, w.data, w.scale_inv, pow2)
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     assert d.rel_err(y, ref) <= d.REL_TOL
-    assert d.rel_err(d.decode_mm(x, w.data, w.scale_inv, pow2, out_dtype=torch.float32), ref) <= d.FP32_REL_TOL
     assert torch.equal(y, d.decode_mm(x, w.data, w.scale_inv, pow2))  # deterministic (no atomics)
-    if m == 32:  # the bf16-dot variant at the decode batch
+    if m in (32, 64):  # fp32 output (the tighter bound) and the bf16-dot variant (each variant compiles: not all)
+        assert d.rel_err(d.decode_mm(x, w.data, w.scale_inv, pow2, out_dtype=torch.float32), ref) <= d.FP32_REL_TOL
         y16 = d.decode_mm(x, w.data, w.scale_inv, pow2, dot="bf16", out_dtype=torch.float32)
         assert d.rel_err(y16, ref) <= d.FP32_REL_TOL
     if G.unavailable_reason(x, w.data) is None:
