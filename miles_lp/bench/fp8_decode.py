@@ -11,9 +11,10 @@ times (device time per call from CUDA events; no host in the loop):
   ``torch._scaled_mm_v2`` with BlockWise1x128 x BlockWise128x128 scales; ``scaled_mm gemm`` the GEMM alone.
 
 Each row: microseconds per call, the ratio to BF16 (> 1: faster than BF16), the weight's E4M3 bytes per second, the
-launch plan, and the Triton result's relative error against the emulated GEMM (bf16 output: ``REL_TOL``; the JSON
+launch plan (M tile x N tile x split-K; ``CONFIG["stages"]`` deep), and the Triton result's relative error against the emulated GEMM (bf16 output: ``REL_TOL``; the JSON
 also has the fp32 output's, ``FP32_REL_TOL``). ``--sweep`` also times
-the Triton kernel at N tiles of 32 / 64 / 128 and split-K 1..16 and reports the fastest (the plan's inputs).
+the Triton kernel at pipeline depths 3 / 4 / 6, N tiles of 32 / 64 / 128 and split-K 1..16 and reports the fastest
+(the inputs of ``plan`` and ``CONFIG``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def add_arguments(p) -> None:
                    "(FP8 tensor cores), bf16 (the E4M3 values widened, exact); the first is the 'triton' column")
     p.add_argument("--calls", type=int, default=50, help="calls captured in one CUDA graph")
     p.add_argument("--replays", type=int, default=10, help="timed replays of the graph")
-    p.add_argument("--sweep", action="store_true", help="also time the Triton kernel's N tiles and split-K")
+    p.add_argument("--sweep", action="store_true", help="also time the Triton kernel's pipeline depths, N tiles and "
+                   "split-K")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the rows to this JSON file")
 
 
@@ -128,13 +130,16 @@ def run(args) -> int:
             if args.sweep:
                 kb = -(-k // 128)
                 best = None
-                for bn in (32, 64, 128):
-                    for sp in sorted({s for s in (1, 2, 3, 4, 6, 8, 12, 16) if s <= kb}):
-                        t = _graph_time(lambda x=x, wd=wd, ws=ws, bn=bn, sp=sp: fd.decode_mm(
-                            x, wd, ws, args.pow2, block_n=bn, split=sp, dot=dots[0]), args.calls, 3)
-                        row.setdefault("sweep", []).append([bn, sp, t])
-                        if best is None or t < best[2]:
-                            best = [bn, sp, t]
+                for stages in (3, 4, 6):
+                    for bn in (32, 64, 128):
+                        for sp in sorted({s for s in (1, 2, 4, 8, 16) if s <= kb}):
+                            t = _graph_time(lambda x=x, wd=wd, ws=ws, bn=bn, sp=sp, st=stages: fd.decode_mm(
+                                x, wd, ws, args.pow2, block_n=bn, split=sp, dot=dots[0], stages=st), args.calls, 3)
+                            print(f"    sweep {name} M={m}: stages {stages}, N tile {bn}, split {sp}: {t:.2f} us",
+                                  flush=True)
+                            row.setdefault("sweep", []).append([stages, bn, sp, t])
+                            if best is None or t < best[3]:
+                                best = [stages, bn, sp, t]
                 row["sweep_best"] = best
             rows.append(row)
             sm = (f"{row['scaled_mm_us']:>12.2f} {row['scaled_mm_x_bf16']:>6.2f}x {row['scaled_mm_gemm_us']:>10.2f}"
@@ -144,8 +149,8 @@ def run(args) -> int:
             print(f"  {name:<8} {m:>3} {n:>5} {k:>5} {row['bf16_us']:>8.2f} {row['triton_us']:>9.2f} "
                   f"{row['triton_x_bf16']:>6.2f}x {row['weight_gb_s']:>6.0f} {sm} {plan:>12} {row['rel_err']:>8.1e}"
                   + other
-                  + (f"  sweep best: N tile {row['sweep_best'][0]}, split {row['sweep_best'][1]}, "
-                     f"{row['sweep_best'][2]:.2f} us" if args.sweep else ""))
+                  + (f"  sweep best: stages {row['sweep_best'][0]}, N tile {row['sweep_best'][1]}, split "
+                     f"{row['sweep_best'][2]}, {row['sweep_best'][3]:.2f} us" if args.sweep else ""), flush=True)
     for m in ms:  # a decode step's four GEMMs at this M
         sel = [r for r in rows if r["m"] == m]
         tot = {p: sum(r.get(f"{p}_us", float("nan")) for r in sel) for p in ("bf16", "triton", "scaled_mm")}

@@ -61,10 +61,11 @@ def test_decode_gemm_matches_the_emulation_interpreted():
 def test_plan():
     from miles_lp.formats.kernels.fp8_block_decode import plan
 
-    assert plan(1, 896, 4864, 132) == (16, 64, 13)  # down: 14 N tiles, 38 K blocks -> 13 splits of 3
-    assert plan(32, 9728, 896, 132) == (32, 64, 2)  # gate/up: 152 N tiles, 7 K blocks -> 2 splits (4 + 3)
-    assert plan(64, 1152, 896, 132) == (64, 64, 3)  # q/k/v
-    assert plan(33, 128, 128, 132) == (64, 64, 1)  # one K block: no split
+    assert plan(1, 896, 4864, 132) == (16, 64, 8)  # down: 14 N tiles, 38 K blocks -> 8 splits of 5
+    assert plan(32, 896, 4864, 132) == (32, 64, 8)
+    assert plan(32, 9728, 896, 132) == (32, 64, 1)  # gate/up: 152 N tiles fill the GPU
+    assert plan(64, 1152, 896, 132) == (64, 64, 1)  # q/k/v: 7 K blocks, too short to split
+    assert plan(33, 128, 128, 132) == (64, 64, 1)
     assert plan(1, 128, 384, 132, block_n=128, split=3) == (16, 128, 3)
     from miles_lp.errors import FormatError
 
@@ -103,12 +104,14 @@ def test_compiles_for_sm90_pipelined(bm, bn, split, dot, store):
     sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "sw_ptr": "*fp32", "y_ptr": "*i16" if split == 1 else "*fp32",
            "aq_ptr": "*u8", "as_ptr": "*fp32" if store else "*u8", "M": "i32", "N": "i32", "K": "i32", "KB": "i32"}
     consts = dict(VALUE_FOR_INF=float(torch.finfo(torch.bfloat16).max), POW2=False, BF16_BITS=False, BLOCK_M=bm,
-                  BLOCK_N=bn, SPLIT=split, ITERS=-(-38 // split), OUT_BF16=True, STORE_ACT=store, DOT_BF16=dot == "bf16")
+                  BLOCK_N=bn, SPLIT=split, ITERS=-(-38 // split), OUT_BF16=True, STORE_ACT=store, DOT_BF16=dot == "bf16",
+                  STAGES=d.CONFIG["stages"])
     sig.update(dict.fromkeys(consts, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 7, 8)}
     k = compiler.compile(compiler.ASTSource(fn=mod.decode_gemm_kernel, signature=sig, constexprs=consts, attrs=attrs),
                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     assert k.asm["ttgir"].count("async_copy_global_to_local") >= 2  # x and w tiles, prefetched
+    assert k.metadata.shared >= (d.CONFIG["stages"] - 1) * bn * 128  # (the w tiles of the stages in flight)
     ptx = k.asm["ptx"]
     want = "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3" if bm == 64 else "mma.sync.aligned.m16n8k16"
     assert want in ptx

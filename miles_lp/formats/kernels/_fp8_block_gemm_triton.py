@@ -15,7 +15,7 @@ its fp32 partial ``[SPLIT, M, N]``; ``split_sum_kernel`` adds the partials in sp
 
 Compiled for sm_90 with the launch's specialization (16-byte aligned pointers, N and K multiples of 16; checked on
 CPU by ``tests/unit/test_fp8_block_decode.py``, Triton 3.6): the x and w tile loads are software-pipelined
-(cp.async, the default 3 stages), no register spills at 16..64 x 32..128 tiles (68-255 registers), and the dot is
+(cp.async, ``STAGES`` deep), no register spills at 16..64 x 32..128 tiles (68-255 registers), and the dot is
 ``wgmma ... e4m3.e4m3`` at 64-row tiles (its partial sums added into fp32 registers every 32 products:
 ``max_num_imprecise_acc=32``) while at 16 / 32 rows Triton widens E4M3 to fp16 (exact) for ``mma.sync.m16n8k16``
 (fp32 accumulation): the same products, the same bytes read.
@@ -70,11 +70,13 @@ def _bf16_out(v):
 def decode_gemm_kernel(x_ptr, w_ptr, sw_ptr, y_ptr, aq_ptr, as_ptr, M, N, K, KB,
                        VALUE_FOR_INF: tl.constexpr, POW2: tl.constexpr, BF16_BITS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ITERS: tl.constexpr,
-                       OUT_BF16: tl.constexpr, STORE_ACT: tl.constexpr, DOT_BF16: tl.constexpr):
+                       OUT_BF16: tl.constexpr, STORE_ACT: tl.constexpr, DOT_BF16: tl.constexpr,
+                       STAGES: tl.constexpr):
     """x [M, K] row-major (bf16 / fp32; bf16 as int16 bits when BF16_BITS), w [N, K] uint8, sw [ceil(N/128), KB]
     fp32 -> y: SPLIT == 1: [M, N] (bf16 as int16 bits when OUT_BF16, else fp32); else fp32 partials [SPLIT, M, N].
     STORE_ACT: aq [M, K] uint8 and as [M, KB] fp32, the fused quantization's bytes (programs of the first N tile).
-    DOT_BF16 (CUDA): the dot on the E4M3 values widened to bf16 (bf16 tensor cores), else on float8e4nv."""
+    DOT_BF16 (CUDA): the dot on the E4M3 values widened to bf16 (bf16 tensor cores), else on float8e4nv.
+    STAGES: the software pipeline's depth (tiles of x and w in flight per program)."""
     pn = tl.program_id(0)
     pk = tl.program_id(1)
     pm = tl.program_id(2)
@@ -85,7 +87,7 @@ def decode_gemm_kernel(x_ptr, w_ptr, sw_ptr, y_ptr, aq_ptr, as_ptr, M, N, K, KB,
     col_in = cols < N
     sw_row = (cols // 128).to(tl.int64) * KB  # [BN]: each output column's weight-scale row
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in range(ITERS):  # a constexpr: Triton's interpreter cannot loop to a runtime bound
+    for i in tl.range(ITERS, num_stages=STAGES):  # (ITERS a constexpr: the interpreter loops to constants only)
         kb = pk * ITERS + i  # this split's K blocks: [pk * ITERS, (pk + 1) * ITERS), those < KB
         kk = kb * 128 + ks
         k_in = (kk < K) & (kb < KB)

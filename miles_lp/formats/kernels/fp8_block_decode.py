@@ -41,7 +41,9 @@ FP32_REL_TOL = 2.5e-4
 REL_TOL = 2.0 ** -8 + FP32_REL_TOL
 #: the dot's operands on CUDA: ``fp8`` (``tl.dot`` on float8e4nv: FP8 tensor cores) or ``bf16`` (the E4M3 values
 #: widened to bf16, exact: bf16 tensor cores, fp32 accumulation throughout); the bytes read are the same
-CONFIG = {"dot": "fp8"}
+#: ``stages``: tiles of x and w in flight per program (the loop's software pipeline; at decode sizes the GEMM waits on
+#: memory, so deeper is more bytes in flight per SM)
+CONFIG = {"dot": "fp8", "stages": 4}
 _PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fp8_block_gemm_triton.py")
 _MODULES: dict[bool, object] = {}
 _LOCK = threading.Lock()
@@ -79,16 +81,21 @@ def _sms(x: torch.Tensor) -> int:
 def plan(m: int, n: int, k: int, sms: int, block_n: int | None = None, split: int | None = None
          ) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, SPLIT) for ``[m, k] @ [n, k].T`` on ``sms`` SMs: the M tile the smallest of 16 / 32 / 64
-    holding ``m``; N tiles of 64; split-K until there are about two programs per SM, each split the same number
-    of K blocks (at least 2, at most 16 splits). ``block_n`` / ``split``: given values win (benchmarks)."""
+    holding ``m``; N tiles of 64; split-K only where the tiles leave SMs idle and K is long (at least 8 blocks):
+    about one program per SM, each split at least 4 K blocks, all the same length but the last. A split costs a
+    second launch (the fixed-order sum of the partials), ~1-2 us in a CUDA graph, so the short-K GEMMs of a decode
+    step (q/k/v, o, gate/up of a 0.5B model) run unsplit and its long-K one (down) split. ``block_n`` / ``split``:
+    given values win (benchmarks)."""
     bm = 16 if m <= 16 else 32 if m <= 32 else 64
     bn = block_n or 64
     kb = -(-k // BLOCK)
     if split is None:
         tiles = -(-n // bn) * -(-m // bm)
-        split = max(1, min(16, kb // 2, -(-2 * sms // tiles)))
-        per = -(-kb // split)
-        split = -(-kb // per)
+        split = 1
+        if tiles < sms and kb >= 8:
+            split = min(kb // 4, -(-sms // tiles))
+            per = -(-kb // split)
+            split = -(-kb // per)
     if bn not in (16, 32, 64, 128, 256) or not 1 <= split <= kb:
         raise FormatError(f"fp8_block decode GEMM: block_n {bn} (16..256, a power of two) / split {split} "
                           f"(1..{kb} K blocks) out of range")
@@ -115,13 +122,13 @@ def _check(x: torch.Tensor, w_data: torch.Tensor, w_scale_inv: torch.Tensor) -> 
 
 def decode_mm(x: torch.Tensor, w_data: torch.Tensor, w_scale_inv: torch.Tensor, pow2: bool, *,
               out_dtype: torch.dtype = torch.bfloat16, block_n: int | None = None, split: int | None = None,
-              store_act: bool = False, dot: str | None = None):
+              store_act: bool = False, dot: str | None = None, stages: int | None = None):
     """y ``[M, N]`` (``out_dtype`` bf16 or fp32) = the 1x128 grid of ``x [M, K]`` (``pow2``: power-of-two scales)
     times the 128x128-grid weight ``w_data [N, K]`` / ``w_scale_inv``, transposed.
 
     ``store_act``: return ``(y, (q [M, K] uint8, scale_inv [M, ceil(K/128)]))``, the prologue's quantization (the
     codec's ``quantize_fp8_blockwise(x, (1, 128), pow2)`` bytes; for the tests). ``dot``: ``CONFIG["dot"]`` unless
-    given; ``block_n`` / ``split``: ``plan``'s unless given."""
+    given; ``block_n`` / ``split``: ``plan``'s unless given; ``stages``: ``CONFIG["stages"]`` unless given."""
     _check(x, w_data, w_scale_inv)
     dot = dot or CONFIG["dot"]
     if dot not in ("fp8", "bf16"):
@@ -151,7 +158,7 @@ def decode_mm(x: torch.Tensor, w_data: torch.Tensor, w_scale_inv: torch.Tensor, 
               (src, w_data.view(torch.uint8), w_scale_inv, part, aq, asc, m, n, k, kb), 4,
               VALUE_FOR_INF=float(torch.finfo(x.dtype).max), POW2=bool(pow2), BF16_BITS=bits, BLOCK_M=bm,
               BLOCK_N=bn, SPLIT=sp, ITERS=-(-kb // sp), OUT_BF16=bf16_out, STORE_ACT=bool(store_act),
-              DOT_BF16=dot == "bf16")
+              DOT_BF16=dot == "bf16", STAGES=stages or CONFIG["stages"])
     if sp > 1:
         rt.launch(mod, "split_sum_kernel", (-(-(m * n) // 1024),), (part, y, m * n), 4, SPLIT=sp,
                   OUT_BF16=bf16_out, BLOCK=1024)
