@@ -223,10 +223,10 @@ def run(args) -> int:
     layers = f" ({args.num_layers} layers)" if args.num_layers else ""
     print(f"bench rollout: model {args.model}{layers}, device {device}, batch {args.batch}, prompt {args.prompt_len}, "
           f"new tokens {args.new_tokens}, torch threads {torch.get_num_threads()}")
-    print(f"  {'backend':<26} {'precision':<15} {'tokens/s':>10} {'vs generate':>12} {'vs our bf16':>12} {'graphs':>7}")
+    print(f"  {'backend':<38} {'precision':<15} {'tokens/s':>10} {'vs generate':>12} {'vs our bf16':>12} {'graphs':>7}")
     for r in rows:
         if "skipped" in r:
-            print(f"  {r['backend']:<26} {r['precision']:<15} {'skipped: ' + r['skipped']}")
+            print(f"  {r['backend']:<38} {r['precision']:<15} {'skipped: ' + r['skipped']}")
             continue
         r["ratio_vs_generate"] = r["tokens_per_s"] / anchor
         mine = r["backend"] == "reference engine" and ours
@@ -236,7 +236,7 @@ def run(args) -> int:
         if mine:
             r["ratio_vs_reference_bf16"] = r["tokens_per_s"] / ours
         vs = f"{r['ratio_vs_reference_bf16']:>11.2f}x" if mine else f"{'':>12}"
-        print(f"  {name:<26} {r['precision']:<15} {r['tokens_per_s']:>10.1f} {r['ratio_vs_generate']:>11.2f}x "
+        print(f"  {name:<38} {r['precision']:<15} {r['tokens_per_s']:>10.1f} {r['ratio_vs_generate']:>11.2f}x "
               f"{vs} {r.get('graphs_captured', ''):>7}")
     if args.json:
         with open(args.json, "w") as f:
