@@ -247,6 +247,11 @@ class RuntimeConfig:
     decode: typing.Literal["auto", "eager", "static", "graph"] = "auto"
     # the static decode's fused elementwise Triton kernels: on | off | interpret (Triton's interpreter, for CPU tests)
     decode_fused: typing.Literal["on", "off", "interpret"] = "on"
+    # the static decode's fp8_block GEMM on sm_90: auto (the Triton decode GEMM, activation quantization in its
+    # prologue, for at most formats.kernels.fp8_block_decode.MAX_M tokens; cuBLAS's block-scaled scaled_mm above) |
+    # triton (every token count) | scaled_mm (never the Triton GEMM). Not byte-equal: both within the native GEMMs'
+    # REL_TOL of the emulated GEMM
+    fp8_decode_gemm: typing.Literal["auto", "triton", "scaled_mm"] = "auto"
 
     def _validate(self, where: Where) -> None:
         for f in dataclasses.fields(self):
@@ -276,6 +281,7 @@ RUNTIME_ENV: dict[str, str] = {
     "sync_shared": "MILES_LP_SYNC_SHARED",
     "decode": "MILES_LP_DECODE",
     "decode_fused": "MILES_LP_DECODE_FUSED",
+    "fp8_decode_gemm": "MILES_LP_FP8_DECODE_GEMM",
 }
 
 #: keys whose code still reads only its variable (``os.environ``: train/fp8_block_gemm.py): a config value other
@@ -375,8 +381,8 @@ def _env_value(name: str, var: str, raw: str) -> Any:
         return "emulated" if raw == "emulated" else "auto"
     if name == "pipeline_workers":
         return int(raw) if raw.strip().isdigit() else None
-    if name in ("sync_kernels", "decode"):
-        return raw
+    if name in ("sync_kernels", "decode", "fp8_decode_gemm"):
+        return raw  # (checked where it is read)
     if name == "decode_fused":
         return {"0": "off", "interpret": "interpret"}.get(raw, "on")
     return raw != "0"

@@ -11,7 +11,8 @@ no stop tokens, sampling at temperature 1):
 
 ``--decode auto,eager`` adds each reference row once per decode path (``MILES_LP_DECODE``; ``auto``: the static
 KV cache with CUDA-graph replay of ``rollout.cuda_decode`` where it applies, ``eager``: transformers' forward per
-step). Each row reports the graphs it captured and its ratio to the reference engine's first BF16 row.
+step). ``--fp8-decode-gemm auto,scaled_mm`` adds each ``fp8_block`` row once per decode GEMM
+(``runtime.fp8_decode_gemm``). Each row reports the graphs it captured and its ratio to the reference engine's first BF16 row.
 Targets on the H200 (0.5B, batch 32, 128 new tokens): BF16 >= 5x ``generate``, fp8_block >= 1.2x and MXFP8
 >= 0.8x our BF16.
 
@@ -49,6 +50,9 @@ def add_arguments(p) -> None:
                    help="reference engine rows (bf16, mxfp8, nvfp4, fp8_block, fp8_block+pow2)")
     p.add_argument("--decode", default="auto", help="decode paths per reference row, comma-separated: auto, eager, "
                    "static (MILES_LP_DECODE)")
+    p.add_argument("--fp8-decode-gemm", default="auto",
+                   help="fp8_block rows once per decode GEMM, comma-separated: auto, triton, scaled_mm "
+                   "(runtime.fp8_decode_gemm: the Triton decode GEMM or cuBLAS's block-scaled GEMM)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU; default: torch's)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per row (the best is reported)")
     p.add_argument("--vllm", default="auto", choices=("auto", "off"), help="add the vLLM CPU row when available")
@@ -168,12 +172,17 @@ def run(args) -> int:
         bad = [d for d in decodes if d not in cuda_decode.MODES]
         if bad:
             raise SystemExit(f"bench rollout: --decode {bad[0]!r}: choose from {', '.join(cuda_decode.MODES)}")
+        gemms = [d.strip() for d in args.fp8_decode_gemm.split(",") if d.strip()]
+        bad = [d for d in gemms if d not in cuda_decode.FP8_GEMMS]
+        if bad or not gemms:
+            raise SystemExit(f"bench rollout: --fp8-decode-gemm {(bad or [''])[0]!r}: choose from "
+                             f"{', '.join(cuda_decode.FP8_GEMMS)}")
         for prec in [p.strip() for p in args.precisions.split(",") if p.strip()]:
             ck = src if prec == "bf16" else _convert(src, prec, device, root)
             eng = ReferenceEngine(ck, device=device)
             batch = prompts.tolist()
-            for dec in decodes:
-                with runtime_override(decode=dec):
+            for dec, gemm in [(d, m) for d in decodes for m in (gemms if prec.startswith("fp8_block") else gemms[:1])]:
+                with runtime_override(decode=dec, fp8_decode_gemm=gemm):
                     eng.generate(batch, SamplingParams(max_new_tokens=2, seed=0))  # captures this batch's graph
 
                     def ref_generate(eng=eng, batch=batch):
@@ -182,9 +191,12 @@ def run(args) -> int:
 
                     t = _best(ref_generate, args.repeats)
                 st = cuda_decode.stats(eng)
-                rows.append({"backend": "reference engine", "decode": dec, "precision": prec, "seconds": t,
-                             "tokens_per_s": n_tokens / t, "quantized_layers": eng.health()["quantized_layers"],
-                             "graphs_captured": st.get("captures", 0) if st.get("graphs") else 0})
+                row = {"backend": "reference engine", "decode": dec, "precision": prec, "seconds": t,
+                       "tokens_per_s": n_tokens / t, "quantized_layers": eng.health()["quantized_layers"],
+                       "graphs_captured": st.get("captures", 0) if st.get("graphs") else 0}
+                if prec.startswith("fp8_block"):
+                    row["fp8_decode_gemm"] = gemm
+                rows.append(row)
             eng.close()
             del eng
 
@@ -211,18 +223,20 @@ def run(args) -> int:
     layers = f" ({args.num_layers} layers)" if args.num_layers else ""
     print(f"bench rollout: model {args.model}{layers}, device {device}, batch {args.batch}, prompt {args.prompt_len}, "
           f"new tokens {args.new_tokens}, torch threads {torch.get_num_threads()}")
-    print(f"  {'backend':<26} {'precision':<15} {'tokens/s':>10} {'vs generate':>12} {'vs our bf16':>12} {'graphs':>7}")
+    print(f"  {'backend':<38} {'precision':<15} {'tokens/s':>10} {'vs generate':>12} {'vs our bf16':>12} {'graphs':>7}")
     for r in rows:
         if "skipped" in r:
-            print(f"  {r['backend']:<26} {r['precision']:<15} {'skipped: ' + r['skipped']}")
+            print(f"  {r['backend']:<38} {r['precision']:<15} {'skipped: ' + r['skipped']}")
             continue
         r["ratio_vs_generate"] = r["tokens_per_s"] / anchor
         mine = r["backend"] == "reference engine" and ours
         name = f"{r['backend']} ({r['decode']})" if "decode" in r else r["backend"]
+        if "fp8_decode_gemm" in r:
+            name = f"{r['backend']} ({r['decode']}, {r['fp8_decode_gemm']})"
         if mine:
             r["ratio_vs_reference_bf16"] = r["tokens_per_s"] / ours
         vs = f"{r['ratio_vs_reference_bf16']:>11.2f}x" if mine else f"{'':>12}"
-        print(f"  {name:<26} {r['precision']:<15} {r['tokens_per_s']:>10.1f} {r['ratio_vs_generate']:>11.2f}x "
+        print(f"  {name:<38} {r['precision']:<15} {r['tokens_per_s']:>10.1f} {r['ratio_vs_generate']:>11.2f}x "
               f"{vs} {r.get('graphs_captured', ''):>7}")
     if args.json:
         with open(args.json, "w") as f:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
-HELP = ("run a benchmark (plan, convert, linear, quantize, rollout, sync, rl-step) and report ratios against its "
-        "anchor")
+HELP = ("run a benchmark (plan, convert, linear, quantize, rollout, sync, rl-step, fp8-decode) and report ratios "
+        "against its anchor")
 DESCRIPTION = HELP + """
 
 Each benchmark prints its measurement next to an anchor (a plain copy, bf16 F.linear, torchao, a dict lookup)
@@ -22,7 +22,7 @@ and the ratio; `miles-lp bench NAME --help` says what it measures and its option
   miles-lp bench rl-step                  # one RL step per precision arm (smollm2 recipes), ratios to BF16
 """
 
-BENCHES = ["plan", "convert", "linear", "quantize", "rollout", "sync", "rl-step"]
+BENCHES = ["plan", "convert", "linear", "quantize", "rollout", "sync", "rl-step", "fp8-decode"]
 
 
 def add_arguments(p) -> None:

@@ -20,9 +20,12 @@ host: every decode step costs hundreds of Python-dispatched launches, a host->de
   extra tokens are cut on the host.
 * **Activation quantization in one launch on the hot path**: MXFP8 (plan mode) through the decode-only Triton
   launch (``kernels.mxfp8_quantize(store_q=False)``: the codec's quantize-then-dequantize bytes); FP8 blockwise on
-  sm_90 through the 1x128 operand kernel and the native block-scaled GEMM (``train.fp8_block_gemm.forward_mm``,
-  the learner's forward), reading the served E4M3 weight and its block scales as stored. Siblings reading one
-  input (q/k/v, gate/up) quantize it once. Every other layer calls its own ``EngineLinear.apply``.
+  sm_90 through the Triton decode GEMM that quantizes its input in its prologue (``formats.kernels.
+  fp8_block_decode``, at most 64 tokens) or, above that, the 1x128 operand kernel and the native block-scaled GEMM
+  (``train.fp8_block_gemm``, the learner's forward; ``runtime.fp8_decode_gemm``, ``fp8_gemm``), reading the served
+  E4M3 weight and its block scales as stored. Siblings reading one input (q/k/v, gate/up) quantize it once (with
+  the fused kernels: one GEMM over their concatenated weights). Every other layer calls its own
+  ``EngineLinear.apply``.
 
 What runs it: ``MILES_LP_DECODE`` = ``auto`` (default: the graph path on CUDA where ``unsupported_reason`` is None,
 the eager path otherwise), ``eager`` (off), ``static`` (this module's forward without graphs, any device: what the
@@ -163,6 +166,24 @@ def _op_kind(layer, x: torch.Tensor | None) -> str:
     return "generic"
 
 
+FP8_GEMMS = ("auto", "triton", "scaled_mm")
+
+
+def fp8_gemm(m: int) -> str:
+    """The ``fp8_native`` GEMM for ``m`` tokens (``runtime.fp8_decode_gemm``): ``triton`` (the decode GEMM,
+    ``formats.kernels.fp8_block_decode``: the activation quantization in its prologue, rows padded to 16 / 32 / 64)
+    or ``scaled_mm`` (the 1x128 operand kernel, tokens padded to 128, then cuBLAS's block-scaled GEMM)."""
+    c = switch("fp8_decode_gemm")
+    if c not in FP8_GEMMS:
+        raise EngineError(f"runtime.fp8_decode_gemm (MILES_LP_FP8_DECODE_GEMM) must be one of "
+                          f"{', '.join(FP8_GEMMS)}, got {c!r}")
+    if c == "auto":
+        from miles_lp.formats.kernels.fp8_block_decode import MAX_M
+
+        return "triton" if m <= MAX_M else "scaled_mm"
+    return c
+
+
 # ------------------------------------------------------------------------------------------------------------
 # the fused elementwise kernels (rollout._decode_triton)
 # ------------------------------------------------------------------------------------------------------------
@@ -232,8 +253,10 @@ class _Group:
         kinds = {_op_kind(m, None) for m in self.layers}
         keys = {(m.kernel_format, m.activation_scale, m.op_dtype, m.has_bias) for m in self.layers}
         self.kind = kinds.pop() if len(kinds) == 1 and len(keys) == 1 else "generic"
-        self.concat = concat and len(self.layers) > 1 and self.kind != "generic"
         self.widths = [m.out_features for m in self.layers]
+        # (FP8 block scales concatenate along N only when every width is whole 128-row blocks)
+        self.concat = (concat and len(self.layers) > 1 and self.kind != "generic"
+                       and (self.kind != "fp8_native" or all(w % 128 == 0 for w in self.widths)))
         self.native: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (data, scale_inv, scale_b buf)
         self.cat: dict[str, torch.Tensor] = {}
         self.refresh()
@@ -300,14 +323,21 @@ class _Group:
                     y = y + self.cat["bias"].to(y.dtype)
                 y = y.to(x.dtype)
             return self._split(y, shape)
-        from miles_lp.formats.kernels import fp8_block as fk
-        from miles_lp.train import fp8_block_gemm as g
+        pow2 = first.activation_scale == "pow2"
+        if fp8_gemm(x2.shape[0]) == "triton":
+            from miles_lp.formats.kernels import fp8_block_decode as fd
 
-        _, _, (xs, _) = fk.quantize_act(x2, first.activation_scale == "pow2", rows=True, grids=False)
-        ys = []
-        for data, _, buf in self.native:
-            y = g._mm(xs.data, xs.scale_inv, data.view(torch.float8_e4m3fn).t(), buf.t(), "BlockWise128x128")
-            ys.append(y[:xs.rows] if y.shape[0] != xs.rows else y)
+            out = torch.float32 if x2.dtype == torch.float32 else torch.bfloat16  # (bf16 on CUDA: _op_kind)
+            ys = [fd.decode_mm(x2, data, s, pow2, out_dtype=out) for data, s, _ in self.native]
+        else:
+            from miles_lp.formats.kernels import fp8_block as fk
+            from miles_lp.train import fp8_block_gemm as g
+
+            _, _, (xs, _) = fk.quantize_act(x2, pow2, rows=True, grids=False)
+            ys = []
+            for data, _, buf in self.native:
+                y = g._mm(xs.data, xs.scale_inv, data.view(torch.float8_e4m3fn).t(), buf.t(), "BlockWise128x128")
+                ys.append(y[:xs.rows] if y.shape[0] != xs.rows else y)
         if self.concat:
             y = ys[0]
             if "bias" in self.cat:
@@ -603,7 +633,7 @@ class CudaDecoder:
         return self.fwd
 
     def _slot(self, b: int, s: int, sampling: tuple) -> _Slot:
-        key = (b, s, sampling)
+        key = (b, s, sampling, switch("fp8_decode_gemm"))  # a graph keeps the GEMM it was captured with
         slot = self.slots.pop(key, None)
         if slot is None:
             if len(self.slots) >= MAX_GRAPHS:

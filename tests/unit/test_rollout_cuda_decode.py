@@ -97,6 +97,21 @@ def test_buckets():
     assert cuda_decode.seq_bucket(1) == cuda_decode.seq_bucket(128) == 128 and cuda_decode.seq_bucket(129) == 256
 
 
+def test_fp8_gemm_choice(monkeypatch):
+    from miles_lp.config import runtime_override
+    from miles_lp.formats.kernels.fp8_block_decode import MAX_M
+
+    monkeypatch.delenv("MILES_LP_FP8_DECODE_GEMM", raising=False)
+    assert [cuda_decode.fp8_gemm(m) for m in (1, MAX_M, MAX_M + 1)] == ["triton", "triton", "scaled_mm"]
+    with runtime_override(fp8_decode_gemm="triton"):
+        assert cuda_decode.fp8_gemm(4096) == "triton"
+    with runtime_override(fp8_decode_gemm="scaled_mm"):
+        assert cuda_decode.fp8_gemm(1) == "scaled_mm"
+    monkeypatch.setenv("MILES_LP_FP8_DECODE_GEMM", "cublas")
+    with pytest.raises(EngineError, match=r"MILES_LP_FP8_DECODE_GEMM\) must be one of auto, triton, scaled_mm, got 'cublas'"):
+        cuda_decode.fp8_gemm(1)
+
+
 def test_refusals(monkeypatch):
     monkeypatch.setenv("MILES_LP_DECODE", "static")
     moe = ReferenceEngine(tiny_checkpoint("qwen3_moe"), device="cpu")
@@ -162,6 +177,13 @@ def test_fused_kernels_greedy_equals_eager(arch):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("fused", ["0", "interpret"])
+def test_fp8_decode_gemm_greedy_equals_eager(fused):
+    # the fp8_block group path through the Triton decode GEMM (interpreter), fused kernels off / on
+    _in_interpreter(f"check_fp8_decode_gemm_greedy({fused!r})")
+
+
+@pytest.mark.slow
 def test_fused_kernels_match_torch_ops():
     _in_interpreter("check_fused_kernels()")
 
@@ -179,6 +201,30 @@ def check_fused_greedy(arch: str) -> None:
     monkeypatch = _Env()
     sp = SamplingParams(max_new_tokens=6, temperature=0.0)
     a, b = _both(monkeypatch, tiny_checkpoint(arch), sp)
+    assert [g.output_ids for g in a] == [g.output_ids for g in b]
+    for g, h in zip(a, b, strict=True):
+        assert float((g.logprobs - h.logprobs).abs().max()) < 1e-4
+
+
+def check_fp8_decode_gemm_greedy(fused: str) -> None:
+    # the fp8_native group path with the Triton decode GEMM, in the interpreter on the tiny fp8_block Qwen3 (fp32
+    # activations, partial 128-blocks): _op_kind is widened to CPU (it takes fp8_native on sm_90 only); the eager
+    # path quantizes the same activations with the codec and runs the emulated GEMM: the same greedy tokens
+    from miles_lp.config import runtime_override
+    from miles_lp.formats.kernels import fp8_block_decode as fd
+    from miles_lp.formats.spec import Format
+
+    real_kind = cuda_decode._op_kind
+    cuda_decode._op_kind = lambda layer, x: ("fp8_native" if layer.kernel_format is Format.FP8_BLOCK
+                                             else real_kind(layer, x))
+    calls = []
+    real_mm = fd.decode_mm
+    fd.decode_mm = lambda *a, **k: calls.append(a[0].shape[0]) or real_mm(*a, **k)
+    _Env().setenv("MILES_LP_DECODE_FUSED", fused)
+    sp = SamplingParams(max_new_tokens=4, temperature=0.0)
+    with runtime_override(fp8_decode_gemm="triton"):
+        a, b = _both(_Env(), tiny_checkpoint("qwen3", "fp8_block"), sp, prompts=PROMPTS[:2])
+    assert calls and max(calls) == 2 * 8 and min(calls) == 2, calls  # prefill [B*W] and one token per row
     assert [g.output_ids for g in a] == [g.output_ids for g in b]
     for g, h in zip(a, b, strict=True):
         assert float((g.logprobs - h.logprobs).abs().max()) < 1e-4

@@ -92,3 +92,29 @@ def test_update_served_by_captured_graph(monkeypatch, checkpoints, tmp_path):
     want = _gen(monkeypatch, fresh, "graph", sp)
     assert [x.output_ids for x in got] == [x.output_ids for x in want]
     assert all(torch.equal(x.logprobs, y.logprobs) for x, y in zip(got, want, strict=True))
+
+
+def test_fp8_decode_gemm_choices(monkeypatch, checkpoints):
+    """``runtime.fp8_decode_gemm``: the Triton decode GEMM (``auto`` at these token counts) and cuBLAS's
+    block-scaled GEMM each get their own graph, and each scores like the eager forward."""
+    from miles_lp.formats.kernels import fp8_block_decode as fd
+
+    calls = []
+    real = fd.decode_mm
+    monkeypatch.setattr(fd, "decode_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    eng = ReferenceEngine(checkpoints["fp8_block"], device="cuda")
+    sp = SamplingParams(max_new_tokens=16, temperature=1.0, seed=3)
+    out, used = {}, {}
+    for gemm in ("auto", "scaled_mm"):
+        monkeypatch.setenv("MILES_LP_FP8_DECODE_GEMM", gemm)
+        calls.clear()
+        out[gemm] = _gen(monkeypatch, eng, "graph", sp)
+        used[gemm] = len(calls)
+    assert used["auto"] > 0 and used["scaled_mm"] == 0, used
+    assert cuda_decode.stats(eng)["captures"] == 2  # one graph per GEMM choice
+    monkeypatch.setenv("MILES_LP_DECODE", "eager")
+    for g in out.values():
+        seqs = [p + x.output_ids for p, x in zip(PROMPTS, g, strict=True)]
+        for x, sc, p in zip(g, eng.score(seqs), PROMPTS, strict=True):
+            d = (x.logprobs - sc[len(p) - 1:]).abs()
+            assert float(d.max()) < 0.2 and float(d.mean()) < 0.06
