@@ -21,7 +21,7 @@ host: every decode step costs hundreds of Python-dispatched launches, a host->de
 * **Activation quantization in one launch on the hot path**: MXFP8 (plan mode) through the decode-only Triton
   launch (``kernels.mxfp8_quantize(store_q=False)``: the codec's quantize-then-dequantize bytes); FP8 blockwise on
   sm_90 through the Triton decode GEMM that quantizes its input in its prologue (``formats.kernels.
-  fp8_block_decode``, at most 64 tokens) or, above that, the 1x128 operand kernel and the native block-scaled GEMM
+  fp8_block_decode``, at most 8 tokens under ``auto``) or, above that, the 1x128 operand kernel and the native block-scaled GEMM
   (``train.fp8_block_gemm``, the learner's forward; ``runtime.fp8_decode_gemm``, ``fp8_gemm``), reading the served
   E4M3 weight and its block scales as stored. Siblings reading one input (q/k/v, gate/up) quantize it once (with
   the fused kernels: one GEMM over their concatenated weights). Every other layer calls its own
@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from miles_lp.config import switch
 from miles_lp.formats.spec import Format
+from miles_lp.rollout import graph_capture
 from miles_lp.rollout.engine import EngineError, Generation
 from miles_lp.rollout.sampling import process_logits
 
@@ -574,6 +575,12 @@ class _Slot:
         self.graph.replay()
 
     def _capture(self) -> None:
+        # one capture at a time in the process, thread_local mode: other engines' threads keep decoding
+        # (graph_capture says why)
+        with graph_capture.CAPTURE_LOCK:
+            self._capture_locked()
+
+    def _capture_locked(self) -> None:
         # warm up on a side stream (Triton compiles, cuBLAS picks its kernels), then capture; the state tensors
         # are saved and restored around the warm-up so the first replay starts where the caller left them
         saved = [x.clone() for x in (self.tok, self.pos, self.col, self.t, self.valid, self.tokens, self.logprobs)]
@@ -586,7 +593,7 @@ class _Slot:
                 self._restore(saved, kv)
         torch.cuda.current_stream().wait_stream(side)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
+        with graph_capture.capturing(g, self.pool):
             self._step()
         self._restore(saved, kv)
         self.graph = g

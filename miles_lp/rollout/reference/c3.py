@@ -19,6 +19,7 @@ import torch
 
 from miles_lp.config import switch
 from miles_lp.formats.spec import Format
+from miles_lp.rollout import graph_capture
 from miles_lp.rollout.layers import EngineLinear, LinearStack
 from miles_lp.rollout.reference import rotating_graph
 from miles_lp.rollout.reference.c3_layer import fresh_config, freshly_derived, input_key
@@ -320,11 +321,13 @@ class ReferenceSelfCheck:
             self.__dict__["_c3_graph_off"] = f"captured {captures - 1} times, the tensors it reads keep moving"
             return vals, "eager (" + self.__dict__["_c3_graph_off"] + ")"
         try:
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: another thread's CUDA call (a parked generation) is not an error of this capture
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                static = self._c3_figures(work)
+            # one capture at a time in the process; thread_local: another thread's CUDA call (a parked
+            # generation) is not an error of this capture (graph_capture)
+            with graph_capture.CAPTURE_LOCK:
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with graph_capture.capturing(graph):
+                    static = self._c3_figures(work)
             # figures are >= 0 (or NaN): a graph that recorded nothing cannot pass the first-replay check with
             # values left from the capture
             static.fill_(-1.0)

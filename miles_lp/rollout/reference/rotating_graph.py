@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from miles_lp.rollout import graph_capture
 from miles_lp.rollout.reference.c3_layer import input_key
 from miles_lp.rollout.self_check import dequantize_exact, fresh_diff, rel_err
 
@@ -100,10 +101,11 @@ def new_pool():
 def capture(fn: Callable[[], torch.Tensor], pool) -> tuple[Any, torch.Tensor]:
     """``fn``'s device work as a CUDA graph in memory pool ``pool``: (the graph, the tensor ``fn`` returned, which
     every ``graph.replay()`` rewrites). Capture errors of other threads (a parked generation) are not its own."""
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        out = fn()
+    with graph_capture.CAPTURE_LOCK:  # one capture at a time in the process (graph_capture)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with graph_capture.capturing(graph, pool):
+            out = fn()
     return graph, out
 
 

@@ -27,8 +27,9 @@ functions take ``(logprobs, entropy, samples, totals)``):
   the micro-batches (``data``), pipeline stages run Megatron's 1F1B schedule (``pipeline``), and the gradients
   are reduced as Megatron's DDP would (``parallel.finalize_grads``).
 * CPU: megatron-core 0.16.1 calls ``torch.cuda.current_device()`` (RoPE, router, attention buffers) and forks the
-  CUDA RNG tracker around attention dropout (0 here); on a CPU-only torch ``_cpu_megatron`` redirects those two
-  names while the learner builds or runs the model, and restores them after (no global patch left behind).
+  CUDA RNG tracker around attention dropout (0 here); for a CPU learner, on a CPU-only host or one with CUDA,
+  ``cpu_redirect.cpu_megatron`` answers those names for the CPU in the learner's thread while it builds or runs the
+  model (other threads, e.g. CUDA engines in the driver process, keep the real ones; nothing left behind).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from miles_lp.train.embedded import (
     rng_state,
     token_logprobs_and_entropy,
 )
+from miles_lp.train.megatron.cpu_redirect import cpu_megatron as _cpu_megatron
 from miles_lp.train.quant_linear import executed_quantized, invalidate_grids, invalidate_on_step
 from miles_lp.train.state_io import check_learner_state
 
@@ -107,30 +109,6 @@ def ensure_model_parallel(device: torch.device, config: TrainConfig, sizes=None)
         raise ConfigError(f"Megatron's model-parallel state is already initialised with other sizes; this learner "
                           f"runs {sizes.describe()}")
     return created, created_mp
-
-
-@contextlib.contextmanager
-def _cpu_megatron(device: torch.device) -> Iterator[None]:
-    """While Megatron builds or runs on a CPU-only torch: ``torch.cuda.current_device`` -> "cpu" and a CUDA RNG
-    tracker whose ``fork()`` does nothing (attention dropout is 0); ``torch.cuda.synchronize`` does nothing (the
-    pipeline's shape exchange calls it). No-op on CUDA or when CUDA is available."""
-    if device.type != "cpu" or torch.cuda.is_available():
-        yield
-        return
-    import megatron.core.tensor_parallel as tp
-
-    class _NoFork:
-        def fork(self, *a, **k):
-            return contextlib.nullcontext()
-
-    saved = (torch.cuda.current_device, torch.cuda.synchronize, tp.get_cuda_rng_tracker)
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.synchronize = lambda *a, **k: None  # the pipeline p2p's guard after its shape exchange
-    tp.get_cuda_rng_tracker = lambda *a, **k: _NoFork()
-    try:
-        yield
-    finally:
-        torch.cuda.current_device, torch.cuda.synchronize, tp.get_cuda_rng_tracker = saved
 
 
 class _PackedRotary(torch.nn.Module):
