@@ -7,7 +7,7 @@ transformers 5 saves Qwen3-MoE's expert count as ``num_local_experts``; hub conf
 from miles_lp.policy.layouts.base import ArchSpec, register
 
 
-def _num_experts(c) -> int:
+def expert_count(c) -> int:
     return int(c.get("num_experts") or c.get("num_local_experts") or 0)
 
 
@@ -17,11 +17,11 @@ def _is_moe_layer(c, i: int) -> bool:
 
 
 QWEN3_MOE = register(ArchSpec(
-    name="qwen3_moe", model_types=("qwen3_moe",), qk_norm=True, num_experts=_num_experts,
+    name="qwen3_moe", model_types=("qwen3_moe",), qk_norm=True, num_experts=expert_count,
     is_moe_layer=_is_moe_layer, qkv_bias=lambda c: bool(c.get("attention_bias")),
     o_bias=lambda c: bool(c.get("attention_bias"))))
 
 QWEN2_MOE = register(ArchSpec(
     name="qwen2_moe", model_types=("qwen2_moe",), shared="shared_expert", shared_gate=True,
-    num_experts=_num_experts, is_moe_layer=_is_moe_layer, qkv_bias=lambda c: c.get("qkv_bias", True) is not False,
+    num_experts=expert_count, is_moe_layer=_is_moe_layer, qkv_bias=lambda c: c.get("qkv_bias", True) is not False,
     shared_intermediate=lambda c: int(c["shared_expert_intermediate_size"])))

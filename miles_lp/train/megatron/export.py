@@ -112,11 +112,11 @@ def gather_stages(state: Mapping[str, Any], pp_group) -> dict[str, Any]:
 
 def quantized_grids(model: torch.nn.Module) -> dict[str, Any]:
     """``{Megatron weight name: forward grid}`` of the quantized parallel linears (``module.`` prefixes off)."""
-    from miles_lp.train.megatron.layers import _QuantParallelMixin
+    from miles_lp.train.megatron.layers import QuantParallelMixin
 
     out = {}
     for name, module in model.named_modules():
-        if isinstance(module, _QuantParallelMixin) and module.grid is not None:
+        if isinstance(module, QuantParallelMixin) and module.grid is not None:
             while name.startswith("module."):
                 name = name[len("module."):]
             out[f"{name}.weight"] = (module.grid.rowwise(module.weight), module.recipe)

@@ -41,7 +41,7 @@ from miles_lp.train.operands import select_rows
 from miles_lp.train.recipe import LinearRecipe
 
 
-class _QuantParallelMixin:
+class QuantParallelMixin:
     """Shared state of the quantized parallel linears: recipe, per-step grid, canonical member names."""
 
     is_quantized_module = True
@@ -106,14 +106,14 @@ class _QuantParallelMixin:
             yield name, q if rows is None else select_rows(q, rows)
 
 
-class QuantColumnParallelLinear(_QuantParallelMixin, ColumnParallelLinear):
+class QuantColumnParallelLinear(QuantParallelMixin, ColumnParallelLinear):
     def _forward_impl(self, input, weight, *args, **kwargs):
         if self.recipe is None:
             return super()._forward_impl(input, weight, *args, **kwargs)
         return self._quant_forward_impl(input, weight, *args, **kwargs)
 
 
-class QuantRowParallelLinear(_QuantParallelMixin, RowParallelLinear):
+class QuantRowParallelLinear(QuantParallelMixin, RowParallelLinear):
     def _forward_impl(self, input, weight, *args, **kwargs):
         if self.recipe is None:
             return super()._forward_impl(input, weight, *args, **kwargs)
@@ -317,7 +317,7 @@ def attach_plan(model: torch.nn.Module, plan, layout, *, layer_offset: int = 0) 
     report: dict[str, str] = {}
     holder: dict[str, Any] = {}  # canonical member -> the quantized module that runs it
     for name, module in model.named_modules():
-        if not isinstance(module, _QuantParallelMixin):
+        if not isinstance(module, QuantParallelMixin):
             continue
         pname = _global_expert_name(f"{name}.weight", module)
         while pname.startswith("module."):

@@ -262,9 +262,9 @@ class MegatronLearner(PackedLearnerSteps):
         self._created_mp = self._created_group = False
 
     def _check_complete(self) -> None:
-        from miles_lp.train.megatron.layers import _QuantParallelMixin
+        from miles_lp.train.megatron.layers import QuantParallelMixin
 
-        held = {m for mod in self.model.modules() if isinstance(mod, _QuantParallelMixin) and mod.recipe is not None
+        held = {m for mod in self.model.modules() if isinstance(mod, QuantParallelMixin) and mod.recipe is not None
                 for m in mod.members}
         if self.world > 1:  # under expert parallelism each rank holds its own experts: the union over ranks
             import torch.distributed as dist

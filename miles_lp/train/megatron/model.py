@@ -57,7 +57,7 @@ def _rope_theta(cfg: Any) -> float:
     return float(theta)
 
 
-def _num_experts(cfg: Any) -> int:
+def expert_count(cfg: Any) -> int:
     return int(_get(cfg, "n_routed_experts") or _get(cfg, "num_experts") or _get(cfg, "num_local_experts") or 0)
 
 
@@ -151,7 +151,7 @@ def transformer_config_kwargs(hf_config: Any, *, tp: int = 1, ep: int = 1, etp: 
                   mscale=1.0, mscale_all_dim=0.0, rotary_interleaved=False)
     if etp is not None:
         kw["expert_tensor_parallel_size"] = etp
-    n_exp = _num_experts(hf_config)
+    n_exp = expert_count(hf_config)
     if n_exp:
         pattern = moe_layer_pattern(hf_config)
         if not any(pattern):
@@ -340,7 +340,7 @@ def hf_to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Any, *, tp_r
     mt = _get(hf_config, "model_type")
     L = int(_get(hf_config, "num_hidden_layers"))
     ng = int(_get(hf_config, "num_key_value_heads") or _get(hf_config, "num_attention_heads"))
-    n_exp = _num_experts(hf_config)
+    n_exp = expert_count(hf_config)
     pattern = moe_layer_pattern(hf_config) if n_exp else [0] * L
     mla = mt in MLA_TYPES
     hf = _Reads(hf_state)

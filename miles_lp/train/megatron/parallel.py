@@ -125,7 +125,7 @@ def resolve_parallel(section: Any, hf_config: Any) -> ParallelSizes:
     ``etp: null`` is Megatron's default (= tp). Sequence parallelism is switched on for an MoE model at tp > 1
     (Megatron's MoE layer refuses TP without it in training); a dense model uses it when asked.
     """
-    from miles_lp.train.megatron.model import MLA_TYPES, _num_experts
+    from miles_lp.train.megatron.model import MLA_TYPES, expert_count
 
     tp, ep, pp = int(section.tp), int(section.ep), int(section.pp)
     etp = tp if section.etp is None else int(section.etp)
@@ -142,7 +142,7 @@ def resolve_parallel(section: Any, hf_config: Any) -> ParallelSizes:
     if section.impl != "local":
         raise ConfigError(f"{where}.impl={section.impl}: only the local path (miles-lp GEMMs in Megatron's linears) "
                           "runs here; the Transformer Engine path needs Blackwell + TE")
-    n_exp = _num_experts(hf_config)
+    n_exp = expert_count(hf_config)
     if not n_exp and (ep != 1 or section.etp not in (None, tp)):
         raise ConfigError(f"{where}: ep={ep} etp={section.etp} on a dense model ({_get(hf_config, 'model_type')}); "
                           "set ep: 1 and etp: null")
