@@ -242,3 +242,48 @@ def test_self_check_probes_the_first_linear_and_rotates_through_the_others():
     assert [sorted(s) for s in seen] == [["l0.weight", "l1.weight"], ["l0.weight", "l2.weight"],
                                          ["l0.weight", "l3.weight"], ["l0.weight", "l1.weight"]]
     assert [any(s.values()) for s in seen] == [False, True, False, False]  # the stale l2 fails the sync it is probed
+
+
+class _LoaderParam(torch.nn.Parameter):
+    """Shaped like SGLang's ``BasevLLMParameter``: ``__new__(cls, data, **kw)``, its loader and block attributes in
+    the instance dict."""
+
+    def __new__(cls, data, **kwargs):
+        return super().__new__(cls, data=data, requires_grad=False)
+
+    def __init__(self, data, weight_loader):
+        self._weight_loader = weight_loader
+        self.output_dim, self.format_ue8m0 = 0, True
+
+    @property
+    def weight_loader(self):
+        return self._weight_loader
+
+
+def _copy_rows(param, loaded, rows=None):  # what a fused linear's loader does: write one shard's rows in place
+    (param.data if rows is None else param.data[rows]).copy_(loaded)
+
+
+def test_the_scale_answers_to_both_loaders_names_and_the_checks_see_one_tensor():
+    """Llama's SGLang loader asks for ``weight_scale``, Qwen3's for ``weight_scale_inv``: both must land in the
+    bytes the GEMM and the checks read; the checks list the tensor once, under the checkpoint's name."""
+    from miles_lp.rollout.sglang_cpu.introspect import SGLangIntrospection
+    from miles_lp.rollout.sglang_cpu.linear import ALIAS, add_scale_alias
+
+    m = _Model()
+    gate_up = m.model.layers[0].mlp.gate_up_proj
+    gate_up.weight_scale_inv = _LoaderParam(torch.zeros(12, 1, dtype=torch.uint8), weight_loader=_copy_rows)
+    add_scale_alias(gate_up)
+    params = dict(m.named_parameters())  # what both SGLang loaders look names up in
+    inv, alias = (params[f"model.layers.0.mlp.gate_up_proj.{s}"] for s in ("weight_scale_inv", "weight_scale"))
+    assert alias is not inv and alias.data_ptr() == inv.data_ptr() and getattr(alias, ALIAS) == "weight_scale_inv"
+    assert type(alias) is _LoaderParam and alias.weight_loader is _copy_rows and alias.format_ue8m0
+    alias.weight_loader(alias, torch.full((6, 1), 127, dtype=torch.uint8), slice(0, 6))  # Llama's name: gate
+    inv.weight_loader(inv, torch.full((6, 1), 126, dtype=torch.uint8), slice(6, 12))  # Qwen3's name: up
+    assert inv.view(-1).tolist() == [127] * 6 + [126] * 6
+    views = SGLangIntrospection(m).views()
+    assert not any(n.endswith(".weight_scale") for n in views)
+    assert views["model.layers.0.mlp.gate_proj.weight_scale_inv"].view(-1).tolist() == [127] * 6
+    assert views["model.layers.0.mlp.up_proj.weight_scale_inv"].view(-1).tolist() == [126] * 6
+    with pytest.raises(ValueError, match="already has a parameter 'weight_scale'"):
+        add_scale_alias(gate_up)

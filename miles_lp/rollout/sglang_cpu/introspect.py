@@ -63,9 +63,13 @@ class SGLangIntrospection:
     # ---- the canonical view of SGLang's parameters ----------------------------------------------------------
     def views(self) -> dict[str, torch.Tensor]:
         """``{checkpoint name: a view of the live tensor}``; rebuilt per call (a rebound parameter shows)."""
+        from miles_lp.rollout.sglang_cpu.linear import ALIAS
+
         modules = dict(self.model.named_modules())
         out: dict[str, torch.Tensor] = {}
         for name, p in self.model.named_parameters():
+            if hasattr(p, ALIAS):  # a second name for a tensor listed under its own (``linear.add_scale_alias``)
+                continue
             mod_name, _, leaf = name.rpartition(".")
             base = mod_name.rpartition(".")[2]
             if base in FUSED and p.dim() >= 1:

@@ -33,7 +33,12 @@ SGLANG_VENV_NAME = "venv-sglang-cpu-0.5.23"  # keyed by the pin, as .ci/sglang_v
 
 #: the server's flags on SGLang's CPU platform, each needed there: torch-native attention and sampling (the
 #: FlashInfer / Triton ones are CUDA kernels), no CUDA graphs, no grammar backend, token ids in and out (no
-#: tokenizer), a small static KV pool (``--mem-fraction-static`` is a fraction of host memory on CPU)
+#: tokenizer), a small static KV pool (``--max-total-tokens``). ``MEM_FRACTION``: on CPU ``--mem-fraction-static`` is a
+#: fraction of host memory, and SGLang refuses to start when the host's available memory fell by more than
+#: that fraction while the model loaded (its profile counts any other process's allocations as the model's:
+#: at 0.05 a learner growing by 12% of the free memory during the load stopped the server). The KV pool is capped by
+#: ``--max-total-tokens`` anyway, so the fraction only sets that tolerance.
+MEM_FRACTION = "0.5"
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
              "--disable-cuda-graph", "--grammar-backend", "none", "--skip-tokenizer-init")
 
@@ -61,7 +66,7 @@ def server_args(model_path: str | Path, port: int, *, host: str = "127.0.0.1", m
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tp_size must be an integer >= 1, got {tp_size!r}")
     args = ["--model-path", str(model_path), "--host", host, "--port", str(port), "--dtype", dtype, *CPU_FLAGS,
-            "--mem-fraction-static", "0.05", "--max-total-tokens", str(max_total_tokens), "--log-level", "warning",
+            "--mem-fraction-static", MEM_FRACTION, "--max-total-tokens", str(max_total_tokens), "--log-level", "warning",
             "--weight-version", "0", "--tp-size", str(tp_size)]
     if context_length is not None:
         args += ["--context-length", str(context_length)]

@@ -40,6 +40,30 @@ def reference_output(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 # does: the served bytes decoded and dequantized once per load into the operand (``process_weights_after_loading``,
 # rebuilt in place, which SGLang's disk update re-runs), the activation quantized by the learner's rule and
 # dequantized, ``F.linear`` in the reference engine's operand dtype.
+#
+# The scale's second name. SGLang 0.5.23's Llama loader renames every checkpoint ``*.weight_scale_inv`` to
+# ``*.weight_scale`` before it looks the parameter up (``sglang/srt/models/llama.py:723-724``,
+# ``LlamaForCausalLM._legacy_load_weights``, and the same rename in its ``AutoWeightsLoader`` path:
+# ``sglang/srt/model_loader/auto_loader.py:217-225``), while the block-FP8 / MXFP8 linear registers
+# ``weight_scale_inv`` (``Fp8LinearMethod.create_fp8_weight_``, layers/quantization/fp8.py:689): every scale of a
+# Llama-family model would be dropped ("Parameter ... weight_scale not found in params_dict"), left zero, and the
+# model would serve a different policy. Qwen3's loader keeps the name. Neither loader can be told, and no checkpoint
+# name survives both, so the MXFP8 layer answers to both: ``weight_scale`` is a second parameter over the very
+# storage of ``weight_scale_inv`` (same loader, same block attributes), whichever name the model's loader asks for
+# writes the bytes the GEMM and the checks read. ``ALIAS`` marks it; the checks' view of the model skips it (the
+# checkpoint has one tensor).
+ALIAS = "miles_lp_alias_of"
+
+
+def add_scale_alias(layer: torch.nn.Module, name: str = "weight_scale_inv", alias: str = "weight_scale") -> None:
+    """Register ``alias`` on ``layer``: a parameter of ``name``'s class over ``name``'s storage, marked ``ALIAS``."""
+    src = getattr(layer, name)
+    if alias in layer._parameters:
+        raise ValueError(f"{type(layer).__name__} already has a parameter {alias!r}: cannot alias {name!r} to it")
+    twin = type(src).__new__(type(src), src.data)  # a new Parameter object over the same storage
+    twin.__dict__.update(src.__dict__)  # the weight loader and the block attributes (output_dim, format_ue8m0, ...)
+    setattr(twin, ALIAS, name)
+    layer.register_parameter(alias, twin)
 
 
 def _emulated_method_classes():
@@ -111,6 +135,7 @@ def _emulated_method_classes():
                 output_partition_sizes=output_partition_sizes, input_size=input_size, output_size=output_size,
                 params_dtype=params_dtype, weight_loader=extra_weight_attrs.get("weight_loader"),
                 is_checkpoint_fp8_serialized=True)
+            add_scale_alias(layer)  # Llama's loader asks for ``weight_scale`` (see above)
             layer.miles_lp_op_dtype = operand_dtype(torch.device("cpu"), params_dtype)
 
         def quantize_input(self, x, dtype):
