@@ -9,9 +9,12 @@ through ``scaled_dot_product_attention(is_causal=True)``: a query never sees a k
 the end of a segment is never attended to and no mask is needed. The same softmax over the same keys; only the
 kernel's blocking (summation order) differs from the masked whole-row call.
 
-Registered with transformers as the attention implementation ``miles_lp_packed`` with no mask function (so
-transformers builds no ``[T, T]`` mask); inputs it does not cover (a padding mask, a KV cache, batch > 1) go to
-transformers' ``sdpa`` unchanged.
+Registered with transformers as the attention implementation ``miles_lp_packed`` together with a mask function
+(``packed_mask``): no mask for the packed row (one row, no padding mask, no cached keys: transformers builds no
+``[T, T]`` mask), ``sdpa``'s mask for anything else. Inputs the packed path does not cover (a padding mask, a KV
+cache, batch > 1) go to transformers' ``sdpa`` with that mask, as a plain ``sdpa`` model would run them: without
+a registered mask function transformers passes no mask at all to an unknown implementation, and left-padded
+``generate`` batches would attend to their padding.
 """
 
 from __future__ import annotations
@@ -85,12 +88,27 @@ def packed_causal_attention(module: torch.nn.Module, query: torch.Tensor, key: t
     return out[None], None
 
 
+def packed_mask(batch_size: int, q_length: int, kv_length: int, attention_mask: torch.Tensor | None = None,
+                **kwargs) -> torch.Tensor | None:
+    """transformers' mask-function signature (``masking_utils.sdpa_mask``): ``None`` for one packed row with no
+    padding mask and no cached keys (``packed_causal_attention`` cuts it by ``position_ids``), otherwise the mask
+    ``sdpa`` would get (padding, KV cache, batch > 1: ``packed_causal_attention`` hands those to ``sdpa``)."""
+    if attention_mask is None and batch_size == 1 and q_length == kv_length:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, attention_mask=attention_mask,
+                     **kwargs)
+
+
 def register() -> str:
-    """Register ``miles_lp_packed`` with transformers (once); returns the name for ``set_attn_implementation``."""
+    """Register ``miles_lp_packed`` and its mask function with transformers (once); returns the name for
+    ``set_attn_implementation``."""
     if not _REGISTERED[0]:
-        from transformers import AttentionInterface
+        from transformers import AttentionInterface, AttentionMaskInterface
 
         AttentionInterface.register(NAME, packed_causal_attention)
+        AttentionMaskInterface.register(NAME, packed_mask)
         _REGISTERED[0] = True
     return NAME
 
