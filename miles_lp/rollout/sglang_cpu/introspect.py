@@ -79,6 +79,9 @@ class SGLangIntrospection:
                     for i, shard in enumerate(FUSED[base]):  # global and input scales): 0-d, as on disk
                         out[f"{parent}.{shard}.{leaf}"] = p.data[i]
                     continue
+                rb = getattr(getattr(modules[mod_name], "quant_method", None), "row_block", 1)
+                if leaf != "weight" and rb > 1 and all(n % rb == 0 for n in rows) and p.shape[0] == sum(rows) // rb:
+                    rows = [n // rb for n in rows]  # one scale row per block of rows (FP8 blockwise)
                 if sum(rows) != p.shape[0]:
                     raise EngineError(f"{name}: {p.shape[0]} rows, its shards {FUSED[base]} have {rows}")
                 at = 0
