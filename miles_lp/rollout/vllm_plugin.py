@@ -102,7 +102,10 @@ def _fp8_block_kernel():
             if old is not None and old.shape == operand.shape and old.dtype == operand.dtype:
                 old.copy_(operand)  # rebuilt in place: the storage the GEMM reads stays put
             else:
-                layer.register_buffer("miles_lp_operand", operand.contiguous(), persistent=False)
+                # persistent: vLLM's in-place reload copies the re-derived value back into this storage only for
+                # persistent buffers (model_loader/reload/layerwise.py, _copy_and_restore_kernel_tensors); a
+                # non-persistent one would keep serving the previous weights after every update
+                layer.register_buffer("miles_lp_operand", operand.contiguous(), persistent=True)
 
         def apply_weights(self, layer, x, bias=None, **kwargs):
             w = layer.miles_lp_operand

@@ -358,7 +358,9 @@ class Canonical:
         return {n: t for n, t in tensors.items() if not any(fnmatch.fnmatchcase(n, p) for p in pats)}
 
     def snapshot_stale(self) -> dict[str, dict[str, torch.Tensor]]:
-        return {n: {p: t.detach().clone() for p, t in self.modules[n].named_parameters(recurse=False)}
+        # parameters and buffers (the FP8 blockwise emulation kernel's operand is a buffer)
+        return {n: {p: t.detach().clone() for p, t in [*self.modules[n].named_parameters(recurse=False),
+                                                       *self.modules[n].named_buffers(recurse=False)]}
                 for n in self.matching_modules("stale")}
 
     def restore_stale(self, snap: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
