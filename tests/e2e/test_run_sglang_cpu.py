@@ -124,7 +124,9 @@ def test_fp8_block_run_on_real_sglang_every_check_raise(tmp_path):
     from miles_lp.launch.runner import Run
 
     python = sglang_python_or_skip()
-    recipe = _recipe("tiny-fp8-blockwise-e2e-sglang.yaml", tmp_path, "steps=2", "checkpoint_every=0")
+    # server miles-lp: SMALL's placeholder url stands; build_engine starts the server (as ``server: launch`` does)
+    recipe = _recipe("tiny-fp8-blockwise-e2e-sglang.yaml", tmp_path, "steps=2", "checkpoint_every=0",
+                     "rollout.server=miles-lp")
     run_dir = tmp_path / "runs" / "fp8-block"
     run = Run.start(recipe, run_name="fp8-block", build_engine=_builder(run_dir, python, lambda d: d / "engine_init"))
     try:
