@@ -69,7 +69,9 @@ FP8_BLOCK_KERNEL = "MilesLpFp8BlockEmulationKernel"
 def _fp8_block_kernel():
     """The FP8 blockwise emulation kernel class (see the module docstring), built on vLLM's block kernel base."""
     import torch
-    from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import Fp8BlockScaledMMLinearKernel
+    from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import (
+        Fp8BlockScaledMMLinearKernel,
+    )
     from vllm.platforms import current_platform
 
     from miles_lp.formats.schemes import scheme_for

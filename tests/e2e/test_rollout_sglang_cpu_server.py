@@ -2,9 +2,10 @@
 the client (``flavor="launch"``: loopback, a free port, stopped at the end), sampled with log-probs, updated live from
 disk, and asked the checks through the introspection that runs inside SGLang's own process. A fault written into the
 real server's model after an update is caught by the sync's checks (C2 a changed byte, C4 a re-bound parameter, C3
-a derived GEMM operand in the wrong layout). ``bf16``: every linear BF16 (default CI); ``mxfp8`` / ``nvfp4`` (slow):
-our ``--target sglang`` MXFP8 / ModelOpt NVFP4 checkpoint through SGLang's own config parsing and loader, with
-miles-lp's CPU linear method.
+a derived GEMM operand in the wrong layout). ``bf16``: every linear BF16 (default CI); ``mxfp8`` / ``nvfp4`` /
+``fp8_block`` (slow): our ``--target sglang`` MXFP8 / ModelOpt NVFP4 / FP8 blockwise checkpoint through SGLang's own
+config parsing and loader, with miles-lp's CPU linear method (``fp8_block``: tiny ``qwen3_wide``, one block scale
+doubled in SGLang's storage caught by C2).
 
 One server for the module (its start is most of the time: ~30 s on an idle 2-core machine). Skipped, saying why,
 without SGLang's venv (``MILES_LP_SGLANG_PYTHON`` or ``.ci/sglang_venv.sh``'s default folder) or with

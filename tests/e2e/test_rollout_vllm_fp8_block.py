@@ -10,7 +10,6 @@ vLLM interpreter; slow (one engine start, ~15 s here)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from miles_lp.rollout.engine import SamplingParams, tensor_digest
 from miles_lp.rollout.reference import ReferenceEngine

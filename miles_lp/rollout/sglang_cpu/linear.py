@@ -28,10 +28,11 @@ def reference_output(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 # ---- the CPU linear method (runs inside the SGLang process) ----------------------------------------------------------
-# SGLang's CPU platform serves MXFP8 only through AMX kernels (Fp8LinearMethod asserts AMX support) and has no CPU
-# branch for NVFP4 (ModelOpt). Neither config has a registration point for another linear method: ``register()``
-# wraps ``Fp8Config.get_quant_method`` and ``ModelOptFp4Config.get_quant_method`` in this one place so that, on CPU,
-# every MXFP8 / NVFP4 dense linear they would quantize gets the emulated method instead (MoE experts are not
+# SGLang's CPU platform serves MXFP8 and block FP8 only through AMX kernels (Fp8LinearMethod asserts AMX support)
+# and has no CPU branch for NVFP4 (ModelOpt). Neither config has a registration point for another linear method:
+# ``register()`` wraps ``Fp8Config.get_quant_method`` and ``ModelOptFp4Config.get_quant_method`` in this one place
+# so that, on CPU, every MXFP8 / FP8 blockwise / NVFP4 dense linear they would quantize gets the emulated method
+# instead (MoE experts are not
 # covered: SGLang's fused-MoE methods are left as they are). The weights are still created by SGLang's own code
 # (``Fp8LinearMethod.create_fp8_weight_``, ``ModelOptFp4LinearMethod.create_weights``: its parameter classes and
 # weight loaders, so fused q/k/v and gate/up shards load as SGLang loads them; NVFP4 keeps one global scale per
