@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-ARCHS = ("qwen3", "qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral", "llama")
+ARCHS = ("qwen3", "qwen3_wide", "qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral", "llama")
 
 _COMMON = dict(
     vocab_size=256,
@@ -28,6 +28,10 @@ def tiny_config(arch: str, num_layers: int = 4):
     if arch == "qwen3":
         return transformers.Qwen3Config(**_COMMON, num_hidden_layers=num_layers, intermediate_size=128,
                                         head_dim=32)
+    if arch == "qwen3_wide":  # every fused shard (q, k, v, gate, up) a whole number of 128-row FP8 blocks, as
+        # SGLang's and vLLM's block-FP8 linears require of a merged weight
+        return transformers.Qwen3Config(**dict(_COMMON, hidden_size=128), num_hidden_layers=num_layers,
+                                        intermediate_size=256, head_dim=64)
     if arch == "llama":
         return transformers.LlamaConfig(**_COMMON, num_hidden_layers=num_layers, intermediate_size=128)
     if arch == "qwen3_moe":

@@ -147,8 +147,8 @@ class FormatScheme(Protocol):
         ...
 
     def operand_dtype(self, device: Any, act_dtype: Any, *, pow2_scales: bool = False) -> Any:
-        """The emulated GEMM's operand dtype: bf16 for bf16 activations on CUDA where the decode is exact in
-        bf16, fp32 otherwise."""
+        """The emulated GEMM's operand dtype: bf16 for bf16 activations (CUDA and CPU; fp32 accumulation either way)
+        where the decode is exact in bf16, fp32 otherwise."""
         ...
 
     # ---- engine tensors ----------------------------------------------------------------------------------

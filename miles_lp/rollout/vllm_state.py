@@ -51,6 +51,8 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj
 
 def fmt_of(classes: Iterable[str]) -> str | None:
     n = " ".join(classes).lower()
+    if "fp8block" in n:
+        return "fp8_block"
     if "mxfp8" in n:
         return "mxfp8"
     if "nvfp4" in n or "fp4" in n:
@@ -58,16 +60,27 @@ def fmt_of(classes: Iterable[str]) -> str | None:
     return None
 
 
-def split_fused(module: str, param: str, t: torch.Tensor, sizes: list[int] | None) -> dict[str, torch.Tensor]:
+def serving_kernel(qm: Any, scheme: Any) -> Any:
+    """The linear kernel a module's quant method serves through: a compressed-tensors scheme's ``kernel``, a
+    ModelOpt method's ``kernel``, ``Fp8LinearMethod``'s ``fp8_linear`` (FP8 per-tensor and blockwise); or None."""
+    return getattr(scheme, "kernel", None) or getattr(qm, "kernel", None) or getattr(qm, "fp8_linear", None)
+
+
+def split_fused(module: str, param: str, t: torch.Tensor, sizes: list[int] | None,
+                row_block: int = 1) -> dict[str, torch.Tensor]:
     """A (possibly fused) module parameter -> ``{checkpoint name: tensor}``.
 
-    Fused modules: rows split by the shards' output sizes (weights, block scales); a per-shard vector of
+    Fused modules: rows split by the shards' output sizes (weights, block scales; FP8 blockwise scales
+    (``row_block`` 128) one row per ``row_block`` rows of a shard that is whole blocks); a per-shard vector of
     length #shards (vLLM's per-tensor scales before post-processing) element by element; anything else is one
     value shared by every shard."""
     prefix, _, leaf = module.rpartition(".")
     shards = FUSED.get(leaf)
     if shards is None or not sizes:
         return {f"{module}.{param}": t}
+    if (row_block > 1 and param != "weight" and t.ndim == 2 and all(n % row_block == 0 for n in sizes)
+            and t.shape[0] == sum(sizes) // row_block):
+        sizes = [n // row_block for n in sizes]
     if t.ndim >= 1 and t.shape[0] == sum(sizes):
         out, start = {}, 0
         for s, n in zip(shards, sizes, strict=True):
@@ -77,6 +90,13 @@ def split_fused(module: str, param: str, t: torch.Tensor, sizes: list[int] | Non
     if t.ndim == 1 and t.shape[0] == len(shards):
         return {f"{prefix}.{s}.{param}": t[i].reshape(()) for i, s in enumerate(shards)}
     return {f"{prefix}.{s}.{param}": t.reshape(()) if t.numel() == 1 else t for s in shards}
+
+
+def decode_fp8_block_f64(w: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """E4M3 ``w`` ``[N, K]`` times its fp32 ``scale_inv`` per ``block x block`` tile, in float64."""
+    n, k = w.shape
+    s = scale_inv.double().repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+    return w.double() * s
 
 
 def rotation_order(mods: list[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -119,8 +139,9 @@ class Canonical:
 
     def capture(self, name: str, layer: torch.nn.Module) -> None:
         sizes = getattr(layer, "output_sizes", None)
+        block = getattr(layer, "weight_block_size", None)
         for p, t in layer.named_parameters(recurse=False):
-            for cname, part in split_fused(name, p, t.detach(), sizes).items():
+            for cname, part in split_fused(name, p, t.detach(), sizes, int(block[0]) if block else 1).items():
                 want = self.shapes.get(cname)
                 if want is not None and tuple(part.shape) != want and part.numel() == math.prod(want):
                     part = part.reshape(want)  # same bytes, the checkpoint's shape
@@ -182,7 +203,7 @@ class Canonical:
             if qm is None or not hasattr(mod, "weight"):
                 continue
             scheme = getattr(mod, "scheme", None)
-            kernel = getattr(scheme, "kernel", None) or getattr(qm, "kernel", None)
+            kernel = serving_kernel(qm, scheme)
             f = fmt_of(type(x).__name__ for x in (qm, scheme, kernel) if x is not None)
             if f is not None:
                 out.append((name, f))
@@ -201,6 +222,8 @@ class Canonical:
             t = self.tensors
             if fmt == "mxfp8":
                 parts.append(c3.decode_mxfp8_f64(t[f"{s}.weight"], t[f"{s}.weight_scale"]))
+            elif fmt == "fp8_block":
+                parts.append(decode_fp8_block_f64(t[f"{s}.weight"], t[f"{s}.weight_scale_inv"]))
             else:
                 parts.append(c3.decode_nvfp4_f64(t[f"{s}.weight"], t[f"{s}.weight_scale"], t[f"{s}.weight_scale_2"]))
         return torch.cat(parts, dim=0)
@@ -226,6 +249,10 @@ class Canonical:
             if fmt == "mxfp8" and served.dtype == torch.bfloat16 and tuple(served.shape) == tuple(w64.shape):
                 fresh = w64.to(torch.float32).to(torch.bfloat16)  # exact: E4M3 x 2^k is a bf16 value
                 entry["fresh_diff"] = float((served.to(torch.float32) - fresh.to(torch.float32)).abs().max())
+            elif fmt == "fp8_block" and getattr(mod, "miles_lp_operand", None) is not None:
+                op = mod.miles_lp_operand  # the emulation kernel's operand vs the captured bytes decoded again
+                if tuple(op.shape) == tuple(w64.shape):
+                    entry["fresh_diff"] = float((op.double() - w64.to(op.dtype).double()).abs().max())
             elif fmt == "nvfp4":
                 d = self._nvfp4_fresh_diff(name, mod)
                 if d is not None:
@@ -331,7 +358,9 @@ class Canonical:
         return {n: t for n, t in tensors.items() if not any(fnmatch.fnmatchcase(n, p) for p in pats)}
 
     def snapshot_stale(self) -> dict[str, dict[str, torch.Tensor]]:
-        return {n: {p: t.detach().clone() for p, t in self.modules[n].named_parameters(recurse=False)}
+        # parameters and buffers (the FP8 blockwise emulation kernel's operand is a buffer)
+        return {n: {p: t.detach().clone() for p, t in [*self.modules[n].named_parameters(recurse=False),
+                                                       *self.modules[n].named_buffers(recurse=False)]}
                 for n in self.matching_modules("stale")}
 
     def restore_stale(self, snap: Mapping[str, Mapping[str, torch.Tensor]]) -> None:

@@ -19,7 +19,7 @@ import sys
 import time
 import traceback
 
-from miles_lp.rollout.vllm_state import FUSED, fmt_of  # noqa: F401  (FUSED: re-exported for rollout.vllm)
+from miles_lp.rollout.vllm_state import FUSED, fmt_of, serving_kernel  # noqa: F401  (FUSED: re-exported for rollout.vllm)
 
 
 def _reload(worker, tensors):
@@ -62,7 +62,7 @@ def _introspect(model):
         if qm is None or not hasattr(mod, "weight"):
             continue
         scheme = getattr(mod, "scheme", None)
-        kernel = getattr(scheme, "kernel", None) or getattr(qm, "kernel", None)
+        kernel = serving_kernel(qm, scheme)
         classes = [type(x).__name__ for x in (qm, scheme, kernel) if x is not None]
         params = {k: [str(v.dtype).removeprefix("torch."), list(v.shape), v.data_ptr()]
                   for k, v in mod.named_parameters(recurse=False)}

@@ -45,6 +45,7 @@ from miles_lp.train.quant_linear import (
     invalidate_grids,
     invalidate_on_step,
     learner_weights,
+    share_input_caches,
 )
 from miles_lp.train.routing_replay import (
     AgreementCounter,
@@ -152,6 +153,7 @@ def apply_plan(model: torch.nn.Module, plan, layout=None) -> SwapReport:
             for recipe, entries in ((r_gu, gu), (r_dn, dn)):
                 if recipe is not None:
                     report.quantized_names.update(e.name for e in entries)
+    share_input_caches(model)  # q/k/v and gate/up quantize their common input once
     # NVFP4 gate/up in separate modules: one global scale over both (CONTRACT 2, SwiGLU).
     for members in plan.groups.values():
         mods = [by_canonical[m] for m in members if m in by_canonical]

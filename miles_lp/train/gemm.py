@@ -132,6 +132,33 @@ def _step_dequantized(grid: WeightGrid, wq: Any, op: torch.dtype) -> torch.Tenso
     return deq
 
 
+class InputCache:
+    """The last (input, activation grid) -> (quantized input, its decode) of sibling linears that read one input
+    tensor (q/k/v, gate/up: ``quant_linear.share_input_caches``): the reference path quantizes that input once, as the
+    engine's layers (``rollout.layers.InputCache``) and a fused kernel do; the same bytes either way. It holds the
+    input, so no other tensor can take its storage (the ``data_ptr`` in the key) while it is cached."""
+
+    __slots__ = ("x", "key", "value")
+
+    def __init__(self):
+        self.x = self.key = self.value = None
+
+
+def _activation_grid(x: torch.Tensor, recipe: LinearRecipe, op: torch.dtype, cache: InputCache | None):
+    """(forward grid of ``x``, its decode in ``op``), shared through ``cache`` by siblings reading the same input."""
+    if cache is None:
+        xq = quantize_activation(x, recipe)
+        return xq, xq.dequantize(op)
+    key = (recipe.format, recipe.nvfp4_row_scope, recipe.pow2_scales, op, x.data_ptr(), x._version, x.shape,
+           x.stride(), x.dtype)
+    if cache.x is not None and cache.key == key:
+        return cache.value
+    xq = quantize_activation(x, recipe)
+    value = (xq, xq.dequantize(op))
+    cache.x, cache.key, cache.value = x.detach(), key, value
+    return value
+
+
 def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
     pad = (-t.shape[-2]) % multiple
     return F.pad(t, (0, 0, 0, pad)) if pad else t
@@ -175,8 +202,7 @@ class QuantLinearFn(torch.autograd.Function):
             wq = grid.rowwise(weight)
             w_deq = _step_dequantized(grid, wq, op)
             w_deq_cached = w_deq if grid.cache_dequantized else None
-            xq = quantize_activation(x, recipe)
-            x_deq = xq.dequantize(op)
+            xq, x_deq = _activation_grid(x, recipe, op, grid.input_cache)
         y = F.linear(x_deq, w_deq)
         del x_deq, w_deq
         if bias is not None:

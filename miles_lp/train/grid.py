@@ -82,6 +82,8 @@ class WeightGrid:
         self._col_key: tuple | None = None
         self._t: Any = None  # FP8 blockwise: fp8_block_gemm.WeightOperands of the forward grid (native GEMMs)
         self.quantize_calls = 0  # observable in tests: once per step
+        #: shared by sibling linears reading one input (``gemm.InputCache``; set by ``share_input_caches``)
+        self.input_cache: Any = None
         self.scheme = recipe.scheme
 
     def use_compiled(self, t: torch.Tensor) -> bool:

@@ -26,7 +26,7 @@ from miles_lp.train.operands import select_expert, select_expert_rows, select_ex
 from miles_lp.train.recipe import LinearRecipe
 
 __all__ = ["LinearRecipe", "QuantExperts", "QuantLinear", "WeightGrid", "executed_quantized", "invalidate_grids",
-           "invalidate_on_step", "learner_weights", "quantized_linear"]
+           "invalidate_on_step", "learner_weights", "quantized_linear", "share_input_caches"]
 
 
 class QuantLinear(torch.nn.Module):
@@ -88,6 +88,27 @@ class QuantLinear(torch.nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"format={r.format.value}, backward={r.backward.value}"
                 + (f", activation_scale={r.activation_scale}" if r.activation_scale else ""))
+
+
+#: sibling linears that read one input tensor, by leaf name (as ``rollout.layers.SIBLINGS``)
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("q_a_proj", "kv_a_proj_with_mqa"))
+
+
+def share_input_caches(model: torch.nn.Module) -> int:
+    """Give each group of sibling ``QuantLinear`` (same parent, names in ``SIBLINGS``) one ``gemm.InputCache``: the
+    reference path quantizes their common input once (the same bytes). Returns the number of groups."""
+    from miles_lp.train.gemm import InputCache
+
+    n = 0
+    for _, parent in model.named_modules():
+        for group in SIBLINGS:
+            mods = [m for m in (getattr(parent, g, None) for g in group) if isinstance(m, QuantLinear)]
+            if len(mods) > 1:
+                cache = InputCache()
+                for m in mods:
+                    m.grid.input_cache = cache
+                n += 1
+    return n
 
 
 class QuantExperts(torch.nn.Module):

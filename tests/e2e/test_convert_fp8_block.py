@@ -2,7 +2,8 @@
 passes, byte equality with the oracle included) and a flipped scale byte seen; the reference engine serves the
 converted checkpoint (every planned weight fp8_block as the engine reads the config, the self-check within
 tolerance, the served operand the codec's decode); transformers' own FP8 reader and the compressed-tensors
-package load it on CPU to the codec's values. vLLM's CPU build is not run on it: its block-FP8 kernels need AMX (docs/gpu.md)."""
+package load it on CPU to the codec's values. Real vLLM / SGLang CPU serving it: ``test_rollout_vllm_fp8_block.py``,
+``test_rollout_sglang_cpu_server.py`` (docs/rollout.md)."""
 
 from __future__ import annotations
 

@@ -2,9 +2,10 @@
 the client (``flavor="launch"``: loopback, a free port, stopped at the end), sampled with log-probs, updated live from
 disk, and asked the checks through the introspection that runs inside SGLang's own process. A fault written into the
 real server's model after an update is caught by the sync's checks (C2 a changed byte, C4 a re-bound parameter, C3
-a derived GEMM operand in the wrong layout). ``bf16``: every linear BF16 (default CI); ``mxfp8`` / ``nvfp4`` (slow):
-our ``--target sglang`` MXFP8 / ModelOpt NVFP4 checkpoint through SGLang's own config parsing and loader, with
-miles-lp's CPU linear method.
+a derived GEMM operand in the wrong layout). ``bf16``: every linear BF16 (default CI); ``mxfp8`` / ``nvfp4`` /
+``fp8_block`` (slow): our ``--target sglang`` MXFP8 / ModelOpt NVFP4 / FP8 blockwise checkpoint through SGLang's own
+config parsing and loader, with miles-lp's CPU linear method (``fp8_block``: tiny ``qwen3_wide``, one block scale
+doubled in SGLang's storage caught by C2).
 
 One server for the module (its start is most of the time: ~30 s on an idle 2-core machine). Skipped, saying why,
 without SGLang's venv (``MILES_LP_SGLANG_PYTHON`` or ``.ci/sglang_venv.sh``'s default folder) or with
@@ -21,28 +22,34 @@ from tests.sglang_env import record, sglang_python_or_skip
 
 PROMPTS = [[3, 17, 99, 4, 250, 7, 1, 2], [5, 6, 9, 11], [40, 41, 42, 43, 44, 45]]
 KEY = "sglang-cpu-test-key"
-GAP = {"bf16": 0.02, "mxfp8": 0.05, "nvfp4": 0.2}  # bounds on max |logprob SGLang - learner| (measured: see below)
+GAP = {"bf16": 0.02, "mxfp8": 0.05, "nvfp4": 0.2, "fp8_block": 0.05}  # bounds on max |logprob SGLang - learner| (measured: see below)
 
 
 @pytest.fixture(scope="module", params=["bf16", pytest.param("mxfp8", marks=pytest.mark.slow),
-                                        pytest.param("nvfp4", marks=pytest.mark.slow)])
+                                        pytest.param("nvfp4", marks=pytest.mark.slow),
+                                        pytest.param("fp8_block", marks=pytest.mark.slow)])
 def fmt(request):
     return request.param
 
 
+def _arch(fmt):
+    """FP8 blockwise: SGLang's block-FP8 linear wants every fused shard a whole number of 128-row blocks."""
+    return "qwen3_wide" if fmt == "fp8_block" else "qwen3"
+
+
 @pytest.fixture(scope="module")
-def hf():
+def hf(fmt):
     from miles_lp.rollout.testing import tiny_hf
 
-    return tiny_hf("qwen3", 0, 2)
+    return tiny_hf(_arch(fmt), 0, 2)
 
 
 @pytest.fixture(scope="module")
 def ckpt(fmt):
-    """What SGLang serves: the BF16 model itself, or its MXFP8 conversion (``--target sglang``)."""
+    """What SGLang serves: the BF16 model itself, or its conversion (``--target sglang``)."""
     from miles_lp.rollout.testing import tiny_checkpoint
 
-    return tiny_checkpoint("qwen3", None if fmt == "bf16" else fmt, num_layers=2)
+    return tiny_checkpoint(_arch(fmt), None if fmt == "bf16" else fmt, num_layers=2)
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +192,9 @@ def test_live_update_from_disk_checked_by_sglang_and_faults_caught(engine, learn
     name = "model.layers.1.mlp.up_proj.weight"
     # C3 probes the first quantized linear (layer 0's fused q/k/v): the stale layout is put there
     # (the re-bound storage stays moved for later syncs: that fault comes last)
-    faults = [("perturb", "grid", name)] + (
+    # FP8 blockwise: one fp32 block scale of a fused shard doubled in SGLang's live storage (C2)
+    scale = [("double_scale", "grid", "model.layers.1.mlp.up_proj.weight_scale_inv")] if fmt == "fp8_block" else []
+    faults = [("perturb", "grid", name)] + scale + (
         [("stale_layout", "self_check", "model.layers.0.self_attn.k_proj.weight")] if plan else []) + [
         ("rebind", "storage", name)]
     for kind, check, name in faults:

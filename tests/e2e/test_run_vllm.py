@@ -69,6 +69,21 @@ def test_rl_smoke_on_vllm(tmp_path, monkeypatch):
     assert (run.dir.path / "vllm-engine.log").stat().st_size > 0
 
 
+@pytest.mark.slow
+def test_fp8_block_run_on_vllm_every_check_raise(tmp_path):
+    """FP8 blockwise on one grid: vLLM's Fp8LinearMethod reads the checkpoint, miles-lp's CPU block kernel
+    (``vllm_plugin``) quantizes activations in 1x128 tiles as the learner does; every check in raise mode."""
+    run, rows = _run("tiny-fp8-blockwise-e2e-vllm.yaml", tmp_path, "steps=2", "rl.prompts_per_step=4",
+                     "rl.group_size=4")
+    assert len(rows) == 2 and run.initial.verdict("self_check").ok
+    for i, m in enumerate(rows):
+        for c in CHECKS:
+            assert m[f"sync/check/{c}"] == 1.0, (i, c)
+        assert m["rollout/weight_version"] == i + 1
+        assert 0 < m["sync/check/self_check/figure"] < 0.1  # the 1x128 activation grid's error (0.026 measured)
+        assert math.isfinite(m["rollout_corr/kl"]) and m["rollout_corr/logprob_abs_diff_max"] < 0.05
+
+
 # ---- fault injection: each check answered by vLLM can fail ---------------------------------------------------
 
 @pytest.fixture(scope="module")

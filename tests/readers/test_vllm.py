@@ -218,7 +218,8 @@ def test_vllm_reads_the_mixed_moe_config_as_planned(served):
 def test_plugin_adds_the_cpu_kernels_once():
     """Without the plugin vLLM's CPU platform has no MXFP8 / NVFP4 linear kernel (an MXFP8 checkpoint then fails
     with "Failed to find a kernel that can implement the MXFP8 linear layer"); register() adds vLLM's emulation
-    kernels once, however often vLLM calls it, and is what the installed entry point names."""
+    kernels once, however often vLLM calls it, and is what the installed entry point names. FP8 blockwise: our
+emulation kernel goes before vLLM's CPU block-FP8 kernels (W8A16 on AMX: not the learner's activation grid)."""
     code = ("import json; from importlib.metadata import entry_points; "
             "from miles_lp.rollout.vllm_plugin import register, cpu_kernels; "
             "before = cpu_kernels(); first = register(); second = register(); "
@@ -229,9 +230,12 @@ def test_plugin_adds_the_cpu_kernels_once():
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert line, r.stdout[-2000:] + r.stderr[-2000:]
     before, first, second, after, eps = json.loads(line[0][len("RESULT "):])
-    assert before == {"mxfp8": [], "nvfp4": []}
-    assert first == ["EmulationMxfp8LinearKernel", "EmulationNvFp4LinearKernel"] and second == []
-    assert after == {"mxfp8": ["EmulationMxfp8LinearKernel"], "nvfp4": ["EmulationNvFp4LinearKernel"]}
+    amx = ["CPUFp8W8A8BlockScaledMMKernel", "CPUFp8BlockScaledMMKernel"]  # vLLM's own: AMX-FP8 W8A8, AMX W8A16
+    assert before == {"mxfp8": [], "nvfp4": [], "fp8_block": amx}
+    assert first == ["EmulationMxfp8LinearKernel", "EmulationNvFp4LinearKernel",
+                     "MilesLpFp8BlockEmulationKernel"] and second == []
+    assert after == {"mxfp8": ["EmulationMxfp8LinearKernel"], "nvfp4": ["EmulationNvFp4LinearKernel"],
+                     "fp8_block": ["MilesLpFp8BlockEmulationKernel", *amx]}  # ours first: the learner's grid
     assert eps == ["miles_lp.rollout.vllm_plugin:register"]
 
 

@@ -131,7 +131,9 @@ def test_graph_safe_decode_equals_the_codec():
 def test_operand_dtype_rule():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert scheme_for("mxfp8").operand_dtype(cuda, torch.bfloat16) == torch.bfloat16
-    assert scheme_for("mxfp8").operand_dtype(cpu, torch.bfloat16) == torch.float32
+    assert scheme_for("mxfp8").operand_dtype(cpu, torch.bfloat16) == torch.bfloat16  # as the learner (gemm)
+    assert scheme_for("mxfp8").operand_dtype(cpu, torch.float32) == torch.float32
+    assert scheme_for("bf16").operand_dtype(cpu, torch.bfloat16) == torch.bfloat16
     assert scheme_for("fp8_block").operand_dtype(cuda, torch.bfloat16) == torch.float32  # fp32 scales
     assert scheme_for("fp8_block").operand_dtype(cuda, torch.bfloat16, pow2_scales=True) == torch.bfloat16
 

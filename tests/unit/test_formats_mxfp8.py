@@ -263,3 +263,23 @@ def test_inputs_are_never_modified():
                quantize_fp8_tensorwise):
         fn(x)
         assert torch.equal(x.nan_to_num(), before.nan_to_num()) and torch.isnan(x[0, 0])
+
+
+@pytest.mark.parametrize("axis", [-1, -2])
+def test_dequantize_broadcast_equals_expanded_scales(axis):
+    """``MXFP8Tensor.dequantize`` multiplies each block by broadcasting; the bytes equal the expanded-scales formula
+    (every E4M3 code x every E8M0 byte incl. 0 (2^-127), 254, 255 (NaN), leading dims, fp32 and bf16 out)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    data = codes.view(1, 1, 256).expand(2, 64, 256).contiguous()  # [2, 64, 256]
+    if axis == -1:
+        scale = torch.arange(2 * 64 * 8, dtype=torch.int64).remainder(256).to(torch.uint8).view(2, 64, 8)
+    else:
+        scale = torch.arange(2 * 2 * 256, dtype=torch.int64).remainder(256).to(torch.uint8).view(2, 2, 256)
+    q = MXFP8Tensor(data, scale, axis=axis)
+    s = bits.e8m0_value(scale).repeat_interleave(32, dim=axis)
+    for dtype in (torch.float32, torch.bfloat16):
+        want = (data.to(torch.float32) * s).to(dtype)
+        got = q.dequantize(dtype)
+        assert got.shape == data.shape
+        assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))

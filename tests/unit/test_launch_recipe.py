@@ -247,9 +247,11 @@ def test_a_plan_error_from_a_set_rule_names_that_set(tmp_path):
     assert plan_for(load_recipe("recipes/tiny-mxfp8.yaml"), model) is not None
 
 
-def test_fp8_block_with_the_vllm_backend_is_refused_naming_the_precision_section():
-    """vLLM's CPU build has no block-FP8 kernel without AMX: refused when the recipe is read, not at engine start."""
-    path = Path(__file__).resolve().parents[2] / "recipes" / "tiny-fp8-blockwise-e2e.yaml"
-    assert load_recipe(str(path)).precision.default.value == "fp8_block"  # the reference engine serves it
-    with pytest.raises(ConfigError, match=r"fp8_block with rollout.backend vllm is not verified"):
-        load_recipe(str(path), ["rollout.backend=vllm"])
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_fp8_block_pow2_with_a_real_engine_is_refused_naming_pow2_scales(backend):
+    """The engines' FP8 blockwise CPU methods quantize activations with fp32 tile scales: a learner on the
+    power-of-two grid is refused when the recipe is read, not found out by the checks."""
+    path = Path(__file__).resolve().parents[2] / "recipes" / f"tiny-fp8-blockwise-e2e-{backend}.yaml"
+    assert load_recipe(str(path)).precision.default.value == "fp8_block"  # fp32 scales: served
+    with pytest.raises(ConfigError, match=rf"pow2_scales.*fp8_block with pow2_scales and rollout.backend {backend}"):
+        load_recipe(str(path), ["precision.pow2_scales=true"])

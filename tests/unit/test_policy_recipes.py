@@ -116,6 +116,8 @@ RECIPES = {
     "tiny-fp8-blockwise.yaml": ("qwen3", 2, tiny_mxfp8, "dequantized", None),
     "tiny-fp8-tensorwise.yaml": ("qwen3", 2, tiny_mxfp8, "dequantized", None),
     "tiny-fp8-blockwise-e2e.yaml": ("qwen3", 2, tiny_fp8_block, "quantized", None),
+    "tiny-fp8-blockwise-e2e-sglang.yaml": ("qwen3_wide", 2, tiny_fp8_block, "quantized", None),  # real SGLang
+    "tiny-fp8-blockwise-e2e-vllm.yaml": ("qwen3_wide", 2, tiny_fp8_block, "quantized", None),  # vLLM CPU
     "tiny-mxfp8-bf16-sampler.yaml": ("qwen3", 2, tiny_mxfp8, "dequantized", None),
     "tiny-mxfp8-moe-replay.yaml": ("qwen3_moe", 2, tiny_mxfp8, "dequantized", None),  # routed experts MXFP8 too
     "tiny-nvfp4-experts.yaml": ("qwen3_moe", 2, tiny_nvfp4_experts, "dequantized", "token"),

@@ -288,3 +288,29 @@ def test_architectures_match_learner(arch, precision):
     assert max(float((lp[len(p) - 1:] - g.logprobs).abs().max()) for lp, p, g in zip(lps, PROMPTS, gens,
                                                                                        strict=False)) < 1e-4
     assert eng.self_check()["ok"]
+
+
+@pytest.mark.parametrize("precision, dtype", [("mxfp8", "bf16"), ("mxfp8", "fp32"), ("bf16", "bf16")])
+def test_shared_prompt_prefill_gives_the_same_bytes(precision, dtype, monkeypatch):
+    """A GRPO batch repeats each prompt group_size times: the engine prefills each distinct prompt once and gathers
+    its logits and K/V to the rows that repeat it. Tokens and log-probs are byte-identical to one prefill per row
+    (1 and 2 intra-op threads), and the shared prefill did run on the distinct prompts only."""
+    ckpt = tiny_hf("llama") if precision == "bf16" else tiny_checkpoint("llama", precision)
+    eng = ReferenceEngine(ckpt, device="cpu", dtype=dtype)
+    batch = [p for p in PROMPTS for _ in range(4)]  # GRPO order: each group's samples side by side
+    sp = SamplingParams(max_new_tokens=6, seed=3)
+    widths: list[int] = []
+    real = eng._prefill
+    monkeypatch.setattr(eng, "_prefill", lambda seqs, rows, rec: widths.append(len(seqs)) or real(seqs, rows, rec))
+    for threads in (1, 2):
+        torch.set_num_threads(threads)  # (the one_thread fixture restores the setting)
+        eng.share_prompts = True
+        shared = eng.generate(batch, sp)
+        assert widths[-1] == len(PROMPTS)
+        eng.share_prompts = False
+        own = eng.generate(batch, sp)
+        assert widths[-1] == len(batch)
+        for a, b in zip(shared, own, strict=True):
+            assert a.output_ids == b.output_ids and a.finish_reason == b.finish_reason
+            assert torch.equal(a.logprobs, b.logprobs)
+    assert len({tuple(g.output_ids) for g in shared}) > len(PROMPTS)  # the samples of a group differ

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from miles_lp.formats import quantize_mxfp8
+from miles_lp.formats.schemes import scheme_for
 from miles_lp.formats.spec import BackwardMode, Format
 from miles_lp.rollout.layers import operand_dtype
 from miles_lp.train.gemm import _operand_dtype, quantized_linear
@@ -17,6 +18,8 @@ def test_operand_dtype_rule_same_on_both_sides():
     for dt, want in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)):
         assert _operand_dtype(torch.zeros(1, dtype=dt)) is want
         assert operand_dtype(torch.device("cpu"), dt) is want
+        for fmt in ("bf16", "mxfp8", "nvfp4"):  # what the engine's layers multiply with (EngineLinear.op_dtype)
+            assert scheme_for(fmt).operand_dtype(torch.device("cpu"), dt) is want
 
 
 def test_cpu_bf16_gemm_accumulates_in_fp32():
@@ -51,3 +54,38 @@ def test_reference_path_decodes_the_weight_once_per_step():
     want = torch.nn.functional.linear(quantize_mxfp8(x).dequantize(torch.bfloat16),
                                       quantize_mxfp8(w.detach()).dequantize(torch.bfloat16))
     assert torch.equal(y2, want)
+
+
+def test_siblings_quantize_their_common_input_once(monkeypatch):
+    """q/k/v and gate/up read one input: the reference path quantizes it once per forward (4 activation grids per
+    Llama layer, not 7), and log-probs and gradients are byte-identical to quantizing it per linear."""
+    from miles_lp.rollout.testing import policy_for, tiny_hf
+    from miles_lp.train import gemm
+    from miles_lp.train.config import TrainConfig
+    from miles_lp.train.embedded import EmbeddedTrainer, nll_loss, plan_for_model
+
+    src = tiny_hf("llama")
+    seqs = [torch.randint(3, 200, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 14, 5)]
+    samples = [{"tokens": s} for s in seqs]
+    calls = [0]
+    real = gemm.quantize_activation
+    monkeypatch.setattr(gemm, "quantize_activation", lambda x, r: calls.__setitem__(0, calls[0] + 1) or real(x, r))
+    out = []
+    for shared in (True, False):
+        tr = EmbeddedTrainer(src, plan_for_model(policy_for("mxfp8"), src), TrainConfig(device="cpu", param_dtype="bf16"))
+        grids = [m.grid for m in tr.model.modules() if hasattr(m, "grid")]
+        assert sum(g.input_cache is not None for g in grids) == 5 * tr.model.config.num_hidden_layers
+        if not shared:
+            for g in grids:
+                g.input_cache = None
+        calls[0] = 0
+        lp, _ = tr.logprobs(seqs)
+        n_layers = tr.model.config.num_hidden_layers
+        assert calls[0] == (4 if shared else 7) * n_layers
+        tr.optimizer.zero_grad(set_to_none=True)
+        tr.accumulate_grads(samples, nll_loss)
+        grads = {n: m.grad.clone() for n, (_, m) in tr.masters.items() if m.grad is not None}
+        out.append((lp, grads))
+    (lp_a, g_a), (lp_b, g_b) = out
+    assert all(torch.equal(a, b) for a, b in zip(lp_a, lp_b, strict=True))
+    assert g_a.keys() == g_b.keys() and all(torch.equal(g_a[n], g_b[n]) for n in g_a)

@@ -1,6 +1,6 @@
 """The reference engine's generation and serving state (``ReferenceEngine``'s fifth job).
 
-Batched, left-padded, transformers' KV cache (``kv_cache: fp8_e4m3`` rounds K/V as the engines do,
+Batched, left-padded (a prompt repeated in the batch, a GRPO group, is prefilled once: ``_prefill_shared``), transformers' KV cache (``kv_cache: fp8_e4m3`` rounds K/V as the engines do,
 ``rollout.kv_cache``), one token per step for every unfinished row, finished rows dropped from the batch.
 ``Generation.logprobs`` are raw policy log-probs (temperature 1; ``rollout.sampling``). Prompts must be shorter
 than the context (``max_position_embeddings``); ``max_new_tokens`` is capped at what fits (finish ``length``).
@@ -39,6 +39,8 @@ class ReferenceGeneration:
     vocab_size: int
     weight_version: int
     _cond: threading.Condition
+    #: prefill each distinct prompt once and share its KV with the rows that repeat it (``_prefill_shared``)
+    share_prompts: bool = True
 
     def pause(self, mode: str = "retract") -> None:
         """Stop generating at the next step boundary (``abort``: in-flight requests end with finish ``abort``;
@@ -142,6 +144,22 @@ class ReferenceGeneration:
             logits = self._forward(ids, mask, pos, cache)
         return logits, cache, mask, pos[:, -1:] + 1, lens
 
+    def _prefill_shared(self, seqs: list[list[int]], rows: list[int], recorder):
+        """``_prefill`` of each distinct sequence once, its logits and KV then gathered back to every row that holds it
+        (a GRPO group's samples share their prompt, as SGLang's radix cache shares a prefix). The left padding is the
+        same (the distinct set holds the longest sequence) and every row's forward is its own, so each row gets the
+        bytes its own prefill would give (``tests/unit/test_rollout_reference.py`` compares a generate with and without
+        sharing, byte for byte). Under routing replay (``recorder``), or without duplicates, the plain prefill."""
+        first: dict[tuple[int, ...], int] = {}
+        inverse = [first.setdefault(tuple(s), len(first)) for s in seqs]
+        if recorder is not None or not self.share_prompts or len(first) == len(seqs):
+            return self._prefill(seqs, rows, recorder)
+        distinct = [list(s) for s in first]
+        logits, cache, mask, pos, _ = self._prefill(distinct, [rows[seqs.index(s)] for s in distinct], None)
+        idx = torch.tensor(inverse, device=self.device)
+        cache.batch_select_indices(idx)  # every layer's K/V rows gathered (repeats allowed)
+        return logits[idx], cache, mask[idx], pos[idx], [len(s) for s in seqs]
+
     def _routing(self, recorder, batch: int, width: int):
         model = self.model
 
@@ -208,7 +226,7 @@ class ReferenceGeneration:
             seqs = [prompts[b] + outs[b] for b in rows]
             lens = [len(s) for s in seqs]
             rec = (lambda r: prefill_recorder(r, rows, lens)) if want_routes else None
-            return self._prefill(seqs, rows, rec)
+            return self._prefill_shared(seqs, rows, rec)
 
         self._park()  # marks the step as running
         try:

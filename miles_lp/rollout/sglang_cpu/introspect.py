@@ -8,7 +8,7 @@ parameter, a view of SGLang's own storage, so a digest or a pointer read here is
 
 ``inject(kind, name)`` (only when the server was started with ``MILES_LP_SGLANG_FAULTS=1``): a fault written into the
 live model, as a broken loader would leave it: ``perturb`` flips the bits of one element of ``name`` in place (C2
-must catch it), ``rebind`` moves the fused parameter holding ``name`` to new storage with the same values (C4 must
+must catch it), ``double_scale`` doubles the float tensor ``name`` (a block scale) in place (C2), ``rebind`` moves the fused parameter holding ``name`` to new storage with the same values (C4 must
 catch it), ``stale_layout`` rotates the rows of the derived GEMM operand of the linear holding ``name`` (a layout
 derived wrong or left stale: C3 must catch it).
 """
@@ -79,6 +79,9 @@ class SGLangIntrospection:
                     for i, shard in enumerate(FUSED[base]):  # global and input scales): 0-d, as on disk
                         out[f"{parent}.{shard}.{leaf}"] = p.data[i]
                     continue
+                rb = getattr(getattr(modules[mod_name], "quant_method", None), "row_block", 1)
+                if leaf != "weight" and rb > 1 and all(n % rb == 0 for n in rows) and p.shape[0] == sum(rows) // rb:
+                    rows = [n // rb for n in rows]  # one scale row per block of rows (FP8 blockwise)
                 if sum(rows) != p.shape[0]:
                     raise EngineError(f"{name}: {p.shape[0]} rows, its shards {FUSED[base]} have {rows}")
                 at = 0
@@ -163,6 +166,11 @@ class SGLangIntrospection:
             flat = views[name].view(-1)
             raw = flat[:1].view(torch.uint8)
             raw.copy_(raw ^ 0x40)  # the exponent's top bits of one element: far off the learner's grid
+            return {"injected": kind, "name": name}
+        if kind == "double_scale":  # a float tensor (a block scale) doubled in place
+            if not views[name].is_floating_point() or views[name].element_size() < 2:
+                raise EngineError(f"'{name}' is not a float tensor ({views[name].dtype}): cannot double it")
+            views[name].mul_(2)
             return {"injected": kind, "name": name}
         if kind == "stale_layout":  # the derived GEMM operand of the linear holding ``name``, rows rotated
             mod = self._module_of(views[name])

@@ -28,10 +28,11 @@ def reference_output(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 # ---- the CPU linear method (runs inside the SGLang process) ----------------------------------------------------------
-# SGLang's CPU platform serves MXFP8 only through AMX kernels (Fp8LinearMethod asserts AMX support) and has no CPU
-# branch for NVFP4 (ModelOpt). Neither config has a registration point for another linear method: ``register()``
-# wraps ``Fp8Config.get_quant_method`` and ``ModelOptFp4Config.get_quant_method`` in this one place so that, on CPU,
-# every MXFP8 / NVFP4 dense linear they would quantize gets the emulated method instead (MoE experts are not
+# SGLang's CPU platform serves MXFP8 and block FP8 only through AMX kernels (Fp8LinearMethod asserts AMX support)
+# and has no CPU branch for NVFP4 (ModelOpt). Neither config has a registration point for another linear method:
+# ``register()`` wraps ``Fp8Config.get_quant_method`` and ``ModelOptFp4Config.get_quant_method`` in this one place
+# so that, on CPU, every MXFP8 / FP8 blockwise / NVFP4 dense linear they would quantize gets the emulated method
+# instead (MoE experts are not
 # covered: SGLang's fused-MoE methods are left as they are). The weights are still created by SGLang's own code
 # (``Fp8LinearMethod.create_fp8_weight_``, ``ModelOptFp4LinearMethod.create_weights``: its parameter classes and
 # weight loaders, so fused q/k/v and gate/up shards load as SGLang loads them; NVFP4 keeps one global scale per
@@ -73,12 +74,15 @@ def _emulated_method_classes():
     from sglang.srt.layers.quantization.fp8 import Fp8LinearMethod
     from sglang.srt.layers.quantization.modelopt_quant import ModelOptFp4LinearMethod
 
+    from miles_lp.formats.schemes import scheme_for
     from miles_lp.formats.spec import Format
     from miles_lp.rollout.layers import _dequantize, decode_weight, operand_dtype
 
     class _Emulated(LinearMethodBase):
         fmt: Format
         suffixes: tuple[str, ...]
+        #: weight rows one scale row covers (FP8 blockwise: 128; MXFP8 / NVFP4 scale every row)
+        row_block = 1
 
         @property
         def miles_lp_format(self) -> str:
@@ -89,14 +93,19 @@ def _emulated_method_classes():
 
         def shards(self, layer):
             """The codec tensor of each checkpoint shard (q/k/v, gate/up) of the fused weight, as served."""
-            k = layer.input_size_per_partition
+            k, rb = layer.input_size_per_partition, self.row_block
             widths = list(getattr(layer, "logical_widths", None) or [layer.weight.shape[0]])
             at, out = 0, []
             for i, n in enumerate(widths):
                 parts = {}
                 for s in self.suffixes:
                     t = getattr(layer, s).data
-                    parts[s] = t[i] if t.dim() == 1 and t.shape[0] == len(widths) and s != "weight" else t[at:at + n]
+                    if s == "weight":
+                        parts[s] = t[at:at + n]
+                    elif t.dim() == 1 and t.shape[0] == len(widths):
+                        parts[s] = t[i]
+                    else:  # a shard's scale rows (whole blocks: SGLang refuses a fused shard that is not)
+                        parts[s] = t[at // rb:(at + n + rb - 1) // rb]
                 out.append(decode_weight("sglang", self.fmt, parts, (n, k)))
                 at += n
             return out
@@ -156,7 +165,30 @@ def _emulated_method_classes():
             # the RL recipe's per-token global scale (the reference engine's default ``activation_scale``)
             return formats.quantize_nvfp4(x, scale_scope="row").dequantize(dtype)
 
-    return Mxfp8, Nvfp4
+    class Fp8Block(_Emulated):
+        """FP8 blockwise (DeepSeek-V3 style): E4M3 weight with one fp32 ``weight_scale_inv`` per 128x128 block,
+        activations in 1x128 tiles with fp32 scales (the learner's TE Float8BlockScaling rule, ``pow2_scales:
+        false``: the checkpoint's ``quantization_config`` cannot say otherwise)."""
+
+        fmt, suffixes, row_block = Format.FP8_BLOCK, ("weight", "weight_scale_inv"), 128
+
+        def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+                           params_dtype, **extra_weight_attrs):
+            Fp8LinearMethod.create_fp8_weight_(
+                layer, block_quant=True, quant_config=self.quant_config, use_mxfp8=False,
+                output_size_per_partition=sum(output_partition_sizes), input_size_per_partition=input_size_per_partition,
+                output_partition_sizes=output_partition_sizes, input_size=input_size, output_size=output_size,
+                params_dtype=params_dtype, weight_loader=extra_weight_attrs.get("weight_loader"),
+                is_checkpoint_fp8_serialized=True)
+            add_scale_alias(layer)  # Llama's loader asks for ``weight_scale`` (see above)
+            layer.miles_lp_op_dtype = scheme_for(Format.FP8_BLOCK).operand_dtype(
+                torch.device("cpu"), params_dtype, pow2_scales=False)
+
+        def quantize_input(self, x, dtype):
+            return scheme_for(Format.FP8_BLOCK).quantize_activation(x, pow2_scales=False).dequantize(dtype)
+
+    Fp8Block.__name__ = Fp8Block.__qualname__ = "MilesLpFp8BlockLinearMethod"  # named in SGLang's loader list
+    return Mxfp8, Nvfp4, Fp8Block
 
 
 def register() -> None:
@@ -169,17 +201,24 @@ def register() -> None:
     orig = fp8.Fp8Config.get_quant_method
     if not is_cpu() or getattr(orig, "_miles_lp", False):
         return
-    method, nvfp4 = _emulated_method_classes()
+    method, nvfp4, fp8_block = _emulated_method_classes()
 
     def get_quant_method(self, layer, prefix):
-        if isinstance(layer, LinearBase) and self.use_mxfp8:
+        block = not self.use_mxfp8 and self.is_checkpoint_fp8_serialized and self.weight_block_size is not None
+        if isinstance(layer, LinearBase) and (self.use_mxfp8 or block):
             if fp8.is_layer_skipped(prefix, self.ignored_layers, fused_mapping=self.packed_modules_mapping):
                 return fp8.UnquantizedLinearMethod()
-            return method(self)
+            return method(self) if self.use_mxfp8 else fp8_block(self)
         return orig(self, layer, prefix)
 
     get_quant_method._miles_lp = True
     fp8.Fp8Config.get_quant_method = get_quant_method
+    # SGLang's linears pick the block-aware weight loader (``weight_loader_v2``: a fused shard's 128-row blocks land
+    # in its scale rows) by the quant method's class name (``WEIGHT_LOADER_V2_SUPPORTED``, layers/linear.py:140)
+    from sglang.srt.layers import linear as sglang_linear
+
+    if fp8_block.__name__ not in sglang_linear.WEIGHT_LOADER_V2_SUPPORTED:
+        sglang_linear.WEIGHT_LOADER_V2_SUPPORTED.append(fp8_block.__name__)
 
     # SGLang's CPU tensor-parallel padding asks the weight block for a square shape; MXFP8's [1, 32] blocks one row
     # at a time, so the rows need no padding at all (a multiple of 1): the answer for that block, nothing else
