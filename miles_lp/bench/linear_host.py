@@ -25,7 +25,7 @@ def _stubbed():
     from miles_lp.train import gemm
     from miles_lp.train import launch as bound
 
-    saved = (runtime.launch, kernels.enabled, runtime.module_for, gemm._operand_dtype, bound.FAKE_BIND)
+    saved = (runtime.launch, kernels.enabled, runtime.module_for, gemm.gemm_operand_dtype, bound.FAKE_BIND)
     calls = {"n": 0}
 
     def launch(*a, **k):
@@ -37,11 +37,11 @@ def _stubbed():
     # the bound launches (miles_lp.train.launch) as on CUDA, their C launcher a counting no-op
     bound.FAKE_BIND = lambda mod, name, grid, consts: launch
     bound.clear()
-    gemm._operand_dtype = lambda x: torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+    gemm.gemm_operand_dtype = lambda x: torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
     try:
         yield calls
     finally:
-        runtime.launch, kernels.enabled, runtime.module_for, gemm._operand_dtype, bound.FAKE_BIND = saved
+        runtime.launch, kernels.enabled, runtime.module_for, gemm.gemm_operand_dtype, bound.FAKE_BIND = saved
         runtime.PLANS.clear()
         bound.clear()
 

@@ -77,7 +77,7 @@ def derived_epoch() -> int:
 
 
 def operand_dtype(device: torch.device, act_dtype: torch.dtype) -> torch.dtype:
-    """The learner's GEMM operand dtype (``train.gemm._operand_dtype``): bf16 for bf16 activations (CUDA and CPU;
+    """The learner's GEMM operand dtype (``train.gemm.gemm_operand_dtype``): bf16 for bf16 activations (CUDA and CPU;
     fp32 accumulation either way), fp32 otherwise."""
     return torch.bfloat16 if act_dtype == torch.bfloat16 else torch.float32
 
@@ -227,15 +227,15 @@ class EngineLinear(torch.nn.Module):
         ``InputCache``: the input is quantized once, as the fused kernel does (same bytes either way)."""
         cache = self.input_cache
         if cache is None:
-            return self._quantize_input(x)
+            return self.quantize_input_uncached(x)
         key = (self.kernel_format, self.activation_scale, self.activation_mode, self.op_dtype)
         if cache.x is x and cache.key == key:
             return cache.value
-        value = self._quantize_input(x)
+        value = self.quantize_input_uncached(x)
         cache.x, cache.key, cache.value = x, key, value  # holds x: its memory cannot be reused while cached
         return value
 
-    def _quantize_input(self, x: torch.Tensor) -> torch.Tensor:
+    def quantize_input_uncached(self, x: torch.Tensor) -> torch.Tensor:
         fmt = self.kernel_format
         if fmt is None:
             raise CheckpointError(f"'{self.prefix}weight': process_weights_after_loading has not run")
@@ -313,7 +313,7 @@ def share_input_caches(model: torch.nn.Module) -> int:
     return n
 
 
-def _dequantize(q, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_operand(q, dtype: torch.dtype) -> torch.Tensor:
     """``q.dequantize(dtype)`` through the format's scheme: on CUDA one Triton launch of
     ``miles_lp.formats.kernels`` (byte-identical to the codec's torch code, which builds fp32 temporaries of the
     whole stack: ~3x the operand's bytes more)."""

@@ -310,7 +310,7 @@ def span_positions(pack: Pack, spans: Sequence[tuple[int, int]]) -> torch.Tensor
 LossFn = Callable[[list[torch.Tensor], list[torch.Tensor], list[Mapping[str, Any]], Mapping[str, int]], torch.Tensor]
 
 
-def _loss_mask(sample: Mapping[str, Any]) -> torch.Tensor:
+def loss_mask_of(sample: Mapping[str, Any]) -> torch.Tensor:
     n = int(sample["tokens"].numel()) - 1
     m = sample.get("loss_mask")
     return torch.ones(n) if m is None else torch.as_tensor(m, dtype=torch.float32)
@@ -318,7 +318,7 @@ def _loss_mask(sample: Mapping[str, Any]) -> torch.Tensor:
 
 def nll_loss(logprobs, entropy, samples, totals) -> torch.Tensor:
     """Token-mean negative log-likelihood over ``loss_mask`` (SFT; also a smoke-test loss)."""
-    total = sum(-_masked(lp, _loss_mask(s)).sum() for lp, s in zip(logprobs, samples, strict=True))
+    total = sum(-_masked(lp, loss_mask_of(s)).sum() for lp, s in zip(logprobs, samples, strict=True))
     return total / max(1, totals["tokens"])
 
 
@@ -336,7 +336,7 @@ def policy_gradient_loss(logprobs, entropy, samples, totals, clip: float = 0.2) 
         old = torch.as_tensor(s["old_logprobs"], dtype=torch.float32, device=lp.device)
         ratio = torch.exp(lp - old)
         surr = torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
-        total = total - _masked(surr, _loss_mask(s)).sum()
+        total = total - _masked(surr, loss_mask_of(s)).sum()
     return total / max(1, totals["tokens"])
 
 
@@ -345,7 +345,7 @@ def policy_gradient_loss(logprobs, entropy, samples, totals, clip: float = 0.2) 
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _resolve_device(spec: str) -> torch.device:
+def resolve_train_device(spec: str) -> torch.device:
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(spec)
@@ -448,7 +448,7 @@ class PackedLearnerSteps:
         """Forward/backward every micro-batch of ``samples``, accumulating ``.grad``. Returns (loss, packs)."""
         seqs = [s["tokens"] for s in samples]
         routes = self._batch_routes(samples)
-        totals = {"tokens": int(sum(float(_loss_mask(s).sum()) for s in samples)), "sequences": len(samples)}
+        totals = {"tokens": int(sum(float(loss_mask_of(s).sum()) for s in samples)), "sequences": len(samples)}
         spans = [prediction_span(s, int(s["tokens"].numel())) for s in samples]
         loss_sum, packs = 0.0, self.micro_batches(seqs, routes)
         for pack in packs:
@@ -501,7 +501,7 @@ class EmbeddedTrainer(PackedLearnerSteps):
         self.config = config or TrainConfig()
         cfg = self.config
         torch.manual_seed(cfg.seed)
-        self.device = _resolve_device(cfg.device)
+        self.device = resolve_train_device(cfg.device)
         dtype = cfg.torch_master_dtype
         if isinstance(model, str | Path):
             import transformers

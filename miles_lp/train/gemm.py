@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from miles_lp.formats.spec import MXFP8_BLOCK, BackwardMode
 from miles_lp.train import fused, lean
-from miles_lp.train.grid import WeightGrid, _no_grad
+from miles_lp.train.grid import WeightGrid, no_grad_if_enabled
 from miles_lp.train.operands import (
     check_operand,
     fused_activation,
@@ -95,18 +95,18 @@ class _Packed:
 
 
 
-def _operand_dtype(x: torch.Tensor) -> torch.dtype:
+def gemm_operand_dtype(x: torch.Tensor) -> torch.dtype:
     """bf16 operands for bf16 activations (fp32 accumulation: cuBLAS on CUDA, oneDNN / ATen's CPU BLAS on CPU, where
     AVX512-BF16 or AMX run them ~4x faster than fp32), fp32 otherwise."""
     return torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
 
 
 def _recipe_operand_dtype(x: torch.Tensor, recipe: LinearRecipe) -> torch.dtype:
-    """``_operand_dtype``, except fp32 for FP8 blockwise with arbitrary fp32 scales (their decode is not exact in
+    """``gemm_operand_dtype``, except fp32 for FP8 blockwise with arbitrary fp32 scales (their decode is not exact in
     bf16)."""
     if not recipe.scheme.bf16_exact(recipe.pow2_scales):
         return torch.float32
-    return _operand_dtype(x)
+    return gemm_operand_dtype(x)
 
 
 def _fp8_native(x: torch.Tensor, weight: torch.Tensor, grid: WeightGrid) -> bool:
@@ -159,7 +159,7 @@ def _activation_grid(x: torch.Tensor, recipe: LinearRecipe, op: torch.dtype, cac
     return value
 
 
-def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+def pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
     pad = (-t.shape[-2]) % multiple
     return F.pad(t, (0, 0, 0, pad)) if pad else t
 
@@ -226,7 +226,7 @@ class QuantLinearFn(torch.autograd.Function):
             if wc is None:
                 wc = grid.columnwise(weight)
             if xc is None:
-                xc = quantize_columnwise_checked(_pad_rows(x, MXFP8_BLOCK), recipe, "input", compiled=compiled)
+                xc = quantize_columnwise_checked(pad_rows(x, MXFP8_BLOCK), recipe, "input", compiled=compiled)
             ctx.xp, ctx.wp = _Packed(xc), _Packed(wc)
             ctx.save_for_backward(*ctx.xp.tensors(xc), *ctx.wp.tensors(wc))
         return y
@@ -274,7 +274,7 @@ class QuantLinearFn(torch.autograd.Function):
                 dx = torch.mm(g_row, dequantize(wc, op))
             if need_w:
                 if g_col is None:
-                    dy_p = _pad_rows(dy, MXFP8_BLOCK)
+                    dy_p = pad_rows(dy, MXFP8_BLOCK)
                     if compiled:
                         check_operand(dy_p, recipe, -2, "grad_output")
                         g_col = fused.mxfp8_qdq(dy_p, -2, op)[1]
@@ -298,7 +298,7 @@ def _fp8_forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
     recipe, mode = grid.recipe, grid.recipe.backward
     quantized = mode is BackwardMode.QUANTIZED
-    with _no_grad():
+    with no_grad_if_enabled():
         xq, _, (xs, xcs) = k8.quantize_act(x, recipe.pow2_scales, rows=True, cols=quantized,
                                            grids=mode is BackwardMode.DEQUANTIZED)
         w = grid.fp8_block_native(weight)
@@ -346,7 +346,7 @@ def _fp8_backward(ctx, dy: torch.Tensor):
             dw = torch.mm(g.t(), FP8BlockTensor(xd, xs, FP8_ROW_BLOCK).dequantize(op))
     else:
         xcd, xcs = saved
-        with _no_grad():
+        with no_grad_if_enabled():
             _, _, (gs, gcs) = k8.quantize_act(dy, recipe.pow2_scales, rows=need_x, cols=need_w, grids=False)
             if need_x:
                 dx = fp8_block_gemm.dgrad_mm(gs, w)
@@ -379,7 +379,7 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, entry: Any, bias: to
         return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
     if grid is None:
         grid = WeightGrid(recipe)
-    apply = _APPLY if not _functorch_active() else QuantLinearFn.apply
+    apply = FUNCTION_APPLY if not functorch_active() else QuantLinearFn.apply
     if x.dim() == 2:  # (no reshape dispatches on the common 2-D path)
         return apply(x, weight, bias, grid)
     k = x.shape[-1]
@@ -390,5 +390,5 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, entry: Any, bias: to
 # ``Function.apply`` in Python binds default arguments (no setup_context here), asks whether functorch
 # transforms are active and unwraps dead functorch wrappers (none outside functorch) before calling the C
 # ``_FunctionBase.apply``; without functorch the C call alone does the same (a few us per call on the H200 host).
-_APPLY = super(torch.autograd.Function, QuantLinearFn).apply
-_functorch_active = torch._C._are_functorch_transforms_active
+FUNCTION_APPLY = super(torch.autograd.Function, QuantLinearFn).apply
+functorch_active = torch._C._are_functorch_transforms_active

@@ -44,7 +44,7 @@ class _NullCtx:
 _NULL = _NullCtx()
 
 
-def _no_grad():
+def no_grad_if_enabled():
     """``torch.no_grad()``, or nothing when grad mode is already off (inside an autograd Function's forward:
     the hot path; entering no_grad costs a mode switch and an object per call)."""
     return torch.no_grad() if torch.is_grad_enabled() else _NULL
@@ -137,7 +137,7 @@ class WeightGrid:
                 deq = fused_dequantize(self._row, dtype)
         else:
             check_operand(weight, self.recipe, -1, "weight")
-            with _no_grad():
+            with no_grad_if_enabled():
                 # (fused detaches for its compiled graphs; the kernels read the data pointer)
                 q, deq = fused_weight(weight, self.recipe, dtype, self._amax(weight))
             self._row, self._row_key = q, key

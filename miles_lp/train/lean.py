@@ -77,9 +77,9 @@ def forward(ctx, x, weight, bias, grid, op):
         if wc is None:
             wc = grid.columnwise(weight)
         if xc is None:
-            from miles_lp.train.gemm import _pad_rows
+            from miles_lp.train.gemm import pad_rows
 
-            xc = quantize_columnwise_checked(_pad_rows(x, MXFP8_BLOCK), recipe, "input", compiled=True)
+            xc = quantize_columnwise_checked(pad_rows(x, MXFP8_BLOCK), recipe, "input", compiled=True)
         ctx.save_for_backward(xc.data, xc.scale, wc.data, wc.scale)
         ctx.lean = (mode, op, x.dtype, weight.dtype, bias is not None, recipe, None)
     return y
@@ -133,9 +133,9 @@ def backward(ctx, dy):
             dx = _mm(g_row, launch.mxfp8_decode(wcd, wcs, -2, op))
         if need_w:
             if g_col is None:
-                from miles_lp.train.gemm import _pad_rows
+                from miles_lp.train.gemm import pad_rows
 
-                dy_p = _pad_rows(dy, MXFP8_BLOCK)
+                dy_p = pad_rows(dy, MXFP8_BLOCK)
                 check_operand(dy_p, recipe, -2, "grad_output")
                 g_col = launch.mxfp8(dy_p, False, True, op, ("row", "col"), False)[3]
             dw = _mm(g_col.t(), launch.mxfp8_decode(xcd, xcs, -2, op))  # padded zero rows add nothing

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from miles_lp.errors import ConfigError
-from miles_lp.train.gemm import _APPLY, QuantLinearFn, _functorch_active, quantized_linear
+from miles_lp.train.gemm import FUNCTION_APPLY, QuantLinearFn, functorch_active, quantized_linear
 from miles_lp.train.grid import WeightGrid
 from miles_lp.train.operands import select_expert, select_expert_rows, select_experts
 from miles_lp.train.recipe import LinearRecipe
@@ -243,9 +243,9 @@ def _expert_linear(x: torch.Tensor, fused_weight: torch.Tensor, e: int, grid: We
     if (view is None or view.fused_weight is not fused_weight or view.recipe is not grid.recipe
             or view.kernel != grid.kernel or view.cache_dequantized != grid.cache_dequantized):
         view = views[e] = _ExpertView(grid, fused_weight, e)
-    if _functorch_active():
+    if functorch_active():
         return QuantLinearFn.apply(x, fused_weight[e], None, view)
-    return _APPLY(x, fused_weight[e], None, view)
+    return FUNCTION_APPLY(x, fused_weight[e], None, view)
 
 
 

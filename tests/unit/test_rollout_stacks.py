@@ -130,7 +130,7 @@ def test_stacks_on_cuda_derive_the_bytes_of_one_pass_per_layer():
 
 @pytest.mark.gpu
 def test_cuda_derivation_through_the_dequantize_kernels_equals_the_torch_codecs(monkeypatch):
-    """On CUDA the operands are rebuilt by miles_lp.formats.kernels (layers._dequantize); with
+    """On CUDA the operands are rebuilt by miles_lp.formats.kernels (layers.dequantize_operand); with
     MILES_LP_KERNELS=reference by the codecs' torch code on the same device: the same bytes, every layer (MXFP8
     dense, NVFP4 experts, stacked and single)."""
     from miles_lp.rollout.layers import engine_linears

@@ -9,14 +9,14 @@ from miles_lp.formats import quantize_mxfp8
 from miles_lp.formats.schemes import scheme_for
 from miles_lp.formats.spec import BackwardMode, Format
 from miles_lp.rollout.layers import operand_dtype
-from miles_lp.train.gemm import _operand_dtype, quantized_linear
+from miles_lp.train.gemm import gemm_operand_dtype, quantized_linear
 from miles_lp.train.grid import WeightGrid
 from miles_lp.train.recipe import LinearRecipe
 
 
 def test_operand_dtype_rule_same_on_both_sides():
     for dt, want in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)):
-        assert _operand_dtype(torch.zeros(1, dtype=dt)) is want
+        assert gemm_operand_dtype(torch.zeros(1, dtype=dt)) is want
         assert operand_dtype(torch.device("cpu"), dt) is want
         for fmt in ("bf16", "mxfp8", "nvfp4"):  # what the engine's layers multiply with (EngineLinear.op_dtype)
             assert scheme_for(fmt).operand_dtype(torch.device("cpu"), dt) is want

@@ -101,7 +101,7 @@ import shutil, tempfile
 _snap = tempfile.mkdtemp()
 kernels.runtime.PATH = shutil.copy(kernels.runtime.PATH, _snap)
 # bf16 GEMM operands for bf16 activations, as on CUDA (both paths: the same GEMMs)
-gemm._operand_dtype = lambda x: torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+gemm.gemm_operand_dtype = lambda x: torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
 for dtype in [getattr(torch, name) for name in sys.argv[1:]]:
     for fmt, bw, m in cases:
         recipe = LinearRecipe(Format(fmt), BackwardMode(bw), "token" if fmt == "nvfp4" else None)

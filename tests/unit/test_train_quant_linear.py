@@ -112,7 +112,7 @@ def test_dense_forward_and_grads_match_reference(fmt, mode):
 def test_forward_equals_dequantize_then_matmul_bf16_input(fmt):
     x, w, _ = _data(dtype=torch.bfloat16)
     y = quantized_linear(x, w, LinearRecipe(fmt, DEQ, "token" if fmt is Format.NVFP4 else None))
-    # bf16 activations: bf16 operands with fp32 accumulation, on CPU as on CUDA (gemm._operand_dtype)
+    # bf16 activations: bf16 operands with fp32 accumulation, on CPU as on CUDA (gemm.gemm_operand_dtype)
     ref = q_x(x.detach(), fmt).dequantize(torch.bfloat16) @ q_w(w.detach(), fmt).dequantize(torch.bfloat16).T
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y, ref, rtol=0, atol=0)

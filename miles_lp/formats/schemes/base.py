@@ -86,7 +86,7 @@ class BaseScheme:
     def operand_dtype(self, device: Any, act_dtype: Any, *, pow2_scales: bool = False) -> Any:
         import torch
 
-        # the learner's rule (``train.gemm._operand_dtype``), on CPU as on CUDA: oneDNN / ATen's CPU BLAS multiply bf16
+        # the learner's rule (``train.gemm.gemm_operand_dtype``), on CPU as on CUDA: oneDNN / ATen's CPU BLAS multiply bf16
         # operands with fp32 accumulation (AVX512-BF16 / AMX), ~7x an fp32 GEMM on this model's shapes
         if not self.bf16_exact(pow2_scales):
             return torch.float32

@@ -247,7 +247,7 @@ class ReferenceSelfCheck:
                 fresh = self._freshly_derived(layer)
                 # the fresh copy quantizes the input exactly as the layer does when its grid key is the same
                 # (its canonical tensors, the input scale among them, are copies of the layer's)
-                fq = xq if input_key(fresh) == input_key(layer) else fresh._quantize_input(x)
+                fq = xq if input_key(fresh) == input_key(layer) else fresh.quantize_input_uncached(x)
                 y_fresh = fresh.gemm(fq, x.dtype).double()
                 # rel_err alone cannot see derived state left from the previous weights after a small (RL-sized)
                 # step: it stays at the healthy quantization error. The same kernel on state derived afresh from
@@ -365,18 +365,18 @@ class ReferenceSelfCheck:
         return hit
 
     def _probe_input(self, layer: EngineLinear, x: torch.Tensor) -> torch.Tensor:
-        """``layer._quantize_input(x)`` of a probe ``x`` (held by ``_probes``: the same tensor every sync), kept
+        """``layer.quantize_input_uncached(x)`` of a probe ``x`` (held by ``_probes``: the same tensor every sync), kept
         per grid key when it depends on ``x`` and that key alone (``activation_mode`` ``plan``: the quantizer
         reads no layer state); a static-scale mode (``vllm``: the layer's ``input_scale``) is quantized each call."""
         if layer.activation_mode != "plan":
-            return layer._quantize_input(x)
+            return layer.quantize_input_uncached(x)
         cache = self.__dict__.setdefault("_probe_q", {})
         key = (id(x), input_key(layer))
         hit = cache.get(key)
         if hit is None or hit[0] is not x:
             if len(cache) > 16:
                 cache.clear()
-            hit = cache[key] = (x, layer._quantize_input(x))  # holds x: its id cannot be reused meanwhile
+            hit = cache[key] = (x, layer.quantize_input_uncached(x))  # holds x: its id cannot be reused meanwhile
         return hit[1]
 
     def _freshly_derived(self, layer: EngineLinear) -> EngineLinear:

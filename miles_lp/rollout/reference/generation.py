@@ -147,9 +147,11 @@ class ReferenceGeneration:
     def _prefill_shared(self, seqs: list[list[int]], rows: list[int], recorder):
         """``_prefill`` of each distinct sequence once, its logits and KV then gathered back to every row that holds it
         (a GRPO group's samples share their prompt, as SGLang's radix cache shares a prefix). The left padding is the
-        same (the distinct set holds the longest sequence) and every row's forward is its own, so each row gets the
-        bytes its own prefill would give (``tests/unit/test_rollout_reference.py`` compares a generate with and without
-        sharing, byte for byte). Under routing replay (``recorder``), or without duplicates, the plain prefill."""
+        same (the distinct set holds the longest sequence) and every row's forward is its own; the GEMMs have fewer
+        rows, and CPU BLAS may round a row differently at another row count: on the shapes of
+        ``tests/unit/test_rollout_reference.py`` the generations are byte-identical with and without sharing, while
+        a one-layer tiny Qwen3 with 2 prompts x 4 samples moved the log-probs by ~2e-8 (``tests/e2e/test_run.py``).
+        Under routing replay (``recorder``), or without duplicates, the plain prefill."""
         first: dict[tuple[int, ...], int] = {}
         inverse = [first.setdefault(tuple(s), len(first)) for s in seqs]
         if recorder is not None or not self.share_prompts or len(first) == len(seqs):

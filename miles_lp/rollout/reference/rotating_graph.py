@@ -61,8 +61,8 @@ def _probe_grid(serve, fresh, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     if serve.activation_mode != "plan" or fresh.activation_mode != "plan":
         return None
     with torch.no_grad():
-        xq = serve._quantize_input(x)
-        return xq, (xq if input_key(fresh) == input_key(serve) else fresh._quantize_input(x))
+        xq = serve.quantize_input_uncached(x)
+        return xq, (xq if input_key(fresh) == input_key(serve) else fresh.quantize_input_uncached(x))
 
 
 def serving_and_fresh(serve, fresh, x: torch.Tensor,
@@ -77,8 +77,8 @@ def serving_and_fresh(serve, fresh, x: torch.Tensor,
         if grid is not None:
             xq, fq = grid
         else:
-            xq = serve._quantize_input(x)
-            fq = xq if input_key(fresh) == input_key(serve) else fresh._quantize_input(x)
+            xq = serve.quantize_input_uncached(x)
+            fq = xq if input_key(fresh) == input_key(serve) else fresh.quantize_input_uncached(x)
         return serve.gemm(xq, x.dtype), fresh.gemm(fq, x.dtype)
 
 

@@ -76,7 +76,7 @@ def _emulated_method_classes():
 
     from miles_lp.formats.schemes import scheme_for
     from miles_lp.formats.spec import Format
-    from miles_lp.rollout.layers import _dequantize, decode_weight, operand_dtype
+    from miles_lp.rollout.layers import decode_weight, dequantize_operand, operand_dtype
 
     class _Emulated(LinearMethodBase):
         fmt: Format
@@ -115,7 +115,7 @@ def _emulated_method_classes():
             return torch.cat([q.dequantize(torch.float64) for q in self.shards(layer)])
 
         def process_weights_after_loading(self, layer) -> None:
-            operand = torch.cat([_dequantize(q, layer.miles_lp_op_dtype) for q in self.shards(layer)])
+            operand = torch.cat([dequantize_operand(q, layer.miles_lp_op_dtype) for q in self.shards(layer)])
             old = getattr(layer, "miles_lp_operand", None)
             if old is not None and old.shape == operand.shape:
                 old.copy_(operand)  # rebuilt in place: the storage the GEMM reads stays put

@@ -48,8 +48,8 @@ from miles_lp.train.embedded import (
     Pack,
     PackedLearnerSteps,
     SourceInfo,
-    _resolve_device,
     pad_multiple_for,
+    resolve_train_device,
     restore_rng,
     rng_state,
     token_logprobs_and_entropy,
@@ -183,7 +183,7 @@ class MegatronLearner(PackedLearnerSteps):
 
         self.config = cfg = config or TrainConfig(backend="megatron")
         torch.manual_seed(cfg.seed)
-        self.device = _resolve_device(cfg.device)
+        self.device = resolve_train_device(cfg.device)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # "cuda" without an index: the current device
         if isinstance(hf_folder_or_model, str | Path):
@@ -370,7 +370,7 @@ class MegatronLearner(PackedLearnerSteps):
         self._routing_counter = c
         return super()._finish_routing()
 
-    def _pack_loss(self, logits, pack: Pack, samples, loss_fn, totals) -> torch.Tensor:
+    def pack_loss(self, logits, pack: Pack, samples, loss_fn, totals) -> torch.Tensor:
         if not pack.lengths:  # a filler round: the collectives pair up, the gradient is zero
             return logits.sum() * 0.0
         lp, ent = token_logprobs_and_entropy(logits, pack, self.config.logits_temperature)
@@ -421,7 +421,7 @@ class MegatronLearner(PackedLearnerSteps):
         Megatron's pipeline schedule at pp > 1), the losses normalised by the whole mini-batch's totals; then
         Megatron's gradient reductions (``parallel.finalize_grads``), the global gradient norm and clipping over
         all shards (``parallel.clip_grads``), AdamW on each rank's shards."""
-        from miles_lp.train.embedded import _loss_mask, nll_loss
+        from miles_lp.train.embedded import loss_mask_of, nll_loss
 
         loss_fn = loss_fn or nll_loss
         if self.world == 1:
@@ -434,14 +434,14 @@ class MegatronLearner(PackedLearnerSteps):
         self.optimizer.zero_grad(set_to_none=True)
         seqs = [s["tokens"] for s in samples]
         routes = self._batch_routes(samples)
-        totals = {"tokens": int(sum(float(_loss_mask(s).sum()) for s in samples)), "sequences": len(samples)}
+        totals = {"tokens": int(sum(float(loss_mask_of(s).sum()) for s in samples)), "sequences": len(samples)}
         packs = self.micro_batches(seqs, routes)
         rounds = self._rounds(packs)
         with _cpu_megatron(self.device):
             if self.parallel.pp == 1:
                 loss_sum = 0.0
                 for pack in rounds:
-                    loss = self._pack_loss(self._forward(pack), pack, samples, loss_fn, totals)
+                    loss = self.pack_loss(self._forward(pack), pack, samples, loss_fn, totals)
                     loss.backward()
                     loss_sum += float(loss.detach())
             else:

@@ -69,7 +69,7 @@ def pipeline_train(learner, rounds: Sequence[Pack], samples: Sequence[Mapping[st
     one = torch.ones((), dtype=torch.int, device=learner.device)
 
     def loss_func(pack: Pack, logits: torch.Tensor):
-        loss = learner._pack_loss(logits, pack, samples, loss_fn, totals)
+        loss = learner.pack_loss(logits, pack, samples, loss_fn, totals)
         return loss, one, {"loss": loss.detach()}
 
     store = _schedule(learner, rounds, loss_func, forward_only=False)
