@@ -55,6 +55,7 @@ from miles_lp.train.operands import (
     check_operand,
     fused_activation,
     fused_dequantize,
+    pad_rows,
     quantize_activation,
     quantize_columnwise_checked,
     quantize_rowwise,
@@ -157,11 +158,6 @@ def _activation_grid(x: torch.Tensor, recipe: LinearRecipe, op: torch.dtype, cac
     value = (xq, xq.dequantize(op))
     cache.x, cache.key, cache.value = x.detach(), key, value
     return value
-
-
-def pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
-    pad = (-t.shape[-2]) % multiple
-    return F.pad(t, (0, 0, 0, pad)) if pad else t
 
 
 class QuantLinearFn(torch.autograd.Function):

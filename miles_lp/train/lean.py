@@ -21,7 +21,7 @@ import torch
 from miles_lp.formats.nvfp4 import NVFP4Tensor
 from miles_lp.formats.spec import MXFP8_BLOCK, BackwardMode, Format
 from miles_lp.train import launch
-from miles_lp.train.operands import check_operand, quantize_columnwise_checked
+from miles_lp.train.operands import check_operand, pad_rows, quantize_columnwise_checked
 
 _HP, _DQ, _QN = BackwardMode.HIGH_PRECISION, BackwardMode.DEQUANTIZED, BackwardMode.QUANTIZED
 _MX = Format.MXFP8
@@ -77,7 +77,6 @@ def forward(ctx, x, weight, bias, grid, op):
         if wc is None:
             wc = grid.columnwise(weight)
         if xc is None:
-            from miles_lp.train.gemm import pad_rows
 
             xc = quantize_columnwise_checked(pad_rows(x, MXFP8_BLOCK), recipe, "input", compiled=True)
         ctx.save_for_backward(xc.data, xc.scale, wc.data, wc.scale)
@@ -133,7 +132,6 @@ def backward(ctx, dy):
             dx = _mm(g_row, launch.mxfp8_decode(wcd, wcs, -2, op))
         if need_w:
             if g_col is None:
-                from miles_lp.train.gemm import pad_rows
 
                 dy_p = pad_rows(dy, MXFP8_BLOCK)
                 check_operand(dy_p, recipe, -2, "grad_output")

@@ -230,3 +230,10 @@ def select_rows(q: Any, rows: slice | torch.Tensor) -> Any:
         count = len(range(n)[rows]) if is_slice else int(rows.numel())
         kw[shape_field] = type(kw[shape_field])((*tuple(q.shape)[:-2], count, q.shape[-1]))
     return type(q)(**kw)
+
+
+def pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``t`` with zero rows appended so that its row count (dim -2) is a multiple of ``multiple`` (the columnwise
+    operands' blocks run along the rows)."""
+    pad = (-t.shape[-2]) % multiple
+    return torch.nn.functional.pad(t, (0, 0, 0, pad)) if pad else t

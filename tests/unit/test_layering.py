@@ -45,10 +45,7 @@ LAYERS: list[set[str]] = [
 KNOWN_UPWARD: set[tuple[str, str]] = set()
 
 #: module-level cycles (strongly connected sets of modules) that remain, each as a sorted tuple. Exact.
-KNOWN_MODULE_CYCLES: set[tuple[str, ...]] = {
-    ("miles_lp.train.gemm", "miles_lp.train.lean"),
-    ("miles_lp.train.megatron.model", "miles_lp.train.megatron.parallel"),
-}
+KNOWN_MODULE_CYCLES: set[tuple[str, ...]] = set()
 
 
 def _package(module: str) -> str:

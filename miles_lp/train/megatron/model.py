@@ -41,13 +41,10 @@ import torch
 import torch.nn.functional as F
 
 from miles_lp.errors import LayoutError
+from miles_lp.train.megatron.hf_config import MLA_TYPES, expert_count
+from miles_lp.train.megatron.hf_config import config_value as _get
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "deepseek_v3")
-MLA_TYPES = ("deepseek_v3",)
-
-
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    return cfg.get(key, default) if isinstance(cfg, Mapping) else getattr(cfg, key, default)
 
 
 def _rope_theta(cfg: Any) -> float:
@@ -55,10 +52,6 @@ def _rope_theta(cfg: Any) -> float:
     if theta is None:
         theta = (_get(cfg, "rope_parameters") or {}).get("rope_theta", 10000.0)
     return float(theta)
-
-
-def expert_count(cfg: Any) -> int:
-    return int(_get(cfg, "n_routed_experts") or _get(cfg, "num_experts") or _get(cfg, "num_local_experts") or 0)
 
 
 def _layout(cfg: Any):

@@ -42,12 +42,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from miles_lp.errors import ConfigError
+from miles_lp.train.megatron.hf_config import MLA_TYPES, expert_count
+from miles_lp.train.megatron.hf_config import config_value as _get
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,18 +116,12 @@ def stage_layers(num_layers: int, pp: int, first: int | None = None, last: int |
     return out
 
 
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    return cfg.get(key, default) if isinstance(cfg, Mapping) else getattr(cfg, key, default)
-
-
 def resolve_parallel(section: Any, hf_config: Any) -> ParallelSizes:
     """``train.megatron`` -> the sizes the learner runs, or ``ConfigError`` naming the key.
 
     ``etp: null`` is Megatron's default (= tp). Sequence parallelism is switched on for an MoE model at tp > 1
     (Megatron's MoE layer refuses TP without it in training); a dense model uses it when asked.
     """
-    from miles_lp.train.megatron.model import MLA_TYPES, expert_count
-
     tp, ep, pp = int(section.tp), int(section.ep), int(section.pp)
     etp = tp if section.etp is None else int(section.etp)
     dp = _get(section, "dp")
