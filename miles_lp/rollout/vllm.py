@@ -22,7 +22,7 @@ JSON and safetensors only.
   quantized linear and one rotating by weight version; ``self_check_every_layer`` for all of them) and
   ``storage_pointers`` (C4) from the live model. ``set_faults`` injects the faults that prove each can fail.
 
-What vLLM CPU serves (measured by the readers helper): MXFP8 and NVFP4 dense linears through the
+What vLLM CPU serves (measured with vLLM 0.32 CPU): MXFP8 and NVFP4 dense linears through the
 ``vllm.general_plugins`` entry point (``miles_lp.rollout.vllm_plugin``); MXFP8 emulation does not quantize
 activations, NVFP4 emulation quantizes them per tensor with the static ``input_scale``; no quantized MoE experts.
 """

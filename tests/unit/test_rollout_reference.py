@@ -170,12 +170,9 @@ def test_logprobs_equal_learner_on_shared_grid(engine):
     gens = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=5))
     src = tiny_hf("qwen3_moe")
     policy = load_policy(recipe_path(RECIPE))
-    try:
-        from miles_lp.train.embedded import plan_for_model
-    except ImportError:  # before the export helper's change: the trainer compiled policies itself
-        plan = policy
-    else:
-        plan = plan_for_model(policy, src)
+    from miles_lp.train.embedded import plan_for_model
+
+    plan = plan_for_model(policy, src)
     trainer = EmbeddedTrainer(src, plan, TrainConfig(device="cpu"))
     seqs = [torch.tensor(p + g.output_ids) for p, g in zip(PROMPTS, gens, strict=True)]
     lps, _ = trainer.logprobs(seqs)
