@@ -48,7 +48,7 @@ from miles_lp.config import switch
 from miles_lp.formats.spec import Format
 from miles_lp.rollout import graph_capture
 from miles_lp.rollout.engine import EngineError, Generation
-from miles_lp.rollout.sampling import process_logits
+from miles_lp.rollout.sampling import sample_with_uniform
 
 MODES = ("auto", "eager", "static", "graph")
 ARCHS = ("llama", "qwen2", "qwen3")
@@ -75,22 +75,6 @@ def batch_bucket(n: int) -> int:
 
 def seq_bucket(n: int) -> int:
     return -(-n // SEQ_BUCKET) * SEQ_BUCKET
-
-
-def sample_with_uniform(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_k: int, top_p: float,
-                        logprob_mode: str = "raw") -> tuple[torch.Tensor, torch.Tensor]:
-    """``rollout.sampling.sample`` with its uniforms given (``u [B, 1]`` fp32, on the logits' device): the same
-    ops in the same order, no generator, no host copy (capturable)."""
-    raw = torch.log_softmax(logits.float(), dim=-1)
-    if temperature == 0:
-        tokens = torch.argmax(raw, dim=-1)
-        processed = raw
-    else:
-        processed = torch.log_softmax(process_logits(logits, temperature, top_k, top_p), dim=-1)
-        cdf = torch.cumsum(processed.exp(), dim=-1)
-        tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)
-    table = raw if logprob_mode == "raw" else processed
-    return tokens, table.gather(-1, tokens[:, None])[:, 0]
 
 
 def finish_rows(tokens: list[list[int]], logprobs: list[list[float]], budgets: list[int], stop: set[int]

@@ -40,7 +40,18 @@ def process_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None,
            logprob_mode: str = "raw") -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tokens [B] int64, logprobs [B] fp32)`` for ``logits [B, V]``; temperature 0 is greedy."""
+    """``(tokens [B] int64, logprobs [B] fp32)`` for ``logits [B, V]``; temperature 0 is greedy (draws nothing)."""
+    u = None
+    if temperature != 0:
+        u = torch.rand(logits.shape[0], 1, generator=generator, device=generator.device if generator is not None
+                       else logits.device, dtype=torch.float32).to(logits.device)
+    return sample_with_uniform(logits, u, temperature, top_k, top_p, logprob_mode)
+
+
+def sample_with_uniform(logits: torch.Tensor, u: torch.Tensor | None, temperature: float, top_k: int, top_p: float,
+                        logprob_mode: str = "raw") -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample`` with its uniforms given (``u [B, 1]`` fp32 on the logits' device; unused at temperature 0): no
+    generator and no host copy, so the CUDA decode captures it in a graph."""
     raw = torch.log_softmax(logits.float(), dim=-1)
     if temperature == 0:
         tokens = torch.argmax(raw, dim=-1)
@@ -48,8 +59,6 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, g
     else:
         processed = torch.log_softmax(process_logits(logits, temperature, top_k, top_p), dim=-1)
         cdf = torch.cumsum(processed.exp(), dim=-1)  # [B, V]
-        u = torch.rand(cdf.shape[0], 1, generator=generator, device=generator.device if generator is not None
-                       else cdf.device, dtype=torch.float32).to(cdf.device)
         # right=True: a zero-probability token owns an empty interval and is never drawn
         tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)
     table = raw if logprob_mode == "raw" else processed

@@ -346,7 +346,8 @@ class FanoutTransport:
         return self.shared.send(self.index, bucket)
 
     def close(self) -> None:
-        pass
+        """Nothing of its own to release: the process group belongs to the ``SharedUpdateGroup``, closed once for all
+        engines by its owner (one engine's transport closing must not end the others' group)."""
 
 
 class SharedReceiver:

@@ -48,8 +48,9 @@ class BaseScheme:
         return f"<scheme {self.format.value}>"
 
     def stored_bytes(self, n: int, shape: tuple[int, ...]) -> float:
-        """Bytes stored for a tensor of ``n`` elements and ``shape``: elements plus scales."""
-        raise NotImplementedError
+        """Bytes stored for a tensor of ``n`` elements and ``shape``: elements plus scales. Every format's scheme
+        defines it (``schemes/*.py``); a new scheme without it fails here, naming itself."""
+        raise NotImplementedError(f"{type(self).__name__} ({self.format.value}) does not define stored_bytes")
 
     def weight_options(self, *, amax: Any = None, block_2d: bool = False, pow2_scales: bool = False,
                        compile: bool = False, name: str | None = None) -> dict[str, Any]:

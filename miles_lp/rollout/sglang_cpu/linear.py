@@ -133,19 +133,31 @@ def _emulated_method_classes():
                 y = y + bias.to(y.dtype)
             return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
-    class Mxfp8(_Emulated):
-        fmt, suffixes = Format.MXFP8, ("weight", "weight_scale_inv")
+    class _BlockFp8(_Emulated):
+        """SGLang's own block-FP8 parameters (``Fp8LinearMethod.create_fp8_weight_``: ``weight`` and
+        ``weight_scale_inv``), which MXFP8 and FP8 blockwise share; ``mxfp8_blocks`` picks the block layout."""
+
+        mxfp8_blocks = False
 
         def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
                            params_dtype, **extra_weight_attrs):
             Fp8LinearMethod.create_fp8_weight_(
-                layer, block_quant=True, quant_config=self.quant_config, use_mxfp8=True,
+                layer, block_quant=True, quant_config=self.quant_config, use_mxfp8=self.mxfp8_blocks,
                 output_size_per_partition=sum(output_partition_sizes), input_size_per_partition=input_size_per_partition,
                 output_partition_sizes=output_partition_sizes, input_size=input_size, output_size=output_size,
                 params_dtype=params_dtype, weight_loader=extra_weight_attrs.get("weight_loader"),
                 is_checkpoint_fp8_serialized=True)
             add_scale_alias(layer)  # Llama's loader asks for ``weight_scale`` (see above)
-            layer.miles_lp_op_dtype = operand_dtype(torch.device("cpu"), params_dtype)
+            layer.miles_lp_op_dtype = self.op_dtype(params_dtype)
+
+        def op_dtype(self, params_dtype: torch.dtype) -> torch.dtype:
+            raise NotImplementedError(f"{type(self).__name__} does not define its GEMM operand dtype")
+
+    class Mxfp8(_BlockFp8):
+        fmt, suffixes, mxfp8_blocks = Format.MXFP8, ("weight", "weight_scale_inv"), True
+
+        def op_dtype(self, params_dtype):
+            return operand_dtype(torch.device("cpu"), params_dtype)
 
         def quantize_input(self, x, dtype):
             from miles_lp import formats
@@ -165,24 +177,15 @@ def _emulated_method_classes():
             # the RL recipe's per-token global scale (the reference engine's default ``activation_scale``)
             return formats.quantize_nvfp4(x, scale_scope="row").dequantize(dtype)
 
-    class Fp8Block(_Emulated):
+    class Fp8Block(_BlockFp8):
         """FP8 blockwise (DeepSeek-V3 style): E4M3 weight with one fp32 ``weight_scale_inv`` per 128x128 block,
         activations in 1x128 tiles with fp32 scales (the learner's TE Float8BlockScaling rule, ``pow2_scales:
         false``: the checkpoint's ``quantization_config`` cannot say otherwise)."""
 
         fmt, suffixes, row_block = Format.FP8_BLOCK, ("weight", "weight_scale_inv"), 128
 
-        def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
-                           params_dtype, **extra_weight_attrs):
-            Fp8LinearMethod.create_fp8_weight_(
-                layer, block_quant=True, quant_config=self.quant_config, use_mxfp8=False,
-                output_size_per_partition=sum(output_partition_sizes), input_size_per_partition=input_size_per_partition,
-                output_partition_sizes=output_partition_sizes, input_size=input_size, output_size=output_size,
-                params_dtype=params_dtype, weight_loader=extra_weight_attrs.get("weight_loader"),
-                is_checkpoint_fp8_serialized=True)
-            add_scale_alias(layer)  # Llama's loader asks for ``weight_scale`` (see above)
-            layer.miles_lp_op_dtype = scheme_for(Format.FP8_BLOCK).operand_dtype(
-                torch.device("cpu"), params_dtype, pow2_scales=False)
+        def op_dtype(self, params_dtype):
+            return scheme_for(Format.FP8_BLOCK).operand_dtype(torch.device("cpu"), params_dtype, pow2_scales=False)
 
         def quantize_input(self, x, dtype):
             return scheme_for(Format.FP8_BLOCK).quantize_activation(x, pow2_scales=False).dequantize(dtype)
