@@ -75,6 +75,14 @@ def test_cpu_learner_on_a_cuda_host_equals_a_cpu_host(arch, tmp_path, monkeypatc
     assert rot and all(mod.inv_freq.device.type == "cpu" for mod in rot)
 
 
+# Two callers defined in other modules' namespaces: the redirect answers megatron-core's calls only.
+_MEGATRON: dict = {"__name__": "megatron.core.probe", "torch": torch}
+_TORCH: dict = {"__name__": "torch._dynamo.device_interface", "torch": torch}
+_CALLERS = "def current_device():\n    return torch.cuda.current_device()\n\ndef synchronize():\n    torch.cuda.synchronize()\n"
+exec(_CALLERS, _MEGATRON)
+exec(_CALLERS, _TORCH)
+
+
 def test_redirect_is_per_thread_and_restored(monkeypatch):
     from miles_lp.train.megatron.cpu_redirect import cpu_megatron, inside
 
@@ -83,11 +91,11 @@ def test_redirect_is_per_thread_and_restored(monkeypatch):
     seen: dict[str, object] = {}
     entered, checked = threading.Event(), threading.Event()
 
-    def other():  # e.g. a CUDA engine's thread in the driver process
+    def other():  # e.g. a CUDA engine's thread in the driver process, running megatron-core code too
         entered.wait(10)
-        seen["other"] = (torch.cuda.current_device(), inside())
+        seen["other"] = (_MEGATRON["current_device"](), inside())
         try:
-            torch.cuda.synchronize()
+            _MEGATRON["synchronize"]()
         except AssertionError:
             seen["other_sync"] = "real"
         checked.set()
@@ -96,13 +104,28 @@ def test_redirect_is_per_thread_and_restored(monkeypatch):
     t.start()
     with cpu_megatron(torch.device("cpu")):
         with cpu_megatron(torch.device("cpu")):  # nests
-            seen["learner"] = (torch.cuda.current_device(), inside())
-            torch.cuda.synchronize()  # a no-op in the learner's thread
+            seen["learner"] = (_MEGATRON["current_device"](), inside())
+            _MEGATRON["synchronize"]()  # a no-op in the learner's thread
             entered.set()
             assert checked.wait(10)
-        assert inside() and torch.cuda.current_device() == "cpu"
+        assert inside() and _MEGATRON["current_device"]() == "cpu"
     t.join()
     assert seen == {"learner": ("cpu", True), "other": (torch.device("meta"), False), "other_sync": "real"}
     assert torch.cuda.current_device is fake and not inside()
     with cpu_megatron(torch.device("cuda")):  # a CUDA learner: nothing redirected
         assert torch.cuda.current_device is fake
+
+
+def test_redirect_answers_megatron_callers_only(monkeypatch):
+    """torch's own callers in the learner's thread (dynamo compiling megatron-core's fused functions indexes the
+    CUDA device properties by the current device) get the real answers; megatron-core's get the CPU."""
+    from miles_lp.train.megatron.cpu_redirect import cpu_megatron
+
+    cuda_host(monkeypatch)
+    with cpu_megatron(torch.device("cpu")):
+        assert _MEGATRON["current_device"]() == "cpu"
+        assert _TORCH["current_device"]() == torch.device("meta")
+        assert torch.cuda.current_device() == torch.device("meta")  # this test module is not megatron-core
+        _MEGATRON["synchronize"]()
+        with pytest.raises(AssertionError):
+            _TORCH["synchronize"]()

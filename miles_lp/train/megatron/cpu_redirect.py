@@ -13,11 +13,18 @@ Per thread, not per process: rank 0 runs in the driver process, where the rollou
 are replaced, while at least one thread is inside ``cpu_megatron``, by wrappers that answer for the CPU only in
 threads inside it and call the saved originals everywhere else; the originals are put back when the last thread
 leaves (no patch left behind).
+
+Per caller, too: only Megatron's own code is answered for the CPU. torch itself asks the same names, and must get
+the real ones: megatron-core wraps its fused functions (the MoE router's ``_apply_expert_bias``, activations) in
+``torch.compile``, and dynamo, checking Triton on a host with CUDA, indexes the CUDA device properties by
+``torch.cuda.current_device()`` ("list indices must be integers or slices, not str", seen on an H200 with the MoE
+and DeepSeek-shaped learners on CPU).
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -39,9 +46,15 @@ def inside() -> bool:
     return getattr(_HERE, "depth", 0) > 0
 
 
+def _called_from_megatron() -> bool:
+    """Whether the function that called the redirected name (two frames up) belongs to megatron-core."""
+    caller = sys._getframe(2).f_globals.get("__name__", "")
+    return caller == "megatron" or caller.startswith("megatron.")
+
+
 def _per_thread(original: Callable, here: Callable) -> Callable:
     def redirected(*a, **k):
-        return here(*a, **k) if inside() else original(*a, **k)
+        return here(*a, **k) if inside() and _called_from_megatron() else original(*a, **k)
 
     redirected.__wrapped__ = original  # type: ignore[attr-defined]
     return redirected
@@ -72,9 +85,9 @@ def _uninstall() -> None:
 
 @contextlib.contextmanager
 def cpu_megatron(device: torch.device) -> Iterator[None]:
-    """While a CPU learner builds or runs its Megatron model (nests; no-op for a CUDA learner): in this thread
-    ``torch.cuda.current_device`` -> "cpu", ``torch.cuda.synchronize`` does nothing, the CUDA RNG tracker's
-    ``fork()`` does nothing; other threads keep the real functions."""
+    """While a CPU learner builds or runs its Megatron model (nests; no-op for a CUDA learner): in this thread,
+    to megatron-core's callers, ``torch.cuda.current_device`` -> "cpu", ``torch.cuda.synchronize`` does nothing,
+    the CUDA RNG tracker's ``fork()`` does nothing; other threads and other callers keep the real functions."""
     if torch.device(device).type != "cpu":
         yield
         return
