@@ -17,6 +17,9 @@
 
 SGLANG_VENV_MARKER=.miles-lp-ci-sglang-venv
 SGLANG_VERSION=0.5.23
+# sglang-router (the Rust router a stock SGLang deployment puts in front of its servers): its Python needs
+# (aiohttp, fastapi, orjson, setproctitle, uvicorn) are the server's own, pinned above
+SGLANG_ROUTER="sglang-router==0.3.2"
 SGLANG_TORCH=torch==2.14.1
 # what the server imports on its CPU path (found by starting it: each missing import added), pinned to what the
 # measured build resolved; sglang's own pins where it has them. torchvision is the build of torch 2.14.1 (installed
@@ -34,10 +37,19 @@ SGLANG_SERVER_DEPS=(
     "safetensors==0.8.0" "PyYAML==6.0.4" "gguf==0.19.0"
 )
 
+sglang_router_into() {  # $1: a venv this file built; adds the router to it once (an older build lacks it)
+    local venv="$1"
+    if "$venv/bin/python" -c "import sglang_router.router" 2>/dev/null || [ ! -f "$venv/$SGLANG_VENV_MARKER" ]; then
+        return 0  # there already, or not ours to change (tests of the router then skip, saying why)
+    fi
+    "$venv/bin/python" -m pip install -q --no-deps "$SGLANG_ROUTER"
+}
+
 sglang_venv() {  # $1: the venv folder; builds it (or rebuilds one this function made) unless it imports sglang
     local venv="$1"
     if "$venv/bin/python" -c "import sglang" 2>/dev/null; then
-        return 0
+        sglang_router_into "$venv"
+        return
     fi
     if [ -e "$venv" ] || [ -L "$venv" ]; then
         if [ -f "$venv/$SGLANG_VENV_MARKER" ] && [ ! -L "$venv" ]; then
@@ -60,4 +72,5 @@ sglang_venv() {  # $1: the venv folder; builds it (or rebuilds one this function
     "$venv/bin/python" -m pip install -q --no-deps "sglang==$SGLANG_VERSION"
     "$venv/bin/python" -m pip install -q "$SGLANG_TORCH" "${SGLANG_SERVER_DEPS[@]}"
     "$venv/bin/python" -m pip install -q --no-deps "torchvision==0.29.1"
+    sglang_router_into "$venv"
 }

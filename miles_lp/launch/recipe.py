@@ -153,8 +153,8 @@ class FleetSection:
     """``rollout.engines`` / ``rollout.urls``: how many rollout engines serve the run (``launch/engines.py``).
 
     ``engines: N`` starts N engines of ``rollout.backend`` (reference, vllm: each its own engine; under Ray each its
-    own actor). ``urls: [u1, u2, ...]`` (backend sglang) names N running servers, one engine each; one router
-    (sglang-router) is one ``rollout.url``: the router spreads the requests itself."""
+    own actor). ``urls: [u1, u2, ...]`` (backend sglang) names N running servers, one engine each; an sglang-router
+    given as ``rollout.url`` is replaced at start by its servers (``launch/router.py``)."""
 
     engines: int = 1
     urls: tuple[str, ...] = ()

@@ -601,6 +601,9 @@ class Run:
     # ---- construction ---------------------------------------------------------------------------------
     @classmethod
     def start(cls, recipe: Recipe, run_name: str | None = None, **kw) -> Run:
+        from miles_lp.launch.router import with_router_workers
+
+        recipe = with_router_workers(recipe)  # a router's servers are the engines, recorded in recipe.yaml
         name = run_name or recipe.logging.run_name or (
             f"{Path(recipe.source).stem}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
         rd = RunDir.create(recipe.logging.output_dir, name)

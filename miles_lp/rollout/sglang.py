@@ -157,6 +157,35 @@ class SGLangHTTPEngine:
         finally:
             self.timeout = saved
 
+    def router_workers(self, timeout: float = 5.0) -> tuple[str, ...] | None:
+        """The servers behind this url when it is an sglang-router (its ``GET /workers``: the url of each worker),
+        None when it is a server (no ``/workers`` route) or does not answer (``probe`` says so, naming it).
+        Refused (``EngineError``): a router with no worker, an unhealthy one, or prefill / decode workers
+        (PD disaggregation: a sync would have to reach both halves of each pair)."""
+        saved, self.timeout = self.timeout, timeout
+        try:
+            listing = self._request("GET", "/workers")
+        except EngineError:
+            return None
+        finally:
+            self.timeout = saved
+        if not isinstance(listing, dict) or not isinstance(listing.get("workers"), list):
+            return None
+        workers = listing["workers"]
+        if not workers:
+            raise EngineError(f"{self.url} is an sglang-router with no worker: add servers to it (its --worker-urls "
+                              "or POST /workers) before the run")
+        split = [w.get("url") for w in workers if w.get("worker_type", "regular") != "regular"]
+        if split:
+            raise EngineError(f"{self.url} is an sglang-router in prefill/decode disaggregation ({split[0]} is a "
+                              f"{workers[0].get('worker_type')} worker): not supported; list regular servers in "
+                              "rollout.urls")
+        sick = [w.get("url") for w in workers if w.get("is_healthy") is False]
+        if sick:
+            raise EngineError(f"{self.url} is an sglang-router whose worker {sick[0]} is unhealthy: start it (or "
+                              "remove it from the router) before the run; every server is synced and checked")
+        return tuple(str(w["url"]).rstrip("/") for w in workers)
+
     @property
     def _disk(self) -> bool:
         """Updates go through ``/update_weights_from_disk`` (a real SGLang server: its tensor path takes pickle)."""
