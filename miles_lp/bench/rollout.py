@@ -24,7 +24,8 @@ Models (``--model``; ``--num-layers`` overrides the layer count of any, e.g. a 1
   BF16 for 0.4-9 MB of weights), so FP8 weights cannot win at this size;
 * ``8b``: a random Qwen3 of Qwen3-8B's widths (36 layers, hidden 4096, intermediate 12288, 32 heads / 8 KV heads of
   128, vocab 151936, untied lm_head, rope theta 1e6; ~8.2B parameters, 16 GB in bf16; ``--num-layers 8``: ~3B).
-  Its decode GEMMs read 50-200 MB of weights per layer: bandwidth-bound, where FP8's half the bytes can show.
+  Its decode GEMMs read 34-201 MB of BF16 weight each (385 MB per layer): bandwidth-bound, where FP8's half the
+  bytes can show.
 
 The random weights are initialised on ``--device`` in bf16 and saved as safetensors (on CUDA the 8B build takes
 seconds; on CPU use ``--num-layers 1``). Targets: the reference engine at least matches ``transformers generate``
