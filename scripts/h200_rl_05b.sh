@@ -3,56 +3,116 @@
 # reference engine colocated on the GPU, ray off, checks C1-C5 in raise mode). The model: a random Qwen3 of
 # Qwen2.5-0.5B's widths (24 layers, hidden 896, intermediate 4864, 14 / 2 heads of 64, vocab 151936; lm_head
 # untied: ~0.63B parameters), built locally; the task: JSONL prompts of bimodal length (2-12 or 40-120 tokens) so
-# tokens per step vary for the cost fit. Writes each arm's metrics.jsonl and recipe, a stage-time summary
-# (stages.txt) and `miles-lp experiment cost` (cost/) under $OUT.
+# tokens per step vary for the cost fit. Writes each run's metrics.jsonl and recipe (ARM/ or ARM-pN/), a stage-time
+# summary (stages.txt) and `miles-lp experiment cost` (cost/) under $OUT.
 # Usage: MILES_LP_COMMIT=<sha> bash scripts/h200_rl_05b.sh [STEPS] [--set KEY=VALUE ...]   (extra --set for every
 # arm, e.g. --set train.param_dtype=bf16: BF16 compute copies of the FP32 masters, so the engine serves in bf16)
+# Environment (defaults: the single-size run above):
+#   PROMPTS="2 8 4"  rl.prompts_per_step per run (default 4): each arm runs once per value (ARM-pN), so the
+#                    generate stage's tokens per step vary between runs even when every response hits its cap; the
+#                    cost step pools each arm's runs (`experiment cost --pool`, each run's first step dropped)
+#   ARMS="bf16 fp8_block mxfp8"   arms in run order (default bf16 mxfp8 fp8_block)
+#   BUDGET=300       seconds for the whole script (default 0: none): a run starts only with RUN_EST (default 60)
+#                    seconds left, each run is capped at RUN_LIMIT (default 175) or what is left
+#   MODEL=tiny DEVICE=cpu MAX_LEN=8   a CPU smoke: the recipes' own tiny model (its num_layers: LAYERS, default
+#                    2), learner and engine on the CPU, responses capped at MAX_LEN (default 64)
+#   PACK=1           at the end, everything under $OUT but the log into $OUT/out.tgz (few files back from a call)
 set -uo pipefail
 source "$(dirname "$0")/h200_common.sh"
 h200_setup rl.log
 steps=${1:-8}
 shift || true
 extra=("$@")
+read -ra prompts <<< "${PROMPTS:-4}"
+read -ra arms <<< "${ARMS:-bf16 mxfp8 fp8_block}"
+budget=${BUDGET:-0}
+device=${DEVICE:-cuda}
 r=$(mktemp -d)
-model=(--set model.num_layers=24 --set model.overrides.hidden_size=896 --set model.overrides.intermediate_size=4864
-       --set model.overrides.num_attention_heads=14 --set model.overrides.num_key_value_heads=2
-       --set model.overrides.head_dim=64 --set model.overrides.vocab_size=151936
-       --set model.overrides.max_position_embeddings=4096)
-common=(--set steps="$steps" --set train.device=cuda --set rollout.device=cuda --set task.name=jsonl
-        --set task.path=docs/results/experiments-cpu-2026-12-01/varlen.jsonl --set rl.prompts_per_step=4
-        --set rl.group_size=8 --set rollout.max_response_len=64 --set checkpoint_every=0
+if [ "${MODEL:-0.5b}" = tiny ]; then
+  model=(--set model.num_layers="${LAYERS:-2}")
+else
+  model=(--set model.num_layers=24 --set model.overrides.hidden_size=896 --set model.overrides.intermediate_size=4864
+         --set model.overrides.num_attention_heads=14 --set model.overrides.num_key_value_heads=2
+         --set model.overrides.head_dim=64 --set model.overrides.vocab_size=151936
+         --set model.overrides.max_position_embeddings=4096)
+fi
+common=(--set steps="$steps" --set train.device="$device" --set rollout.device="$device" --set task.name=jsonl
+        --set task.path=docs/results/experiments-cpu-2026-12-01/varlen.jsonl --set rl.group_size=8
+        --set rollout.max_response_len="${MAX_LEN:-64}" --set checkpoint_every=0
         --set sync.checks.self_check=raise --set logging.output_dir="$r")
-names=()
-for arm in bf16:tiny-bf16 mxfp8:tiny-mxfp8 fp8_block:tiny-fp8-blockwise-e2e; do
-  name=${arm%%:*}; recipe=${arm#*:}
-  step "rl_$name" 175 python3 -m miles_lp.cli run "recipes/$recipe.yaml" "${model[@]}" "${common[@]}" \
-    "${extra[@]}" --set logging.run_name="h200-$name"
-  mkdir -p "$out/$name"
-  cp "$r/h200-$name"/metrics.jsonl "$r/h200-$name"/recipe.yaml "$out/$name/" 2>/dev/null
-  names+=("$r/h200-$name")
+declare -A recipe_of=([bf16]=tiny-bf16 [mxfp8]=tiny-mxfp8 [fp8_block]=tiny-fp8-blockwise-e2e)
+names=()        # the runs that finished, in order
+declare -A done_of=()
+for name in "${arms[@]}"; do
+  recipe=${recipe_of[$name]:?"ARMS: unknown arm $name (bf16, mxfp8, fp8_block)"}
+  for p in "${prompts[@]}"; do
+    run=$name; [ ${#prompts[@]} -gt 1 ] && run="$name-p$p"
+    limit=${RUN_LIMIT:-175}
+    if [ "$budget" -gt 0 ]; then
+      left=$((budget - SECONDS))
+      if [ "$left" -lt "${RUN_EST:-60}" ]; then
+        echo "=== rl_$run: skipped ($left s left of BUDGET=$budget; a run needs ~${RUN_EST:-60} s)"; continue
+      fi
+      [ "$left" -lt "$limit" ] && limit=$left
+    fi
+    nfail=${#failed[@]}
+    step "rl_$run" "$limit" python3 -m miles_lp.cli run "recipes/$recipe.yaml" "${model[@]}" "${common[@]}" \
+      --set rl.prompts_per_step="$p" "${extra[@]}" --set logging.run_name="h200-$run"
+    if [ -f "$r/h200-$run/metrics.jsonl" ]; then
+      mkdir -p "$out/$run"
+      cp "$r/h200-$run"/metrics.jsonl "$r/h200-$run"/recipe.yaml "$out/$run/"
+      names+=("$run")
+      [ ${#failed[@]} -gt "$nfail" ] || done_of[$name]=$((${done_of[$name]:-0} + 1))
+    fi
+    rm -rf "${r:?}/h200-$run"   # its checkpoint (GBs): only the metrics are kept
+  done
 done
-python3 - "$out" <<'PY' | tee "$out/stages.txt"
+python3 - "$out" "${names[@]}" <<'PY' | tee "$out/stages.txt"
 import json, statistics, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-print(f"{'arm':<10} {'steps':>5} {'step s':>8} {'generate':>9} {'train':>8} {'sync':>8} {'checks':>8} {'other':>8}"
-      f" {'kl (median)':>12}   (medians over steps 2..; train = old_log_prob + ref + update_actor)")
-for arm in ("bf16", "mxfp8", "fp8_block"):
-    f = out / arm / "metrics.jsonl"
-    if not f.is_file():
-        print(f"{arm:<10} no metrics"); continue
-    rows = [json.loads(l) for l in f.read_text().splitlines() if l.strip()][1:]
+print(f"{'run':<14} {'steps':>5} {'step s':>8} {'generate':>9} {'train':>8} {'sync':>8} {'checks':>8} {'other':>8}"
+      f" {'gen tok':>8} {'kl (median)':>12}   (medians over steps 2..; train = old_log_prob + ref + update_actor)")
+for arm in sys.argv[2:]:
+    rows = [json.loads(l) for l in (out / arm / "metrics.jsonl").read_text().splitlines() if l.strip()][1:]
     if not rows:
-        print(f"{arm:<10} one step only"); continue
+        print(f"{arm:<14} one step only"); continue
     med = lambda fn: statistics.median([fn(r) for r in rows])
     t = lambda r, *ss: sum(r.get(f"timing_s/{s}", 0.0) for s in ss)
     total = lambda r: r.get("timing_s/step") or sum(v for k, v in r.items() if k.startswith("timing_s/"))
     train = ("old_log_prob", "ref", "update_actor")
-    print(f"{arm:<10} {len(rows):>5} {med(total):>8.3f} {med(lambda r: t(r, 'generate')):>9.3f}"
+    print(f"{arm:<14} {len(rows):>5} {med(total):>8.3f} {med(lambda r: t(r, 'generate')):>9.3f}"
           f" {med(lambda r: t(r, *train)):>8.3f} {med(lambda r: t(r, 'sync')):>8.3f} {med(lambda r: t(r, 'checks')):>8.3f}"
           f" {med(lambda r: total(r) - t(r, 'generate', 'sync', 'checks', *train)):>8.3f}"
+          f" {med(lambda r: r.get('tokens/generate', float('nan'))):>8.0f}"
           f" {med(lambda r: r.get('rollout_corr/kl', float('nan'))):>12.3g}")
-    print(f"{'':<10} timing keys: {sorted(k for k in rows[0] if k.startswith('timing_s/'))}")
 PY
-step cost 60 python3 -m miles_lp.cli experiment cost "${names[@]}" --names bf16 mxfp8 fp8_block --out "$out/cost"
+if [ ${#prompts[@]} -gt 1 ]; then   # pool each arm's runs (every size finished) into one fit
+  dirs=(); keep=()
+  for name in "${arms[@]}"; do
+    if [ "${done_of[$name]:-0}" -eq ${#prompts[@]} ]; then
+      keep+=("$name"); for p in "${prompts[@]}"; do dirs+=("$out/$name-p$p"); done
+    else
+      echo "cost: $name left out (${done_of[$name]:-0} of ${#prompts[@]} sizes finished)"
+    fi
+  done
+  if [ ${#keep[@]} -gt 0 ]; then
+    step cost 60 python3 -m miles_lp.cli experiment cost "${dirs[@]}" --pool ${#prompts[@]} --names "${keep[@]}" \
+      --out "$out/cost"
+  fi
+else
+  dirs=(); for n in "${names[@]}"; do dirs+=("$out/$n"); done
+  step cost 60 python3 -m miles_lp.cli experiment cost "${dirs[@]}" --names "${names[@]}" --out "$out/cost"
+fi
+rm -rf "$r"
+echo "total ${SECONDS} s"
+if [ "${PACK:-0}" = 1 ]; then
+  tgz=$(mktemp --suffix .tgz)   # written outside $OUT: tar must not read its own archive
+  if tar czf "$tgz" -C "$out" --exclude ./rl.log .; then
+    chmod 644 "$tgz"; find "$out" -mindepth 1 -maxdepth 1 ! -name rl.log -exec rm -rf {} + && mv "$tgz" "$out/out.tgz"
+    echo "packed into $out/out.tgz: $(tar tzf "$out/out.tgz" | grep -c -v /$) files"
+  else
+    echo "PACK: tar failed; the files stay unpacked under $out"; rm -f "$tgz"
+  fi
+fi
 h200_finish

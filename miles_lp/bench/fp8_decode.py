@@ -1,7 +1,13 @@
 """``miles-lp bench fp8-decode``: the fp8_block decode GEMM against cuBLAS's block-scaled GEMM and BF16, side by side.
 
-At the decode GEMMs of a 0.5B Qwen (N x K: q/k/v 1152 x 896, o 896 x 896, gate/up 9728 x 896, down 896 x 4864) and
-``--m`` tokens, each path is timed as one CUDA graph of ``--calls`` back-to-back calls, replayed ``--replays``
+At the decode GEMMs of one model (``--model``; N x K) and ``--m`` tokens:
+
+* ``0.5b`` (default): Qwen2.5-0.5B's widths, q/k/v 1152 x 896, o 896 x 896, gate/up 9728 x 896, down 896 x 4864
+  (0.8-9 MB of BF16 weight per GEMM: latency-bound on an H200);
+* ``8b``: Qwen3-8B's widths, q/k/v 6144 x 4096, o 4096 x 4096, gate/up 24576 x 4096, down 4096 x 12288
+  (34-201 MB: bandwidth-bound, where FP8's half the weight bytes can win);
+
+ each path is timed as one CUDA graph of ``--calls`` back-to-back calls, replayed ``--replays``
 times (device time per call from CUDA events; no host in the loop):
 
 * ``bf16``: ``F.linear`` on the BF16 weight (the anchor);
@@ -21,11 +27,18 @@ from __future__ import annotations
 
 import json
 
-HELP = "fp8_block decode GEMM (Triton) vs cuBLAS block-scaled scaled_mm vs BF16 at 0.5B decode shapes (CUDA)"
-SHAPES = {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864)}
+HELP = "fp8_block decode GEMM (Triton) vs cuBLAS block-scaled scaled_mm vs BF16 at 0.5B / 8B decode shapes (CUDA)"
+#: ``--model`` -> the decode GEMMs' (N, K) (fused q/k/v and gate/up, as the reference engine runs them)
+MODEL_SHAPES = {
+    "0.5b": {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864)},
+    "8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)},
+}
+SHAPES = MODEL_SHAPES["0.5b"]
 
 
 def add_arguments(p) -> None:
+    p.add_argument("--model", default="0.5b", choices=tuple(MODEL_SHAPES),
+                   help="whose decode GEMM shapes: 0.5b (Qwen2.5-0.5B, default) or 8b (Qwen3-8B)")
     p.add_argument("--m", default="1,8,32,64", help="token counts, comma-separated")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"GEMMs, comma-separated: {', '.join(SHAPES)}")
     p.add_argument("--pow2", action="store_true", help="power-of-two activation scales")
@@ -81,20 +94,21 @@ def run(args) -> int:
     dots = [v.strip() for v in args.dots.split(",") if v.strip()]
     if not dots or set(dots) - {"fp8", "bf16"}:
         raise SystemExit(f"bench fp8-decode: --dots {args.dots!r}: a comma list of fp8, bf16")
+    shapes = MODEL_SHAPES[args.model]
     names = [v.strip() for v in args.shapes.split(",") if v.strip()]
-    bad = [n for n in names if n not in SHAPES]
+    bad = [n for n in names if n not in shapes]
     if bad:
-        raise SystemExit(f"bench fp8-decode: --shapes {bad[0]!r}: choose from {', '.join(SHAPES)}")
+        raise SystemExit(f"bench fp8-decode: --shapes {bad[0]!r}: choose from {', '.join(shapes)}")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     native = None
     rows = []
     g = torch.Generator().manual_seed(0)
-    print(f"bench fp8-decode: {torch.cuda.get_device_name(0)}, {sms} SMs, pow2 {args.pow2}, {args.calls} calls per "
-          f"graph, best of {args.replays} replays")
+    print(f"bench fp8-decode: {args.model} shapes, {torch.cuda.get_device_name(0)}, {sms} SMs, pow2 {args.pow2}, "
+          f"{args.calls} calls per graph, best of {args.replays} replays")
     print(f"  {'gemm':<8} {'M':>3} {'N':>5} {'K':>5} {'bf16 us':>8} {'triton us':>9} {'x bf16':>7} {'GB/s':>6} "
           f"{'scaled_mm us':>12} {'x bf16':>7} {'gemm alone':>10} {'plan':>12} {'rel err':>8}")
     for name in names:
-        n, k = SHAPES[name]
+        n, k = shapes[name]
         w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16).cuda()
         wq = quantize_fp8_blockwise(w, (128, 128), False)
         wd, ws = wq.data.contiguous(), wq.scale_inv.contiguous()

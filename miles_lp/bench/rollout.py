@@ -16,10 +16,20 @@ step). ``--fp8-decode-gemm auto,scaled_mm`` adds each ``fp8_block`` row once per
 Targets on the H200 (0.5B, batch 32, 128 new tokens): BF16 >= 5x ``generate``, fp8_block >= 1.2x and MXFP8
 >= 0.8x our BF16.
 
-Models: ``--model tiny`` (the 4-layer tiny Qwen3 of the tests) or ``--model 0.5b`` (a random Qwen3 of
-Qwen2.5-0.5B's shape: 24 layers, hidden 896, intermediate 4864, 14 heads / 2 KV heads, vocab 151936, tied
-embeddings; ~0.5B parameters; meant for ``--device cuda``). Target: the reference engine at least matches
-``transformers generate`` (ratio >= 1).
+Models (``--model``; ``--num-layers`` overrides the layer count of any, e.g. a 1-layer smoke run on CPU):
+
+* ``tiny``: the 4-layer tiny Qwen3 of the tests;
+* ``0.5b``: a random Qwen3 of Qwen2.5-0.5B's shape (24 layers, hidden 896, intermediate 4864, 14 heads / 2 KV
+  heads, vocab 151936, tied embeddings; ~0.5B parameters). Every decode GEMM is latency-bound here (3.5-7 us in
+  BF16 for 0.4-9 MB of weights), so FP8 weights cannot win at this size;
+* ``8b``: a random Qwen3 of Qwen3-8B's widths (36 layers, hidden 4096, intermediate 12288, 32 heads / 8 KV heads of
+  128, vocab 151936, untied lm_head, rope theta 1e6; ~8.2B parameters, 16 GB in bf16; ``--num-layers 8``: ~3B).
+  Its decode GEMMs read 34-201 MB of BF16 weight each (385 MB per layer): bandwidth-bound, where FP8's half the
+  bytes can show.
+
+The random weights are initialised on ``--device`` in bf16 and saved as safetensors (on CUDA the 8B build takes
+seconds; on CPU use ``--num-layers 1``). Targets: the reference engine at least matches ``transformers generate``
+(ratio >= 1); fp8_block >= 1.2x our BF16 (H200, batch 32) on the 8b model.
 """
 
 from __future__ import annotations
@@ -35,14 +45,17 @@ DESCRIPTION = HELP + """
 
   miles-lp bench rollout                                  # tiny Qwen3 on CPU, bf16 + mxfp8, vLLM if installed
   miles-lp bench rollout --model 0.5b --device cuda --new-tokens 128
+  miles-lp bench rollout --model 8b --num-layers 8 --device cuda --precisions bf16,fp8_block --vllm off
 """
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default="tiny", choices=("tiny", "0.5b"), help="tiny (default) or 0.5b (random)")
+    p.add_argument("--model", default="tiny", choices=("tiny", *MODELS),
+                   help="tiny (default), 0.5b or 8b (random Qwen3s of Qwen2.5-0.5B's / Qwen3-8B's widths)")
     p.add_argument("--device", type=cli_args.torch_device, default="cpu", help="cpu (default) | cuda")
     p.add_argument("--num-layers", type=int, default=None,
-                   help="override the model's decoder layers (e.g. a 1-layer 0.5b smoke run on CPU)")
+                   help="override the model's decoder layers (e.g. a 1-layer 8b smoke run on CPU, 8 on one H200 "
+                   "call)")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
@@ -60,6 +73,7 @@ def add_arguments(p) -> None:
 
 
 def qwen3_05b_config(num_layers: int = 24):
+    """A Qwen3 of Qwen2.5-0.5B's widths (tied embeddings)."""
     import transformers
 
     return transformers.Qwen3Config(vocab_size=151936, hidden_size=896, intermediate_size=4864,
@@ -68,8 +82,23 @@ def qwen3_05b_config(num_layers: int = 24):
                                     max_position_embeddings=4096, tie_word_embeddings=True)
 
 
+def qwen3_8b_config(num_layers: int = 36):
+    """A Qwen3 of Qwen3-8B's widths (untied lm_head, rope theta 1e6)."""
+    import transformers
+
+    return transformers.Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                                    num_hidden_layers=num_layers,
+                                    num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                    max_position_embeddings=4096, tie_word_embeddings=False, rope_theta=1e6,
+                                    rms_norm_eps=1e-6)
+
+
+#: ``--model`` name -> (config builder, default layers, checkpoint folder name)
+MODELS = {"0.5b": (qwen3_05b_config, 24, "qwen3-0.5b-random"), "8b": (qwen3_8b_config, 36, "qwen3-8b-random")}
+
+
 def _model(kind: str, device: str, root, num_layers: int | None = None):
-    """The BF16 HF checkpoint folder of the benchmark model."""
+    """The BF16 HF checkpoint folder of the benchmark model (random weights built on ``device``)."""
     from pathlib import Path
 
     if kind == "tiny":
@@ -79,12 +108,15 @@ def _model(kind: str, device: str, root, num_layers: int | None = None):
     import torch
     import transformers
 
-    out = Path(root) / "qwen3-0.5b-random"
+    config, layers, name = MODELS[kind]
+    out = Path(root) / name
     torch.manual_seed(0)
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(qwen3_05b_config(num_layers or 24), dtype=torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_config(config(num_layers or layers), dtype=torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
     del model
+    if str(device).startswith("cuda"):
+        torch.cuda.empty_cache()
     return out
 
 

@@ -25,6 +25,14 @@ cost per token. Writes cost.json and cost_fit.png to --out.
   miles-lp run recipes/tiny-bf16.yaml --run-name tiny-bf16
   miles-lp run recipes/tiny-mxfp8.yaml --run-name tiny-mxfp8
   miles-lp experiment cost runs/tiny-bf16 runs/tiny-mxfp8 --out /tmp/cost
+
+Where every step has the same tokens (responses that always reach their cap), vary the batch across runs instead
+and pool them: --pool N takes every N consecutive RUN_DIRs as one arm (e.g. the runs with rl.prompts_per_step 2,
+4, 8), drops each run's first --skip steps, concatenates the rest and fits those (--names: one per arm); with
+--out it also writes each pooled arm as a run folder (pooled-NAME/), which `experiment cost --skip 0` reads again.
+
+  miles-lp experiment cost runs/bf16-p2 runs/bf16-p4 runs/bf16-p8 runs/mxfp8-p2 runs/mxfp8-p4 runs/mxfp8-p8 \
+      --pool 3 --names bf16 mxfp8 --out /tmp/cost
 """
 
 MATCHING_DESCRIPTION = """Which sampler matches an MXFP8 learner (seed 000's Table 2), at learning rate 0.
@@ -48,7 +56,10 @@ def add_arguments(p) -> None:
     c.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
                    help="run folders written by `miles-lp run` (their metrics.jsonl); the first is the base")
     c.add_argument("--base", default=None, help="name of the base (BF16) run; default the first RUN_DIR")
-    c.add_argument("--names", nargs="+", default=None, help="display names, one per RUN_DIR")
+    c.add_argument("--names", nargs="+", default=None, help="display names, one per RUN_DIR (per arm with --pool)")
+    c.add_argument("--pool", type=int, default=None, metavar="N",
+                   help="every N consecutive RUN_DIRs are one arm (runs differing in batch size), pooled after "
+                   "dropping each run's first --skip steps")
     c.add_argument("--skip", type=int, default=1, help="warm-up steps left out of the fit (default 1)")
     c.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples of steps (default 2000)")
     c.add_argument("--seed", type=int, default=0)
@@ -92,14 +103,17 @@ def _cost(args) -> int:
     from miles_lp.report.cost import compare, doubts, fit_run
     from miles_lp.report.runs import load_runs
 
-    runs = load_runs(args.run_dirs, args.names)
+    if args.pool is not None:
+        runs, skip = _pooled(args), 0
+    else:
+        runs, skip = load_runs(args.run_dirs, args.names), args.skip
     if args.micro_batch_sweep:
         return _sweep(args, runs)
     names = [r.name for r in runs]
     base_name = args.base or names[0]
     if base_name not in names:
         raise ConfigError(f"--base {base_name}: no such run; runs are {', '.join(names)}")
-    fits = [fit_run(r, args.skip, args.resamples, args.seed) for r in runs]
+    fits = [fit_run(r, skip, args.resamples, args.seed) for r in runs]
     out: dict = {"runs": {}, "comparisons": {}}
     print("t = F + c*T per stage (T = tokens of the stage per step); 95% intervals from resampling steps")
     print(f"{'run':28s} {'stage':13s} {'n':>3s} {'F s/step':>22s} {'c us/token':>24s} {'r2':>5s} {'T range':>11s}"
@@ -151,6 +165,32 @@ def _cost(args) -> int:
         tmp.replace(d / "cost.json")
         print(f"wrote {d / 'cost.json'}")
     return 0
+
+
+def _pooled(args) -> list:
+    """``--pool N``: every N consecutive RUN_DIRs pooled into one run per arm (written to --out/pooled-NAME)."""
+    from miles_lp.errors import ConfigError
+    from miles_lp.report.runs import load_runs, pool_runs, write_run
+
+    n = args.pool
+    if n < 1 or len(args.run_dirs) % n:
+        raise ConfigError(f"--pool {n}: {len(args.run_dirs)} RUN_DIRs do not split into arms of {n} runs each")
+    arms = len(args.run_dirs) // n
+    if args.names is not None and len(args.names) != arms:
+        raise ConfigError(f"--names: {len(args.names)} names for {arms} pooled arms (--pool {n}); give one per arm")
+    srcs = load_runs(args.run_dirs)
+    names = args.names or [srcs[i * n].name for i in range(arms)]
+    runs = []
+    for i, name in enumerate(names):
+        group = srcs[i * n:(i + 1) * n]
+        runs.append(pool_runs(group, args.skip, name))
+        print(f"{name}: {len(runs[-1].rows)} steps pooled from "
+              + ", ".join(f"{s.name} ({max(len(s.rows) - args.skip, 0)})" for s in group))
+        if args.out:
+            from pathlib import Path
+
+            print(f"wrote {write_run(runs[-1], Path(args.out) / ('pooled-' + name.replace('/', '_')))}")
+    return runs
 
 
 def _sweep(args, runs) -> int:

@@ -38,9 +38,26 @@ print("JSON" + json.dumps(out))
 """
 
 
-def _interpreted() -> dict:
+_LONG_K = r"""
+import json, torch
+from miles_lp.formats.fp8 import quantize_fp8_blockwise
+from miles_lp.formats.kernels import fp8_block_decode as d
+g = torch.Generator().manual_seed(0)
+out = {}
+for m, split in ((1, 3), (32, 3)):  # the 8B down GEMM's K (96 blocks) and the split its plan picks on 132 SMs
+    x = (torch.randn(m, 12288, generator=g) * 3).to(torch.bfloat16)
+    w = quantize_fp8_blockwise((torch.randn(64, 12288, generator=g) * 0.05).to(torch.bfloat16), (128, 128), False)
+    ref = d.emulated_mm(x, w.data, w.scale_inv, False)
+    out[f"{m}/{split}"] = [d.rel_err(d.decode_mm(x, w.data, w.scale_inv, False, split=split), ref),
+                           d.rel_err(d.decode_mm(x, w.data, w.scale_inv, False, split=split, out_dtype=torch.float32),
+                                     ref)]
+print("JSON" + json.dumps(out))
+"""
+
+
+def _interpreted(script: str = _SCRIPT) -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
-    p = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(next(ln for ln in p.stdout.splitlines() if ln.startswith("JSON"))[4:])
 
@@ -58,6 +75,17 @@ def test_decode_gemm_matches_the_emulation_interpreted():
     assert out["split_equal"] is True  # split-K partials are added in a fixed order
 
 
+def test_decode_gemm_long_k_interpreted():
+    """K = 12288 (the 8B down GEMM: 96 K blocks) split 3 ways as its plan does: within the tolerances of the
+    emulated GEMM (the 0.5B shapes above have at most 38 K blocks)."""
+    from miles_lp.formats.kernels import fp8_block_decode as d
+
+    out = _interpreted(_LONG_K)
+    assert set(out) == {"1/3", "32/3"}
+    for err_bf16, err_fp32 in out.values():
+        assert err_bf16 <= d.REL_TOL and err_fp32 <= d.FP32_REL_TOL
+
+
 def test_plan():
     from miles_lp.formats.kernels.fp8_block_decode import plan
 
@@ -67,6 +95,8 @@ def test_plan():
     assert plan(64, 1152, 896, 132) == (64, 64, 1)  # q/k/v: 7 K blocks, too short to split
     assert plan(33, 128, 128, 132) == (64, 64, 1)
     assert plan(1, 128, 384, 132, block_n=128, split=3) == (16, 128, 3)
+    assert plan(32, 4096, 12288, 132) == (32, 64, 3)  # 8B down: 64 N tiles, 96 K blocks -> 3 splits of 32
+    assert plan(32, 24576, 4096, 132) == (32, 64, 1)  # 8B gate/up: 384 N tiles
     from miles_lp.errors import FormatError
 
     with pytest.raises(FormatError, match="split 4"):

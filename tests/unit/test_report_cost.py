@@ -101,3 +101,53 @@ def test_cost_plot_holds_points_and_fit(tmp_path):
     assert list(pts.get_xdata()) == [r["tokens/update_actor"] for r in run.rows]
     x0, x1 = line.get_xdata()
     assert line.get_ydata()[1] == pytest.approx(0.5 + 1e-4 * x1)
+
+
+def const_run(tmp_path, name, F, c, T, n=4, warmup=5.0, budget=8192):
+    """A run whose every step has ``T`` generate tokens (responses at their cap); the first step a slow warm-up."""
+    d = tmp_path / name
+    d.mkdir()
+    rows = [{"step": s + 1, "tokens/generate": T, "timing_s/generate": F + c * T + (warmup if s == 0 else 0.0)
+             + 1e-4 * s} for s in range(n)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "recipe.yaml").write_text(f"train: {{micro_batch_tokens: {budget}}}\nrl: {{prompts_per_step: {T // 512}}}\n")
+    return d
+
+
+def test_pooled_runs_separate_F_and_c(tmp_path, capsys):
+    from miles_lp.cli import main
+    from miles_lp.report.runs import load_runs, pool_runs
+
+    dirs = [const_run(tmp_path, f"{arm}-p{p}", F, c, 512 * p) for arm, F, c in (("bf16", 0.05, 80e-6),
+                                                                                 ("fp8", 0.08, 50e-6))
+            for p in (2, 4, 8)]
+    with pytest.raises(ConfigError, match="tokens per step never vary"):
+        fit_run(load_runs(dirs[:1])[0], 1, 100)
+    pooled = pool_runs(load_runs(dirs[:3]), skip=1, name="bf16")
+    assert [r["step"] for r in pooled.rows] == list(range(1, 10))
+    assert [r["pooled_from"] for r in pooled.rows] == ["bf16-p2"] * 3 + ["bf16-p4"] * 3 + ["bf16-p8"] * 3
+    assert all(r["timing_s/generate"] < 1 for r in pooled.rows)  # every warm-up step dropped
+    f = fit_run(pooled, 0, 300)["generate"]
+    assert f.F == pytest.approx(0.05, abs=1e-3) and f.c == pytest.approx(80e-6, rel=1e-2)
+    # the command: --pool 3, one name per arm; the pooled folders are run folders again
+    out = tmp_path / "o"
+    assert main(["experiment", "cost", *map(str, dirs), "--pool", "3", "--names", "bf16", "fp8", "--out", str(out),
+                 "--resamples", "200"]) == 0
+    got = json.loads((out / "cost.json").read_text())
+    assert got["runs"]["fp8"]["generate"]["c"] == pytest.approx(50e-6, rel=1e-2)
+    assert got["runs"]["fp8"]["generate"]["n"] == 9
+    assert "fp8: 9 steps pooled from fp8-p2 (3), fp8-p4 (3), fp8-p8 (3)" in capsys.readouterr().out
+    assert main(["experiment", "cost", str(out / "pooled-bf16"), str(out / "pooled-fp8"), "--skip", "0",
+                 "--resamples", "200", "--out", str(tmp_path / "again")]) == 0
+    again = json.loads((tmp_path / "again" / "cost.json").read_text())
+    assert again["runs"]["pooled-fp8"]["generate"]["c"] == pytest.approx(got["runs"]["fp8"]["generate"]["c"])
+    # refusals: arms of unequal size, a name count per RUN_DIR, runs that differ in micro-batch budget
+    assert main(["experiment", "cost", *map(str, dirs[:4]), "--pool", "3"]) != 0
+    assert "do not split into arms of 3" in capsys.readouterr().err
+    assert main(["experiment", "cost", *map(str, dirs), "--pool", "3", "--names", *"abcdef"]) != 0
+    assert "6 names for 2 pooled arms" in capsys.readouterr().err
+    odd = const_run(tmp_path, "odd", 0.05, 80e-6, 1024, budget=4096)
+    with pytest.raises(ConfigError, match="differ in train.micro_batch_tokens"):
+        pool_runs(load_runs([dirs[0], odd]), 1, "x")
+    with pytest.raises(ConfigError, match="none left after dropping the first 4"):
+        pool_runs(load_runs(dirs[:2]), 4, "x")
