@@ -10,6 +10,7 @@
 # Carry: .whl/ with the megatron-core 0.16.1 wheel (and any other wheel the image lacks, e.g. cloudpickle, which the
 # spawned ranks import); they are installed with --no-deps into /tmp/site.
 # Usage, from the repository root:  OUT=$OUT bash docs/results/h200-rehearsal-2026-12-02/rehearse.sh
+# RUNS: the recipes to run (names under recipes/, space-separated; default all three).
 # EXTRA: more --set flags for every run (word-split), e.g. EXTRA="--set runtime.decode=eager" (no CUDA graphs).
 # Time: BUDGET_S (default 260 s) from the start, the wheel install included; each run gets what is left divided by
 # the runs still to go (a run cut off reports rc=124). What comes back (8 files, none below $OUT): summary.txt,
@@ -36,7 +37,7 @@ torch.cuda.get_device_name())"
 } > "$OUT/device.txt" 2>&1
 export PYTHONPATH=/tmp/site:.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-runs=(rehearsal-dense-tp2-dp2 rehearsal-moe-ep2-dp2 rehearsal-deepseek-pp2)
+read -r -a runs <<< "${RUNS:-rehearsal-dense-tp2-dp2 rehearsal-moe-ep2-dp2 rehearsal-deepseek-pp2}"
 left=${#runs[@]}
 for r in "${runs[@]}"; do
   limit=$(( (budget - (SECONDS - start_all)) / left ))
