@@ -92,7 +92,7 @@ class VLLMEngine:
     def __init__(self, checkpoint: str | Path, *, python: str | None = None, dtype: str = "bfloat16",
                  max_model_len: int = 256, max_num_seqs: int = 64, start_timeout_s: float = 900.0,
                  log_path: str | Path | None = None, kv_cache: str = "bf16",
-                 faults: dict[str, list[str]] | None = None):
+                 faults: dict[str, list[str]] | None = None, tp: int = 1):
         from multiprocessing.connection import Listener
 
         from miles_lp.rollout.checkpoint import open_checkpoint
@@ -100,6 +100,12 @@ class VLLMEngine:
         python = python or vllm_python()
         if python is None:
             raise BackendUnavailable(vllm_missing())
+        self.tp = int(tp)
+        omp_bind = None
+        if self.tp > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+            from miles_lp.rollout.sglang_cpu.launch import cpu_bind
+
+            omp_bind = cpu_bind(self.tp, engine="vLLM on CPU at tensor_parallel_size")
         self.checkpoint = Path(checkpoint).absolute()  # the worker runs in a temp folder (a relative path: a Hub id)
         self.ckpt = open_checkpoint(checkpoint)  # headers: the names, dtypes and shapes updates must have
         self.weight_version = 0
@@ -113,7 +119,8 @@ class VLLMEngine:
         self._listener = Listener(address, family="AF_UNIX", authkey=key)
         env = dict(os.environ, MILES_LP_VLLM_AUTHKEY=key.hex(), MILES_LP_VLLM_WORKER=json.dumps({
             "address": address, "model": str(self.checkpoint), "dtype": dtype, "max_model_len": max_model_len,
-            "max_num_seqs": max_num_seqs, "kv_cache_dtype": KV_CACHE_DTYPE[kv_cache], "faults": faults or {}}),
+            "max_num_seqs": max_num_seqs, "kv_cache_dtype": KV_CACHE_DTYPE[kv_cache], "faults": faults or {},
+            "tp": self.tp, "omp_bind": omp_bind}),
                    **child_runtime_env())  # the run's switches (the worker's codecs and digests read them)
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         # vLLM logs to stdout: keep it off ours (a benchmark's table, a test's output); ``log_path`` keeps both streams
@@ -332,7 +339,7 @@ class VLLMEngine:
 
     def health(self) -> dict[str, Any]:
         alive = self._proc.poll() is None
-        return {"status": "ok" if alive else "dead", "backend": "vllm", "weight_version": self.weight_version,
+        return {"status": "ok" if alive else "dead", "backend": "vllm", "tp": self.tp, "weight_version": self.weight_version,
                 "checkpoint": str(self.checkpoint), "start_seconds": self.start_seconds}
 
     def close(self) -> None:
