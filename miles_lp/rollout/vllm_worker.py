@@ -4,11 +4,15 @@ Protocol: ``multiprocessing.connection`` over a Unix socket with an HMAC auth ke
 ``recv_bytes`` only (no pickle). Each request is one JSON message; ``bucket`` requests are followed by one
 safetensors message. Each answer is one JSON message (``{"ok": true, ...}`` or ``{"ok": false, "error"}``).
 
-vLLM's offline ``LLM`` runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, executor ``uni``), so
-``collective_rpc`` and ``apply_model`` run in-process. Weight update (CONTRACT 10): buffered buckets are handed
-at ``finish`` to ``worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`` (which re-runs the
-quantized layers' post-processing), then ``llm.reset_prefix_cache()`` (without it a reused prompt prefix keeps
-stale KV). ``__main__`` guard: vLLM may spawn processes that re-import the main module.
+vLLM's offline ``LLM`` and its engine core run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). At tp 1
+the executor is ``uni``: the model too, and ``collective_rpc`` / ``apply_model`` run in-process. At tp N
+(``rollout.engine_tp``) it is ``mp``: one vLLM worker process per TP rank, each with its shard and its own
+``vllm_state.STATE``; ``collective_rpc`` sends our module-level targets (by reference: cloudpickle, through vLLM's
+own shared-memory queue, never on our channel) and returns one answer per rank, merged here (``Ranks``).
+Weight update (CONTRACT 10): buffered buckets (whole checkpoint tensors) are handed at ``finish`` to every rank's
+``worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`` (vLLM's loaders keep the rank's shard
+and re-run the quantized layers' post-processing), then ``llm.reset_prefix_cache()`` (without it a reused prompt
+prefix keeps stale KV). ``__main__`` guard: vLLM may spawn processes that re-import the main module.
 """
 
 from __future__ import annotations
@@ -20,9 +24,6 @@ import time
 import traceback
 
 from miles_lp.rollout.vllm_state import FUSED, fmt_of, serving_kernel  # noqa: F401  (FUSED: re-exported for rollout.vllm)
-
-#: debugging override of the OpenMP core binding of the TP ranks (vLLM's own variable; else ``omp_bind``)
-OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 def _checkpoint_tensors(folder: str) -> dict:
@@ -126,9 +127,7 @@ def main() -> None:
         from safetensors.torch import load as st_load
         from vllm import LLM, SamplingParams
 
-        tp = int(cfg.get("tp", 1))
-        if tp > 1 and cfg.get("omp_bind"):
-            os.environ.setdefault(OMP_BIND, cfg["omp_bind"])  # each rank's cores (vLLM's "auto" wants a NUMA node each)
+        tp = int(cfg.get("tp", 1))  # at tp > 1 each rank's cores come in VLLM_CPU_OMP_THREADS_BIND (rollout.vllm)
         llm = LLM(model=cfg["model"], skip_tokenizer_init=True, enforce_eager=True, dtype=cfg["dtype"],
                   max_model_len=cfg["max_model_len"], max_num_seqs=cfg["max_num_seqs"], seed=0,
                   tensor_parallel_size=tp, distributed_executor_backend="uni" if tp == 1 else "mp",

@@ -79,3 +79,18 @@ def test_each_sglang_cpu_rank_gets_cores_of_its_own():
     assert cpu_bind(2, 2, cores=[0, 2, 5, 6]) == "0,2|5-6"
     with pytest.raises(BackendUnavailable, match=r"--tp-size 3 \(rollout.engine_tp\).*2 core\(s\)"):
         cpu_bind(3, cores=[0, 1])
+
+
+def test_the_megatron_learner_gets_the_engines_tp(monkeypatch):
+    """``check_activation_partition`` (NVFP4 activation scales cut as the engine cuts K) needs the engine's tp."""
+    from pathlib import Path
+
+    import miles_lp.train.megatron.group as group
+    from miles_lp.launch.recipe import load_recipe
+    from miles_lp.launch.runner import make_learner
+
+    seen = {}
+    monkeypatch.setattr(group, "make_megatron_learner", lambda *a, **kw: seen.update(kw) or "learner")
+    recipe = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "tiny-mxfp8-vllm.yaml",
+                         ["train.backend=megatron", "rollout.engine_tp=2"])
+    assert make_learner(recipe, Path("/m"), None) == "learner" and seen["engine_tp"] == 2
