@@ -28,6 +28,12 @@ What each check compares (``docs/rollout.md``):
   all of them at once (the reference engine's ``_c3_rotating`` / ``self_check_every_layer``). The probe inputs,
   the figures, the float64 decodes and the rotation rule are the shared ones (``miles_lp.rollout.self_check``).
 * C4 ``pointers``: ``data_ptr()`` of every parameter of every module with a quant method.
+
+Tensor parallelism (``rollout.engine_tp`` N): each TP rank is a vLLM worker process with its own ``STATE``,
+capturing its own shard (fused rows split by ``output_partition_sizes``). The ``collective_rpc`` targets at the end
+of this module run in every rank; the engine process merges their answers: C2 reassembles each checkpoint tensor
+from the ranks' shards byte-exactly (``assemble``; no per-shard compare, so the learner side is unchanged), C3
+takes the worst rank's figures per module, C4 and C1 cover every rank.
 """
 
 from __future__ import annotations
@@ -418,6 +424,23 @@ def attach(model: torch.nn.Module) -> int:
 # ``STATE``. The functions below taking ``worker`` are ``collective_rpc`` targets (module-level: vLLM's multiproc
 # executor sends them by reference), run in every rank; at tp 1 (executor ``uni``) they run in the engine process.
 # The ``merge_*`` functions run in the engine process on the per-rank answers, in rank order.
+
+def introspect(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    """``apply_model`` target (C1 / C4 introspection): per linear module its quant method / scheme / kernel class
+    names, the format they imply, and its parameters' dtypes, shapes and data pointers (this rank's)."""
+    out = {}
+    for name, mod in model.named_modules():
+        qm = getattr(mod, "quant_method", None)
+        if qm is None or not hasattr(mod, "weight"):
+            continue
+        scheme = getattr(mod, "scheme", None)
+        kernel = serving_kernel(qm, scheme)
+        classes = [type(x).__name__ for x in (qm, scheme, kernel) if x is not None]
+        params = {k: [str(v.dtype).removeprefix("torch."), list(v.shape), v.data_ptr()]
+                  for k, v in mod.named_parameters(recurse=False)}
+        out[name] = {"classes": classes, "format": fmt_of(classes), "params": params}
+    return out
+
 
 def attach_rank(worker) -> int:
     """``collective_rpc`` target: this rank's ``Canonical`` for its live model, the capture hook installed."""

@@ -23,8 +23,6 @@ import sys
 import time
 import traceback
 
-from miles_lp.rollout.vllm_state import FUSED, fmt_of, serving_kernel  # noqa: F401  (FUSED: re-exported for rollout.vllm)
-
 
 def _checkpoint_tensors(folder: str) -> dict:
     """Every tensor of the model in ``folder``: the files ``select_weight_files`` names (the index's shards, else
@@ -88,23 +86,6 @@ class Ranks:
         out.update({g: None for g in groups if g not in ok})
         out.update({g: f"TP ranks disagree: {bad[n]}" for g, ns in groups.items() for n in ns if n in bad})
         return out
-
-
-def _introspect(model):
-    """Per linear module: quant method / scheme / kernel class names, the format they imply, param dtypes and
-    data pointers (the live module's tensors, C1/C4)."""
-    out = {}
-    for name, mod in model.named_modules():
-        qm = getattr(mod, "quant_method", None)
-        if qm is None or not hasattr(mod, "weight"):
-            continue
-        scheme = getattr(mod, "scheme", None)
-        kernel = serving_kernel(qm, scheme)
-        classes = [type(x).__name__ for x in (qm, scheme, kernel) if x is not None]
-        params = {k: [str(v.dtype).removeprefix("torch."), list(v.shape), v.data_ptr()]
-                  for k, v in mod.named_parameters(recurse=False)}
-        out[name] = {"classes": classes, "format": fmt_of(classes), "params": params}
-    return out
 
 
 def _answer(conn, obj) -> None:
@@ -201,7 +182,7 @@ def main() -> None:
                 llm.reset_prefix_cache()
                 _answer(conn, {"ok": True})
             elif op == "introspect":
-                _answer(conn, {"ok": True, "layers": vllm_state.merge_introspection(llm.apply_model(_introspect))})
+                _answer(conn, {"ok": True, "layers": vllm_state.merge_introspection(llm.apply_model(vllm_state.introspect))})
             elif op == "digests":
                 names = req["names"]
                 srcs = ranks.call("sources", names)
