@@ -15,8 +15,9 @@ up. Parameters no quant method transforms (norms) are digested live.
 
 What each check compares (``docs/rollout.md``):
 
-* C2 ``digests``: ``tensor_digest`` of the captured canonical tensors (quantized and BF16 linears, embeddings:
-  loaded bytes before post-processing) and of the live parameters otherwise (norms), vs the learner's export.
+* C2 ``parts`` (digested and fingerprinted by ``vllm_worker.Ranks`` after ``merge_parts``): the captured canonical
+  tensors (quantized and BF16 linears, embeddings: loaded bytes before post-processing) and the live parameters
+  otherwise (norms), vs the learner's export.
 * C3 ``self_check``: a quantized linear's serving ``quant_method.apply`` on random BF16 input vs a float64 GEMM
   of the captured canonical weights dequantized here (relative error), plus ``fresh_diff``: the tensor the
   serving kernel reads vs vLLM's own transformation re-applied to the captured canonical bytes (MXFP8
@@ -47,9 +48,7 @@ import torch
 
 from miles_lp.formats.schemes import scheme_for
 from miles_lp.formats.spec import Format
-from miles_lp.multitensor import digest
 from miles_lp.rollout import self_check as c3
-from miles_lp.rollout.engine import tensor_digest
 from miles_lp.rollout.self_check import family
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -170,29 +169,6 @@ class Canonical:
             return self.model.get_parameter(name).detach()
         except AttributeError:
             return None
-
-    def digests(self, names: Iterable[str]) -> dict[str, str | None]:
-        out = {}
-        for n in names:
-            t = self.tensor(n)
-            out[n] = None if t is None else tensor_digest(t)
-        return out
-
-    def fingerprints(self, names: Iterable[str]) -> dict[str, str | None]:
-        """``miles_lp.multitensor.digest.fingerprints`` of the same tensors (the per-sync C2 checksum both sides
-        share)."""
-        got = {n: self.tensor(n) for n in names}
-        out: dict[str, str | None] = dict(digest.fingerprints({n: t for n, t in got.items() if t is not None}))
-        out.update({n: None for n, t in got.items() if t is None})
-        return out
-
-    def group_fingerprints(self, groups: Mapping[str, list[str]]) -> dict[str, str | None]:
-        """``miles_lp.multitensor.digest.group_fingerprints`` per atomic group, members in the given order."""
-        got = {g: [self.tensor(n) for n in ns] for g, ns in groups.items()}
-        out: dict[str, str | None] = dict(digest.group_fingerprints({g: ts for g, ts in got.items()
-                                                               if all(t is not None for t in ts)}))
-        out.update({g: None for g, ts in got.items() if any(t is None for t in ts)})
-        return out
 
     def capture_count(self) -> int:
         return self.captures
