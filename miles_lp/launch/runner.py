@@ -402,13 +402,16 @@ def check_engine_tp(tp: int, hf_config: dict, formats: Iterable[Any], where: str
     """``rollout.engine_tp`` against the model's sizes (``rollout.config.engine_tp_problems``; ``formats``: the
     served weights' formats, whose largest scale block a row-parallel shard must hold whole): a ConfigError
     naming them, at start and in --dry-run."""
+    from miles_lp.formats.spec import FP8_BLOCK_SIZE, Format
     from miles_lp.rollout.config import engine_tp_problems
 
+    formats = list(formats)
     block = max((f.block_size or 1 for f in formats), default=1)
-    problems = engine_tp_problems(tp, hf_config, block if block > 1 else None)
+    row_block = FP8_BLOCK_SIZE if Format.FP8_BLOCK in formats else None  # 128x128: output rows in blocks too
+    problems = engine_tp_problems(tp, hf_config, block if block > 1 else None, row_block)
     if problems:
         raise ConfigError(f"rollout.engine_tp {tp}: the engine's tensor-parallel ranks cannot split {where}: "
-                          + "; ".join(problems) + "; choose a rollout.engine_tp that divides them")
+                          + "; ".join(problems) + "; choose a rollout.engine_tp these sizes split into (1 always does)")
 
 
 def check_devices(recipe: Recipe) -> None:

@@ -162,11 +162,14 @@ def load_rollout_config(path: str | Path, section: str = "rollout") -> RolloutCo
     return parse_rollout_config(data.get(section), doc.where(section))
 
 
-def engine_tp_problems(tp: int, hf_config: Mapping[str, Any], block: int | None = None) -> list[str]:
+def engine_tp_problems(tp: int, hf_config: Mapping[str, Any], block: int | None = None,
+                       row_block: int | None = None) -> list[str]:
     """What of the model ``tp`` tensor-parallel engine ranks cannot split evenly (vLLM's rules: attention heads and
     the MLP's intermediate size divisible by tp; KV heads divisible by tp, or tp by them, each KV head then held
     whole by tp / heads ranks), naming the sizes; ``block``: the largest scale block along a weight's input
-    features (``Format.block_size``), which a row-parallel shard must hold whole. Empty: it splits."""
+    features (``Format.block_size``), which a row-parallel shard must hold whole; ``row_block``: the scale block
+    along output rows (FP8 blockwise: 128), which each rank's rows of q / k / v / gate / up must hold whole.
+    Empty: it splits."""
     if tp <= 1:
         return []
     out = []
@@ -189,4 +192,11 @@ def engine_tp_problems(tp: int, hf_config: Mapping[str, Any], block: int | None 
         elif block and (n // tp) % block:
             out.append(f"{key} {n} / rollout.engine_tp {tp} = {n // tp} input features per rank is not a whole "
                        f"number of {block}-element scale blocks")
+    if row_block and heads and not out:
+        per_rank = {"q_proj": heads * head_dim // tp, "k_proj / v_proj": max(1, kv // tp) * head_dim,
+                    "gate_proj / up_proj (intermediate_size)": int(hf_config.get("intermediate_size") or 0) // tp,
+                    "moe gate / up (moe_intermediate_size)": int(hf_config.get("moe_intermediate_size") or 0) // tp}
+        for key, n in per_rank.items():
+            if n % row_block:
+                out.append(f"{key}: {n} output rows per rank is not a whole number of {row_block}-row scale blocks")
     return out

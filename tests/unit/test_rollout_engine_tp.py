@@ -46,6 +46,11 @@ def test_the_models_sizes_must_split_across_the_engine_ranks():
                                           r"rollout.engine_tp 4 = 32 .* 128-element scale blocks"):
         check_engine_tp(4, qwen, [Format.FP8_BLOCK, Format.BF16], "/m")
     check_engine_tp(2, qwen, [Format.MXFP8], "/m")  # splits
+    wide = {**qwen, "hidden_size": 128, "head_dim": 64, "intermediate_size": 256}  # tiny qwen3_wide: FP8 blockwise
+    check_engine_tp(1, wide, [Format.FP8_BLOCK], "/m")
+    with pytest.raises(ConfigError, match=r"k_proj / v_proj: 64 output rows per rank is not a whole number of "
+                                          r"128-row scale blocks"):  # vLLM fails in its qkv loader otherwise
+        check_engine_tp(2, wide, [Format.FP8_BLOCK], "/m")
 
 
 def test_backends_without_their_own_tensor_parallelism_refuse_it_naming_the_key(tmp_path):
