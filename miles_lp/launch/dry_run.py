@@ -141,6 +141,15 @@ def _would_refuse(recipe: Recipe, plan=None, hf_config: dict | None = None) -> l
             out.append("rollout.backend vllm: quantized routed experts are Triton-only in vLLM (not runnable on the "
                        f"CPU build; {len(experts)} expert weights, e.g. {experts[0]}): keep experts bf16 or use "
                        "the reference engine")
+        if hf_config is not None and recipe.rollout.engine_tp > 1:  # the model's sizes vs the engine's TP ranks
+            from miles_lp.errors import ConfigError
+            from miles_lp.launch.runner import check_engine_tp
+
+            formats = [] if plan is None else [e.format for e in plan.quantized().values()]
+            try:
+                check_engine_tp(recipe.rollout.engine_tp, hf_config, formats, "the model")
+            except ConfigError as e:
+                out.append(str(e))
     if recipe.rollout.backend == "sglang" and getattr(recipe.rollout, "server", None) == "launch":
         from miles_lp.rollout.sglang_cpu.launch import sglang_missing, sglang_python
 

@@ -18,7 +18,7 @@ import logging
 import re
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -358,17 +358,20 @@ def make_engine(recipe: Recipe, checkpoint: Path, *, run_dir: Path | None = None
         from miles_lp.rollout.checkpoint import open_checkpoint
         from miles_lp.rollout.vllm import VLLMEngine
 
-        experts = sorted(n for n, f in open_checkpoint(checkpoint).formats.items() if ".experts." in n and f.quantized)
+        formats = open_checkpoint(checkpoint).formats
+        experts = sorted(n for n, f in formats.items() if ".experts." in n and f.quantized)
         if experts:  # what --dry-run lists under would_refuse_at_start
             raise ConfigError(f"rollout.backend vllm: {checkpoint} has {len(experts)} quantized routed-expert weights "
                               f"(e.g. {experts[0]}); vLLM's quantized fused-MoE kernels are Triton-only, not runnable "
                               "on its CPU build: keep experts bf16 (precision rules) or use rollout.backend reference")
+        hf = json.loads((Path(checkpoint) / "config.json").read_text())
+        check_engine_tp(ro.engine_tp, hf, formats.values(), str(checkpoint))
 
         # vLLM refuses a max_model_len above the model's positions: explicit values are the user's to fix
-        limit = json.loads((Path(checkpoint) / "config.json").read_text()).get("max_position_embeddings")
+        limit = hf.get("max_position_embeddings")
         model_len = ro.model_len if (ro.max_model_len or not limit) else min(ro.model_len, int(limit))
         return VLLMEngine(checkpoint, dtype="bfloat16", max_model_len=model_len, kv_cache=ro.kv_cache,
-                          log_path=run_dir / f"vllm-engine{suffix}.log")
+                          log_path=run_dir / f"vllm-engine{suffix}.log", tp=ro.engine_tp)
     if ro.backend == "sglang":
         from miles_lp.rollout.sglang import SGLangHTTPEngine
 
@@ -393,6 +396,22 @@ def make_engine(recipe: Recipe, checkpoint: Path, *, run_dir: Path | None = None
         # (``compute_dtype``: the learner's forward dtype, = master_dtype unless train.param_dtype is set)
         kw["dtype"] = getattr(recipe.train, "compute_dtype", recipe.train.master_dtype)
     return ReferenceEngine(checkpoint, **kw)
+
+
+def check_engine_tp(tp: int, hf_config: dict, formats: Iterable[Any], where: str) -> None:
+    """``rollout.engine_tp`` against the model's sizes (``rollout.config.engine_tp_problems``; ``formats``: the
+    served weights' formats, whose largest scale block a row-parallel shard must hold whole): a ConfigError
+    naming them, at start and in --dry-run."""
+    from miles_lp.formats.spec import FP8_BLOCK_SIZE, Format
+    from miles_lp.rollout.config import engine_tp_problems
+
+    formats = list(formats)
+    block = max((f.block_size or 1 for f in formats), default=1)
+    row_block = FP8_BLOCK_SIZE if Format.FP8_BLOCK in formats else None  # 128x128: output rows in blocks too
+    problems = engine_tp_problems(tp, hf_config, block if block > 1 else None, row_block)
+    if problems:
+        raise ConfigError(f"rollout.engine_tp {tp}: the engine's tensor-parallel ranks cannot split {where}: "
+                          + "; ".join(problems) + "; choose a rollout.engine_tp these sizes split into (1 always does)")
 
 
 def check_devices(recipe: Recipe) -> None:
@@ -433,7 +452,8 @@ def make_learner(recipe: Recipe, model_dir: Path, plan, placement: Any = None):
 
         kw = {} if placement is None else {"placement": placement,
                                            "worker_threads": max(1, int(getattr(placement, "cpus_per_rank", 1)))}
-        return make_megatron_learner(model_dir, plan, recipe.train, **kw)
+        # the engine's tensor-parallel size, for the activation-scale partition check (NVFP4)
+        return make_megatron_learner(model_dir, plan, recipe.train, engine_tp=getattr(recipe.rollout, "engine_tp", 1), **kw)
     from miles_lp.train.embedded import EmbeddedTrainer
 
     return EmbeddedTrainer(model_dir, plan, recipe.train)

@@ -15,8 +15,8 @@ Parsed with ``miles_lp.config.parse_dataclass`` (unknown keys refused with a sug
       max_response_len: 1024    # max_new_tokens of every rollout
       sampling: {temperature: 1.0, top_p: 1.0, top_k: -1, seed: 0}
       stop_token_ids: []        # stop tokens (the tokenizer's EOS, usually)
-      engine_tp: 1              # tensor-parallel ranks inside each engine (SGLang's --tp-size, vLLM's
-                                #   tensor_parallel_size): above 1 refused, naming why, on every backend here
+      engine_tp: 1              # tensor-parallel ranks inside each engine (vLLM's tensor_parallel_size, run
+                                #   with the checks answered by every rank; elsewhere above 1 refused, naming why)
 
 A key the chosen backend does not read (``kv_cache`` / ``dtype`` / ``device`` / ``max_model_len`` for sglang,
 whose server decides them; a CUDA ``device`` for vllm; ``max_model_len`` for reference) is refused, not ignored.
@@ -28,6 +28,7 @@ a ``precision.kv_cache`` key is not built); ``sampling_params()`` builds the ``S
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -91,7 +92,7 @@ class RolloutConfig:
 
     def _validate_tp(self, where: Where) -> None:
         """``engine_tp``: an integer >= 1; above 1 only where this backend starts the engine with that many
-        tensor-parallel ranks."""
+        tensor-parallel ranks (backend vllm; the model's sizes: ``engine_tp_problems``, at start and in --dry-run)."""
         tp = self.engine_tp
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise where.error(f"must be an integer >= 1, got {tp!r}")
@@ -103,12 +104,6 @@ class RolloutConfig:
         if self.backend == "sglang" and self.server == "miles-lp":
             raise where.error(f"server miles-lp (`miles-lp serve`) runs the reference engine, which has no tensor "
                               f"parallelism, got {tp}: remove rollout.engine_tp, or use rollout.engines: N")
-        if self.backend == "vllm":
-            raise where.error(f"backend vllm at tensor_parallel_size {tp} is not built: miles-lp's vLLM worker runs "
-                              "vLLM's single-process executor and answers the sync's checks (C2-C4) from the weights "
-                              "in that one process, where tp ranks would each hold a shard (vLLM 0.32 CPU itself "
-                              "serves at tp 2 with VLLM_CPU_OMP_THREADS_BIND); remove rollout.engine_tp, or use "
-                              "rollout.engines: N")
         if self.backend == "sglang" and self.server == "launch":
             raise where.error(f"server launch at --tp-size {tp} is not built: SGLang 0.5.23's CPU platform builds a "
                               "PyNccl communicator for its TP group (it fails on a CPU device), and the introspection "
@@ -165,3 +160,43 @@ def load_rollout_config(path: str | Path, section: str = "rollout") -> RolloutCo
     if not isinstance(data, dict):
         raise doc.where().error(f"expected a mapping at the top of the recipe, got {type(data).__name__}")
     return parse_rollout_config(data.get(section), doc.where(section))
+
+
+def engine_tp_problems(tp: int, hf_config: Mapping[str, Any], block: int | None = None,
+                       row_block: int | None = None) -> list[str]:
+    """What of the model ``tp`` tensor-parallel engine ranks cannot split evenly (vLLM's rules: attention heads and
+    the MLP's intermediate size divisible by tp; KV heads divisible by tp, or tp by them, each KV head then held
+    whole by tp / heads ranks), naming the sizes; ``block``: the largest scale block along a weight's input
+    features (``Format.block_size``), which a row-parallel shard must hold whole; ``row_block``: the scale block
+    along output rows (FP8 blockwise: 128), which each rank's rows of q / k / v / gate / up must hold whole.
+    Empty: it splits."""
+    if tp <= 1:
+        return []
+    out = []
+    heads = int(hf_config.get("num_attention_heads") or 0)
+    kv = int(hf_config.get("num_key_value_heads") or heads)
+    head_dim = int(hf_config.get("head_dim") or (int(hf_config.get("hidden_size") or 0) // max(heads, 1)))
+    if heads and heads % tp:
+        out.append(f"num_attention_heads {heads} is not divisible by rollout.engine_tp {tp}")
+    if kv and kv % tp and tp % kv:
+        out.append(f"num_key_value_heads {kv} and rollout.engine_tp {tp}: neither divides the other")
+    rows = {"intermediate_size": hf_config.get("intermediate_size"),
+            "moe_intermediate_size": hf_config.get("moe_intermediate_size"),
+            "attention output (num_attention_heads x head_dim)": heads * head_dim or None}
+    for key, n in rows.items():
+        if not n:
+            continue
+        n = int(n)
+        if n % tp:
+            out.append(f"{key} {n} is not divisible by rollout.engine_tp {tp}")
+        elif block and (n // tp) % block:
+            out.append(f"{key} {n} / rollout.engine_tp {tp} = {n // tp} input features per rank is not a whole "
+                       f"number of {block}-element scale blocks")
+    if row_block and heads and not out:
+        per_rank = {"q_proj": heads * head_dim // tp, "k_proj / v_proj": max(1, kv // tp) * head_dim,
+                    "gate_proj / up_proj (intermediate_size)": int(hf_config.get("intermediate_size") or 0) // tp,
+                    "moe gate / up (moe_intermediate_size)": int(hf_config.get("moe_intermediate_size") or 0) // tp}
+        for key, n in per_rank.items():
+            if n % row_block:
+                out.append(f"{key}: {n} output rows per rank is not a whole number of {row_block}-row scale blocks")
+    return out

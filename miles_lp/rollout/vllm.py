@@ -21,6 +21,9 @@ JSON and safetensors only.
   ``quant_method.apply`` vs a float64 GEMM of the captured weights, plus ``fresh_diff``, for the first and last
   quantized linear and one rotating by weight version; ``self_check_every_layer`` for all of them) and
   ``storage_pointers`` (C4) from the live model. ``set_faults`` injects the faults that prove each can fail.
+* ``tp`` (``rollout.engine_tp``): vLLM's ``tensor_parallel_size``. Above 1 vLLM runs one process per rank
+  (executor ``mp``), each bound to cores of its own (``VLLM_CPU_OMP_THREADS_BIND``); updates and the checks'
+  answers go to every rank through ``collective_rpc`` and are merged in the engine process (``vllm_state``).
 
 What vLLM CPU serves (measured with vLLM 0.32 CPU): MXFP8 and NVFP4 dense linears through the
 ``vllm.general_plugins`` entry point (``miles_lp.rollout.vllm_plugin``); MXFP8 emulation does not quantize
@@ -92,7 +95,7 @@ class VLLMEngine:
     def __init__(self, checkpoint: str | Path, *, python: str | None = None, dtype: str = "bfloat16",
                  max_model_len: int = 256, max_num_seqs: int = 64, start_timeout_s: float = 900.0,
                  log_path: str | Path | None = None, kv_cache: str = "bf16",
-                 faults: dict[str, list[str]] | None = None):
+                 faults: dict[str, list[str]] | None = None, tp: int = 1):
         from multiprocessing.connection import Listener
 
         from miles_lp.rollout.checkpoint import open_checkpoint
@@ -100,6 +103,14 @@ class VLLMEngine:
         python = python or vllm_python()
         if python is None:
             raise BackendUnavailable(vllm_missing())
+        self.tp = int(tp)
+        # each TP rank's cores (vLLM's "auto" binding wants a NUMA node per rank): consecutive slices of this
+        # process's cores, in the worker's environment; a VLLM_CPU_OMP_THREADS_BIND set by hand wins
+        bind = {}
+        if self.tp > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+            from miles_lp.rollout.sglang_cpu.launch import cpu_bind
+
+            bind = {"VLLM_CPU_OMP_THREADS_BIND": cpu_bind(self.tp, engine="vLLM on CPU at tensor_parallel_size")}
         self.checkpoint = Path(checkpoint).absolute()  # the worker runs in a temp folder (a relative path: a Hub id)
         self.ckpt = open_checkpoint(checkpoint)  # headers: the names, dtypes and shapes updates must have
         self.weight_version = 0
@@ -113,8 +124,9 @@ class VLLMEngine:
         self._listener = Listener(address, family="AF_UNIX", authkey=key)
         env = dict(os.environ, MILES_LP_VLLM_AUTHKEY=key.hex(), MILES_LP_VLLM_WORKER=json.dumps({
             "address": address, "model": str(self.checkpoint), "dtype": dtype, "max_model_len": max_model_len,
-            "max_num_seqs": max_num_seqs, "kv_cache_dtype": KV_CACHE_DTYPE[kv_cache], "faults": faults or {}}),
-                   **child_runtime_env())  # the run's switches (the worker's codecs and digests read them)
+            "max_num_seqs": max_num_seqs, "kv_cache_dtype": KV_CACHE_DTYPE[kv_cache], "faults": faults or {},
+            "tp": self.tp}),
+                   **bind, **child_runtime_env())  # the run's switches (the worker's codecs and digests read them)
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         # vLLM logs to stdout: keep it off ours (a benchmark's table, a test's output); ``log_path`` keeps both streams
         self._log = open(log_path, "ab") if log_path else None
@@ -327,12 +339,13 @@ class VLLMEngine:
 
     def set_faults(self, **faults: Any) -> None:
         """Fault injection for the check tests (``drop`` / ``stale`` / ``rebind``: fnmatch patterns; see
-        ``miles_lp.rollout.vllm_state``). Off by default; ``set_faults()`` turns every fault off."""
+        ``miles_lp.rollout.vllm_state``; ``ranks``: only in those TP ranks). Off by default; ``set_faults()`` turns
+        every fault off."""
         self._call("faults", faults={k: list(v) for k, v in faults.items()})
 
     def health(self) -> dict[str, Any]:
         alive = self._proc.poll() is None
-        return {"status": "ok" if alive else "dead", "backend": "vllm", "weight_version": self.weight_version,
+        return {"status": "ok" if alive else "dead", "backend": "vllm", "tp": self.tp, "weight_version": self.weight_version,
                 "checkpoint": str(self.checkpoint), "start_seconds": self.start_seconds}
 
     def close(self) -> None:

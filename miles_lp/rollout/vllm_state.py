@@ -15,8 +15,9 @@ up. Parameters no quant method transforms (norms) are digested live.
 
 What each check compares (``docs/rollout.md``):
 
-* C2 ``digests``: ``tensor_digest`` of the captured canonical tensors (quantized and BF16 linears, embeddings:
-  loaded bytes before post-processing) and of the live parameters otherwise (norms), vs the learner's export.
+* C2 ``parts`` (digested and fingerprinted by ``vllm_worker.Ranks`` after ``merge_parts``): the captured canonical
+  tensors (quantized and BF16 linears, embeddings: loaded bytes before post-processing) and the live parameters
+  otherwise (norms), vs the learner's export.
 * C3 ``self_check``: a quantized linear's serving ``quant_method.apply`` on random BF16 input vs a float64 GEMM
   of the captured canonical weights dequantized here (relative error), plus ``fresh_diff``: the tensor the
   serving kernel reads vs vLLM's own transformation re-applied to the captured canonical bytes (MXFP8
@@ -28,6 +29,12 @@ What each check compares (``docs/rollout.md``):
   all of them at once (the reference engine's ``_c3_rotating`` / ``self_check_every_layer``). The probe inputs,
   the figures, the float64 decodes and the rotation rule are the shared ones (``miles_lp.rollout.self_check``).
 * C4 ``pointers``: ``data_ptr()`` of every parameter of every module with a quant method.
+
+Tensor parallelism (``rollout.engine_tp`` N): each TP rank is a vLLM worker process with its own ``STATE``,
+capturing its own shard (fused rows split by ``output_partition_sizes``). The ``collective_rpc`` targets at the end
+of this module run in every rank; the engine process merges their answers: C2 reassembles each checkpoint tensor
+from the ranks' shards byte-exactly (``assemble``; no per-shard compare, so the learner side is unchanged), C3
+takes the worst rank's figures per module, C4 and C1 cover every rank.
 """
 
 from __future__ import annotations
@@ -41,9 +48,7 @@ import torch
 
 from miles_lp.formats.schemes import scheme_for
 from miles_lp.formats.spec import Format
-from miles_lp.multitensor import digest
 from miles_lp.rollout import self_check as c3
-from miles_lp.rollout.engine import tensor_digest
 from miles_lp.rollout.self_check import family
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -114,8 +119,11 @@ class Canonical:
         self.tensors: dict[str, torch.Tensor] = {}  # checkpoint name -> copy taken before post-processing
         self.captures = 0
         self.faults: dict[str, list[str]] = {}
+        self.rank = 0  # this process's tensor-parallel rank
         #: the checkpoint's tensor shapes: vLLM holds a per-tensor scale as ``[1]`` where the file has ``[]``
         self.shapes: dict[str, tuple[int, ...]] = {}
+        #: checkpoint name -> how many consecutive TP ranks hold the same shard (KV heads fewer than ranks)
+        self.replicas: dict[str, int] = {}
 
     # ---- the hook ---------------------------------------------------------------------------------------
     def install(self) -> int:
@@ -138,14 +146,18 @@ class Canonical:
         return len(done)
 
     def capture(self, name: str, layer: torch.nn.Module) -> None:
-        sizes = getattr(layer, "output_sizes", None)
+        # this rank's rows of a fused module (``output_partition_sizes``; = ``output_sizes`` at tp 1)
+        sizes = getattr(layer, "output_partition_sizes", None) or getattr(layer, "output_sizes", None)
         block = getattr(layer, "weight_block_size", None)
+        kv_replicas = int(getattr(layer, "num_kv_head_replicas", 1) or 1)
         for p, t in layer.named_parameters(recurse=False):
             for cname, part in split_fused(name, p, t.detach(), sizes, int(block[0]) if block else 1).items():
                 want = self.shapes.get(cname)
                 if want is not None and tuple(part.shape) != want and part.numel() == math.prod(want):
                     part = part.reshape(want)  # same bytes, the checkpoint's shape
                 self.tensors[cname] = part.clone()
+                if kv_replicas > 1 and cname.rsplit(".", 2)[-2] in ("k_proj", "v_proj"):
+                    self.replicas[cname] = kv_replicas  # one KV head held by that many consecutive ranks
         self.captures += 1
 
     # ---- C2 ---------------------------------------------------------------------------------------------
@@ -158,28 +170,19 @@ class Canonical:
         except AttributeError:
             return None
 
-    def digests(self, names: Iterable[str]) -> dict[str, str | None]:
-        out = {}
-        for n in names:
-            t = self.tensor(n)
-            out[n] = None if t is None else tensor_digest(t)
-        return out
+    def capture_count(self) -> int:
+        return self.captures
 
-    def fingerprints(self, names: Iterable[str]) -> dict[str, str | None]:
-        """``miles_lp.multitensor.digest.fingerprints`` of the same tensors (the per-sync C2 checksum both sides
-        share)."""
-        got = {n: self.tensor(n) for n in names}
-        out: dict[str, str | None] = dict(digest.fingerprints({n: t for n, t in got.items() if t is not None}))
-        out.update({n: None for n, t in got.items() if t is None})
-        return out
+    def parts(self, names: Iterable[str]) -> dict[str, tuple[torch.Tensor | None, int]]:
+        """This rank's copy of each tensor (``tensor``: its TP shard, or the whole tensor where every rank holds it;
+        None where absent) and how many consecutive ranks hold that same shard (``replicas``)."""
+        return {n: (self.tensor(n), self.replicas.get(n, 1)) for n in names}
 
-    def group_fingerprints(self, groups: Mapping[str, list[str]]) -> dict[str, str | None]:
-        """``miles_lp.multitensor.digest.group_fingerprints`` per atomic group, members in the given order."""
-        got = {g: [self.tensor(n) for n in ns] for g, ns in groups.items()}
-        out: dict[str, str | None] = dict(digest.group_fingerprints({g: ts for g, ts in got.items()
-                                                               if all(t is not None for t in ts)}))
-        out.update({g: None for g, ts in got.items() if any(t is None for t in ts)})
-        return out
+    def set_faults(self, faults: Mapping[str, list]) -> None:
+        """Fault injection (tests): ``ranks`` (optional) limits the faults to those TP ranks."""
+        ranks = faults.get("ranks")
+        self.faults = ({k: list(v) for k, v in faults.items() if k != "ranks"}
+                       if ranks is None or self.rank in ranks else {})
 
     def sources(self, names: Iterable[str]) -> dict[str, str]:
         return {n: ("loaded, before process_weights_after_loading" if n in self.tensors else
@@ -390,3 +393,183 @@ def attach(model: torch.nn.Module) -> int:
     global STATE
     STATE = Canonical(model)
     return STATE.install()
+
+
+# ---- tensor-parallel ranks ----------------------------------------------------------------------------------------
+# At ``tensor_parallel_size`` N each TP rank is its own process holding its shard of the model and its own
+# ``STATE``. The functions below taking ``worker`` are ``collective_rpc`` targets (module-level: vLLM's multiproc
+# executor sends them by reference), run in every rank; at tp 1 (executor ``uni``) they run in the engine process.
+# The ``merge_*`` functions run in the engine process on the per-rank answers, in rank order.
+
+def introspect(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    """``apply_model`` target (C1 / C4 introspection): per linear module its quant method / scheme / kernel class
+    names, the format they imply, and its parameters' dtypes, shapes and data pointers (this rank's)."""
+    out = {}
+    for name, mod in model.named_modules():
+        qm = getattr(mod, "quant_method", None)
+        if qm is None or not hasattr(mod, "weight"):
+            continue
+        scheme = getattr(mod, "scheme", None)
+        kernel = serving_kernel(qm, scheme)
+        classes = [type(x).__name__ for x in (qm, scheme, kernel) if x is not None]
+        params = {k: [str(v.dtype).removeprefix("torch."), list(v.shape), v.data_ptr()]
+                  for k, v in mod.named_parameters(recurse=False)}
+        out[name] = {"classes": classes, "format": fmt_of(classes), "params": params}
+    return out
+
+
+def attach_rank(worker) -> int:
+    """``collective_rpc`` target: this rank's ``Canonical`` for its live model, the capture hook installed."""
+    global STATE
+    STATE = Canonical(worker.get_model())
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        STATE.rank = int(get_tp_group().rank_in_group)
+    except (ImportError, AssertionError):  # no TP group (not started by vLLM)
+        STATE.rank = 0
+    return STATE.install()
+
+
+def on_rank(worker, method: str, *args: Any, **kwargs: Any) -> Any:
+    """``collective_rpc`` target: ``STATE.<method>(*args, **kwargs)`` in this rank's process."""
+    return getattr(STATE, method)(*args, **kwargs)
+
+
+def set_shapes(worker, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """``collective_rpc`` target: the checkpoint's tensor shapes, before the first capture."""
+    STATE.shapes = {n: tuple(s) for n, s in shapes.items()}
+
+
+def reload_on_rank(worker, tensors: Mapping[str, torch.Tensor]) -> bool:
+    """``collective_rpc`` target: the checkpoint-format reload (post-processing included) of the given whole
+    checkpoint tensors in this rank; vLLM's weight loaders keep the rank's own shard. The fault hooks of the
+    fault-injection tests around it (all off unless set)."""
+    st = STATE
+    tensors = st.filter_update(tensors)
+    snap = st.snapshot_stale()
+    worker.reload_weights(weights_iterator=iter(list(tensors.items())), is_checkpoint_format=True)
+    st.restore_stale(snap)
+    st.rebind()
+    return True
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Byte equality (dtype and shape included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+
+
+def assemble(parts: list[tuple[torch.Tensor | None, int]],
+             shape: tuple[int, ...] | None) -> tuple[torch.Tensor | None, str | None]:
+    """One checkpoint tensor from every TP rank's copy (``Canonical.parts``, in rank order) -> ``(tensor, None)``,
+    ``(None, None)`` where no rank holds it, or ``(None, why)`` where the ranks' copies do not make one tensor.
+
+    Exact, no tolerance: the shards (one per group of ``replicas`` consecutive ranks, which must hold identical
+    bytes: KV heads fewer than ranks) are concatenated in rank order along the one dimension where a shard's
+    shape differs from the checkpoint's ``shape`` (column-parallel rows, row-parallel columns, vocab rows; the
+    vocabulary's padding rows at the end are dropped). A tensor whose every shard has the checkpoint's shape is
+    held whole by every rank (norms, per-tensor scales, a row-parallel bias): every rank's bytes must be equal."""
+    if len(parts) == 1:
+        return parts[0][0], None
+    ts = [t for t, _ in parts]
+    absent = [r for r, t in enumerate(ts) if t is None]
+    if len(absent) == len(ts):
+        return None, None
+    if absent:
+        return None, f"absent on TP rank(s) {absent}"
+    reps = max(1, int(parts[0][1]))
+    if len(ts) % reps:
+        return None, f"{reps} replicas per shard do not divide {len(ts)} TP ranks"
+    for g in range(0, len(ts), reps):
+        for r in range(g + 1, g + reps):
+            if not _same(ts[r], ts[g]):
+                return None, f"TP ranks {g} and {r} hold the same shard with different bytes"
+    shards = ts[::reps]
+    if shape is None or all(tuple(t.shape) == tuple(shape) for t in shards):
+        for r, t in enumerate(shards[1:], 1):
+            if not _same(t, shards[0]):
+                return None, f"held whole by every TP rank, but rank {r * reps} differs from rank 0"
+        return shards[0], None
+    dims = [d for d in range(len(shape)) if shards[0].ndim == len(shape) and shards[0].shape[d] != shape[d]]
+    if len(dims) != 1 or any(tuple(t.shape) != tuple(shards[0].shape) for t in shards):
+        return None, (f"shards {[list(t.shape) for t in shards]} do not cut the checkpoint's {list(shape)} "
+                      "along one dimension")
+    d = dims[0]
+    full = torch.cat(shards, dim=d)
+    if full.shape[d] < shape[d]:
+        return None, f"shards {[list(t.shape) for t in shards]} cover {full.shape[d]} of {shape[d]} along dim {d}"
+    return full.narrow(d, 0, shape[d]), None
+
+
+def merge_parts(per_rank: list[Mapping[str, tuple[torch.Tensor | None, int]]], names: Iterable[str],
+                shapes: Mapping[str, tuple[int, ...]]) -> tuple[dict[str, torch.Tensor | None], dict[str, str]]:
+    """``assemble`` for each name: ``({name: tensor or None}, {name: why the ranks disagree})``."""
+    got: dict[str, torch.Tensor | None] = {}
+    bad: dict[str, str] = {}
+    for n in names:
+        t, why = assemble([r[n] for r in per_rank], shapes.get(n))
+        got[n] = t
+        if why is not None:
+            bad[n] = why
+    return got, bad
+
+
+def merge_pointers(per_rank: list[Mapping[str, int]]) -> dict[str, int]:
+    """C4 over every rank: rank 0's names as they are, rank r's as ``<name>@tp<r>`` (each rank's own addresses)."""
+    out = dict(per_rank[0])
+    for r, ptrs in enumerate(per_rank[1:], 1):
+        out.update({f"{n}@tp{r}": p for n, p in ptrs.items()})
+    return out
+
+
+def merge_layers(per_rank: list[Mapping[str, Mapping[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """C3 figures over every rank, per module: each rank probes its own shard (its serving ``apply`` vs a float64
+    GEMM of its captured shard); the module's entry is the worst rank's ``rel_err`` and ``fresh_diff``, any rank's
+    ``reason``, and ``tp_ranks``. A module missing on some rank gets ``rel_err`` inf."""
+    if len(per_rank) == 1:
+        return {k: dict(v) for k, v in per_rank[0].items()}
+    out: dict[str, dict[str, Any]] = {}
+    for key in dict.fromkeys(k for r in per_rank for k in r):
+        entries = [r.get(key) for r in per_rank]
+        first = next(e for e in entries if e is not None)
+        e = dict(first)
+        e["tp_ranks"] = len(per_rank)
+        if any(x is None for x in entries):
+            e["rel_err"] = float("inf")
+            e["reason"] = f"not probed on TP rank(s) {[i for i, x in enumerate(entries) if x is None]}"
+            out[key] = e
+            continue
+        e["rel_err"] = max(float(x["rel_err"]) for x in entries)
+        if any("fresh_diff" in x for x in entries):
+            e["fresh_diff"] = max(float(x.get("fresh_diff", float("inf"))) for x in entries)
+        reasons = [f"TP rank {i}: {x['reason']}" for i, x in enumerate(entries) if x.get("reason")]
+        if reasons:
+            e["reason"] = "; ".join(reasons)
+        out[key] = e
+    return out
+
+
+def merge_self_check(per_rank: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """``Canonical.self_check`` over every rank: rank 0's answer with ``layers`` merged (``merge_layers``)."""
+    out = dict(per_rank[0])
+    out["layers"] = merge_layers([r.get("layers") or {} for r in per_rank])
+    if len(per_rank) > 1:
+        out["tp_ranks"] = len(per_rank)
+    return out
+
+
+def merge_introspection(per_rank: list[Mapping[str, Mapping[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """C1 over every rank: rank 0's per-module answer; where another rank serves a module through other classes or
+    another format (or not at all), the module's ``format`` says so (and matches no plan's format)."""
+    out = {k: dict(v) for k, v in per_rank[0].items()}
+    for r, layers in enumerate(per_rank[1:], 1):
+        for name in dict.fromkeys([*out, *layers]):
+            mine, theirs = out.get(name), layers.get(name)
+            if mine is None or theirs is None or (mine["classes"], mine["format"]) != (theirs["classes"], theirs["format"]):
+                base = dict(mine or theirs)
+                base["format"] = (f"TP ranks differ: rank 0 {None if mine is None else mine['format']}, rank {r} "
+                                  f"{None if theirs is None else theirs['format']}")
+                out[name] = base
+    return out

@@ -4,11 +4,15 @@ Protocol: ``multiprocessing.connection`` over a Unix socket with an HMAC auth ke
 ``recv_bytes`` only (no pickle). Each request is one JSON message; ``bucket`` requests are followed by one
 safetensors message. Each answer is one JSON message (``{"ok": true, ...}`` or ``{"ok": false, "error"}``).
 
-vLLM's offline ``LLM`` runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, executor ``uni``), so
-``collective_rpc`` and ``apply_model`` run in-process. Weight update (CONTRACT 10): buffered buckets are handed
-at ``finish`` to ``worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`` (which re-runs the
-quantized layers' post-processing), then ``llm.reset_prefix_cache()`` (without it a reused prompt prefix keeps
-stale KV). ``__main__`` guard: vLLM may spawn processes that re-import the main module.
+vLLM's offline ``LLM`` and its engine core run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). At tp 1
+the executor is ``uni``: the model too, and ``collective_rpc`` / ``apply_model`` run in-process. At tp N
+(``rollout.engine_tp``) it is ``mp``: one vLLM worker process per TP rank, each with its shard and its own
+``vllm_state.STATE``; ``collective_rpc`` sends our module-level targets (by reference: cloudpickle, through vLLM's
+own shared-memory queue, never on our channel) and returns one answer per rank, merged here (``Ranks``).
+Weight update (CONTRACT 10): buffered buckets (whole checkpoint tensors) are handed at ``finish`` to every rank's
+``worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)`` (vLLM's loaders keep the rank's shard
+and re-run the quantized layers' post-processing), then ``llm.reset_prefix_cache()`` (without it a reused prompt
+prefix keeps stale KV). ``__main__`` guard: vLLM may spawn processes that re-import the main module.
 """
 
 from __future__ import annotations
@@ -18,14 +22,6 @@ import os
 import sys
 import time
 import traceback
-
-from miles_lp.rollout.vllm_state import FUSED, fmt_of, serving_kernel  # noqa: F401  (FUSED: re-exported for rollout.vllm)
-
-
-def _reload(worker, tensors):
-    """collective_rpc target: the checkpoint-format reload of the given tensors, post-processing included."""
-    worker.reload_weights(weights_iterator=iter(list(tensors.items())), is_checkpoint_format=True)
-    return True
 
 
 def _checkpoint_tensors(folder: str) -> dict:
@@ -42,32 +38,54 @@ def _checkpoint_tensors(folder: str) -> dict:
 
 
 def _reload_checked(llm, tensors: dict) -> None:
-    """The reload, with the fault hooks of the fault-injection tests around it (all off unless set)."""
+    """The reload in every TP rank (``vllm_state.reload_on_rank``: the fault hooks of the fault-injection tests
+    around it, all off unless set)."""
     from miles_lp.rollout import vllm_state
 
-    st = vllm_state.STATE
-    tensors = st.filter_update(tensors)
-    snap = st.snapshot_stale()
-    llm.collective_rpc(_reload, args=(tensors,))
-    st.restore_stale(snap)
-    st.rebind()
+    llm.collective_rpc(vllm_state.reload_on_rank, args=(tensors,))
 
 
-def _introspect(model):
-    """Per linear module: quant method / scheme / kernel class names, the format they imply, param dtypes and
-    data pointers (the live module's tensors, C1/C4)."""
-    out = {}
-    for name, mod in model.named_modules():
-        qm = getattr(mod, "quant_method", None)
-        if qm is None or not hasattr(mod, "weight"):
-            continue
-        scheme = getattr(mod, "scheme", None)
-        kernel = serving_kernel(qm, scheme)
-        classes = [type(x).__name__ for x in (qm, scheme, kernel) if x is not None]
-        params = {k: [str(v.dtype).removeprefix("torch."), list(v.shape), v.data_ptr()]
-                  for k, v in mod.named_parameters(recurse=False)}
-        out[name] = {"classes": classes, "format": fmt_of(classes), "params": params}
-    return out
+class Ranks:
+    """The sync checks' answers over every TP rank (``vllm_state``'s per-rank targets and merges)."""
+
+    def __init__(self, llm, shapes: dict):
+        from miles_lp.rollout import vllm_state
+
+        self.llm, self.shapes, self.vs = llm, shapes, vllm_state
+
+    def call(self, method: str, *args, **kwargs) -> list:
+        """``Canonical.<method>`` in every rank: the answers in rank order."""
+        return self.llm.collective_rpc(self.vs.on_rank, args=(method, *args), kwargs=kwargs)
+
+    def tensors(self, names: list[str]) -> tuple[dict, dict]:
+        """``({name: whole tensor or None}, {name: why the ranks' copies do not make one})``."""
+        return self.vs.merge_parts(self.call("parts", names), names, self.shapes)
+
+    def digests(self, names: list[str]) -> dict:
+        from miles_lp.rollout.engine import tensor_digest
+
+        got, bad = self.tensors(names)
+        return {n: (f"TP ranks disagree: {bad[n]}" if n in bad else None if t is None else tensor_digest(t))
+                for n, t in got.items()}
+
+    def fingerprints(self, names: list[str]) -> dict:
+        from miles_lp.multitensor import digest
+
+        got, bad = self.tensors(names)
+        out: dict = dict(digest.fingerprints({n: t for n, t in got.items() if t is not None}))
+        out.update({n: None for n, t in got.items() if t is None})
+        out.update({n: f"TP ranks disagree: {why}" for n, why in bad.items()})
+        return out
+
+    def group_fingerprints(self, groups: dict) -> dict:
+        from miles_lp.multitensor import digest
+
+        got, bad = self.tensors(list(dict.fromkeys(n for ns in groups.values() for n in ns)))
+        ok = {g: [got[n] for n in ns] for g, ns in groups.items() if all(got[n] is not None for n in ns)}
+        out: dict = dict(digest.group_fingerprints(ok))
+        out.update({g: None for g in groups if g not in ok})
+        out.update({g: f"TP ranks disagree: {bad[n]}" for g, ns in groups.items() for n in ns if n in bad})
+        return out
 
 
 def _answer(conn, obj) -> None:
@@ -90,21 +108,24 @@ def main() -> None:
         from safetensors.torch import load as st_load
         from vllm import LLM, SamplingParams
 
+        tp = int(cfg.get("tp", 1))  # at tp > 1 each rank's cores come in VLLM_CPU_OMP_THREADS_BIND (rollout.vllm)
         llm = LLM(model=cfg["model"], skip_tokenizer_init=True, enforce_eager=True, dtype=cfg["dtype"],
                   max_model_len=cfg["max_model_len"], max_num_seqs=cfg["max_num_seqs"], seed=0,
-                  distributed_executor_backend="uni", enable_prefix_caching=True,
-                  kv_cache_dtype=cfg.get("kv_cache_dtype", "auto"))
-        # the C2 capture hook, then one reload of the served checkpoint through it: the canonical bytes as
-        # vLLM's loaders placed them exist from the start (miles_lp.rollout.vllm_state)
+                  tensor_parallel_size=tp, distributed_executor_backend="uni" if tp == 1 else "mp",
+                  enable_prefix_caching=True, kv_cache_dtype=cfg.get("kv_cache_dtype", "auto"))
+        # the C2 capture hook in every TP rank, then one reload of the served checkpoint through it: the canonical
+        # bytes as vLLM's loaders placed them exist from the start (miles_lp.rollout.vllm_state)
         from miles_lp.rollout import vllm_state
 
-        hooked = llm.apply_model(vllm_state.attach)[0]
-        vllm_state.STATE.faults = dict(cfg.get("faults") or {})
+        hooked = llm.collective_rpc(vllm_state.attach_rank)
         served = _checkpoint_tensors(cfg["model"])
-        vllm_state.STATE.shapes = {n: tuple(t.shape) for n, t in served.items()}
+        shapes = {n: tuple(t.shape) for n, t in served.items()}
+        ranks = Ranks(llm, shapes)
+        llm.collective_rpc(vllm_state.set_shapes, args=(shapes,))
+        ranks.call("set_faults", dict(cfg.get("faults") or {}))
         _reload_checked(llm, served)
         llm.reset_prefix_cache()
-        _answer(conn, {"ok": True, "seconds": time.perf_counter() - t0, "hooked": hooked})
+        _answer(conn, {"ok": True, "seconds": time.perf_counter() - t0, "hooked": hooked[0], "tp": tp})
     except Exception as exc:
         _answer(conn, {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]})
         return
@@ -161,32 +182,33 @@ def main() -> None:
                 llm.reset_prefix_cache()
                 _answer(conn, {"ok": True})
             elif op == "introspect":
-                _answer(conn, {"ok": True, "layers": llm.apply_model(_introspect)[0]})
+                _answer(conn, {"ok": True, "layers": vllm_state.merge_introspection(llm.apply_model(vllm_state.introspect))})
             elif op == "digests":
-                st = vllm_state.STATE
-                _answer(conn, {"ok": True, "digests": st.digests(req["names"]), "sources": st.sources(req["names"]),
-                               "captures": st.captures})
+                names = req["names"]
+                srcs = ranks.call("sources", names)
+                _answer(conn, {"ok": True, "digests": ranks.digests(names), "sources": srcs[0],
+                               "captures": sum(ranks.call("capture_count"))})
             elif op == "fingerprints":
-                _answer(conn, {"ok": True, "fingerprints": vllm_state.STATE.fingerprints(req["names"])})
+                _answer(conn, {"ok": True, "fingerprints": ranks.fingerprints(req["names"])})
             elif op == "group_fingerprints":
-                _answer(conn, {"ok": True, "fingerprints": vllm_state.STATE.group_fingerprints(req["groups"])})
+                _answer(conn, {"ok": True, "fingerprints": ranks.group_fingerprints(req["groups"])})
             elif op == "read":
                 from safetensors.torch import save
 
-                st = vllm_state.STATE
-                got = {n: st.tensor(n) for n in req["names"]}
-                _answer(conn, {"ok": True, "missing": sorted(n for n, t in got.items() if t is None)})
+                got, bad = ranks.tensors(req["names"])
+                _answer(conn, {"ok": True, "missing": sorted(n for n, t in got.items() if t is None), "tp_mismatch": bad})
                 conn.send_bytes(save({n: t.contiguous() for n, t in got.items() if t is not None}))
             elif op == "pointers":
-                _answer(conn, {"ok": True, "pointers": vllm_state.STATE.pointers()})
+                _answer(conn, {"ok": True, "pointers": vllm_state.merge_pointers(ranks.call("pointers"))})
             elif op == "self_check":
                 version = req.get("version")
-                _answer(conn, {"ok": True, "result": vllm_state.STATE.self_check(
-                    int(req.get("seed", 0)), version=None if version is None else int(version))})
+                _answer(conn, {"ok": True, "result": vllm_state.merge_self_check(ranks.call(
+                    "self_check", int(req.get("seed", 0)), version=None if version is None else int(version)))})
             elif op == "self_check_every_layer":
-                _answer(conn, {"ok": True, "layers": vllm_state.STATE.every_layer(int(req.get("seed", 0)))})
+                _answer(conn, {"ok": True, "layers": vllm_state.merge_layers(
+                    ranks.call("every_layer", int(req.get("seed", 0))))})
             elif op == "faults":
-                vllm_state.STATE.faults = dict(req.get("faults") or {})
+                ranks.call("set_faults", dict(req.get("faults") or {}))
                 _answer(conn, {"ok": True})
             elif op == "shutdown":
                 _answer(conn, {"ok": True})

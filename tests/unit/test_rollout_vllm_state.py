@@ -298,3 +298,64 @@ def test_nvfp4_fresh_diff_sees_a_stale_layer_after_a_small_update():
     assert self_check({"layers": every}, 0.25).failed
     fixed = st.self_check()["layers"]
     assert f"{target}.weight" not in fixed and all(e["fresh_diff"] == 0.0 for e in fixed.values())
+
+
+# ---- tensor-parallel ranks: one checkpoint tensor from every rank's copy, and the merged answers ----------------
+
+def test_assemble_concatenates_shards_along_the_cut_dimension_exactly():
+    from miles_lp.rollout.vllm_state import assemble
+
+    w = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6).to(torch.bfloat16)
+    t, why = assemble([(w[:4], 1), (w[4:], 1)], (8, 6))  # column-parallel rows
+    assert why is None and torch.equal(t, w)
+    t, why = assemble([(w[:, :3], 1), (w[:, 3:], 1)], (8, 6))  # row-parallel columns
+    assert why is None and torch.equal(t, w)
+    pad = torch.cat([w, torch.zeros(2, 6, dtype=w.dtype)])  # vocab padded to 10 rows: 5 per rank, 2 padding at the end
+    t, why = assemble([(pad[:5], 1), (pad[5:], 1)], (8, 6))
+    assert why is None and torch.equal(t, w)
+    assert assemble([(w, 1)], (8, 6))[0] is w  # tp 1: the one copy as it is
+    assert assemble([(None, 1), (None, 1)], (8, 6)) == (None, None)  # held by no rank
+
+
+def test_assemble_kv_heads_held_by_several_ranks_and_whole_tensors_must_agree_byte_for_byte():
+    from miles_lp.rollout.vllm_state import assemble
+
+    k = torch.randn(4, 6).to(torch.bfloat16)
+    h0, h1 = k[:2], k[2:]
+    t, why = assemble([(h0, 2), (h0.clone(), 2), (h1, 2), (h1.clone(), 2)], (4, 6))  # 2 KV heads on 4 ranks
+    assert why is None and torch.equal(t, k)
+    other = h1.clone()
+    other[0, 0] = other[0, 0] + 1
+    t, why = assemble([(h0, 2), (h0.clone(), 2), (h1, 2), (other, 2)], (4, 6))
+    assert t is None and why == "TP ranks 2 and 3 hold the same shard with different bytes"
+    norm = torch.ones(6, dtype=torch.bfloat16)
+    t, why = assemble([(norm, 1), (norm.clone(), 1)], (6,))
+    assert why is None and torch.equal(t, norm)
+    off = norm.clone()
+    off[5] = 2
+    assert assemble([(norm, 1), (off, 1)], (6,)) == (None, "held whole by every TP rank, but rank 1 differs from rank 0")
+    neg_zero = torch.tensor([-0.0], dtype=torch.bfloat16)  # equal as numbers, not as bytes
+    assert assemble([(torch.tensor([0.0], dtype=torch.bfloat16), 1), (neg_zero, 1)], (1,))[0] is None
+    assert assemble([(norm, 1), (None, 1)], (6,)) == (None, "absent on TP rank(s) [1]")
+    assert "do not cut" in assemble([(k[:2, :3], 1), (k[2:, 3:], 1)], (4, 6))[1]
+    assert "cover 2 of 4" in assemble([(k[:1], 1), (k[1:2], 1)], (4, 6))[1]
+
+
+def test_merged_answers_cover_every_rank():
+    from miles_lp.rollout.vllm_state import merge_introspection, merge_layers, merge_parts, merge_pointers
+
+    assert merge_pointers([{"a.weight": 1}, {"a.weight": 1}]) == {"a.weight": 1, "a.weight@tp1": 1}
+    worst = merge_layers([{"m.weight": {"rel_err": 0.001, "fresh_diff": 0.0, "kind": "dense", "format": "mxfp8"}},
+                          {"m.weight": {"rel_err": 0.002, "fresh_diff": 0.5, "kind": "dense", "format": "mxfp8"}}])
+    assert worst == {"m.weight": {"rel_err": 0.002, "fresh_diff": 0.5, "kind": "dense", "format": "mxfp8",
+                                  "tp_ranks": 2}}
+    missing = merge_layers([{"m.weight": {"rel_err": 0.001, "kind": "dense", "format": "mxfp8"}}, {}])
+    assert missing["m.weight"]["rel_err"] == float("inf") and "TP rank(s) [1]" in missing["m.weight"]["reason"]
+    info = {"classes": ["ModelOptMxFp8LinearMethod"], "format": "mxfp8", "params": {}}
+    assert merge_introspection([{"q": info}, {"q": info}]) == {"q": info}
+    differ = merge_introspection([{"q": info}, {"q": {**info, "classes": ["UnquantizedLinearMethod"], "format": None}}])
+    assert differ["q"]["format"] == "TP ranks differ: rank 0 mxfp8, rank 1 None"
+    w = torch.zeros(4, 2)
+    got, bad = merge_parts([{"x": (w[:2], 1), "n": (torch.ones(2), 1)}, {"x": (w[2:], 1), "n": (torch.zeros(2), 1)}],
+                           ["x", "n"], {"x": (4, 2), "n": (2,)})
+    assert torch.equal(got["x"], w) and got["n"] is None and list(bad) == ["n"]

@@ -73,25 +73,28 @@ def server_args(model_path: str | Path, port: int, *, host: str = "127.0.0.1", m
     return [*args, *extra]
 
 
-def cpu_bind_ranks(tp_size: int, threads: int | None = None, cores: Sequence[int] | None = None) -> list[list[int]]:
+def cpu_bind_ranks(tp_size: int, threads: int | None = None, cores: Sequence[int] | None = None,
+                   engine: str = "SGLang on CPU at --tp-size") -> list[list[int]]:
     """The cores of each of ``tp_size`` ranks: consecutive slices of this process's cores (``threads`` each, else
-    an equal share). SGLang's CPU platform refuses more ranks than NUMA nodes unless each rank's cores are named
-    (``SGLANG_CPU_OMP_THREADS_BIND``)."""
+    an equal share). SGLang's and vLLM's CPU platforms refuse more ranks than NUMA nodes unless each rank's cores
+    are named (``SGLANG_CPU_OMP_THREADS_BIND`` / ``VLLM_CPU_OMP_THREADS_BIND``)."""
     cores = sorted(os.sched_getaffinity(0)) if cores is None else sorted(cores)
     per = threads or len(cores) // tp_size
     if per < 1 or per * tp_size > len(cores):
-        raise BackendUnavailable(f"SGLang on CPU at --tp-size {tp_size} (rollout.engine_tp) binds each rank to cores "
+        raise BackendUnavailable(f"{engine} {tp_size} (rollout.engine_tp) binds each rank to cores "
                                  f"of its own ({threads or 'at least 1'} each); this process may use {len(cores)} "
                                  f"core(s): lower rollout.engine_tp")
     return [cores[r * per:(r + 1) * per] for r in range(tp_size)]
 
 
-def cpu_bind(tp_size: int, threads: int | None = None, cores: Sequence[int] | None = None) -> str:
-    """``SGLANG_CPU_OMP_THREADS_BIND`` for ``tp_size`` ranks: ``0-3|4-7`` (each rank's cores, ``|`` between)."""
+def cpu_bind(tp_size: int, threads: int | None = None, cores: Sequence[int] | None = None,
+             engine: str = "SGLang on CPU at --tp-size") -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` (and vLLM's ``VLLM_CPU_OMP_THREADS_BIND``, the same syntax) for ``tp_size``
+    ranks: ``0-3|4-7`` (each rank's cores, ``|`` between)."""
     def span(c: list[int]) -> str:
         return str(c[0]) if len(c) == 1 else (f"{c[0]}-{c[-1]}" if c == list(range(c[0], c[-1] + 1))
                                               else ",".join(map(str, c)))
-    return "|".join(span(c) for c in cpu_bind_ranks(tp_size, threads, cores))
+    return "|".join(span(c) for c in cpu_bind_ranks(tp_size, threads, cores, engine))
 
 
 class SGLangCPUServer:
