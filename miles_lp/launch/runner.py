@@ -371,7 +371,8 @@ def make_engine(recipe: Recipe, checkpoint: Path, *, run_dir: Path | None = None
         limit = hf.get("max_position_embeddings")
         model_len = ro.model_len if (ro.max_model_len or not limit) else min(ro.model_len, int(limit))
         return VLLMEngine(checkpoint, dtype="bfloat16", max_model_len=model_len, kv_cache=ro.kv_cache,
-                          log_path=run_dir / f"vllm-engine{suffix}.log", tp=ro.engine_tp)
+                          log_path=run_dir / f"vllm-engine{suffix}.log", tp=ro.engine_tp,
+                          cores=engine_cores(index, recipe.fleet.count) if ro.engine_tp > 1 else None)
     if ro.backend == "sglang":
         from miles_lp.rollout.sglang import SGLangHTTPEngine
 
@@ -412,6 +413,19 @@ def check_engine_tp(tp: int, hf_config: dict, formats: Iterable[Any], where: str
     if problems:
         raise ConfigError(f"rollout.engine_tp {tp}: the engine's tensor-parallel ranks cannot split {where}: "
                           + "; ".join(problems) + "; choose a rollout.engine_tp these sizes split into (1 always does)")
+
+
+def engine_cores(index: int, count: int) -> list[int]:
+    """Engine ``index`` of ``count`` on this host: its share of this process's cores (consecutive, equal), so that
+    engines at ``rollout.engine_tp`` > 1 bind their ranks to cores of their own, not all to the same ones."""
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    per = len(cores) // count
+    if per < 1:
+        raise ConfigError(f"rollout.engines: {count} engines at rollout.engine_tp > 1 need cores of their own; this "
+                          f"process may use {len(cores)}: lower rollout.engines or rollout.engine_tp")
+    return cores[index * per:(index + 1) * per]
 
 
 def check_devices(recipe: Recipe) -> None:

@@ -95,7 +95,7 @@ class VLLMEngine:
     def __init__(self, checkpoint: str | Path, *, python: str | None = None, dtype: str = "bfloat16",
                  max_model_len: int = 256, max_num_seqs: int = 64, start_timeout_s: float = 900.0,
                  log_path: str | Path | None = None, kv_cache: str = "bf16",
-                 faults: dict[str, list[str]] | None = None, tp: int = 1):
+                 faults: dict[str, list[str]] | None = None, tp: int = 1, cores: Sequence[int] | None = None):
         from multiprocessing.connection import Listener
 
         from miles_lp.rollout.checkpoint import open_checkpoint
@@ -104,13 +104,14 @@ class VLLMEngine:
         if python is None:
             raise BackendUnavailable(vllm_missing())
         self.tp = int(tp)
-        # each TP rank's cores (vLLM's "auto" binding wants a NUMA node per rank): consecutive slices of this
-        # process's cores, in the worker's environment; a VLLM_CPU_OMP_THREADS_BIND set by hand wins
+        # each TP rank's cores (vLLM's "auto" binding wants a NUMA node per rank): consecutive slices of ``cores``
+        # (default: this process's), in the worker's environment; a VLLM_CPU_OMP_THREADS_BIND set by hand wins
         bind = {}
         if self.tp > 1 and not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
             from miles_lp.rollout.sglang_cpu.launch import cpu_bind
 
-            bind = {"VLLM_CPU_OMP_THREADS_BIND": cpu_bind(self.tp, engine="vLLM on CPU at tensor_parallel_size")}
+            bind = {"VLLM_CPU_OMP_THREADS_BIND": cpu_bind(self.tp, cores=cores,
+                                                          engine="vLLM on CPU at tensor_parallel_size")}
         self.checkpoint = Path(checkpoint).absolute()  # the worker runs in a temp folder (a relative path: a Hub id)
         self.ckpt = open_checkpoint(checkpoint)  # headers: the names, dtypes and shapes updates must have
         self.weight_version = 0

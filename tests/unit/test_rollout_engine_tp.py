@@ -99,3 +99,19 @@ def test_the_megatron_learner_gets_the_engines_tp(monkeypatch):
     recipe = load_recipe(Path(__file__).resolve().parents[2] / "recipes" / "tiny-mxfp8-vllm.yaml",
                          ["train.backend=megatron", "rollout.engine_tp=2"])
     assert make_learner(recipe, Path("/m"), None) == "learner" and seen["engine_tp"] == 2
+
+
+def test_engines_at_tp_above_one_bind_cores_of_their_own(monkeypatch):
+    """Two vLLM engines at engine_tp 2 on one host: each gets its own half of the cores to bind its ranks to."""
+    import os
+
+    from miles_lp.errors import ConfigError
+    from miles_lp.launch.runner import engine_cores
+    from miles_lp.rollout.sglang_cpu.launch import cpu_bind
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    a, b = engine_cores(0, 2), engine_cores(1, 2)
+    assert a == [0, 1, 2, 3] and b == [4, 5, 6, 7]
+    assert cpu_bind(2, cores=a) == "0-1|2-3" and cpu_bind(2, cores=b) == "4-5|6-7"
+    with pytest.raises(ConfigError, match="need cores of their own; this process may use 8"):
+        engine_cores(0, 9)
