@@ -332,6 +332,88 @@ void nvfp4_encode_f32(const uint32_t *x, int64_t rows, int64_t k, const float *a
     }
 }
 
+/* MXFP8 decode (MXFP8Tensor.dequantize): fp32(e4m3_value(q) * 2^(e-127)), exact (an E4M3 value times a power of
+   two, at worst an fp32 subnormal), then for bf16 output rounded to nearest even as torch rounds fp32 -> bf16.
+   NaN as torch computes it: an E4M3 NaN code is fp32 0x7FF00000 | sign (torch's e4m3 -> fp32), scale byte 255
+   is 0x7FFFFFFF (bits.e8m0_value); the reference's product keeps the scale's NaN when both are NaN (measured on
+   every code x every scale byte, tests/unit/test_speed_native.py); every NaN becomes 0xFFFF in bf16 (torch's
+   vectorized fp32 -> bf16). */
+static inline uint32_t e8m0_bits(uint32_t e) { return e == 0u ? 0x00400000u : (e == 255u ? 0x7FFFFFFFu : e << 23); }
+
+static inline uint32_t e4m3_f32bits(uint32_t b) {
+    uint32_t sign = (b & 0x80u) << 24, em = b & 0x7Fu;
+    if (em == 0x7Fu) return sign | 0x7FF00000u;
+    if (em < 8u) return sign | f2u((float)em * 0.001953125f);  /* subnormal: m * 2^-9 (exact) */
+    return sign | ((em << 20) + (120u << 23));
+}
+
+static inline uint32_t mx_decode1(uint32_t b, uint32_t sbits) {
+    uint32_t v = e4m3_f32bits(b);
+    if (sbits == 0x7FFFFFFFu) return sbits;
+    if ((v & 0x7FFFFFFFu) > 0x7F800000u) return v;
+    return f2u(u2f(v) * u2f(sbits));
+}
+
+static inline uint16_t bf16_rne(uint32_t u) {
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0xFFFFu;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+#ifdef HAVE_AVX512
+/* 16 E4M3 bytes times one scale (fp32 bits) -> 16 fp32 lanes: mx_decode1 lane by lane */
+static inline __m512i mx_decode_x16(__m128i bytes, uint32_t sbits) {
+    const __m512i b = _mm512_cvtepu8_epi32(bytes);
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+    const __m512i em = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
+    __m512i v = _mm512_add_epi32(_mm512_slli_epi32(em, 20), _mm512_set1_epi32(120 << 23));
+    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(em), _mm512_set1_ps(0.001953125f));
+    v = _mm512_mask_mov_epi32(v, _mm512_cmplt_epi32_mask(em, _mm512_set1_epi32(8)), _mm512_castps_si512(sub));
+    const __mmask16 nan = _mm512_cmpeq_epi32_mask(em, _mm512_set1_epi32(0x7F));
+    v = _mm512_or_si512(_mm512_mask_mov_epi32(v, nan, _mm512_set1_epi32(0x7FF00000)), sign);
+    if (sbits == 0x7FFFFFFFu) return _mm512_set1_epi32(0x7FFFFFFF);
+    __m512i p = _mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(v), _mm512_castsi512_ps(_mm512_set1_epi32((int)sbits))));
+    return _mm512_mask_mov_epi32(p, nan, v);
+}
+/* 16 fp32 lanes (bits) -> 16 bf16: bf16_rne lane by lane */
+static inline __m256i bf16_rne_x16(__m512i u) {
+    __m512i r = _mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF));
+    r = _mm512_add_epi32(r, _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+    r = _mm512_srli_epi32(r, 16);
+    const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x7F800000)), _mm512_set1_epi32(0xFFFF));
+    return _mm512_cvtepi32_epi16(r);
+}
+#endif
+
+/* rowwise decode of nblocks blocks of 32: q [nblocks * 32] e4m3, scale [nblocks] E8M0 */
+void mxfp8_decode_rowwise_bf16(const uint8_t *q, const uint8_t *scale, int64_t nblocks, uint16_t *out) {
+    for (int64_t blk = 0; blk < nblocks; ++blk) {
+        const uint32_t sb = e8m0_bits(scale[blk]);
+        const uint8_t *qb = q + blk * 32;
+        uint16_t *ob = out + blk * 32;
+#ifdef HAVE_AVX512
+        _mm256_storeu_si256((__m256i *)ob, bf16_rne_x16(mx_decode_x16(_mm_loadu_si128((const __m128i *)qb), sb)));
+        _mm256_storeu_si256((__m256i *)(ob + 16), bf16_rne_x16(mx_decode_x16(_mm_loadu_si128((const __m128i *)(qb + 16)), sb)));
+#else
+        for (int i = 0; i < 32; ++i) ob[i] = bf16_rne(mx_decode1(qb[i], sb));
+#endif
+    }
+}
+
+void mxfp8_decode_rowwise_f32(const uint8_t *q, const uint8_t *scale, int64_t nblocks, uint32_t *out) {
+    for (int64_t blk = 0; blk < nblocks; ++blk) {
+        const uint32_t sb = e8m0_bits(scale[blk]);
+        const uint8_t *qb = q + blk * 32;
+        uint32_t *ob = out + blk * 32;
+#ifdef HAVE_AVX512
+        _mm512_storeu_si512(ob, mx_decode_x16(_mm_loadu_si128((const __m128i *)qb), sb));
+        _mm512_storeu_si512(ob + 16, mx_decode_x16(_mm_loadu_si128((const __m128i *)(qb + 16)), sb));
+#else
+        for (int i = 0; i < 32; ++i) ob[i] = mx_decode1(qb[i], sb);
+#endif
+    }
+}
+
 /* element-level entry points for the tests */
 void e4m3_cast(const float *y, int64_t n, uint8_t *out) { for (int64_t i = 0; i < n; ++i) out[i] = e4m3(y[i]); }
 void e2m1_cast(const float *y, int64_t n, uint8_t *out) { for (int64_t i = 0; i < n; ++i) out[i] = e2m1(y[i]); }
@@ -414,6 +496,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, f"row_amax_{t}").argtypes = [p, i64, i64, p]
         getattr(lib, f"block_amax16_{t}").argtypes = [p, i64, p]
         getattr(lib, f"nvfp4_encode_{t}").argtypes = [p, i64, i64, p, p, p, p, p, p]
+        getattr(lib, f"mxfp8_decode_rowwise_{t}").argtypes = [p, p, i64, p]
     lib.e4m3_cast.argtypes = [p, i64, p]
     lib.e2m1_cast.argtypes = [p, i64, p]
     lib.inv448.restype = ctypes.c_float
@@ -455,6 +538,12 @@ def usable(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in _DTYPES and library() is not None
 
 
+def decodes(data: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``mxfp8_decode_rowwise`` takes ``data`` (e4m3 on the CPU) decoded to ``dtype`` (bf16 or fp32), enabled."""
+    return (data.device.type == "cpu" and data.dtype == torch.float8_e4m3fn and dtype in _DTYPES
+            and library() is not None)
+
+
 def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
@@ -470,6 +559,16 @@ def mxfp8_rowwise(x: torch.Tensor, data: torch.Tensor | None = None, scale: torc
         scale = torch.empty((*x.shape[:-1], x.shape[-1] // 32), dtype=torch.uint8)
     getattr(lib, f"mxfp8_rowwise_{_DTYPES[x.dtype]}")(_ptr(x), x.numel() // 32, _ptr(data), _ptr(scale))
     return data, scale
+
+
+def mxfp8_decode_rowwise(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *,
+                         lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``MXFP8Tensor(data, scale, -1).dequantize(dtype)`` for contiguous CPU ``data`` (e4m3 [..., K], K % 32 == 0)
+    and ``scale`` (uint8 [..., K/32]), ``dtype`` bf16 or fp32 (checked by the caller): the same bits, NaN included."""
+    out = torch.empty(data.shape, dtype=dtype)
+    getattr(lib or library(), f"mxfp8_decode_rowwise_{_DTYPES[dtype]}")(_ptr(data), _ptr(scale), data.numel() // 32,
+                                                                      _ptr(out))
+    return out
 
 
 def row_amax(x2: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:
