@@ -21,7 +21,10 @@ Numerics (why the bytes equal the reference codecs in ``mxfp8.py`` / ``nvfp4.py`
 * ``e8m0_round_up``, ``e8m0_inverse`` and ``e2m1_codes`` are the integer forms of ``bits.py``, line for
   line; the e4m3 cast is round-to-nearest-even on the bits, with ``bits.e4m3_satfinite``'s clamp to
   +-448 and NaN -> 0x7F; equal to it for every bf16 input times every E8M0 inverse scale and for random
-  fp32 bit patterns (``tests/unit/test_speed_native.py``).
+  fp32 bit patterns (``tests/unit/test_speed_native.py``);
+* the MXFP8 loops over blocks of 32 run on ``torch.get_num_threads()`` threads (OpenMP, sharing torch's runtime;
+  called from the main thread) for tensors of 4096 blocks or more: each block's bytes depend on that block alone, so the slices write what one
+  thread writes; a compiler without OpenMP builds them single-threaded.
 
 ``runtime.native: false`` (or ``MILES_LP_NATIVE=0``) turns the kernels off (the codecs then run their eager torch path); so does a
 missing or failing compiler (one warning, then the eager path).
@@ -101,6 +104,17 @@ static inline uint8_t e2m1(float y) {
 
 #define INV448_F u2f(0x3B124925u) /* fp32(1/448) */
 
+/* Blocks are independent (each block's bytes depend on that block alone), so a loop over them may run on the
+   caller's nthreads (torch.get_num_threads()) in static slices: the same bytes as one thread. Built with -fopenmp
+   the library shares torch's OpenMP runtime (libgomp.so.1 is already loaded): torch's own worker threads run the
+   slices; without OpenMP the pragma is empty. Small tensors stay on the calling thread. */
+#define MIN_PARALLEL_BLOCKS 4096
+#ifdef _OPENMP
+#define PARALLEL_BLOCKS _Pragma("omp parallel for schedule(static) num_threads(nthreads) if(nthreads > 1 && nblocks >= MIN_PARALLEL_BLOCKS)")
+#else
+#define PARALLEL_BLOCKS (void)nthreads;
+#endif
+
 /* |x| bits with NaN -> 0, for the two input types */
 static inline uint32_t absbits_bf16(uint16_t v) { uint32_t a = v & 0x7FFFu; return a > 0x7F80u ? 0u : a; }
 static inline uint32_t absbits_f32(uint32_t v) { uint32_t a = v & 0x7FFFFFFFu; return a > 0x7F800000u ? 0u : a; }
@@ -164,7 +178,8 @@ static inline __m512 bf16_to_f32_x16(__m256i v) {
 }
 #endif
 
-void mxfp8_rowwise_bf16(const uint16_t *x, int64_t nblocks, uint8_t *q, uint8_t *scale) {
+void mxfp8_rowwise_bf16(const uint16_t *x, int64_t nblocks, uint8_t *q, uint8_t *scale, int nthreads) {
+    PARALLEL_BLOCKS
     for (int64_t blk = 0; blk < nblocks; ++blk) {
         const uint16_t *xb = x + blk * 32;
         uint8_t *qb = q + blk * 32;
@@ -187,7 +202,8 @@ void mxfp8_rowwise_bf16(const uint16_t *x, int64_t nblocks, uint8_t *q, uint8_t 
     }
 }
 
-void mxfp8_rowwise_f32(const uint32_t *x, int64_t nblocks, uint8_t *q, uint8_t *scale) {
+void mxfp8_rowwise_f32(const uint32_t *x, int64_t nblocks, uint8_t *q, uint8_t *scale, int nthreads) {
+    PARALLEL_BLOCKS
     for (int64_t blk = 0; blk < nblocks; ++blk) {
         const uint32_t *xb = x + blk * 32;
         uint8_t *qb = q + blk * 32;
@@ -386,7 +402,8 @@ static inline __m256i bf16_rne_x16(__m512i u) {
 #endif
 
 /* rowwise decode of nblocks blocks of 32: q [nblocks * 32] e4m3, scale [nblocks] E8M0 */
-void mxfp8_decode_rowwise_bf16(const uint8_t *q, const uint8_t *scale, int64_t nblocks, uint16_t *out) {
+void mxfp8_decode_rowwise_bf16(const uint8_t *q, const uint8_t *scale, int64_t nblocks, uint16_t *out, int nthreads) {
+    PARALLEL_BLOCKS
     for (int64_t blk = 0; blk < nblocks; ++blk) {
         const uint32_t sb = e8m0_bits(scale[blk]);
         const uint8_t *qb = q + blk * 32;
@@ -400,7 +417,8 @@ void mxfp8_decode_rowwise_bf16(const uint8_t *q, const uint8_t *scale, int64_t n
     }
 }
 
-void mxfp8_decode_rowwise_f32(const uint8_t *q, const uint8_t *scale, int64_t nblocks, uint32_t *out) {
+void mxfp8_decode_rowwise_f32(const uint8_t *q, const uint8_t *scale, int64_t nblocks, uint32_t *out, int nthreads) {
+    PARALLEL_BLOCKS
     for (int64_t blk = 0; blk < nblocks; ++blk) {
         const uint32_t sb = e8m0_bits(scale[blk]);
         const uint8_t *qb = q + blk * 32;
@@ -418,6 +436,11 @@ void mxfp8_decode_rowwise_f32(const uint8_t *q, const uint8_t *scale, int64_t nb
 void e4m3_cast(const float *y, int64_t n, uint8_t *out) { for (int64_t i = 0; i < n; ++i) out[i] = e4m3(y[i]); }
 void e2m1_cast(const float *y, int64_t n, uint8_t *out) { for (int64_t i = 0; i < n; ++i) out[i] = e2m1(y[i]); }
 float inv448(void) { return INV448_F; }
+#ifdef _OPENMP
+int threaded(void) { return 1; }
+#else
+int threaded(void) { return 0; }
+#endif
 """
 
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-std=c99"]
@@ -480,7 +503,11 @@ def load(source: str = SOURCE, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (set $CC or install cc)")
-    lib = ctypes.CDLL(str(_build(cc, source, extra_flags)))
+    try:  # OpenMP (the block loops on torch's threads), else one thread per call: the same bytes either way
+        path = _build(cc, source, (*extra_flags, "-fopenmp"))
+    except RuntimeError:
+        path = _build(cc, source, extra_flags)
+    lib = ctypes.CDLL(str(path))
     _declare(lib)
     from miles_lp.formats import bits
 
@@ -492,14 +519,15 @@ def load(source: str = SOURCE, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     for t in ("bf16", "f32"):
-        getattr(lib, f"mxfp8_rowwise_{t}").argtypes = [p, i64, p, p]
+        getattr(lib, f"mxfp8_rowwise_{t}").argtypes = [p, i64, p, p, ctypes.c_int]
         getattr(lib, f"row_amax_{t}").argtypes = [p, i64, i64, p]
         getattr(lib, f"block_amax16_{t}").argtypes = [p, i64, p]
         getattr(lib, f"nvfp4_encode_{t}").argtypes = [p, i64, i64, p, p, p, p, p, p]
-        getattr(lib, f"mxfp8_decode_rowwise_{t}").argtypes = [p, p, i64, p]
+        getattr(lib, f"mxfp8_decode_rowwise_{t}").argtypes = [p, p, i64, p, ctypes.c_int]
     lib.e4m3_cast.argtypes = [p, i64, p]
     lib.e2m1_cast.argtypes = [p, i64, p]
     lib.inv448.restype = ctypes.c_float
+    lib.threaded.restype = ctypes.c_int
 
 
 def library() -> ctypes.CDLL | None:
@@ -544,6 +572,12 @@ def decodes(data: torch.Tensor, dtype: torch.dtype) -> bool:
             and library() is not None)
 
 
+def _threads() -> int:
+    """Threads for one call: torch's intra-op count on the main thread; one on any other (a pipeline's worker
+    threads already run calls side by side)."""
+    return torch.get_num_threads() if threading.current_thread() is threading.main_thread() else 1
+
+
 def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
@@ -557,7 +591,8 @@ def mxfp8_rowwise(x: torch.Tensor, data: torch.Tensor | None = None, scale: torc
         data = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
     if scale is None:
         scale = torch.empty((*x.shape[:-1], x.shape[-1] // 32), dtype=torch.uint8)
-    getattr(lib, f"mxfp8_rowwise_{_DTYPES[x.dtype]}")(_ptr(x), x.numel() // 32, _ptr(data), _ptr(scale))
+    getattr(lib, f"mxfp8_rowwise_{_DTYPES[x.dtype]}")(_ptr(x), x.numel() // 32, _ptr(data), _ptr(scale),
+                                                      _threads())
     return data, scale
 
 
@@ -567,7 +602,7 @@ def mxfp8_decode_rowwise(data: torch.Tensor, scale: torch.Tensor, dtype: torch.d
     and ``scale`` (uint8 [..., K/32]), ``dtype`` bf16 or fp32 (checked by the caller): the same bits, NaN included."""
     out = torch.empty(data.shape, dtype=dtype)
     getattr(lib or library(), f"mxfp8_decode_rowwise_{_DTYPES[dtype]}")(_ptr(data), _ptr(scale), data.numel() // 32,
-                                                                      _ptr(out))
+                                                                      _ptr(out), _threads())
     return out
 
 

@@ -147,3 +147,28 @@ def test_learner_logprobs_grads_and_step_bit_identical_with_the_kernel(tiny_llam
         for name in got:
             for a, b in zip(*(v if isinstance(v, tuple) else (v,) for v in (got[name], want[name])), strict=True):
                 assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_threads_split_large_tensors_into_the_same_bytes(dtype, monkeypatch):
+    """4096 blocks or more run on torch's threads (OpenMP slices of whole blocks): the bytes of one thread and of
+    the eager codec, quantize and decode."""
+    if not native.library().threaded():
+        pytest.skip("the C compiler has no OpenMP: the kernels run on one thread")
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(700, 1536, generator=g) * torch.logspace(-40, 30, 1536)).to(dtype)  # 33,600 blocks
+    x[5, :40] = float("nan")
+    before = torch.get_num_threads()
+    out = {}
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            q = quantize_mxfp8(x)
+            out[n] = (q.data.view(torch.uint8), q.scale, _bits(q.dequantize(dtype)))
+    finally:
+        torch.set_num_threads(before)
+    with native.disabled():
+        ref = quantize_mxfp8(x)
+    want = (ref.data.view(torch.uint8), ref.scale, _bits(_eager(ref, dtype, monkeypatch)))
+    for n, got in out.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), f"{n} threads"
