@@ -23,8 +23,8 @@ Numerics (why the bytes equal the reference codecs in ``mxfp8.py`` / ``nvfp4.py`
   +-448 and NaN -> 0x7F; equal to it for every bf16 input times every E8M0 inverse scale and for random
   fp32 bit patterns (``tests/unit/test_speed_native.py``);
 * the MXFP8 loops over blocks of 32 run on ``torch.get_num_threads()`` threads (OpenMP, sharing torch's runtime;
-  called from the main thread) for tensors of 4096 blocks or more: each block's bytes depend on that block alone, so the slices write what one
-  thread writes; a compiler without OpenMP builds them single-threaded.
+  called from the main thread) for tensors of 4096 blocks or more: each block's bytes depend on that block alone,
+  so the slices write what one thread writes; a compiler without OpenMP builds them single-threaded.
 
 ``runtime.native: false`` (or ``MILES_LP_NATIVE=0``) turns the kernels off (the codecs then run their eager torch path); so does a
 missing or failing compiler (one warning, then the eager path).
@@ -352,7 +352,7 @@ void nvfp4_encode_f32(const uint32_t *x, int64_t rows, int64_t k, const float *a
    two, at worst an fp32 subnormal), then for bf16 output rounded to nearest even as torch rounds fp32 -> bf16.
    NaN as torch computes it: an E4M3 NaN code is fp32 0x7FF00000 | sign (torch's e4m3 -> fp32), scale byte 255
    is 0x7FFFFFFF (bits.e8m0_value); the reference's product keeps the scale's NaN when both are NaN (measured on
-   every code x every scale byte, tests/unit/test_speed_native.py); every NaN becomes 0xFFFF in bf16 (torch's
+   every code x every scale byte, tests/unit/test_speed_native_decode.py); every NaN becomes 0xFFFF in bf16 (torch's
    vectorized fp32 -> bf16). */
 static inline uint32_t e8m0_bits(uint32_t e) { return e == 0u ? 0x00400000u : (e == 255u ? 0x7FFFFFFFu : e << 23); }
 

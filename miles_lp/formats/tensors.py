@@ -42,7 +42,9 @@ class MXFP8Tensor:
         Each block's scale multiplies its 32 elements by broadcasting (no ``[..., M, K]`` copy of the scales: the
         same fp32 products, ~2.4x faster on CPU for a ``[2745, 1536]`` activation). Rowwise on the CPU to bf16 / fp32:
         the fused C decode (``formats.native``, one pass, the same bits, NaN included)."""
-        if self.axis == -1 and native.decodes(self.data, dtype):
+        if (self.axis == -1 and native.decodes(self.data, dtype) and self.scale.dtype == torch.uint8
+                and self.data.shape[:-1] == self.scale.shape[:-1]
+                and self.data.shape[-1] == self.scale.shape[-1] * MXFP8_BLOCK):  # (else the torch ops say what is wrong)
             return native.mxfp8_decode_rowwise(self.data.contiguous(), self.scale.contiguous(), dtype)
         s = bits.e8m0_value(self.scale)
         d = self.data.to(torch.float32)

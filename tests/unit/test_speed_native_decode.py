@@ -75,6 +75,14 @@ def test_columnwise_and_fp16_keep_the_eager_decode(monkeypatch):
     assert quantize_mxfp8(x).dequantize(torch.float16).dtype == torch.float16
 
 
+def test_a_scale_of_the_wrong_shape_is_left_to_the_torch_ops(monkeypatch):
+    """The kernel reads ``data.numel() / 32`` scale bytes: a scale that does not match never reaches it."""
+    monkeypatch.setattr(native, "mxfp8_decode_rowwise", lambda *a, **k: pytest.fail("kernel called"))
+    q = quantize_mxfp8(torch.randn(4, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError):
+        MXFP8Tensor(data=q.data, scale=q.scale[:, :1], axis=-1).dequantize(torch.bfloat16)
+
+
 @pytest.mark.parametrize("old,new,flags,what", [
     ("+ ((u >> 16) & 1u)) >> 16", ") >> 16", ("-mno-avx512f",), "portable bf16: ties rounded up, not to even"),
     ("if (em < 8u) return sign | f2u((float)em * 0.001953125f);", "", ("-mno-avx512f",),
