@@ -75,12 +75,14 @@ def test_columnwise_and_fp16_keep_the_eager_decode(monkeypatch):
     assert quantize_mxfp8(x).dequantize(torch.float16).dtype == torch.float16
 
 
-def test_a_scale_of_the_wrong_shape_is_left_to_the_torch_ops(monkeypatch):
-    """The kernel reads ``data.numel() / 32`` scale bytes: a scale that does not match never reaches it."""
+def test_a_scale_of_another_shape_is_left_to_the_torch_ops(monkeypatch):
+    """The kernel reads ``data.numel() / 32`` scale bytes: a scale of another shape never reaches it (the torch ops
+    broadcast it, or raise)."""
     monkeypatch.setattr(native, "mxfp8_decode_rowwise", lambda *a, **k: pytest.fail("kernel called"))
     q = quantize_mxfp8(torch.randn(4, 64, dtype=torch.bfloat16))
+    assert MXFP8Tensor(data=q.data, scale=q.scale[:, :1], axis=-1).dequantize(torch.bfloat16).shape == (4, 64)
     with pytest.raises(RuntimeError):
-        MXFP8Tensor(data=q.data, scale=q.scale[:, :1], axis=-1).dequantize(torch.bfloat16)
+        MXFP8Tensor(data=q.data, scale=q.scale[:3], axis=-1).dequantize(torch.bfloat16)
 
 
 @pytest.mark.parametrize("old,new,flags,what", [
