@@ -136,6 +136,11 @@ def _host() -> dict[str, Any]:
             "avx512_bf16": " avx512_bf16" in flags, "amx_bf16": " amx_bf16" in flags}
 
 
+def _ratio(v: float | None) -> str:
+    """``1.23x``, or ``-`` where there is none (no generate anchor: ``--no-generate-anchor``, or it failed)."""
+    return "-" if v is None else f"{v:.2f}x"
+
+
 def render(result: dict[str, Any]) -> str:
     rows, anchor, host = result["arms"], result.get("generate_anchor"), result["host"]
     isa = "AMX" if host.get("amx_bf16") else ("AVX512-BF16, no AMX" if host.get("avx512_bf16") else "no BF16 ISA")
@@ -154,7 +159,7 @@ def render(result: dict[str, Any]) -> str:
             f"| {r['arm']} | {r['step_s']:.1f} | {r.get('step_vs_first', float('nan')):.2f}x | {st.get('generate', 0):.1f} | "
             f"{st.get('old_log_prob', 0):.1f} | {st.get('update_actor', 0):.1f} | "
             f"{st.get('sync', 0) + st.get('checks', 0):.1f} | {r['rollout_tokens_per_s']:.0f} | "
-            f"{r.get('rollout_vs_generate', float('nan')):.2f}x | {r['peak_rss_gb']:.2f} | {int(r['tokens_update'])} | "
+            f"{_ratio(r.get('rollout_vs_generate'))} | {r['peak_rss_gb']:.2f} | {int(r['tokens_update'])} | "
             f"{r['load'][0]:.1f}-{r['load'][1]:.1f} |")
     if anchor:
         if "error" in anchor:

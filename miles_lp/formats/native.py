@@ -21,7 +21,10 @@ Numerics (why the bytes equal the reference codecs in ``mxfp8.py`` / ``nvfp4.py`
 * ``e8m0_round_up``, ``e8m0_inverse`` and ``e2m1_codes`` are the integer forms of ``bits.py``, line for
   line; the e4m3 cast is round-to-nearest-even on the bits, with ``bits.e4m3_satfinite``'s clamp to
   +-448 and NaN -> 0x7F; equal to it for every bf16 input times every E8M0 inverse scale and for random
-  fp32 bit patterns (``tests/unit/test_speed_native.py``).
+  fp32 bit patterns (``tests/unit/test_speed_native.py``);
+* the MXFP8 loops over blocks of 32 run on ``torch.get_num_threads()`` threads (OpenMP, sharing torch's runtime;
+  called from the main thread) for tensors of 4096 blocks or more: each block's bytes depend on that block alone,
+  so the slices write what one thread writes; a compiler without OpenMP builds them single-threaded.
 
 ``runtime.native: false`` (or ``MILES_LP_NATIVE=0``) turns the kernels off (the codecs then run their eager torch path); so does a
 missing or failing compiler (one warning, then the eager path).
@@ -101,6 +104,17 @@ static inline uint8_t e2m1(float y) {
 
 #define INV448_F u2f(0x3B124925u) /* fp32(1/448) */
 
+/* Blocks are independent (each block's bytes depend on that block alone), so a loop over them may run on the
+   caller's nthreads (torch.get_num_threads()) in static slices: the same bytes as one thread. Built with -fopenmp
+   the library shares torch's OpenMP runtime (libgomp.so.1 is already loaded): torch's own worker threads run the
+   slices; without OpenMP the pragma is empty. Small tensors stay on the calling thread. */
+#define MIN_PARALLEL_BLOCKS 4096
+#ifdef _OPENMP
+#define PARALLEL_BLOCKS _Pragma("omp parallel for schedule(static) num_threads(nthreads) if(nthreads > 1 && nblocks >= MIN_PARALLEL_BLOCKS)")
+#else
+#define PARALLEL_BLOCKS (void)nthreads;
+#endif
+
 /* |x| bits with NaN -> 0, for the two input types */
 static inline uint32_t absbits_bf16(uint16_t v) { uint32_t a = v & 0x7FFFu; return a > 0x7F80u ? 0u : a; }
 static inline uint32_t absbits_f32(uint32_t v) { uint32_t a = v & 0x7FFFFFFFu; return a > 0x7F800000u ? 0u : a; }
@@ -164,7 +178,8 @@ static inline __m512 bf16_to_f32_x16(__m256i v) {
 }
 #endif
 
-void mxfp8_rowwise_bf16(const uint16_t *x, int64_t nblocks, uint8_t *q, uint8_t *scale) {
+void mxfp8_rowwise_bf16(const uint16_t *x, int64_t nblocks, uint8_t *q, uint8_t *scale, int nthreads) {
+    PARALLEL_BLOCKS
     for (int64_t blk = 0; blk < nblocks; ++blk) {
         const uint16_t *xb = x + blk * 32;
         uint8_t *qb = q + blk * 32;
@@ -187,7 +202,8 @@ void mxfp8_rowwise_bf16(const uint16_t *x, int64_t nblocks, uint8_t *q, uint8_t 
     }
 }
 
-void mxfp8_rowwise_f32(const uint32_t *x, int64_t nblocks, uint8_t *q, uint8_t *scale) {
+void mxfp8_rowwise_f32(const uint32_t *x, int64_t nblocks, uint8_t *q, uint8_t *scale, int nthreads) {
+    PARALLEL_BLOCKS
     for (int64_t blk = 0; blk < nblocks; ++blk) {
         const uint32_t *xb = x + blk * 32;
         uint8_t *qb = q + blk * 32;
@@ -332,10 +348,99 @@ void nvfp4_encode_f32(const uint32_t *x, int64_t rows, int64_t k, const float *a
     }
 }
 
+/* MXFP8 decode (MXFP8Tensor.dequantize): fp32(e4m3_value(q) * 2^(e-127)), exact (an E4M3 value times a power of
+   two, at worst an fp32 subnormal), then for bf16 output rounded to nearest even as torch rounds fp32 -> bf16.
+   NaN as torch computes it: an E4M3 NaN code is fp32 0x7FF00000 | sign (torch's e4m3 -> fp32), scale byte 255
+   is 0x7FFFFFFF (bits.e8m0_value); the reference's product keeps the scale's NaN when both are NaN (measured on
+   every code x every scale byte, tests/unit/test_speed_native_decode.py); every NaN becomes 0xFFFF in bf16 (torch's
+   vectorized fp32 -> bf16). */
+static inline uint32_t e8m0_bits(uint32_t e) { return e == 0u ? 0x00400000u : (e == 255u ? 0x7FFFFFFFu : e << 23); }
+
+static inline uint32_t e4m3_f32bits(uint32_t b) {
+    uint32_t sign = (b & 0x80u) << 24, em = b & 0x7Fu;
+    if (em == 0x7Fu) return sign | 0x7FF00000u;
+    if (em < 8u) return sign | f2u((float)em * 0.001953125f);  /* subnormal: m * 2^-9 (exact) */
+    return sign | ((em << 20) + (120u << 23));
+}
+
+static inline uint32_t mx_decode1(uint32_t b, uint32_t sbits) {
+    uint32_t v = e4m3_f32bits(b);
+    if (sbits == 0x7FFFFFFFu) return sbits;
+    if ((v & 0x7FFFFFFFu) > 0x7F800000u) return v;
+    return f2u(u2f(v) * u2f(sbits));
+}
+
+static inline uint16_t bf16_rne(uint32_t u) {
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0xFFFFu;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+#ifdef HAVE_AVX512
+/* 16 E4M3 bytes times one scale (fp32 bits) -> 16 fp32 lanes: mx_decode1 lane by lane */
+static inline __m512i mx_decode_x16(__m128i bytes, uint32_t sbits) {
+    const __m512i b = _mm512_cvtepu8_epi32(bytes);
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+    const __m512i em = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
+    __m512i v = _mm512_add_epi32(_mm512_slli_epi32(em, 20), _mm512_set1_epi32(120 << 23));
+    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(em), _mm512_set1_ps(0.001953125f));
+    v = _mm512_mask_mov_epi32(v, _mm512_cmplt_epi32_mask(em, _mm512_set1_epi32(8)), _mm512_castps_si512(sub));
+    const __mmask16 nan = _mm512_cmpeq_epi32_mask(em, _mm512_set1_epi32(0x7F));
+    v = _mm512_or_si512(_mm512_mask_mov_epi32(v, nan, _mm512_set1_epi32(0x7FF00000)), sign);
+    if (sbits == 0x7FFFFFFFu) return _mm512_set1_epi32(0x7FFFFFFF);
+    __m512i p = _mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(v), _mm512_castsi512_ps(_mm512_set1_epi32((int)sbits))));
+    return _mm512_mask_mov_epi32(p, nan, v);
+}
+/* 16 fp32 lanes (bits) -> 16 bf16: bf16_rne lane by lane */
+static inline __m256i bf16_rne_x16(__m512i u) {
+    __m512i r = _mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF));
+    r = _mm512_add_epi32(r, _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+    r = _mm512_srli_epi32(r, 16);
+    const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmpgt_epi32_mask(a, _mm512_set1_epi32(0x7F800000)), _mm512_set1_epi32(0xFFFF));
+    return _mm512_cvtepi32_epi16(r);
+}
+#endif
+
+/* rowwise decode of nblocks blocks of 32: q [nblocks * 32] e4m3, scale [nblocks] E8M0 */
+void mxfp8_decode_rowwise_bf16(const uint8_t *q, const uint8_t *scale, int64_t nblocks, uint16_t *out, int nthreads) {
+    PARALLEL_BLOCKS
+    for (int64_t blk = 0; blk < nblocks; ++blk) {
+        const uint32_t sb = e8m0_bits(scale[blk]);
+        const uint8_t *qb = q + blk * 32;
+        uint16_t *ob = out + blk * 32;
+#ifdef HAVE_AVX512
+        _mm256_storeu_si256((__m256i *)ob, bf16_rne_x16(mx_decode_x16(_mm_loadu_si128((const __m128i *)qb), sb)));
+        _mm256_storeu_si256((__m256i *)(ob + 16), bf16_rne_x16(mx_decode_x16(_mm_loadu_si128((const __m128i *)(qb + 16)), sb)));
+#else
+        for (int i = 0; i < 32; ++i) ob[i] = bf16_rne(mx_decode1(qb[i], sb));
+#endif
+    }
+}
+
+void mxfp8_decode_rowwise_f32(const uint8_t *q, const uint8_t *scale, int64_t nblocks, uint32_t *out, int nthreads) {
+    PARALLEL_BLOCKS
+    for (int64_t blk = 0; blk < nblocks; ++blk) {
+        const uint32_t sb = e8m0_bits(scale[blk]);
+        const uint8_t *qb = q + blk * 32;
+        uint32_t *ob = out + blk * 32;
+#ifdef HAVE_AVX512
+        _mm512_storeu_si512(ob, mx_decode_x16(_mm_loadu_si128((const __m128i *)qb), sb));
+        _mm512_storeu_si512(ob + 16, mx_decode_x16(_mm_loadu_si128((const __m128i *)(qb + 16)), sb));
+#else
+        for (int i = 0; i < 32; ++i) ob[i] = mx_decode1(qb[i], sb);
+#endif
+    }
+}
+
 /* element-level entry points for the tests */
 void e4m3_cast(const float *y, int64_t n, uint8_t *out) { for (int64_t i = 0; i < n; ++i) out[i] = e4m3(y[i]); }
 void e2m1_cast(const float *y, int64_t n, uint8_t *out) { for (int64_t i = 0; i < n; ++i) out[i] = e2m1(y[i]); }
 float inv448(void) { return INV448_F; }
+#ifdef _OPENMP
+int threaded(void) { return 1; }
+#else
+int threaded(void) { return 0; }
+#endif
 """
 
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-std=c99"]
@@ -398,7 +503,11 @@ def load(source: str = SOURCE, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (set $CC or install cc)")
-    lib = ctypes.CDLL(str(_build(cc, source, extra_flags)))
+    try:  # OpenMP (the block loops on torch's threads), else one thread per call: the same bytes either way
+        path = _build(cc, source, (*extra_flags, "-fopenmp"))
+    except RuntimeError:
+        path = _build(cc, source, extra_flags)
+    lib = ctypes.CDLL(str(path))
     _declare(lib)
     from miles_lp.formats import bits
 
@@ -410,13 +519,15 @@ def load(source: str = SOURCE, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL
 def _declare(lib: ctypes.CDLL) -> None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     for t in ("bf16", "f32"):
-        getattr(lib, f"mxfp8_rowwise_{t}").argtypes = [p, i64, p, p]
+        getattr(lib, f"mxfp8_rowwise_{t}").argtypes = [p, i64, p, p, ctypes.c_int]
         getattr(lib, f"row_amax_{t}").argtypes = [p, i64, i64, p]
         getattr(lib, f"block_amax16_{t}").argtypes = [p, i64, p]
         getattr(lib, f"nvfp4_encode_{t}").argtypes = [p, i64, i64, p, p, p, p, p, p]
+        getattr(lib, f"mxfp8_decode_rowwise_{t}").argtypes = [p, p, i64, p, ctypes.c_int]
     lib.e4m3_cast.argtypes = [p, i64, p]
     lib.e2m1_cast.argtypes = [p, i64, p]
     lib.inv448.restype = ctypes.c_float
+    lib.threaded.restype = ctypes.c_int
 
 
 def library() -> ctypes.CDLL | None:
@@ -455,6 +566,18 @@ def usable(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in _DTYPES and library() is not None
 
 
+def decodes(data: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``mxfp8_decode_rowwise`` takes ``data`` (e4m3 on the CPU) decoded to ``dtype`` (bf16 or fp32), enabled."""
+    return (data.device.type == "cpu" and data.dtype == torch.float8_e4m3fn and dtype in _DTYPES
+            and library() is not None)
+
+
+def _threads() -> int:
+    """Threads for one call: torch's intra-op count on the main thread; one on any other (a pipeline's worker
+    threads already run calls side by side)."""
+    return torch.get_num_threads() if threading.current_thread() is threading.main_thread() else 1
+
+
 def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
@@ -468,8 +591,19 @@ def mxfp8_rowwise(x: torch.Tensor, data: torch.Tensor | None = None, scale: torc
         data = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
     if scale is None:
         scale = torch.empty((*x.shape[:-1], x.shape[-1] // 32), dtype=torch.uint8)
-    getattr(lib, f"mxfp8_rowwise_{_DTYPES[x.dtype]}")(_ptr(x), x.numel() // 32, _ptr(data), _ptr(scale))
+    getattr(lib, f"mxfp8_rowwise_{_DTYPES[x.dtype]}")(_ptr(x), x.numel() // 32, _ptr(data), _ptr(scale),
+                                                      _threads())
     return data, scale
+
+
+def mxfp8_decode_rowwise(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *,
+                         lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``MXFP8Tensor(data, scale, -1).dequantize(dtype)`` for contiguous CPU ``data`` (e4m3 [..., K], K % 32 == 0)
+    and ``scale`` (uint8 [..., K/32]), ``dtype`` bf16 or fp32 (checked by the caller): the same bits, NaN included."""
+    out = torch.empty(data.shape, dtype=dtype)
+    getattr(lib or library(), f"mxfp8_decode_rowwise_{_DTYPES[dtype]}")(_ptr(data), _ptr(scale), data.numel() // 32,
+                                                                      _ptr(out), _threads())
+    return out
 
 
 def row_amax(x2: torch.Tensor, *, lib: ctypes.CDLL | None = None) -> torch.Tensor:

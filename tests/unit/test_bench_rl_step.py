@@ -28,6 +28,12 @@ def test_ratios_to_the_first_arm_and_to_generate():
     assert "transformers generate (bfloat16, 64 rows, <= 8 new tokens): 500 tokens" in text
 
 
+def test_without_the_generate_anchor_the_ratio_column_reads_a_dash():
+    res = summarize([_arm("smollm2-bf16", 10.0)], None)
+    assert "rollout_vs_generate" not in res["arms"][0]
+    assert "| 100 | - | 2.50 |" in render(res) and "nan" not in render(res)
+
+
 def test_cli_lists_the_bench(capsys):
     import pytest
 
