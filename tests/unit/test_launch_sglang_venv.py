@@ -1,8 +1,9 @@
 """``.ci/sglang_venv.sh``: ``sglang_venv DIR`` builds SGLang's CPU venv once, reuses one that imports sglang, rebuilds
 only a venv it made itself (its marker file), and refuses anyone else's folder, naming it. The function runs for real
 (bash, the file sourced), with a fake ``python3`` on PATH whose ``-m venv`` makes a fake venv (its python "imports
-sglang" when the folder holds ``sglang_ok``; its pip logs each call, and fails when FAKE_PIP_FAIL is set): nothing is
-installed and no network is used."""
+sglang" when the folder holds ``sglang_ok``, and sglang-router when it holds ``router_ok``; its pip logs each call, and
+fails when FAKE_PIP_FAIL is set): nothing is installed and no network is used. sglang-router is added to a venv this
+file built (marked), never to anyone else's."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ MARKER = ".miles-lp-ci-sglang-venv"
 
 VENV_PYTHON = """#!/bin/sh
 d=$(cd "$(dirname "$0")/.." && pwd)
-if [ "$1" = "-c" ]; then [ -f "$d/sglang_ok" ]; exit $?; fi
+if [ "$1" = "-c" ]; then
+    case "$2" in *sglang_router*) [ -f "$d/router_ok" ]; exit $? ;; esac
+    [ -f "$d/sglang_ok" ]; exit $?
+fi
 if [ "$1" = "-m" ] && [ "$2" = "pip" ]; then
     shift 2; echo "pip $*" >> "$d/pip.log"; [ -z "$FAKE_PIP_FAIL" ]; exit $?
 fi
@@ -65,8 +69,9 @@ def test_builds_a_missing_venv_and_marks_it(fake, tmp_path):
     assert (venv / MARKER).is_file() and (venv / "pyvenv.cfg").is_file()
     log = (venv / "pip.log").read_text().splitlines()
     assert log[:2] == ["pip install -q torch==2.14.1", "pip install -q --no-deps sglang==0.5.23"]
-    assert len(log) == 4 and log[2].startswith("pip install -q torch==2.14.1 transformers==5.19.0 ")
+    assert len(log) == 5 and log[2].startswith("pip install -q torch==2.14.1 transformers==5.19.0 ")
     assert log[3] == "pip install -q --no-deps torchvision==0.29.1"
+    assert log[4] == "pip install -q --no-deps sglang-router==0.3.2"  # its Python needs are the server's, above
     assert "sglang-kernel" not in log[2] and "flashinfer" not in log[2]  # CUDA-only: never installed
 
 
@@ -90,6 +95,24 @@ def test_a_venv_that_imports_sglang_is_reused_untouched(fake, tmp_path):
     (venv / "sglang_ok").write_text("")
     assert fake(venv).returncode == 0
     assert not (venv / "pip.log").exists() and not (venv / MARKER).exists()
+
+
+@pytest.mark.parametrize("marked, has_router, want", [(True, False, ["pip install -q --no-deps sglang-router==0.3.2"]),
+                                                      (True, True, []), (False, False, [])])
+def test_the_router_is_added_to_its_own_venv_only(fake, tmp_path, marked, has_router, want):
+    """A venv this file built before sglang-router joined it gets the router (and nothing else); one that has it,
+    or anyone else's venv, is left as it is."""
+    venv = tmp_path / "v"
+    (venv / "bin").mkdir(parents=True)
+    shutil.copy(tmp_path / "venv_python", venv / "bin" / "python")
+    (venv / "sglang_ok").write_text("")
+    if marked:
+        (venv / MARKER).write_text("made by .ci/sglang_venv.sh")
+    if has_router:
+        (venv / "router_ok").write_text("")
+    assert fake(venv).returncode == 0
+    log = venv / "pip.log"
+    assert (log.read_text().splitlines() if log.exists() else []) == want
 
 
 def test_its_own_broken_venv_is_rebuilt(fake, tmp_path):
