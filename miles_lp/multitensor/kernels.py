@@ -20,7 +20,6 @@ torch path then runs on CUDA too).
 from __future__ import annotations
 
 import os
-import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -32,8 +31,7 @@ ROW_BYTES = 4096
 ROWS = 8  # rows of 1024 words per program: 32 KiB read per program
 NUM_WARPS = 4
 _PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_digest_triton.py")
-_MODULES: dict[bool, object] = {}
-_LOCK = threading.Lock()
+_LOADED: dict[bool, object] = {}  # interpreted -> the kernels' module (a launch's fast path)
 _TABLES: OrderedDict = OrderedDict()  # layout key -> (meta tensor, [(start, ntensors, nblocks, aligned, base index)])
 _TABLES_MAX = 32
 _TRITON: list[str | None] = []
@@ -68,19 +66,15 @@ def enabled(device: torch.device, kind: str = "digest") -> bool:
 
 
 def _module(interpret: bool):
-    mod = _MODULES.get(interpret)
-    if mod is None:
-        with _LOCK:
-            mod = _MODULES.get(interpret)
-            if mod is None:
-                try:  # imported lazily by the interpreter's first launch, where it fails unless imported first
-                    import triton.experimental.gluon  # noqa: F401
-                except Exception:  # noqa: BLE001 (an older Triton without it needs nothing)
-                    pass
-                from miles_lp.formats.kernels import load_jit_module
+    mod = _LOADED.get(interpret)
+    if mod is None:  # first use in this mode (cached_jit_module imports it once, whichever thread gets here)
+        try:  # imported lazily by the interpreter's first launch, where it fails unless imported first
+            import triton.experimental.gluon  # noqa: F401
+        except Exception:  # noqa: BLE001 (an older Triton without it needs nothing)
+            pass
+        from miles_lp.formats.kernels import cached_jit_module
 
-                mod = load_jit_module(_PATH, "miles_lp.multitensor._digest_triton", interpret)
-                _MODULES[interpret] = mod
+        mod = _LOADED[interpret] = cached_jit_module(_PATH, "miles_lp.multitensor._digest_triton", interpret)
     return mod
 
 

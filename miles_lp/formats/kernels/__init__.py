@@ -48,12 +48,15 @@ from miles_lp.formats.kernels.nvfp4 import (
     quantize_nvfp4,
 )
 from miles_lp.formats.kernels.runtime import (
+    cached_jit_module as cached_jit_module,  # the Triton loader miles_lp.multitensor.kernels shares
+)
+from miles_lp.formats.kernels.runtime import (
     enabled,
     launch_hooks_set,
     unavailable_reason,
 )
 from miles_lp.formats.kernels.runtime import (
-    load_jit_module as load_jit_module,  # the Triton loader miles_lp.multitensor.kernels shares
+    load_jit_module as load_jit_module,
 )
 from miles_lp.formats.kernels.runtime import (
     triton_cdiv as triton_cdiv,

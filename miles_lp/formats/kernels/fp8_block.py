@@ -15,37 +15,27 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 
 import torch
 
 from miles_lp.errors import FormatError
 from miles_lp.formats.fp8 import FP8BlockTensor
+from miles_lp.formats.kernels.runtime import cached_jit_module, interpreting
 from miles_lp.formats.kernels.runtime import launch as _launch
-from miles_lp.formats.kernels.runtime import load_jit_module
 
 BLOCK = 128
 #: launch shape (warps per 128x128 tile program), the fastest measured on the H200 (8192^2 bf16: act rows 56 / 72 /
 #: 55 us and cols 87 / 88 / 120 us at 8 / 4 / 16 warps; weight + transpose 155 / 135 / 98 us)
 CONFIG = {"act_warps": 8, "weight_warps": 16}
 _PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fp8_block_triton.py")
-_MODULES: dict[bool, object] = {}
-_LOCK = threading.Lock()
 
 
 def _module(x: torch.Tensor):
     interp = not x.is_cuda
-    if interp and os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"):
+    if interp and not interpreting():
         raise FormatError("miles_lp.formats.kernels.fp8_block: the kernels run on CUDA tensors (or on CPU under "
                           "TRITON_INTERPRET=1); use miles_lp.formats.quantize_fp8_blockwise here")
-    mod = _MODULES.get(interp)
-    if mod is None:
-        with _LOCK:
-            mod = _MODULES.get(interp)
-            if mod is None:
-                mod = _MODULES[interp] = load_jit_module(_PATH, "miles_lp.formats.kernels._fp8_block_triton",
-                                                         interp)
-    return mod
+    return cached_jit_module(_PATH, "miles_lp.formats.kernels._fp8_block_triton", interp)
 
 
 def _value_for_inf(dtype: torch.dtype) -> float:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 
 import torch
 
@@ -47,27 +46,20 @@ REL_TOL = 2.0 ** -8 + FP32_REL_TOL
 #: memory, so deeper is more bytes in flight per SM)
 CONFIG = {"dot": "fp8", "stages": 4}
 _PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fp8_block_gemm_triton.py")
-_MODULES: dict[bool, object] = {}
-_LOCK = threading.Lock()
+MODULE = "miles_lp.formats.kernels._fp8_block_gemm_triton"
 _SMS: dict[int, int] = {}
 
 
 def _module(x: torch.Tensor):
     interp = not x.is_cuda
-    if interp and not rt._interpreting():
+    if interp and not rt.interpreting():
         raise FormatError("miles_lp.formats.kernels.fp8_block_decode: the kernel runs on CUDA tensors (or on CPU "
                           "under TRITON_INTERPRET=1); use the emulated GEMM (dequantize, then matmul) here")
-    mod = _MODULES.get(interp)
-    if mod is None:
-        with _LOCK:
-            mod = _MODULES.get(interp)
-            if mod is None:
-                mod = _MODULES[interp] = load_module(interp)
-    return mod
+    return rt.cached_jit_module(_PATH, MODULE, interp)
 
 
 def load_module(interpret: bool):
-    return rt.load_jit_module(_PATH, "miles_lp.formats.kernels._fp8_block_gemm_triton", interpret)
+    return rt.load_jit_module(_PATH, MODULE, interpret)
 
 
 def _sms(x: torch.Tensor) -> int:

@@ -25,12 +25,12 @@ OUT_KIND = {None: 0, torch.float32: 1, torch.bfloat16: 2}
 # option formatting (host time per launch: bench quantize "small shape"). runtime.kernels_fast_launch: false
 # keeps Triton's JIT dispatch on every call (for A/B timing); so does a Triton launch hook (profilers).
 LAUNCHERS: dict[tuple, object] = {}
-_MODULES: dict[bool, object] = {}
+_MODULES: dict[tuple[str, bool], object] = {}  # (module name, interpreted) -> the imported module
 _LOCK = threading.Lock()
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_triton.py")
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
@@ -54,7 +54,7 @@ def unavailable_reason(x: torch.Tensor) -> str | None:
         return missing
     if x.is_cuda:
         return None
-    if x.device.type == "cpu" and _interpreting():
+    if x.device.type == "cpu" and interpreting():
         return None
     return (f"the Triton kernels run on CUDA tensors; this one is on {x.device} (no CUDA device is used here). "
             "Use the reference codecs (miles_lp.formats.quantize_mxfp8 / quantize_nvfp4) on CPU, or set "
@@ -73,20 +73,25 @@ def module_for(x: torch.Tensor):
     reason = unavailable_reason(x)
     if reason:
         raise BackendUnavailable(f"miles_lp.formats.kernels: {reason}")
-    interp = not x.is_cuda
-    mod = _MODULES.get(interp)
-    if mod is None:
-        with _LOCK:
-            mod = _MODULES.get(interp)
-            if mod is None:
-                mod = load(interp)
-                _MODULES[interp] = mod
-    return mod
+    return cached_jit_module(PATH, "miles_lp.formats.kernels._triton", not x.is_cuda)
 
 
 def load(interpret: bool):
     """Import ``_triton.py`` with @triton.jit in the requested mode (Triton decides at decoration time)."""
     return load_jit_module(PATH, "miles_lp.formats.kernels._triton", interpret)
+
+
+def cached_jit_module(path, name: str, interpret: bool):
+    """``load_jit_module`` once per module and mode in this process (threads racing to the first call import it
+    once): what every kernel module's launches go through."""
+    key = (name, interpret)
+    mod = _MODULES.get(key)
+    if mod is None:
+        with _LOCK:
+            mod = _MODULES.get(key)
+            if mod is None:
+                mod = _MODULES[key] = load_jit_module(path, name, interpret)
+    return mod
 
 
 def load_jit_module(path, name: str, interpret: bool):
