@@ -39,6 +39,24 @@ def _builder(run_dir: Path, python: str, ckpt_of):
     return build
 
 
+def _train_every_check_clean(recipe, tmp_path, name: str, python: str) -> list[dict]:
+    """A 2-step run on real SGLang (started by ``_builder``): the initial sync and every step's checks clean."""
+    from miles_lp.launch.runner import Run
+
+    run_dir = tmp_path / "runs" / name
+    run = Run.start(recipe, run_name=name, build_engine=_builder(run_dir, python, lambda d: d / "engine_init"))
+    try:
+        assert run.initial.ok and run.initial.verdict("self_check").ok
+        rows = run.train(progress=False)
+    finally:
+        run.close()
+    assert len(rows) == 2
+    for i, m in enumerate(rows):
+        for c in ("layer_audit", "grid", "self_check", "storage", "completeness", "version"):
+            assert m[f"sync/check/{c}"] == 1.0, (i, c)
+    return rows
+
+
 def test_bf16_run_on_real_sglang_restart_and_resume(tmp_path):
     from miles_lp.launch.runner import Run
 
@@ -95,23 +113,13 @@ def test_mxfp8_learner_bf16_sampler_arm_on_real_sglang(tmp_path):
 def test_mxfp8_run_on_real_sglang_every_check_raise(tmp_path):
     """The shared MXFP8 grid: SGLang serves the run's converted checkpoint (``engine_init``) through its own loader
     with miles-lp's CPU linear method; C1-C5 and the version in raise mode, answered inside SGLang."""
-    from miles_lp.launch.runner import Run
 
     python = sglang_python_or_skip()
     checks = [f"sync.checks.{c}=raise" for c in ("layer_audit", "grid", "self_check", "storage", "completeness",
                                                  "version")]
     recipe = _recipe("tiny-mxfp8.yaml", tmp_path, "steps=2", "checkpoint_every=0", *checks)
-    run_dir = tmp_path / "runs" / "mxfp8"
-    run = Run.start(recipe, run_name="mxfp8", build_engine=_builder(run_dir, python, lambda d: d / "engine_init"))
-    try:
-        assert run.initial.ok and run.initial.verdict("self_check").ok
-        rows = run.train(progress=False)
-    finally:
-        run.close()
-    assert len(rows) == 2
+    rows = _train_every_check_clean(recipe, tmp_path, "mxfp8", python)
     for i, m in enumerate(rows):
-        for c in ("layer_audit", "grid", "self_check", "storage", "completeness", "version"):
-            assert m[f"sync/check/{c}"] == 1.0, (i, c)
         record(what="sglang-cpu run", recipe="tiny-mxfp8", step=i, kl=m["rollout_corr/kl"],
                max_abs_logprob_diff=m["rollout_corr/logprob_abs_diff_max"], sync_seconds=m["perf/sync_seconds"])
         assert m["rollout_corr/logprob_abs_diff_max"] < 0.05
@@ -121,23 +129,13 @@ def test_fp8_block_run_on_real_sglang_every_check_raise(tmp_path):
     """FP8 blockwise on one grid: SGLang serves the run's ``quant_method: fp8`` + ``weight_block_size: [128, 128]``
     checkpoint through its own loader with miles-lp's CPU linear method (1x128 activation tiles, the learner's
     rule); C1-C5 and the version in raise mode, answered inside SGLang (``tiny:qwen3_wide``: whole 128-row shards)."""
-    from miles_lp.launch.runner import Run
 
     python = sglang_python_or_skip()
     # server miles-lp: SMALL's placeholder url stands; build_engine starts the server (as ``server: launch`` does)
     recipe = _recipe("tiny-fp8-blockwise-e2e-sglang.yaml", tmp_path, "steps=2", "checkpoint_every=0",
                      "rollout.server=miles-lp")
-    run_dir = tmp_path / "runs" / "fp8-block"
-    run = Run.start(recipe, run_name="fp8-block", build_engine=_builder(run_dir, python, lambda d: d / "engine_init"))
-    try:
-        assert run.initial.ok and run.initial.verdict("self_check").ok
-        rows = run.train(progress=False)
-    finally:
-        run.close()
-    assert len(rows) == 2
+    rows = _train_every_check_clean(recipe, tmp_path, "fp8-block", python)
     for i, m in enumerate(rows):
-        for c in ("layer_audit", "grid", "self_check", "storage", "completeness", "version"):
-            assert m[f"sync/check/{c}"] == 1.0, (i, c)
         record(what="sglang-cpu run", recipe="tiny-fp8-blockwise-e2e-sglang", step=i, kl=m["rollout_corr/kl"],
                max_abs_logprob_diff=m["rollout_corr/logprob_abs_diff_max"], c3=m["sync/check/self_check/figure"])
         assert 0 < m["sync/check/self_check/figure"] < 0.1  # the 1x128 activation grid's error (0.026 measured)
