@@ -353,7 +353,7 @@ class SGLangHTTPEngine:
         if missing:  # SGLang's disk load replaces every tensor: a partial folder cannot be loaded
             raise WeightUpdateError(f"update from disk: {len(missing)} tensor(s) of the served checkpoint were not "
                                     f"sent (first: {missing[0]}); nothing was loaded")
-        if weight_version is None and self.flavor == "launch":  # started with --weight-version 0: one per update
+        if weight_version is None:  # SGLang keeps its version across a disk load unless told: one more per update
             weight_version = self.weight_version + 1
         self._disk_version += 1
         self.update_dir.mkdir(parents=True, exist_ok=True)

@@ -200,6 +200,18 @@ def test_disk_updates_speak_sglangs_fields(tmp_path):
         eng.update_weights([("w", w)])
         eng.finish_weight_update(weight_version=2)
         assert "keep_pause" not in fake.bodies[-1]
+        # what the sync sends: no version. SGLang would keep "2" (C5 then fails); the client asks for the next one
+        eng.begin_weight_update()
+        eng.update_weights([("w", w)])
+        eng.finish_weight_update()
+        assert fake.bodies[-1]["weight_version"] == "3" and eng.weight_version == 3
+        # a server started without --weight-version reports SGLang's "default" (read as -1): the next is 0
+        fake.version = "default"
+        assert eng.weight_version == -1
+        eng.begin_weight_update()
+        eng.update_weights([("w", w)])
+        eng.finish_weight_update()
+        assert fake.bodies[-1]["weight_version"] == "0" and eng.weight_version == 0
     finally:
         fake.srv.shutdown()
 
