@@ -252,6 +252,11 @@ class RuntimeConfig:
     # triton (every token count) | scaled_mm (never the Triton GEMM). Not byte-equal: both within the native GEMMs'
     # REL_TOL of the emulated GEMM
     fp8_decode_gemm: typing.Literal["auto", "triton", "scaled_mm"] = "auto"
+    # the learner's fp8_block wgrad GEMM on sm_90 (1x128 tiles along the tokens on both operands): auto (the choice
+    # formats.kernels.fp8_block_mm.WGRAD_AUTO records from the H200's measurements) | triton (miles-lp's Triton GEMM)
+    # | scaled_mm (cuBLAS's block-scaled GEMM). Not byte-equal: both within the native GEMMs' tolerance of the
+    # emulated GEMM
+    fp8_wgrad_gemm: typing.Literal["auto", "triton", "scaled_mm"] = "auto"
 
     def _validate(self, where: Where) -> None:
         for f in dataclasses.fields(self):
@@ -282,6 +287,7 @@ RUNTIME_ENV: dict[str, str] = {
     "decode": "MILES_LP_DECODE",
     "decode_fused": "MILES_LP_DECODE_FUSED",
     "fp8_decode_gemm": "MILES_LP_FP8_DECODE_GEMM",
+    "fp8_wgrad_gemm": "MILES_LP_FP8_WGRAD_GEMM",
 }
 
 #: keys whose code still reads only its variable (``os.environ``: train/fp8_block_gemm.py): a config value other
@@ -381,7 +387,7 @@ def _env_value(name: str, var: str, raw: str) -> Any:
         return "emulated" if raw == "emulated" else "auto"
     if name == "pipeline_workers":
         return int(raw) if raw.strip().isdigit() else None
-    if name in ("sync_kernels", "decode", "fp8_decode_gemm"):
+    if name in ("sync_kernels", "decode", "fp8_decode_gemm", "fp8_wgrad_gemm"):
         return raw  # (checked where it is read)
     if name == "decode_fused":
         return {"0": "off", "interpret": "interpret"}.get(raw, "on")

@@ -1,0 +1,145 @@
+"""Triton kernel: the FP8 blockwise GEMM on pre-quantized operands (training shapes), per-128 block scales.
+
+Loaded by ``miles_lp.formats.kernels.fp8_block_mm`` through ``load_jit_module``: compiled on CUDA (sm_90:
+``tl.dot`` on ``float8e4nv`` operands, wgmma), or under ``TRITON_INTERPRET=1`` on CPU tensors for the tests (the
+E4M3 bytes decoded to fp32 with integer code, then an fp32 ``tl.dot``: products of two E4M3 values are exact in
+fp32, so only the order of the sums differs from the hardware's).
+
+``c[M, N] = sum over K blocks kb of (a[M, kb] . b[N, kb]^T) * sa[M, kb] * sb[N / B_DIV, kb]``: ``a`` ``[M, K]`` and
+``b`` ``[N, K]`` E4M3, both K-major (what FP8 wgmma reads), ``sa`` one fp32 multiplier per row and 128-long K block
+(BlockWise1x128), ``sb`` one per row of ``b`` (``B_DIV`` 1: BlockWise1x128, the wgrad's 1D x 1D case cuBLAS runs
+slowest) or per 128 rows (``B_DIV`` 128: BlockWise128x128, a weight). Scales are read through their strides, so
+the layouts ``scaled_mm`` takes serve as they are. Each K block is one ``tl.dot`` from zero, scaled in fp32 and
+added (DeepSeek-V3's promotion interval: the FP8 tensor cores' reduced-precision accumulation never spans more than
+one block; ``IMPRECISE`` caps it further, ``max_num_imprecise_acc``).
+
+Programs walk the output tiles in groups of ``GROUP_M`` tile rows (the A tiles of a group stay in L2 while its B
+tiles stream). ``PERSIST``: one program per SM loops over tiles (``NUM_PROGRAMS`` apart), so one tile's epilogue
+overlaps the next tile's loads.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+HW = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"))
+
+
+@triton.jit
+def _e4m3_value(b):
+    """E4M3 byte (int32 0..255) -> its fp32 value, exactly (the interpreter's float8 casts are not trusted)."""
+    sign = (b & 0x80) << 24
+    e = (b >> 3) & 0xF
+    m = b & 7
+    normal = (sign | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    sub = m.to(tl.float32) * 0.001953125
+    sub = tl.where(sign != 0, -sub, sub)
+    v = tl.where(e == 0, sub, normal)
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
+
+
+@triton.jit
+def _bf16_bits(v):
+    """fp32 -> bf16 bits as int16, RNE: cvt.rn.bf16.f32 on CUDA, integer code in the interpreter."""
+    if HW:
+        return v.to(tl.bfloat16).to(tl.int16, bitcast=True)
+    else:
+        b = v.to(tl.int32, bitcast=True)
+        r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+        nan = (b & 0x7FFFFFFF) > 0x7F800000
+        return tl.where(nan, ((b >> 16) & 0x8000) | 0x7FC0, r).to(tl.int16)
+
+
+@triton.jit
+def _tile(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K, tile,
+          s_am, s_bn, s_sam, s_sak, s_sbn, s_sbk, s_cm,
+          B_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+          STAGES: tl.constexpr, IMPRECISE: tl.constexpr, EVEN: tl.constexpr, OUT_BF16: tl.constexpr,
+          KB_INTERP: tl.constexpr, NO_MB: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (tile // per_group) * GROUP_M
+    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pm = first_m + (tile % per_group) % group_m
+    pn = (tile % per_group) // group_m
+    rows = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, 128)
+    lr = tl.arange(0, BLOCK_M)
+    lc = tl.arange(0, BLOCK_N)
+    # 64-bit tile bases, 32-bit offsets inside the tile (fewer registers per address)
+    a_rows = a_ptr + (pm * BLOCK_M).to(tl.int64) * s_am + (lr[:, None] * s_am + ks[None, :])
+    b_rows = b_ptr + (pn * BLOCK_N).to(tl.int64) * s_bn + (lc[:, None] * s_bn + ks[None, :])
+    sa_rows = sa_ptr + rows.to(tl.int64) * s_sam
+    sb_rows = sb_ptr + (cols // B_DIV).to(tl.int64) * s_sbn
+    row_in = rows < M
+    col_in = cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # (the interpreter loops to constants only)
+    if TMA:  # the E4M3 tiles through the tensor memory accelerator (no per-thread addresses)
+        a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [s_am, 1], [BLOCK_M, 128])
+        b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [s_bn, 1], [BLOCK_N, 128])
+    for kb in tl.range(0, K // 128 if HW else KB_INTERP, num_stages=STAGES, disallow_acc_multi_buffer=NO_MB,
+                       warp_specialize=WS):
+        k0 = kb * 128
+        if TMA:
+            a = a_desc.load([pm * BLOCK_M, k0])
+            b = b_desc.load([pn * BLOCK_N, k0])
+            sa = tl.load(sa_rows + kb * s_sak, mask=row_in, other=0.0)
+            sb = tl.load(sb_rows + kb * s_sbk, mask=col_in, other=0.0)
+        elif EVEN:
+            a = tl.load(a_rows + k0)
+            b = tl.load(b_rows + k0)
+            sa = tl.load(sa_rows + kb * s_sak)
+            sb = tl.load(sb_rows + kb * s_sbk)
+        else:
+            a = tl.load(a_rows + k0, mask=row_in[:, None], other=0)
+            b = tl.load(b_rows + k0, mask=col_in[:, None], other=0)
+            sa = tl.load(sa_rows + kb * s_sak, mask=row_in, other=0.0)
+            sb = tl.load(sb_rows + kb * s_sbk, mask=col_in, other=0.0)
+        if HW:  # float8e4nv tiles straight from shared memory into wgmma
+            d = tl.dot(a, tl.trans(b), out_dtype=tl.float32, max_num_imprecise_acc=IMPRECISE)
+        else:
+            d = tl.dot(_e4m3_value(a.to(tl.int32)), tl.trans(_e4m3_value(b.to(tl.int32))), input_precision="ieee",
+                       out_dtype=tl.float32)
+        acc += (d * sb[None, :]) * sa[:, None]
+    offs = rows[:, None].to(tl.int64) * s_cm + cols[None, :]
+    out = _bf16_bits(acc) if OUT_BF16 else acc
+    if EVEN:
+        tl.store(c_ptr + offs, out)
+    else:
+        tl.store(c_ptr + offs, out, mask=row_in[:, None] & col_in[None, :])
+
+
+@triton.jit
+def block_mm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K,
+                    s_am, s_bn, s_sam, s_sak, s_sbn, s_sbk, s_cm,
+                    B_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+                    STAGES: tl.constexpr, IMPRECISE: tl.constexpr, EVEN: tl.constexpr, OUT_BF16: tl.constexpr,
+                    PERSIST: tl.constexpr, NUM_PROGRAMS: tl.constexpr, KB_INTERP: tl.constexpr,
+                    TILES_INTERP: tl.constexpr, NO_MB: tl.constexpr, TMA: tl.constexpr,
+                    WS: tl.constexpr):
+    """a [M, K] E4M3 (row stride s_am), b [N, K] E4M3 (s_bn): float8e4nv on CUDA, uint8 bytes in the interpreter, sa: [M, K/128] fp32 read at
+    rows * s_sam + kb * s_sak, sb: [N / B_DIV, K/128] at (cols // B_DIV) * s_sbn + kb * s_sbk -> c [M, N] (row
+    stride s_cm; bf16 as int16 bits when OUT_BF16, else fp32). K a multiple of 128; EVEN: M and N multiples of the
+    tiles (no masks). KB_INTERP / TILES_INTERP: K / 128 and the tile count under the
+    interpreter, which loops to constants only (0 on CUDA: runtime values there)."""
+    if PERSIST:
+        total = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        if HW:
+            for tile in tl.range(tl.program_id(0), total, NUM_PROGRAMS, num_stages=1):
+                _tile(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K, tile, s_am, s_bn, s_sam, s_sak, s_sbn, s_sbk,
+                      s_cm, B_DIV, BLOCK_M, BLOCK_N, GROUP_M, STAGES, IMPRECISE, EVEN, OUT_BF16, KB_INTERP, NO_MB, TMA, WS)
+        else:
+            for i in range(0, (TILES_INTERP + NUM_PROGRAMS - 1) // NUM_PROGRAMS):
+                tile = tl.program_id(0) + i * NUM_PROGRAMS
+                if tile < total:
+                    _tile(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K, tile, s_am, s_bn, s_sam, s_sak, s_sbn,
+                          s_sbk, s_cm, B_DIV, BLOCK_M, BLOCK_N, GROUP_M, STAGES, IMPRECISE, EVEN, OUT_BF16, KB_INTERP, NO_MB, TMA, WS)
+    else:
+        _tile(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K, tl.program_id(0), s_am, s_bn, s_sam, s_sak, s_sbn,
+              s_sbk, s_cm, B_DIV, BLOCK_M, BLOCK_N, GROUP_M, STAGES, IMPRECISE, EVEN, OUT_BF16, KB_INTERP, NO_MB, TMA, WS)
