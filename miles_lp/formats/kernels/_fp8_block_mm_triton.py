@@ -97,8 +97,9 @@ def _tile(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K, tile,
             sa = tl.load(sa_rows + kb * s_sak)
             sb = tl.load(sb_rows + kb * s_sbk)
         else:
-            a = tl.load(a_rows + k0, mask=row_in[:, None], other=0)
-            b = tl.load(b_rows + k0, mask=col_in[:, None], other=0)
+            # (rows past M / columns past N reach only output elements that are never stored)
+            a = tl.load(a_rows + k0, mask=row_in[:, None])
+            b = tl.load(b_rows + k0, mask=col_in[:, None])
             sa = tl.load(sa_rows + kb * s_sak, mask=row_in, other=0.0)
             sb = tl.load(sb_rows + kb * s_sbk, mask=col_in, other=0.0)
         if HW:  # float8e4nv tiles straight from shared memory into wgmma

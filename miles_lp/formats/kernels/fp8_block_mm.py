@@ -130,6 +130,8 @@ def block_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tenso
         raise FormatError(f"fp8_block GEMM: bn {bn} must divide or be a multiple of {BLOCK} with 128x128 scales")
     dev = a.device
     tma = bool(cfg.get("tma", 0))
+    if cfg.get("ws", 0) and not tma:  # Triton 3.6's warp specialization pass fails an assertion on pointer loads
+        raise FormatError("fp8_block GEMM: ws (warp specialization) needs tma (tensor-descriptor loads)")
     if tma and a.is_cuda:
         _tma_allocator()
     c = rt.out_tensor((m, n), out_dtype, dev)
