@@ -87,8 +87,9 @@ len_of() { if [ "$tag" = l ]; then echo "$1"; else echo "${MAX_LEN:-64}"; fi; }
 total=0
 [ "$warm" != none ] && total=$(est "${WARM_STEPS:-2}" "$(len_of "${sizes[0]}")")
 for e in "${plan[@]}"; do read -r _ z <<< "$e"; total=$((total + $(est "$steps" "$(len_of "$z")"))); done
+shown=(); for e in "${plan[@]}"; do read -r a z <<< "$e"; shown+=("$a-$tag$z"); done
 echo "plan (SKIP=$skip, estimated ${total} s$([ "$budget" -gt 0 ] && echo " of BUDGET=$budget")):" \
-  "$([ "$warm" != none ] && echo "warm-up $warm x ${WARM_STEPS:-2} steps, then") ${plan[*]/%/;}"
+  "$([ "$warm" != none ] && echo "warm-up $warm x ${WARM_STEPS:-2} steps, then") ${shown[*]}"
 [ "$budget" -gt 0 ] && [ "$total" -gt "$budget" ] && echo "plan: the estimate exceeds BUDGET; the last runs may be skipped"
 
 launch() {   # launch RUN ARM SIZE STEPS LIMIT
@@ -97,8 +98,12 @@ launch() {   # launch RUN ARM SIZE STEPS LIMIT
   step "rl_$run" "$limit" python3 -m miles_lp.cli run "recipes/${recipe_of[$name]}.yaml" "${model[@]}" "${common[@]}" \
     --set steps="$n" "${sz[@]}" "${extra[@]}" --set logging.run_name="h200-$run"
 }
+[ "$warm" = none ] || : "${recipe_of[$warm]:?"WARM: unknown arm $warm (bf16, mxfp8, fp8_block, none)"}"
+if [ "$warm" != none ] && [ "$budget" -gt 0 ] && \
+   [ $((budget - SECONDS)) -lt "$(est "${WARM_STEPS:-2}" "$(len_of "${sizes[0]}")")" ]; then
+  echo "=== rl_warm-$warm: skipped ($((budget - SECONDS)) s left of BUDGET=$budget)"; warm=none
+fi
 if [ "$warm" != none ]; then   # discarded: it only warms the caches and the GPU
-  : "${recipe_of[$warm]:?"WARM: unknown arm $warm (bf16, mxfp8, fp8_block, none)"}"
   nfail=${#failed[@]}
   launch "warm-$warm" "$warm" "${sizes[0]}" "${WARM_STEPS:-2}" "${RUN_LIMIT:-175}"
   failed=("${failed[@]:0:$nfail}")   # a failed warm-up is reported above but is no failed measurement

@@ -4,7 +4,9 @@
 # mode) for the arms bf16, fp8_block, mxfp8 (train.param_dtype=bf16) at rollout.max_response_len 256 and 32 with 4
 # prompts x 8 samples per step. A random policy never samples EOS, so every response fills its cap: 8,192 and 1,024
 # generated tokens per step, 256 and 32 decode steps (the decode is latency-bound: its cost is per decode step, and
-# here the decode steps grow with T) and trained sequences of ~260-380 and ~35-150 tokens.
+# here the decode steps grow with T) and trained sequences of ~260-380 and ~35-150 tokens. train.micro_batch_tokens
+# =16384 keeps every pass of either size in one micro-batch (32 sequences of at most 376 tokens: <= 12,032), so the
+# micro-batch count does not change with T and lands in F, not in c.
 # Against the warm-up and order effects of the first attempt (../h200-rl-cost-2026-12-02/): a discarded 2-step bf16
 # run first, the runs in a Latin order (bf16-l256, fp8_block-l32, mxfp8-l256, then fp8_block-l256, mxfp8-l32,
 # bf16-l32: no arm always starts with one size), and the first SKIP=2 steps of every run dropped before
@@ -23,4 +25,5 @@ here=$(cd "$(dirname "$0")" && pwd)
 export LENS=${LENS:-256 32} PROMPTS=${PROMPTS:-4} ARMS=${ARMS:-bf16 fp8_block mxfp8} SKIP=${SKIP:-2}
 pack=1; [ "${DEVICE:-cuda}" = cpu ] && pack=0   # the CPU smoke leaves its files unpacked
 export WARM=${WARM:-bf16} BUDGET=${BUDGET:-560} PACK=${PACK:-$pack}
-exec bash "$here/../../../scripts/h200_rl_05b.sh" "${STEPS:-6}" --set train.param_dtype=bf16 "$@"
+exec bash "$here/../../../scripts/h200_rl_05b.sh" "${STEPS:-6}" --set train.param_dtype=bf16 \
+  --set train.micro_batch_tokens=16384 "$@"
