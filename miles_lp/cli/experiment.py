@@ -26,10 +26,12 @@ cost per token. Writes cost.json and cost_fit.png to --out.
   miles-lp run recipes/tiny-mxfp8.yaml --run-name tiny-mxfp8
   miles-lp experiment cost runs/tiny-bf16 runs/tiny-mxfp8 --out /tmp/cost
 
-Where every step has the same tokens (responses that always reach their cap), vary the batch across runs instead
+Where every step has the same tokens (responses that always reach their cap), vary the size across runs instead
 and pool them: --pool N takes every N consecutive RUN_DIRs as one arm (e.g. the runs with rl.prompts_per_step 2,
-4, 8), drops each run's first --skip steps, concatenates the rest and fits those (--names: one per arm); with
---out it also writes each pooled arm as a run folder (pooled-NAME/), which `experiment cost --skip 0` reads again.
+4, 8, or rollout.max_response_len 32, 256), drops each run's first --skip steps, concatenates the rest and fits
+those (--names: one per arm); the intervals then resample steps within each run, so every resample keeps every
+size. With --out it also writes each pooled arm as a run folder (pooled-NAME/), which `experiment cost --skip 0`
+reads again. A stage whose tokens per step are the same in every pooled step is refused (F and c not separable).
 
   miles-lp experiment cost runs/bf16-p2 runs/bf16-p4 runs/bf16-p8 runs/mxfp8-p2 runs/mxfp8-p4 runs/mxfp8-p8 \
       --pool 3 --names bf16 mxfp8 --out /tmp/cost

@@ -49,17 +49,28 @@ def fit_line(T: Sequence[float], t: Sequence[float]) -> tuple[float, float]:
         raise ConfigError(f"the fit needs at least 3 steps, got {len(T)}")
     if np.ptp(T) == 0:
         raise ConfigError(f"tokens per step never vary ({T[0]:g} every step): t = F + c*T cannot separate F from "
-                          "c; run with more steps or a task whose response length varies")
+                          "c; run with more steps or a task whose response length varies, or pool runs of "
+                          "different sizes (`experiment cost --pool`)")
     A = np.stack([np.ones_like(T), T], 1)
     (F, c), *_ = np.linalg.lstsq(A, t, rcond=None)
     return float(F), float(c)
 
 
-def bootstrap_fit(T, t, resamples: int = 2000, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """``(F, c)`` of ``resamples`` fits to steps drawn with replacement (draws with constant ``T`` skipped)."""
+def bootstrap_fit(T, t, resamples: int = 2000, seed: int = 0,
+                  groups: Sequence[object] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``(F, c)`` of ``resamples`` fits to steps drawn with replacement (draws with constant ``T`` skipped).
+    With ``groups`` (one label per step: the run a pooled step came from), each group's steps are drawn from that
+    group only, as many as it has: a pooled experiment's sizes are its design, so every resample keeps them all."""
     T, t = np.asarray(T, float), np.asarray(t, float)
     rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(T), size=(resamples, len(T)))
+    if groups is None:
+        idx = rng.integers(0, len(T), size=(resamples, len(T)))
+    else:
+        if len(groups) != len(T):
+            raise ValueError(f"bootstrap_fit: {len(groups)} group labels for {len(T)} steps")
+        labels = list(dict.fromkeys(groups))
+        members = [np.flatnonzero([g == lab for g in groups]) for lab in labels]
+        idx = np.concatenate([m[rng.integers(0, len(m), size=(resamples, len(m)))] for m in members], axis=1)
     Tb, tb = T[idx], t[idx]
     mT, mt = Tb.mean(1, keepdims=True), tb.mean(1, keepdims=True)
     var = ((Tb - mT) ** 2).sum(1)
@@ -88,20 +99,25 @@ def micro_batches_per_step(run: RunData, stage: str, tokens: float) -> float:
 
 
 def fit_stage(run: RunData, stage: str, skip: int = 1, resamples: int = 2000, seed: int = 0) -> Fit | None:
-    """The fit of one stage over the run's steps after the first ``skip`` (warm-up); None if never timed."""
-    T, t = [], []
+    """The fit of one stage over the run's steps after the first ``skip`` (warm-up); None if never timed. A pooled
+    run (``runs.pool_runs``: steps carry ``pooled_from``) is resampled within each source run."""
+    T, t, src = [], [], []
     for r in run.rows[skip:]:
         n, s = r.get(f"tokens/{stage}"), r.get(f"timing_s/{stage}")
         if isinstance(n, int | float) and isinstance(s, int | float) and n > 0 and math.isfinite(s):
             T.append(float(n))
             t.append(float(s))
+            src.append(r.get("pooled_from"))
     if not T:
         return None
-    F, c = fit_line(T, t)
+    try:
+        F, c = fit_line(T, t)
+    except ConfigError as exc:
+        raise ConfigError(f"{run.name} ({run.path}), stage {stage}: {exc}") from None
     pred = F + c * np.asarray(T)
     ss = float(((np.asarray(t) - np.mean(t)) ** 2).sum())
     r2 = 1 - float(((np.asarray(t) - pred) ** 2).sum()) / ss if ss > 0 else math.nan
-    bF, bc = bootstrap_fit(T, t, resamples, seed)
+    bF, bc = bootstrap_fit(T, t, resamples, seed, groups=src if any(g is not None for g in src) else None)
     nmb = float(np.mean([micro_batches_per_step(run, stage, x) for x in T]))
     return Fit(stage, len(T), F, c, interval(bF), interval(bc), r2, (min(T), max(T)), nmb, bF, bc)
 
@@ -157,11 +173,16 @@ def compare(base: Fit, quant: Fit) -> Comparison:
 
 
 def doubts(fit: Fit) -> list[str]:
-    """Why a fit should not be trusted: a negative fixed cost, little explained variance, T barely varying."""
+    """Why a fit should not be trusted: a negative fixed cost, a negative cost per token, little explained
+    variance, T barely varying."""
     out = []
     if fit.F_ci[1] < 0:
         out.append(f"F < 0 (interval {fit.F_ci[0]:.3g}..{fit.F_ci[1]:.3g} s): not a physical fixed cost; the step "
                    "times follow something other than T (other load on the host, warm-up)")
+    if fit.c_ci[1] < 0:
+        out.append(f"c < 0 (interval {fit.c_ci[0] * 1e6:.3g}..{fit.c_ci[1] * 1e6:.3g} us/token): more tokens took less "
+                   "time, not a cost per token; the step times follow something other than T (warm-up in the "
+                   "first runs, run order)")
     if math.isfinite(fit.r2) and fit.r2 < 0.2:
         out.append(f"r2 {fit.r2:.2f}: T explains little of the time variation")
     lo, hi = fit.tokens

@@ -151,3 +151,49 @@ def test_pooled_runs_separate_F_and_c(tmp_path, capsys):
         pool_runs(load_runs([dirs[0], odd]), 1, "x")
     with pytest.raises(ConfigError, match="none left after dropping the first 4"):
         pool_runs(load_runs(dirs[:2]), 4, "x")
+
+
+def test_pooled_resampling_keeps_every_size_and_refusal_names_the_stage(tmp_path):
+    from miles_lp.report.runs import load_runs, pool_runs
+
+    # two sizes, 3 steps each: a plain resample of 6 steps draws one size only in 2 * 0.5**6 of the draws (skipped,
+    # so fewer fits); within-run resampling keeps both sizes in every draw
+    T = [100.0] * 3 + [800.0] * 3
+    t = [1.0, 1.1, 0.9, 2.0, 2.2, 1.8]
+    bF, bc = bootstrap_fit(T, t, 2000, groups=["a"] * 3 + ["b"] * 3)
+    assert len(bc) == 2000
+    # each draw's slope is (mean of b's draw - mean of a's draw) / 700: within the extreme draws
+    assert bc.min() >= (1.8 - 1.1) / 700 - 1e-12 and bc.max() <= (2.2 - 0.9) / 700 + 1e-12
+    _, plain = bootstrap_fit(T, t, 2000)
+    assert len(plain) < 2000
+    with pytest.raises(ValueError, match="5 group labels for 6 steps"):
+        bootstrap_fit(T, t, 10, groups=["a"] * 5)
+    # a pooled run is resampled per source run: its fit's interval is the grouped one
+    dirs = [const_run(tmp_path, f"x-l{n}", 0.05, 80e-6, T) for n, T in ((32, 1024), (256, 8192))]
+    f = fit_run(pool_runs(load_runs(dirs), 1, "x"), 0, 500)["generate"]
+    Tp = [1024.0] * 3 + [8192.0] * 3
+    tp = [0.05 + 80e-6 * x + 1e-4 * s for x in (1024, 8192) for s in (1, 2, 3)]
+    _, ref = bootstrap_fit(Tp, tp, 500, groups=["x-l32"] * 3 + ["x-l256"] * 3)
+    assert f.c_ci == pytest.approx(tuple(np.quantile(ref, [0.025, 0.975])))
+    # the command drops --skip steps of each pooled run: 2 of 4 here, so 2 + 2 steps fitted
+    from miles_lp.cli import main
+
+    out = tmp_path / "o"
+    assert main(["experiment", "cost", *map(str, dirs), "--pool", "2", "--skip", "2", "--names", "x", "--out", str(out),
+                 "--resamples", "100"]) == 0
+    got = json.loads((out / "cost.json").read_text())["runs"]["x"]["generate"]
+    assert got["n"] == 4 and got["c"] == pytest.approx(80e-6, rel=1e-2)
+    # pooled runs of one size only: refused, naming the arm and the stage
+    same = [const_run(tmp_path, f"y-{i}", 0.05, 80e-6, 2048) for i in range(2)]
+    with pytest.raises(ConfigError, match=r"y \(.*\), stage generate: tokens per step never vary .* --pool"):
+        fit_run(pool_runs(load_runs(same), 1, "y"), 0, 100)
+
+
+def test_negative_cost_per_token_is_doubted(tmp_path):
+    # time falling as tokens grow (a warm-up in the big run's first steps, say) is not a cost per token
+    neg = synth_run(tmp_path, "neg", F=1.0, c=-50e-6, noise=0.001)
+    f = fit_run(neg, 0, 300)["update_actor"]
+    assert f.c_ci[1] < 0 and f.r2 > 0.9
+    assert any(d.startswith("c < 0") for d in doubts(f))
+    pos = synth_run(tmp_path, "pos", F=1.0, c=50e-6, noise=0.001)
+    assert not doubts(fit_run(pos, 0, 300)["update_actor"])
