@@ -30,19 +30,16 @@ from miles_lp.formats.kernels import fp8_block as k8
 from miles_lp.formats.kernels import fp8_block_mm as bm
 from miles_lp.train import fp8_block_gemm as G
 
-# (bm, bn, warps, stages, group, persist, tma, ws)
+# (bm, bn, warps, stages, group)
 PLANS = [
-    (128, 128, 8, 3, 8, 0, 0, 0), (128, 128, 8, 4, 8, 0, 0, 0), (128, 128, 8, 3, 8, 0, 1, 0),
-    (128, 128, 8, 4, 8, 0, 1, 0), (128, 64, 4, 4, 8, 0, 1, 0), (64, 128, 4, 4, 8, 0, 0, 0),
-    (128, 128, 4, 3, 8, 0, 1, 1), (128, 128, 4, 4, 8, 0, 1, 1), (64, 128, 4, 4, 8, 0, 1, 1),
-    (128, 256, 4, 3, 8, 0, 1, 1), (128, 128, 8, 3, 8, 1, 1, 0), (128, 128, 8, 3, 16, 0, 1, 0),
-    (128, 128, 8, 3, 4, 0, 1, 0), (128, 256, 8, 3, 8, 0, 1, 0),
+    (64, 128, 4, 4, 8), (64, 128, 4, 3, 8), (64, 128, 4, 5, 8), (128, 128, 8, 3, 8), (128, 128, 8, 4, 8),
+    (128, 64, 4, 4, 8), (64, 128, 4, 4, 16), (64, 256, 8, 3, 8),
 ]
 SHAPES = [(8192, 8192, 8192), (2048, 4096, 4096)]
 
 
 def plan_dict(p) -> dict:
-    return dict(zip(("bm", "bn", "warps", "stages", "group", "persist", "tma", "ws"), p, strict=True)) | {"imprecise": 128}
+    return dict(zip(("bm", "bn", "warps", "stages", "group"), p, strict=True)) | {"imprecise": 128}
 
 
 def timed(fn, iters: int = 20, warmup: int = 3) -> float:

@@ -1,21 +1,23 @@
 """Triton kernel: the FP8 blockwise GEMM on pre-quantized operands (training shapes), per-128 block scales.
 
 Loaded by ``miles_lp.formats.kernels.fp8_block_mm`` through ``load_jit_module``: compiled on CUDA (sm_90:
-``tl.dot`` on ``float8e4nv`` operands, wgmma), or under ``TRITON_INTERPRET=1`` on CPU tensors for the tests (the
-E4M3 bytes decoded to fp32 with integer code, then an fp32 ``tl.dot``: products of two E4M3 values are exact in
-fp32, so only the order of the sums differs from the hardware's).
+``tl.dot`` on ``float8e4nv`` operands, wgmma reading both tiles from shared memory), or under ``TRITON_INTERPRET=1``
+on CPU tensors for the tests (the E4M3 bytes decoded to fp32 with integer code, then an fp32 ``tl.dot``: products of
+two E4M3 values are exact in fp32, so only the order of the sums differs from the hardware's).
 
 ``c[M, N] = sum over K blocks kb of (a[M, kb] . b[N, kb]^T) * sa[M, kb] * sb[N / B_DIV, kb]``: ``a`` ``[M, K]`` and
 ``b`` ``[N, K]`` E4M3, both K-major (what FP8 wgmma reads), ``sa`` one fp32 multiplier per row and 128-long K block
-(BlockWise1x128), ``sb`` one per row of ``b`` (``B_DIV`` 1: BlockWise1x128, the wgrad's 1D x 1D case cuBLAS runs
-slowest) or per 128 rows (``B_DIV`` 128: BlockWise128x128, a weight). Scales are read through their strides, so
-the layouts ``scaled_mm`` takes serve as they are. Each K block is one ``tl.dot`` from zero, scaled in fp32 and
-added (DeepSeek-V3's promotion interval: the FP8 tensor cores' reduced-precision accumulation never spans more than
-one block; ``IMPRECISE`` caps it further, ``max_num_imprecise_acc``).
+(BlockWise1x128), ``sb`` one per row of ``b`` (``B_DIV`` 1: BlockWise1x128, the wgrad's 1D x 1D case) or per 128
+rows (``B_DIV`` 128: BlockWise128x128, a weight). Scales are read through their strides, so the layouts
+``scaled_mm`` takes serve as they are. Each K block is one ``tl.dot`` from zero, scaled in fp32 and added
+(DeepSeek-V3's promotion interval: the FP8 tensor cores' reduced-precision accumulation never spans more than one
+block; ``IMPRECISE`` caps it further, ``max_num_imprecise_acc``). Programs walk the output tiles in groups of
+``GROUP_M`` tile rows (the A tiles of a group stay in L2 while its B tiles stream).
 
-Programs walk the output tiles in groups of ``GROUP_M`` tile rows (the A tiles of a group stay in L2 while its B
-tiles stream). ``PERSIST``: one program per SM loops over tiles (``NUM_PROGRAMS`` apart), so one tile's epilogue
-overlaps the next tile's loads.
+The dot's result is needed by the scaling right after it, so Triton waits for each wgmma before the next K block's
+(no MMA / scaling overlap): on the H200 this kernel ran at 1.23x cuBLAS's time for the 1D x 1D wgrad at 8192^3
+(docs/gpu.md). Tensor-descriptor (TMA) loads ran slower; Triton 3.6's warp specialization of this loop gave wrong
+results on the H200; both were dropped.
 """
 
 from __future__ import annotations
@@ -54,11 +56,17 @@ def _bf16_bits(v):
 
 
 @triton.jit
-def _tile(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K, tile,
-          s_am, s_bn, s_sam, s_sak, s_sbn, s_sbk, s_cm,
-          B_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-          STAGES: tl.constexpr, IMPRECISE: tl.constexpr, EVEN: tl.constexpr, OUT_BF16: tl.constexpr,
-          KB_INTERP: tl.constexpr, NO_MB: tl.constexpr, TMA: tl.constexpr, WS: tl.constexpr):
+def block_mm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K,
+                    s_am, s_bn, s_sam, s_sak, s_sbn, s_sbk, s_cm,
+                    B_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+                    STAGES: tl.constexpr, IMPRECISE: tl.constexpr, EVEN: tl.constexpr, OUT_BF16: tl.constexpr,
+                    KB_INTERP: tl.constexpr):
+    """a [M, K] E4M3 (row stride s_am), b [N, K] E4M3 (s_bn): float8e4nv on CUDA, uint8 bytes in the interpreter,
+    sa: [M, K/128] fp32 read at rows * s_sam + kb * s_sak, sb: [N / B_DIV, K/128] at (cols // B_DIV) * s_sbn +
+    kb * s_sbk -> c [M, N] (row stride s_cm; bf16 as int16 bits when OUT_BF16, else fp32). K a multiple of 128;
+    EVEN: M and N multiples of the tiles (no masks). KB_INTERP: K / 128 under the interpreter, which loops to
+    constants only (0 on CUDA: a runtime value there)."""
+    tile = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * tiles_n
@@ -79,19 +87,9 @@ def _tile(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K, tile,
     row_in = rows < M
     col_in = cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # (the interpreter loops to constants only)
-    if TMA:  # the E4M3 tiles through the tensor memory accelerator (no per-thread addresses)
-        a_desc = tl.make_tensor_descriptor(a_ptr, [M, K], [s_am, 1], [BLOCK_M, 128])
-        b_desc = tl.make_tensor_descriptor(b_ptr, [N, K], [s_bn, 1], [BLOCK_N, 128])
-    for kb in tl.range(0, K // 128 if HW else KB_INTERP, num_stages=STAGES, disallow_acc_multi_buffer=NO_MB,
-                       warp_specialize=WS):
+    for kb in tl.range(0, K // 128 if HW else KB_INTERP, num_stages=STAGES):
         k0 = kb * 128
-        if TMA:
-            a = a_desc.load([pm * BLOCK_M, k0])
-            b = b_desc.load([pn * BLOCK_N, k0])
-            sa = tl.load(sa_rows + kb * s_sak, mask=row_in, other=0.0)
-            sb = tl.load(sb_rows + kb * s_sbk, mask=col_in, other=0.0)
-        elif EVEN:
+        if EVEN:
             a = tl.load(a_rows + k0)
             b = tl.load(b_rows + k0)
             sa = tl.load(sa_rows + kb * s_sak)
@@ -114,33 +112,3 @@ def _tile(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K, tile,
         tl.store(c_ptr + offs, out)
     else:
         tl.store(c_ptr + offs, out, mask=row_in[:, None] & col_in[None, :])
-
-
-@triton.jit
-def block_mm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K,
-                    s_am, s_bn, s_sam, s_sak, s_sbn, s_sbk, s_cm,
-                    B_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-                    STAGES: tl.constexpr, IMPRECISE: tl.constexpr, EVEN: tl.constexpr, OUT_BF16: tl.constexpr,
-                    PERSIST: tl.constexpr, NUM_PROGRAMS: tl.constexpr, KB_INTERP: tl.constexpr,
-                    TILES_INTERP: tl.constexpr, NO_MB: tl.constexpr, TMA: tl.constexpr,
-                    WS: tl.constexpr):
-    """a [M, K] E4M3 (row stride s_am), b [N, K] E4M3 (s_bn): float8e4nv on CUDA, uint8 bytes in the interpreter, sa: [M, K/128] fp32 read at
-    rows * s_sam + kb * s_sak, sb: [N / B_DIV, K/128] at (cols // B_DIV) * s_sbn + kb * s_sbk -> c [M, N] (row
-    stride s_cm; bf16 as int16 bits when OUT_BF16, else fp32). K a multiple of 128; EVEN: M and N multiples of the
-    tiles (no masks). KB_INTERP / TILES_INTERP: K / 128 and the tile count under the
-    interpreter, which loops to constants only (0 on CUDA: runtime values there)."""
-    if PERSIST:
-        total = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        if HW:
-            for tile in tl.range(tl.program_id(0), total, NUM_PROGRAMS, num_stages=1):
-                _tile(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K, tile, s_am, s_bn, s_sam, s_sak, s_sbn, s_sbk,
-                      s_cm, B_DIV, BLOCK_M, BLOCK_N, GROUP_M, STAGES, IMPRECISE, EVEN, OUT_BF16, KB_INTERP, NO_MB, TMA, WS)
-        else:
-            for i in range(0, (TILES_INTERP + NUM_PROGRAMS - 1) // NUM_PROGRAMS):
-                tile = tl.program_id(0) + i * NUM_PROGRAMS
-                if tile < total:
-                    _tile(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K, tile, s_am, s_bn, s_sam, s_sak, s_sbn,
-                          s_sbk, s_cm, B_DIV, BLOCK_M, BLOCK_N, GROUP_M, STAGES, IMPRECISE, EVEN, OUT_BF16, KB_INTERP, NO_MB, TMA, WS)
-    else:
-        _tile(a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, M, N, K, tl.program_id(0), s_am, s_bn, s_sam, s_sak, s_sbn,
-              s_sbk, s_cm, B_DIV, BLOCK_M, BLOCK_N, GROUP_M, STAGES, IMPRECISE, EVEN, OUT_BF16, KB_INTERP, NO_MB, TMA, WS)
