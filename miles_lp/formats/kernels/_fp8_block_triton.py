@@ -11,6 +11,8 @@ One program reads one 128x128 tile once and writes what the GEMMs need from it:
 * ``act_tile_kernel`` (activations, gradients ``[M, K]``): the 1x128 rowwise tiles (forward / dgrad operand) and
   the 128x1 tiles (1x128 tiles of the transpose: the wgrad operand), the latter written transposed ``[K, M]``,
   so the GEMM reads both K-major. Rows past M (the padding to a multiple of 128) are written as zeros.
+* ``act_slab_kernel``: the same grids from one launch (or the columnwise grid alone), the tile taken in row slabs
+  (lower register pressure than one 128x128 tile per thread block holding both grids).
 * ``weight_tile_kernel`` (weights ``[N, K]``): one scale per 128x128 tile, the data written as is and
   transposed (the dgrad operand: TE's square tiles serve both, with the same scales).
 """
@@ -98,6 +100,53 @@ def act_tile_kernel(x_ptr, row_q_ptr, row_s_ptr, col_q_ptr, col_s_ptr, M, K, MP,
         q = _e4m3_byte(x * s[None, :])
         tl.store(col_q_ptr + cols[None, :].to(tl.int64) * MP + rows[:, None], q, mask=store)
         tl.store(col_s_ptr + pm.to(tl.int64) * K + cols, tl.math.div_rn(tl.zeros_like(s) + 1.0, s), mask=cols < K)
+
+
+@triton.jit
+def act_slab_kernel(x_ptr, row_q_ptr, row_s_ptr, col_q_ptr, col_s_ptr, M, K, MP,
+                    ROWS: tl.constexpr, VALUE_FOR_INF: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr,
+                    BF16_BITS: tl.constexpr, RSLAB: tl.constexpr, CSLAB: tl.constexpr, TRANS: tl.constexpr):
+    """``act_tile_kernel``'s two grids (ROWS and the columnwise grid; ROWS=0: the columnwise grid alone) from one
+    launch, the tile taken in row slabs so that no thread holds the whole 128x128 tile.
+
+    Pass 1, slabs of RSLAB rows: the column amax over the tile (a running max) and, with ROWS, the rowwise grid of
+    the slab (a 1x128 tile is one row of the slab: self-contained). Pass 2, slabs of CSLAB rows: the slab read
+    again (from L2 / L1: the tile was just read) and quantized with the column scales, written to the transposed
+    data ``[K, MP]``; TRANS: through ``tl.trans`` of the byte slab (stored with the M index fastest), else one
+    store of the ``[CSLAB, 128]`` slab at transposed addresses (the layout Triton picks)."""
+    pm = tl.program_id(0)
+    pk = tl.program_id(1)
+    cols = pk * BLOCK + tl.arange(0, BLOCK)
+    col_in = cols < K
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(0, BLOCK // RSLAB):
+        rows = pm * BLOCK + i * RSLAB + tl.arange(0, RSLAB)
+        inside = (rows[:, None] < M) & col_in[None, :]
+        x = _load(x_ptr, rows[:, None].to(tl.int64) * K + cols[None, :], inside, BF16_BITS)
+        a = tl.abs(x)
+        a = tl.where(a == a, a, 0.0)
+        amax = tl.maximum(amax, tl.max(a, axis=0))
+        if ROWS:
+            s = _scale(tl.max(a, axis=1), VALUE_FOR_INF, POW2)
+            q = _e4m3_byte(x * s[:, None])
+            tl.store(row_q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], q,
+                     mask=(rows[:, None] < MP) & col_in[None, :])
+            tl.store(row_s_ptr + pk.to(tl.int64) * MP + rows, tl.math.div_rn(tl.zeros_like(s) + 1.0, s),
+                     mask=rows < MP)
+    sc = _scale(amax, VALUE_FOR_INF, POW2)  # [BLOCK]: one per column of 128 tokens
+    tl.store(col_s_ptr + pm.to(tl.int64) * K + cols, tl.math.div_rn(tl.zeros_like(sc) + 1.0, sc), mask=col_in)
+    for j in range(0, BLOCK // CSLAB):
+        rows = pm * BLOCK + j * CSLAB + tl.arange(0, CSLAB)
+        inside = (rows[:, None] < M) & col_in[None, :]
+        x = _load(x_ptr, rows[:, None].to(tl.int64) * K + cols[None, :], inside, BF16_BITS)
+        q = _e4m3_byte(x * sc[None, :])
+        if TRANS:
+            qt = tl.trans(q)  # [BLOCK, CSLAB]: row c of it is CSLAB consecutive bytes of the transposed data
+            tl.store(col_q_ptr + cols[:, None].to(tl.int64) * MP + rows[None, :], qt,
+                     mask=col_in[:, None] & (rows[None, :] < MP))
+        else:
+            tl.store(col_q_ptr + cols[None, :].to(tl.int64) * MP + rows[:, None], q,
+                     mask=(rows[:, None] < MP) & col_in[None, :])
 
 
 @triton.jit

@@ -26,7 +26,20 @@ from miles_lp.formats.kernels.runtime import launch as _launch
 BLOCK = 128
 #: launch shape (warps per 128x128 tile program), the fastest measured on the H200 (8192^2 bf16: act rows 56 / 72 /
 #: 55 us and cols 87 / 88 / 120 us at 8 / 4 / 16 warps; weight + transpose 155 / 135 / 98 us)
-CONFIG = {"act_warps": 8, "weight_warps": 16}
+#: act_both / act_cols: how both grids / the columnwise grid alone are written: "tile" (``act_tile_kernel``, one
+#: launch per grid) or a name of ACT_VARIANTS (one launch of ``act_slab_kernel``); scripts/h200_fp8_block_act.py
+#: times them all side by side and prints the fastest.
+CONFIG = {"act_warps": 8, "weight_warps": 16, "act_both": "tile", "act_cols": "tile"}
+#: ``act_slab_kernel`` launch shapes: RSLAB rows per slab in the amax (+ rowwise) pass, CSLAB in the columnwise
+#: pass, TRANS the transposed store through ``tl.trans``, warps per 128x128 tile program.
+ACT_VARIANTS = {
+    "r32c32t_w8": {"RSLAB": 32, "CSLAB": 32, "TRANS": 1, "warps": 8},
+    "r32c32_w8": {"RSLAB": 32, "CSLAB": 32, "TRANS": 0, "warps": 8},
+    "r32c64t_w8": {"RSLAB": 32, "CSLAB": 64, "TRANS": 1, "warps": 8},
+    "r64c64t_w16": {"RSLAB": 64, "CSLAB": 64, "TRANS": 1, "warps": 16},
+    "r16c32t_w4": {"RSLAB": 16, "CSLAB": 32, "TRANS": 1, "warps": 4},
+    "r32c128t_w16": {"RSLAB": 32, "CSLAB": 128, "TRANS": 1, "warps": 16},
+}
 _PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fp8_block_triton.py")
 
 
@@ -72,8 +85,9 @@ def quantize_act(x: torch.Tensor, pow2: bool, *, rows: bool = True, cols: bool =
 
     Row storage: data ``[MP, K]`` and scale_inv ``[MP, K/128]`` M-major. Col storage: data ``[K, MP]`` (the
     transpose, row-major) and scale_inv ``[K, MP/128]`` K-major (the view ``scaled_mm`` reads for the wgrad
-    operands). Both grids are written by two launches of the tile kernel, one per grid: on the H200 that is faster
-    than one launch writing both (8192^2 bf16: 56 + 87 us against 169 us, the joint tile's registers).
+    operands). ``CONFIG["act_both"]`` / ``["act_cols"]`` pick the kernel: "tile", one launch of the tile kernel per
+    grid (on the H200 faster than one tile launch writing both: 8192^2 bf16, 56 + 87 us against 169 us, the joint
+    tile's registers), or an ``ACT_VARIANTS`` shape of the slab kernel (one launch, one read of each tile from DRAM).
     ``grids=False``: only the storages (the GEMMs' operands; the two grids are returned as None)."""
     _check(x, "input")
     x = x.detach()
@@ -93,11 +107,21 @@ def quantize_act(x: torch.Tensor, pow2: bool, *, rows: bool = True, cols: bool =
     src, bits = _source(x)
     mod = _module(x)
     vinf = _value_for_inf(x.dtype)
-    for r, c in ((rows, False), (False, cols)):
-        if r or c:
-            _launch(mod, "act_tile_kernel", (mp // BLOCK, kb), (src, rq, rs, cq, cs, m, k, mp), CONFIG["act_warps"],
-                    ROWS=r, COLS=c,
-                    VALUE_FOR_INF=vinf, POW2=bool(pow2), BLOCK=BLOCK, BF16_BITS=bits)
+    args = (src, rq, rs, cq, cs, m, k, mp)
+    variant = (CONFIG["act_both"] if rows else CONFIG["act_cols"]) if cols else "tile"
+    if variant == "tile":
+        for r, c in ((rows, False), (False, cols)):
+            if r or c:
+                _launch(mod, "act_tile_kernel", (mp // BLOCK, kb), args, CONFIG["act_warps"], ROWS=r, COLS=c,
+                        VALUE_FOR_INF=vinf, POW2=bool(pow2), BLOCK=BLOCK, BF16_BITS=bits)
+    else:
+        v = ACT_VARIANTS.get(variant)
+        if v is None:
+            raise FormatError(f"miles_lp.formats.kernels.fp8_block: CONFIG act_both / act_cols {variant!r} is not "
+                              f"'tile' or one of ACT_VARIANTS ({', '.join(ACT_VARIANTS)})")
+        _launch(mod, "act_slab_kernel", (mp // BLOCK, kb), args, v["warps"], ROWS=bool(rows),
+                VALUE_FOR_INF=vinf, POW2=bool(pow2), BLOCK=BLOCK, BF16_BITS=bits,
+                RSLAB=v["RSLAB"], CSLAB=v["CSLAB"], TRANS=v["TRANS"])
     row = col = None
     store_row = store_col = None
     if rows:
@@ -139,9 +163,25 @@ def quantize_weight(w: torch.Tensor, pow2: bool, *, transposed: bool = True):
     return grid, (qt.view(torch.float8_e4m3fn) if transposed else None)
 
 
-def selfcheck(device: str = "cuda", seed: int = 0) -> list[str]:
+def selfcheck(device: str = "cuda", seed: int = 0, variants: bool = True, quick_variants: bool = False) -> list[str]:
     """Every kernel against the codec on random, partial-tile, zero, NaN/inf, tiny and huge inputs, both scale
-    rules; returns the failures (empty: byte-identical)."""
+    rules; returns the failures (empty: byte-identical). ``variants``: also every ``ACT_VARIANTS`` shape, both
+    grids and the columnwise grid alone; ``quick_variants``: those on the partial-tile and special inputs only
+    (fewer compiles: the GPU probe's budget), the configured path still on every input."""
+    saved = dict(CONFIG)
+    try:
+        CONFIG["act_both"] = CONFIG["act_cols"] = "tile"
+        bad = _selfcheck(device, seed, None, False)
+        for name in (ACT_VARIANTS if variants else ()):
+            CONFIG["act_both"] = CONFIG["act_cols"] = name
+            bad += _selfcheck(device, seed, name, quick_variants)
+    finally:
+        CONFIG.clear()
+        CONFIG.update(saved)
+    return bad
+
+
+def _selfcheck(device: str, seed: int, variant: str | None, quick: bool) -> list[str]:
     from miles_lp.formats.fp8 import quantize_fp8_blockwise
 
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -152,7 +192,7 @@ def selfcheck(device: str = "cuda", seed: int = 0) -> list[str]:
                 and torch.equal(a.scale_inv.cpu().view(torch.int32), b.scale_inv.cpu().view(torch.int32)))
 
     cases = []
-    for m, k in ((256, 384), (200, 256), (1, 128), (129, 640)):
+    for m, k in ((256, 384), (200, 256), (1, 128), (129, 640), (130, 200)):
         cases.append((f"randn {m}x{k}", torch.randn(m, k, generator=g) * 3))
     special = torch.randn(256, 256, generator=g)
     special[0, 5] = float("nan")
@@ -162,15 +202,32 @@ def selfcheck(device: str = "cuda", seed: int = 0) -> list[str]:
     special[130:, 128:] = 1e-40
     special[10, 200] = 1e30
     cases.append(("special", special))
+    tag = f" [{variant}]" if variant else ""
     for name, x32 in cases:
+        if quick and name not in ("special", "randn 130x200"):
+            continue
         for dtype in (torch.bfloat16, torch.float32):
+            if quick and dtype == torch.float32 and name != "special":
+                continue
             x = x32.to(dtype).to(device)
             for pow2 in (False, True):
-                row, col, _ = quantize_act(x, pow2, rows=True, cols=True)
+                if quick and pow2 and name != "special":
+                    continue
+                row, col, (sr, sc) = quantize_act(x, pow2, rows=True, cols=True)
+                m = x.shape[0]
+                if sr.data[m:].view(torch.uint8).any() or sc.data[:, m:].view(torch.uint8).any() or not bool(
+                        (sr.scale_inv[m:] == 1).all()):
+                    bad.append(f"act padding rows {name} {dtype} pow2={pow2}{tag}")
+                ref_col = quantize_fp8_blockwise(x, (BLOCK, 1), pow2)
                 if not same(row, quantize_fp8_blockwise(x, (1, BLOCK), pow2)):
-                    bad.append(f"act rows {name} {dtype} pow2={pow2}")
-                if not same(col, quantize_fp8_blockwise(x, (BLOCK, 1), pow2)):
-                    bad.append(f"act cols {name} {dtype} pow2={pow2}")
+                    bad.append(f"act rows {name} {dtype} pow2={pow2}{tag}")
+                if not same(col, ref_col):
+                    bad.append(f"act cols {name} {dtype} pow2={pow2}{tag}")
+                if variant is not None:
+                    _, col_only, (_, st) = quantize_act(x, pow2, rows=False, cols=True)
+                    if not same(col_only, ref_col) or st.data[:, m:].view(torch.uint8).any():
+                        bad.append(f"act cols only {name} {dtype} pow2={pow2}{tag}")
+                    continue  # the weight kernel has no variants
                 wq, wt = quantize_weight(x, pow2)
                 ref = quantize_fp8_blockwise(x, (BLOCK, BLOCK), pow2)
                 if not same(wq, ref) or not torch.equal(wt.view(torch.uint8).cpu(),
