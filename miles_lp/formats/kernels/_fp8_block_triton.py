@@ -103,9 +103,33 @@ def act_tile_kernel(x_ptr, row_q_ptr, row_s_ptr, col_q_ptr, col_s_ptr, M, K, MP,
 
 
 @triton.jit
+def _raw(ptr, offs, mask, BF16_BITS: tl.constexpr):
+    """The input as stored (bf16 stays 16-bit in registers until ``_widen``)."""
+    if BF16_BITS:
+        return tl.load(ptr + offs, mask=mask, other=0)
+    else:
+        return tl.load(ptr + offs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _widen(b, BF16_BITS: tl.constexpr):
+    if BF16_BITS:
+        return ((b.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    else:
+        return b.to(tl.float32)
+
+
+@triton.jit
+def _slab_offs(pm, i, cols, M, K, SLAB: tl.constexpr, BLOCK: tl.constexpr):
+    rows = pm * BLOCK + i * SLAB + tl.arange(0, SLAB)
+    return rows, rows[:, None].to(tl.int64) * K + cols[None, :], (rows[:, None] < M) & (cols[None, :] < K)
+
+
+@triton.jit
 def act_slab_kernel(x_ptr, row_q_ptr, row_s_ptr, col_q_ptr, col_s_ptr, M, K, MP,
                     ROWS: tl.constexpr, VALUE_FOR_INF: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr,
-                    BF16_BITS: tl.constexpr, RSLAB: tl.constexpr, CSLAB: tl.constexpr, TRANS: tl.constexpr):
+                    BF16_BITS: tl.constexpr, RSLAB: tl.constexpr, CSLAB: tl.constexpr, TRANS: tl.constexpr,
+                    PREFETCH: tl.constexpr):
     """``act_tile_kernel``'s two grids (ROWS and the columnwise grid; ROWS=0: the columnwise grid alone) from one
     launch, the tile taken in row slabs so that no thread holds the whole 128x128 tile.
 
@@ -113,16 +137,26 @@ def act_slab_kernel(x_ptr, row_q_ptr, row_s_ptr, col_q_ptr, col_s_ptr, M, K, MP,
     the slab (a 1x128 tile is one row of the slab: self-contained). Pass 2, slabs of CSLAB rows: the slab read
     again (from L2 / L1: the tile was just read) and quantized with the column scales, written to the transposed
     data ``[K, MP]``; TRANS: through ``tl.trans`` of the byte slab (stored with the M index fastest), else one
-    store of the ``[CSLAB, 128]`` slab at transposed addresses (the layout Triton picks)."""
+    store of the ``[CSLAB, 128]`` slab at transposed addresses (the layout Triton picks). PREFETCH: each slab's
+    load is issued one iteration ahead (two slabs in flight per thread, kept in the input's 16 / 32 bits)."""
     pm = tl.program_id(0)
     pk = tl.program_id(1)
     cols = pk * BLOCK + tl.arange(0, BLOCK)
     col_in = cols < K
     amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for i in range(0, BLOCK // RSLAB):
-        rows = pm * BLOCK + i * RSLAB + tl.arange(0, RSLAB)
-        inside = (rows[:, None] < M) & col_in[None, :]
-        x = _load(x_ptr, rows[:, None].to(tl.int64) * K + cols[None, :], inside, BF16_BITS)
+    NR: tl.constexpr = BLOCK // RSLAB
+    if PREFETCH:
+        _, offs, inside = _slab_offs(pm, 0, cols, M, K, RSLAB, BLOCK)
+        nxt = _raw(x_ptr, offs, inside, BF16_BITS)
+    for i in range(0, NR):
+        rows, offs, inside = _slab_offs(pm, i, cols, M, K, RSLAB, BLOCK)
+        if PREFETCH:
+            b = nxt
+            _, offs_n, inside_n = _slab_offs(pm, i + 1, cols, M, K, RSLAB, BLOCK)
+            nxt = _raw(x_ptr, offs_n, inside_n & (i + 1 < NR), BF16_BITS)
+        else:
+            b = _raw(x_ptr, offs, inside, BF16_BITS)
+        x = _widen(b, BF16_BITS)
         a = tl.abs(x)
         a = tl.where(a == a, a, 0.0)
         amax = tl.maximum(amax, tl.max(a, axis=0))
@@ -135,11 +169,19 @@ def act_slab_kernel(x_ptr, row_q_ptr, row_s_ptr, col_q_ptr, col_s_ptr, M, K, MP,
                      mask=rows < MP)
     sc = _scale(amax, VALUE_FOR_INF, POW2)  # [BLOCK]: one per column of 128 tokens
     tl.store(col_s_ptr + pm.to(tl.int64) * K + cols, tl.math.div_rn(tl.zeros_like(sc) + 1.0, sc), mask=col_in)
-    for j in range(0, BLOCK // CSLAB):
-        rows = pm * BLOCK + j * CSLAB + tl.arange(0, CSLAB)
-        inside = (rows[:, None] < M) & col_in[None, :]
-        x = _load(x_ptr, rows[:, None].to(tl.int64) * K + cols[None, :], inside, BF16_BITS)
-        q = _e4m3_byte(x * sc[None, :])
+    NC: tl.constexpr = BLOCK // CSLAB
+    if PREFETCH:
+        _, offs, inside = _slab_offs(pm, 0, cols, M, K, CSLAB, BLOCK)
+        nxt = _raw(x_ptr, offs, inside, BF16_BITS)
+    for j in range(0, NC):
+        rows, offs, inside = _slab_offs(pm, j, cols, M, K, CSLAB, BLOCK)
+        if PREFETCH:
+            b = nxt
+            _, offs_n, inside_n = _slab_offs(pm, j + 1, cols, M, K, CSLAB, BLOCK)
+            nxt = _raw(x_ptr, offs_n, inside_n & (j + 1 < NC), BF16_BITS)
+        else:
+            b = _raw(x_ptr, offs, inside, BF16_BITS)
+        q = _e4m3_byte(_widen(b, BF16_BITS) * sc[None, :])
         if TRANS:
             qt = tl.trans(q)  # [BLOCK, CSLAB]: row c of it is CSLAB consecutive bytes of the transposed data
             tl.store(col_q_ptr + cols[:, None].to(tl.int64) * MP + rows[None, :], qt,

@@ -31,14 +31,16 @@ BLOCK = 128
 #: times them all side by side and prints the fastest.
 CONFIG = {"act_warps": 8, "weight_warps": 16, "act_both": "tile", "act_cols": "tile"}
 #: ``act_slab_kernel`` launch shapes: RSLAB rows per slab in the amax (+ rowwise) pass, CSLAB in the columnwise
-#: pass, TRANS the transposed store through ``tl.trans``, warps per 128x128 tile program.
+#: pass, TRANS the transposed store through ``tl.trans``, PREFETCH each slab loaded one iteration ahead, warps per
+#: 128x128 tile program.
 ACT_VARIANTS = {
-    "r32c32t_w8": {"RSLAB": 32, "CSLAB": 32, "TRANS": 1, "warps": 8},
-    "r32c32_w8": {"RSLAB": 32, "CSLAB": 32, "TRANS": 0, "warps": 8},
-    "r32c64t_w8": {"RSLAB": 32, "CSLAB": 64, "TRANS": 1, "warps": 8},
-    "r64c64t_w16": {"RSLAB": 64, "CSLAB": 64, "TRANS": 1, "warps": 16},
-    "r16c32t_w4": {"RSLAB": 16, "CSLAB": 32, "TRANS": 1, "warps": 4},
-    "r32c128t_w16": {"RSLAB": 32, "CSLAB": 128, "TRANS": 1, "warps": 16},
+    "r32c32t_w8": {"RSLAB": 32, "CSLAB": 32, "TRANS": 1, "PREFETCH": 0, "warps": 8},
+    "r32c32_w8": {"RSLAB": 32, "CSLAB": 32, "TRANS": 0, "PREFETCH": 0, "warps": 8},
+    "r32c32tp_w8": {"RSLAB": 32, "CSLAB": 32, "TRANS": 1, "PREFETCH": 1, "warps": 8},
+    "r32c64tp_w8": {"RSLAB": 32, "CSLAB": 64, "TRANS": 1, "PREFETCH": 1, "warps": 8},
+    "r64c64t_w16": {"RSLAB": 64, "CSLAB": 64, "TRANS": 1, "PREFETCH": 0, "warps": 16},
+    "r16c32tp_w4": {"RSLAB": 16, "CSLAB": 32, "TRANS": 1, "PREFETCH": 1, "warps": 4},
+    "r32c128t_w16": {"RSLAB": 32, "CSLAB": 128, "TRANS": 1, "PREFETCH": 0, "warps": 16},
 }
 _PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fp8_block_triton.py")
 
@@ -121,7 +123,7 @@ def quantize_act(x: torch.Tensor, pow2: bool, *, rows: bool = True, cols: bool =
                               f"'tile' or one of ACT_VARIANTS ({', '.join(ACT_VARIANTS)})")
         _launch(mod, "act_slab_kernel", (mp // BLOCK, kb), args, v["warps"], ROWS=bool(rows),
                 VALUE_FOR_INF=vinf, POW2=bool(pow2), BLOCK=BLOCK, BF16_BITS=bits,
-                RSLAB=v["RSLAB"], CSLAB=v["CSLAB"], TRANS=v["TRANS"])
+                RSLAB=v["RSLAB"], CSLAB=v["CSLAB"], TRANS=v["TRANS"], PREFETCH=v["PREFETCH"])
     row = col = None
     store_row = store_col = None
     if rows:

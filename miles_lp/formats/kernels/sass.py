@@ -40,10 +40,15 @@ def _bin(tool: str) -> str:
     return path
 
 
-def _module():
-    """``_triton.py`` compiled (not interpreted): the same loader the entry points use, forced to CUDA mode."""
+def _module(name: str = ""):
+    """``_triton.py`` compiled (not interpreted): the same loader the entry points use, forced to CUDA mode;
+    ``name`` "fp8_block": ``_fp8_block_triton.py``."""
     from miles_lp.formats.kernels import runtime
 
+    if name == "fp8_block":
+        from miles_lp.formats.kernels import fp8_block
+
+        return runtime.cached_jit_module(fp8_block._PATH, "miles_lp.formats.kernels._fp8_block_triton", False)
     return runtime.load(False)
 
 
@@ -54,7 +59,8 @@ def compile_kernel(name: str, signature: dict, constexprs: dict, num_warps: int,
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = getattr(_module(), name)
+    mod, _, name = name.rpartition(":")  # "fp8_block:act_slab_kernel": a kernel of _fp8_block_triton.py
+    fn = getattr(_module(mod), name)
     params = fn.arg_names
     # constexprs left out take the kernel's defaults, as a launch does (ASTSource would otherwise compile them
     # as None: an ``if STQ:`` store then vanishes and the count is of an empty kernel)
@@ -151,6 +157,26 @@ def cases(k: int = 8192) -> dict[str, tuple]:
                             "s_ptr": "*u8", "gs_ptr": "*fp32", "d_ptr": "*u8"},
                            {"IN_KIND": 1, "SCOPE": 0, "OUT_KIND": 0, "TA": c["TA"], "TB": 1, "NB": c["NB"]},
                            c["num_warps"], c["TA"] * c["NB"] * 16)
+    out.update(fp8_block_cases())
+    return out
+
+
+def fp8_block_cases(m: int = 8192, k: int = 8192) -> dict[str, tuple]:
+    """The FP8 blockwise activation kernels at an [m, k] bf16 launch (CUDA: bf16 read as bf16), per
+    ``fp8_block.CONFIG`` / ``ACT_VARIANTS``: the tile kernel per grid and the slab kernel both / columnwise."""
+    from miles_lp.formats.kernels import fp8_block
+
+    sig = {"x_ptr": "*bf16", "row_q_ptr": "*u8", "row_s_ptr": "*fp32", "col_q_ptr": "*u8", "col_s_ptr": "*fp32",
+           "M": "i32", "K": "i32", "MP": "i32"}
+    common = {"VALUE_FOR_INF": float(3.3895313892515355e38), "POW2": 0, "BLOCK": 128, "BF16_BITS": 0}
+    w = fp8_block.CONFIG["act_warps"]
+    out = {"fp8b_tile_rows": ("fp8_block:act_tile_kernel", sig, {**common, "ROWS": 1, "COLS": 0}, w, 128 * 128),
+           "fp8b_tile_cols": ("fp8_block:act_tile_kernel", sig, {**common, "ROWS": 0, "COLS": 1}, w, 128 * 128),
+           "fp8b_tile_both": ("fp8_block:act_tile_kernel", sig, {**common, "ROWS": 1, "COLS": 1}, w, 128 * 128)}
+    for name, v in fp8_block.ACT_VARIANTS.items():
+        c = {**common, **{n: v[n] for n in ("RSLAB", "CSLAB", "TRANS", "PREFETCH")}}
+        for tag, rows in (("both", 1), ("cols", 0)):
+            out[f"fp8b_{name}_{tag}"] = ("fp8_block:act_slab_kernel", sig, {**c, "ROWS": rows}, v["warps"], 128 * 128)
     return out
 
 
