@@ -26,9 +26,10 @@ from miles_lp.formats.kernels.runtime import launch as _launch
 BLOCK = 128
 #: launch shape (warps per 128x128 tile program), the fastest measured on the H200 (8192^2 bf16: act rows 56 / 72 /
 #: 55 us and cols 87 / 88 / 120 us at 8 / 4 / 16 warps; weight + transpose 155 / 135 / 98 us)
-#: act_both / act_cols: how both grids / the columnwise grid alone are written: "tile" (``act_tile_kernel``, one
-#: launch per grid) or a name of ACT_VARIANTS (one launch of ``act_slab_kernel``); scripts/h200_fp8_block_act.py
-#: times them all side by side and prints the fastest.
+#: act_both: how both grids are written: "tile" (two launches: the rowwise grid by ``act_tile_kernel``, the
+#: columnwise one as act_cols says) or a name of ACT_VARIANTS (one launch of ``act_slab_kernel``); act_cols: the
+#: columnwise grid: "tile" (``act_tile_kernel``) or an ACT_VARIANTS name. scripts/h200_fp8_block_act.py times
+#: them all side by side and prints the fastest.
 CONFIG = {"act_warps": 8, "weight_warps": 16, "act_both": "tile", "act_cols": "tile"}
 #: ``act_slab_kernel`` launch shapes: RSLAB rows per slab in the amax (+ rowwise) pass, CSLAB in the columnwise
 #: pass, TRANS the transposed store through ``tl.trans``, PREFETCH each slab loaded one iteration ahead, warps per
@@ -110,20 +111,18 @@ def quantize_act(x: torch.Tensor, pow2: bool, *, rows: bool = True, cols: bool =
     mod = _module(x)
     vinf = _value_for_inf(x.dtype)
     args = (src, rq, rs, cq, cs, m, k, mp)
-    variant = (CONFIG["act_both"] if rows else CONFIG["act_cols"]) if cols else "tile"
-    if variant == "tile":
-        for r, c in ((rows, False), (False, cols)):
-            if r or c:
-                _launch(mod, "act_tile_kernel", (mp // BLOCK, kb), args, CONFIG["act_warps"], ROWS=r, COLS=c,
-                        VALUE_FOR_INF=vinf, POW2=bool(pow2), BLOCK=BLOCK, BF16_BITS=bits)
+    both = CONFIG["act_both"] if rows and cols else "tile"
+    if both == "tile":  # the rowwise grid by the tile kernel, the columnwise one as act_cols says
+        if rows:
+            _launch(mod, "act_tile_kernel", (mp // BLOCK, kb), args, CONFIG["act_warps"], ROWS=True, COLS=False,
+                    VALUE_FOR_INF=vinf, POW2=bool(pow2), BLOCK=BLOCK, BF16_BITS=bits)
+        if cols and CONFIG["act_cols"] == "tile":
+            _launch(mod, "act_tile_kernel", (mp // BLOCK, kb), args, CONFIG["act_warps"], ROWS=False, COLS=True,
+                    VALUE_FOR_INF=vinf, POW2=bool(pow2), BLOCK=BLOCK, BF16_BITS=bits)
+        elif cols:
+            _slab(mod, CONFIG["act_cols"], (mp // BLOCK, kb), args, False, vinf, pow2, bits)
     else:
-        v = ACT_VARIANTS.get(variant)
-        if v is None:
-            raise FormatError(f"miles_lp.formats.kernels.fp8_block: CONFIG act_both / act_cols {variant!r} is not "
-                              f"'tile' or one of ACT_VARIANTS ({', '.join(ACT_VARIANTS)})")
-        _launch(mod, "act_slab_kernel", (mp // BLOCK, kb), args, v["warps"], ROWS=bool(rows),
-                VALUE_FOR_INF=vinf, POW2=bool(pow2), BLOCK=BLOCK, BF16_BITS=bits,
-                RSLAB=v["RSLAB"], CSLAB=v["CSLAB"], TRANS=v["TRANS"], PREFETCH=v["PREFETCH"])
+        _slab(mod, both, (mp // BLOCK, kb), args, True, vinf, pow2, bits)
     row = col = None
     store_row = store_col = None
     if rows:
@@ -137,6 +136,16 @@ def quantize_act(x: torch.Tensor, pow2: bool, *, rows: bool = True, cols: bool =
         if grids:
             col = FP8BlockTensor(data=data_t.t()[:m], scale_inv=cs[:math.ceil(m / BLOCK)], block=(BLOCK, 1))
     return row, col, (store_row, store_col)
+
+
+def _slab(mod, variant: str, grid: tuple, args: tuple, rows: bool, vinf: float, pow2: bool, bits: bool) -> None:
+    v = ACT_VARIANTS.get(variant)
+    if v is None:
+        raise FormatError(f"miles_lp.formats.kernels.fp8_block: CONFIG act_both / act_cols {variant!r} is not "
+                          f"'tile' or one of ACT_VARIANTS ({', '.join(ACT_VARIANTS)})")
+    _launch(mod, "act_slab_kernel", grid, args, v["warps"], ROWS=rows, VALUE_FOR_INF=vinf, POW2=bool(pow2),
+            BLOCK=BLOCK, BF16_BITS=bits, RSLAB=v["RSLAB"], CSLAB=v["CSLAB"], TRANS=v["TRANS"],
+            PREFETCH=v["PREFETCH"])
 
 
 def quantize_weight(w: torch.Tensor, pow2: bool, *, transposed: bool = True):
@@ -168,12 +177,11 @@ def quantize_weight(w: torch.Tensor, pow2: bool, *, transposed: bool = True):
 def selfcheck(device: str = "cuda", seed: int = 0, variants: bool = True, quick_variants: bool = False) -> list[str]:
     """Every kernel against the codec on random, partial-tile, zero, NaN/inf, tiny and huge inputs, both scale
     rules; returns the failures (empty: byte-identical). ``variants``: also every ``ACT_VARIANTS`` shape, both
-    grids and the columnwise grid alone; ``quick_variants``: those on the partial-tile and special inputs only
-    (fewer compiles: the GPU probe's budget), the configured path still on every input."""
+    grids and the columnwise grid alone; ``quick_variants``: those on three of the inputs only (``_QUICK``)
+    (fewer compiles: the GPU probe's budget); the kernels as ``CONFIG`` says on every input (weights too)."""
     saved = dict(CONFIG)
     try:
-        CONFIG["act_both"] = CONFIG["act_cols"] = "tile"
-        bad = _selfcheck(device, seed, None, False)
+        bad = _selfcheck(device, seed, None, False)  # as configured
         for name in (ACT_VARIANTS if variants else ()):
             CONFIG["act_both"] = CONFIG["act_cols"] = name
             bad += _selfcheck(device, seed, name, quick_variants)
@@ -181,6 +189,10 @@ def selfcheck(device: str = "cuda", seed: int = 0, variants: bool = True, quick_
         CONFIG.clear()
         CONFIG.update(saved)
     return bad
+
+
+# quick_variants: three inputs (a specialization each: 16-divisible shapes / not, bf16 / fp32, both scale rules)
+_QUICK = {("special", torch.bfloat16, False), ("special", torch.float32, True), ("randn 130x200", torch.bfloat16, True)}
 
 
 def _selfcheck(device: str, seed: int, variant: str | None, quick: bool) -> list[str]:
@@ -206,14 +218,10 @@ def _selfcheck(device: str, seed: int, variant: str | None, quick: bool) -> list
     cases.append(("special", special))
     tag = f" [{variant}]" if variant else ""
     for name, x32 in cases:
-        if quick and name not in ("special", "randn 130x200"):
-            continue
         for dtype in (torch.bfloat16, torch.float32):
-            if quick and dtype == torch.float32 and name != "special":
-                continue
             x = x32.to(dtype).to(device)
             for pow2 in (False, True):
-                if quick and pow2 and name != "special":
+                if quick and (name, dtype, pow2) not in _QUICK:
                     continue
                 row, col, (sr, sc) = quantize_act(x, pow2, rows=True, cols=True)
                 m = x.shape[0]
@@ -225,10 +233,10 @@ def _selfcheck(device: str, seed: int, variant: str | None, quick: bool) -> list
                     bad.append(f"act rows {name} {dtype} pow2={pow2}{tag}")
                 if not same(col, ref_col):
                     bad.append(f"act cols {name} {dtype} pow2={pow2}{tag}")
+                _, col_only, (_, st) = quantize_act(x, pow2, rows=False, cols=True)
+                if not same(col_only, ref_col) or st.data[:, m:].view(torch.uint8).any():
+                    bad.append(f"act cols only {name} {dtype} pow2={pow2}{tag}")
                 if variant is not None:
-                    _, col_only, (_, st) = quantize_act(x, pow2, rows=False, cols=True)
-                    if not same(col_only, ref_col) or st.data[:, m:].view(torch.uint8).any():
-                        bad.append(f"act cols only {name} {dtype} pow2={pow2}{tag}")
                     continue  # the weight kernel has no variants
                 wq, wt = quantize_weight(x, pow2)
                 ref = quantize_fp8_blockwise(x, (BLOCK, BLOCK), pow2)

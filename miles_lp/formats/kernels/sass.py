@@ -99,6 +99,29 @@ def main_body(lines: list[str]) -> list[str]:
     return lines[:last + 1]
 
 
+_ADDR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/")
+_BRA = re.compile(r"\bBRA\s+(?:!?U?P\w+,\s*)?0x([0-9a-f]+)")
+
+
+def dynamic_count(lines: list[str], iters: list[int]) -> int:
+    """Instructions one program executes when the kernel's backward branches (its loops, in program order) run
+    ``iters`` times each: the static count plus each loop body's count times (iterations - 1). (A branch to itself,
+    the trailing trap, is no loop.)"""
+    addrs = [int(_ADDR.match(ln).group(1), 16) for ln in lines]
+    total = sum(histogram(lines).values())
+    loops = []
+    for i, ln in enumerate(lines):
+        m = _BRA.search(ln)
+        if m and int(m.group(1), 16) < addrs[i]:
+            loops.append((int(m.group(1), 16), addrs[i]))
+    if len(loops) != len(iters):
+        raise ValueError(f"sass: {len(loops)} loops found, {len(iters)} iteration counts given")
+    for (lo, hi), n in zip(loops, iters, strict=True):
+        body = [ln for ln, a in zip(lines, addrs, strict=True) if lo <= a <= hi]
+        total += (n - 1) * sum(histogram(body).values())
+    return total
+
+
 def histogram(lines: list[str]) -> collections.Counter:
     c: collections.Counter = collections.Counter()
     for ln in lines:
@@ -168,7 +191,7 @@ def fp8_block_cases(m: int = 8192, k: int = 8192) -> dict[str, tuple]:
 
     sig = {"x_ptr": "*bf16", "row_q_ptr": "*u8", "row_s_ptr": "*fp32", "col_q_ptr": "*u8", "col_s_ptr": "*fp32",
            "M": "i32", "K": "i32", "MP": "i32"}
-    common = {"VALUE_FOR_INF": float(3.3895313892515355e38), "POW2": 0, "BLOCK": 128, "BF16_BITS": 0}
+    common = {"VALUE_FOR_INF": 3.3895313892515355e38, "POW2": 0, "BLOCK": 128, "BF16_BITS": 0}
     w = fp8_block.CONFIG["act_warps"]
     out = {"fp8b_tile_rows": ("fp8_block:act_tile_kernel", sig, {**common, "ROWS": 1, "COLS": 0}, w, 128 * 128),
            "fp8b_tile_cols": ("fp8_block:act_tile_kernel", sig, {**common, "ROWS": 0, "COLS": 1}, w, 128 * 128),
@@ -177,7 +200,12 @@ def fp8_block_cases(m: int = 8192, k: int = 8192) -> dict[str, tuple]:
         c = {**common, **{n: v[n] for n in ("RSLAB", "CSLAB", "TRANS", "PREFETCH")}}
         for tag, rows in (("both", 1), ("cols", 0)):
             out[f"fp8b_{name}_{tag}"] = ("fp8_block:act_slab_kernel", sig, {**c, "ROWS": rows}, v["warps"], 128 * 128)
+            # the slab loops (a loop of one iteration is no loop in the SASS)
+            LOOP_ITERS[f"fp8b_{name}_{tag}"] = [n for n in (128 // v["RSLAB"], 128 // v["CSLAB"]) if n > 1]
     return out
+
+
+LOOP_ITERS: dict[str, list[int]] = {}  # case -> iterations of each of its loops (dynamic_count)
 
 
 def report(names: list[str] | None = None, dump: str | None = None, out=sys.stdout) -> dict:
@@ -192,6 +220,10 @@ def report(names: list[str] | None = None, dump: str | None = None, out=sys.stdo
         per_el = total / (elems / (32 * warps))
         rs = resources(ck)
         body = sum(histogram(main_body(lines)).values())
+        if LOOP_ITERS.get(tag):  # executed, not static: the loops' bodies times their iterations
+            total = dynamic_count(lines, LOOP_ITERS[tag])
+            body = dynamic_count(main_body(lines), LOOP_ITERS[tag])
+            per_el = total / (elems / (32 * warps))
         per_body = body / (elems / (32 * warps))
         res[tag] = {"instructions": total, "elements_per_thread": elems / (32 * warps), "per_element": per_el,
                     "body_instructions": body, "body_per_element": per_body,
