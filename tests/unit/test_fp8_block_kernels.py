@@ -28,7 +28,7 @@ if sys.argv[1] == "mutant":  # the slab kernel's prefetch of the columnwise pass
     assert wrong != src
     fp8_block._PATH = tempfile.mkstemp(suffix=".py")[1]
     open(fp8_block._PATH, "w").write(wrong)
-    fp8_block.ACT_VARIANTS = {k: v for k, v in fp8_block.ACT_VARIANTS.items() if k in ("r32c32t_w8", "r32c32tp_w8")}
+    fp8_block.ACT_VARIANTS = {k: v for k, v in fp8_block.ACT_VARIANTS.items() if k in ("r32c32t_w8", "r32c32tpa_w8")}
     out["bad"] = fp8_block.selfcheck("cpu", quick_variants=True)
     print("JSON" + json.dumps(out))
     sys.exit(0)
@@ -87,7 +87,7 @@ def _interpreted_variants() -> list[str]:
 def test_selfcheck_catches_a_slab_kernel_bug():
     """A kernel bug only in the prefetching variant's columnwise pass: reported for that variant, not the others."""
     bad = _interpreted("mutant")["bad"]
-    assert bad and all(b.endswith("[r32c32tp_w8]") for b in bad), bad
+    assert bad and all(b.endswith("[r32c32tpa_w8]") for b in bad), bad
     assert any(b.startswith("act cols only") for b in bad)
     assert any(b.startswith("act cols ") and not b.startswith("act cols only") for b in bad)
     assert not any(b.startswith("act rows") for b in bad)

@@ -129,7 +129,7 @@ def _slab_offs(pm, i, cols, M, K, SLAB: tl.constexpr, BLOCK: tl.constexpr):
 def act_slab_kernel(x_ptr, row_q_ptr, row_s_ptr, col_q_ptr, col_s_ptr, M, K, MP,
                     ROWS: tl.constexpr, VALUE_FOR_INF: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr,
                     BF16_BITS: tl.constexpr, RSLAB: tl.constexpr, CSLAB: tl.constexpr, TRANS: tl.constexpr,
-                    PREFETCH: tl.constexpr):
+                    PREFETCH: tl.constexpr, CACC: tl.constexpr):
     """``act_tile_kernel``'s two grids (ROWS and the columnwise grid; ROWS=0: the columnwise grid alone) from one
     launch, the tile taken in row slabs so that no thread holds the whole 128x128 tile.
 
@@ -138,12 +138,15 @@ def act_slab_kernel(x_ptr, row_q_ptr, row_s_ptr, col_q_ptr, col_s_ptr, M, K, MP,
     again (from L2 / L1: the tile was just read) and quantized with the column scales, written to the transposed
     data ``[K, MP]``; TRANS: through ``tl.trans`` of the byte slab (stored with the M index fastest), else one
     store of the ``[CSLAB, 128]`` slab at transposed addresses (the layout Triton picks). PREFETCH: each slab's
-    load is issued one iteration ahead (two slabs in flight per thread, kept in the input's 16 / 32 bits)."""
+    load is issued one iteration ahead (two slabs in flight per thread, kept in the input's 16 / 32 bits). CACC:
+    the column amax kept per thread over the slabs (an elementwise max) and reduced across threads once, not per
+    slab."""
     pm = tl.program_id(0)
     pk = tl.program_id(1)
     cols = pk * BLOCK + tl.arange(0, BLOCK)
     col_in = cols < K
     amax = tl.zeros([BLOCK], dtype=tl.float32)
+    acc = tl.zeros([RSLAB, BLOCK], dtype=tl.float32)
     NR: tl.constexpr = BLOCK // RSLAB
     if PREFETCH:
         _, offs, inside = _slab_offs(pm, 0, cols, M, K, RSLAB, BLOCK)
@@ -159,7 +162,10 @@ def act_slab_kernel(x_ptr, row_q_ptr, row_s_ptr, col_q_ptr, col_s_ptr, M, K, MP,
         x = _widen(b, BF16_BITS)
         a = tl.abs(x)
         a = tl.where(a == a, a, 0.0)
-        amax = tl.maximum(amax, tl.max(a, axis=0))
+        if CACC:
+            acc = tl.maximum(acc, a)
+        else:
+            amax = tl.maximum(amax, tl.max(a, axis=0))
         if ROWS:
             s = _scale(tl.max(a, axis=1), VALUE_FOR_INF, POW2)
             q = _e4m3_byte(x * s[:, None])
@@ -167,6 +173,8 @@ def act_slab_kernel(x_ptr, row_q_ptr, row_s_ptr, col_q_ptr, col_s_ptr, M, K, MP,
                      mask=(rows[:, None] < MP) & col_in[None, :])
             tl.store(row_s_ptr + pk.to(tl.int64) * MP + rows, tl.math.div_rn(tl.zeros_like(s) + 1.0, s),
                      mask=rows < MP)
+    if CACC:
+        amax = tl.max(acc, axis=0)
     sc = _scale(amax, VALUE_FOR_INF, POW2)  # [BLOCK]: one per column of 128 tokens
     tl.store(col_s_ptr + pm.to(tl.int64) * K + cols, tl.math.div_rn(tl.zeros_like(sc) + 1.0, sc), mask=col_in)
     NC: tl.constexpr = BLOCK // CSLAB

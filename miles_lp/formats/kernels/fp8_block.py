@@ -32,16 +32,17 @@ BLOCK = 128
 #: them all side by side and prints the fastest.
 CONFIG = {"act_warps": 8, "weight_warps": 16, "act_both": "tile", "act_cols": "tile"}
 #: ``act_slab_kernel`` launch shapes: RSLAB rows per slab in the amax (+ rowwise) pass, CSLAB in the columnwise
-#: pass, TRANS the transposed store through ``tl.trans``, PREFETCH each slab loaded one iteration ahead, warps per
-#: 128x128 tile program.
+#: pass, TRANS the transposed store through ``tl.trans``, PREFETCH each slab loaded one iteration ahead, CACC the
+#: column amax reduced across threads once (not per slab), warps per 128x128 tile program.
 ACT_VARIANTS = {
-    "r32c32t_w8": {"RSLAB": 32, "CSLAB": 32, "TRANS": 1, "PREFETCH": 0, "warps": 8},
-    "r32c32_w8": {"RSLAB": 32, "CSLAB": 32, "TRANS": 0, "PREFETCH": 0, "warps": 8},
-    "r32c32tp_w8": {"RSLAB": 32, "CSLAB": 32, "TRANS": 1, "PREFETCH": 1, "warps": 8},
-    "r32c64tp_w8": {"RSLAB": 32, "CSLAB": 64, "TRANS": 1, "PREFETCH": 1, "warps": 8},
-    "r64c64t_w16": {"RSLAB": 64, "CSLAB": 64, "TRANS": 1, "PREFETCH": 0, "warps": 16},
-    "r16c32tp_w4": {"RSLAB": 16, "CSLAB": 32, "TRANS": 1, "PREFETCH": 1, "warps": 4},
-    "r32c128t_w16": {"RSLAB": 32, "CSLAB": 128, "TRANS": 1, "PREFETCH": 0, "warps": 16},
+    "r32c32t_w8": {"RSLAB": 32, "CSLAB": 32, "TRANS": 1, "PREFETCH": 0, "CACC": 0, "warps": 8},
+    "r32c32_w8": {"RSLAB": 32, "CSLAB": 32, "TRANS": 0, "PREFETCH": 0, "CACC": 0, "warps": 8},
+    "r32c32ta_w8": {"RSLAB": 32, "CSLAB": 32, "TRANS": 1, "PREFETCH": 0, "CACC": 1, "warps": 8},
+    "r32c32tpa_w8": {"RSLAB": 32, "CSLAB": 32, "TRANS": 1, "PREFETCH": 1, "CACC": 1, "warps": 8},
+    "r32c64tpa_w8": {"RSLAB": 32, "CSLAB": 64, "TRANS": 1, "PREFETCH": 1, "CACC": 1, "warps": 8},
+    "r64c64ta_w16": {"RSLAB": 64, "CSLAB": 64, "TRANS": 1, "PREFETCH": 0, "CACC": 1, "warps": 16},
+    "r16c32tpa_w4": {"RSLAB": 16, "CSLAB": 32, "TRANS": 1, "PREFETCH": 1, "CACC": 1, "warps": 4},
+    "r32c128ta_w16": {"RSLAB": 32, "CSLAB": 128, "TRANS": 1, "PREFETCH": 0, "CACC": 1, "warps": 16},
 }
 _PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fp8_block_triton.py")
 
@@ -145,7 +146,7 @@ def _slab(mod, variant: str, grid: tuple, args: tuple, rows: bool, vinf: float, 
                           f"'tile' or one of ACT_VARIANTS ({', '.join(ACT_VARIANTS)})")
     _launch(mod, "act_slab_kernel", grid, args, v["warps"], ROWS=rows, VALUE_FOR_INF=vinf, POW2=bool(pow2),
             BLOCK=BLOCK, BF16_BITS=bits, RSLAB=v["RSLAB"], CSLAB=v["CSLAB"], TRANS=v["TRANS"],
-            PREFETCH=v["PREFETCH"])
+            PREFETCH=v["PREFETCH"], CACC=v["CACC"])
 
 
 def quantize_weight(w: torch.Tensor, pow2: bool, *, transposed: bool = True):

@@ -103,10 +103,11 @@ _ADDR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/")
 _BRA = re.compile(r"\bBRA\s+(?:!?U?P\w+,\s*)?0x([0-9a-f]+)")
 
 
-def dynamic_count(lines: list[str], iters: list[int]) -> int:
+def dynamic_count(lines: list[str], iters: list[int], classify=None) -> int:
     """Instructions one program executes when the kernel's backward branches (its loops, in program order) run
     ``iters`` times each: the static count plus each loop body's count times (iterations - 1). (A branch to itself,
-    the trailing trap, is no loop.)"""
+    the trailing trap, is no loop.) ``classify(body lines) -> index into iters``: which loop a body is, for a
+    kernel whose short loops ptxas may unroll (an unrolled loop is no loop: its static count is its executed one)."""
     addrs = [int(_ADDR.match(ln).group(1), 16) for ln in lines]
     total = sum(histogram(lines).values())
     loops = []
@@ -114,12 +115,20 @@ def dynamic_count(lines: list[str], iters: list[int]) -> int:
         m = _BRA.search(ln)
         if m and int(m.group(1), 16) < addrs[i]:
             loops.append((int(m.group(1), 16), addrs[i]))
-    if len(loops) != len(iters):
+    if classify is None and len(loops) != len(iters):
         raise ValueError(f"sass: {len(loops)} loops found, {len(iters)} iteration counts given")
-    for (lo, hi), n in zip(loops, iters, strict=True):
+    for k, (lo, hi) in enumerate(loops):
         body = [ln for ln, a in zip(lines, addrs, strict=True) if lo <= a <= hi]
+        n = iters[classify(body) if classify else k]
         total += (n - 1) * sum(histogram(body).values())
     return total
+
+
+def slab_loop(body: list[str]) -> int:
+    """``act_slab_kernel``'s loops: 1 for the columnwise pass (it encodes and has no shuffle: the transpose goes
+    through shared memory), 0 for the amax (+ rowwise) pass."""
+    text = "\n".join(body)
+    return 1 if "F2FP" in text and "SHFL" not in text else 0
 
 
 def histogram(lines: list[str]) -> collections.Counter:
@@ -197,11 +206,10 @@ def fp8_block_cases(m: int = 8192, k: int = 8192) -> dict[str, tuple]:
            "fp8b_tile_cols": ("fp8_block:act_tile_kernel", sig, {**common, "ROWS": 0, "COLS": 1}, w, 128 * 128),
            "fp8b_tile_both": ("fp8_block:act_tile_kernel", sig, {**common, "ROWS": 1, "COLS": 1}, w, 128 * 128)}
     for name, v in fp8_block.ACT_VARIANTS.items():
-        c = {**common, **{n: v[n] for n in ("RSLAB", "CSLAB", "TRANS", "PREFETCH")}}
+        c = {**common, **{n: v[n] for n in ("RSLAB", "CSLAB", "TRANS", "PREFETCH", "CACC")}}
         for tag, rows in (("both", 1), ("cols", 0)):
             out[f"fp8b_{name}_{tag}"] = ("fp8_block:act_slab_kernel", sig, {**c, "ROWS": rows}, v["warps"], 128 * 128)
-            # the slab loops (a loop of one iteration is no loop in the SASS)
-            LOOP_ITERS[f"fp8b_{name}_{tag}"] = [n for n in (128 // v["RSLAB"], 128 // v["CSLAB"]) if n > 1]
+            LOOP_ITERS[f"fp8b_{name}_{tag}"] = [128 // v["RSLAB"], 128 // v["CSLAB"]]  # (slab_loop's order)
     return out
 
 
@@ -221,8 +229,8 @@ def report(names: list[str] | None = None, dump: str | None = None, out=sys.stdo
         rs = resources(ck)
         body = sum(histogram(main_body(lines)).values())
         if LOOP_ITERS.get(tag):  # executed, not static: the loops' bodies times their iterations
-            total = dynamic_count(lines, LOOP_ITERS[tag])
-            body = dynamic_count(main_body(lines), LOOP_ITERS[tag])
+            total = dynamic_count(lines, LOOP_ITERS[tag], slab_loop)
+            body = dynamic_count(main_body(lines), LOOP_ITERS[tag], slab_loop)
             per_el = total / (elems / (32 * warps))
         per_body = body / (elems / (32 * warps))
         res[tag] = {"instructions": total, "elements_per_thread": elems / (32 * warps), "per_element": per_el,
