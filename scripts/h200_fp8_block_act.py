@@ -10,6 +10,8 @@
    graph of REPEAT calls (no host time in the figure), timed with CUDA events, warm-up then the median of
    ``--iters`` replays; printed as us per call, GB/s (bytes read + written) and the fraction of the copy's GB/s.
 3. The fastest byte-identical choice for ``CONFIG["act_both"]`` / ``["act_cols"]`` at 8192x8192, and DIR/act.json.
+
+``--smoke`` (CPU, ``TRITON_INTERPRET=1``): the script's own logic at tiny shapes, no selfcheck, no figures.
 """
 
 from __future__ import annotations
@@ -28,11 +30,16 @@ import torch  # noqa: E402
 from miles_lp.formats.kernels import fp8_block  # noqa: E402
 
 REPEAT = 10
+SMOKE = False  # --smoke: the script's own logic on CPU under TRITON_INTERPRET=1 (tiny shapes, no figures)
 
 
 def timed(fn, iters: int) -> float:
     """Median microseconds per call of ``fn`` (a CUDA graph of REPEAT calls when capture works)."""
     fn()
+    if SMOKE:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e6
     torch.cuda.synchronize()
     try:
         g = torch.cuda.CUDAGraph()
@@ -79,11 +86,15 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--full", action="store_true", help="every variant on every selfcheck input (more compiles)")
+    p.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1: the script's logic, tiny shapes")
     a = p.parse_args(argv)
+    global SMOKE
+    SMOKE = a.smoke
+    dev = "cpu" if a.smoke else "cuda"
     os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
-    print(f"device {torch.cuda.get_device_name()}; torch {torch.__version__}")
-    bad = fp8_block.selfcheck("cuda", variants=True, quick_variants=not a.full)
+    print(f"device {'cpu (smoke)' if a.smoke else torch.cuda.get_device_name()}; torch {torch.__version__}")
+    bad = [] if a.smoke else fp8_block.selfcheck(dev, variants=True, quick_variants=not a.full)
     print(f"selfcheck ({time.time() - t0:.0f} s): " + ("byte-identical" if not bad else f"{len(bad)} FAILURES"))
     for b in bad:
         print("  FAIL", b)
@@ -92,8 +103,9 @@ def main(argv=None) -> int:
     res = {"selfcheck_failures": bad, "shapes": {}, "config": dict(fp8_block.CONFIG),
            "variants": fp8_block.ACT_VARIANTS}
     saved = dict(fp8_block.CONFIG)
-    for m, k in ((8192, 8192), (2048, 4096)):
-        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    shapes = ((8192, 8192), (2048, 4096)) if not a.smoke else ((256, 256), (128, 384))
+    for m, k in shapes:
+        x = torch.randn(m, k, device=dev).to(torch.bfloat16)
         n = m * k
         sc = 4 * n / 128  # one fp32 scale per 128 elements, per grid
         y = torch.empty_like(x)
@@ -125,7 +137,8 @@ def main(argv=None) -> int:
                 flag = "  (NOT byte-identical)" if name.split(" ")[-1] in broken else ""
                 print(f"  {name:30s} {r['us']:8.1f} us {r['GBps']:7.0f} GB/s {r['of_copy']:.2f} of copy{flag}")
         res["shapes"][f"{m}x{k}"] = rows
-    big = res["shapes"]["8192x8192"]
+    big = res["shapes"][f"{shapes[0][0]}x{shapes[0][1]}"]
+    m0, k0 = shapes[0]
     ok = ["tile", *(v for v in fp8_block.ACT_VARIANTS if v not in broken)]
 
     def us(name):
@@ -136,7 +149,7 @@ def main(argv=None) -> int:
     both.update({(v, best_cols): us(f"both one {v}") for v in ok if v != "tile"})
     (best_both, _), best_us = min(both.items(), key=lambda kv: kv[1])
     pick = {"act_both": best_both, "act_cols": best_cols}
-    print(f"\nat 8192x8192: cols alone fastest {best_cols} ({us(f'cols {best_cols}'):.1f} us; tile "
+    print(f"\nat {m0}x{k0}: cols alone fastest {best_cols} ({us(f'cols {best_cols}'):.1f} us; tile "
           f"{us('cols tile'):.1f} us); both grids fastest {best_both} ({best_us:.1f} us; today's two tile launches "
           f"{us('both rows+cols tile'):.1f} us; copy {us('copy'):.1f} us)")
     print(f"set fp8_block.CONFIG: {json.dumps(pick)}" + ("" if not base_bad else
