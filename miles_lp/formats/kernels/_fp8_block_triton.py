@@ -11,6 +11,8 @@ One program reads one 128x128 tile once and writes what the GEMMs need from it:
 * ``act_tile_kernel`` (activations, gradients ``[M, K]``): the 1x128 rowwise tiles (forward / dgrad operand) and
   the 128x1 tiles (1x128 tiles of the transpose: the wgrad operand), the latter written transposed ``[K, M]``,
   so the GEMM reads both K-major. Rows past M (the padding to a multiple of 128) are written as zeros.
+* ``act_slab_kernel``: the same grids from one launch (or the columnwise grid alone), the tile taken in row slabs
+  (lower register pressure than one 128x128 tile per thread block holding both grids).
 * ``weight_tile_kernel`` (weights ``[N, K]``): one scale per 128x128 tile, the data written as is and
   transposed (the dgrad operand: TE's square tiles serve both, with the same scales).
 """
@@ -98,6 +100,103 @@ def act_tile_kernel(x_ptr, row_q_ptr, row_s_ptr, col_q_ptr, col_s_ptr, M, K, MP,
         q = _e4m3_byte(x * s[None, :])
         tl.store(col_q_ptr + cols[None, :].to(tl.int64) * MP + rows[:, None], q, mask=store)
         tl.store(col_s_ptr + pm.to(tl.int64) * K + cols, tl.math.div_rn(tl.zeros_like(s) + 1.0, s), mask=cols < K)
+
+
+@triton.jit
+def _raw(ptr, offs, mask, BF16_BITS: tl.constexpr):
+    """The input as stored (bf16 stays 16-bit in registers until ``_widen``)."""
+    if BF16_BITS:
+        return tl.load(ptr + offs, mask=mask, other=0)
+    else:
+        return tl.load(ptr + offs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _widen(b, BF16_BITS: tl.constexpr):
+    if BF16_BITS:
+        return ((b.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    else:
+        return b.to(tl.float32)
+
+
+@triton.jit
+def _slab_offs(pm, i, cols, M, K, SLAB: tl.constexpr, BLOCK: tl.constexpr):
+    rows = pm * BLOCK + i * SLAB + tl.arange(0, SLAB)
+    return rows, rows[:, None].to(tl.int64) * K + cols[None, :], (rows[:, None] < M) & (cols[None, :] < K)
+
+
+@triton.jit
+def act_slab_kernel(x_ptr, row_q_ptr, row_s_ptr, col_q_ptr, col_s_ptr, M, K, MP,
+                    ROWS: tl.constexpr, VALUE_FOR_INF: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr,
+                    BF16_BITS: tl.constexpr, RSLAB: tl.constexpr, CSLAB: tl.constexpr, TRANS: tl.constexpr,
+                    PREFETCH: tl.constexpr, CACC: tl.constexpr):
+    """``act_tile_kernel``'s two grids (ROWS and the columnwise grid; ROWS=0: the columnwise grid alone) from one
+    launch, the tile taken in row slabs so that no thread holds the whole 128x128 tile.
+
+    Pass 1, slabs of RSLAB rows: the column amax over the tile (a running max) and, with ROWS, the rowwise grid of
+    the slab (a 1x128 tile is one row of the slab: self-contained). Pass 2, slabs of CSLAB rows: the slab read
+    again (from L2 / L1: the tile was just read) and quantized with the column scales, written to the transposed
+    data ``[K, MP]``; TRANS: through ``tl.trans`` of the byte slab (stored with the M index fastest), else one
+    store of the ``[CSLAB, 128]`` slab at transposed addresses (the layout Triton picks). PREFETCH: each slab's
+    load is issued one iteration ahead (two slabs in flight per thread, kept in the input's 16 / 32 bits). CACC:
+    the column amax kept per thread over the slabs (an elementwise max) and reduced across threads once, not per
+    slab."""
+    pm = tl.program_id(0)
+    pk = tl.program_id(1)
+    cols = pk * BLOCK + tl.arange(0, BLOCK)
+    col_in = cols < K
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    acc = tl.zeros([RSLAB, BLOCK], dtype=tl.float32)
+    NR: tl.constexpr = BLOCK // RSLAB
+    if PREFETCH:
+        _, offs, inside = _slab_offs(pm, 0, cols, M, K, RSLAB, BLOCK)
+        nxt = _raw(x_ptr, offs, inside, BF16_BITS)
+    for i in range(0, NR):
+        rows, offs, inside = _slab_offs(pm, i, cols, M, K, RSLAB, BLOCK)
+        if PREFETCH:
+            b = nxt
+            _, offs_n, inside_n = _slab_offs(pm, i + 1, cols, M, K, RSLAB, BLOCK)
+            nxt = _raw(x_ptr, offs_n, inside_n & (i + 1 < NR), BF16_BITS)
+        else:
+            b = _raw(x_ptr, offs, inside, BF16_BITS)
+        x = _widen(b, BF16_BITS)
+        a = tl.abs(x)
+        a = tl.where(a == a, a, 0.0)
+        if CACC:
+            acc = tl.maximum(acc, a)
+        else:
+            amax = tl.maximum(amax, tl.max(a, axis=0))
+        if ROWS:
+            s = _scale(tl.max(a, axis=1), VALUE_FOR_INF, POW2)
+            q = _e4m3_byte(x * s[:, None])
+            tl.store(row_q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], q,
+                     mask=(rows[:, None] < MP) & col_in[None, :])
+            tl.store(row_s_ptr + pk.to(tl.int64) * MP + rows, tl.math.div_rn(tl.zeros_like(s) + 1.0, s),
+                     mask=rows < MP)
+    if CACC:
+        amax = tl.max(acc, axis=0)
+    sc = _scale(amax, VALUE_FOR_INF, POW2)  # [BLOCK]: one per column of 128 tokens
+    tl.store(col_s_ptr + pm.to(tl.int64) * K + cols, tl.math.div_rn(tl.zeros_like(sc) + 1.0, sc), mask=col_in)
+    NC: tl.constexpr = BLOCK // CSLAB
+    if PREFETCH:
+        _, offs, inside = _slab_offs(pm, 0, cols, M, K, CSLAB, BLOCK)
+        nxt = _raw(x_ptr, offs, inside, BF16_BITS)
+    for j in range(0, NC):
+        rows, offs, inside = _slab_offs(pm, j, cols, M, K, CSLAB, BLOCK)
+        if PREFETCH:
+            b = nxt
+            _, offs_n, inside_n = _slab_offs(pm, j + 1, cols, M, K, CSLAB, BLOCK)
+            nxt = _raw(x_ptr, offs_n, inside_n & (j + 1 < NC), BF16_BITS)
+        else:
+            b = _raw(x_ptr, offs, inside, BF16_BITS)
+        q = _e4m3_byte(_widen(b, BF16_BITS) * sc[None, :])
+        if TRANS:
+            qt = tl.trans(q)  # [BLOCK, CSLAB]: row c of it is CSLAB consecutive bytes of the transposed data
+            tl.store(col_q_ptr + cols[:, None].to(tl.int64) * MP + rows[None, :], qt,
+                     mask=col_in[:, None] & (rows[None, :] < MP))
+        else:
+            tl.store(col_q_ptr + cols[None, :].to(tl.int64) * MP + rows[:, None], q,
+                     mask=(rows[:, None] < MP) & col_in[None, :])
 
 
 @triton.jit

@@ -26,7 +26,24 @@ from miles_lp.formats.kernels.runtime import launch as _launch
 BLOCK = 128
 #: launch shape (warps per 128x128 tile program), the fastest measured on the H200 (8192^2 bf16: act rows 56 / 72 /
 #: 55 us and cols 87 / 88 / 120 us at 8 / 4 / 16 warps; weight + transpose 155 / 135 / 98 us)
-CONFIG = {"act_warps": 8, "weight_warps": 16}
+#: act_both: how both grids are written: "tile" (two launches: the rowwise grid by ``act_tile_kernel``, the
+#: columnwise one as act_cols says) or a name of ACT_VARIANTS (one launch of ``act_slab_kernel``); act_cols: the
+#: columnwise grid: "tile" (``act_tile_kernel``) or an ACT_VARIANTS name. scripts/h200_fp8_block_act.py times
+#: them all side by side and prints the fastest.
+CONFIG = {"act_warps": 8, "weight_warps": 16, "act_both": "tile", "act_cols": "tile"}
+#: ``act_slab_kernel`` launch shapes: RSLAB rows per slab in the amax (+ rowwise) pass, CSLAB in the columnwise
+#: pass, TRANS the transposed store through ``tl.trans``, PREFETCH each slab loaded one iteration ahead, CACC the
+#: column amax reduced across threads once (not per slab), warps per 128x128 tile program.
+ACT_VARIANTS = {
+    "r32c32t_w8": {"RSLAB": 32, "CSLAB": 32, "TRANS": 1, "PREFETCH": 0, "CACC": 0, "warps": 8},
+    "r32c32_w8": {"RSLAB": 32, "CSLAB": 32, "TRANS": 0, "PREFETCH": 0, "CACC": 0, "warps": 8},
+    "r32c32ta_w8": {"RSLAB": 32, "CSLAB": 32, "TRANS": 1, "PREFETCH": 0, "CACC": 1, "warps": 8},
+    "r32c32tpa_w8": {"RSLAB": 32, "CSLAB": 32, "TRANS": 1, "PREFETCH": 1, "CACC": 1, "warps": 8},
+    "r32c64tpa_w8": {"RSLAB": 32, "CSLAB": 64, "TRANS": 1, "PREFETCH": 1, "CACC": 1, "warps": 8},
+    "r64c64ta_w16": {"RSLAB": 64, "CSLAB": 64, "TRANS": 1, "PREFETCH": 0, "CACC": 1, "warps": 16},
+    "r16c32tpa_w4": {"RSLAB": 16, "CSLAB": 32, "TRANS": 1, "PREFETCH": 1, "CACC": 1, "warps": 4},
+    "r32c128ta_w16": {"RSLAB": 32, "CSLAB": 128, "TRANS": 1, "PREFETCH": 0, "CACC": 1, "warps": 16},
+}
 _PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fp8_block_triton.py")
 
 
@@ -72,8 +89,9 @@ def quantize_act(x: torch.Tensor, pow2: bool, *, rows: bool = True, cols: bool =
 
     Row storage: data ``[MP, K]`` and scale_inv ``[MP, K/128]`` M-major. Col storage: data ``[K, MP]`` (the
     transpose, row-major) and scale_inv ``[K, MP/128]`` K-major (the view ``scaled_mm`` reads for the wgrad
-    operands). Both grids are written by two launches of the tile kernel, one per grid: on the H200 that is faster
-    than one launch writing both (8192^2 bf16: 56 + 87 us against 169 us, the joint tile's registers).
+    operands). ``CONFIG["act_both"]`` / ``["act_cols"]`` pick the kernel: "tile", one launch of the tile kernel per
+    grid (on the H200 faster than one tile launch writing both: 8192^2 bf16, 56 + 87 us against 169 us, the joint
+    tile's registers), or an ``ACT_VARIANTS`` shape of the slab kernel (one launch, one read of each tile from DRAM).
     ``grids=False``: only the storages (the GEMMs' operands; the two grids are returned as None)."""
     _check(x, "input")
     x = x.detach()
@@ -93,11 +111,19 @@ def quantize_act(x: torch.Tensor, pow2: bool, *, rows: bool = True, cols: bool =
     src, bits = _source(x)
     mod = _module(x)
     vinf = _value_for_inf(x.dtype)
-    for r, c in ((rows, False), (False, cols)):
-        if r or c:
-            _launch(mod, "act_tile_kernel", (mp // BLOCK, kb), (src, rq, rs, cq, cs, m, k, mp), CONFIG["act_warps"],
-                    ROWS=r, COLS=c,
+    args = (src, rq, rs, cq, cs, m, k, mp)
+    both = CONFIG["act_both"] if rows and cols else "tile"
+    if both == "tile":  # the rowwise grid by the tile kernel, the columnwise one as act_cols says
+        if rows:
+            _launch(mod, "act_tile_kernel", (mp // BLOCK, kb), args, CONFIG["act_warps"], ROWS=True, COLS=False,
                     VALUE_FOR_INF=vinf, POW2=bool(pow2), BLOCK=BLOCK, BF16_BITS=bits)
+        if cols and CONFIG["act_cols"] == "tile":
+            _launch(mod, "act_tile_kernel", (mp // BLOCK, kb), args, CONFIG["act_warps"], ROWS=False, COLS=True,
+                    VALUE_FOR_INF=vinf, POW2=bool(pow2), BLOCK=BLOCK, BF16_BITS=bits)
+        elif cols:
+            _slab(mod, CONFIG["act_cols"], (mp // BLOCK, kb), args, False, vinf, pow2, bits)
+    else:
+        _slab(mod, both, (mp // BLOCK, kb), args, True, vinf, pow2, bits)
     row = col = None
     store_row = store_col = None
     if rows:
@@ -111,6 +137,16 @@ def quantize_act(x: torch.Tensor, pow2: bool, *, rows: bool = True, cols: bool =
         if grids:
             col = FP8BlockTensor(data=data_t.t()[:m], scale_inv=cs[:math.ceil(m / BLOCK)], block=(BLOCK, 1))
     return row, col, (store_row, store_col)
+
+
+def _slab(mod, variant: str, grid: tuple, args: tuple, rows: bool, vinf: float, pow2: bool, bits: bool) -> None:
+    v = ACT_VARIANTS.get(variant)
+    if v is None:
+        raise FormatError(f"miles_lp.formats.kernels.fp8_block: CONFIG act_both / act_cols {variant!r} is not "
+                          f"'tile' or one of ACT_VARIANTS ({', '.join(ACT_VARIANTS)})")
+    _launch(mod, "act_slab_kernel", grid, args, v["warps"], ROWS=rows, VALUE_FOR_INF=vinf, POW2=bool(pow2),
+            BLOCK=BLOCK, BF16_BITS=bits, RSLAB=v["RSLAB"], CSLAB=v["CSLAB"], TRANS=v["TRANS"],
+            PREFETCH=v["PREFETCH"], CACC=v["CACC"])
 
 
 def quantize_weight(w: torch.Tensor, pow2: bool, *, transposed: bool = True):
@@ -139,9 +175,31 @@ def quantize_weight(w: torch.Tensor, pow2: bool, *, transposed: bool = True):
     return grid, (qt.view(torch.float8_e4m3fn) if transposed else None)
 
 
-def selfcheck(device: str = "cuda", seed: int = 0) -> list[str]:
+def selfcheck(device: str = "cuda", seed: int = 0, variants: bool = True, quick_variants: bool = False) -> list[str]:
     """Every kernel against the codec on random, partial-tile, zero, NaN/inf, tiny and huge inputs, both scale
-    rules; returns the failures (empty: byte-identical)."""
+    rules; returns the failures (empty: byte-identical). ``variants``: also every ``ACT_VARIANTS`` shape, both
+    grids and the columnwise grid alone; ``quick_variants``: those on three of the inputs only (``_QUICK``)
+    (fewer compiles: the GPU probe's budget); the kernels as ``CONFIG`` says on every input (weights too)."""
+    saved = dict(CONFIG)
+    try:
+        bad = _selfcheck(device, seed, None, False)  # as configured
+        for name in (ACT_VARIANTS if variants else ()):
+            CONFIG["act_both"] = CONFIG["act_cols"] = name
+            try:
+                bad += _selfcheck(device, seed, name, quick_variants)
+            except Exception as exc:  # (a launch shape that does not compile here: reported, the others still run)
+                bad.append(f"act error {type(exc).__name__}: {str(exc)[:200]} [{name}]")
+    finally:
+        CONFIG.clear()
+        CONFIG.update(saved)
+    return bad
+
+
+# quick_variants: three inputs (a specialization each: 16-divisible shapes / not, bf16 / fp32, both scale rules)
+_QUICK = {("special", torch.bfloat16, False), ("special", torch.float32, True), ("randn 130x200", torch.bfloat16, True)}
+
+
+def _selfcheck(device: str, seed: int, variant: str | None, quick: bool) -> list[str]:
     from miles_lp.formats.fp8 import quantize_fp8_blockwise
 
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -152,7 +210,7 @@ def selfcheck(device: str = "cuda", seed: int = 0) -> list[str]:
                 and torch.equal(a.scale_inv.cpu().view(torch.int32), b.scale_inv.cpu().view(torch.int32)))
 
     cases = []
-    for m, k in ((256, 384), (200, 256), (1, 128), (129, 640)):
+    for m, k in ((256, 384), (200, 256), (1, 128), (129, 640), (130, 200)):
         cases.append((f"randn {m}x{k}", torch.randn(m, k, generator=g) * 3))
     special = torch.randn(256, 256, generator=g)
     special[0, 5] = float("nan")
@@ -162,15 +220,28 @@ def selfcheck(device: str = "cuda", seed: int = 0) -> list[str]:
     special[130:, 128:] = 1e-40
     special[10, 200] = 1e30
     cases.append(("special", special))
+    tag = f" [{variant}]" if variant else ""
     for name, x32 in cases:
         for dtype in (torch.bfloat16, torch.float32):
             x = x32.to(dtype).to(device)
             for pow2 in (False, True):
-                row, col, _ = quantize_act(x, pow2, rows=True, cols=True)
+                if quick and (name, dtype, pow2) not in _QUICK:
+                    continue
+                row, col, (sr, sc) = quantize_act(x, pow2, rows=True, cols=True)
+                m = x.shape[0]
+                if sr.data[m:].view(torch.uint8).any() or sc.data[:, m:].view(torch.uint8).any() or not bool(
+                        (sr.scale_inv[m:] == 1).all()):
+                    bad.append(f"act padding rows {name} {dtype} pow2={pow2}{tag}")
+                ref_col = quantize_fp8_blockwise(x, (BLOCK, 1), pow2)
                 if not same(row, quantize_fp8_blockwise(x, (1, BLOCK), pow2)):
-                    bad.append(f"act rows {name} {dtype} pow2={pow2}")
-                if not same(col, quantize_fp8_blockwise(x, (BLOCK, 1), pow2)):
-                    bad.append(f"act cols {name} {dtype} pow2={pow2}")
+                    bad.append(f"act rows {name} {dtype} pow2={pow2}{tag}")
+                if not same(col, ref_col):
+                    bad.append(f"act cols {name} {dtype} pow2={pow2}{tag}")
+                _, col_only, (_, st) = quantize_act(x, pow2, rows=False, cols=True)
+                if not same(col_only, ref_col) or st.data[:, m:].view(torch.uint8).any():
+                    bad.append(f"act cols only {name} {dtype} pow2={pow2}{tag}")
+                if variant is not None:
+                    continue  # the weight kernel has no variants
                 wq, wt = quantize_weight(x, pow2)
                 ref = quantize_fp8_blockwise(x, (BLOCK, BLOCK), pow2)
                 if not same(wq, ref) or not torch.equal(wt.view(torch.uint8).cpu(),

@@ -40,10 +40,15 @@ def _bin(tool: str) -> str:
     return path
 
 
-def _module():
-    """``_triton.py`` compiled (not interpreted): the same loader the entry points use, forced to CUDA mode."""
+def _module(name: str = ""):
+    """``_triton.py`` compiled (not interpreted): the same loader the entry points use, forced to CUDA mode;
+    ``name`` "fp8_block": ``_fp8_block_triton.py``."""
     from miles_lp.formats.kernels import runtime
 
+    if name == "fp8_block":
+        from miles_lp.formats.kernels import fp8_block
+
+        return runtime.cached_jit_module(fp8_block._PATH, "miles_lp.formats.kernels._fp8_block_triton", False)
     return runtime.load(False)
 
 
@@ -54,7 +59,8 @@ def compile_kernel(name: str, signature: dict, constexprs: dict, num_warps: int,
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = getattr(_module(), name)
+    mod, _, name = name.rpartition(":")  # "fp8_block:act_slab_kernel": a kernel of _fp8_block_triton.py
+    fn = getattr(_module(mod), name)
     params = fn.arg_names
     # constexprs left out take the kernel's defaults, as a launch does (ASTSource would otherwise compile them
     # as None: an ``if STQ:`` store then vanishes and the count is of an empty kernel)
@@ -91,6 +97,38 @@ def main_body(lines: list[str]) -> list[str]:
     not executed on ordinary inputs."""
     last = max((i for i, ln in enumerate(lines) if re.search(r"\bEXIT\b", ln)), default=len(lines) - 1)
     return lines[:last + 1]
+
+
+_ADDR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/")
+_BRA = re.compile(r"\bBRA\s+(?:!?U?P\w+,\s*)?0x([0-9a-f]+)")
+
+
+def dynamic_count(lines: list[str], iters: list[int], classify=None) -> int:
+    """Instructions one program executes when the kernel's backward branches (its loops, in program order) run
+    ``iters`` times each: the static count plus each loop body's count times (iterations - 1). (A branch to itself,
+    the trailing trap, is no loop.) ``classify(body lines) -> index into iters``: which loop a body is, for a
+    kernel whose short loops ptxas may unroll (an unrolled loop is no loop: its static count is its executed one)."""
+    addrs = [int(_ADDR.match(ln).group(1), 16) for ln in lines]
+    total = sum(histogram(lines).values())
+    loops = []
+    for i, ln in enumerate(lines):
+        m = _BRA.search(ln)
+        if m and int(m.group(1), 16) < addrs[i]:
+            loops.append((int(m.group(1), 16), addrs[i]))
+    if classify is None and len(loops) != len(iters):
+        raise ValueError(f"sass: {len(loops)} loops found, {len(iters)} iteration counts given")
+    for k, (lo, hi) in enumerate(loops):
+        body = [ln for ln, a in zip(lines, addrs, strict=True) if lo <= a <= hi]
+        n = iters[classify(body) if classify else k]
+        total += (n - 1) * sum(histogram(body).values())
+    return total
+
+
+def slab_loop(body: list[str]) -> int:
+    """``act_slab_kernel``'s loops: 1 for the columnwise pass (it encodes and has no shuffle: the transpose goes
+    through shared memory), 0 for the amax (+ rowwise) pass."""
+    text = "\n".join(body)
+    return 1 if "F2FP" in text and "SHFL" not in text else 0
 
 
 def histogram(lines: list[str]) -> collections.Counter:
@@ -151,7 +189,31 @@ def cases(k: int = 8192) -> dict[str, tuple]:
                             "s_ptr": "*u8", "gs_ptr": "*fp32", "d_ptr": "*u8"},
                            {"IN_KIND": 1, "SCOPE": 0, "OUT_KIND": 0, "TA": c["TA"], "TB": 1, "NB": c["NB"]},
                            c["num_warps"], c["TA"] * c["NB"] * 16)
+    out.update(fp8_block_cases())
     return out
+
+
+def fp8_block_cases(m: int = 8192, k: int = 8192) -> dict[str, tuple]:
+    """The FP8 blockwise activation kernels at an [m, k] bf16 launch (CUDA: bf16 read as bf16), per
+    ``fp8_block.CONFIG`` / ``ACT_VARIANTS``: the tile kernel per grid and the slab kernel both / columnwise."""
+    from miles_lp.formats.kernels import fp8_block
+
+    sig = {"x_ptr": "*bf16", "row_q_ptr": "*u8", "row_s_ptr": "*fp32", "col_q_ptr": "*u8", "col_s_ptr": "*fp32",
+           "M": "i32", "K": "i32", "MP": "i32"}
+    common = {"VALUE_FOR_INF": 3.3895313892515355e38, "POW2": 0, "BLOCK": 128, "BF16_BITS": 0}
+    w = fp8_block.CONFIG["act_warps"]
+    out = {"fp8b_tile_rows": ("fp8_block:act_tile_kernel", sig, {**common, "ROWS": 1, "COLS": 0}, w, 128 * 128),
+           "fp8b_tile_cols": ("fp8_block:act_tile_kernel", sig, {**common, "ROWS": 0, "COLS": 1}, w, 128 * 128),
+           "fp8b_tile_both": ("fp8_block:act_tile_kernel", sig, {**common, "ROWS": 1, "COLS": 1}, w, 128 * 128)}
+    for name, v in fp8_block.ACT_VARIANTS.items():
+        c = {**common, **{n: v[n] for n in ("RSLAB", "CSLAB", "TRANS", "PREFETCH", "CACC")}}
+        for tag, rows in (("both", 1), ("cols", 0)):
+            out[f"fp8b_{name}_{tag}"] = ("fp8_block:act_slab_kernel", sig, {**c, "ROWS": rows}, v["warps"], 128 * 128)
+            LOOP_ITERS[f"fp8b_{name}_{tag}"] = [128 // v["RSLAB"], 128 // v["CSLAB"]]  # (slab_loop's order)
+    return out
+
+
+LOOP_ITERS: dict[str, list[int]] = {}  # case -> iterations of each of its loops (dynamic_count)
 
 
 def report(names: list[str] | None = None, dump: str | None = None, out=sys.stdout) -> dict:
@@ -166,6 +228,10 @@ def report(names: list[str] | None = None, dump: str | None = None, out=sys.stdo
         per_el = total / (elems / (32 * warps))
         rs = resources(ck)
         body = sum(histogram(main_body(lines)).values())
+        if LOOP_ITERS.get(tag):  # executed, not static: the loops' bodies times their iterations
+            total = dynamic_count(lines, LOOP_ITERS[tag], slab_loop)
+            body = dynamic_count(main_body(lines), LOOP_ITERS[tag], slab_loop)
+            per_el = total / (elems / (32 * warps))
         per_body = body / (elems / (32 * warps))
         res[tag] = {"instructions": total, "elements_per_thread": elems / (32 * warps), "per_element": per_el,
                     "body_instructions": body, "body_per_element": per_body,
