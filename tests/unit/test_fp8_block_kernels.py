@@ -28,7 +28,8 @@ if sys.argv[1] == "mutant":  # the slab kernel's prefetch of the columnwise pass
     assert wrong != src
     fp8_block._PATH = tempfile.mkstemp(suffix=".py")[1]
     open(fp8_block._PATH, "w").write(wrong)
-    fp8_block.ACT_VARIANTS = {k: v for k, v in fp8_block.ACT_VARIANTS.items() if k in ("r32c32t_w8", "r32c32tpa_w8")}
+    fp8_block.ACT_VARIANTS = {k: v for k, v in fp8_block.ACT_VARIANTS.items() if k in ("r32c32ta_w8", "r32c32tpa_w8")}
+    fp8_block.CONFIG.update(act_both="tile", act_cols="tile")  # the configured path: the tile kernel, unmutated
     out["bad"] = fp8_block.selfcheck("cpu", quick_variants=True)
     print("JSON" + json.dumps(out))
     sys.exit(0)
@@ -96,7 +97,7 @@ def test_selfcheck_catches_a_slab_kernel_bug():
 @pytest.mark.slow
 def test_unknown_variant_named():
     err = _interpreted("unknown")["error"]
-    assert err.startswith("FormatError") and "'no-such-variant'" in err and "r32c32t_w8" in err
+    assert err.startswith("FormatError") and "'no-such-variant'" in err and "r32c32ta_w8" in err
 
 
 def test_sass_executed_count_of_loops():

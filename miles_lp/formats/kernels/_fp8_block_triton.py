@@ -128,24 +128,22 @@ def _slab_offs(pm, i, cols, M, K, SLAB: tl.constexpr, BLOCK: tl.constexpr):
 @triton.jit
 def act_slab_kernel(x_ptr, row_q_ptr, row_s_ptr, col_q_ptr, col_s_ptr, M, K, MP,
                     ROWS: tl.constexpr, VALUE_FOR_INF: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr,
-                    BF16_BITS: tl.constexpr, RSLAB: tl.constexpr, CSLAB: tl.constexpr, TRANS: tl.constexpr,
-                    PREFETCH: tl.constexpr, CACC: tl.constexpr):
+                    BF16_BITS: tl.constexpr, RSLAB: tl.constexpr, CSLAB: tl.constexpr, PREFETCH: tl.constexpr):
     """``act_tile_kernel``'s two grids (ROWS and the columnwise grid; ROWS=0: the columnwise grid alone) from one
     launch, the tile taken in row slabs so that no thread holds the whole 128x128 tile.
 
     Pass 1, slabs of RSLAB rows: the column amax over the tile (a running max) and, with ROWS, the rowwise grid of
     the slab (a 1x128 tile is one row of the slab: self-contained). Pass 2, slabs of CSLAB rows: the slab read
     again (from L2 / L1: the tile was just read) and quantized with the column scales, written to the transposed
-    data ``[K, MP]``; TRANS: through ``tl.trans`` of the byte slab (stored with the M index fastest), else one
-    store of the ``[CSLAB, 128]`` slab at transposed addresses (the layout Triton picks). PREFETCH: each slab's
-    load is issued one iteration ahead (two slabs in flight per thread, kept in the input's 16 / 32 bits). CACC:
-    the column amax kept per thread over the slabs (an elementwise max) and reduced across threads once, not per
-    slab."""
+    data ``[K, MP]`` through ``tl.trans`` of the byte slab (stored with the M index fastest). The column amax is
+    kept per thread over the slabs (an elementwise max) and reduced across threads once. PREFETCH: each slab's
+    load is issued one iteration ahead (two slabs in flight per thread, kept in the input's 16 / 32 bits). On the
+    H200 a store of the untransposed slab at transposed addresses, and a cross-thread column max per slab, ran
+    1.6-2.3x slower (docs/results/h200-fp8-block-act-2026-12-02)."""
     pm = tl.program_id(0)
     pk = tl.program_id(1)
     cols = pk * BLOCK + tl.arange(0, BLOCK)
     col_in = cols < K
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
     acc = tl.zeros([RSLAB, BLOCK], dtype=tl.float32)
     NR: tl.constexpr = BLOCK // RSLAB
     if PREFETCH:
@@ -162,10 +160,7 @@ def act_slab_kernel(x_ptr, row_q_ptr, row_s_ptr, col_q_ptr, col_s_ptr, M, K, MP,
         x = _widen(b, BF16_BITS)
         a = tl.abs(x)
         a = tl.where(a == a, a, 0.0)
-        if CACC:
-            acc = tl.maximum(acc, a)
-        else:
-            amax = tl.maximum(amax, tl.max(a, axis=0))
+        acc = tl.maximum(acc, a)
         if ROWS:
             s = _scale(tl.max(a, axis=1), VALUE_FOR_INF, POW2)
             q = _e4m3_byte(x * s[:, None])
@@ -173,9 +168,7 @@ def act_slab_kernel(x_ptr, row_q_ptr, row_s_ptr, col_q_ptr, col_s_ptr, M, K, MP,
                      mask=(rows[:, None] < MP) & col_in[None, :])
             tl.store(row_s_ptr + pk.to(tl.int64) * MP + rows, tl.math.div_rn(tl.zeros_like(s) + 1.0, s),
                      mask=rows < MP)
-    if CACC:
-        amax = tl.max(acc, axis=0)
-    sc = _scale(amax, VALUE_FOR_INF, POW2)  # [BLOCK]: one per column of 128 tokens
+    sc = _scale(tl.max(acc, axis=0), VALUE_FOR_INF, POW2)  # [BLOCK]: one per column of 128 tokens
     tl.store(col_s_ptr + pm.to(tl.int64) * K + cols, tl.math.div_rn(tl.zeros_like(sc) + 1.0, sc), mask=col_in)
     NC: tl.constexpr = BLOCK // CSLAB
     if PREFETCH:
@@ -190,13 +183,9 @@ def act_slab_kernel(x_ptr, row_q_ptr, row_s_ptr, col_q_ptr, col_s_ptr, M, K, MP,
         else:
             b = _raw(x_ptr, offs, inside, BF16_BITS)
         q = _e4m3_byte(_widen(b, BF16_BITS) * sc[None, :])
-        if TRANS:
-            qt = tl.trans(q)  # [BLOCK, CSLAB]: row c of it is CSLAB consecutive bytes of the transposed data
-            tl.store(col_q_ptr + cols[:, None].to(tl.int64) * MP + rows[None, :], qt,
-                     mask=col_in[:, None] & (rows[None, :] < MP))
-        else:
-            tl.store(col_q_ptr + cols[None, :].to(tl.int64) * MP + rows[:, None], q,
-                     mask=(rows[:, None] < MP) & col_in[None, :])
+        qt = tl.trans(q)  # [BLOCK, CSLAB]: row c of it is CSLAB consecutive bytes of the transposed data
+        tl.store(col_q_ptr + cols[:, None].to(tl.int64) * MP + rows[None, :], qt,
+                 mask=col_in[:, None] & (rows[None, :] < MP))
 
 
 @triton.jit

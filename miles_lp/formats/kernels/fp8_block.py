@@ -28,21 +28,18 @@ BLOCK = 128
 #: 55 us and cols 87 / 88 / 120 us at 8 / 4 / 16 warps; weight + transpose 155 / 135 / 98 us)
 #: act_both: how both grids are written: "tile" (two launches: the rowwise grid by ``act_tile_kernel``, the
 #: columnwise one as act_cols says) or a name of ACT_VARIANTS (one launch of ``act_slab_kernel``); act_cols: the
-#: columnwise grid: "tile" (``act_tile_kernel``) or an ACT_VARIANTS name. scripts/h200_fp8_block_act.py times
-#: them all side by side and prints the fastest.
-CONFIG = {"act_warps": 8, "weight_warps": 16, "act_both": "tile", "act_cols": "tile"}
+#: columnwise grid alone: "tile" (``act_tile_kernel``) or an ACT_VARIANTS name. The defaults are the fastest on the
+#: H200 (8192^2 bf16: both grids 110.4 us in one launch against 137.1 for two tile launches, copy 64.8; the
+#: columnwise grid 80.7 against 84.5; 2048x4096: 13.7 against 17.7; docs/results/h200-fp8-block-act-2026-12-02).
+#: scripts/h200_fp8_block_act.py times them all side by side and prints the fastest.
+CONFIG = {"act_warps": 8, "weight_warps": 16, "act_both": "r16c32tpa_w4", "act_cols": "r32c32tpa_w8"}
 #: ``act_slab_kernel`` launch shapes: RSLAB rows per slab in the amax (+ rowwise) pass, CSLAB in the columnwise
-#: pass, TRANS the transposed store through ``tl.trans``, PREFETCH each slab loaded one iteration ahead, CACC the
-#: column amax reduced across threads once (not per slab), warps per 128x128 tile program.
+#: pass, PREFETCH each slab loaded one iteration ahead, warps per 128x128 tile program.
 ACT_VARIANTS = {
-    "r32c32t_w8": {"RSLAB": 32, "CSLAB": 32, "TRANS": 1, "PREFETCH": 0, "CACC": 0, "warps": 8},
-    "r32c32_w8": {"RSLAB": 32, "CSLAB": 32, "TRANS": 0, "PREFETCH": 0, "CACC": 0, "warps": 8},
-    "r32c32ta_w8": {"RSLAB": 32, "CSLAB": 32, "TRANS": 1, "PREFETCH": 0, "CACC": 1, "warps": 8},
-    "r32c32tpa_w8": {"RSLAB": 32, "CSLAB": 32, "TRANS": 1, "PREFETCH": 1, "CACC": 1, "warps": 8},
-    "r32c64tpa_w8": {"RSLAB": 32, "CSLAB": 64, "TRANS": 1, "PREFETCH": 1, "CACC": 1, "warps": 8},
-    "r64c64ta_w16": {"RSLAB": 64, "CSLAB": 64, "TRANS": 1, "PREFETCH": 0, "CACC": 1, "warps": 16},
-    "r16c32tpa_w4": {"RSLAB": 16, "CSLAB": 32, "TRANS": 1, "PREFETCH": 1, "CACC": 1, "warps": 4},
-    "r32c128ta_w16": {"RSLAB": 32, "CSLAB": 128, "TRANS": 1, "PREFETCH": 0, "CACC": 1, "warps": 16},
+    "r32c32ta_w8": {"RSLAB": 32, "CSLAB": 32, "PREFETCH": 0, "warps": 8},
+    "r32c32tpa_w8": {"RSLAB": 32, "CSLAB": 32, "PREFETCH": 1, "warps": 8},
+    "r32c64tpa_w8": {"RSLAB": 32, "CSLAB": 64, "PREFETCH": 1, "warps": 8},
+    "r16c32tpa_w4": {"RSLAB": 16, "CSLAB": 32, "PREFETCH": 1, "warps": 4},
 }
 _PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fp8_block_triton.py")
 
@@ -145,8 +142,7 @@ def _slab(mod, variant: str, grid: tuple, args: tuple, rows: bool, vinf: float, 
         raise FormatError(f"miles_lp.formats.kernels.fp8_block: CONFIG act_both / act_cols {variant!r} is not "
                           f"'tile' or one of ACT_VARIANTS ({', '.join(ACT_VARIANTS)})")
     _launch(mod, "act_slab_kernel", grid, args, v["warps"], ROWS=rows, VALUE_FOR_INF=vinf, POW2=bool(pow2),
-            BLOCK=BLOCK, BF16_BITS=bits, RSLAB=v["RSLAB"], CSLAB=v["CSLAB"], TRANS=v["TRANS"],
-            PREFETCH=v["PREFETCH"], CACC=v["CACC"])
+            BLOCK=BLOCK, BF16_BITS=bits, RSLAB=v["RSLAB"], CSLAB=v["CSLAB"], PREFETCH=v["PREFETCH"])
 
 
 def quantize_weight(w: torch.Tensor, pow2: bool, *, transposed: bool = True):
@@ -177,13 +173,13 @@ def quantize_weight(w: torch.Tensor, pow2: bool, *, transposed: bool = True):
 
 def selfcheck(device: str = "cuda", seed: int = 0, variants: bool = True, quick_variants: bool = False) -> list[str]:
     """Every kernel against the codec on random, partial-tile, zero, NaN/inf, tiny and huge inputs, both scale
-    rules; returns the failures (empty: byte-identical). ``variants``: also every ``ACT_VARIANTS`` shape, both
-    grids and the columnwise grid alone; ``quick_variants``: those on three of the inputs only (``_QUICK``)
+    rules; returns the failures (empty: byte-identical). ``variants``: also the tile kernel and every
+    ``ACT_VARIANTS`` shape, both grids and the columnwise grid alone; ``quick_variants``: those on three of the inputs only (``_QUICK``)
     (fewer compiles: the GPU probe's budget); the kernels as ``CONFIG`` says on every input (weights too)."""
     saved = dict(CONFIG)
     try:
         bad = _selfcheck(device, seed, None, False)  # as configured
-        for name in (ACT_VARIANTS if variants else ()):
+        for name in (("tile", *ACT_VARIANTS) if variants else ()):
             CONFIG["act_both"] = CONFIG["act_cols"] = name
             try:
                 bad += _selfcheck(device, seed, name, quick_variants)

@@ -206,7 +206,7 @@ def fp8_block_cases(m: int = 8192, k: int = 8192) -> dict[str, tuple]:
            "fp8b_tile_cols": ("fp8_block:act_tile_kernel", sig, {**common, "ROWS": 0, "COLS": 1}, w, 128 * 128),
            "fp8b_tile_both": ("fp8_block:act_tile_kernel", sig, {**common, "ROWS": 1, "COLS": 1}, w, 128 * 128)}
     for name, v in fp8_block.ACT_VARIANTS.items():
-        c = {**common, **{n: v[n] for n in ("RSLAB", "CSLAB", "TRANS", "PREFETCH", "CACC")}}
+        c = {**common, **{n: v[n] for n in ("RSLAB", "CSLAB", "PREFETCH")}}
         for tag, rows in (("both", 1), ("cols", 0)):
             out[f"fp8b_{name}_{tag}"] = ("fp8_block:act_slab_kernel", sig, {**c, "ROWS": rows}, v["warps"], 128 * 128)
             LOOP_ITERS[f"fp8b_{name}_{tag}"] = [128 // v["RSLAB"], 128 // v["CSLAB"]]  # (slab_loop's order)
