@@ -128,3 +128,14 @@ def test_wgrad_choice(monkeypatch):
     monkeypatch.setenv("MILES_LP_FP8_WGRAD_GEMM", "cublas")
     with pytest.raises(FormatError, match="must be one of auto, triton, scaled_mm, got 'cublas'"):
         G.wgrad_gemm(8192, 8192, 8192)
+
+
+@pytest.mark.gpu
+def test_selfcheck_cuda():
+    """On an sm_90 GPU: the default plan within FP32_REL_TOL of the emulation (masked partial tiles included), the
+    bf16 result the fp32 one rounded once."""
+    from miles_lp.formats.kernels import fp8_block_mm as bm
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    assert bm.selfcheck("cuda") == []
