@@ -252,8 +252,8 @@ class RuntimeConfig:
     # triton (every token count) | scaled_mm (never the Triton GEMM). Not byte-equal: both within the native GEMMs'
     # REL_TOL of the emulated GEMM
     fp8_decode_gemm: typing.Literal["auto", "triton", "scaled_mm"] = "auto"
-    # the learner's fp8_block wgrad GEMM on sm_90 (1x128 tiles along the tokens on both operands): auto (the choice
-    # formats.kernels.fp8_block_mm.WGRAD_AUTO records from the H200's measurements) | triton (miles-lp's Triton GEMM)
+    # the learner's fp8_block wgrad GEMM on sm_90 (1x128 tiles along the tokens on both operands): auto
+    # (formats.kernels.fp8_block_mm.WGRAD_AUTO: cuBLAS, the faster on the H200) | triton (miles-lp's Triton GEMM)
     # | scaled_mm (cuBLAS's block-scaled GEMM). Not byte-equal: both within the native GEMMs' tolerance of the
     # emulated GEMM
     fp8_wgrad_gemm: typing.Literal["auto", "triton", "scaled_mm"] = "auto"

@@ -127,20 +127,20 @@ def dgrad_mm(gs: kernels.NativeOperand, w: WeightOperands) -> torch.Tensor:
     return y[:gs.rows] if y.shape[0] != gs.rows else y
 
 
-def wgrad_gemm(m_tokens: int, n: int, k: int) -> str:
-    """``triton`` or ``scaled_mm``: the wgrad GEMM ``runtime.fp8_wgrad_gemm`` picks for ``m_tokens`` (padded)
-    tokens and a weight ``[n, k]``."""
+def wgrad_gemm() -> str:
+    """``triton`` or ``scaled_mm``: the wgrad GEMM ``runtime.fp8_wgrad_gemm`` picks (``auto``:
+    ``fp8_block_mm.WGRAD_AUTO``, cuBLAS, the faster on the H200 at every shape measured)."""
     choice = switch("fp8_wgrad_gemm")
     if choice not in ("auto", "triton", "scaled_mm"):
         raise FormatError(f"runtime.fp8_wgrad_gemm (MILES_LP_FP8_WGRAD_GEMM) must be one of auto, triton, scaled_mm, "
                           f"got {choice!r}")
-    return block_mm.wgrad_auto(m_tokens, n, k) if choice == "auto" else choice
+    return block_mm.WGRAD_AUTO if choice == "auto" else choice
 
 
 def wgrad_mm(gc: kernels.NativeOperand, xc: kernels.NativeOperand, out_dtype=torch.bfloat16) -> torch.Tensor:
     """dw ``[N, K]`` = dy.T ``[N, M]`` @ x ``[M, K]`` (both columnwise storages, tokens padded alike): cuBLAS's
     block-scaled GEMM or the Triton one (``wgrad_gemm``)."""
-    if wgrad_gemm(gc.data.shape[1], gc.data.shape[0], xc.data.shape[0]) == "triton":
+    if wgrad_gemm() == "triton":
         return block_mm.block_mm(gc.data, gc.scale_inv, xc.data, xc.scale_inv, 1, out_dtype=out_dtype)
     return _mm(gc.data, gc.scale_inv, xc.data.t(), xc.scale_inv, "BlockWise1x128", out_dtype)
 

@@ -43,7 +43,7 @@ _, gc, (_, gcs) = k8.quantize_act(dy, False, rows=False, cols=True)
 _, xc, (_, xcs) = k8.quantize_act(xa, False, rows=False, cols=True)
 want = gc.dequantize(torch.float32).t() @ xc.dequantize(torch.float32)
 with runtime_override(fp8_wgrad_gemm="triton"):
-    out["wgrad_choice"] = G.wgrad_gemm(gcs.data.shape[1], 256, 384)
+    out["wgrad_choice"] = G.wgrad_gemm()
     got = G.wgrad_mm(gcs, xcs, out_dtype=torch.float32)
 out["wgrad_err"] = bm.rel_err(got, want)
 print("JSON" + json.dumps(out))
@@ -122,12 +122,12 @@ def test_wgrad_choice(monkeypatch):
     from miles_lp.train import fp8_block_gemm as G
 
     monkeypatch.delenv("MILES_LP_FP8_WGRAD_GEMM", raising=False)
-    assert G.wgrad_gemm(8192, 8192, 8192) == bm.wgrad_auto(8192, 8192, 8192)
-    with runtime_override(fp8_wgrad_gemm="scaled_mm"):
-        assert G.wgrad_gemm(8192, 8192, 8192) == "scaled_mm"
+    assert G.wgrad_gemm() == bm.WGRAD_AUTO == "scaled_mm"
+    with runtime_override(fp8_wgrad_gemm="triton"):
+        assert G.wgrad_gemm() == "triton"
     monkeypatch.setenv("MILES_LP_FP8_WGRAD_GEMM", "cublas")
     with pytest.raises(FormatError, match="must be one of auto, triton, scaled_mm, got 'cublas'"):
-        G.wgrad_gemm(8192, 8192, 8192)
+        G.wgrad_gemm()
 
 
 @pytest.mark.gpu

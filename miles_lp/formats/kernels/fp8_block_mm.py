@@ -40,7 +40,8 @@ CONFIG = {
     "1d1d": {"bm": 64, "bn": 128, "warps": 4, "stages": 4, "group": 8, "imprecise": 128},
     "1d2d": {"bm": 64, "bn": 128, "warps": 4, "stages": 4, "group": 8, "imprecise": 128},
 }
-#: ``runtime.fp8_wgrad_gemm: auto``: the wgrad GEMM per shape, from the H200's measurements (``wgrad_auto``)
+#: ``runtime.fp8_wgrad_gemm: auto``: cuBLAS's block-scaled GEMM, faster than this kernel on the H200
+#: (docs/results/h200-fp8-block-mm-2026-12-02; the 2048x4096x4096 shape was not reached there)
 WGRAD_AUTO = "scaled_mm"
 _PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fp8_block_mm_triton.py")
 MODULE = "miles_lp.formats.kernels._fp8_block_mm_triton"
@@ -56,11 +57,6 @@ def _module(a: torch.Tensor):
 
 def load_module(interpret: bool):
     return rt.load_jit_module(_PATH, MODULE, interpret)
-
-
-def wgrad_auto(m_tokens: int, n: int, k: int) -> str:
-    """``auto``'s wgrad GEMM for ``m_tokens`` (padded) tokens and a weight ``[n, k]``: ``WGRAD_AUTO``."""
-    return WGRAD_AUTO
 
 
 def _bytes(t: torch.Tensor, what: str) -> torch.Tensor:
