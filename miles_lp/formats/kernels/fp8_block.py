@@ -86,9 +86,10 @@ def quantize_act(x: torch.Tensor, pow2: bool, *, rows: bool = True, cols: bool =
 
     Row storage: data ``[MP, K]`` and scale_inv ``[MP, K/128]`` M-major. Col storage: data ``[K, MP]`` (the
     transpose, row-major) and scale_inv ``[K, MP/128]`` K-major (the view ``scaled_mm`` reads for the wgrad
-    operands). ``CONFIG["act_both"]`` / ``["act_cols"]`` pick the kernel: "tile", one launch of the tile kernel per
-    grid (on the H200 faster than one tile launch writing both: 8192^2 bf16, 56 + 87 us against 169 us, the joint
-    tile's registers), or an ``ACT_VARIANTS`` shape of the slab kernel (one launch, one read of each tile from DRAM).
+    operands). ``CONFIG["act_both"]`` / ``["act_cols"]`` pick the kernel: an ``ACT_VARIANTS`` shape of the slab
+    kernel (one launch, one read of each tile from DRAM: the default, the fastest on the H200) or "tile", one launch
+    of the tile kernel per grid (faster than one tile launch writing both, 56 + 87 us against 169 us at 8192^2
+    bf16: the joint tile's registers).
     ``grids=False``: only the storages (the GEMMs' operands; the two grids are returned as None)."""
     _check(x, "input")
     x = x.detach()
