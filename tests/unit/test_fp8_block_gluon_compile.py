@@ -1,0 +1,43 @@
+"""The Gluon wgrad GEMM of ``scripts/h200_fp8_block_gluon.py`` (a device probe, not yet run on a GPU) compiles for
+sm_90 here (Triton's compiler and ptxas, no GPU): FP8 wgmma at the planned tiles, the wait for one outstanding
+wgmma (the previous K block's product is scaled while the next one's MMA runs), TMA loads, no register spills at
+the plans the probe times first."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton.experimental.gluon")
+_PATH = Path(__file__).resolve().parents[2] / "scripts" / "h200_fp8_block_gluon.py"
+
+
+def _probe():
+    spec = importlib.util.spec_from_file_location("h200_fp8_block_gluon", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_gluon_wgrad_compiles_for_sm90(index):
+    from miles_lp.formats.kernels.sass import resources
+
+    probe = _probe()
+    plan = probe.PLANS[index]
+    k = probe.compile_sm90(plan)
+    ptx = k.asm["ptx"]
+    bm, bn, warps, _ = plan
+    assert f"wgmma.mma_async.sync.aligned.m64n{bn}k32.f32.e4m3.e4m3" in ptx
+    waits = set(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx))
+    assert "1" in waits  # one wgmma left in flight while the previous block is scaled
+    assert "cp.async.bulk.tensor" in ptx  # TMA
+    assert resources(k).get("stack", 0) == 0
+
+
+def test_gluon_wgrad_compiles_with_weight_scales():
+    k = _probe().compile_sm90((128, 128, 8, 3), b_block=128)
+    assert "wgmma.wait_group.sync.aligned 1" in k.asm["ptx"]
