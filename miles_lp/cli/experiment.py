@@ -65,6 +65,9 @@ def add_arguments(p) -> None:
     c.add_argument("--skip", type=int, default=1, help="warm-up steps left out of the fit (default 1)")
     c.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples of steps (default 2000)")
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--fit", choices=("ols", "theil-sen"), default="ols",
+                   help="ols: least squares (default); theil-sen: the median pairwise slope, robust to a few steps "
+                        "far off the line (a host hiccup); the intervals resample the same estimator")
     c.add_argument("--out", default=None, help="folder for cost_fit.png and cost.json")
     c.add_argument("--micro-batch-sweep", action="store_true",
                    help="train every run's learner on one identical set of trajectories (re-sampled from the first "
@@ -115,9 +118,10 @@ def _cost(args) -> int:
     base_name = args.base or names[0]
     if base_name not in names:
         raise ConfigError(f"--base {base_name}: no such run; runs are {', '.join(names)}")
-    fits = [fit_run(r, skip, args.resamples, args.seed) for r in runs]
-    out: dict = {"runs": {}, "comparisons": {}}
-    print("t = F + c*T per stage (T = tokens of the stage per step); 95% intervals from resampling steps")
+    fits = [fit_run(r, skip, args.resamples, args.seed, args.fit) for r in runs]
+    out: dict = {"fit": args.fit, "runs": {}, "comparisons": {}}
+    how = "least squares" if args.fit == "ols" else "Theil-Sen (median pairwise slope)"
+    print(f"t = F + c*T per stage (T = tokens of the stage per step), {how}; 95% intervals from resampling steps")
     print(f"{'run':28s} {'stage':13s} {'n':>3s} {'F s/step':>22s} {'c us/token':>24s} {'r2':>5s} {'T range':>11s}"
           f" {'mb/step':>7s}")
     for r, fit in zip(runs, fits, strict=True):

@@ -42,8 +42,25 @@ class Fit:
     boot_c: np.ndarray = dataclasses.field(repr=False, compare=False, default=None)
 
 
-def fit_line(T: Sequence[float], t: Sequence[float]) -> tuple[float, float]:
-    """Ordinary least squares ``t = F + c*T``; ``(F, c)``. Refuses a constant ``T`` (``c`` is not identified)."""
+#: ``ols``: least squares; ``theil-sen``: the median of the slopes between every two steps of different ``T`` and
+#: the median intercept at that slope (robust: a few steps far off the line, a hiccup of the host or a collector,
+#: move it little; least squares follows them)
+METHODS = ("ols", "theil-sen")
+
+
+def _theil_sen(T: np.ndarray, t: np.ndarray) -> tuple[float, float]:
+    i, j = np.triu_indices(len(T), 1)
+    dT = T[j] - T[i]
+    ok = dT != 0
+    c = float(np.median((t[j] - t[i])[ok] / dT[ok]))
+    return float(np.median(t - c * T)), c
+
+
+def fit_line(T: Sequence[float], t: Sequence[float], method: str = "ols") -> tuple[float, float]:
+    """``t = F + c*T`` by ``method`` (``METHODS``); ``(F, c)``. Refuses a constant ``T`` (``c`` is not
+    identified)."""
+    if method not in METHODS:
+        raise ConfigError(f"fit method {method!r}: one of {', '.join(METHODS)}")
     T, t = np.asarray(T, float), np.asarray(t, float)
     if len(T) < 3:
         raise ConfigError(f"the fit needs at least 3 steps, got {len(T)}")
@@ -51,13 +68,15 @@ def fit_line(T: Sequence[float], t: Sequence[float]) -> tuple[float, float]:
         raise ConfigError(f"tokens per step never vary ({T[0]:g} every step): t = F + c*T cannot separate F from "
                           "c; run with more steps or a task whose response length varies, or pool runs of "
                           "different sizes (`experiment cost --pool`)")
+    if method == "theil-sen":
+        return _theil_sen(T, t)
     A = np.stack([np.ones_like(T), T], 1)
     (F, c), *_ = np.linalg.lstsq(A, t, rcond=None)
     return float(F), float(c)
 
 
 def bootstrap_fit(T, t, resamples: int = 2000, seed: int = 0,
-                  groups: Sequence[object] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  groups: Sequence[object] | None = None, method: str = "ols") -> tuple[np.ndarray, np.ndarray]:
     """``(F, c)`` of ``resamples`` fits to steps drawn with replacement (draws with constant ``T`` skipped).
     With ``groups`` (one label per step: the run a pooled step came from), each group's steps are drawn from that
     group only, as many as it has: a pooled experiment's sizes are its design, so every resample keeps them all."""
@@ -72,6 +91,9 @@ def bootstrap_fit(T, t, resamples: int = 2000, seed: int = 0,
         members = [np.flatnonzero([g == lab for g in groups]) for lab in labels]
         idx = np.concatenate([m[rng.integers(0, len(m), size=(resamples, len(m)))] for m in members], axis=1)
     Tb, tb = T[idx], t[idx]
+    if method == "theil-sen":
+        fits = [_theil_sen(a, b) for a, b in zip(Tb, tb, strict=True) if np.ptp(a) > 0]
+        return np.array([f[0] for f in fits]), np.array([f[1] for f in fits])
     mT, mt = Tb.mean(1, keepdims=True), tb.mean(1, keepdims=True)
     var = ((Tb - mT) ** 2).sum(1)
     ok = var > 0
@@ -98,7 +120,8 @@ def micro_batches_per_step(run: RunData, stage: str, tokens: float) -> float:
     return passes * max(1.0, math.ceil(tokens / passes / budget))
 
 
-def fit_stage(run: RunData, stage: str, skip: int = 1, resamples: int = 2000, seed: int = 0) -> Fit | None:
+def fit_stage(run: RunData, stage: str, skip: int = 1, resamples: int = 2000, seed: int = 0,
+              method: str = "ols") -> Fit | None:
     """The fit of one stage over the run's steps after the first ``skip`` (warm-up); None if never timed. A pooled
     run (``runs.pool_runs``: steps carry ``pooled_from``) is resampled within each source run."""
     T, t, src = [], [], []
@@ -111,21 +134,23 @@ def fit_stage(run: RunData, stage: str, skip: int = 1, resamples: int = 2000, se
     if not T:
         return None
     try:
-        F, c = fit_line(T, t)
+        F, c = fit_line(T, t, method)
     except ConfigError as exc:
         raise ConfigError(f"{run.name} ({run.path}), stage {stage}: {exc}") from None
     pred = F + c * np.asarray(T)
     ss = float(((np.asarray(t) - np.mean(t)) ** 2).sum())
     r2 = 1 - float(((np.asarray(t) - pred) ** 2).sum()) / ss if ss > 0 else math.nan
-    bF, bc = bootstrap_fit(T, t, resamples, seed, groups=src if any(g is not None for g in src) else None)
+    bF, bc = bootstrap_fit(T, t, resamples, seed, groups=src if any(g is not None for g in src) else None,
+                           method=method)
     nmb = float(np.mean([micro_batches_per_step(run, stage, x) for x in T]))
     return Fit(stage, len(T), F, c, interval(bF), interval(bc), r2, (min(T), max(T)), nmb, bF, bc)
 
 
-def fit_run(run: RunData, skip: int = 1, resamples: int = 2000, seed: int = 0) -> dict[str, Fit]:
+def fit_run(run: RunData, skip: int = 1, resamples: int = 2000, seed: int = 0, method: str = "ols"
+            ) -> dict[str, Fit]:
     out = {}
     for s in TOKEN_STAGES:
-        f = fit_stage(run, s, skip, resamples, seed)
+        f = fit_stage(run, s, skip, resamples, seed, method)
         if f is not None:
             out[s] = f
     return out

@@ -197,3 +197,31 @@ def test_negative_cost_per_token_is_doubted(tmp_path):
     assert any(d.startswith("c < 0") for d in doubts(f))
     pos = synth_run(tmp_path, "pos", F=1.0, c=50e-6, noise=0.001)
     assert not doubts(fit_run(pos, 0, 300)["update_actor"])
+
+
+def test_theil_sen_resists_a_spike_least_squares_follows(tmp_path, capsys):
+    """Two sizes of 4 steps each on an exact line, one step of the large size 3x slow (a host hiccup): Theil-Sen
+    recovers F and c, least squares does not; its bootstrap interval covers c; the CLI takes --fit."""
+    T = [1000.0] * 4 + [8000.0] * 4
+    t = [0.1 + 50e-6 * x for x in T]
+    t[5] *= 3
+    F_ols, c_ols = fit_line(T, t)
+    F_ts, c_ts = fit_line(T, t, "theil-sen")
+    assert c_ts == pytest.approx(50e-6) and F_ts == pytest.approx(0.1)
+    assert abs(c_ols - 50e-6) > 10e-6
+    _, bc = bootstrap_fit(T, t, 500, groups=["s"] * 4 + ["l"] * 4, method="theil-sen")
+    lo, hi = np.quantile(bc, [0.025, 0.975])
+    assert lo <= 50e-6 <= hi
+    with pytest.raises(ConfigError, match="fit method 'median': one of ols, theil-sen"):
+        fit_line(T, t, "median")
+    from miles_lp.cli import main
+
+    for name, F, c in (("bf16", 0.8, 26.7e-6), ("mxfp8", 0.9, 20e-6)):
+        synth_run(tmp_path, name, F=F, c=c)
+    out = tmp_path / "out"
+    assert main(["experiment", "cost", str(tmp_path / "bf16"), str(tmp_path / "mxfp8"), "--fit", "theil-sen",
+                 "--out", str(out), "--resamples", "200"]) == 0
+    assert "Theil-Sen" in capsys.readouterr().out
+    res = json.loads((out / "cost.json").read_text())
+    assert res["fit"] == "theil-sen"
+    assert res["runs"]["bf16"]["update_actor"]["c"] == pytest.approx(26.7e-6, rel=0.05)
