@@ -33,9 +33,10 @@ FP32_REL_TOL = 1e-3
 #: the bf16 result (the fp32 one rounded once): bf16's unit roundoff 2^-8 per element, plus FP32_REL_TOL
 REL_TOL = 2.0 ** -8 + FP32_REL_TOL
 #: launch plan per GEMM kind: output tile ``bm`` x ``bn``, ``warps``, ``stages`` (K blocks in flight), ``group``
-#: (tile rows walked together), ``imprecise`` (products the
-#: FP8 tensor cores may accumulate before an fp32 add; at most one K block, 128). 1d1d: the fastest of 14 plans swept
-#: on the H200 at 8192^3 (docs/results/h200-fp8-block-mm-2026-12-02: 1538 us against 1707 for 128x128 at 8 warps)
+#: (tile rows walked together), ``imprecise`` (products the FP8 tensor cores may accumulate before an fp32 add; at
+#: most one K block, 128). 1d1d: the fastest of 14 plans swept on the H200 at 8192^3
+#: (docs/results/h200-fp8-block-mm-2026-12-02: 1538 us against 1707 for 128x128 at 8 warps); 1d2d (128x128 scales
+#: on b) takes the same plan, not swept
 CONFIG = {
     "1d1d": {"bm": 64, "bn": 128, "warps": 4, "stages": 4, "group": 8, "imprecise": 128},
     "1d2d": {"bm": 64, "bn": 128, "warps": 4, "stages": 4, "group": 8, "imprecise": 128},
