@@ -7,7 +7,7 @@ tiles), each read through its strides (the views ``scaled_mm`` takes serve as th
 GEMM with 1x128 tiles on both operands (the wgrad of TE's Float8BlockScaling: dy and x tiled along the tokens) ran
 at 0.73-0.92x BF16's time on the H200 where its 1x128 x 128x128 form (forward, dgrad) ran at 0.59-0.69x, so this
 kernel was built to replace it there (``runtime.fp8_wgrad_gemm: triton``). Measured on the H200 it is slower
-(8192^3: 1538 us against cuBLAS's 1248, its best of 14 launch plans; docs/gpu.md), so ``auto`` keeps cuBLAS.
+(8192^3: 1538 us against cuBLAS's 1248, the best of the plans that ran correctly; docs/gpu.md), so ``auto`` keeps cuBLAS.
 
 Numerics as the decode GEMM's (``fp8_block_decode``): each 128-long K block one FP8 dot from zero, scaled in fp32
 and added; the fp32 result within ``FP32_REL_TOL`` of the fp32 emulation (dequantize, one fp32 GEMM), the bf16 result
