@@ -60,8 +60,8 @@ def add_arguments(p) -> None:
     c.add_argument("--base", default=None, help="name of the base (BF16) run; default the first RUN_DIR")
     c.add_argument("--names", nargs="+", default=None, help="display names, one per RUN_DIR (per arm with --pool)")
     c.add_argument("--pool", type=int, default=None, metavar="N",
-                   help="every N consecutive RUN_DIRs are one arm (runs differing in batch size), pooled after "
-                   "dropping each run's first --skip steps")
+                   help="every N consecutive RUN_DIRs are one arm (runs differing in batch size or response length), "
+                   "pooled after dropping each run's first --skip steps")
     c.add_argument("--skip", type=int, default=1, help="warm-up steps left out of the fit (default 1)")
     c.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples of steps (default 2000)")
     c.add_argument("--seed", type=int, default=0)
