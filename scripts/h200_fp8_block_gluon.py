@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,8 @@ from pathlib import Path
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from miles_lp.bench.cuda_timing import median_us
 
 #: (BLOCK_M, BLOCK_N, warps, STAGES): sm_90 compiles of each without spills (128 x 128 at 8 warps and 4 stages
 #: spills 8 bytes; ``tests/unit/test_fp8_block_gluon_compile.py``)
@@ -157,23 +158,6 @@ def block_mm_lag(a, sa, b, sb, b_block: int, plan=PLANS[0]):
     return c
 
 
-def timed(fn, iters: int = 20) -> float:
-    import torch
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3)
-    return statistics.median(ts)
-
-
 def check(plan) -> list[str]:
     """The kernel at ``plan`` against the fp32 emulation on the codec's operands (small shapes)."""
     import torch
@@ -216,12 +200,12 @@ def shape_row(m: int, n: int, k: int, plans) -> dict:
     _, _, (_, xcs) = k8.quantize_act(x, False, rows=False, cols=True, grids=False)
     with runtime_override(fp8_wgrad_gemm="scaled_mm"):
         ref = G.wgrad_mm(gcs, xcs)
-        row = {"shape": f"{m}x{n}x{k}", "bf16": timed(lambda: torch.mm(dy.t(), x)),
-               "scaled_mm": timed(lambda: G.wgrad_mm(gcs, xcs))}
-    row["triton"] = timed(lambda: bm.block_mm(gcs.data, gcs.scale_inv, xcs.data, xcs.scale_inv, 1))
+        row = {"shape": f"{m}x{n}x{k}", "bf16": median_us(lambda: torch.mm(dy.t(), x)),
+               "scaled_mm": median_us(lambda: G.wgrad_mm(gcs, xcs))}
+    row["triton"] = median_us(lambda: bm.block_mm(gcs.data, gcs.scale_inv, xcs.data, xcs.scale_inv, 1))
     for plan in plans:
         fn = lambda plan=plan: block_mm_lag(gcs.data, gcs.scale_inv, xcs.data, xcs.scale_inv, 1, plan)  # noqa: E731
-        row[f"gluon {plan}"] = timed(fn)
+        row[f"gluon {plan}"] = median_us(fn)
         row[f"gluon {plan} diff"] = bm.rel_err(fn(), ref)
     return row
 

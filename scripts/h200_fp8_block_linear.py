@@ -16,28 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
+from miles_lp.bench.cuda_timing import median_us
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-
-def timed(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts)
 
 
 def main(argv=None) -> int:
@@ -86,7 +72,7 @@ def main(argv=None) -> int:
     gemms = {"bf16 mm": lambda: torch.mm(dy, x), "wgrad bf16 out": lambda: G.wgrad_mm(gcs, xcs),
              "wgrad fp32 out": lambda: G.wgrad_mm(gcs, xcs, out_dtype=torch.float32),
              "dgrad": lambda: G.dgrad_mm(gs, w)}
-    res["gemms_8192"] = {name: timed(fn) for name, fn in gemms.items()}
+    res["gemms_8192"] = {name: median_us(fn) for name, fn in gemms.items()}
     for name, us in res["gemms_8192"].items():
         print(f"8192^3 {name:>16}: {us:8.1f} us", flush=True)
     (out / "linear.json").write_text(json.dumps(res, indent=1, default=str))

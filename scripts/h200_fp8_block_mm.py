@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from miles_lp.bench.cuda_timing import median_us
 from miles_lp.config import runtime_override
 from miles_lp.formats.kernels import fp8_block as k8
 from miles_lp.formats.kernels import fp8_block_mm as bm
@@ -42,21 +42,6 @@ def plan_dict(p) -> dict:
     return dict(zip(("bm", "bn", "warps", "stages", "group"), p, strict=True)) | {"imprecise": 128}
 
 
-def timed(fn, iters: int = 20, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts)
-
-
 def shape_rows(m: int, n: int, k: int, res: dict, best: dict, t0: float, budget: float) -> None:
     """Step 2 at one shape: rows into res["rows"], the fastest plan into best."""
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
@@ -64,10 +49,10 @@ def shape_rows(m: int, n: int, k: int, res: dict, best: dict, t0: float, budget:
     _, _, (gs, gcs) = k8.quantize_act(dy, False, rows=True, cols=True, grids=False)
     _, _, (xs, xcs) = k8.quantize_act(x, False, rows=True, cols=True, grids=False)
     tag = f"{m}x{n}x{k}"
-    t_bf16 = timed(lambda: torch.mm(dy.t(), x))
+    t_bf16 = median_us(lambda: torch.mm(dy.t(), x))
     with runtime_override(fp8_wgrad_gemm="scaled_mm"):
         ref = G.wgrad_mm(gcs, xcs)
-        t_cub = timed(lambda: G.wgrad_mm(gcs, xcs))
+        t_cub = median_us(lambda: G.wgrad_mm(gcs, xcs))
     print(f"{tag} wgrad: bf16 {t_bf16:8.1f} us   cuBLAS 1x128x1x128 {t_cub:8.1f} us ({t_cub / t_bf16:.3f}x bf16)",
           flush=True)
     res["rows"].append({"shape": tag, "gemm": "wgrad", "kernel": "bf16", "us": t_bf16})
@@ -82,7 +67,7 @@ def shape_rows(m: int, n: int, k: int, res: dict, best: dict, t0: float, budget:
             y = bm.block_mm(gcs.data, gcs.scale_inv, xcs.data, xcs.scale_inv, 1, config=cfg)
             torch.cuda.synchronize()
             diff = bm.rel_err(y, ref)
-            t = timed(lambda cfg=cfg: bm.block_mm(gcs.data, gcs.scale_inv, xcs.data, xcs.scale_inv, 1, config=cfg))
+            t = median_us(lambda cfg=cfg: bm.block_mm(gcs.data, gcs.scale_inv, xcs.data, xcs.scale_inv, 1, config=cfg))
         except Exception as e:  # a plan that does not compile or launch is a result, not a stop
             print(f"  plan {p}: ERR {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
             res["rows"].append({"shape": tag, "gemm": "wgrad", "kernel": "triton", "plan": p, "error": str(e)[:400]})
@@ -99,7 +84,7 @@ def shape_rows(m: int, n: int, k: int, res: dict, best: dict, t0: float, budget:
         # the forward's 1x128 x 128x128 GEMM at the three fastest plans, for comparison
         wq, wt = k8.quantize_weight(torch.randn(n, k, device="cuda", dtype=torch.bfloat16), False)
         w = G.WeightOperands(wq, wt)
-        t_fwd = timed(lambda: G.forward_mm(xs, w)) if n == k else None
+        t_fwd = median_us(lambda: G.forward_mm(xs, w)) if n == k else None
         if t_fwd is not None:
             yref = G.forward_mm(xs, w)
             print(f"{tag} fwd: cuBLAS 1x128x128x128 {t_fwd:8.1f} us", flush=True)
@@ -109,7 +94,7 @@ def shape_rows(m: int, n: int, k: int, res: dict, best: dict, t0: float, budget:
                 fn = lambda cfg=cfg: bm.block_mm(xs.data, xs.scale_inv, wq.data, wq.scale_inv, 128, config=cfg)  # noqa: E731
                 try:
                     diff = bm.rel_err(fn()[:m], yref)
-                    t = timed(fn)
+                    t = median_us(fn)
                 except Exception as e:
                     print(f"  fwd plan {p}: ERR {str(e).splitlines()[0][:160]}", flush=True)
                     continue

@@ -27,32 +27,15 @@ import os
 import triton
 import triton.language as tl
 
+from miles_lp.formats.kernels.runtime import load_jit_module
+
 HW = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"))
-
-
-@triton.jit
-def _e4m3_value(b):
-    """E4M3 byte (int32 0..255) -> its fp32 value, exactly (the interpreter's float8 casts are not trusted)."""
-    sign = (b & 0x80) << 24
-    e = (b >> 3) & 0xF
-    m = b & 7
-    normal = (sign | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    sub = m.to(tl.float32) * 0.001953125
-    sub = tl.where(sign != 0, -sub, sub)
-    v = tl.where(e == 0, sub, normal)
-    return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
-
-
-@triton.jit
-def _bf16_bits(v):
-    """fp32 -> bf16 bits as int16, RNE: cvt.rn.bf16.f32 on CUDA, integer code in the interpreter."""
-    if HW:
-        return v.to(tl.bfloat16).to(tl.int16, bitcast=True)
-    else:
-        b = v.to(tl.int32, bitcast=True)
-        r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
-        nan = (b & 0x7FFFFFFF) > 0x7F800000
-        return tl.where(nan, ((b >> 16) & 0x8000) | 0x7FC0, r).to(tl.int16)
+# the decode GEMM's exact E4M3 decode (interpreter) and bf16 rounding, loaded in this module's mode (Triton reads
+# TRITON_INTERPRET at decoration)
+_decode = load_jit_module(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fp8_block_gemm_triton.py"),
+                          "miles_lp.formats.kernels._fp8_block_gemm_triton_mm", not HW.value)
+_e4m3_value = _decode._e4m3_value
+_bf16_bits = _decode._bf16_out
 
 
 @triton.jit
