@@ -86,15 +86,13 @@ def block_mm_lag_kernel(a_desc, b_desc, sa_ptr, sb_ptr, c_ptr, M, N, K, s_sam, s
     acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
     # block 0: issued before the loop, scaled in iteration 1 while block 1's MMA runs
     mbarrier.wait(bars.index(0), 0)
-    tok = warpgroup_mma(a_smem.index(0), b_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True,
-                        max_num_imprecise_acc=128)
+    tok = warpgroup_mma(a_smem.index(0), b_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
     sa = gl.load(sa_rows, mask=row_in, other=0.0)
     sb = gl.load(sb_rows, mask=col_in, other=0.0)
     for kb in range(1, kbs):
         st = kb % STAGES
         mbarrier.wait(bars.index(st), (kb // STAGES) & 1)
-        nxt = warpgroup_mma(a_smem.index(st), b_smem.index(st).permute((1, 0)), zero, use_acc=False, is_async=True,
-                            max_num_imprecise_acc=128)
+        nxt = warpgroup_mma(a_smem.index(st), b_smem.index(st).permute((1, 0)), zero, use_acc=False, is_async=True)
         sa_n = gl.load(sa_rows + kb * s_sak, mask=row_in, other=0.0)
         sb_n = gl.load(sb_rows + kb * s_sbk, mask=col_in, other=0.0)
         d = warpgroup_mma_wait(num_outstanding=1, deps=(tok, ))  # block kb - 1 done; block kb still running
@@ -114,6 +112,113 @@ def block_mm_lag_kernel(a_desc, b_desc, sa_ptr, sb_ptr, c_ptr, M, N, K, s_sam, s
     gl.store(c_ptr + offs, acc.to(gl.bfloat16), mask=row_in[:, None] & col_in[None, :])
 
 
+@gluon.jit
+def _ws_load(a_desc, b_desc, a_smem, b_smem, ready, empty, off_m, off_n, kbs, HALF: gl.constexpr,
+             STAGES: gl.constexpr):
+    for kb in range(kbs):
+        s = kb % STAGES
+        # a stage is empty once both math warpgroups have arrived (mbarriers start with phase 1 complete)
+        mbarrier.wait(empty.index(s), ((kb // STAGES) & 1) ^ 1)
+        bar = ready.index(s)
+        mbarrier.expect(bar, 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(a_desc, [off_m, kb * 128], bar, a_smem.index(2 * s))
+        tma.async_copy_global_to_shared(a_desc, [off_m + HALF, kb * 128], bar, a_smem.index(2 * s + 1))
+        tma.async_copy_global_to_shared(b_desc, [off_n, kb * 128], bar, b_smem.index(s))
+
+
+@gluon.jit
+def _ws_math(a_smem, b_smem, ready, empty, sa_ptr, sb_ptr, c_ptr, off_m, off_n, M, N, kbs, s_sam, s_sak, s_sbn,
+             s_sbk, s_cm, WG: gl.constexpr, B_DIV: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
+             STAGES: gl.constexpr, LAG: gl.constexpr):
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
+    rows = off_m + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, mma))
+    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+    row_in = rows < M
+    col_in = cols < N
+    sa_rows = sa_ptr + rows.to(gl.int64) * s_sam
+    sb_rows = sb_ptr + (cols // B_DIV).to(gl.int64) * s_sbn
+    zero = gl.zeros((HALF, BLOCK_N), dtype=gl.float32, layout=mma)
+    acc = gl.zeros((HALF, BLOCK_N), dtype=gl.float32, layout=mma)
+    if LAG:
+        # block kb - 1 is scaled while block kb's MMA runs
+        sa = gl.load(sa_rows, mask=row_in, other=0.0)
+        sb = gl.load(sb_rows, mask=col_in, other=0.0)
+        mbarrier.wait(ready.index(0), 0)
+        tok = warpgroup_mma(a_smem.index(WG), b_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+        for kb in range(1, kbs):
+            s = kb % STAGES
+            mbarrier.wait(ready.index(s), (kb // STAGES) & 1)
+            nxt = warpgroup_mma(a_smem.index(2 * s + WG), b_smem.index(s).permute((1, 0)), zero, use_acc=False,
+                                is_async=True)
+            sa_n = gl.load(sa_rows + kb * s_sak, mask=row_in, other=0.0)
+            sb_n = gl.load(sb_rows + kb * s_sbk, mask=col_in, other=0.0)
+            d = warpgroup_mma_wait(num_outstanding=1, deps=(tok, ))
+            mbarrier.arrive(empty.index((kb - 1) % STAGES), count=1)
+            acc += (d * sb[None, :]) * sa[:, None]
+            tok = nxt
+            sa = sa_n
+            sb = sb_n
+        d = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
+        mbarrier.arrive(empty.index((kbs - 1) % STAGES), count=1)
+        acc += (d * sb[None, :]) * sa[:, None]
+    else:
+        # the other math warpgroup's MMA runs while this one scales (DeepGEMM's scheme). The product's registers
+        # are the last block's (use_acc=False ignores their values) and the scales are loaded while the MMA runs:
+        # no register is held for a zero tile or a prefetched scale, so the 12-warp CTA's 168 registers suffice
+        # Each thread of the MMA layout holds BLOCK_N / 4 columns: their scales are loaded one per thread and
+        # spread by a layout conversion, not through BLOCK_N / 4 pointers per thread
+        flat: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        cols_1 = off_n + gl.arange(0, BLOCK_N, layout=flat)
+        sb_1 = sb_ptr + (cols_1 // B_DIV).to(gl.int64) * s_sbn
+        col_in_1 = cols_1 < N
+        d = zero
+        for kb in range(kbs):
+            s = kb % STAGES
+            mbarrier.wait(ready.index(s), (kb // STAGES) & 1)
+            tok = warpgroup_mma(a_smem.index(2 * s + WG), b_smem.index(s).permute((1, 0)), d, use_acc=False,
+                                is_async=True)
+            sa = gl.load(sa_rows + kb * s_sak, mask=row_in, other=0.0)
+            sb = gl.convert_layout(gl.load(sb_1 + kb * s_sbk, mask=col_in_1, other=0.0), gl.SliceLayout(0, mma))
+            d = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
+            mbarrier.arrive(empty.index(s), count=1)
+            acc += (d * sb[None, :]) * sa[:, None]
+    offs = rows[:, None].to(gl.int64) * s_cm + cols[None, :]
+    gl.store(c_ptr + offs, acc.to(gl.bfloat16), mask=row_in[:, None] & col_in[None, :])
+
+
+@gluon.jit
+def block_mm_ws_kernel(a_desc, b_desc, sa_ptr, sb_ptr, c_ptr, M, N, K, s_sam, s_sak, s_sbn, s_sbk, s_cm,
+                       B_DIV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+                       STAGES: gl.constexpr, LAG: gl.constexpr, MATH_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """Warp-specialized: one loader warp feeds a STAGES-deep TMA ring; two math warpgroups (this partition and a
+    worker) each take BLOCK_M / 2 rows of the tile, each with its own wgmma stream, and each frees a stage by
+    arriving on its mbarrier (count 2)."""
+    HALF: gl.constexpr = BLOCK_M // 2
+    tile = gl.program_id(0)
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (tile // per_group) * GROUP_M
+    group_m = gl.minimum(tiles_m - first_m, GROUP_M)
+    off_m = (first_m + (tile % per_group) % group_m) * BLOCK_M
+    off_n = ((tile % per_group) // group_m) * BLOCK_N
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, HALF, 128], a_desc.layout)
+    b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, 128], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    kbs = K // 128
+    gl.warp_specialize([
+        (_ws_math, (a_smem, b_smem, ready, empty, sa_ptr, sb_ptr, c_ptr, off_m, off_n, M, N, kbs, s_sam, s_sak,
+                    s_sbn, s_sbk, s_cm, 0, B_DIV, HALF, BLOCK_N, STAGES, LAG)),
+        (_ws_math, (a_smem, b_smem, ready, empty, sa_ptr, sb_ptr, c_ptr, off_m, off_n, M, N, kbs, s_sam, s_sak,
+                    s_sbn, s_sbk, s_cm, 1, B_DIV, HALF, BLOCK_N, STAGES, LAG)),
+        (_ws_load, (a_desc, b_desc, a_smem, b_smem, ready, empty, off_m, off_n, kbs, HALF, STAGES)),
+    ], [4, 1], [MATH_REGS, 24])
+
+
 def compile_sm90(plan, b_block: int = 1):
     """Triton's CompiledKernel of the kernel at ``plan`` for sm_90, compiled here (no GPU needed)."""
     from triton import compiler
@@ -130,6 +235,48 @@ def compile_sm90(plan, b_block: int = 1):
     sig.update(dict.fromkeys(consts, "constexpr"))
     return compiler.compile(GluonASTSource(block_mm_lag_kernel, sig, consts, {}), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": warps})
+
+
+#: (BLOCK_M, BLOCK_N, STAGES, LAG, MATH_REGS) of the warp-specialized kernel: two math warpgroups of BLOCK_M / 2 rows
+#: and a loader warp; LAG 1 scales block kb - 1 while block kb's MMA runs, LAG 0 waits for each block
+WS_PLANS = [(128, 128, 6, 0, 232), (128, 128, 4, 0, 232), (128, 64, 8, 0, 232), (128, 128, 5, 0, 232)]
+#: registers per thread for the whole kernel (12 warps: 2 math warpgroups and the loader's, rounded up)
+WS_MAXNREG = 168
+
+
+def compile_ws_sm90(plan, b_block: int = 1):
+    """Triton's CompiledKernel of the warp-specialized kernel at ``plan`` for sm_90, compiled here (no GPU)."""
+    from triton import compiler
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    bm, bn, stages, lag, regs = plan
+    la = gl.NVMMASharedLayout.get_default_for([bm // 2, 128], gl.float8e4nv)
+    lb = gl.NVMMASharedLayout.get_default_for([bn, 128], gl.float8e4nv)
+    sig = {"a_desc": f"tensordesc<fp8e4nv[{bm // 2}, 128],{la!r}>",
+           "b_desc": f"tensordesc<fp8e4nv[{bn}, 128],{lb!r}>", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "c_ptr": "*bf16"}
+    sig.update(dict.fromkeys(("M", "N", "K", "s_sam", "s_sak", "s_sbn", "s_sbk", "s_cm"), "i32"))
+    consts = dict(B_DIV=b_block, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, STAGES=stages, LAG=lag, MATH_REGS=regs,
+                  num_warps=4)
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    return compiler.compile(GluonASTSource(block_mm_ws_kernel, sig, consts, {}), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4, "maxnreg": WS_MAXNREG})
+
+
+def block_mm_ws(a, sa, b, sb, b_block: int, plan=WS_PLANS[0]):
+    """``block_mm_lag``'s contract, computed by the warp-specialized kernel."""
+    import torch
+
+    bm, bn, stages, lag, regs = plan
+    m, k = a.shape
+    n = b.shape[0]
+    c = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
+    ad, bd = _descs(a, b, bm // 2, bn)
+    grid = (-(-m // bm) * -(-n // bn),)
+    block_mm_ws_kernel[grid](ad, bd, sa, sb, c, m, n, k, sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1),
+                             c.stride(0), B_DIV=b_block, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, STAGES=stages, LAG=lag,
+                             MATH_REGS=regs, num_warps=4, maxnreg=WS_MAXNREG)
+    return c
 
 
 def _descs(a, b, bm: int, bn: int):
@@ -158,6 +305,11 @@ def block_mm_lag(a, sa, b, sb, b_block: int, plan=PLANS[0]):
     return c
 
 
+def _run(plan):
+    """The kernel a plan is for: a warp-specialized plan has 5 entries, a one-partition plan 4."""
+    return block_mm_ws if len(plan) == 5 else block_mm_lag
+
+
 def check(plan) -> list[str]:
     """The kernel at ``plan`` against the fp32 emulation on the codec's operands (small shapes)."""
     import torch
@@ -177,7 +329,7 @@ def check(plan) -> list[str]:
             yb = quantize_fp8_blockwise(y, (b_block, 128), False)
             ref = bm.emulated_mm(xa.data, xa.scale_inv, yb.data, yb.scale_inv, b_block)
             sa = xa.scale_inv.t().contiguous().t().cuda()
-            c = block_mm_lag(xa.data.cuda(), sa, yb.data.cuda(), yb.scale_inv.cuda(), b_block, plan)
+            c = _run(plan)(xa.data.cuda(), sa, yb.data.cuda(), yb.scale_inv.cuda(), b_block, plan)
             e = bm.rel_err(c.cpu(), ref)
             if not e <= 2.0 ** -8 + bm.FP32_REL_TOL:
                 bad.append(f"{m}x{n}x{k} b_block={b_block} plan={plan}: rel err {e:.2e}")
@@ -204,7 +356,7 @@ def shape_row(m: int, n: int, k: int, plans) -> dict:
                "scaled_mm": median_us(lambda: G.wgrad_mm(gcs, xcs))}
     row["triton"] = median_us(lambda: bm.block_mm(gcs.data, gcs.scale_inv, xcs.data, xcs.scale_inv, 1))
     for plan in plans:
-        fn = lambda plan=plan: block_mm_lag(gcs.data, gcs.scale_inv, xcs.data, xcs.scale_inv, 1, plan)  # noqa: E731
+        fn = lambda plan=plan: _run(plan)(gcs.data, gcs.scale_inv, xcs.data, xcs.scale_inv, 1, plan)  # noqa: E731
         row[f"gluon {plan}"] = median_us(fn)
         row[f"gluon {plan} diff"] = bm.rel_err(fn(), ref)
     return row
@@ -221,7 +373,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     res: dict = {"device": torch.cuda.get_device_name(), "checks": {}, "rows": []}
     ok_plans = []
-    for plan in PLANS:
+    for plan in [*WS_PLANS, PLANS[2]]:
         try:
             bad = check(plan)
         except Exception as e:  # a plan that does not compile or launch is a result

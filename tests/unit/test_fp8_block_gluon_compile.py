@@ -41,3 +41,30 @@ def test_gluon_wgrad_compiles_for_sm90(index):
 def test_gluon_wgrad_compiles_with_weight_scales():
     k = _probe().compile_sm90((128, 128, 8, 3), b_block=128)
     assert "wgmma.wait_group.sync.aligned 1" in k.asm["ptx"]
+
+
+@pytest.mark.parametrize("index", [0, 1, 2, 3])
+def test_warp_specialized_wgrad_compiles_for_sm90_unserialized(index):
+    """The warp-specialized kernel: a loader warp (TMA) and two math warpgroups with register budgets of their
+    own; ptxas keeps every wgmma asynchronous (no C7514 note) and spills nothing within the 12-warp CTA's 168
+    registers per thread."""
+    from miles_lp.formats.kernels.sass import ptxas_notes, resources
+
+    probe = _probe()
+    plan = probe.WS_PLANS[index]
+    k = probe.compile_ws_sm90(plan)
+    ptx = k.asm["ptx"]
+    assert f"wgmma.mma_async.sync.aligned.m64n{plan[1]}k32.f32.e4m3.e4m3" in ptx
+    assert "cp.async.bulk.tensor" in ptx
+    assert f"setmaxnreg.inc.sync.aligned.u32 \t{plan[4]}" in ptx  # the other math warpgroup's budget
+    assert "setmaxnreg.dec.sync.aligned.u32 \t24" in ptx  # the loader warp's
+    assert not any("C7514" in n for n in ptxas_notes(k))
+    assert resources(k).get("stack", 0) == 0
+
+
+def test_one_partition_kernel_is_serialized_by_ptxas():
+    """Why the one-partition kernel could not overlap: it reads block kb - 1's product while block kb's wgmma
+    is in flight, and ptxas answers by serializing the wgmmas (C7514)."""
+    from miles_lp.formats.kernels.sass import ptxas_notes
+
+    assert any("C7514" in n for n in ptxas_notes(_probe().compile_sm90((64, 128, 4, 4))))

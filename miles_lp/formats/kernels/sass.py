@@ -91,6 +91,19 @@ def resources(ck) -> dict:
     return {"registers": int(m.group(1)), "stack": int(m.group(2)), "shared": int(m.group(3))} if m else {}
 
 
+def ptxas_notes(ck, arch: str = "sm_90a") -> list[str]:
+    """ptxas's numbered notes (``(C75xx) ...``) on the kernel's PTX, assembled again with ``-v``. Triton keeps
+    them quiet; C7514 is the one that matters for a wgmma kernel: ptxas serialized its wgmmas because other
+    instructions read an in-flight accumulator (the asynchrony the kernel was written for is gone)."""
+    with tempfile.TemporaryDirectory() as d:
+        ptx = os.path.join(d, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(ck.asm["ptx"])
+        r = subprocess.run([_bin("ptxas"), f"-arch={arch}", "-v", ptx, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True, check=True)
+    return [ln.split("ptxas info    : ", 1)[-1] for ln in r.stderr.splitlines() if "(C75" in ln]
+
+
 def main_body(lines: list[str]) -> list[str]:
     """The kernel's own code: up to its last EXIT. What follows are subroutines (the slow path of the exact
     fp32 division, ``div.rn.f32``, taken only for denormal / huge operands), counted by ``histogram`` but
