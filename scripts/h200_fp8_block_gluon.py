@@ -367,6 +367,8 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--linear", action="store_true",
+                    help="then bench linear with the fastest warp-specialized plan as the wgrad, beside cuBLAS's")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -388,9 +390,39 @@ def main(argv=None) -> int:
         row = shape_row(m, n, k, ok_plans)
         print(row["shape"], json.dumps(row), flush=True)
         res["rows"].append(row)
+    ws_ok = [p for p in ok_plans if len(p) == 5]
+    if args.linear and ws_ok:
+        res["linear"] = linear_rounds(min(ws_ok, key=lambda p: res["rows"][0][f"gluon {p}"]))
     res["seconds"] = time.time() - t0
-    (out / "gluon.json").write_text(json.dumps(res, indent=1))
+    (out / "gluon.json").write_text(json.dumps(res, indent=1, default=str))
     return 0 if ok_plans else 1
+
+
+def linear_rounds(plan, rounds: int = 2) -> list[dict]:
+    """``bench linear`` (fp8_block quantized, large and small, eager and graphed) with the wgrad on cuBLAS and on
+    the warp-specialized kernel at ``plan``, alternating, ``rounds`` times each."""
+    from miles_lp.bench import linear as BL
+    from miles_lp.train import fp8_block_gemm as G
+
+    cublas = G.wgrad_mm
+
+    def ws(gc, xc, out_dtype=None):
+        return block_mm_ws(gc.data, gc.scale_inv, xc.data, xc.scale_inv, 1, plan)
+
+    shapes = [BL._parse_shape(s) for s in ("large", "small")]
+    runs = []
+    for rnd in range(rounds):
+        for name, fn in (("cublas", cublas), (f"gluon {plan}", ws)):
+            G.wgrad_mm = fn
+            try:
+                rows = BL.bench(shapes, modes=[("fp8_block", "quantized")], kernels=["compiled"], graph=True,
+                                warmup=3, iters=10)
+            finally:
+                G.wgrad_mm = cublas
+            print(f"--- bench linear, wgrad {name} (round {rnd + 1})", flush=True)
+            print(BL.format_table(rows), flush=True)
+            runs.append({"wgrad": name, "round": rnd + 1, "rows": rows})
+    return runs
 
 
 if __name__ == "__main__":

@@ -475,7 +475,8 @@ def _host_top(fn, calls: int = 30, n: int = 10) -> list[dict]:
 
 
 def _profile_cases(m: int, n: int, k: int, dev, modes) -> list[tuple[str, object]]:
-    """(name, step) for bf16 F.linear and each QuantLinear mode (fresh weight grid) at one shape."""
+    """(name, step) for bf16 F.linear and each QuantLinear mode at one shape, its weight grid fresh (quantized in
+    every call) and cached."""
     import torch.nn.functional as F
 
     from miles_lp.formats.spec import BackwardMode, Format
@@ -499,12 +500,16 @@ def _profile_cases(m: int, n: int, k: int, dev, modes) -> list[tuple[str, object
             x.grad = lin.weight.grad = None
             ql(x).backward(dy)
 
-        cases.append((f"{fmt}/{bw}", fresh))
+        def cached(ql=ql) -> None:  # the weight's grid kept from the last call (one step's micro-batches)
+            x.grad = lin.weight.grad = None
+            ql(x).backward(dy)
+
+        cases += [(f"{fmt_opt}/{bw}", fresh), (f"{fmt_opt}/{bw} cached", cached)]
     return cases
 
 
 def profile(shapes, device: str = "cuda", modes=None, on_line=print) -> list[dict]:
-    """``profile_step`` of bf16 F.linear and each QuantLinear mode (fresh weight grid) per shape."""
+    """``profile_step`` of bf16 F.linear and each QuantLinear mode (fresh and cached weight grid) per shape."""
     import torch
 
     dev = torch.device(device)

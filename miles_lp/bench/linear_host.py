@@ -17,7 +17,8 @@ from contextlib import contextmanager
 @contextmanager
 def _stubbed():
     """Kernel launches as no-ops, CPU tensors accepted by the kernel entry points, bf16 GEMM operands as on
-    CUDA; everything restored afterwards."""
+    CUDA, fp8_block on its native path (operand kernels and cuBLAS's block-scaled GEMM as counted no-ops);
+    everything restored afterwards."""
     import torch
 
     from miles_lp.formats import kernels
@@ -25,13 +26,24 @@ def _stubbed():
     from miles_lp.train import gemm
     from miles_lp.train import launch as bound
 
+    from miles_lp.formats.kernels import fp8_block
+    from miles_lp.train import fp8_block_gemm
+
     saved = (runtime.launch, kernels.enabled, runtime.module_for, gemm.gemm_operand_dtype, bound.FAKE_BIND)
+    saved_fp8 = (fp8_block._launch, fp8_block._module, fp8_block_gemm._mm, gemm._fp8_native)
     calls = {"n": 0}
 
     def launch(*a, **k):
         calls["n"] += 1
 
+    def scaled_mm(a, scale_a, b, scale_b, recipe_b, out_dtype=torch.bfloat16):  # cuBLAS's call, as a launch
+        calls["n"] += 1
+        return torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
     runtime.launch = launch
+    # fp8_block: the native path (operand kernels and cuBLAS's block-scaled GEMMs), as on an sm_90 GPU
+    fp8_block._launch, fp8_block._module, fp8_block_gemm._mm = launch, (lambda x: None), scaled_mm
+    gemm._fp8_native = lambda x, weight, grid: grid.scheme.native_gemm and grid.kernel != "reference"
     kernels.enabled = lambda x: True
     runtime.module_for = lambda x: None
     # the bound launches (miles_lp.train.launch) as on CUDA, their C launcher a counting no-op
@@ -42,6 +54,7 @@ def _stubbed():
         yield calls
     finally:
         runtime.launch, kernels.enabled, runtime.module_for, gemm.gemm_operand_dtype, bound.FAKE_BIND = saved
+        fp8_block._launch, fp8_block._module, fp8_block_gemm._mm, gemm._fp8_native = saved_fp8
         runtime.PLANS.clear()
         bound.clear()
 
