@@ -355,11 +355,38 @@ def shape_row(m: int, n: int, k: int, plans) -> dict:
         row = {"shape": f"{m}x{n}x{k}", "bf16": median_us(lambda: torch.mm(dy.t(), x)),
                "scaled_mm": median_us(lambda: G.wgrad_mm(gcs, xcs))}
     row["triton"] = median_us(lambda: bm.block_mm(gcs.data, gcs.scale_inv, xcs.data, xcs.scale_inv, 1))
+    row["host scaled_mm"] = host_us(lambda: G.wgrad_mm(gcs, xcs))
     for plan in plans:
         fn = lambda plan=plan: _run(plan)(gcs.data, gcs.scale_inv, xcs.data, xcs.scale_inv, 1, plan)  # noqa: E731
         row[f"gluon {plan}"] = median_us(fn)
         row[f"gluon {plan} diff"] = bm.rel_err(fn(), ref)
+        row[f"host gluon {plan}"] = host_us(fn)
+    # the forward GEMM (x 1x128 x w 128x128), the same kernel with one scale per 128 columns of b
+    _, _, (xs, _) = k8.quantize_act(x, False, rows=True, cols=False, grids=False)
+    wb = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    wq, wt = k8.quantize_weight(wb, False)
+    w = G.WeightOperands(wq, wt)
+    fref = G.forward_mm(xs, w)
+    row["fwd bf16"] = median_us(lambda: torch.mm(x, wb.t()))
+    row["fwd scaled_mm"] = median_us(lambda: G.forward_mm(xs, w))
+    for plan in [p for p in plans if len(p) == 5]:
+        fn = lambda plan=plan: block_mm_ws(xs.data, xs.scale_inv, wq.data, wq.scale_inv, 128, plan)  # noqa: E731
+        row[f"fwd gluon {plan}"] = median_us(fn)
+        row[f"fwd gluon {plan} diff"] = bm.rel_err(fn()[:m], fref)
     return row
+
+
+def host_us(fn, calls: int = 50) -> float:
+    """Host time per call of ``fn`` (launch path only; the GPU runs behind, synchronised after)."""
+    import torch
+
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    dt = (time.perf_counter() - t) / calls * 1e6
+    torch.cuda.synchronize()
+    return dt
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,245 @@
+"""A Gluon FP8 blockwise GEMM for the 1x128 x 1x128 wgrad, for one H200 call: correctness, then time it beside cuBLAS.
+
+NOT YET RUN ON A GPU (compiled for sm_90 on CPU only: ``tests/unit/test_fp8_block_gluon_compile.py``).
+
+Why: the learner's fp8_block wgrad (TE's Float8BlockScaling: dy and x in 1x128 tiles along the tokens) is the
+slowest of QuantLinear's three FP8 GEMMs on the H200 (cuBLAS 0.73-0.92x bf16) and the main reason QuantLinear
+misses 0.70x bf16 at 8192^3. ``formats.kernels.fp8_block_mm`` (Triton) lost to cuBLAS (1538 vs 1248 us) because
+Triton waits for each wgmma before scaling its product (docs/results/h200-fp8-block-mm-2026-12-02). Gluon
+(Triton's explicit-layout dialect) exposes the asynchronous wgmma and its wait depth: this kernel issues block kb's
+wgmma, then waits only for block kb - 1's (``warpgroup_mma_wait(num_outstanding=1)``) and scales and adds that
+one while block kb's runs on the tensor cores. Tiles come in by TMA into a STAGES-deep ring, one mbarrier per stage;
+a stage is refilled once both warpgroups' MMAs of it are done (a CTA barrier: each warpgroup waits on its own).
+
+    python3 scripts/h200_fp8_block_gluon.py --out DIR
+
+1. the kernel against the fp32 emulation (``fp8_block_mm.emulated_mm``) at small shapes (partial tiles included),
+   1x128 and 128x128 scales on b, within ``fp8_block_mm.FP32_REL_TOL`` after bf16 rounding's 2^-8;
+2. at 8192^3 and 2048x4096x4096 (tokens x N x K): bf16 ``torch.mm``, cuBLAS's block-scaled wgrad
+   (``fp8_block_gemm.wgrad_mm``), ``fp8_block_mm`` (Triton) and this kernel at each plan of ``PLANS``, each
+   result against cuBLAS's; CUDA events, median of 20 after 3 warm-up calls; DIR/gluon.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from miles_lp.bench.cuda_timing import median_us
+
+#: (BLOCK_M, BLOCK_N, warps, STAGES): sm_90 compiles of each without spills (128 x 128 at 8 warps and 4 stages
+#: spills 8 bytes; ``tests/unit/test_fp8_block_gluon_compile.py``)
+PLANS = [(128, 128, 8, 3), (128, 64, 8, 4), (64, 128, 4, 4), (128, 128, 8, 4)]
+
+
+@gluon.jit
+def _issue(a_desc, b_desc, a_smem, b_smem, bars, kb, off_m, off_n, STAGES: gl.constexpr, pred):
+    s = kb % STAGES
+    bar = bars.index(s)
+    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(a_desc, [off_m, kb * 128], bar, a_smem.index(s), pred=pred)
+    tma.async_copy_global_to_shared(b_desc, [off_n, kb * 128], bar, b_smem.index(s), pred=pred)
+
+
+@gluon.jit
+def block_mm_lag_kernel(a_desc, b_desc, sa_ptr, sb_ptr, c_ptr, M, N, K, s_sam, s_sak, s_sbn, s_sbk, s_cm,
+                        B_DIV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+                        STAGES: gl.constexpr, num_warps: gl.constexpr):
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                  instr_shape=[16, BLOCK_N, 32])
+    row_l: gl.constexpr = gl.SliceLayout(1, mma)
+    col_l: gl.constexpr = gl.SliceLayout(0, mma)
+    tile = gl.program_id(0)
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (tile // per_group) * GROUP_M
+    group_m = gl.minimum(tiles_m - first_m, GROUP_M)
+    pm = first_m + (tile % per_group) % group_m
+    pn = (tile % per_group) // group_m
+    off_m = pm * BLOCK_M
+    off_n = pn * BLOCK_N
+    rows = off_m + gl.arange(0, BLOCK_M, layout=row_l)
+    cols = off_n + gl.arange(0, BLOCK_N, layout=col_l)
+    row_in = rows < M
+    col_in = cols < N
+    sa_rows = sa_ptr + rows.to(gl.int64) * s_sam
+    sb_rows = sb_ptr + (cols // B_DIV).to(gl.int64) * s_sbn
+
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, 128], a_desc.layout)
+    b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, 128], b_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    kbs = K // 128
+    for i in gl.static_range(STAGES):
+        _issue(a_desc, b_desc, a_smem, b_smem, bars, i, off_m, off_n, STAGES, i < kbs)
+
+    zero = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
+    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
+    # block 0: issued before the loop, scaled in iteration 1 while block 1's MMA runs
+    mbarrier.wait(bars.index(0), 0)
+    tok = warpgroup_mma(a_smem.index(0), b_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True,
+                        max_num_imprecise_acc=128)
+    sa = gl.load(sa_rows, mask=row_in, other=0.0)
+    sb = gl.load(sb_rows, mask=col_in, other=0.0)
+    for kb in range(1, kbs):
+        st = kb % STAGES
+        mbarrier.wait(bars.index(st), (kb // STAGES) & 1)
+        nxt = warpgroup_mma(a_smem.index(st), b_smem.index(st).permute((1, 0)), zero, use_acc=False, is_async=True,
+                            max_num_imprecise_acc=128)
+        sa_n = gl.load(sa_rows + kb * s_sak, mask=row_in, other=0.0)
+        sb_n = gl.load(sb_rows + kb * s_sbk, mask=col_in, other=0.0)
+        d = warpgroup_mma_wait(num_outstanding=1, deps=(tok, ))  # block kb - 1 done; block kb still running
+        acc += (d * sb[None, :]) * sa[:, None]
+        # stage of block kb - 1 is free once both warpgroups' MMAs of it are done (each waits for its own):
+        # all warps meet, then block kb - 1 + STAGES is loaded into it
+        gl.thread_barrier()
+        _issue(a_desc, b_desc, a_smem, b_smem, bars, kb - 1 + STAGES, off_m, off_n, STAGES, kb - 1 + STAGES < kbs)
+        tok = nxt
+        sa = sa_n
+        sb = sb_n
+    d = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
+    acc += (d * sb[None, :]) * sa[:, None]
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+    offs = rows[:, None].to(gl.int64) * s_cm + cols[None, :]
+    gl.store(c_ptr + offs, acc.to(gl.bfloat16), mask=row_in[:, None] & col_in[None, :])
+
+
+def compile_sm90(plan, b_block: int = 1):
+    """Triton's CompiledKernel of the kernel at ``plan`` for sm_90, compiled here (no GPU needed)."""
+    from triton import compiler
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    bm, bn, warps, stages = plan
+    la = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv)
+    lb = gl.NVMMASharedLayout.get_default_for([bn, 128], gl.float8e4nv)
+    sig = {"a_desc": f"tensordesc<fp8e4nv[{bm}, 128],{la!r}>", "b_desc": f"tensordesc<fp8e4nv[{bn}, 128],{lb!r}>",
+           "sa_ptr": "*fp32", "sb_ptr": "*fp32", "c_ptr": "*bf16"}
+    sig.update(dict.fromkeys(("M", "N", "K", "s_sam", "s_sak", "s_sbn", "s_sbk", "s_cm"), "i32"))
+    consts = dict(B_DIV=b_block, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, STAGES=stages, num_warps=warps)
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    return compiler.compile(GluonASTSource(block_mm_lag_kernel, sig, consts, {}), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": warps})
+
+
+def _descs(a, b, bm: int, bn: int):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    la = gl.NVMMASharedLayout.get_default_for([bm, 128], gl.float8e4nv)
+    lb = gl.NVMMASharedLayout.get_default_for([bn, 128], gl.float8e4nv)
+    return (TensorDescriptor(a, list(a.shape), list(a.stride()), [bm, 128], la),
+            TensorDescriptor(b, list(b.shape), list(b.stride()), [bn, 128], lb))
+
+
+def block_mm_lag(a, sa, b, sb, b_block: int, plan=PLANS[0]):
+    """c [M, N] bf16 = sum_kb (a[:, kb] @ b[:, kb].T) * sa[:, kb] * sb[., kb] (``fp8_block_mm.block_mm``'s contract;
+    a, b float8_e4m3fn, K-major, K a multiple of 128)."""
+    import torch
+
+    bm, bn, warps, stages = plan
+    m, k = a.shape
+    n = b.shape[0]
+    c = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
+    ad, bd = _descs(a, b, bm, bn)
+    grid = (-(-m // bm) * -(-n // bn),)
+    block_mm_lag_kernel[grid](ad, bd, sa, sb, c, m, n, k, sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1),
+                              c.stride(0), B_DIV=b_block, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, STAGES=stages,
+                              num_warps=warps)
+    return c
+
+
+def check(plan) -> list[str]:
+    """The kernel at ``plan`` against the fp32 emulation on the codec's operands (small shapes)."""
+    import torch
+
+    from miles_lp.formats.fp8 import quantize_fp8_blockwise
+    from miles_lp.formats.kernels import fp8_block_mm as bm
+
+    g = torch.Generator().manual_seed(0)
+    bad = []
+    for m, n, k in ((128, 128, 256), (256, 384, 512), (200, 136, 384)):
+        x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
+        x[1] = 0
+        x[2, 5] = 1e4
+        y = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+        for b_block in (1, 128):
+            xa = quantize_fp8_blockwise(x, (1, 128), False)
+            yb = quantize_fp8_blockwise(y, (b_block, 128), False)
+            ref = bm.emulated_mm(xa.data, xa.scale_inv, yb.data, yb.scale_inv, b_block)
+            sa = xa.scale_inv.t().contiguous().t().cuda()
+            c = block_mm_lag(xa.data.cuda(), sa, yb.data.cuda(), yb.scale_inv.cuda(), b_block, plan)
+            e = bm.rel_err(c.cpu(), ref)
+            if not e <= 2.0 ** -8 + bm.FP32_REL_TOL:
+                bad.append(f"{m}x{n}x{k} b_block={b_block} plan={plan}: rel err {e:.2e}")
+    return bad
+
+
+def shape_row(m: int, n: int, k: int, plans) -> dict:
+    """The wgrad at tokens m, weight [n, k]: bf16, cuBLAS, the Triton GEMM and this kernel at each plan (us), and
+    each of this kernel's results against cuBLAS's."""
+    import torch
+
+    from miles_lp.config import runtime_override
+    from miles_lp.formats.kernels import fp8_block as k8
+    from miles_lp.formats.kernels import fp8_block_mm as bm
+    from miles_lp.train import fp8_block_gemm as G
+
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    _, _, (_, gcs) = k8.quantize_act(dy, False, rows=False, cols=True, grids=False)
+    _, _, (_, xcs) = k8.quantize_act(x, False, rows=False, cols=True, grids=False)
+    with runtime_override(fp8_wgrad_gemm="scaled_mm"):
+        ref = G.wgrad_mm(gcs, xcs)
+        row = {"shape": f"{m}x{n}x{k}", "bf16": median_us(lambda: torch.mm(dy.t(), x)),
+               "scaled_mm": median_us(lambda: G.wgrad_mm(gcs, xcs))}
+    row["triton"] = median_us(lambda: bm.block_mm(gcs.data, gcs.scale_inv, xcs.data, xcs.scale_inv, 1))
+    for plan in plans:
+        fn = lambda plan=plan: block_mm_lag(gcs.data, gcs.scale_inv, xcs.data, xcs.scale_inv, 1, plan)  # noqa: E731
+        row[f"gluon {plan}"] = median_us(fn)
+        row[f"gluon {plan} diff"] = bm.rel_err(fn(), ref)
+    return row
+
+
+def main(argv=None) -> int:
+    import torch
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    res: dict = {"device": torch.cuda.get_device_name(), "checks": {}, "rows": []}
+    ok_plans = []
+    for plan in PLANS:
+        try:
+            bad = check(plan)
+        except Exception as e:  # a plan that does not compile or launch is a result
+            bad = [f"ERR {type(e).__name__}: {str(e).splitlines()[0][:200]}"]
+        res["checks"][str(plan)] = bad
+        print(f"check plan {plan}:", bad or "pass", flush=True)
+        if not bad:
+            ok_plans.append(plan)
+        if any("illegal" in b or "CUDA error" in b for b in bad):
+            break  # the context is lost
+    for m, n, k in ((8192, 8192, 8192), (2048, 4096, 4096)):
+        row = shape_row(m, n, k, ok_plans)
+        print(row["shape"], json.dumps(row), flush=True)
+        res["rows"].append(row)
+    res["seconds"] = time.time() - t0
+    (out / "gluon.json").write_text(json.dumps(res, indent=1))
+    return 0 if ok_plans else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
