@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -112,113 +111,6 @@ def block_mm_lag_kernel(a_desc, b_desc, sa_ptr, sb_ptr, c_ptr, M, N, K, s_sam, s
     gl.store(c_ptr + offs, acc.to(gl.bfloat16), mask=row_in[:, None] & col_in[None, :])
 
 
-@gluon.jit
-def _ws_load(a_desc, b_desc, a_smem, b_smem, ready, empty, off_m, off_n, kbs, HALF: gl.constexpr,
-             STAGES: gl.constexpr):
-    for kb in range(kbs):
-        s = kb % STAGES
-        # a stage is empty once both math warpgroups have arrived (mbarriers start with phase 1 complete)
-        mbarrier.wait(empty.index(s), ((kb // STAGES) & 1) ^ 1)
-        bar = ready.index(s)
-        mbarrier.expect(bar, 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(a_desc, [off_m, kb * 128], bar, a_smem.index(2 * s))
-        tma.async_copy_global_to_shared(a_desc, [off_m + HALF, kb * 128], bar, a_smem.index(2 * s + 1))
-        tma.async_copy_global_to_shared(b_desc, [off_n, kb * 128], bar, b_smem.index(s))
-
-
-@gluon.jit
-def _ws_math(a_smem, b_smem, ready, empty, sa_ptr, sb_ptr, c_ptr, off_m, off_n, M, N, kbs, s_sam, s_sak, s_sbn,
-             s_sbk, s_cm, WG: gl.constexpr, B_DIV: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
-             STAGES: gl.constexpr, LAG: gl.constexpr):
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
-    rows = off_m + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, mma))
-    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-    row_in = rows < M
-    col_in = cols < N
-    sa_rows = sa_ptr + rows.to(gl.int64) * s_sam
-    sb_rows = sb_ptr + (cols // B_DIV).to(gl.int64) * s_sbn
-    zero = gl.zeros((HALF, BLOCK_N), dtype=gl.float32, layout=mma)
-    acc = gl.zeros((HALF, BLOCK_N), dtype=gl.float32, layout=mma)
-    if LAG:
-        # block kb - 1 is scaled while block kb's MMA runs
-        sa = gl.load(sa_rows, mask=row_in, other=0.0)
-        sb = gl.load(sb_rows, mask=col_in, other=0.0)
-        mbarrier.wait(ready.index(0), 0)
-        tok = warpgroup_mma(a_smem.index(WG), b_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-        for kb in range(1, kbs):
-            s = kb % STAGES
-            mbarrier.wait(ready.index(s), (kb // STAGES) & 1)
-            nxt = warpgroup_mma(a_smem.index(2 * s + WG), b_smem.index(s).permute((1, 0)), zero, use_acc=False,
-                                is_async=True)
-            sa_n = gl.load(sa_rows + kb * s_sak, mask=row_in, other=0.0)
-            sb_n = gl.load(sb_rows + kb * s_sbk, mask=col_in, other=0.0)
-            d = warpgroup_mma_wait(num_outstanding=1, deps=(tok, ))
-            mbarrier.arrive(empty.index((kb - 1) % STAGES), count=1)
-            acc += (d * sb[None, :]) * sa[:, None]
-            tok = nxt
-            sa = sa_n
-            sb = sb_n
-        d = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
-        mbarrier.arrive(empty.index((kbs - 1) % STAGES), count=1)
-        acc += (d * sb[None, :]) * sa[:, None]
-    else:
-        # the other math warpgroup's MMA runs while this one scales (DeepGEMM's scheme). The product's registers
-        # are the last block's (use_acc=False ignores their values) and the scales are loaded while the MMA runs:
-        # no register is held for a zero tile or a prefetched scale, so the 12-warp CTA's 168 registers suffice
-        # Each thread of the MMA layout holds BLOCK_N / 4 columns: their scales are loaded one per thread and
-        # spread by a layout conversion, not through BLOCK_N / 4 pointers per thread
-        flat: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        cols_1 = off_n + gl.arange(0, BLOCK_N, layout=flat)
-        sb_1 = sb_ptr + (cols_1 // B_DIV).to(gl.int64) * s_sbn
-        col_in_1 = cols_1 < N
-        d = zero
-        for kb in range(kbs):
-            s = kb % STAGES
-            mbarrier.wait(ready.index(s), (kb // STAGES) & 1)
-            tok = warpgroup_mma(a_smem.index(2 * s + WG), b_smem.index(s).permute((1, 0)), d, use_acc=False,
-                                is_async=True)
-            sa = gl.load(sa_rows + kb * s_sak, mask=row_in, other=0.0)
-            sb = gl.convert_layout(gl.load(sb_1 + kb * s_sbk, mask=col_in_1, other=0.0), gl.SliceLayout(0, mma))
-            d = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
-            mbarrier.arrive(empty.index(s), count=1)
-            acc += (d * sb[None, :]) * sa[:, None]
-    offs = rows[:, None].to(gl.int64) * s_cm + cols[None, :]
-    gl.store(c_ptr + offs, acc.to(gl.bfloat16), mask=row_in[:, None] & col_in[None, :])
-
-
-@gluon.jit
-def block_mm_ws_kernel(a_desc, b_desc, sa_ptr, sb_ptr, c_ptr, M, N, K, s_sam, s_sak, s_sbn, s_sbk, s_cm,
-                       B_DIV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-                       STAGES: gl.constexpr, LAG: gl.constexpr, MATH_REGS: gl.constexpr, num_warps: gl.constexpr):
-    """Warp-specialized: one loader warp feeds a STAGES-deep TMA ring; two math warpgroups (this partition and a
-    worker) each take BLOCK_M / 2 rows of the tile, each with its own wgmma stream, and each frees a stage by
-    arriving on its mbarrier (count 2)."""
-    HALF: gl.constexpr = BLOCK_M // 2
-    tile = gl.program_id(0)
-    tiles_m = gl.cdiv(M, BLOCK_M)
-    tiles_n = gl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (tile // per_group) * GROUP_M
-    group_m = gl.minimum(tiles_m - first_m, GROUP_M)
-    off_m = (first_m + (tile % per_group) % group_m) * BLOCK_M
-    off_n = ((tile % per_group) // group_m) * BLOCK_N
-    a_smem = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, HALF, 128], a_desc.layout)
-    b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, 128], b_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
-    kbs = K // 128
-    gl.warp_specialize([
-        (_ws_math, (a_smem, b_smem, ready, empty, sa_ptr, sb_ptr, c_ptr, off_m, off_n, M, N, kbs, s_sam, s_sak,
-                    s_sbn, s_sbk, s_cm, 0, B_DIV, HALF, BLOCK_N, STAGES, LAG)),
-        (_ws_math, (a_smem, b_smem, ready, empty, sa_ptr, sb_ptr, c_ptr, off_m, off_n, M, N, kbs, s_sam, s_sak,
-                    s_sbn, s_sbk, s_cm, 1, B_DIV, HALF, BLOCK_N, STAGES, LAG)),
-        (_ws_load, (a_desc, b_desc, a_smem, b_smem, ready, empty, off_m, off_n, kbs, HALF, STAGES)),
-    ], [4, 1], [MATH_REGS, 24])
-
-
 def compile_sm90(plan, b_block: int = 1):
     """Triton's CompiledKernel of the kernel at ``plan`` for sm_90, compiled here (no GPU needed)."""
     from triton import compiler
@@ -237,46 +129,14 @@ def compile_sm90(plan, b_block: int = 1):
                             options={"num_warps": warps})
 
 
-#: (BLOCK_M, BLOCK_N, STAGES, LAG, MATH_REGS) of the warp-specialized kernel: two math warpgroups of BLOCK_M / 2 rows
-#: and a loader warp; LAG 1 scales block kb - 1 while block kb's MMA runs, LAG 0 waits for each block
-WS_PLANS = [(128, 128, 6, 0, 232), (128, 128, 4, 0, 232), (128, 64, 8, 0, 232), (128, 128, 5, 0, 232)]
-#: registers per thread for the whole kernel (12 warps: 2 math warpgroups and the loader's, rounded up)
-WS_MAXNREG = 168
+#: ``formats.kernels.fp8_block_ws.CONFIG`` overrides timed (the first is the default)
+WS_PLANS = [{}, {"stages": 4}, {"bn": 64, "stages": 8}, {"stages": 5}]
 
 
-def compile_ws_sm90(plan, b_block: int = 1):
-    """Triton's CompiledKernel of the warp-specialized kernel at ``plan`` for sm_90, compiled here (no GPU)."""
-    from triton import compiler
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+def block_mm_ws(a, sa, b, sb, b_block: int, plan=None):
+    from miles_lp.formats.kernels import fp8_block_ws
 
-    bm, bn, stages, lag, regs = plan
-    la = gl.NVMMASharedLayout.get_default_for([bm // 2, 128], gl.float8e4nv)
-    lb = gl.NVMMASharedLayout.get_default_for([bn, 128], gl.float8e4nv)
-    sig = {"a_desc": f"tensordesc<fp8e4nv[{bm // 2}, 128],{la!r}>",
-           "b_desc": f"tensordesc<fp8e4nv[{bn}, 128],{lb!r}>", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "c_ptr": "*bf16"}
-    sig.update(dict.fromkeys(("M", "N", "K", "s_sam", "s_sak", "s_sbn", "s_sbk", "s_cm"), "i32"))
-    consts = dict(B_DIV=b_block, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, STAGES=stages, LAG=lag, MATH_REGS=regs,
-                  num_warps=4)
-    sig.update(dict.fromkeys(consts, "constexpr"))
-    return compiler.compile(GluonASTSource(block_mm_ws_kernel, sig, consts, {}), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": 4, "maxnreg": WS_MAXNREG})
-
-
-def block_mm_ws(a, sa, b, sb, b_block: int, plan=WS_PLANS[0]):
-    """``block_mm_lag``'s contract, computed by the warp-specialized kernel."""
-    import torch
-
-    bm, bn, stages, lag, regs = plan
-    m, k = a.shape
-    n = b.shape[0]
-    c = torch.empty((m, n), dtype=torch.bfloat16, device=a.device)
-    ad, bd = _descs(a, b, bm // 2, bn)
-    grid = (-(-m // bm) * -(-n // bn),)
-    block_mm_ws_kernel[grid](ad, bd, sa, sb, c, m, n, k, sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1),
-                             c.stride(0), B_DIV=b_block, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, STAGES=stages, LAG=lag,
-                             MATH_REGS=regs, num_warps=4, maxnreg=WS_MAXNREG)
-    return c
+    return fp8_block_ws.block_mm(a, sa, b, sb, b_block, config=plan)
 
 
 def _descs(a, b, bm: int, bn: int):
@@ -306,13 +166,19 @@ def block_mm_lag(a, sa, b, sb, b_block: int, plan=PLANS[0]):
 
 
 def _run(plan):
-    """The kernel a plan is for: a warp-specialized plan has 5 entries, a one-partition plan 4."""
-    return block_mm_ws if len(plan) == 5 else block_mm_lag
+    """The kernel a plan is for: a warp-specialized plan is a dict, a one-partition plan a tuple."""
+    return block_mm_ws if isinstance(plan, dict) else block_mm_lag
 
 
 def check(plan) -> list[str]:
-    """The kernel at ``plan`` against the fp32 emulation on the codec's operands (small shapes)."""
+    """The kernel at ``plan`` against the fp32 emulation on the codec's operands (small shapes); a warp-specialized
+    plan through the product's selfcheck (both scale rules, fp32 and bf16 results)."""
     import torch
+
+    if isinstance(plan, dict):
+        from miles_lp.formats.kernels import fp8_block_ws
+
+        return fp8_block_ws.selfcheck("cuda", config=plan)
 
     from miles_lp.formats.fp8 import quantize_fp8_blockwise
     from miles_lp.formats.kernels import fp8_block_mm as bm
@@ -369,7 +235,7 @@ def shape_row(m: int, n: int, k: int, plans) -> dict:
     fref = G.forward_mm(xs, w)
     row["fwd bf16"] = median_us(lambda: torch.mm(x, wb.t()))
     row["fwd scaled_mm"] = median_us(lambda: G.forward_mm(xs, w))
-    for plan in [p for p in plans if len(p) == 5]:
+    for plan in [p for p in plans if isinstance(p, dict)]:
         fn = lambda plan=plan: block_mm_ws(xs.data, xs.scale_inv, wq.data, wq.scale_inv, 128, plan)  # noqa: E731
         row[f"fwd gluon {plan}"] = median_us(fn)
         row[f"fwd gluon {plan} diff"] = bm.rel_err(fn()[:m], fref)
@@ -417,7 +283,7 @@ def main(argv=None) -> int:
         row = shape_row(m, n, k, ok_plans)
         print(row["shape"], json.dumps(row), flush=True)
         res["rows"].append(row)
-    ws_ok = [p for p in ok_plans if len(p) == 5]
+    ws_ok = [p for p in ok_plans if isinstance(p, dict)]
     if args.linear and ws_ok:
         res["linear"] = linear_rounds(min(ws_ok, key=lambda p: res["rows"][0][f"gluon {p}"]))
     res["seconds"] = time.time() - t0
@@ -426,31 +292,21 @@ def main(argv=None) -> int:
 
 
 def linear_rounds(plan, rounds: int = 2) -> list[dict]:
-    """``bench linear`` (fp8_block quantized, large and small, eager and graphed) with the wgrad on cuBLAS and on
-    the warp-specialized kernel at ``plan``, alternating, ``rounds`` times each."""
+    """``bench linear`` (fp8_block quantized, large and small, eager and graphed) with ``runtime.fp8_wgrad_gemm``
+    scaled_mm and gluon (``fp8_block_ws.CONFIG`` updated by ``plan``), alternating, ``rounds`` times each."""
     from miles_lp.bench import linear as BL
-    from miles_lp.train import fp8_block_gemm as G
+    from miles_lp.config import runtime_override
+    from miles_lp.formats.kernels import fp8_block_ws
 
-    cublas = G.wgrad_mm
-
-    def ws(gc, xc, out_dtype=None):
-        return block_mm_ws(gc.data, gc.scale_inv, xc.data, xc.scale_inv, 1, plan)
-
+    fp8_block_ws.CONFIG.update(plan)
     shapes = [BL._parse_shape(s) for s in ("large", "small")]
     runs = []
     for rnd in range(rounds):
-        for name, fn in (("cublas", cublas), (f"gluon {plan}", ws)):
-            G.wgrad_mm = fn
-            try:
+        for choice in ("scaled_mm", "gluon"):
+            with runtime_override(fp8_wgrad_gemm=choice):
                 rows = BL.bench(shapes, modes=[("fp8_block", "quantized")], kernels=["compiled"], graph=True,
                                 warmup=3, iters=10)
-            finally:
-                G.wgrad_mm = cublas
-            print(f"--- bench linear, wgrad {name} (round {rnd + 1})", flush=True)
+            print(f"--- bench linear, fp8_wgrad_gemm={choice} {plan} (round {rnd + 1})", flush=True)
             print(BL.format_table(rows), flush=True)
-            runs.append({"wgrad": name, "round": rnd + 1, "rows": rows})
+            runs.append({"wgrad": choice, "plan": plan, "round": rnd + 1, "rows": rows})
     return runs
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -74,11 +74,9 @@ def _scales(s: torch.Tensor, want: tuple[int, int], what: str) -> None:
         raise FormatError(f"fp8_block GEMM: {what} must be fp32 {list(want)}, got {s.dtype} {tuple(s.shape)}")
 
 
-def block_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, b_block: int, *,
-             out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None) -> torch.Tensor:
-    """c ``[M, N]`` (bf16 or fp32) = ``a [M, K]`` (1x128 scales ``sa [M, K/128]``) times ``b [N, K]`` transposed
-    (``sb``: ``[N, K/128]`` when ``b_block`` is 1, ``[ceil(N/128), K/128]`` when 128). ``config``: the launch plan
-    (``CONFIG``'s entry for the kind unless given)."""
+def check_operands(a, sa, b, sb, b_block: int, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``block_mm``'s contract checked (a clear error naming the operand otherwise); returns a and b as the kernels
+    read them (float8_e4m3fn on CUDA, bytes in the interpreter)."""
     a8, b8 = _bytes(a, "a"), _bytes(b, "b")
     m, k = a8.shape
     n = b8.shape[0]
@@ -94,6 +92,18 @@ def block_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tenso
         raise FormatError(f"fp8_block GEMM: out_dtype must be bfloat16 or float32, got {out_dtype}")
     if len({a.device, b.device, sa.device, sb.device}) != 1:
         raise FormatError("fp8_block GEMM: operands and scales must be on one device")
+    return a8, b8
+
+
+def block_mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, b_block: int, *,
+             out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None) -> torch.Tensor:
+    """c ``[M, N]`` (bf16 or fp32) = ``a [M, K]`` (1x128 scales ``sa [M, K/128]``) times ``b [N, K]`` transposed
+    (``sb``: ``[N, K/128]`` when ``b_block`` is 1, ``[ceil(N/128), K/128]`` when 128). ``config``: the launch plan
+    (``CONFIG``'s entry for the kind unless given)."""
+    a8, b8 = check_operands(a, sa, b, sb, b_block, out_dtype)
+    m, k = a8.shape
+    n = b8.shape[0]
+    kb = k // BLOCK
     cfg = dict(CONFIG["1d1d" if b_block == 1 else "1d2d"])
     cfg.update(config or {})
     bm, bn = int(cfg["bm"]), int(cfg["bn"])
@@ -127,10 +137,12 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def selfcheck(device: str = "cuda", seed: int = 0, shapes=None, config: dict | None = None) -> list[str]:
+def selfcheck(device: str = "cuda", seed: int = 0, shapes=None, config: dict | None = None, gemm=None) -> list[str]:
     """The kernel against the emulation on the operand kernels' storages of random bf16 inputs (outliers and a zero
     row included), both scale layouts (1x128 on b; 128x128 on b), both scale rules, fp32 and bf16 results; returns
-    the failures (empty: pass)."""
+    the failures (empty: pass). ``gemm``: another GEMM of ``block_mm``'s signature to check the same way (the
+    warp-specialized ``fp8_block_ws.block_mm``)."""
+    gemm = gemm or block_mm
     from miles_lp.formats.fp8 import quantize_fp8_blockwise
 
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -150,8 +162,8 @@ def selfcheck(device: str = "cuda", seed: int = 0, shapes=None, config: dict | N
                 ref = emulated_mm(xa.data, xa.scale_inv, yb.data, yb.scale_inv, b_block)
                 tag = f"{m}x{n}x{k} b_block={b_block} pow2={pow2}"
                 try:
-                    c32 = block_mm(*ops, b_block, out_dtype=torch.float32, config=config)
-                    c16 = block_mm(*ops, b_block, config=config)
+                    c32 = gemm(*ops, b_block, out_dtype=torch.float32, config=config)
+                    c16 = gemm(*ops, b_block, config=config)
                 except FormatError as e:
                     bad.append(f"{tag}: {e}")
                     continue
