@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -255,6 +258,13 @@ def host_us(fn, calls: int = 50) -> float:
     return dt
 
 
+def _hung(out: Path, res: dict, plan) -> None:
+    res["hung"] = str(plan)
+    (out / "gluon.json").write_text(json.dumps(res, indent=1, default=str))
+    print(f"HUNG: plan {plan} did not finish its check in 90 s", flush=True)
+    os._exit(3)
+
+
 def main(argv=None) -> int:
     import torch
 
@@ -269,10 +279,15 @@ def main(argv=None) -> int:
     res: dict = {"device": torch.cuda.get_device_name(), "checks": {}, "rows": []}
     ok_plans = []
     for plan in [*WS_PLANS, PLANS[2]]:
+        # a pipeline whose barriers never complete hangs the GPU: the watchdog writes what is known and exits
+        dog = threading.Timer(90.0, _hung, (out, res, plan))
+        dog.start()
         try:
             bad = check(plan)
         except Exception as e:  # a plan that does not compile or launch is a result
             bad = [f"ERR {type(e).__name__}: {str(e).splitlines()[0][:200]}"]
+        finally:
+            dog.cancel()
         res["checks"][str(plan)] = bad
         print(f"check plan {plan}:", bad or "pass", flush=True)
         if not bad:
@@ -310,3 +325,7 @@ def linear_rounds(plan, rounds: int = 2) -> list[dict]:
             print(BL.format_table(rows), flush=True)
             runs.append({"wgrad": choice, "plan": plan, "round": rnd + 1, "rows": rows})
     return runs
+
+
+if __name__ == "__main__":
+    sys.exit(main())
