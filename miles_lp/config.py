@@ -253,10 +253,10 @@ class RuntimeConfig:
     # REL_TOL of the emulated GEMM
     fp8_decode_gemm: typing.Literal["auto", "triton", "scaled_mm"] = "auto"
     # the learner's fp8_block wgrad GEMM on sm_90 (1x128 tiles along the tokens on both operands): auto
-    # (formats.kernels.fp8_block_mm.WGRAD_AUTO) | triton (miles-lp's Triton GEMM) | gluon (miles-lp's
-    # warp-specialized Gluon GEMM, formats.kernels.fp8_block_ws) | scaled_mm (cuBLAS's block-scaled GEMM). Not
-    # byte-equal: each within the native GEMMs' tolerance of the emulated GEMM
-    fp8_wgrad_gemm: typing.Literal["auto", "triton", "gluon", "scaled_mm"] = "auto"
+    # (formats.kernels.fp8_block_mm.WGRAD_AUTO: cuBLAS, the faster on the H200) | triton (miles-lp's Triton GEMM)
+    # | scaled_mm (cuBLAS's block-scaled GEMM). Not byte-equal: both within the native GEMMs' tolerance of the
+    # emulated GEMM
+    fp8_wgrad_gemm: typing.Literal["auto", "triton", "scaled_mm"] = "auto"
 
     def _validate(self, where: Where) -> None:
         for f in dataclasses.fields(self):

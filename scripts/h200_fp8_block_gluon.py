@@ -1,23 +1,28 @@
-"""A Gluon FP8 blockwise GEMM for the 1x128 x 1x128 wgrad, for one H200 call: correctness, then time it beside cuBLAS.
-
-NOT YET RUN ON A GPU (compiled for sm_90 on CPU only: ``tests/unit/test_fp8_block_gluon_compile.py``).
+"""Gluon FP8 blockwise GEMMs for the 1x128 x 1x128 wgrad, for one H200 call: correctness, then time them beside cuBLAS.
 
 Why: the learner's fp8_block wgrad (TE's Float8BlockScaling: dy and x in 1x128 tiles along the tokens) is the
-slowest of QuantLinear's three FP8 GEMMs on the H200 (cuBLAS 0.73-0.92x bf16) and the main reason QuantLinear
-misses 0.70x bf16 at 8192^3. ``formats.kernels.fp8_block_mm`` (Triton) lost to cuBLAS (1538 vs 1248 us) because
-Triton waits for each wgmma before scaling its product (docs/results/h200-fp8-block-mm-2026-12-02). Gluon
-(Triton's explicit-layout dialect) exposes the asynchronous wgmma and its wait depth: this kernel issues block kb's
-wgmma, then waits only for block kb - 1's (``warpgroup_mma_wait(num_outstanding=1)``) and scales and adds that
-one while block kb's runs on the tensor cores. Tiles come in by TMA into a STAGES-deep ring, one mbarrier per stage;
-a stage is refilled once both warpgroups' MMAs of it are done (a CTA barrier: each warpgroup waits on its own).
+slowest of QuantLinear's three FP8 GEMMs on the H200 and the main reason QuantLinear misses 0.70x bf16 at 8192^3.
+``formats.kernels.fp8_block_mm`` (Triton) lost to cuBLAS because Triton waits for each wgmma before scaling its
+product. Gluon (Triton's explicit-layout dialect) exposes the asynchronous wgmma. Two kernels here:
 
-    python3 scripts/h200_fp8_block_gluon.py --out DIR
+* one partition (``block_mm_lag_kernel``): issues block kb's wgmma and scales block kb - 1's product while it runs
+  (``wgmma.wait_group 1``). ptxas serializes its wgmmas for exactly that (note C7514: an accumulator of an
+  in-flight wgmma is read; ``sass.ptxas_notes``), so the overlap never happens;
+* warp-specialized (``block_mm_ws_kernel``, DeepGEMM's scheme): a loader warp fills a ring of TMA stages; two math
+  warpgroups own half of the output tile's rows each, wait for their own wgmma and scale while the other's runs.
+  ptxas keeps it asynchronous and nothing spills (``tests/unit/test_fp8_block_gluon_compile.py``).
 
-1. the kernel against the fp32 emulation (``fp8_block_mm.emulated_mm``) at small shapes (partial tiles included),
-   1x128 and 128x128 scales on b, within ``fp8_block_mm.FP32_REL_TOL`` after bf16 rounding's 2^-8;
-2. at 8192^3 and 2048x4096x4096 (tokens x N x K): bf16 ``torch.mm``, cuBLAS's block-scaled wgrad
-   (``fp8_block_gemm.wgrad_mm``), ``fp8_block_mm`` (Triton) and this kernel at each plan of ``PLANS``, each
-   result against cuBLAS's; CUDA events, median of 20 after 3 warm-up calls; DIR/gluon.json.
+Both are correct on the H200 and both are slower than cuBLAS (docs/results/h200-fp8-block-gluon-2026-12-02): the
+learner keeps cuBLAS. Run:
+
+    python3 scripts/h200_fp8_block_gluon.py --out DIR [--linear]
+
+1. each warp-specialized plan through ``fp8_block_mm.selfcheck`` (both scale rules and layouts on b, fp32 and bf16
+   results), the one-partition kernel against the emulation; a 90 s watchdog per check (a hung pipeline exits);
+2. at 8192^3 and 2048x4096x4096 (tokens x N x K): bf16 ``torch.mm``, cuBLAS's block-scaled wgrad, the Triton GEMM
+   and each kernel at each plan (CUDA events, median of 20 after 3 warm-up calls), host time per call, and the
+   forward GEMM (128x128 scales on b) on the warp-specialized kernel beside cuBLAS; DIR/gluon.json;
+3. ``--linear``: ``bench linear`` with the fastest warp-specialized plan as the learner's wgrad, beside cuBLAS's.
 """
 
 from __future__ import annotations
@@ -132,14 +137,142 @@ def compile_sm90(plan, b_block: int = 1):
                             options={"num_warps": warps})
 
 
-#: ``formats.kernels.fp8_block_ws.CONFIG`` overrides timed (the first is the default)
+@gluon.jit
+def _ws_load(a_desc, b_desc, a_smem, b_smem, ready, empty, off_m, off_n, kbs, HALF: gl.constexpr,
+          STAGES: gl.constexpr):
+    for kb in range(kbs):
+        s = kb % STAGES
+        # a stage is empty once both math warpgroups have arrived (an mbarrier starts with phase 1 complete)
+        mbarrier.wait(empty.index(s), ((kb // STAGES) & 1) ^ 1)
+        bar = ready.index(s)
+        mbarrier.expect(bar, 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(a_desc, [off_m, kb * 128], bar, a_smem.index(2 * s))
+        tma.async_copy_global_to_shared(a_desc, [off_m + HALF, kb * 128], bar, a_smem.index(2 * s + 1))
+        tma.async_copy_global_to_shared(b_desc, [off_n, kb * 128], bar, b_smem.index(s))
+
+
+@gluon.jit
+def _ws_math(a_smem, b_smem, ready, empty, sa_ptr, sb_ptr, c_ptr, off_m, off_n, M, N, kbs, s_sam, s_sak, s_sbn, s_sbk,
+          s_cm, WG: gl.constexpr, B_DIV: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
+          STAGES: gl.constexpr):
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
+    rows = off_m + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, mma))
+    cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+    row_in = rows < M
+    col_in = cols < N
+    sa_rows = sa_ptr + rows.to(gl.int64) * s_sam
+    # Each thread of the MMA layout holds BLOCK_N / 4 columns: their scales are loaded one per thread and spread
+    # by a layout conversion, not through BLOCK_N / 4 pointers per thread (registers the 12-warp CTA lacks)
+    flat: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    cols_1 = off_n + gl.arange(0, BLOCK_N, layout=flat)
+    sb_1 = sb_ptr + (cols_1 // B_DIV).to(gl.int64) * s_sbn
+    col_in_1 = cols_1 < N
+    acc = gl.zeros((HALF, BLOCK_N), dtype=gl.float32, layout=mma)
+    d = gl.zeros((HALF, BLOCK_N), dtype=gl.float32, layout=mma)
+    for kb in range(kbs):
+        s = kb % STAGES
+        mbarrier.wait(ready.index(s), (kb // STAGES) & 1)
+        # One FP8 product per 128-long K block, from zero (use_acc=False: the registers of the last block's product
+        # are reused, their values ignored). The default max_num_imprecise_acc (2^30 on sm_90) matters: a smaller
+        # one makes Triton add partial products while the wgmma is in flight, and ptxas serializes every wgmma.
+        tok = warpgroup_mma(a_smem.index(2 * s + WG), b_smem.index(s).permute((1, 0)), d, use_acc=False,
+                            is_async=True)
+        sa = gl.load(sa_rows + kb * s_sak, mask=row_in, other=0.0)
+        sb = gl.convert_layout(gl.load(sb_1 + kb * s_sbk, mask=col_in_1, other=0.0), gl.SliceLayout(0, mma))
+        # waiting for this warpgroup's product only: the other warpgroup's MMA keeps the tensor cores busy while
+        # this one scales (reading an accumulator of a wgmma still in flight would make ptxas serialize them)
+        d = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
+        mbarrier.arrive(empty.index(s), count=1)
+        acc += (d * sb[None, :]) * sa[:, None]
+    offs = rows[:, None].to(gl.int64) * s_cm + cols[None, :]
+    gl.store(c_ptr + offs, acc.to(c_ptr.dtype.element_ty), mask=row_in[:, None] & col_in[None, :])
+
+
+@gluon.jit
+def block_mm_ws_kernel(a_desc, b_desc, sa_ptr, sb_ptr, c_ptr, M, N, K, s_sam, s_sak, s_sbn, s_sbk, s_cm,
+                       B_DIV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+                       STAGES: gl.constexpr, MATH_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """One loader warp feeds a STAGES-deep TMA ring; two math warpgroups (this partition and a worker) each take
+    BLOCK_M / 2 rows of the tile with a wgmma stream of their own, and each frees a stage by arriving on its
+    mbarrier (count 2)."""
+    HALF: gl.constexpr = BLOCK_M // 2
+    tile = gl.program_id(0)
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (tile // per_group) * GROUP_M
+    group_m = gl.minimum(tiles_m - first_m, GROUP_M)
+    off_m = (first_m + (tile % per_group) % group_m) * BLOCK_M
+    off_n = ((tile % per_group) // group_m) * BLOCK_N
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, HALF, 128], a_desc.layout)
+    b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, 128], b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    kbs = K // 128
+    gl.warp_specialize([
+        (_ws_math, (a_smem, b_smem, ready, empty, sa_ptr, sb_ptr, c_ptr, off_m, off_n, M, N, kbs, s_sam, s_sak, s_sbn,
+                 s_sbk, s_cm, 0, B_DIV, HALF, BLOCK_N, STAGES)),
+        (_ws_math, (a_smem, b_smem, ready, empty, sa_ptr, sb_ptr, c_ptr, off_m, off_n, M, N, kbs, s_sam, s_sak, s_sbn,
+                 s_sbk, s_cm, 1, B_DIV, HALF, BLOCK_N, STAGES)),
+        (_ws_load, (a_desc, b_desc, a_smem, b_smem, ready, empty, off_m, off_n, kbs, HALF, STAGES)),
+    ], [4, 1], [MATH_REGS, 24])
+
+
+#: the warp-specialized kernel's defaults: BLOCK_M (two math warpgroups of BLOCK_M / 2 rows), BLOCK_N, STAGES (TMA
+#: ring depth), MATH_REGS (registers per thread of the worker math warpgroup; the loader warp keeps 24)
+WS_CONFIG = {"bm": 128, "bn": 128, "stages": 6, "math_regs": 232, "group": 8}
+#: WS_CONFIG overrides timed (the first is the default)
 WS_PLANS = [{}, {"stages": 4}, {"bn": 64, "stages": 8}, {"stages": 5}]
+#: registers per thread for the whole CTA at launch: 12 warps (two math warpgroups and the loader's) x 32 x 168
+#: fit the 64K register file; ``setmaxnreg`` then moves them from the loader to the math warpgroups
+WS_MAXNREG = 168
 
 
-def block_mm_ws(a, sa, b, sb, b_block: int, plan=None):
-    from miles_lp.formats.kernels import fp8_block_ws
+def compile_ws_sm90(config: dict | None = None, b_block: int = 1, out: str = "bf16"):
+    """Triton's CompiledKernel of the warp-specialized kernel for sm_90 at ``config`` (WS_CONFIG overrides), compiled
+    here without a GPU (Triton's compiler and ptxas)."""
+    from triton import compiler
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
 
-    return fp8_block_ws.block_mm(a, sa, b, sb, b_block, config=plan)
+    cfg = {**WS_CONFIG, **(config or {})}
+    bm, bn = int(cfg["bm"]), int(cfg["bn"])
+    la = gl.NVMMASharedLayout.get_default_for([bm // 2, 128], gl.float8e4nv)
+    lb = gl.NVMMASharedLayout.get_default_for([bn, 128], gl.float8e4nv)
+    sig = {"a_desc": f"tensordesc<fp8e4nv[{bm // 2}, 128],{la!r}>", "b_desc": f"tensordesc<fp8e4nv[{bn}, 128],{lb!r}>",
+           "sa_ptr": "*fp32", "sb_ptr": "*fp32", "c_ptr": f"*{out}"}
+    sig.update(dict.fromkeys(("M", "N", "K", "s_sam", "s_sak", "s_sbn", "s_sbk", "s_cm"), "i32"))
+    consts = dict(B_DIV=b_block, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=int(cfg["group"]), STAGES=int(cfg["stages"]),
+                  MATH_REGS=int(cfg["math_regs"]), num_warps=4)
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    return compiler.compile(GluonASTSource(block_mm_ws_kernel, sig, consts, {}), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4, "maxnreg": WS_MAXNREG})
+
+
+def block_mm_ws(a, sa, b, sb, b_block: int, plan=None, *, out_dtype=None, config=None):
+    """``fp8_block_mm.block_mm``'s contract (its checks) on the warp-specialized kernel; ``plan``: WS_CONFIG
+    overrides (``config``: the same, as ``fp8_block_mm.selfcheck`` passes it)."""
+    import torch
+
+    from miles_lp.formats.kernels import fp8_block_mm as mm
+
+    out_dtype = out_dtype or torch.bfloat16
+    a8, b8 = mm.check_operands(a, sa, b, sb, b_block, out_dtype)
+    cfg = {**WS_CONFIG, **(plan or {}), **(config or {})}
+    bm, bn = int(cfg["bm"]), int(cfg["bn"])
+    m, k = a8.shape
+    n = b8.shape[0]
+    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    ad, bd = _descs(a8, b8, bm // 2, bn)
+    grid = (-(-m // bm) * -(-n // bn),)
+    block_mm_ws_kernel[grid](ad, bd, sa, sb, c, m, n, k, sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1),
+                             c.stride(0), B_DIV=b_block, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=int(cfg["group"]),
+                             STAGES=int(cfg["stages"]), MATH_REGS=int(cfg["math_regs"]), num_warps=4,
+                             maxnreg=WS_MAXNREG)
+    return c
 
 
 def _descs(a, b, bm: int, bn: int):
@@ -179,9 +312,9 @@ def check(plan) -> list[str]:
     import torch
 
     if isinstance(plan, dict):
-        from miles_lp.formats.kernels import fp8_block_ws
+        from miles_lp.formats.kernels import fp8_block_mm
 
-        return fp8_block_ws.selfcheck("cuda", config=plan)
+        return fp8_block_mm.selfcheck("cuda", config=plan, gemm=block_mm_ws)
 
     from miles_lp.formats.fp8 import quantize_fp8_blockwise
     from miles_lp.formats.kernels import fp8_block_mm as bm
@@ -307,25 +440,31 @@ def main(argv=None) -> int:
 
 
 def linear_rounds(plan, rounds: int = 2) -> list[dict]:
-    """``bench linear`` (fp8_block quantized, large and small, eager and graphed) with ``runtime.fp8_wgrad_gemm``
-    scaled_mm and gluon (``fp8_block_ws.CONFIG`` updated by ``plan``), alternating, ``rounds`` times each."""
+    """``bench linear`` (fp8_block quantized, large and small, eager and graphed) with the learner's wgrad on
+    cuBLAS and on the warp-specialized kernel at ``plan`` (``fp8_block_gemm.wgrad_mm`` replaced for the run),
+    alternating, ``rounds`` times each."""
     from miles_lp.bench import linear as BL
-    from miles_lp.config import runtime_override
-    from miles_lp.formats.kernels import fp8_block_ws
+    from miles_lp.train import fp8_block_gemm as G
 
-    fp8_block_ws.CONFIG.update(plan)
+    cublas = G.wgrad_mm
+
+    def ws(gc, xc, out_dtype=None):
+        return block_mm_ws(gc.data, gc.scale_inv, xc.data, xc.scale_inv, 1, plan, out_dtype=out_dtype)
+
     shapes = [BL._parse_shape(s) for s in ("large", "small")]
     runs = []
     for rnd in range(rounds):
-        for choice in ("scaled_mm", "gluon"):
-            with runtime_override(fp8_wgrad_gemm=choice):
+        for name, fn in (("scaled_mm", cublas), ("gluon", ws)):
+            G.wgrad_mm = fn
+            try:
                 rows = BL.bench(shapes, modes=[("fp8_block", "quantized")], kernels=["compiled"], graph=True,
                                 warmup=3, iters=10)
-            print(f"--- bench linear, fp8_wgrad_gemm={choice} {plan} (round {rnd + 1})", flush=True)
+            finally:
+                G.wgrad_mm = cublas
+            print(f"--- bench linear, wgrad {name} {plan} (round {rnd + 1})", flush=True)
             print(BL.format_table(rows), flush=True)
-            runs.append({"wgrad": choice, "plan": plan, "round": rnd + 1, "rows": rows})
+            runs.append({"wgrad": name, "plan": plan, "round": rnd + 1, "rows": rows})
     return runs
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -22,12 +22,9 @@ def _stubbed():
     import torch
 
     from miles_lp.formats import kernels
-    from miles_lp.formats.kernels import runtime
-    from miles_lp.train import gemm
+    from miles_lp.formats.kernels import fp8_block, runtime
+    from miles_lp.train import fp8_block_gemm, gemm
     from miles_lp.train import launch as bound
-
-    from miles_lp.formats.kernels import fp8_block
-    from miles_lp.train import fp8_block_gemm
 
     saved = (runtime.launch, kernels.enabled, runtime.module_for, gemm.gemm_operand_dtype, bound.FAKE_BIND)
     saved_fp8 = (fp8_block._launch, fp8_block._module, fp8_block_gemm._mm, gemm._fp8_native)

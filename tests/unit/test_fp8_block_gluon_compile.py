@@ -1,8 +1,8 @@
-"""The one-partition Gluon wgrad GEMM of ``scripts/h200_fp8_block_gluon.py`` (the device probe's first kernel)
-compiles for sm_90 here (Triton's compiler and ptxas, no GPU): FP8 wgmma at the planned tiles, the wait for one
-outstanding wgmma (the previous K block's product scaled while the next one's MMA runs), TMA loads, no register
-spills at the plans the probe times; and ptxas serializes its wgmmas for that very overlap (C7514), which is why
-the product kernel (``formats.kernels.fp8_block_ws``) is warp-specialized instead."""
+"""The Gluon wgrad GEMMs of ``scripts/h200_fp8_block_gluon.py`` (device probes; both ran correctly on the H200 and
+both were slower than cuBLAS) compile for sm_90 here (Triton's compiler and ptxas, no GPU). The one-partition
+kernel: FP8 wgmma at the planned tiles, the wait for one outstanding wgmma, TMA loads, no spills, and ptxas
+serializing its wgmmas for that very overlap (C7514). The warp-specialized one: a loader warp and two math
+warpgroups with register budgets of their own, no wgmma serialized, nothing spilled."""
 
 from __future__ import annotations
 
@@ -50,3 +50,21 @@ def test_one_partition_kernel_is_serialized_by_ptxas():
     from miles_lp.formats.kernels.sass import ptxas_notes
 
     assert any("C7514" in n for n in ptxas_notes(_probe().compile_sm90((64, 128, 4, 4))))
+
+
+@pytest.mark.parametrize("config,b_block,out", [({}, 1, "bf16"), ({}, 128, "fp32"), ({"bn": 64, "stages": 8}, 128,
+                                                                                       "bf16")])
+def test_warp_specialized_kernel_keeps_every_wgmma_asynchronous(config, b_block, out):
+    from miles_lp.formats.kernels.sass import ptxas_notes, resources
+
+    probe = _probe()
+    cfg = {**probe.WS_CONFIG, **config}
+    k = probe.compile_ws_sm90(config, b_block, out)
+    ptx = k.asm["ptx"]
+    assert f"wgmma.mma_async.sync.aligned.m64n{cfg['bn']}k32.f32.e4m3.e4m3" in ptx
+    assert "cp.async.bulk.tensor" in ptx
+    assert f"setmaxnreg.inc.sync.aligned.u32 \t{cfg['math_regs']}" in ptx  # the worker math warpgroup's budget
+    assert "setmaxnreg.dec.sync.aligned.u32 \t24" in ptx  # the loader warp's
+    assert "wgmma.wait_group.sync.aligned 0" in ptx
+    assert not any("C7514" in n for n in ptxas_notes(k))
+    assert resources(k).get("stack", 0) == 0

@@ -125,10 +125,8 @@ def test_wgrad_choice(monkeypatch):
     assert G.wgrad_gemm() == bm.WGRAD_AUTO == "scaled_mm"
     with runtime_override(fp8_wgrad_gemm="triton"):
         assert G.wgrad_gemm() == "triton"
-    with runtime_override(fp8_wgrad_gemm="gluon"):
-        assert G.wgrad_gemm() == "gluon"
     monkeypatch.setenv("MILES_LP_FP8_WGRAD_GEMM", "cublas")
-    with pytest.raises(FormatError, match="must be one of auto, triton, gluon, scaled_mm, got 'cublas'"):
+    with pytest.raises(FormatError, match="must be one of auto, triton, scaled_mm, got 'cublas'"):
         G.wgrad_gemm()
 
 
