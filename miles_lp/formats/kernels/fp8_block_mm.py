@@ -141,7 +141,7 @@ def selfcheck(device: str = "cuda", seed: int = 0, shapes=None, config: dict | N
     """The kernel against the emulation on the operand kernels' storages of random bf16 inputs (outliers and a zero
     row included), both scale layouts (1x128 on b; 128x128 on b), both scale rules, fp32 and bf16 results; returns
     the failures (empty: pass). ``gemm``: another GEMM of ``block_mm``'s signature to check the same way (the
-    warp-specialized ``fp8_block_ws.block_mm``)."""
+    Gluon kernels of ``scripts/h200_fp8_block_gluon.py``)."""
     gemm = gemm or block_mm
     from miles_lp.formats.fp8 import quantize_fp8_blockwise
 
