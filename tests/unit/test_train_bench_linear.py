@@ -39,6 +39,18 @@ def test_parse_table_reads_back_the_printed_rows():
     assert got[1]["ratio_fresh"] == rows[1]["ratio_fresh"] and got[0]["mode"] == "bf16 F.linear"
 
 
+def test_graphed_row_prints_its_back_to_back_times_and_parses_back():
+    row = dict(shape="2048x4096x4096", mode="fp8_block/quantized", kernel="graphed", ms_fresh=0.35, ms_cached=0.35,
+               ratio_fresh=0.95, ratio_cached=0.95, peak_mib=None, graph_bf16_ms=0.37, identical=True,
+               pipelined_ms=0.24, pipelined_bf16_ms=0.3, ratio_pipelined=0.8)
+    line = format_table([row]).splitlines()[-1]
+    assert "back to back 0.80x, 0.240 vs 0.300 ms" in line and "bit-equal to eager: True" in line
+    got = parse_table(line)
+    assert len(got) == 1 and got[0]["kernel"] == "graphed" and got[0]["ratio_cached"] == 0.95
+    older = {k: v for k, v in row.items() if "pipelined" not in k}  # rows written before the column existed
+    assert "back to back" not in format_table([older])
+
+
 def _token_parse(text: str) -> list[tuple]:
     """A second parse: data lines are the ones after the dashes; the last six tokens are the numbers."""
     lines = text.splitlines()
