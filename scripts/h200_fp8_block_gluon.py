@@ -154,7 +154,7 @@ def _ws_load(a_desc, b_desc, a_smem, b_smem, ready, empty, off_m, off_n, kbs, HA
 @gluon.jit
 def _ws_math(a_smem, b_smem, ready, empty, sa_ptr, sb_ptr, c_ptr, off_m, off_n, M, N, kbs, s_sam, s_sak, s_sbn, s_sbk,
           s_cm, WG: gl.constexpr, B_DIV: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr,
-          STAGES: gl.constexpr):
+          STAGES: gl.constexpr, PREFETCH: gl.constexpr):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32])
     rows = off_m + WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, mma))
     cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
@@ -169,6 +169,10 @@ def _ws_math(a_smem, b_smem, ready, empty, sa_ptr, sb_ptr, c_ptr, off_m, off_n, 
     col_in_1 = cols_1 < N
     acc = gl.zeros((HALF, BLOCK_N), dtype=gl.float32, layout=mma)
     d = gl.zeros((HALF, BLOCK_N), dtype=gl.float32, layout=mma)
+    # PREFETCH: block kb + 1's scales are loaded while block kb's MMA runs (3 registers: the row scales and one
+    # column scale per thread before its spreading), so their latency is hidden by a whole iteration
+    sa_n = gl.load(sa_rows, mask=row_in, other=0.0)
+    sbf_n = gl.load(sb_1, mask=col_in_1, other=0.0)
     for kb in range(kbs):
         s = kb % STAGES
         mbarrier.wait(ready.index(s), (kb // STAGES) & 1)
@@ -177,8 +181,16 @@ def _ws_math(a_smem, b_smem, ready, empty, sa_ptr, sb_ptr, c_ptr, off_m, off_n, 
         # one makes Triton add partial products while the wgmma is in flight, and ptxas serializes every wgmma.
         tok = warpgroup_mma(a_smem.index(2 * s + WG), b_smem.index(s).permute((1, 0)), d, use_acc=False,
                             is_async=True)
-        sa = gl.load(sa_rows + kb * s_sak, mask=row_in, other=0.0)
-        sb = gl.convert_layout(gl.load(sb_1 + kb * s_sbk, mask=col_in_1, other=0.0), gl.SliceLayout(0, mma))
+        if PREFETCH:
+            sa = sa_n
+            sbf = sbf_n
+            more = kb + 1 < kbs
+            sa_n = gl.load(sa_rows + (kb + 1) * s_sak, mask=row_in & more, other=0.0)
+            sbf_n = gl.load(sb_1 + (kb + 1) * s_sbk, mask=col_in_1 & more, other=0.0)
+        else:
+            sa = gl.load(sa_rows + kb * s_sak, mask=row_in, other=0.0)
+            sbf = gl.load(sb_1 + kb * s_sbk, mask=col_in_1, other=0.0)
+        sb = gl.convert_layout(sbf, gl.SliceLayout(0, mma))
         # waiting for this warpgroup's product only: the other warpgroup's MMA keeps the tensor cores busy while
         # this one scales (reading an accumulator of a wgmma still in flight would make ptxas serialize them)
         d = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
@@ -191,7 +203,8 @@ def _ws_math(a_smem, b_smem, ready, empty, sa_ptr, sb_ptr, c_ptr, off_m, off_n, 
 @gluon.jit
 def block_mm_ws_kernel(a_desc, b_desc, sa_ptr, sb_ptr, c_ptr, M, N, K, s_sam, s_sak, s_sbn, s_sbk, s_cm,
                        B_DIV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-                       STAGES: gl.constexpr, MATH_REGS: gl.constexpr, num_warps: gl.constexpr):
+                       STAGES: gl.constexpr, MATH_REGS: gl.constexpr, PREFETCH: gl.constexpr,
+                       num_warps: gl.constexpr):
     """One loader warp feeds a STAGES-deep TMA ring; two math warpgroups (this partition and a worker) each take
     BLOCK_M / 2 rows of the tile with a wgmma stream of their own, and each frees a stage by arriving on its
     mbarrier (count 2)."""
@@ -214,16 +227,16 @@ def block_mm_ws_kernel(a_desc, b_desc, sa_ptr, sb_ptr, c_ptr, M, N, K, s_sam, s_
     kbs = K // 128
     gl.warp_specialize([
         (_ws_math, (a_smem, b_smem, ready, empty, sa_ptr, sb_ptr, c_ptr, off_m, off_n, M, N, kbs, s_sam, s_sak, s_sbn,
-                 s_sbk, s_cm, 0, B_DIV, HALF, BLOCK_N, STAGES)),
+                 s_sbk, s_cm, 0, B_DIV, HALF, BLOCK_N, STAGES, PREFETCH)),
         (_ws_math, (a_smem, b_smem, ready, empty, sa_ptr, sb_ptr, c_ptr, off_m, off_n, M, N, kbs, s_sam, s_sak, s_sbn,
-                 s_sbk, s_cm, 1, B_DIV, HALF, BLOCK_N, STAGES)),
+                 s_sbk, s_cm, 1, B_DIV, HALF, BLOCK_N, STAGES, PREFETCH)),
         (_ws_load, (a_desc, b_desc, a_smem, b_smem, ready, empty, off_m, off_n, kbs, HALF, STAGES)),
     ], [4, 1], [MATH_REGS, 24])
 
 
 #: the warp-specialized kernel's defaults: BLOCK_M (two math warpgroups of BLOCK_M / 2 rows), BLOCK_N, STAGES (TMA
 #: ring depth), MATH_REGS (registers per thread of the worker math warpgroup; the loader warp keeps 24)
-WS_CONFIG = {"bm": 128, "bn": 128, "stages": 6, "math_regs": 232, "group": 8}
+WS_CONFIG = {"bm": 128, "bn": 128, "stages": 6, "math_regs": 232, "group": 8, "prefetch": 0}
 #: WS_CONFIG overrides timed (the first is the default)
 WS_PLANS = [{}, {"stages": 4}, {"bn": 64, "stages": 8}, {"stages": 5}]
 #: registers per thread for the whole CTA at launch: 12 warps (two math warpgroups and the loader's) x 32 x 168
@@ -246,7 +259,7 @@ def compile_ws_sm90(config: dict | None = None, b_block: int = 1, out: str = "bf
            "sa_ptr": "*fp32", "sb_ptr": "*fp32", "c_ptr": f"*{out}"}
     sig.update(dict.fromkeys(("M", "N", "K", "s_sam", "s_sak", "s_sbn", "s_sbk", "s_cm"), "i32"))
     consts = dict(B_DIV=b_block, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=int(cfg["group"]), STAGES=int(cfg["stages"]),
-                  MATH_REGS=int(cfg["math_regs"]), num_warps=4)
+                  MATH_REGS=int(cfg["math_regs"]), PREFETCH=int(cfg["prefetch"]), num_warps=4)
     sig.update(dict.fromkeys(consts, "constexpr"))
     return compiler.compile(GluonASTSource(block_mm_ws_kernel, sig, consts, {}), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": 4, "maxnreg": WS_MAXNREG})
@@ -270,7 +283,8 @@ def block_mm_ws(a, sa, b, sb, b_block: int, plan=None, *, out_dtype=None, config
     grid = (-(-m // bm) * -(-n // bn),)
     block_mm_ws_kernel[grid](ad, bd, sa, sb, c, m, n, k, sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1),
                              c.stride(0), B_DIV=b_block, BLOCK_M=bm, BLOCK_N=bn, GROUP_M=int(cfg["group"]),
-                             STAGES=int(cfg["stages"]), MATH_REGS=int(cfg["math_regs"]), num_warps=4,
+                             STAGES=int(cfg["stages"]), MATH_REGS=int(cfg["math_regs"]),
+                             PREFETCH=int(cfg["prefetch"]), num_warps=4,
                              maxnreg=WS_MAXNREG)
     return c
 
@@ -403,6 +417,9 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--plans", default=None,
+                    help="a JSON list of WS_CONFIG overrides to check and time instead of WS_PLANS and the "
+                         "one-partition kernel")
     ap.add_argument("--linear", action="store_true",
                     help="then bench linear with the fastest warp-specialized plan as the wgrad, beside cuBLAS's")
     args = ap.parse_args(argv)
@@ -411,7 +428,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     res: dict = {"device": torch.cuda.get_device_name(), "checks": {}, "rows": []}
     ok_plans = []
-    for plan in [*WS_PLANS, PLANS[2]]:
+    for plan in json.loads(args.plans) if args.plans else [*WS_PLANS, PLANS[2]]:
         # a pipeline whose barriers never complete hangs the GPU: the watchdog writes what is known and exits
         dog = threading.Timer(90.0, _hung, (out, res, plan))
         dog.start()

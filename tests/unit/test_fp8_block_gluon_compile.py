@@ -53,7 +53,8 @@ def test_one_partition_kernel_is_serialized_by_ptxas():
 
 
 @pytest.mark.parametrize("config,b_block,out", [({}, 1, "bf16"), ({}, 128, "fp32"), ({"bn": 64, "stages": 8}, 128,
-                                                                                       "bf16")])
+                                                                                       "bf16"),
+                                               ({"stages": 4, "prefetch": 1}, 1, "bf16")])
 def test_warp_specialized_kernel_keeps_every_wgmma_asynchronous(config, b_block, out):
     from miles_lp.formats.kernels.sass import ptxas_notes, resources
 
