@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -27,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from miles_lp.bench.cuda_timing import median_us  # noqa: E402
 from miles_lp.formats.kernels import fp8_block  # noqa: E402
 
 REPEAT = 10
@@ -60,18 +60,7 @@ def timed(fn, iters: int) -> float:
         def run():
             for _ in range(REPEAT):
                 fn()
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000.0 / REPEAT)
-    return statistics.median(times)
+    return median_us(run, iters) / REPEAT
 
 
 def act(x, rows: bool, cols: bool, both: str, col: str):
