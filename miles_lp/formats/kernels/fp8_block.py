@@ -32,7 +32,9 @@ BLOCK = 128
 #: H200 (8192^2 bf16: both grids 110.4 us in one launch against 137.1 for two tile launches, copy 64.8; the
 #: columnwise grid 80.7 against 84.5; 2048x4096: 13.7 against 17.7; docs/results/h200-fp8-block-act-2026-12-02).
 #: scripts/h200_fp8_block_act.py times them all side by side and prints the fastest.
-CONFIG = {"act_warps": 8, "weight_warps": 16, "act_both": "r16c32tpa_w4", "act_cols": "r32c32tpa_w8"}
+#: weight: "tile" (``weight_tile_kernel``) or a TMA_VARIANTS name.
+CONFIG = {"act_warps": 8, "weight_warps": 16, "act_both": "r16c32tpa_w4", "act_cols": "r32c32tpa_w8",
+          "weight": "tile"}
 #: ``act_slab_kernel`` launch shapes: RSLAB rows per slab in the amax (+ rowwise) pass, CSLAB in the columnwise
 #: pass, PREFETCH each slab loaded one iteration ahead, warps per 128x128 tile program.
 ACT_VARIANTS = {
@@ -41,6 +43,17 @@ ACT_VARIANTS = {
     "r32c64tpa_w8": {"RSLAB": 32, "CSLAB": 64, "PREFETCH": 1, "warps": 8},
     "r16c32tpa_w4": {"RSLAB": 16, "CSLAB": 32, "PREFETCH": 1, "warps": 4},
 }
+#: the Gluon kernels of ``_fp8_block_gluon.py`` (sm_90, TMA in and out, persistent over tiles; bf16 / fp16 inputs
+#: whose rows are 16-byte multiples, else the Triton kernels run): STAGES tiles loaded ahead, OUT tiles' stores in
+#: flight, warps per program (one program per SM). 16 warps at 4 stages spills on the columnwise grid alone.
+TMA_VARIANTS = {
+    "tma_s3o2_w8": {"STAGES": 3, "OUT": 2, "warps": 8},
+    "tma_s4o2_w8": {"STAGES": 4, "OUT": 2, "warps": 8},
+    "tma_s3o2_w16": {"STAGES": 3, "OUT": 2, "warps": 16},
+    "tma_s2o1_w8": {"STAGES": 2, "OUT": 1, "warps": 8},
+}
+#: what runs where a TMA variant is configured but the input is not one the TMA kernels take
+_TRITON = {"act_both": "r16c32tpa_w4", "act_cols": "r32c32tpa_w8"}
 _PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fp8_block_triton.py")
 
 
@@ -50,6 +63,50 @@ def _module(x: torch.Tensor):
         raise FormatError("miles_lp.formats.kernels.fp8_block: the kernels run on CUDA tensors (or on CPU under "
                           "TRITON_INTERPRET=1); use miles_lp.formats.quantize_fp8_blockwise here")
     return cached_jit_module(_PATH, "miles_lp.formats.kernels._fp8_block_triton", interp)
+
+
+def _gluon():
+    from miles_lp.formats.kernels import (
+        _fp8_block_gluon,  # Triton's Gluon: imported only where a TMA kernel runs
+    )
+
+    return _fp8_block_gluon
+
+
+_SMS: dict[int, int] = {}
+
+
+def _programs(dev: torch.device, tiles: int) -> int:
+    n = _SMS.get(dev.index)
+    if n is None:
+        n = _SMS[dev.index] = torch.cuda.get_device_properties(dev).multi_processor_count
+    return min(tiles, n)
+
+
+def _tma_ok(x: torch.Tensor, variant: str, *widths: int) -> bool:
+    """A TMA kernel serves this input: asked for, on CUDA, 16-bit, every row a multiple of 16 bytes."""
+    return (variant in TMA_VARIANTS and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and not x.data_ptr() & 15 and all(w % 16 == 0 for w in widths))
+
+
+def _desc(t: torch.Tensor, block: list[int]):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}[t.dtype]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, gl.NVMMASharedLayout.get_default_for(block,
+                                                                                                              gdt))
+
+
+def _tma_act(variant: str, x, rq, rs, cq, cs, m: int, k: int, mp: int, rows: bool, vinf: float, pow2: bool) -> None:
+    v = TMA_VARIANTS[variant]
+    tiles_k = math.ceil(k / BLOCK)
+    tiles = (mp // BLOCK) * tiles_k
+    cq8 = cq.view(torch.float8_e4m3fn)
+    rq_d = _desc(rq.view(torch.float8_e4m3fn), [128, 64]) if rows else _desc(cq8, [128, 64])  # (unused: ROWS=0)
+    _gluon().act_tma_kernel[(_programs(x.device, tiles),)](
+        _desc(x, [128, 64]), rq_d, _desc(cq8, [64, 128]), rs if rows else cs, cs, mp, k, tiles_k, tiles,
+        ROWS=rows, VALUE_FOR_INF=vinf, POW2=bool(pow2), STAGES=v["STAGES"], OUT=v["OUT"], num_warps=v["warps"])
 
 
 def _value_for_inf(dtype: torch.dtype) -> float:
@@ -111,7 +168,12 @@ def quantize_act(x: torch.Tensor, pow2: bool, *, rows: bool = True, cols: bool =
     vinf = _value_for_inf(x.dtype)
     args = (src, rq, rs, cq, cs, m, k, mp)
     both = CONFIG["act_both"] if rows and cols else "tile"
-    if both == "tile":  # the rowwise grid by the tile kernel, the columnwise one as act_cols says
+    tma = both if rows and cols else CONFIG["act_cols"] if cols else ""
+    if _tma_ok(x, tma, k):
+        _tma_act(tma, x, rq, rs, cq, cs, m, k, mp, rows, vinf, pow2)
+    elif both in TMA_VARIANTS:  # (an input the TMA kernels do not take: the default Triton kernel)
+        _slab(mod, _TRITON["act_both"], (mp // BLOCK, kb), args, True, vinf, pow2, bits)
+    elif both == "tile":  # the rowwise grid by the tile kernel, the columnwise one as act_cols says
         if rows:
             _launch(mod, "act_tile_kernel", (mp // BLOCK, kb), args, CONFIG["act_warps"], ROWS=True, COLS=False,
                     VALUE_FOR_INF=vinf, POW2=bool(pow2), BLOCK=BLOCK, BF16_BITS=bits)
@@ -119,7 +181,9 @@ def quantize_act(x: torch.Tensor, pow2: bool, *, rows: bool = True, cols: bool =
             _launch(mod, "act_tile_kernel", (mp // BLOCK, kb), args, CONFIG["act_warps"], ROWS=False, COLS=True,
                     VALUE_FOR_INF=vinf, POW2=bool(pow2), BLOCK=BLOCK, BF16_BITS=bits)
         elif cols:
-            _slab(mod, CONFIG["act_cols"], (mp // BLOCK, kb), args, False, vinf, pow2, bits)
+            cfg = CONFIG["act_cols"]
+            _slab(mod, _TRITON["act_cols"] if cfg in TMA_VARIANTS else cfg, (mp // BLOCK, kb), args, False, vinf,
+                  pow2, bits)
     else:
         _slab(mod, both, (mp // BLOCK, kb), args, True, vinf, pow2, bits)
     row = col = None
@@ -162,6 +226,14 @@ def quantize_weight(w: torch.Tensor, pow2: bool, *, transposed: bool = True):
     in_kernel = transposed and (w.dtype != torch.float32 or not w.is_cuda)
     qt = torch.empty((k, n), dtype=torch.uint8, device=w.device) if in_kernel else q
     s = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
+    if in_kernel and _tma_ok(w, CONFIG["weight"], k, n):
+        v = TMA_VARIANTS[CONFIG["weight"]]
+        q8, qt8 = q.view(torch.float8_e4m3fn), qt.view(torch.float8_e4m3fn)
+        _gluon().weight_tma_kernel[(_programs(w.device, nb * kb),)](
+            _desc(w, [128, 64]), _desc(q8, [128, 64]), _desc(qt8, [64, 128]), s, k, kb, kb, nb * kb,
+            VALUE_FOR_INF=_value_for_inf(w.dtype), POW2=bool(pow2), STAGES=v["STAGES"], OUT=v["OUT"],
+            num_warps=v["warps"])
+        return FP8BlockTensor(data=q8, scale_inv=s, block=(BLOCK, BLOCK)), qt8
     src, bits = _source(w)
     _launch(_module(w), "weight_tile_kernel", (nb, kb), (src, q, qt, s, n, k, kb), CONFIG["weight_warps"],
             TRANSPOSED=in_kernel,
@@ -180,8 +252,10 @@ def selfcheck(device: str = "cuda", seed: int = 0, variants: bool = True, quick_
     saved = dict(CONFIG)
     try:
         bad = _selfcheck(device, seed, None, False)  # as configured
-        for name in (("tile", *ACT_VARIANTS) if variants else ()):
+        names = ("tile", *ACT_VARIANTS, *(TMA_VARIANTS if device != "cpu" else ())) if variants else ()
+        for name in names:
             CONFIG["act_both"] = CONFIG["act_cols"] = name
+            CONFIG["weight"] = name if name in TMA_VARIANTS else "tile"
             try:
                 bad += _selfcheck(device, seed, name, quick_variants)
             except Exception as exc:  # (a launch shape that does not compile here: reported, the others still run)
@@ -193,7 +267,8 @@ def selfcheck(device: str = "cuda", seed: int = 0, variants: bool = True, quick_
 
 
 # quick_variants: three inputs (a specialization each: 16-divisible shapes / not, bf16 / fp32, both scale rules)
-_QUICK = {("special", torch.bfloat16, False), ("special", torch.float32, True), ("randn 130x200", torch.bfloat16, True)}
+_QUICK = {("special", torch.bfloat16, False), ("special", torch.float32, True), ("randn 130x200", torch.bfloat16, True),
+          ("randn 4112x2048", torch.bfloat16, True), ("randn 129x640", torch.bfloat16, False)}
 
 
 def _selfcheck(device: str, seed: int, variant: str | None, quick: bool) -> list[str]:
@@ -209,6 +284,8 @@ def _selfcheck(device: str, seed: int, variant: str | None, quick: bool) -> list
     cases = []
     for m, k in ((256, 384), (200, 256), (1, 128), (129, 640), (130, 200)):
         cases.append((f"randn {m}x{k}", torch.randn(m, k, generator=g) * 3))
+    if device != "cpu":  # more tiles than programs: the TMA kernels' stage ring wraps, a partial last row tile
+        cases.append(("randn 4112x2048", torch.randn(4112, 2048, generator=g)))
     special = torch.randn(256, 256, generator=g)
     special[0, 5] = float("nan")
     special[3, :] = 0.0
@@ -237,11 +314,11 @@ def _selfcheck(device: str, seed: int, variant: str | None, quick: bool) -> list
                 _, col_only, (_, st) = quantize_act(x, pow2, rows=False, cols=True)
                 if not same(col_only, ref_col) or st.data[:, m:].view(torch.uint8).any():
                     bad.append(f"act cols only {name} {dtype} pow2={pow2}{tag}")
-                if variant is not None:
-                    continue  # the weight kernel has no variants
+                if variant is not None and variant not in TMA_VARIANTS:
+                    continue  # the Triton weight kernel has no variants
                 wq, wt = quantize_weight(x, pow2)
                 ref = quantize_fp8_blockwise(x, (BLOCK, BLOCK), pow2)
                 if not same(wq, ref) or not torch.equal(wt.view(torch.uint8).cpu(),
                                                          ref.data.view(torch.uint8).t().cpu()):
-                    bad.append(f"weight {name} {dtype} pow2={pow2}")
+                    bad.append(f"weight {name} {dtype} pow2={pow2}{tag}")
     return bad
