@@ -47,7 +47,7 @@ def probe(out: str) -> dict:
     saved = dict(k8.CONFIG)
     bad = k8._selfcheck("cuda", 0, None, False)
     for name in k8.TMA_VARIANTS:
-        k8.CONFIG.update(act_both=name, act_cols=name, weight=name)
+        k8.CONFIG.update(act_both=name, act_cols=name, weight=name, tma_min_tiles=0)
         try:
             bad += k8._selfcheck("cuda", 0, name, False)
         except Exception as exc:
@@ -73,7 +73,7 @@ def probe(out: str) -> dict:
         cases = {"copy": ({}, lambda x=x, y=y: y.copy_(x), 4 * n)}
         tri = {"act_both": saved["act_both"], "act_cols": saved["act_cols"], "weight": "tile"}
         for v in ("triton", *k8.TMA_VARIANTS):
-            cfg = tri if v == "triton" else {"act_both": v, "act_cols": v, "weight": v}
+            cfg = tri if v == "triton" else {"act_both": v, "act_cols": v, "weight": v, "tma_min_tiles": 0}
             cases[f"both {v}"] = (cfg, lambda x=x: k8.quantize_act(x, False, rows=True, cols=True, grids=False), 4 * n)
             cases[f"cols {v}"] = (cfg, lambda x=x: k8.quantize_act(x, False, rows=False, cols=True, grids=False), 3 * n)
             cases[f"weight {v}"] = (cfg, lambda x=x: k8.quantize_weight(x, False), 4 * n)

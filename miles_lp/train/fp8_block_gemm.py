@@ -105,14 +105,16 @@ def block_scale_b(s_out_red: torch.Tensor) -> torch.Tensor:
 
 
 class WeightOperands:
-    """The weight's native operands for one step: the 128x128 grid, its data transposed, both GEMMs' scale_b."""
+    """The weight's native operands for one step: the 128x128 grid, its data transposed, both GEMMs' scale_b.
+    ``scale_t``: the scales already stored transposed ``[K/128, L4]`` (``kernels.quantize_weight(...,
+    scale_t=True)``), else the dgrad's scale_b is a copy."""
 
     __slots__ = ("q", "t", "scale_fwd", "scale_dgrad")
 
-    def __init__(self, q, t: torch.Tensor):
+    def __init__(self, q, t: torch.Tensor, scale_t: torch.Tensor | None = None):
         self.q, self.t = q, t
         self.scale_fwd = block_scale_b(q.scale_inv)
-        self.scale_dgrad = block_scale_b(q.scale_inv.t())
+        self.scale_dgrad = block_scale_b(q.scale_inv.t()) if scale_t is None else scale_t.t()
 
 
 def forward_mm(xs: kernels.NativeOperand, w: WeightOperands) -> torch.Tensor:

@@ -189,8 +189,8 @@ class WeightGrid:
         from miles_lp.train.fp8_block_gemm import WeightOperands
 
         with torch.no_grad():
-            q, t = fp8_block.quantize_weight(weight, self.recipe.pow2_scales, transposed=True)
-            ops = WeightOperands(q, t)
+            q, t, st = fp8_block.quantize_weight(weight, self.recipe.pow2_scales, transposed=True, scale_t=True)
+            ops = WeightOperands(q, t, st)
         self._row, self._row_key, self._t = q, key, ops
         self.quantize_calls += 1
         return ops

@@ -28,8 +28,8 @@ def _compile(kind: str, variant: str, dtype: str = "bf16", rows: bool = True, po
     consts = dict(VALUE_FOR_INF=3.0e38, POW2=pow2, STAGES=v["STAGES"], OUT=v["OUT"], num_warps=v["warps"])
     if kind == "weight":
         fn = G.weight_tma_kernel
-        sig = dict(zip(("w_desc", "q_desc", "qt_desc"), descs, strict=True), s_ptr="*fp32")
-        sig.update(dict.fromkeys(("K", "KB", "tiles_k", "tiles"), "i32"))
+        sig = dict(zip(("w_desc", "q_desc", "qt_desc"), descs, strict=True), s_ptr="*fp32", st_ptr="*fp32")
+        sig.update(dict.fromkeys(("K", "KB", "LT", "tiles_k", "tiles"), "i32"))
     else:
         fn = G.act_tma_kernel
         consts = dict(ROWS=rows, **consts)

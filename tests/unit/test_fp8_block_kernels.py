@@ -21,6 +21,12 @@ out = {}
 if sys.argv[1] == "drift":  # a kernel that drifts from the codec (the wrong scale rule) must be reported
     real = fp8_block.quantize_act
     fp8_block.quantize_act = lambda x, pow2, **kw: real(x, not pow2, **kw)
+    real_w = fp8_block.quantize_weight
+
+    def scale_t_off_by_one_tile(w, pow2, **kw):  # the transposed scales read one weight tile too far
+        q, t, st = real_w(w, pow2, **kw)
+        return q, t, st.roll(1, dims=1)
+    fp8_block.quantize_weight = scale_t_off_by_one_tile
 if sys.argv[1] == "mutant":  # the slab kernel's prefetch of the columnwise pass one slab off: reported per variant
     import tempfile
     src = open(fp8_block._PATH).read()
@@ -72,6 +78,7 @@ def test_kernels_equal_the_codec_interpreted():
 def test_selfcheck_can_fail():
     bad = _interpreted("drift")["bad"]
     assert any(b.startswith("act rows") for b in bad) and any(b.startswith("act cols") for b in bad)
+    assert any(b.startswith("weight scale_t") for b in bad)  # the dgrad's scale storage is compared too
     # every slab variant is checked too (both grids from one launch, and the columnwise grid alone)
     for v in _interpreted_variants():
         assert any(b.startswith("act rows") and b.endswith(f"[{v}]") for b in bad), v

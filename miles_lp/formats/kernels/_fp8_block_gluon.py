@@ -2,7 +2,7 @@
 
 The same bytes as ``_fp8_block_triton.py``'s ``act_slab_kernel`` / ``weight_tile_kernel`` (the exactness rules are
 the same: ``448 / amax`` and ``1 / scale`` through ``div_rn``, plain fp32 multiplies, ``cvt.rn.satfinite.e4m3``,
-NaN taken as 0 before every max), written for bandwidth: those kernels move a 128x128 tile through registers and
+NaN taken as 0 in every max), written for bandwidth: those kernels move a 128x128 tile through registers and
 let the compiler stage the transposed store; they ran at 59% of a device copy on the H200. Here each program is
 persistent over tiles: a ring of ``STAGES`` TMA loads keeps DRAM busy while the current tile is quantized, and the
 results leave through shared memory by TMA stores (the transposed grid written into a transposed shared tile, so
@@ -40,8 +40,10 @@ def _scale(amax, VALUE_FOR_INF: gl.constexpr, POW2: gl.constexpr):
 
 
 @gluon.jit
-def _absmax_ready(x):
-    a = gl.abs(x)
+def _amax(x, axis: gl.constexpr):
+    """max |x| along axis, NaN taken as 0: ``max.f32`` already returns the other operand of a NaN (CUDA fmaxf), so
+    only an all-NaN line is left NaN, and that is mapped to 0 once per line instead of once per element."""
+    a = gl.max(gl.abs(x), axis=axis)
     return gl.where(a == a, a, 0.0)
 
 
@@ -92,7 +94,7 @@ def _tile_loop(x_desc, rq_desc, cq_desc, rs_ptr, cs_ptr, MP, K, KB, tiles_k, til
         c1 = x_smem.index(2 * s + 1).load(LC).to(gl.float32)
         gl.thread_barrier()  # every warp has read stage s: refill it
         _issue(x_desc, x_smem, bars, t + STAGES * nprog, tiles_k, s, i + STAGES < mine)
-        ramax = gl.maximum(gl.max(_absmax_ready(r0), axis=1), gl.max(_absmax_ready(r1), axis=1))
+        ramax = gl.maximum(_amax(r0, 1), _amax(r1, 1))
         if WEIGHT:
             amax = gl.max(ramax, axis=0)  # the whole tile's
             sr = _scale(gl.zeros_like(ramax) + amax, VALUE_FOR_INF, POW2)
@@ -100,8 +102,8 @@ def _tile_loop(x_desc, rq_desc, cq_desc, rs_ptr, cs_ptr, MP, K, KB, tiles_k, til
             sc1 = sc0
         else:
             sr = _scale(ramax, VALUE_FOR_INF, POW2)
-            sc0 = _scale(gl.max(_absmax_ready(c0), axis=0), VALUE_FOR_INF, POW2)
-            sc1 = _scale(gl.max(_absmax_ready(c1), axis=0), VALUE_FOR_INF, POW2)
+            sc0 = _scale(_amax(c0, 0), VALUE_FOR_INF, POW2)
+            sc1 = _scale(_amax(c1, 0), VALUE_FOR_INF, POW2)
         qc0 = gl.permute((c0 * sc0[None, :]).to(cq_desc.dtype), [1, 0])
         qc1 = gl.permute((c1 * sc1[None, :]).to(cq_desc.dtype), [1, 0])
         ob = (i % OUT) * 2
@@ -124,9 +126,10 @@ def _tile_loop(x_desc, rq_desc, cq_desc, rs_ptr, cs_ptr, MP, K, KB, tiles_k, til
             tma.async_copy_shared_to_global(rq_desc, [m0, k0 + 64], rq_smem.index(ob + 1))
         tma.async_copy_shared_to_global(cq_desc, [k0, m0], cq_smem.index(ob))
         tma.async_copy_shared_to_global(cq_desc, [k0 + 64, m0], cq_smem.index(ob + 1))
-        if WEIGHT:
+        if WEIGHT:  # (rs_ptr: the scales [ceil(N/128), KB]; cs_ptr: the same transposed, rows of MP)
             inv = gl.div_rn(gl.zeros_like(sr) + 1.0, sr)
             gl.store(rs_ptr + tm * KB + tk + rows_r * 0, inv, mask=rows_r == 0)
+            gl.store(cs_ptr + tk * MP + tm + rows_r * 0, inv, mask=rows_r == 0)
         else:
             if ROWS:
                 gl.store(rs_ptr + tk.to(gl.int64) * MP + m0 + rows_r, gl.div_rn(gl.zeros_like(sr) + 1.0, sr))
@@ -150,9 +153,10 @@ def act_tma_kernel(x_desc, rq_desc, cq_desc, rs_ptr, cs_ptr, MP, K, tiles_k, til
 
 
 @gluon.jit
-def weight_tma_kernel(w_desc, q_desc, qt_desc, s_ptr, K, KB, tiles_k, tiles,
+def weight_tma_kernel(w_desc, q_desc, qt_desc, s_ptr, st_ptr, K, KB, LT, tiles_k, tiles,
                       VALUE_FOR_INF: gl.constexpr, POW2: gl.constexpr, STAGES: gl.constexpr, OUT: gl.constexpr,
                       num_warps: gl.constexpr):
-    """w [N, K] -> q [N, K], qt [K, N], scale_inv [ceil(N/128), KB] (``weight_tile_kernel``'s storage)."""
-    _tile_loop(w_desc, q_desc, qt_desc, s_ptr, s_ptr, 0, K, KB, tiles_k, tiles, True, True, VALUE_FOR_INF, POW2,
+    """w [N, K] -> q [N, K], qt [K, N], scale_inv [ceil(N/128), KB] and the same transposed ``st [KB, LT]``
+    (``weight_tile_kernel``'s storage with SCALE_T)."""
+    _tile_loop(w_desc, q_desc, qt_desc, s_ptr, st_ptr, LT, K, KB, tiles_k, tiles, True, True, VALUE_FOR_INF, POW2,
                STAGES, OUT, num_warps)

@@ -189,9 +189,11 @@ def act_slab_kernel(x_ptr, row_q_ptr, row_s_ptr, col_q_ptr, col_s_ptr, M, K, MP,
 
 
 @triton.jit
-def weight_tile_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, KB, TRANSPOSED: tl.constexpr,
-                       VALUE_FOR_INF: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr, BF16_BITS: tl.constexpr):
-    """w [N, K] -> q [N, K], (TRANSPOSED) qt [K, N], scale_inv [ceil(N/128), KB]: one scale per 128x128 tile."""
+def weight_tile_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, st_ptr, N, K, KB, LT, TRANSPOSED: tl.constexpr,
+                       SCALE_T: tl.constexpr, VALUE_FOR_INF: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr,
+                       BF16_BITS: tl.constexpr):
+    """w [N, K] -> q [N, K], (TRANSPOSED) qt [K, N], scale_inv [ceil(N/128), KB]: one scale per 128x128 tile;
+    (SCALE_T) the scales also transposed, ``st [KB, LT]`` (the dgrad GEMM's scale_b storage)."""
     pn = tl.program_id(0)
     pk = tl.program_id(1)
     rows = pn * BLOCK + tl.arange(0, BLOCK)
@@ -209,3 +211,5 @@ def weight_tile_kernel(w_ptr, q_ptr, qt_ptr, s_ptr, N, K, KB, TRANSPOSED: tl.con
     inv = tl.math.div_rn(tl.zeros_like(s) + 1.0, s)
     first = tl.arange(0, BLOCK) == 0
     tl.store(s_ptr + pn * KB + pk + tl.arange(0, BLOCK) * 0, inv, mask=first)
+    if SCALE_T:
+        tl.store(st_ptr + pk * LT + pn + tl.arange(0, BLOCK) * 0, inv, mask=first)

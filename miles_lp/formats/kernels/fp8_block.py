@@ -18,10 +18,14 @@ import os
 
 import torch
 
+from miles_lp.config import switch as _switch
 from miles_lp.errors import FormatError
 from miles_lp.formats.fp8 import FP8BlockTensor
 from miles_lp.formats.kernels.runtime import cached_jit_module, interpreting
 from miles_lp.formats.kernels.runtime import launch as _launch
+from miles_lp.formats.kernels.runtime import launch_hooks_set as _hooks_set
+from miles_lp.formats.kernels.runtime import spec_key as _spec_key
+from miles_lp.formats.kernels.runtime import stream as _stream
 
 BLOCK = 128
 #: launch shape (warps per 128x128 tile program), the fastest measured on the H200 (8192^2 bf16: act rows 56 / 72 /
@@ -33,8 +37,9 @@ BLOCK = 128
 #: columnwise grid 80.7 against 84.5; 2048x4096: 13.7 against 17.7; docs/results/h200-fp8-block-act-2026-12-02).
 #: scripts/h200_fp8_block_act.py times them all side by side and prints the fastest.
 #: weight: "tile" (``weight_tile_kernel``) or a TMA_VARIANTS name.
+#: tma_min_tiles: the TMA kernels run only on inputs of at least this many 128x128 tiles.
 CONFIG = {"act_warps": 8, "weight_warps": 16, "act_both": "r16c32tpa_w4", "act_cols": "r32c32tpa_w8",
-          "weight": "tile"}
+          "weight": "tile", "tma_min_tiles": 1024}
 #: ``act_slab_kernel`` launch shapes: RSLAB rows per slab in the amax (+ rowwise) pass, CSLAB in the columnwise
 #: pass, PREFETCH each slab loaded one iteration ahead, warps per 128x128 tile program.
 ACT_VARIANTS = {
@@ -83,10 +88,12 @@ def _programs(dev: torch.device, tiles: int) -> int:
     return min(tiles, n)
 
 
-def _tma_ok(x: torch.Tensor, variant: str, *widths: int) -> bool:
-    """A TMA kernel serves this input: asked for, on CUDA, 16-bit, every row a multiple of 16 bytes."""
-    return (variant in TMA_VARIANTS and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and not x.data_ptr() & 15 and all(w % 16 == 0 for w in widths))
+def _tma_ok(x: torch.Tensor, variant: str, tiles: int, *widths: int) -> bool:
+    """A TMA kernel serves this input: asked for, on CUDA, 16-bit, every row a multiple of 16 bytes, at least
+    ``CONFIG["tma_min_tiles"]`` 128x128 tiles (below that the pipeline never fills: 2048x4096 ran slower)."""
+    return (variant in TMA_VARIANTS and x.is_cuda and tiles >= CONFIG["tma_min_tiles"]
+            and x.dtype in (torch.bfloat16, torch.float16) and not x.data_ptr() & 15
+            and all(w % 16 == 0 for w in widths))
 
 
 def _desc(t: torch.Tensor, block: list[int]):
@@ -98,15 +105,50 @@ def _desc(t: torch.Tensor, block: list[int]):
                                                                                                               gdt))
 
 
-def _tma_act(variant: str, x, rq, rs, cq, cs, m: int, k: int, mp: int, rows: bool, vinf: float, pow2: bool) -> None:
+class _HostDesc:
+    """What Triton's launcher reads of a host tensor descriptor (base, shape, strides, padding): the layout and
+    block shape are compiled into the kernel, so a cached launch needs only these (Gluon's ``TensorDescriptor``
+    and its JIT dispatch cost 100-190 us of host time per launch on the H200's host)."""
+
+    __slots__ = ("base", "shape", "strides", "padding")
+
+    def __init__(self, t: torch.Tensor):
+        self.base, self.shape, self.strides, self.padding = t, list(t.shape), list(t.stride()), "zero"
+
+
+_TMA_LAUNCHERS: dict[tuple, tuple] = {}
+
+
+def _tma_launch(name: str, programs: int, descs: tuple, args: tuple, warps: int, **consts) -> None:
+    """``_fp8_block_gluon.<name>[(programs,)](*descriptors, *args, **consts)``; after the first launch of a
+    specialization, through its compiled launcher directly (``runtime.launch``'s fast path for Gluon)."""
+    key = (name, warps, tuple(consts.items()), tuple((t.dtype, tuple(b)) for t, b in descs), _spec_key(args))
+    ent = _TMA_LAUNCHERS.get(key)
+    dev = descs[0][0].device.index
+    if ent is not None and _switch("kernels_fast_launch") and not _hooks_set():
+        ck, const_vals = ent
+        ck.run(programs, 1, 1, _stream(dev), ck.function, ck.packed_metadata, None, None, None,
+               *(_HostDesc(t) for t, _ in descs), *args, *const_vals)
+        return
+    fn = getattr(_gluon(), name)
+    ck = fn[(programs,)](*(_desc(t, b) for t, b in descs), *args, **consts, num_warps=warps)
+    if hasattr(ck, "result"):
+        ck = ck.result()
+    full = {**consts, "num_warps": warps}
+    rest = fn.arg_names[len(descs) + len(args):]
+    if hasattr(ck, "run") and set(rest) == set(full):
+        _TMA_LAUNCHERS[key] = (ck, tuple(full[n] for n in rest))
+
+
+def _tma_act(variant: str, x, rq, rs, cq, cs, k: int, mp: int, rows: bool, vinf: float, pow2: bool) -> None:
     v = TMA_VARIANTS[variant]
     tiles_k = math.ceil(k / BLOCK)
     tiles = (mp // BLOCK) * tiles_k
     cq8 = cq.view(torch.float8_e4m3fn)
-    rq_d = _desc(rq.view(torch.float8_e4m3fn), [128, 64]) if rows else _desc(cq8, [128, 64])  # (unused: ROWS=0)
-    _gluon().act_tma_kernel[(_programs(x.device, tiles),)](
-        _desc(x, [128, 64]), rq_d, _desc(cq8, [64, 128]), rs if rows else cs, cs, mp, k, tiles_k, tiles,
-        ROWS=rows, VALUE_FOR_INF=vinf, POW2=bool(pow2), STAGES=v["STAGES"], OUT=v["OUT"], num_warps=v["warps"])
+    rq8 = rq.view(torch.float8_e4m3fn) if rows else cq8  # (ROWS=0: a descriptor of the right type, unused)
+    _tma_launch("act_tma_kernel", _programs(x.device, tiles), ((x, (128, 64)), (rq8, (128, 64)), (cq8, (64, 128))),
+                (rs if rows else cs, cs, mp, k, tiles_k, tiles), v["warps"], ROWS=rows, VALUE_FOR_INF=vinf,
+                POW2=bool(pow2), STAGES=v["STAGES"], OUT=v["OUT"])
 
 
 def _value_for_inf(dtype: torch.dtype) -> float:
@@ -136,6 +178,15 @@ class NativeOperand:
 
 
 _DUMMY: dict[torch.device, torch.Tensor] = {}
+_SCRATCH: dict[torch.device, torch.Tensor] = {}
+
+
+def _scratch(dev: torch.device, n: int) -> torch.Tensor:
+    """fp32 storage of at least n elements that nobody reads (a kernel's optional output, not asked for)."""
+    t = _SCRATCH.get(dev)
+    if t is None or t.numel() < n:
+        t = _SCRATCH[dev] = torch.empty(max(n, 1024), dtype=torch.float32, device=dev)
+    return t
 
 
 def quantize_act(x: torch.Tensor, pow2: bool, *, rows: bool = True, cols: bool = False, grids: bool = True):
@@ -169,8 +220,8 @@ def quantize_act(x: torch.Tensor, pow2: bool, *, rows: bool = True, cols: bool =
     args = (src, rq, rs, cq, cs, m, k, mp)
     both = CONFIG["act_both"] if rows and cols else "tile"
     tma = both if rows and cols else CONFIG["act_cols"] if cols else ""
-    if _tma_ok(x, tma, k):
-        _tma_act(tma, x, rq, rs, cq, cs, m, k, mp, rows, vinf, pow2)
+    if _tma_ok(x, tma, (mp // BLOCK) * kb, k):
+        _tma_act(tma, x, rq, rs, cq, cs, k, mp, rows, vinf, pow2)
     elif both in TMA_VARIANTS:  # (an input the TMA kernels do not take: the default Triton kernel)
         _slab(mod, _TRITON["act_both"], (mp // BLOCK, kb), args, True, vinf, pow2, bits)
     elif both == "tile":  # the rowwise grid by the tile kernel, the columnwise one as act_cols says
@@ -210,8 +261,10 @@ def _slab(mod, variant: str, grid: tuple, args: tuple, rows: bool, vinf: float, 
             BLOCK=BLOCK, BF16_BITS=bits, RSLAB=v["RSLAB"], CSLAB=v["CSLAB"], PREFETCH=v["PREFETCH"])
 
 
-def quantize_weight(w: torch.Tensor, pow2: bool, *, transposed: bool = True):
-    """(128x128 grid of ``w [N, K]``, its data transposed ``[K, N]`` or None).
+def quantize_weight(w: torch.Tensor, pow2: bool, *, transposed: bool = True, scale_t: bool = False):
+    """(128x128 grid of ``w [N, K]``, its data transposed ``[K, N]`` or None), and with ``scale_t`` a third item:
+    the scales transposed, stored ``[KB, round_up(ceil(N/128), 4)]`` (the dgrad GEMM's scale_b storage; the
+    padding columns are not written), so that no separate copy kernel makes it.
 
     The kernel writes the transpose for bf16 / fp16 weights; for fp32 weights its transposed store was wrong on the
     H200 (Triton 3.6; the data and scales right), so the transpose of an fp32 weight is a torch copy (``selfcheck``
@@ -226,22 +279,26 @@ def quantize_weight(w: torch.Tensor, pow2: bool, *, transposed: bool = True):
     in_kernel = transposed and (w.dtype != torch.float32 or not w.is_cuda)
     qt = torch.empty((k, n), dtype=torch.uint8, device=w.device) if in_kernel else q
     s = torch.empty((nb, kb), dtype=torch.float32, device=w.device)
-    if in_kernel and _tma_ok(w, CONFIG["weight"], k, n):
+    lt = -(-nb // 4) * 4
+    st = torch.empty((kb, lt), dtype=torch.float32, device=w.device) if scale_t else s
+    if in_kernel and _tma_ok(w, CONFIG["weight"], nb * kb, k, n):
         v = TMA_VARIANTS[CONFIG["weight"]]
         q8, qt8 = q.view(torch.float8_e4m3fn), qt.view(torch.float8_e4m3fn)
-        _gluon().weight_tma_kernel[(_programs(w.device, nb * kb),)](
-            _desc(w, [128, 64]), _desc(q8, [128, 64]), _desc(qt8, [64, 128]), s, k, kb, kb, nb * kb,
-            VALUE_FOR_INF=_value_for_inf(w.dtype), POW2=bool(pow2), STAGES=v["STAGES"], OUT=v["OUT"],
-            num_warps=v["warps"])
-        return FP8BlockTensor(data=q8, scale_inv=s, block=(BLOCK, BLOCK)), qt8
+        _tma_launch("weight_tma_kernel", _programs(w.device, nb * kb), ((w, (128, 64)), (q8, (128, 64)),
+                                                                        (qt8, (64, 128))),
+                    (s, st if scale_t else _scratch(w.device, kb * lt), k, kb, lt, kb, nb * kb), v["warps"],
+                    VALUE_FOR_INF=_value_for_inf(w.dtype), POW2=bool(pow2), STAGES=v["STAGES"], OUT=v["OUT"])
+        grid = FP8BlockTensor(data=q8, scale_inv=s, block=(BLOCK, BLOCK))
+        return (grid, qt8, st) if scale_t else (grid, qt8)
     src, bits = _source(w)
-    _launch(_module(w), "weight_tile_kernel", (nb, kb), (src, q, qt, s, n, k, kb), CONFIG["weight_warps"],
-            TRANSPOSED=in_kernel,
+    _launch(_module(w), "weight_tile_kernel", (nb, kb), (src, q, qt, s, st, n, k, kb, lt), CONFIG["weight_warps"],
+            TRANSPOSED=in_kernel, SCALE_T=scale_t,
             VALUE_FOR_INF=_value_for_inf(w.dtype), POW2=bool(pow2), BLOCK=BLOCK, BF16_BITS=bits)
     if transposed and not in_kernel:
         qt = q.t().contiguous()
     grid = FP8BlockTensor(data=q.view(torch.float8_e4m3fn), scale_inv=s, block=(BLOCK, BLOCK))
-    return grid, (qt.view(torch.float8_e4m3fn) if transposed else None)
+    qt8 = qt.view(torch.float8_e4m3fn) if transposed else None
+    return (grid, qt8, st) if scale_t else (grid, qt8)
 
 
 def selfcheck(device: str = "cuda", seed: int = 0, variants: bool = True, quick_variants: bool = False) -> list[str]:
@@ -256,6 +313,7 @@ def selfcheck(device: str = "cuda", seed: int = 0, variants: bool = True, quick_
         for name in names:
             CONFIG["act_both"] = CONFIG["act_cols"] = name
             CONFIG["weight"] = name if name in TMA_VARIANTS else "tile"
+            CONFIG["tma_min_tiles"] = 0  # (the test inputs are small)
             try:
                 bad += _selfcheck(device, seed, name, quick_variants)
             except Exception as exc:  # (a launch shape that does not compile here: reported, the others still run)
@@ -316,9 +374,12 @@ def _selfcheck(device: str, seed: int, variant: str | None, quick: bool) -> list
                     bad.append(f"act cols only {name} {dtype} pow2={pow2}{tag}")
                 if variant is not None and variant not in TMA_VARIANTS:
                     continue  # the Triton weight kernel has no variants
-                wq, wt = quantize_weight(x, pow2)
+                wq, wt, st = quantize_weight(x, pow2, scale_t=True)
                 ref = quantize_fp8_blockwise(x, (BLOCK, BLOCK), pow2)
+                nb = ref.scale_inv.shape[0]
                 if not same(wq, ref) or not torch.equal(wt.view(torch.uint8).cpu(),
                                                          ref.data.view(torch.uint8).t().cpu()):
                     bad.append(f"weight {name} {dtype} pow2={pow2}{tag}")
+                if not torch.equal(st[:, :nb].cpu().view(torch.int32), ref.scale_inv.t().cpu().view(torch.int32)):
+                    bad.append(f"weight scale_t {name} {dtype} pow2={pow2}{tag}")
     return bad

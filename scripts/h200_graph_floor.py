@@ -1,0 +1,88 @@
+"""What a kernel costs at the least inside a CUDA graph on this GPU, beside the 0.5B decode's BF16 GEMMs.
+
+    python3 scripts/h200_graph_floor.py --out DIR
+
+Why: ``bench rollout``'s target (fp8_block >= 1.2x our BF16 at 0.5B, batch 32) needs the FP8 decode to save a sixth
+of BF16's step time in its GEMMs. With the step time T (from ``bench rollout`` in the same call) and the BF16 GEMMs
+G per layer, the four FP8 GEMMs of a layer (with their activation quantization) must take at most
+G - T / (6 * layers). This script measures the smallest time a kernel node takes back to back in a graph (an empty
+Triton kernel of one program, a one-element torch op) and G: ``F.linear`` at M = 32 on the four 0.5B weights, each
+replayed over 24 distinct copies so that the weights come from DRAM as in a decode step (the H200's L2 holds 50 MB).
+Writes DIR/graph_floor.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SHAPES = {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864)}  # (N, K), 0.5B
+LAYERS = 24
+
+
+@triton.jit
+def _empty(p):
+    pass
+
+
+def per_node_us(fn, nodes: int, replays: int = 20) -> float:
+    """Median over replays of a graph of ``nodes`` calls of fn, per call (us)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn(0)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(nodes):
+            fn(i)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / nodes)
+    return sorted(times)[len(times) // 2]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    dev = torch.device("cuda")
+    res: dict = {"device": torch.cuda.get_device_name()}
+    one = torch.zeros(1, device=dev)
+    res["empty_triton_us"] = per_node_us(lambda i: _empty[(1,)](one), 500)
+    res["torch_add_1_elem_us"] = per_node_us(lambda i: one.add_(1), 500)
+    x = torch.randn(32, 4864, device=dev, dtype=torch.bfloat16)
+    gemm = {}
+    for name, (n, k) in SHAPES.items():
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
+        xi = x[:, :k].contiguous()
+        out = torch.empty(32, n, device=dev, dtype=torch.bfloat16)
+        gemm[name] = per_node_us(lambda i, ws=ws, xi=xi, out=out: torch.matmul(xi, ws[i % LAYERS].t(), out=out),
+                                 4 * LAYERS)
+    res["bf16_gemm_m32_us"] = gemm
+    res["bf16_gemms_per_layer_us"] = sum(gemm.values())
+    for key, v in res.items():
+        print(f"{key}: {v}", flush=True)
+    with open(os.path.join(a.out, "graph_floor.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
