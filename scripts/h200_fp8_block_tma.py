@@ -9,7 +9,7 @@
    host time per eager call; the fastest byte-identical variant per use -> DIR/tma.json ``pick``;
 3. ``--linear``: ``bench linear`` (fp8_block quantized, large and small shapes, graphed) with the configured kernels
    and with the pick, each in its own process (a kernel choice switched inside one process has twice broken CUDA
-   graph capture), twice, alternating -> DIR/linear_<name>_<round>.json.
+   graph capture), twice, alternating -> DIR/linear.json (a list of runs).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def probe(out: str) -> dict:
     return res
 
 
-def linear_one(cfg: dict, path: str) -> None:
+def linear_one(name: str, cfg: dict, path: str) -> None:
     from miles_lp.bench import linear as BL
 
     k8.CONFIG.update(cfg)
@@ -125,8 +125,10 @@ def linear_one(cfg: dict, path: str) -> None:
                     iters=20)
     print(f"--- bench linear with fp8_block.CONFIG {k8.CONFIG}", flush=True)
     print(BL.format_table(rows), flush=True)
+    runs = json.load(open(path)) if os.path.exists(path) else []
+    runs.append({"name": name, "config": dict(k8.CONFIG), "rows": rows})
     with open(path, "w") as f:
-        json.dump({"config": dict(k8.CONFIG), "rows": rows}, f, indent=1, default=str)
+        json.dump(runs, f, indent=1, default=str)
 
 
 def main(argv=None) -> int:
@@ -139,7 +141,7 @@ def main(argv=None) -> int:
     os.makedirs(a.out, exist_ok=True)
     if a.linear_one:
         name, cfg = json.loads(a.linear_one)
-        linear_one(cfg, os.path.join(a.out, f"linear_{name}.json"))
+        linear_one(name, cfg, os.path.join(a.out, "linear.json"))
         return 0
     print(f"device {torch.cuda.get_device_name()}; torch {torch.__version__}", flush=True)
     pick = json.loads(a.pick) if a.pick else probe(a.out)["pick"]

@@ -88,24 +88,16 @@ def _tile_loop(x_desc, rq_desc, cq_desc, rs_ptr, cs_ptr, MP, K, KB, tiles_k, til
         m0 = tm * 128
         k0 = tk * 128
         mbarrier.wait(bars.index(s), (i // STAGES) & 1)
+        # the rowwise grid first, then the columnwise one half by half: fewer values live at once (registers for
+        # two programs per SM), the stage refilled once both have read it
         r0 = x_smem.index(2 * s).load(LR).to(gl.float32)
         r1 = x_smem.index(2 * s + 1).load(LR).to(gl.float32)
-        c0 = x_smem.index(2 * s).load(LC).to(gl.float32)
-        c1 = x_smem.index(2 * s + 1).load(LC).to(gl.float32)
-        gl.thread_barrier()  # every warp has read stage s: refill it
-        _issue(x_desc, x_smem, bars, t + STAGES * nprog, tiles_k, s, i + STAGES < mine)
         ramax = gl.maximum(_amax(r0, 1), _amax(r1, 1))
         if WEIGHT:
             amax = gl.max(ramax, axis=0)  # the whole tile's
             sr = _scale(gl.zeros_like(ramax) + amax, VALUE_FOR_INF, POW2)
-            sc0 = _scale(gl.zeros([64], gl.float32, gl.SliceLayout(0, LC)) + amax, VALUE_FOR_INF, POW2)
-            sc1 = sc0
         else:
             sr = _scale(ramax, VALUE_FOR_INF, POW2)
-            sc0 = _scale(_amax(c0, 0), VALUE_FOR_INF, POW2)
-            sc1 = _scale(_amax(c1, 0), VALUE_FOR_INF, POW2)
-        qc0 = gl.permute((c0 * sc0[None, :]).to(cq_desc.dtype), [1, 0])
-        qc1 = gl.permute((c1 * sc1[None, :]).to(cq_desc.dtype), [1, 0])
         ob = (i % OUT) * 2
         if ROWS:
             qr0 = (r0 * sr[:, None]).to(rq_desc.dtype)
@@ -117,10 +109,21 @@ def _tile_loop(x_desc, rq_desc, cq_desc, rs_ptr, cs_ptr, MP, K, KB, tiles_k, til
         if ROWS:
             rq_smem.index(ob).store(qr0)
             rq_smem.index(ob + 1).store(qr1)
-        cq_smem.index(ob).store(qc0)
-        cq_smem.index(ob + 1).store(qc1)
+        c0 = x_smem.index(2 * s).load(LC).to(gl.float32)
+        if WEIGHT:
+            sc0 = _scale(gl.zeros([64], gl.float32, gl.SliceLayout(0, LC)) + amax, VALUE_FOR_INF, POW2)
+        else:
+            sc0 = _scale(_amax(c0, 0), VALUE_FOR_INF, POW2)
+        cq_smem.index(ob).store(gl.permute((c0 * sc0[None, :]).to(cq_desc.dtype), [1, 0]))
+        c1 = x_smem.index(2 * s + 1).load(LC).to(gl.float32)
+        if WEIGHT:
+            sc1 = sc0
+        else:
+            sc1 = _scale(_amax(c1, 0), VALUE_FOR_INF, POW2)
+        cq_smem.index(ob + 1).store(gl.permute((c1 * sc1[None, :]).to(cq_desc.dtype), [1, 0]))
         fence_async_shared()
-        gl.thread_barrier()
+        gl.thread_barrier()  # stage s read by every warp, the results in shared memory
+        _issue(x_desc, x_smem, bars, t + STAGES * nprog, tiles_k, s, i + STAGES < mine)
         if ROWS:
             tma.async_copy_shared_to_global(rq_desc, [m0, k0], rq_smem.index(ob))
             tma.async_copy_shared_to_global(rq_desc, [m0, k0 + 64], rq_smem.index(ob + 1))

@@ -50,12 +50,13 @@ ACT_VARIANTS = {
 }
 #: the Gluon kernels of ``_fp8_block_gluon.py`` (sm_90, TMA in and out, persistent over tiles; bf16 / fp16 inputs
 #: whose rows are 16-byte multiples, else the Triton kernels run): STAGES tiles loaded ahead, OUT tiles' stores in
-#: flight, warps per program (one program per SM). 16 warps at 4 stages spills on the columnwise grid alone.
+#: flight, warps per program, programs per SM (x2: two, in 96 KiB of shared memory and 113 registers each). 16 warps
+#: spill, and ran slowest on the H200 before they did.
 TMA_VARIANTS = {
-    "tma_s3o2_w8": {"STAGES": 3, "OUT": 2, "warps": 8},
-    "tma_s4o2_w8": {"STAGES": 4, "OUT": 2, "warps": 8},
-    "tma_s3o2_w16": {"STAGES": 3, "OUT": 2, "warps": 16},
-    "tma_s2o1_w8": {"STAGES": 2, "OUT": 1, "warps": 8},
+    "tma_s3o2_w8": {"STAGES": 3, "OUT": 2, "warps": 8, "per_sm": 1},
+    "tma_s4o2_w8": {"STAGES": 4, "OUT": 2, "warps": 8, "per_sm": 1},
+    "tma_s2o1_w8": {"STAGES": 2, "OUT": 1, "warps": 8, "per_sm": 1},
+    "tma_s2o1_w8_x2": {"STAGES": 2, "OUT": 1, "warps": 8, "per_sm": 2},
 }
 #: what runs where a TMA variant is configured but the input is not one the TMA kernels take
 _TRITON = {"act_both": "r16c32tpa_w4", "act_cols": "r32c32tpa_w8"}
@@ -81,11 +82,11 @@ def _gluon():
 _SMS: dict[int, int] = {}
 
 
-def _programs(dev: torch.device, tiles: int) -> int:
+def _programs(dev: torch.device, tiles: int, per_sm: int) -> int:
     n = _SMS.get(dev.index)
     if n is None:
         n = _SMS[dev.index] = torch.cuda.get_device_properties(dev).multi_processor_count
-    return min(tiles, n)
+    return min(tiles, n * per_sm)
 
 
 def _tma_ok(x: torch.Tensor, variant: str, tiles: int, *widths: int) -> bool:
@@ -146,7 +147,8 @@ def _tma_act(variant: str, x, rq, rs, cq, cs, k: int, mp: int, rows: bool, vinf:
     tiles = (mp // BLOCK) * tiles_k
     cq8 = cq.view(torch.float8_e4m3fn)
     rq8 = rq.view(torch.float8_e4m3fn) if rows else cq8  # (ROWS=0: a descriptor of the right type, unused)
-    _tma_launch("act_tma_kernel", _programs(x.device, tiles), ((x, (128, 64)), (rq8, (128, 64)), (cq8, (64, 128))),
+    descs = ((x, (128, 64)), (rq8, (128, 64)), (cq8, (64, 128)))
+    _tma_launch("act_tma_kernel", _programs(x.device, tiles, v["per_sm"]), descs,
                 (rs if rows else cs, cs, mp, k, tiles_k, tiles), v["warps"], ROWS=rows, VALUE_FOR_INF=vinf,
                 POW2=bool(pow2), STAGES=v["STAGES"], OUT=v["OUT"])
 
@@ -284,8 +286,8 @@ def quantize_weight(w: torch.Tensor, pow2: bool, *, transposed: bool = True, sca
     if in_kernel and _tma_ok(w, CONFIG["weight"], nb * kb, k, n):
         v = TMA_VARIANTS[CONFIG["weight"]]
         q8, qt8 = q.view(torch.float8_e4m3fn), qt.view(torch.float8_e4m3fn)
-        _tma_launch("weight_tma_kernel", _programs(w.device, nb * kb), ((w, (128, 64)), (q8, (128, 64)),
-                                                                        (qt8, (64, 128))),
+        descs = ((w, (128, 64)), (q8, (128, 64)), (qt8, (64, 128)))
+        _tma_launch("weight_tma_kernel", _programs(w.device, nb * kb, v["per_sm"]), descs,
                     (s, st if scale_t else _scratch(w.device, kb * lt), k, kb, lt, kb, nb * kb), v["warps"],
                     VALUE_FOR_INF=_value_for_inf(w.dtype), POW2=bool(pow2), STAGES=v["STAGES"], OUT=v["OUT"])
         grid = FP8BlockTensor(data=q8, scale_inv=s, block=(BLOCK, BLOCK))
