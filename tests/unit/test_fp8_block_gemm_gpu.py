@@ -73,10 +73,22 @@ def test_wrong_scale_layout_is_caught():
 
 
 @pytest.mark.parametrize("mode", ["high_precision", "dequantized", "quantized"])
-def test_quant_linear_native_vs_emulated(mode):
+@pytest.mark.parametrize("operands", ["configured", "tma", "triton"])
+def test_quant_linear_native_vs_emulated(mode, operands, monkeypatch):
+    """``operands``: the operand kernels as configured, the Gluon TMA kernels at any size, the Triton ones."""
     _need_hopper()
+    from miles_lp.formats.kernels import fp8_block as k8
     from miles_lp.formats.spec import BackwardMode, Format
     from miles_lp.train.quant_linear import LinearRecipe, QuantLinear
+
+    if operands == "tma":
+        monkeypatch.setitem(k8.CONFIG, "tma_min_tiles", 0)
+        for key in ("act_both", "act_cols", "weight"):
+            if k8.CONFIG[key] not in k8.TMA_VARIANTS:
+                monkeypatch.setitem(k8.CONFIG, key, "tma_s2o1_w8_x2")
+    elif operands == "triton":
+        for key, v in (*k8._TRITON.items(), ("weight", "tile")):
+            monkeypatch.setitem(k8.CONFIG, key, v)
 
     torch.manual_seed(2)
     lin = torch.nn.Linear(1024, 768, bias=True, device="cuda", dtype=torch.bfloat16)

@@ -1,4 +1,5 @@
-"""FP8 blockwise operand kernels (Triton): what the native GEMMs read, byte-identical to the codec.
+"""FP8 blockwise operand kernels (Triton, and Gluon TMA kernels on sm_90): what the native GEMMs read, byte-identical
+to the codec.
 
 ``quantize_act(x, pow2, rows=, cols=)``: the 1x128 rowwise grid of ``x [M, K]`` (``quantize_fp8_blockwise(x,
 (1, 128))``) and/or its 128x1 grid (``(128, 1)``: the 1x128 tiles of ``x.T``), from one read of ``x``.
@@ -9,6 +10,10 @@ The results are ``FP8BlockTensor`` s whose tensors are views of storage laid out
 ``[K/128, M]`` and viewed ``[M, K/128]`` (M-major, what BlockWise1x128 reads); the columnwise data stored
 ``[K, M]`` and viewed ``[M, K]``. ``padded(q)`` returns that storage. Equality with the codec is element by
 element on the views (``selfcheck``; ``tests/unit/test_fp8_block_kernels.py`` under ``TRITON_INTERPRET=1``).
+
+Which kernel runs is ``CONFIG``'s choice: on CUDA for bf16 / fp16 inputs of at least ``tma_min_tiles`` tiles, the
+Gluon kernels of ``_fp8_block_gluon.py`` (persistent, TMA loads and stores; compiled only on CUDA: the interpreter
+and every other input take the Triton kernels of ``_fp8_block_triton.py``).
 """
 
 from __future__ import annotations
@@ -37,9 +42,12 @@ BLOCK = 128
 #: columnwise grid 80.7 against 84.5; 2048x4096: 13.7 against 17.7; docs/results/h200-fp8-block-act-2026-12-02).
 #: scripts/h200_fp8_block_act.py times them all side by side and prints the fastest.
 #: weight: "tile" (``weight_tile_kernel``) or a TMA_VARIANTS name.
-#: tma_min_tiles: the TMA kernels run only on inputs of at least this many 128x128 tiles.
-CONFIG = {"act_warps": 8, "weight_warps": 16, "act_both": "r16c32tpa_w4", "act_cols": "r32c32tpa_w8",
-          "weight": "tile", "tma_min_tiles": 1024}
+#: tma_min_tiles: the TMA kernels run only on inputs of at least this many 128x128 tiles. The defaults: the Gluon
+#: TMA kernels, the fastest on the H200 (8192^2 bf16, CUDA graphs: both grids 85.0 us against 108.4 for the slab
+#: kernel, copy 64.1; the columnwise grid 60.2 against 79.9; the weight 74.7 against 95.1; at 2048x4096 the
+#: activations 10.9 / 8.0 against 13.4 / 11.7, the weight 11.0 against 10.5; docs/results/h200-fp8-block-tma-2026-12-02).
+CONFIG = {"act_warps": 8, "weight_warps": 16, "act_both": "tma_s2o1_w8_x2", "act_cols": "tma_s2o1_w8_x2",
+          "weight": "tma_s2o1_w8", "tma_min_tiles": 512}
 #: ``act_slab_kernel`` launch shapes: RSLAB rows per slab in the amax (+ rowwise) pass, CSLAB in the columnwise
 #: pass, PREFETCH each slab loaded one iteration ahead, warps per 128x128 tile program.
 ACT_VARIANTS = {
@@ -196,10 +204,11 @@ def quantize_act(x: torch.Tensor, pow2: bool, *, rows: bool = True, cols: bool =
 
     Row storage: data ``[MP, K]`` and scale_inv ``[MP, K/128]`` M-major. Col storage: data ``[K, MP]`` (the
     transpose, row-major) and scale_inv ``[K, MP/128]`` K-major (the view ``scaled_mm`` reads for the wgrad
-    operands). ``CONFIG["act_both"]`` / ``["act_cols"]`` pick the kernel: an ``ACT_VARIANTS`` shape of the slab
-    kernel (one launch, one read of each tile from DRAM: the default, the fastest on the H200) or "tile", one launch
-    of the tile kernel per grid (faster than one tile launch writing both, 56 + 87 us against 169 us at 8192^2
-    bf16: the joint tile's registers).
+    operands). ``CONFIG["act_both"]`` / ``["act_cols"]`` pick the kernel: a ``TMA_VARIANTS`` shape of the Gluon
+    kernel (the default; where it does not apply, the default slab shape runs), an ``ACT_VARIANTS`` shape of the
+    Triton slab kernel (one launch, one read of each tile from DRAM) or "tile", one launch of the tile kernel per
+    grid (faster than one tile launch writing both, 56 + 87 us against 169 us at 8192^2 bf16: the joint tile's
+    registers).
     ``grids=False``: only the storages (the GEMMs' operands; the two grids are returned as None)."""
     _check(x, "input")
     x = x.detach()
