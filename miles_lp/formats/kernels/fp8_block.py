@@ -23,14 +23,11 @@ import os
 
 import torch
 
-from miles_lp.config import switch as _switch
 from miles_lp.errors import FormatError
 from miles_lp.formats.fp8 import FP8BlockTensor
 from miles_lp.formats.kernels.runtime import cached_jit_module, interpreting
 from miles_lp.formats.kernels.runtime import launch as _launch
-from miles_lp.formats.kernels.runtime import launch_hooks_set as _hooks_set
-from miles_lp.formats.kernels.runtime import spec_key as _spec_key
-from miles_lp.formats.kernels.runtime import stream as _stream
+from miles_lp.formats.kernels.runtime import launch_tma as _launch_tma
 
 BLOCK = 128
 #: launch shape (warps per 128x128 tile program), the fastest measured on the H200 (8192^2 bf16: act rows 56 / 72 /
@@ -105,50 +102,6 @@ def _tma_ok(x: torch.Tensor, variant: str, tiles: int, *widths: int) -> bool:
             and all(w % 16 == 0 for w in widths))
 
 
-def _desc(t: torch.Tensor, block: list[int]):
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}[t.dtype]
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, gl.NVMMASharedLayout.get_default_for(block,
-                                                                                                              gdt))
-
-
-class _HostDesc:
-    """What Triton's launcher reads of a host tensor descriptor (base, shape, strides, padding): the layout and
-    block shape are compiled into the kernel, so a cached launch needs only these (Gluon's ``TensorDescriptor``
-    and its JIT dispatch cost 100-190 us of host time per launch on the H200's host)."""
-
-    __slots__ = ("base", "shape", "strides", "padding")
-
-    def __init__(self, t: torch.Tensor):
-        self.base, self.shape, self.strides, self.padding = t, list(t.shape), list(t.stride()), "zero"
-
-
-_TMA_LAUNCHERS: dict[tuple, tuple] = {}
-
-
-def _tma_launch(name: str, programs: int, descs: tuple, args: tuple, warps: int, **consts) -> None:
-    """``_fp8_block_gluon.<name>[(programs,)](*descriptors, *args, **consts)``; after the first launch of a
-    specialization, through its compiled launcher directly (``runtime.launch``'s fast path for Gluon)."""
-    key = (name, warps, tuple(consts.items()), tuple((t.dtype, tuple(b)) for t, b in descs), _spec_key(args))
-    ent = _TMA_LAUNCHERS.get(key)
-    dev = descs[0][0].device.index
-    if ent is not None and _switch("kernels_fast_launch") and not _hooks_set():
-        ck, const_vals = ent
-        ck.run(programs, 1, 1, _stream(dev), ck.function, ck.packed_metadata, None, None, None,
-               *(_HostDesc(t) for t, _ in descs), *args, *const_vals)
-        return
-    fn = getattr(_gluon(), name)
-    ck = fn[(programs,)](*(_desc(t, b) for t, b in descs), *args, **consts, num_warps=warps)
-    if hasattr(ck, "result"):
-        ck = ck.result()
-    full = {**consts, "num_warps": warps}
-    rest = fn.arg_names[len(descs) + len(args):]
-    if hasattr(ck, "run") and set(rest) == set(full):
-        _TMA_LAUNCHERS[key] = (ck, tuple(full[n] for n in rest))
-
-
 def _tma_act(variant: str, x, rq, rs, cq, cs, k: int, mp: int, rows: bool, vinf: float, pow2: bool) -> None:
     v = TMA_VARIANTS[variant]
     tiles_k = math.ceil(k / BLOCK)
@@ -156,7 +109,7 @@ def _tma_act(variant: str, x, rq, rs, cq, cs, k: int, mp: int, rows: bool, vinf:
     cq8 = cq.view(torch.float8_e4m3fn)
     rq8 = rq.view(torch.float8_e4m3fn) if rows else cq8  # (ROWS=0: a descriptor of the right type, unused)
     descs = ((x, (128, 64)), (rq8, (128, 64)), (cq8, (64, 128)))
-    _tma_launch("act_tma_kernel", _programs(x.device, tiles, v["per_sm"]), descs,
+    _launch_tma(_gluon().act_tma_kernel, _programs(x.device, tiles, v["per_sm"]), descs,
                 (rs if rows else cs, cs, mp, k, tiles_k, tiles), v["warps"], ROWS=rows, VALUE_FOR_INF=vinf,
                 POW2=bool(pow2), STAGES=v["STAGES"], OUT=v["OUT"])
 
@@ -296,7 +249,7 @@ def quantize_weight(w: torch.Tensor, pow2: bool, *, transposed: bool = True, sca
         v = TMA_VARIANTS[CONFIG["weight"]]
         q8, qt8 = q.view(torch.float8_e4m3fn), qt.view(torch.float8_e4m3fn)
         descs = ((w, (128, 64)), (q8, (128, 64)), (qt8, (64, 128)))
-        _tma_launch("weight_tma_kernel", _programs(w.device, nb * kb, v["per_sm"]), descs,
+        _launch_tma(_gluon().weight_tma_kernel, _programs(w.device, nb * kb, v["per_sm"]), descs,
                     (s, st if scale_t else _scratch(w.device, kb * lt), k, kb, lt, kb, nb * kb), v["warps"],
                     VALUE_FOR_INF=_value_for_inf(w.dtype), POW2=bool(pow2), STAGES=v["STAGES"], OUT=v["OUT"])
         grid = FP8BlockTensor(data=q8, scale_inv=s, block=(BLOCK, BLOCK))
