@@ -25,7 +25,8 @@ def _compile(kind: str, variant: str, dtype: str = "bf16", rows: bool = True, po
     lc = gl.NVMMASharedLayout.get_default_for([64, 128], gl.float8e4nv)
     descs = [f"tensordesc<{dtype}[128, 64],{lx!r}>", f"tensordesc<fp8e4nv[128, 64],{lr!r}>",
              f"tensordesc<fp8e4nv[64, 128],{lc!r}>"]
-    consts = dict(VALUE_FOR_INF=3.0e38, POW2=pow2, STAGES=v["STAGES"], OUT=v["OUT"], num_warps=v["warps"])
+    consts = dict(VALUE_FOR_INF=3.0e38, POW2=pow2, STAGES=v["STAGES"], OUT=v["OUT"], LEAN=v["LEAN"],
+                  num_warps=v["warps"])
     if kind == "weight":
         fn = G.weight_tma_kernel
         sig = dict(zip(("w_desc", "q_desc", "qt_desc"), descs, strict=True), s_ptr="*fp32", st_ptr="*fp32")
@@ -36,8 +37,8 @@ def _compile(kind: str, variant: str, dtype: str = "bf16", rows: bool = True, po
         sig = dict(zip(("x_desc", "rq_desc", "cq_desc"), descs, strict=True), rs_ptr="*fp32", cs_ptr="*fp32")
         sig.update(dict.fromkeys(("MP", "K", "tiles_k", "tiles"), "i32"))
     sig.update(dict.fromkeys(consts, "constexpr"))
-    return compiler.compile(GluonASTSource(fn, sig, consts, {}), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": v["warps"]})
+    opts = {"num_warps": v["warps"], **({"maxnreg": v["maxnreg"]} if v["maxnreg"] else {})}
+    return compiler.compile(GluonASTSource(fn, sig, consts, {}), target=GPUTarget("cuda", 90, 32), options=opts)
 
 
 def _variants():

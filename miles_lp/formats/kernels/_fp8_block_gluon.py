@@ -61,7 +61,7 @@ def _issue(x_desc, x_smem, bars, t, tiles_k, s, pred):
 @gluon.jit
 def _tile_loop(x_desc, rq_desc, cq_desc, rs_ptr, cs_ptr, MP, K, KB, tiles_k, tiles,
                ROWS: gl.constexpr, WEIGHT: gl.constexpr, VALUE_FOR_INF: gl.constexpr, POW2: gl.constexpr,
-               STAGES: gl.constexpr, OUT: gl.constexpr, num_warps: gl.constexpr):
+               STAGES: gl.constexpr, OUT: gl.constexpr, LEAN: gl.constexpr, num_warps: gl.constexpr):
     # rowwise path: 8 contiguous elements per thread along K (16-byte shared loads of bf16), 8 lanes span a half
     LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     # columnwise path: 8 rows x 2 columns per thread, so that the transposed bytes leave as 8-byte stores
@@ -90,9 +90,14 @@ def _tile_loop(x_desc, rq_desc, cq_desc, rs_ptr, cs_ptr, MP, K, KB, tiles_k, til
         mbarrier.wait(bars.index(s), (i // STAGES) & 1)
         # the rowwise grid first, then the columnwise one half by half: fewer values live at once (registers for
         # two programs per SM), the stage refilled once both have read it
+        # LEAN: each half read from shared memory twice (amax, then quantize) so that only one is in registers
         r0 = x_smem.index(2 * s).load(LR).to(gl.float32)
-        r1 = x_smem.index(2 * s + 1).load(LR).to(gl.float32)
-        ramax = gl.maximum(_amax(r0, 1), _amax(r1, 1))
+        ramax = _amax(r0, 1)
+        if LEAN:
+            ramax = gl.maximum(ramax, _amax(x_smem.index(2 * s + 1).load(LR).to(gl.float32), 1))
+        else:
+            r1 = x_smem.index(2 * s + 1).load(LR).to(gl.float32)
+            ramax = gl.maximum(ramax, _amax(r1, 1))
         if WEIGHT:
             amax = gl.max(ramax, axis=0)  # the whole tile's
             sr = _scale(gl.zeros_like(ramax) + amax, VALUE_FOR_INF, POW2)
@@ -101,13 +106,16 @@ def _tile_loop(x_desc, rq_desc, cq_desc, rs_ptr, cs_ptr, MP, K, KB, tiles_k, til
         ob = (i % OUT) * 2
         if ROWS:
             qr0 = (r0 * sr[:, None]).to(rq_desc.dtype)
-            qr1 = (r1 * sr[:, None]).to(rq_desc.dtype)
+            if not LEAN:
+                qr1 = (r1 * sr[:, None]).to(rq_desc.dtype)
             tma.store_wait(4 * (OUT - 1))  # this buffer's stores (OUT tiles ago) have left; later ones may run
         else:
             tma.store_wait(2 * (OUT - 1))
         gl.thread_barrier()
         if ROWS:
             rq_smem.index(ob).store(qr0)
+            if LEAN:
+                qr1 = (x_smem.index(2 * s + 1).load(LR).to(gl.float32) * sr[:, None]).to(rq_desc.dtype)
             rq_smem.index(ob + 1).store(qr1)
         c0 = x_smem.index(2 * s).load(LC).to(gl.float32)
         if WEIGHT:
@@ -148,18 +156,18 @@ def _tile_loop(x_desc, rq_desc, cq_desc, rs_ptr, cs_ptr, MP, K, KB, tiles_k, til
 @gluon.jit
 def act_tma_kernel(x_desc, rq_desc, cq_desc, rs_ptr, cs_ptr, MP, K, tiles_k, tiles,
                    ROWS: gl.constexpr, VALUE_FOR_INF: gl.constexpr, POW2: gl.constexpr, STAGES: gl.constexpr,
-                   OUT: gl.constexpr, num_warps: gl.constexpr):
+                   OUT: gl.constexpr, LEAN: gl.constexpr, num_warps: gl.constexpr):
     """x [M, K] -> rowwise q [MP, K] + scale_inv stored [K/128, MP]; columnwise q stored [K, MP] + scale_inv
     [MP/128, K] (``act_slab_kernel``'s storage). ROWS=0: the columnwise grid alone (rq_desc is then unused)."""
     _tile_loop(x_desc, rq_desc, cq_desc, rs_ptr, cs_ptr, MP, K, 0, tiles_k, tiles, ROWS, False, VALUE_FOR_INF, POW2,
-               STAGES, OUT, num_warps)
+               STAGES, OUT, LEAN, num_warps)
 
 
 @gluon.jit
 def weight_tma_kernel(w_desc, q_desc, qt_desc, s_ptr, st_ptr, K, KB, LT, tiles_k, tiles,
                       VALUE_FOR_INF: gl.constexpr, POW2: gl.constexpr, STAGES: gl.constexpr, OUT: gl.constexpr,
-                      num_warps: gl.constexpr):
+                      LEAN: gl.constexpr, num_warps: gl.constexpr):
     """w [N, K] -> q [N, K], qt [K, N], scale_inv [ceil(N/128), KB] and the same transposed ``st [KB, LT]``
     (``weight_tile_kernel``'s storage with SCALE_T)."""
     _tile_loop(w_desc, q_desc, qt_desc, s_ptr, st_ptr, LT, K, KB, tiles_k, tiles, True, True, VALUE_FOR_INF, POW2,
-               STAGES, OUT, num_warps)
+               STAGES, OUT, LEAN, num_warps)

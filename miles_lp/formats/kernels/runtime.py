@@ -290,19 +290,21 @@ class _HostDesc:
 TMA_LAUNCHERS: dict[tuple, tuple] = {}
 
 
-def launch_tma(fn, programs: int, descs: tuple, args: tuple, num_warps: int, **consts) -> None:
+def launch_tma(fn, programs: int, descs: tuple, args: tuple, num_warps: int, maxnreg: int = 0, **consts) -> None:
     """``fn[(programs,)](*descriptors, *args, **consts, num_warps=num_warps)`` for a Gluon kernel whose leading
     parameters are TMA tensor descriptors, given as ``(tensor, block shape)`` pairs (the default NVMMA shared layout
     of the block); after the first launch of a specialization, through its compiled launcher directly, as
-    ``launch``'s fast path does for Triton kernels."""
-    key = (fn, num_warps, tuple(consts.items()), tuple((t.dtype, tuple(b)) for t, b in descs), spec_key(args))
+    ``launch``'s fast path does for Triton kernels. ``maxnreg`` > 0: ptxas' register cap per thread."""
+    key = (fn, num_warps, maxnreg, tuple(consts.items()), tuple((t.dtype, tuple(b)) for t, b in descs),
+           spec_key(args))
     ent = TMA_LAUNCHERS.get(key)
     if ent is not None and switch("kernels_fast_launch") and not launch_hooks_set():
         ck, const_vals = ent
         ck.run(programs, 1, 1, stream(descs[0][0].device.index), ck.function, ck.packed_metadata, None, None, None,
                *(_HostDesc(t) for t, _ in descs), *args, *const_vals)
         return
-    ck = fn[(programs,)](*(_tma_descriptor(t, b) for t, b in descs), *args, **consts, num_warps=num_warps)
+    opts = {"maxnreg": maxnreg} if maxnreg else {}
+    ck = fn[(programs,)](*(_tma_descriptor(t, b) for t, b in descs), *args, **consts, num_warps=num_warps, **opts)
     if hasattr(ck, "result"):
         ck = ck.result()
     full = {**consts, "num_warps": num_warps}
