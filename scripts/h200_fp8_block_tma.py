@@ -7,8 +7,8 @@
 2. each timed as a CUDA graph of 10 calls (median of 20 replays; ``h200_fp8_block_act.timed``) beside a device
    copy and the configured Triton kernels, at x 8192x8192 / 2048x4096 and w 8192x8192 / 4096x4096 bf16, plus the
    host time per eager call; the fastest byte-identical variant per use -> DIR/tma.json ``pick``;
-3. ``--linear``: ``bench linear`` (fp8_block quantized, large and small shapes, graphed) with the configured kernels
-   and with the pick, each in its own process (a kernel choice switched inside one process has twice broken CUDA
+3. ``--linear``: ``bench linear`` (fp8_block quantized, large and small shapes, graphed) with ``fp8_block.CONFIG``'s
+   defaults and with the pick, each in its own process (a kernel choice switched inside one process has twice broken CUDA
    graph capture), twice, alternating -> DIR/linear.json (a list of runs).
 """
 
@@ -71,7 +71,7 @@ def probe(out: str) -> dict:
         y = torch.empty_like(x)
         n = m * k
         cases = {"copy": ({}, lambda x=x, y=y: y.copy_(x), 4 * n)}
-        tri = {"act_both": saved["act_both"], "act_cols": saved["act_cols"], "weight": "tile"}
+        tri = {**k8._TRITON, "weight": "tile"}  # the Triton kernels, whatever CONFIG's defaults are
         for v in ("triton", *k8.TMA_VARIANTS):
             cfg = tri if v == "triton" else {"act_both": v, "act_cols": v, "weight": v, "tma_min_tiles": 0}
             cases[f"both {v}"] = (cfg, lambda x=x: k8.quantize_act(x, False, rows=True, cols=True, grids=False), 4 * n)
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     if not a.linear or not pick:
         return 0
     for rnd in (1, 2):
-        for name, cfg in (("triton", {}), ("tma", pick)):
+        for name, cfg in (("default", {}), ("tma", pick)):
             arg = json.dumps([f"{name}_{rnd}", cfg])
             rc = subprocess.call([sys.executable, os.path.abspath(__file__), "--out", a.out, "--linear-one", arg],
                                  timeout=240)
