@@ -26,7 +26,7 @@ def _compile(kind: str, variant: str, dtype: str = "bf16", rows: bool = True, po
     descs = [f"tensordesc<{dtype}[128, 64],{lx!r}>", f"tensordesc<fp8e4nv[128, 64],{lr!r}>",
              f"tensordesc<fp8e4nv[64, 128],{lc!r}>"]
     consts = dict(VALUE_FOR_INF=3.0e38, POW2=pow2, STAGES=v["STAGES"], OUT=v["OUT"], LEAN=v["LEAN"],
-                  num_warps=v["warps"])
+                  LC16=v["LC16"], num_warps=v["warps"])
     if kind == "weight":
         fn = G.weight_tma_kernel
         sig = dict(zip(("w_desc", "q_desc", "qt_desc"), descs, strict=True), s_ptr="*fp32", st_ptr="*fp32")

@@ -61,11 +61,17 @@ def _issue(x_desc, x_smem, bars, t, tiles_k, s, pred):
 @gluon.jit
 def _tile_loop(x_desc, rq_desc, cq_desc, rs_ptr, cs_ptr, MP, K, KB, tiles_k, tiles,
                ROWS: gl.constexpr, WEIGHT: gl.constexpr, VALUE_FOR_INF: gl.constexpr, POW2: gl.constexpr,
-               STAGES: gl.constexpr, OUT: gl.constexpr, LEAN: gl.constexpr, num_warps: gl.constexpr):
+               STAGES: gl.constexpr, OUT: gl.constexpr, LEAN: gl.constexpr, LC16: gl.constexpr,
+               num_warps: gl.constexpr):
     # rowwise path: 8 contiguous elements per thread along K (16-byte shared loads of bf16), 8 lanes span a half
     LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    # columnwise path: 8 rows x 2 columns per thread, so that the transposed bytes leave as 8-byte stores
-    LC: gl.constexpr = gl.BlockedLayout([8, 2], [4, 8], [num_warps // 4, 4], [0, 1])
+    # columnwise path: 8 rows x 2 columns per thread, so that the transposed bytes leave as 8-byte stores (its
+    # 4-byte shared loads conflict 4-way: ``gl.bank_conflicts`` 3); LC16: 16 rows x 1 column per thread, 2-byte
+    # loads without conflicts and 16-byte transposed stores
+    if LC16:
+        LC: gl.constexpr = gl.BlockedLayout([16, 1], [1, 32], [4, num_warps // 4], [0, 1])
+    else:
+        LC: gl.constexpr = gl.BlockedLayout([8, 2], [4, 8], [num_warps // 4, 4], [0, 1])
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     mine = (tiles - pid + nprog - 1) // nprog
@@ -156,18 +162,18 @@ def _tile_loop(x_desc, rq_desc, cq_desc, rs_ptr, cs_ptr, MP, K, KB, tiles_k, til
 @gluon.jit
 def act_tma_kernel(x_desc, rq_desc, cq_desc, rs_ptr, cs_ptr, MP, K, tiles_k, tiles,
                    ROWS: gl.constexpr, VALUE_FOR_INF: gl.constexpr, POW2: gl.constexpr, STAGES: gl.constexpr,
-                   OUT: gl.constexpr, LEAN: gl.constexpr, num_warps: gl.constexpr):
+                   OUT: gl.constexpr, LEAN: gl.constexpr, LC16: gl.constexpr, num_warps: gl.constexpr):
     """x [M, K] -> rowwise q [MP, K] + scale_inv stored [K/128, MP]; columnwise q stored [K, MP] + scale_inv
     [MP/128, K] (``act_slab_kernel``'s storage). ROWS=0: the columnwise grid alone (rq_desc is then unused)."""
     _tile_loop(x_desc, rq_desc, cq_desc, rs_ptr, cs_ptr, MP, K, 0, tiles_k, tiles, ROWS, False, VALUE_FOR_INF, POW2,
-               STAGES, OUT, LEAN, num_warps)
+               STAGES, OUT, LEAN, LC16, num_warps)
 
 
 @gluon.jit
 def weight_tma_kernel(w_desc, q_desc, qt_desc, s_ptr, st_ptr, K, KB, LT, tiles_k, tiles,
                       VALUE_FOR_INF: gl.constexpr, POW2: gl.constexpr, STAGES: gl.constexpr, OUT: gl.constexpr,
-                      LEAN: gl.constexpr, num_warps: gl.constexpr):
+                      LEAN: gl.constexpr, LC16: gl.constexpr, num_warps: gl.constexpr):
     """w [N, K] -> q [N, K], qt [K, N], scale_inv [ceil(N/128), KB] and the same transposed ``st [KB, LT]``
     (``weight_tile_kernel``'s storage with SCALE_T)."""
     _tile_loop(w_desc, q_desc, qt_desc, s_ptr, st_ptr, LT, K, KB, tiles_k, tiles, True, True, VALUE_FOR_INF, POW2,
-               STAGES, OUT, LEAN, num_warps)
+               STAGES, OUT, LEAN, LC16, num_warps)

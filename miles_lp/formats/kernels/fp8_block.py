@@ -56,14 +56,17 @@ ACT_VARIANTS = {
 #: the Gluon kernels of ``_fp8_block_gluon.py`` (sm_90, TMA in and out, persistent over tiles; bf16 / fp16 inputs
 #: whose rows are 16-byte multiples, else the Triton kernels run): STAGES tiles loaded ahead, OUT tiles' stores in
 #: flight, warps per program, programs per SM (x2: two, in 96 KiB of shared memory and 113 registers each; x3: three,
-#: in 64 KiB and at most 80 registers, each half of a tile read twice from shared memory: LEAN). 16 warps spill, and
-#: ran slowest on the H200 before they did.
+#: in 64 KiB and at most 80 registers, each half of a tile read twice from shared memory: LEAN; c: LC16, the
+#: columnwise grid read from shared memory without bank conflicts). 16 warps spill, and ran slowest on the H200 before
+#: they did.
 TMA_VARIANTS = {
-    "tma_s3o2_w8": {"STAGES": 3, "OUT": 2, "warps": 8, "per_sm": 1, "LEAN": 0, "maxnreg": 0},
-    "tma_s4o2_w8": {"STAGES": 4, "OUT": 2, "warps": 8, "per_sm": 1, "LEAN": 0, "maxnreg": 0},
-    "tma_s2o1_w8": {"STAGES": 2, "OUT": 1, "warps": 8, "per_sm": 1, "LEAN": 0, "maxnreg": 0},
-    "tma_s2o1_w8_x2": {"STAGES": 2, "OUT": 1, "warps": 8, "per_sm": 2, "LEAN": 0, "maxnreg": 0},
-    "tma_s1o1_w8_x3": {"STAGES": 1, "OUT": 1, "warps": 8, "per_sm": 3, "LEAN": 1, "maxnreg": 80},
+    "tma_s3o2_w8": {"STAGES": 3, "OUT": 2, "warps": 8, "per_sm": 1, "LEAN": 0, "maxnreg": 0, "LC16": 0},
+    "tma_s4o2_w8": {"STAGES": 4, "OUT": 2, "warps": 8, "per_sm": 1, "LEAN": 0, "maxnreg": 0, "LC16": 0},
+    "tma_s2o1_w8": {"STAGES": 2, "OUT": 1, "warps": 8, "per_sm": 1, "LEAN": 0, "maxnreg": 0, "LC16": 0},
+    "tma_s2o1_w8_x2": {"STAGES": 2, "OUT": 1, "warps": 8, "per_sm": 2, "LEAN": 0, "maxnreg": 0, "LC16": 0},
+    "tma_s2o1_w8_x2c": {"STAGES": 2, "OUT": 1, "warps": 8, "per_sm": 2, "LEAN": 0, "maxnreg": 0, "LC16": 1},
+    "tma_s1o1_w8_x3": {"STAGES": 1, "OUT": 1, "warps": 8, "per_sm": 3, "LEAN": 1, "maxnreg": 80, "LC16": 0},
+    "tma_s1o1_w8_x3c": {"STAGES": 1, "OUT": 1, "warps": 8, "per_sm": 3, "LEAN": 1, "maxnreg": 80, "LC16": 1},
 }
 #: what runs where a TMA variant is configured but the input is not one the TMA kernels take
 _TRITON = {"act_both": "r16c32tpa_w4", "act_cols": "r32c32tpa_w8"}
@@ -113,7 +116,7 @@ def _tma_act(variant: str, x, rq, rs, cq, cs, k: int, mp: int, rows: bool, vinf:
     descs = ((x, (128, 64)), (rq8, (128, 64)), (cq8, (64, 128)))
     _launch_tma(_gluon().act_tma_kernel, _programs(x.device, tiles, v["per_sm"]), descs,
                 (rs if rows else cs, cs, mp, k, tiles_k, tiles), v["warps"], maxnreg=v["maxnreg"], ROWS=rows,
-                VALUE_FOR_INF=vinf, POW2=bool(pow2), STAGES=v["STAGES"], OUT=v["OUT"], LEAN=v["LEAN"])
+                VALUE_FOR_INF=vinf, POW2=bool(pow2), STAGES=v["STAGES"], OUT=v["OUT"], LEAN=v["LEAN"], LC16=v["LC16"])
 
 
 def _value_for_inf(dtype: torch.dtype) -> float:
@@ -254,7 +257,7 @@ def quantize_weight(w: torch.Tensor, pow2: bool, *, transposed: bool = True, sca
         _launch_tma(_gluon().weight_tma_kernel, _programs(w.device, nb * kb, v["per_sm"]), descs,
                     (s, st if scale_t else _scratch(w.device, kb * lt), k, kb, lt, kb, nb * kb), v["warps"],
                     maxnreg=v["maxnreg"], VALUE_FOR_INF=_value_for_inf(w.dtype), POW2=bool(pow2), STAGES=v["STAGES"],
-                    OUT=v["OUT"], LEAN=v["LEAN"])
+                    OUT=v["OUT"], LEAN=v["LEAN"], LC16=v["LC16"])
         grid = FP8BlockTensor(data=q8, scale_inv=s, block=(BLOCK, BLOCK))
         return (grid, qt8, st) if scale_t else (grid, qt8)
     src, bits = _source(w)
