@@ -9,9 +9,14 @@ results leave through shared memory by TMA stores (the transposed grid written i
 its global store is a plain box). A tile is two 128x64 halves (a TMA box row of bf16 is at most 128 bytes under
 the 128-byte swizzle).
 
-* ``act_tma_kernel`` (``x [M, K]``, bf16 / fp16 / fp32): the 1x128 rowwise grid (ROWS) and the 128x1 grid written
+* ``act_tma_kernel`` (``x [M, K]``, bf16 / fp16): the 1x128 rowwise grid (ROWS) and the 128x1 grid written
   transposed ``[K, MP]``; rows past M read as zeros (TMA fills them), so the padding is zeros with scale 1.
-* ``weight_tma_kernel`` (``w [N, K]``): one scale per 128x128 tile, the data as is and transposed.
+* ``weight_tma_kernel`` (``w [N, K]``): one scale per 128x128 tile, the data as is and transposed, the scales as is
+  and transposed.
+
+Launch shapes (``fp8_block.TMA_VARIANTS``): STAGES, OUT (tiles whose stores may be in flight), warps, programs per
+SM; LEAN reads each half twice from shared memory instead of holding both in registers; LC16 takes the columnwise
+grid in 16x1 pieces per thread (shared-memory reads without bank conflicts).
 
 Compiled only on CUDA (Gluon has no interpreter); ``tests/unit/test_fp8_block_gluon_ops.py`` compiles both for
 sm_90 on the CPU, and ``fp8_block.selfcheck`` compares them with the codec on the device.
@@ -22,10 +27,6 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
-
-B = 128
-H = 64  # half a tile along K: one TMA box of the input
-
 
 @gluon.jit
 def _scale(amax, VALUE_FOR_INF: gl.constexpr, POW2: gl.constexpr):
