@@ -28,6 +28,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
+
 @gluon.jit
 def _scale(amax, VALUE_FOR_INF: gl.constexpr, POW2: gl.constexpr):
     """TE compute_scale_from_amax (amax_epsilon 0): 448 / amax; inf -> the input dtype's max; amax inf or 0 -> 1;
