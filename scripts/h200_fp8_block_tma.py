@@ -125,7 +125,10 @@ def linear_one(name: str, cfg: dict, path: str) -> None:
                     iters=20)
     print(f"--- bench linear with fp8_block.CONFIG {k8.CONFIG}", flush=True)
     print(BL.format_table(rows), flush=True)
-    runs = json.load(open(path)) if os.path.exists(path) else []
+    runs = []
+    if os.path.exists(path):
+        with open(path) as f:
+            runs = json.load(f)
     runs.append({"name": name, "config": dict(k8.CONFIG), "rows": rows})
     with open(path, "w") as f:
         json.dump(runs, f, indent=1, default=str)
