@@ -14,6 +14,7 @@ Writes DIR/graph_floor.json.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -23,37 +24,15 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from miles_lp.bench.cuda_timing import graph_us  # noqa: E402
+
 SHAPES = {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864)}  # (N, K), 0.5B
 LAYERS = 24
 
 
 @triton.jit
 def _empty(p):
-    pass
-
-
-def per_node_us(fn, nodes: int, replays: int = 20) -> float:
-    """Median over replays of a graph of ``nodes`` calls of fn, per call (us)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn(0)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(nodes):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / nodes)
-    return sorted(times)[len(times) // 2]
+    """Does nothing on purpose: what a kernel node costs at the least."""
 
 
 def main(argv=None) -> int:
@@ -64,16 +43,17 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     res: dict = {"device": torch.cuda.get_device_name()}
     one = torch.zeros(1, device=dev)
-    res["empty_triton_us"] = per_node_us(lambda i: _empty[(1,)](one), 500)
-    res["torch_add_1_elem_us"] = per_node_us(lambda i: one.add_(1), 500)
+    res["empty_triton_us"] = graph_us(lambda: _empty[(1,)](one), 500, 20, "median")
+    res["torch_add_1_elem_us"] = graph_us(lambda: one.add_(1), 500, 20, "median")
     x = torch.randn(32, 4864, device=dev, dtype=torch.bfloat16)
     gemm = {}
     for name, (n, k) in SHAPES.items():
         ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
         xi = x[:, :k].contiguous()
         out = torch.empty(32, n, device=dev, dtype=torch.bfloat16)
-        gemm[name] = per_node_us(lambda i, ws=ws, xi=xi, out=out: torch.matmul(xi, ws[i % LAYERS].t(), out=out),
-                                 4 * LAYERS)
+        turn = itertools.count()  # each captured call takes the next of the 24 copies
+        gemm[name] = graph_us(lambda ws=ws, xi=xi, out=out, turn=turn: torch.matmul(
+            xi, ws[next(turn) % LAYERS].t(), out=out), 4 * LAYERS, 20, "median")
     res["bf16_gemm_m32_us"] = gemm
     res["bf16_gemms_per_layer_us"] = sum(gemm.values())
     for key, v in res.items():

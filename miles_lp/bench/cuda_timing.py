@@ -1,4 +1,5 @@
-"""One CUDA timing for the device scripts: events around one call, the median over calls."""
+"""CUDA timings for the benches and device scripts: events around one call (the median over calls), and a call
+captured many times in one CUDA graph (device time alone)."""
 
 from __future__ import annotations
 
@@ -23,3 +24,32 @@ def median_us(fn, iters: int = 20, warmup: int = 3) -> float:
         b.synchronize()
         ts.append(a.elapsed_time(b) * 1e3)
     return statistics.median(ts)
+
+
+def graph_us(fn, calls: int, replays: int, stat: str = "best") -> float:
+    """Microseconds per call of ``fn`` captured ``calls`` times in one CUDA graph: the best (``stat="best"``) or the
+    median (``"median"``) of ``replays`` replays."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    del g
+    return min(times) if stat == "best" else statistics.median(times)

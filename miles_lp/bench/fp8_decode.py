@@ -53,30 +53,9 @@ def add_arguments(p) -> None:
 
 def _graph_time(fn, calls: int, replays: int) -> float:
     """Microseconds per call of ``fn`` captured ``calls`` times in one CUDA graph, best of ``replays`` replays."""
-    import torch
+    from miles_lp.bench.cuda_timing import graph_us
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / calls)
-    del g
-    return best
+    return graph_us(fn, calls, replays, "best")
 
 
 def run(args) -> int:

@@ -244,6 +244,19 @@ def _graph_row(ql, x, dy, lin, g_bf16, timer, warmup, iters, shape, mode) -> dic
                 pipelined_ms=pipe, pipelined_bf16_ms=pipe_bf16, ratio_pipelined=pipe / pipe_bf16)
 
 
+def _pipelined_ms(fn, calls: int) -> float:
+    """Milliseconds per call of ``calls`` calls issued back to back (the host runs ahead of the GPU)."""
+    import torch
+
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(calls):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / calls
+
+
 def _back_to_back(fns, calls: int = 20, rounds: int = 3) -> list[float]:
     """Per ``fn``, the ms per call of ``calls`` calls issued back to back (the host runs ahead of the GPU, as in a
     stack of layers: what is left is the device time and the gaps between replays), the median of ``rounds``
@@ -256,13 +269,7 @@ def _back_to_back(fns, calls: int = 20, rounds: int = 3) -> list[float]:
         for t, fn in zip(out, fns, strict=True):
             fn()
             torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(calls):
-                fn()
-            b.record()
-            torch.cuda.synchronize()
-            t.append(a.elapsed_time(b) / calls)
+            t.append(_pipelined_ms(fn, calls))
     return [sorted(t)[len(t) // 2] for t in out]
 
 
@@ -441,13 +448,7 @@ def profile_step(fn, dev, calls: int = 20) -> dict:
         b.record()
         torch.cuda.synchronize()
         iso.append(a.elapsed_time(b))
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(calls):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    pipelined = a.elapsed_time(b) / calls
+    pipelined = _pipelined_ms(fn, calls)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode(1)

@@ -32,7 +32,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 @gluon.jit
 def _scale(amax, VALUE_FOR_INF: gl.constexpr, POW2: gl.constexpr):
     """TE compute_scale_from_amax (amax_epsilon 0): 448 / amax; inf -> the input dtype's max; amax inf or 0 -> 1;
-    POW2: the scale's bits & 0xFF800000."""
+    POW2: the scale's bits & 0xFF800000. (``_fp8_block_triton._scale`` restated: a Gluon kernel cannot call a
+    ``triton.jit`` function; the selfcheck holds the two to the same bytes.)"""
     s = gl.div_rn(gl.zeros_like(amax) + 448.0, amax)
     s = gl.where(s == float("inf"), VALUE_FOR_INF, s)
     s = gl.where((amax == float("inf")) | (amax == 0.0), 1.0, s)
