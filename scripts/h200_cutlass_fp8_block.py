@@ -6,7 +6,8 @@ Why: the fp8_block targets are set by the three GEMMs (cuBLAS's block-scaled ker
 128x128 at ~0.59x bf16's time, the wgrad 1x128 x 1x128 at ~0.8x). Three kernels of our own were slower than cuBLAS.
 ``scripts/cutlass_fp8_block/gemm.cu`` instantiates CUTLASS's kernel for both forms (built with nvcc for sm_90a on
 the development machine, loaded here with ctypes). For each form and shape: the result against cuBLAS's and against
-the emulation (fp32 dequantize, one GEMM), then both timed (CUDA events, median of 20 after 3) -> DIR/cutlass.json.
+the emulation (fp32 dequantize, one GEMM), then both timed (CUDA events, median of 20 after 3, each call from an idle GPU: host launch included; and
+``graph_us``: 10 calls in one CUDA graph, the device time alone) -> DIR/cutlass.json.
 Each shape runs in a subprocess with a time limit, so that a faulting kernel leaves the rest.
 """
 
@@ -35,7 +36,7 @@ def _rel(a, b) -> float:
 def one(lib_path: str, m: int, n: int, k: int) -> dict:
     import torch
 
-    from miles_lp.bench.cuda_timing import median_us
+    from miles_lp.bench.cuda_timing import graph_us, median_us
     from miles_lp.formats.fp8 import dequantize_fp8_blockwise
     from miles_lp.formats.kernels import fp8_block as k8
     from miles_lp.train import fp8_block_gemm as G
@@ -57,14 +58,17 @@ def one(lib_path: str, m: int, n: int, k: int) -> dict:
     ops = G.WeightOperands(wq, wt, st)
     res: dict = {"shape": f"{m}x{n}x{k}"}
 
+    def graphed(fn) -> float:  # device time without the host: 10 calls in one graph, median of 10 replays
+        return graph_us(fn, calls=10, replays=10, stat="median")
+
     def call(form, a, sa, b, sb, gm, gn, gk):
         ws = torch.empty(max(1, getattr(lib, f"mlp_fp8_block_ws_{form}")(gm, gn, gk)), dtype=torch.uint8, device=dev)
         d = torch.empty(gm, gn, dtype=torch.bfloat16, device=dev)
-        stream = torch.cuda.current_stream().cuda_stream
 
-        def run():
+        def run():  # the stream read at each call: under graph capture it is the capturing one
             rc = getattr(lib, f"mlp_fp8_block_gemm_{form}")(a.data_ptr(), b.data_ptr(), sa.data_ptr(), sb.data_ptr(),
-                                                           d.data_ptr(), gm, gn, gk, ws.data_ptr(), stream)
+                                                           d.data_ptr(), gm, gn, gk, ws.data_ptr(),
+                                                           torch.cuda.current_stream().cuda_stream)
             if rc:
                 raise RuntimeError(f"CUTLASS {form} returned {rc}")
         return d, run
@@ -75,25 +79,30 @@ def one(lib_path: str, m: int, n: int, k: int) -> dict:
     xdq = (xr.data.float().view(mp, k // 128, 128) * xr.scale_inv.float().reshape(mp, k // 128, 1)).view(mp, k)
     wdq = dequantize_fp8_blockwise(wq.data, wq.scale_inv, (128, 128), torch.float32)
     y_ref = xdq[:m] @ wdq.t()
-    res["fwd"] = {"rel_cublas_vs_emulation": _rel(y_b, y_ref), "cublas_us": median_us(lambda: G.forward_mm(xr, ops))}
+    res["fwd"] = {"rel_cublas_vs_emulation": _rel(y_b, y_ref), "cublas_us": median_us(lambda: G.forward_mm(xr, ops)),
+                  "cublas_graph_us": graphed(lambda: G.forward_mm(xr, ops))}
     for form in FWD:
         y_c, run_f = call(form, xr.data, xr.scale_inv.t(), wq.data, wq.scale_inv.contiguous(), mp, n, k)
         run_f()
         torch.cuda.synchronize()
-        res["fwd"][form] = {"rel_vs_emulation": _rel(y_c[:m], y_ref), "us": median_us(run_f)}
+        res["fwd"][form] = {"rel_vs_emulation": _rel(y_c[:m], y_ref), "us": median_us(run_f),
+                            "graph_us": graphed(run_f)}
     # wgrad form: dw [N, K] = dy cols [N, MP] (scales [MP/128, N]) x x cols [K, MP] (scales [MP/128, K])
     gcs, xcs = gc.scale_inv.t(), xc.scale_inv.t()  # the stored [MP/128, N] / [MP/128, K]
     d_b = G.wgrad_mm(gc, xc)
     gdq = (gc.data.float().view(n, mp // 128, 128) * gcs.float().t().reshape(n, mp // 128, 1)).view(n, mp)
     xcdq = (xc.data.float().view(k, mp // 128, 128) * xcs.float().t().reshape(k, mp // 128, 1)).view(k, mp)
     d_ref = gdq @ xcdq.t()
-    res["wgrad"] = {"rel_cublas_vs_emulation": _rel(d_b, d_ref), "cublas_us": median_us(lambda: G.wgrad_mm(gc, xc))}
+    res["wgrad"] = {"rel_cublas_vs_emulation": _rel(d_b, d_ref), "cublas_us": median_us(lambda: G.wgrad_mm(gc, xc)),
+                    "cublas_graph_us": graphed(lambda: G.wgrad_mm(gc, xc))}
     for form in WGRAD:
         d_c, run_w = call(form, gc.data, gcs, xc.data, xcs, n, k, mp)
         run_w()
         torch.cuda.synchronize()
-        res["wgrad"][form] = {"rel_vs_emulation": _rel(d_c, d_ref), "us": median_us(run_w)}
+        res["wgrad"][form] = {"rel_vs_emulation": _rel(d_c, d_ref), "us": median_us(run_w),
+                              "graph_us": graphed(run_w)}
     res["bf16_us"] = median_us(lambda: x @ w.t())
+    res["bf16_graph_us"] = graphed(lambda: x @ w.t())
     return res
 
 

@@ -49,6 +49,11 @@ def test_graphed_row_prints_its_back_to_back_times_and_parses_back():
     assert len(got) == 1 and got[0]["kernel"] == "graphed" and got[0]["ratio_cached"] == 0.95
     older = {k: v for k, v in row.items() if "pipelined" not in k}  # rows written before the column existed
     assert "back to back" not in format_table([older])
+    cached = dict(row, ms_cached=0.3, ratio_cached=0.81, pipelined_cached_ms=0.21, ratio_pipelined_cached=0.7)
+    line = format_table([cached]).splitlines()[-1]
+    assert "back to back 0.80x, 0.240 / cached 0.70x, 0.210 vs 0.300 ms" in line
+    got = parse_table(line)
+    assert got[0]["ms_cached"] == 0.3 and got[0]["ratio_cached"] == 0.81 and got[0]["ratio_fresh"] == 0.95
 
 
 def _token_parse(text: str) -> list[tuple]:
