@@ -108,3 +108,16 @@ def test_quant_linear_native_vs_emulated(mode, operands, monkeypatch):
     assert torch.equal(q_n.scale_inv, q_e.scale_inv)
     tol = 1e-2  # bf16 outputs of the two paths (one bf16 rounding each) on top of REL_TOL
     assert _rel(y_n, y_e) < tol and _rel(dx_n, dx_e) < tol and _rel(dw_n, dw_e) < tol
+
+
+def test_bench_linear_graphs_replay_the_eager_bytes_fresh_and_cached():
+    """``bench linear --graph``'s two graphs per mode: the fresh one quantizes the weight in every replay, the cached
+    one was captured with the grid built. Each replay's output and gradients are bit-equal to an eager step's."""
+    _need_hopper()
+    from miles_lp.bench import linear as BL
+
+    rows = BL.bench([(1024, 1024, 2048)], modes=[("fp8_block", "quantized")], kernels=["compiled"], graph=True,
+                    warmup=2, iters=5)
+    (g,) = [r for r in rows if r["kernel"] == "graphed"]
+    assert g["identical"] is True
+    assert 0 < g["ms_cached"] and 0 < g["ms_fresh"] and 0 < g["pipelined_cached_ms"]
