@@ -6,8 +6,9 @@ Why: the fp8_block targets are set by the three GEMMs (cuBLAS's block-scaled ker
 128x128 at ~0.59x bf16's time, the wgrad 1x128 x 1x128 at ~0.8x). Three kernels of our own were slower than cuBLAS.
 ``scripts/cutlass_fp8_block/gemm.cu`` instantiates CUTLASS's kernel for both forms (built with nvcc for sm_90a on
 the development machine, loaded here with ctypes). For each form and shape: the result against cuBLAS's and against
-the emulation (fp32 dequantize, one GEMM), then both timed (CUDA events, median of 20 after 3, each call from an idle GPU: host launch included; and
-``graph_us``: 10 calls in one CUDA graph, the device time alone) -> DIR/cutlass.json.
+the emulation (fp32 dequantize, one GEMM), then both timed two ways -> DIR/cutlass.json: CUDA events around one
+call from an idle GPU (median of 20 after 3; the host launch included) and ``graph_us`` (10 calls in one CUDA
+graph; the device time alone).
 Each shape runs in a subprocess with a time limit, so that a faulting kernel leaves the rest.
 """
 
