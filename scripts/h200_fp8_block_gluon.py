@@ -39,7 +39,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from miles_lp.bench.cuda_timing import median_us
+from miles_lp.bench.cuda_timing import host_us, median_us
 
 #: (BLOCK_M, BLOCK_N, warps, STAGES): sm_90 compiles of each without spills (128 x 128 at 8 warps and 4 stages
 #: spills 8 bytes; ``tests/unit/test_fp8_block_gluon_compile.py``)
@@ -390,19 +390,6 @@ def shape_row(m: int, n: int, k: int, plans) -> dict:
         row[f"fwd gluon {plan}"] = median_us(fn)
         row[f"fwd gluon {plan} diff"] = bm.rel_err(fn()[:m], fref)
     return row
-
-
-def host_us(fn, calls: int = 50) -> float:
-    """Host time per call of ``fn`` (launch path only; the GPU runs behind, synchronised after)."""
-    import torch
-
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    dt = (time.perf_counter() - t) / calls * 1e6
-    torch.cuda.synchronize()
-    return dt
 
 
 def _hung(out: Path, res: dict, plan) -> None:

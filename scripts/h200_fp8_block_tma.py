@@ -26,18 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from miles_lp.bench.cuda_timing import host_us  # noqa: E402
 from miles_lp.formats.kernels import fp8_block as k8  # noqa: E402
-
-
-def _host_us(fn, n: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    return host
 
 
 def probe(out: str) -> dict:
@@ -82,7 +72,7 @@ def probe(out: str) -> dict:
         for name, (cfg, fn, nbytes) in cases.items():
             try:
                 us = A.timed(run(cfg, fn), 20)
-                host = _host_us(run(cfg, fn))
+                host = host_us(run(cfg, fn))
             except Exception as exc:
                 print(f"  {name:24s} FAILED {exc!r}"[:300], flush=True)
                 rows[name] = {"error": repr(exc)[:300]}

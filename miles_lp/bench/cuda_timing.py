@@ -1,9 +1,10 @@
-"""CUDA timings for the benches and device scripts: events around one call (the median over calls), and a call
-captured many times in one CUDA graph (device time alone)."""
+"""CUDA timings for the benches and device scripts: events around one call (the median over calls), a call
+captured many times in one CUDA graph (device time alone), and the host's time per call issued back to back."""
 
 from __future__ import annotations
 
 import statistics
+import time
 
 
 def median_us(fn, iters: int = 20, warmup: int = 3) -> float:
@@ -53,3 +54,18 @@ def graph_us(fn, calls: int, replays: int, stat: str = "best") -> float:
         times.append(a.elapsed_time(b) * 1e3 / calls)
     del g
     return min(times) if stat == "best" else statistics.median(times)
+
+
+def host_us(fn, calls: int = 50) -> float:
+    """Host microseconds per call of ``fn`` issued back to back after one warm-up call (the launch path only: the GPU
+    runs behind and is waited for after the clock stops)."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    dt = (time.perf_counter() - t) / calls * 1e6
+    torch.cuda.synchronize()
+    return dt
